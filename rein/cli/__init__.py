@@ -1,0 +1,1 @@
+"""The `rein` command line: one console script, one module per subcommand."""

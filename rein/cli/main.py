@@ -1,0 +1,46 @@
+"""Entry point of the `rein` console script.
+
+Each subcommand lives in its own module under rein/cli/ exposing
+`register(subparsers)`, which adds its parser and sets `func` to a callable taking the
+parsed args and returning an exit code. Modules are imported lazily by name so that
+`rein --help` does not import torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+SUBCOMMANDS = {
+    "make-tiny-model": "rein.cli.make_tiny_model",
+    "run-batch": "rein.cli.run_batch",
+    "generate": "rein.cli.generate",
+    "estimate": "rein.cli.estimate",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rein", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    subparsers.required = True
+    for module_name in SUBCOMMANDS.values():
+        importlib.import_module(module_name).register(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

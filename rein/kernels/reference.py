@@ -1,0 +1,157 @@
+"""Plain-torch reference of every attention kernel: the specification, and the CPU path.
+
+Cache layout (one tensor pair per layer):
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale, v_scale: [num_blocks, block_size, num_kv_heads] float32, only for int8 caches
+A token at slot s lives at block s // block_size, offset s % block_size. A slot of -1 is
+padding and is never written.
+
+The Triton kernels in this package compute exactly these functions on CUDA; the tests in
+tests/kernels compare the two.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127.0
+
+
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8 per (token, kv head): x [T, H, D] -> (q int8 [T, H, D], scale fp32 [T, H])."""
+    absmax = x.float().abs().amax(dim=-1)
+    scale = (absmax / INT8_MAX).clamp(min=1e-8)
+    q = torch.round(x.float() / scale.unsqueeze(-1)).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scale
+
+
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Write key/value [T, kv_heads, head_dim] into the paged cache at slot_mapping [T]."""
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    slots = slot_mapping.long()
+    num_kv_heads, head_dim = k_cache.shape[-2], k_cache.shape[-1]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    if k_cache.dtype == torch.int8:
+        if k_scale is None or v_scale is None:
+            raise ValueError("an int8 KV cache needs k_scale and v_scale tensors")
+        kq, ks = quantize_int8(key)
+        vq, vs = quantize_int8(value)
+        k_flat[slots] = kq
+        v_flat[slots] = vq
+        k_scale.view(-1, num_kv_heads)[slots] = ks
+        v_scale.view(-1, num_kv_heads)[slots] = vs
+    else:
+        k_flat[slots] = key.to(k_cache.dtype)
+        v_flat[slots] = value.to(v_cache.dtype)
+
+
+def gather_kv(
+    cache: torch.Tensor,
+    scale: torch.Tensor | None,
+    block_table: torch.Tensor,
+    length: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The first `length` tokens of one request's K or V, contiguous: [length, kv_heads, head_dim]."""
+    num_blocks = (length + cache.shape[1] - 1) // cache.shape[1]
+    blocks = block_table[:num_blocks].long()
+    out = cache[blocks].flatten(0, 1)[:length]
+    if scale is not None:
+        s = scale[blocks].flatten(0, 1)[:length]
+        return out.to(dtype) * s.unsqueeze(-1).to(dtype)
+    return out.to(dtype)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One query token per request against its cached context.
+
+    query [B, num_heads, head_dim]; block_tables [B, max_blocks] (entries past a request's
+    blocks are ignored); context_lens [B] = tokens in the cache for that request, the
+    query's own token included. Returns [B, num_heads, head_dim].
+    """
+    batch, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    max_len = int(context_lens.max())
+    num_blocks = (max_len + block_size - 1) // block_size
+    tables = block_tables[:, :num_blocks].long().clamp(min=0)
+    # [B, blocks, block_size, kvh, d] -> [B, kvh, L, d]
+    keys = k_cache[tables].flatten(1, 2)[:, :max_len]
+    values = v_cache[tables].flatten(1, 2)[:, :max_len]
+    if k_scale is not None:
+        keys = keys.to(query.dtype) * k_scale[tables].flatten(1, 2)[:, :max_len].unsqueeze(-1).to(query.dtype)
+        values = values.to(query.dtype) * v_scale[tables].flatten(1, 2)[:, :max_len].unsqueeze(-1).to(query.dtype)
+    keys = keys.to(query.dtype).transpose(1, 2)
+    values = values.to(query.dtype).transpose(1, 2)
+    group = num_heads // num_kv_heads
+    # Grouped-query attention without copying K/V per query head: [B, kvh, group, d].
+    q = query.view(batch, num_kv_heads, group, head_dim)
+    positions = torch.arange(max_len, device=query.device)
+    mask = positions.unsqueeze(0) < context_lens.to(query.device).unsqueeze(1)  # [B, L]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask[:, None, None, :], scale=scale
+    )
+    return out.reshape(batch, num_heads, head_dim)
+
+
+def paged_prefill_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """A chunk of query tokens per request, attending causally to its cache (prefix + chunk).
+
+    query [T, num_heads, head_dim] holds the requests' chunks back to back; request i owns
+    rows cu_seqlens_q[i]:cu_seqlens_q[i+1]. context_lens[i] counts its cached tokens with
+    the chunk included, so the chunk's positions are context_len - q_len .. context_len - 1.
+    Returns [T, num_heads, head_dim].
+    """
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query)
+    starts = cu_seqlens_q.tolist()
+    lengths = context_lens.tolist()
+    for i, ctx in enumerate(lengths):
+        q0, q1 = starts[i], starts[i + 1]
+        q_len = q1 - q0
+        if q_len == 0:
+            continue
+        ks = k_scale if k_scale is not None else None
+        vs = v_scale if v_scale is not None else None
+        keys = gather_kv(k_cache, ks, block_tables[i], ctx, query.dtype)  # [L, kvh, d]
+        values = gather_kv(v_cache, vs, block_tables[i], ctx, query.dtype)
+        q = query[q0:q1].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
+        k = keys.transpose(0, 1).unsqueeze(1)  # [kvh, 1, L, d]
+        v = values.transpose(0, 1).unsqueeze(1)
+        q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
+        k_pos = torch.arange(ctx, device=query.device)
+        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, L]
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        out[q0:q1] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+    return out
