@@ -1,0 +1,103 @@
+"""The engine's one configuration object: capacity, budgets, dtype and device.
+
+Everything that sizes or shapes the engine is decided here and validated in
+`__post_init__`; nothing deeper reads the environment or re-derives these values.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
+          "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,
+          "gib": 1024**3, "tib": 1024**4}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'24GiB' -> 25769803776; plain integers are bytes. Raises ValueError naming the input."""
+    if isinstance(text, int):
+        return text
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"cannot read {text!r} as a size: use a number of bytes or a unit such as 512MiB, 24GiB, 8GB"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is fp32 on CPU (exact, testable) and bf16 on CUDA."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}: use auto, float32, float16 or bfloat16") from None
+
+
+@dataclass
+class EngineConfig:
+    """How big the engine is and where it runs.
+
+    kv_cache_memory: bytes for the KV block pool (int or '4GiB'); when None,
+    gpu_memory_utilization (a share of the device's free memory after the weights) sizes
+    it on CUDA, and a fixed 1 GiB default is used on CPU.
+    """
+
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    kv_cache_memory: int | str | None = None
+    gpu_memory_utilization: float = 0.9
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(
+                f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: use one of {', '.join(KV_CACHE_DTYPES)}"
+            )
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.kv_cache_memory is not None:
+            self.kv_cache_memory = parse_bytes(self.kv_cache_memory)
+            if self.kv_cache_memory <= 0:
+                raise ValueError("kv_cache_memory must be positive")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
+            )
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return resolve_dtype(self.dtype, self.torch_device)
+
+    @property
+    def cache_torch_dtype(self) -> torch.dtype:
+        if self.kv_cache_dtype == "int8":
+            return torch.int8
+        return resolve_dtype(self.kv_cache_dtype, self.torch_device) if self.kv_cache_dtype != "auto" \
+            else self.torch_dtype

@@ -1,0 +1,251 @@
+"""The engine's front door and step loop: add_request / abort / step.
+
+Each step: the scheduler picks requests and token counts, the model runner runs one
+forward pass, the sampler picks the next token of every request that finished its
+prompt, the detokenizer turns it into a text delta, and stop conditions end requests
+(their blocks go back to the pool at once). The engine knows nothing of queues,
+databases or Celery; a caller drives `step()` (directly, or through `EngineRunner`).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoTokenizer
+
+from rein.engine.block_pool import BlockPool
+from rein.engine.config import EngineConfig
+from rein.engine.detokenizer import IncrementalDetokenizer
+from rein.engine.errors import ContextLengthExceeded, EngineRequestError
+from rein.engine.loader import resolve_model_dir
+from rein.engine.model_runner import ModelRunner
+from rein.engine.model_spec import ModelSpec
+from rein.engine.outputs import RequestOutput, TokenLogprob
+from rein.engine.request import Request, RequestStatus
+from rein.engine.sampler import Sampler, SamplingBatch, make_generator
+from rein.engine.sampling_params import SamplingParams
+from rein.engine.scheduler import Scheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class EngineStats:
+    """Running totals, for benchmarks, logs and (later) metrics."""
+
+    steps: int = 0
+    step_seconds: float = 0.0
+    forward_seconds: float = 0.0
+    prompt_tokens: int = 0          # prompt tokens computed (recomputes included)
+    generation_tokens: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    peak_kv_utilization: float = 0.0   # max over steps of tokens stored / slots allocated
+    peak_kv_usage: float = 0.0         # max share of blocks in use
+    last_step_seconds: float = 0.0
+    last_batch_size: int = 0
+
+    @property
+    def overhead_share(self) -> float:
+        """Share of step time spent outside the model forward (scheduling, sampling, text)."""
+        return 1.0 - self.forward_seconds / self.step_seconds if self.step_seconds else 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_dir = resolve_model_dir(config.model)
+        self.spec = ModelSpec.from_dir(self.model_dir)
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
+        self.runner = ModelRunner(config, self.model_dir, self.spec)
+        self.max_model_len = self.runner.max_model_len
+        self.pool = BlockPool(self.runner.capacity.num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (
+            {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        self.stats = EngineStats()
+        self._seeds = random.Random(config.seed)
+        self._aborted: list[Request] = []
+
+    # -- requests --------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: list[int] | str, params: SamplingParams | None = None,
+                    priority: int = 0) -> Request:
+        """Queue a request; raises EngineRequestError (e.g. ContextLengthExceeded) if it cannot run."""
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise EngineRequestError(f"request id {request_id!r} is already in the engine", param="request_id")
+        token_ids = self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) \
+            else list(prompt)
+        if not token_ids:
+            raise EngineRequestError("the prompt is empty: give at least one token", param="prompt")
+        vocab = self.spec.vocab_size
+        bad = next((t for t in token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise EngineRequestError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
+                                     param="prompt")
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise ContextLengthExceeded(self.max_model_len, len(token_ids), params.max_tokens)
+        request = Request(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            sampling_params=params,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            priority=priority,
+        )
+        request.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+            request.generator = make_generator(seed, self.runner.device)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, request_id: str) -> bool:
+        """End a request now; its blocks are freed and its last output says `abort`."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished:
+            return False
+        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        self._aborted.append(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._aborted)
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    # -- the step --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
+        outputs = [self._final_output(r) for r in self._aborted]
+        for request in self._aborted:
+            self.requests.pop(request.request_id, None)
+        self._aborted = []
+
+        plan = self.scheduler.schedule()
+        self.stats.preemptions += len(plan.preempted)
+        if plan.is_empty:
+            return outputs
+        forward_start = time.perf_counter()
+        result = self.runner.execute(plan.scheduled)
+        forward_seconds = time.perf_counter() - forward_start
+
+        for s in plan.scheduled:
+            s.request.num_computed_tokens = s.end
+            self.stats.prompt_tokens += max(0, min(s.end, s.request.num_prompt_tokens) - s.start)
+        self._record_kv_utilization()
+        if result.sampling:
+            outputs.extend(self._sample_and_update(result.logits, result.sampling))
+
+        elapsed = time.perf_counter() - started
+        self.stats.steps += 1
+        self.stats.step_seconds += elapsed
+        self.stats.forward_seconds += forward_seconds
+        self.stats.last_step_seconds = elapsed
+        self.stats.last_batch_size = len(plan.scheduled)
+        return outputs
+
+    def _sample_and_update(self, logits: torch.Tensor, sampling: list[Request]) -> list[RequestOutput]:
+        batch = SamplingBatch(
+            params=[r.sampling_params for r in sampling],
+            generators=[r.generator for r in sampling],
+            prompt_token_ids=[r.prompt_token_ids for r in sampling],
+            output_token_ids=[r.output_token_ids for r in sampling],
+        )
+        sampled = self.sampler(logits, batch)
+        now = time.monotonic()
+        outputs = []
+        for row, request in enumerate(sampling):
+            token = sampled.token_ids[row]
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.stats.generation_tokens += 1
+            logprob = None
+            if request.sampling_params.logprobs is not None and sampled.logprobs is not None:
+                top = sampled.top_logprobs[row] if sampled.top_logprobs else []
+                logprob = [TokenLogprob(token, sampled.logprobs[row], top)]
+            delta = request.detokenizer.add_token(token)
+            status = self._stop_status(request, token)
+            if status is not None:
+                if not request.detokenizer.stopped:
+                    delta += request.detokenizer.finish()  # release text held back for a stop string
+                self.scheduler.finish(request, status)
+                self.requests.pop(request.request_id, None)
+                self.stats.finished += 1
+            outputs.append(RequestOutput(
+                request_id=request.request_id,
+                new_token_ids=[token],
+                text_delta=delta,
+                finished=status is not None,
+                finish_reason=request.finish_reason,
+                stop_reason=request.stop_reason,
+                num_prompt_tokens=request.num_prompt_tokens,
+                num_output_tokens=request.num_output_tokens,
+                logprobs=logprob,
+            ))
+        return outputs
+
+    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.detokenizer.stopped:
+            request.stop_reason = request.detokenizer.stop_string
+            return RequestStatus.FINISHED_STOPPED
+        if token in request.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        if token in params.stop_token_ids:
+            request.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _final_output(self, request: Request) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id, new_token_ids=[], text_delta="", finished=True,
+            finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens)
+
+    def _record_kv_utilization(self) -> None:
+        # Tokens whose K/V sit in the cache after this step's forward, against the slots the
+        # running requests' blocks provide: only the last, partly filled block is wasted.
+        running = self.scheduler.running
+        if not running:
+            return
+        slots = sum(len(r.block_ids) for r in running) * self.pool.block_size
+        tokens = sum(r.num_computed_tokens for r in running)
+        if slots:
+            self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization, tokens / slots)
+        self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, self.pool.usage)
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise EngineRequestError("this model's tokenizer has no chat template; use /v1/completions",
+                                     param="messages")
+        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+
+    def text(self, request_id: str) -> str:
+        return self.requests[request_id].detokenizer.text
+
+    @classmethod
+    def from_model(cls, model: str | Path, **overrides) -> LLMEngine:
+        return cls(EngineConfig(model=str(model), **overrides))

@@ -1,0 +1,159 @@
+"""Owns the device side of the engine: the model weights, the paged KV cache tensors, and
+turning a scheduled step into one forward pass.
+
+The scheduler hands over requests and how many of their tokens to compute; this module
+lays them out (decodes first, then prefill chunks), computes positions and cache slots
+from the block tables, runs the model, and returns logits only for the requests that
+sample a token this step.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rein.engine.attention import AttentionMetadata, LayerCache
+from rein.engine.capacity import KVCapacity, kv_capacity
+from rein.engine.config import EngineConfig
+from rein.engine.loader import load_model
+from rein.engine.model_spec import ModelSpec
+from rein.engine.request import Request
+from rein.engine.scheduler import ScheduledRequest
+
+log = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_MEMORY = 1024**3
+
+
+class CapacityError(ValueError):
+    """The KV cache cannot hold what the configuration asks for."""
+
+
+@dataclass
+class StepResult:
+    logits: torch.Tensor               # [num_sampling, vocab], float32
+    sampling: list[Request]            # the requests those rows belong to, in order
+
+
+def decide_max_model_len(spec: ModelSpec, requested: int | None) -> int:
+    limit = spec.max_position_embeddings
+    if spec.sliding_window is not None and spec.sliding_window < limit:
+        # Attention inside the window is exact; beyond it rein would need windowed
+        # attention, so contexts are kept within the window.
+        log.warning("model uses a sliding window of %d tokens: max_model_len capped to it", spec.sliding_window)
+        limit = spec.sliding_window
+    if requested is None:
+        return limit
+    if requested > limit:
+        raise CapacityError(
+            f"max_model_len {requested} is larger than the model supports ({limit} positions); "
+            f"use --max-model-len {limit} or less")
+    return requested
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path, spec: ModelSpec) -> None:
+        self.config = config
+        self.spec = spec
+        self.device = config.torch_device
+        self.dtype = config.torch_dtype
+        self.cache_dtype = config.cache_torch_dtype
+        self.block_size = config.block_size
+        self.max_model_len = decide_max_model_len(spec, config.max_model_len)
+        self.model = load_model(model_dir, spec, self.max_model_len, self.dtype, self.device)
+        self.capacity = self._size_cache()
+        if self.capacity.num_tokens < self.max_model_len:
+            raise CapacityError(
+                f"the KV cache holds {self.capacity.num_tokens} tokens, fewer than max_model_len "
+                f"{self.max_model_len}: give it more memory (kv_cache_memory / gpu_memory_utilization) "
+                f"or lower max_model_len")
+        self.caches = self._allocate_cache(self.capacity.num_blocks)
+        log.info("%s", self.capacity.describe())
+
+    def _size_cache(self) -> KVCapacity:
+        memory = self.config.kv_cache_memory
+        if memory is None:
+            if self.device.type == "cuda":
+                free, total = torch.cuda.mem_get_info(self.device)
+                # Leave (1 - utilization) of the whole device for activations and others.
+                memory = int(free - total * (1.0 - self.config.gpu_memory_utilization))
+            else:
+                memory = CPU_DEFAULT_KV_MEMORY
+        if memory <= 0:
+            raise CapacityError("no device memory is left for the KV cache after loading the weights")
+        return kv_capacity(self.spec, int(memory), self.cache_dtype, self.block_size, self.max_model_len)
+
+    def _allocate_cache(self, num_blocks: int) -> list[LayerCache]:
+        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+        caches = []
+        for _ in range(self.spec.num_layers):
+            k = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+            v = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
+            if self.cache_dtype == torch.int8:
+                scale_shape = shape[:3]
+                caches.append(LayerCache(k, v, torch.zeros(scale_shape, dtype=torch.float32, device=self.device),
+                                         torch.zeros(scale_shape, dtype=torch.float32, device=self.device)))
+            else:
+                caches.append(LayerCache(k, v))
+        return caches
+
+    @torch.inference_mode()
+    def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
+        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        ordered = decodes + prefills
+        bs = self.block_size
+
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[Request] = []
+        for s in ordered:
+            request, start, end = s.request, s.start, s.end
+            blocks = request.block_ids
+            if end - start == 1:
+                input_ids.append(request.token_at(start))
+                positions.append(start)
+                slots.append(blocks[start // bs] * bs + start % bs)
+            else:
+                input_ids.extend(request.tokens(start, end))
+                span = range(start, end)
+                positions.extend(span)
+                slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+            if s.samples:
+                sample_rows.append(len(input_ids) - 1)
+                sampling.append(request)
+
+        meta = AttentionMetadata(
+            slot_mapping=self._tensor(slots, torch.int64),
+            num_decode_tokens=len(decodes),
+            decode_block_tables=self._block_tables(decodes) if decodes else None,
+            decode_context_lens=self._tensor([s.end for s in decodes], torch.int32) if decodes else None,
+            prefill_block_tables=self._block_tables(prefills) if prefills else None,
+            prefill_cu_seqlens_q=self._cu_seqlens(prefills) if prefills else None,
+            prefill_context_lens=self._tensor([s.end for s in prefills], torch.int32) if prefills else None,
+        )
+        hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
+                            self.caches, meta)
+        if not sample_rows:
+            return StepResult(hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32), [])
+        logits = self.model.compute_logits(hidden[self._tensor(sample_rows, torch.int64)])
+        return StepResult(logits.float(), sampling)
+
+    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+
+    def _block_tables(self, group: list[ScheduledRequest]) -> torch.Tensor:
+        width = max(len(s.request.block_ids) for s in group)
+        rows = [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in group]
+        return self._tensor(rows, torch.int32)
+
+    def _cu_seqlens(self, group: list[ScheduledRequest]) -> torch.Tensor:
+        offsets = [0]
+        for s in group:
+            offsets.append(offsets[-1] + s.num_new_tokens)
+        return self._tensor(offsets, torch.int32)

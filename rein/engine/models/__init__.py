@@ -1,0 +1,1 @@
+"""Native model implementations the engine runs (the Llama family)."""

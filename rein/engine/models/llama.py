@@ -1,0 +1,166 @@
+"""The Llama family as one native model: Llama (incl. llama3 rope), Mistral, Qwen2, Qwen3.
+
+The variants differ only in switches read from the ModelSpec: qkv bias (Qwen2), per-head
+q/k RMSNorm (Qwen3), tied embeddings, rope scaling. Tokens of all requests in a step
+are flattened into one [T, hidden] batch; only attention looks at request boundaries
+(through the paged cache), so every projection is one matmul for the whole step.
+Q, K and V (and gate and up) are fused into one weight at load time for the same reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from rein.engine.attention import AttentionMetadata, LayerCache, paged_attention
+from rein.engine.model_spec import ModelSpec
+from rein.engine.models.rope import RotaryEmbedding
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, spec: ModelSpec, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.q_size = spec.num_heads * spec.head_dim
+        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.scale = spec.head_dim**-0.5
+        self.qkv_proj = nn.Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
+        self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
+        self.rope = rope
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        out = paged_attention(q, k, v, cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        if spec.hidden_act != "silu":
+            raise ValueError(f"activation {spec.hidden_act!r} is not supported (Llama-family models use silu)")
+        self.intermediate = spec.intermediate_size
+        self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(nn.functional.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, spec: ModelSpec, rope: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.self_attn = Attention(spec, rope)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.mlp = MLP(spec)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaFamilyModel(nn.Module):
+    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+        super().__init__()
+        self.spec = spec
+        rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
+        self.rope = rope
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(spec, rope) for _ in range(spec.num_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every token of the step."""
+        x = self.embed_tokens(input_ids)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, positions, cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(hidden, weight)
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def load_hf_weights(self, get: Callable[[str], torch.Tensor | None]) -> None:
+        """Copy Hugging Face named tensors in, fusing q/k/v and gate/up; every weight must be set.
+
+        `get(name)` returns the checkpoint tensor or None; tensors are fetched one at a
+        time so a large checkpoint is never held twice in memory.
+        """
+        spec = self.spec
+        own = self.state_dict()
+        expected = set(own.keys())
+        loaded: set[str] = set()
+
+        def put(name: str, value: torch.Tensor) -> None:
+            target = own[name]
+            if target.shape != value.shape:
+                raise ValueError(f"weight {name}: checkpoint shape {tuple(value.shape)} != model {tuple(target.shape)}")
+            with torch.no_grad():
+                target.copy_(value)
+            loaded.add(name)
+
+        def take(name: str) -> torch.Tensor:
+            tensor = get(name)
+            if tensor is None:
+                raise ValueError(f"checkpoint is missing weight {name}")
+            return tensor
+
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm.weight", take("model.norm.weight"))
+        if self.lm_head is not None:
+            put("lm_head.weight", take("lm_head.weight"))
+        for i in range(spec.num_layers):
+            src = f"model.layers.{i}."
+            dst = f"layers.{i}."
+            attn = src + "self_attn."
+            put(dst + "self_attn.qkv_proj.weight", torch.cat(
+                [take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")]))
+            if spec.attention_bias:
+                put(dst + "self_attn.qkv_proj.bias", torch.cat(
+                    [take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias")]))
+            put(dst + "self_attn.o_proj.weight", take(attn + "o_proj.weight"))
+            if spec.qk_norm:
+                put(dst + "self_attn.q_norm.weight", take(attn + "q_norm.weight"))
+                put(dst + "self_attn.k_norm.weight", take(attn + "k_norm.weight"))
+            put(dst + "mlp.gate_up_proj.weight", torch.cat(
+                [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")]))
+            put(dst + "mlp.down_proj.weight", take(src + "mlp.down_proj.weight"))
+            put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
+            put(dst + "post_attention_layernorm.weight", take(src + "post_attention_layernorm.weight"))
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"weights not found in the checkpoint: {', '.join(sorted(missing))}")

@@ -1,0 +1,27 @@
+"""What the engine hands back each step, per request: the new tokens and text delta, and
+on the last one the finish reason. Deltas concatenate to the final text exactly."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool = False
+    finish_reason: str | None = None          # stop | length | abort
+    stop_reason: str | int | None = None      # the stop string or stop token id that matched
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None
+    error: str | None = None                  # set when the engine failed this request

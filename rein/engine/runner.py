@@ -1,0 +1,178 @@
+"""A thread-safe front for the engine: one background thread owns it and steps it; any
+thread submits requests and reads each request's outputs from its own stream.
+
+The engine thread blocks on its command queue when idle (no polling), drains every
+pending command before each step (so requests join at every step), and hands each
+step's outputs to the streams. `stop()` aborts whatever is left and joins the thread
+promptly — a worker's warm shutdown depends on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from rein.engine.engine import LLMEngine
+from rein.engine.outputs import RequestOutput
+from rein.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+_STOP = object()
+
+
+class EngineStoppedError(RuntimeError):
+    """The engine is not running (stopped, or failed: the message says why)."""
+
+
+class RequestStream:
+    """Outputs of one request, in order; iteration ends after the finished output."""
+
+    def __init__(self, request_id: str, runner: EngineRunner) -> None:
+        self.request_id = request_id
+        self._runner = runner
+        self._queue: queue.Queue[RequestOutput | BaseException] = queue.Queue()
+
+    def _put(self, item: RequestOutput | BaseException) -> None:
+        self._queue.put(item)
+
+    def get(self, timeout: float | None = None) -> RequestOutput:
+        """The next output; raises queue.Empty after `timeout`, or the engine's error."""
+        item = self._queue.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def __iter__(self) -> Iterator[RequestOutput]:
+        while True:
+            output = self.get()
+            yield output
+            if output.finished:
+                return
+
+    def abort(self) -> None:
+        self._runner.abort(self.request_id)
+
+
+@dataclass
+class _Add:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    priority: int
+    stream: RequestStream
+    accepted: threading.Event
+    error: BaseException | None = None
+
+
+class EngineRunner:
+    def __init__(self, engine: LLMEngine, name: str = "rein-engine") -> None:
+        self.engine = engine
+        self._commands: queue.Queue[Any] = queue.Queue()
+        self._streams: dict[str, RequestStream] = {}
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._failure: BaseException | None = None
+        self._stopping = threading.Event()
+
+    def start(self) -> EngineRunner:
+        self._thread.start()
+        return self
+
+    def __enter__(self) -> EngineRunner:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, request_id: str, prompt: list[int] | str, params: SamplingParams | None = None,
+               priority: int = 0) -> RequestStream:
+        """Queue a request; validation errors (context length, ...) raise here, in the caller."""
+        if self._failure is not None:
+            raise EngineStoppedError(f"the engine failed: {self._failure!r}") from self._failure
+        if self._stopping.is_set() or not self._thread.is_alive():
+            raise EngineStoppedError("the engine runner is not running")
+        stream = RequestStream(request_id, self)
+        command = _Add(request_id, prompt, params or SamplingParams(), priority, stream, threading.Event())
+        self._commands.put(command)
+        while not command.accepted.wait(timeout=0.5):
+            if not self._thread.is_alive():
+                raise EngineStoppedError("the engine thread ended before taking the request")
+        if command.error is not None:
+            raise command.error
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Abort within one step; the stream then gets a final output with finish_reason 'abort'."""
+        self._commands.put(("abort", request_id))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Abort everything left, end the thread and wait for it."""
+        self._stopping.set()
+        self._commands.put(_STOP)
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
+
+    # -- engine thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        try:
+            while True:
+                block = not self.engine.has_unfinished()
+                if not self._drain(block):
+                    break
+                if self.engine.has_unfinished():
+                    self._deliver(self.engine.step())
+        except BaseException as exc:  # the engine is broken: tell every waiting stream
+            log.exception("engine thread failed")
+            self._failure = exc
+            for stream in self._streams.values():
+                stream._put(EngineStoppedError(f"the engine failed: {exc!r}"))
+            self._streams.clear()
+            return
+        # Stopped: abort what is left so every stream ends.
+        for request_id in list(self._streams):
+            self.engine.abort(request_id)
+        if self.engine.has_unfinished():
+            self._deliver(self.engine.step())
+        for stream in self._streams.values():
+            stream._put(EngineStoppedError("the engine stopped"))
+        self._streams.clear()
+
+    def _drain(self, block: bool) -> bool:
+        """Apply pending commands (waiting for one when idle); False once told to stop."""
+        while True:
+            try:
+                command = self._commands.get(block=block)
+            except queue.Empty:
+                return True
+            if command is _STOP:
+                return False
+            if isinstance(command, _Add):
+                try:
+                    self.engine.add_request(command.request_id, command.prompt, command.params,
+                                            command.priority)
+                    self._streams[command.request_id] = command.stream
+                except Exception as exc:  # validation error: the caller raises it
+                    command.error = exc
+                command.accepted.set()
+            else:
+                _, request_id = command
+                self.engine.abort(request_id)
+            block = False
+
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            stream = self._streams.get(output.request_id)
+            if stream is None:
+                continue
+            stream._put(output)
+            if output.finished:
+                del self._streams[output.request_id]

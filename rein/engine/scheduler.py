@@ -1,0 +1,154 @@
+"""Decides, every step, which requests run and how many of their tokens are computed.
+
+One rule for everything (as in vLLM v1): a request's `num_computed_tokens` catches up to
+its `num_tokens` under a per-step token budget. A new prompt is prefilled in chunks when
+it does not fit the budget, a decoding request asks for one token, and a preempted
+request simply starts again from zero computed tokens (recompute).
+
+Running requests are served first, oldest first; when the block pool runs dry, the
+newest running request is preempted (its blocks freed, sent back to the waiting queue)
+until the older one fits. Waiting requests join while the budget, `max_num_seqs` and the
+free blocks allow, ordered by priority (lower first) and then arrival.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from rein.engine.block_pool import BlockPool
+from rein.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    start: int              # first position computed this step (= num_computed_tokens)
+    num_new_tokens: int
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last token, so it yields a new one."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.pool = block_pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.running: list[Request] = []
+        self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap by (priority, arrival)
+        self._num_waiting = 0
+        self.num_preemptions = 0
+
+    # -- queue ---------------------------------------------------------------------------------
+
+    def add(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        heapq.heappush(self._waiting, (request.sort_key, request))
+        self._num_waiting += 1
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.running) or self._num_waiting > 0
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request (stop, length or abort): it leaves its queue and frees its blocks."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            # Left in the heap; skipped when it reaches the top.
+            self._num_waiting -= 1
+        request.status = status
+        self._release(request)
+
+    # -- the step --------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._grow(request, num_new, out):
+                break  # the request itself was preempted; everyone after it already was
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+            index += 1
+
+        # No newcomers in a step that had to preempt: they would be preempted next.
+        while (self._waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.max_num_seqs):
+            request = self._waiting[0][1]
+            if request.status.finished:
+                heapq.heappop(self._waiting)
+                continue
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            needed = self.pool.blocks_for(request.num_computed_tokens + num_new) - len(request.block_ids)
+            if needed > self.pool.num_free:
+                break
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            request.block_ids.extend(self.pool.allocate(needed))
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            budget -= num_new
+        return out
+
+    def _grow(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
+        """Give `request` blocks for `num_new` more tokens, preempting the newest running
+        requests as needed. False if `request` itself had to be preempted."""
+        needed = self.pool.blocks_for(request.num_computed_tokens + num_new) - len(request.block_ids)
+        while needed > self.pool.num_free:
+            victim = self.running.pop()
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        if needed > 0:
+            request.block_ids.extend(self.pool.allocate(needed))
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        request.status = RequestStatus.PREEMPTED
+        heapq.heappush(self._waiting, (request.sort_key, request))
+        self._num_waiting += 1
+
+    def _release(self, request: Request) -> None:
+        if request.block_ids:
+            self.pool.free(request.block_ids)
+            request.block_ids = []
