@@ -18,9 +18,9 @@ class ContextLengthExceeded(EngineRequestError):
     def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int) -> None:
         super().__init__(
             f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the messages, {max_tokens} in the "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
             f"completion). Please reduce the length of the messages or completion.",
-            param="messages",
+            param="max_tokens",
         )
         self.max_model_len = max_model_len
         self.prompt_tokens = prompt_tokens

@@ -8,10 +8,11 @@ KV head and one partition of `partition_size` context tokens:
   * K/V tokens are gathered BLOCK_N at a time through the block table (per-token block
     lookup, so BLOCK_N need not equal the cache block size), online softmax in fp32 with
     exp2 (the softmax scale is folded into log2(e)).
-  * int8 caches: K/V are converted to the compute dtype as raw integers (exact) and the
-    per-token scales are applied to the scores (K) and to the probabilities (V), which is
-    mathematically the reference's dequantize-then-attend but costs O(tokens), not
-    O(tokens * head_dim), multiplies.
+  * int8 caches: K goes into tl.dot as raw integers (exact in fp16/bf16) and its
+    per-token scale multiplies the fp32 scores (O(tokens), not O(tokens * head_dim),
+    multiplies). V is dequantized (int * scale in fp32, then the compute dtype) before
+    the PV product, like the reference: folding its scale into the probabilities instead
+    would push p * scale into fp16's subnormal range for small-valued V.
 With more than one split each program writes its normalized partial output and its
 log-sum-exp (base 2) to fp32 scratch, and `_decode_reduce_kernel` merges the splits per
 (request, head). With one split the main kernel writes the output directly.
@@ -134,7 +135,7 @@ def _decode_kernel(
                     mask=kv_mask, other=0.0)
         if USE_SCALE:
             vs = tl.load(VS + blk * stride_sb + off * stride_st + kvh * stride_sh, mask=n_mask, other=0.0)
-            p = p * vs[None, :]
+            v = v.to(tl.float32) * vs[:, None]
         acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
         m_i = m_new
 

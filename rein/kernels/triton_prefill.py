@@ -17,8 +17,8 @@ every request:
     online softmax in fp32 with exp2. The KV loop is split in two: tiles entirely at or
     before the tile's first query position need neither the causal nor the length mask;
     only the remaining (diagonal) tiles pay for masking.
-  * int8 caches: as in decode, integer K/V go straight into tl.dot in the compute dtype
-    and the per-token scales multiply the scores (K) and the probabilities (V).
+  * int8 caches: as in decode, integer K goes straight into tl.dot and its per-token
+    scale multiplies the fp32 scores; V is dequantized in fp32 before the PV product.
 """
 
 from __future__ import annotations
@@ -106,7 +106,7 @@ def _attend(
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     if USE_SCALE:
-        p = p * tl.load(VS + s_off, mask=n_mask, other=0.0)[None, :]
+        v = v.to(tl.float32) * tl.load(VS + s_off, mask=n_mask, other=0.0)[:, None]
     acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC)
     return acc, l_i, m_new
 

@@ -1,0 +1,144 @@
+"""`rein estimate --model DIR --memory 24GiB`: how much KV cache, and how many requests, fit.
+
+Reads config.json only (no weights). The arithmetic is the engine's own
+(`rein.engine.capacity`, `EngineConfig`'s dtype rules, the runner's max_model_len rule),
+so the estimate and the pool the engine builds agree. Memory for activations and the CUDA
+context is not counted: leave some headroom.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from rein.cli.engine_options import DTYPES, KV_CACHE_DTYPES
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "estimate", help="KV-cache capacity for a model and a memory size",
+        description="Weights size, KV bytes per token, and how many tokens and concurrent requests "
+                    "fit in the memory left for the KV cache. Reads the model's config.json only.")
+    parser.add_argument("--model", required=True, metavar="DIR",
+                        help="a model directory (or hub id) holding config.json")
+    parser.add_argument("--memory", required=True, metavar="SIZE",
+                        help="device memory for weights + KV cache, e.g. 24GiB")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
+                        help="context length (default: the model's)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                        help="KV cache element type (default: the weights dtype)")
+    parser.add_argument("--dtype", choices=DTYPES, default="auto",
+                        help="weights dtype (default: what the engine picks on --device)")
+    parser.add_argument("--device", default="cuda",
+                        help="the device 'auto' dtypes are resolved for (default cuda: bfloat16)")
+    parser.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
+    parser.add_argument("--context-len", type=int, default=None, metavar="N",
+                        help="tokens per request when counting concurrent requests (default: max_model_len)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        print(estimate(args))
+    except EstimateError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+class EstimateError(ValueError):
+    pass
+
+
+def _load_spec(model: str):
+    from rein.engine.model_spec import ModelSpec
+
+    path = Path(model).expanduser()
+    if path.is_dir():
+        return ModelSpec.from_dir(path)
+    try:
+        from huggingface_hub import hf_hub_download
+
+        config = json.loads(Path(hf_hub_download(model, "config.json")).read_text())
+    except Exception as exc:  # offline, 404, auth: the hub raises many kinds
+        raise EstimateError(f"{model} is not a local model directory and its config.json could not be "
+                            f"fetched from the Hugging Face hub ({type(exc).__name__}: {exc})") from exc
+    return ModelSpec.from_config(config)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n} B"
+
+
+def _bytes(n: int) -> str:
+    return f"{n} byte" if n == 1 else f"{n} bytes"
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def estimate(args: argparse.Namespace) -> str:
+    """The report, as text; EstimateError for anything the user must change."""
+    import dataclasses
+
+    import torch
+
+    from rein.engine.capacity import kv_capacity, weights_bytes
+    from rein.engine.config import EngineConfig, parse_bytes
+    from rein.engine.model_runner import decide_max_model_len
+
+    try:
+        memory = parse_bytes(args.memory)
+        config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                              kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                              max_model_len=args.max_model_len)
+        spec = _load_spec(args.model)
+        max_model_len = decide_max_model_len(spec, args.max_model_len)
+        dtype, cache_dtype = config.torch_dtype, config.cache_torch_dtype
+    except (ValueError, RuntimeError) as exc:  # bad sizes, unsupported model, max_model_len too big
+        raise EstimateError(str(exc)) from exc
+
+    params = spec.num_parameters()
+    weights = weights_bytes(spec, dtype)
+    elem = torch.empty((), dtype=dtype).element_size()
+    lines = [
+        f"model: {spec.architecture}, {spec.num_layers} layers, {spec.num_heads} heads, "
+        f"{spec.num_kv_heads} KV heads, head_dim {spec.head_dim}, max_model_len {max_model_len}",
+        f"weights: {params:,} parameters x {_bytes(elem)} ({_dtype_name(dtype)}) = {weights:,} bytes ({_size(weights)})",
+    ]
+    if weights >= memory:
+        raise EstimateError(
+            f"the weights alone need {weights:,} bytes ({_size(weights)}, {_dtype_name(dtype)}), which is "
+            f"not less than --memory {memory:,} bytes ({_size(memory)}): give more memory or a smaller "
+            f"--dtype")
+
+    kv_memory = memory - weights
+    capacity = kv_capacity(spec, kv_memory, cache_dtype, config.block_size, max_model_len)
+    cache_elem = torch.empty((), dtype=cache_dtype).element_size()
+    formula = (f"2 x {spec.num_layers} layers x {spec.num_kv_heads} kv_heads x {spec.head_dim} head_dim "
+               f"x {_bytes(cache_elem)} ({_dtype_name(cache_dtype)})")
+    if cache_dtype == torch.int8:
+        formula += f" + 2 x {spec.num_layers} layers x {spec.num_kv_heads} kv_heads x 4 bytes (fp32 scales)"
+    context_len = args.context_len or max_model_len
+    if context_len < 1 or context_len > max_model_len:
+        raise EstimateError(f"--context-len must be between 1 and max_model_len {max_model_len}, got {context_len}")
+    at_context = dataclasses.replace(capacity, max_model_len=context_len)
+    lines += [
+        f"KV cache per token: {formula} = {capacity.bytes_per_token:,} bytes",
+        f"memory left for the KV cache: {memory:,} - {weights:,} = {kv_memory:,} bytes ({_size(kv_memory)})",
+        f"KV cache: {capacity.num_blocks:,} blocks x {capacity.block_size} tokens = {capacity.num_tokens:,} tokens "
+        f"({capacity.bytes_per_block:,} bytes per block)",
+        f"concurrent requests at {context_len:,} tokens: {at_context.max_full_requests:,} "
+        f"({at_context.blocks_per_full_request:,} blocks each)",
+    ]
+    if capacity.num_tokens < max_model_len:
+        lines.append(f"warning: the KV cache holds fewer tokens than max_model_len {max_model_len}; the engine "
+                     f"would refuse to start: give more memory or a lower --max-model-len")
+    lines.append("(activations and the CUDA context need memory too, not counted here)")
+    return "\n".join(lines)

@@ -1,0 +1,52 @@
+"""`rein run-batch IN.jsonl -o OUT.jsonl --model DIR`: an OpenAI batch file, offline."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from rein.cli.engine_options import CLIError, add_engine_options, add_model_option, build_engine
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "run-batch", help="run an OpenAI batch input file through the engine, offline",
+        description="Answer every line of an OpenAI batch input file (/v1/chat/completions and "
+                    "/v1/completions) with an in-process engine. Output lines follow OpenAI's batch "
+                    "output format, in the order requests finish; bad lines get error lines naming "
+                    "their line number.")
+    parser.add_argument("input", metavar="IN.jsonl", help="batch input file, one request per line")
+    parser.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="where the answers go")
+    parser.add_argument("--errors", default=None, metavar="ERR.jsonl",
+                        help="write error lines here instead of into the output file")
+    parser.add_argument("--max-in-flight", type=int, default=None, metavar="N",
+                        help="requests read ahead into the engine (default 4 x --max-num-seqs)")
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="`model` in responses when a line gives none (default: the model directory name)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_model_option(parser)
+    add_engine_options(parser)
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from rein.offline.run_batch import format_summary, run_batch
+
+    if not Path(args.input).is_file():
+        print(f"error: input file {args.input} does not exist", file=sys.stderr)
+        return 2
+    try:
+        engine = build_engine(args)
+    except CLIError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = run_batch(engine, args.input, args.output, model_name=args.served_model_name,
+                            error_path=args.errors, max_in_flight=args.max_in_flight,
+                            progress=not args.no_progress)
+    except KeyboardInterrupt:
+        print(f"\ninterrupted: {args.output} holds the answers finished so far", file=sys.stderr)
+        return 130
+    print(format_summary(summary), file=sys.stderr)
+    return 0

@@ -1,0 +1,33 @@
+"""The inference engine: continuous batching over a paged KV cache.
+
+Usable on its own (offline `rein run-batch`, `rein generate`); imports torch,
+transformers and safetensors, never Redis, SQL or Celery. The names below are loaded on
+first use, so importing a light submodule (sampling_params, errors) stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "ContextLengthExceeded": "rein.engine.errors",
+    "EngineConfig": "rein.engine.config",
+    "EngineRequestError": "rein.engine.errors",
+    "EngineRunner": "rein.engine.runner",
+    "EngineStats": "rein.engine.engine",
+    "EngineStoppedError": "rein.engine.runner",
+    "LLMEngine": "rein.engine.engine",
+    "RequestOutput": "rein.engine.outputs",
+    "RequestStream": "rein.engine.runner",
+    "SamplingParams": "rein.engine.sampling_params",
+    "SamplingParamsError": "rein.engine.sampling_params",
+    "TokenLogprob": "rein.engine.outputs",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'rein.engine' has no attribute {name!r}")

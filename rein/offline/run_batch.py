@@ -1,0 +1,238 @@
+"""The offline batch runner: an OpenAI batch input file in, an output file out.
+
+It drives `LLMEngine.step()` in the calling thread and streams both files: input lines
+are read only as requests can be taken (at most `max_in_flight` requests are in the
+engine at once, so a file of any length is never held in memory), and each output line
+is written and flushed the moment its request finishes. A bad input line (invalid JSON,
+missing fields, a malformed body, a prompt longer than the context) gets an error line
+naming its line number and never stops the run; blank lines are skipped. Every other
+line gets exactly one answer, success or error.
+
+Output lines come in the order requests finish, not input order; match them by custom_id,
+as with OpenAI's Batch API.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Any
+
+from tqdm import tqdm
+
+from rein.engine.errors import EngineRequestError
+from rein.engine.outputs import RequestOutput, TokenLogprob
+from rein.openai_format import (
+    INVALID_REQUEST,
+    ParsedRequest,
+    RequestError,
+    batch_error_line,
+    batch_output_line,
+    build_response,
+    custom_id_of,
+    parse_batch_line,
+    parse_request,
+)
+
+if TYPE_CHECKING:
+    from rein.engine.engine import LLMEngine
+
+IN_FLIGHT_PER_SEQ = 4
+
+
+@dataclass
+class BatchSummary:
+    requests_ok: int = 0
+    requests_failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    wall_seconds: float = 0.0
+
+    @property
+    def requests_total(self) -> int:
+        return self.requests_ok + self.requests_failed
+
+    @property
+    def output_tokens_per_second(self) -> float:
+        return self.completion_tokens / self.wall_seconds if self.wall_seconds > 0 else 0.0
+
+
+def format_summary(summary: BatchSummary) -> str:
+    return (
+        f"requests: {summary.requests_ok} ok, {summary.requests_failed} failed "
+        f"({summary.requests_total} total)\n"
+        f"tokens: {summary.prompt_tokens} prompt, {summary.completion_tokens} completion\n"
+        f"wall time: {summary.wall_seconds:.2f} s, output: {summary.output_tokens_per_second:.1f} tokens/s"
+    )
+
+
+@dataclass
+class _Pending:
+    """A request in the engine, and what it has produced so far."""
+
+    custom_id: str
+    line_number: int
+    endpoint: str
+    model_name: str
+    parsed: ParsedRequest
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+def run_batch(
+    engine: LLMEngine,
+    input_path: str | Path,
+    output_path: str | Path,
+    *,
+    model_name: str | None = None,
+    error_path: str | Path | None = None,
+    max_in_flight: int | None = None,
+    progress: bool = True,
+) -> BatchSummary:
+    """Answer every non-blank line of `input_path` into `output_path` (errors into `error_path`
+    when given, else into the output file too) and return the counts."""
+    batch = _BatchRun(engine, model_name or default_model_name(engine),
+                      max_in_flight or IN_FLIGHT_PER_SEQ * engine.config.max_num_seqs)
+    total = count_requests(input_path)
+    with open(input_path, "rb") as source, open(output_path, "w", encoding="utf-8") as out, \
+            (open(error_path, "w", encoding="utf-8") if error_path else nullcontext()) as err, \
+            tqdm(total=total, unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True) as bar:
+        batch.out, batch.err, batch.bar = out, err or out, bar
+        batch.run(source)
+    return batch.summary
+
+
+def default_model_name(engine: LLMEngine) -> str:
+    """The model's directory name, or the hub id it was given as."""
+    given = str(engine.config.model)
+    return Path(given).name if Path(given).expanduser().is_dir() else given
+
+
+def count_requests(path: str | Path) -> int:
+    """Non-blank lines, in one streaming pass (for the progress bar's total)."""
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())
+
+
+class _BatchRun:
+    def __init__(self, engine: LLMEngine, model_name: str, max_in_flight: int) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.max_in_flight = max(1, max_in_flight)
+        self.pending: dict[str, _Pending] = {}
+        self.seen_ids: set[str] = set()
+        self.summary = BatchSummary()
+        self.started = time.perf_counter()
+        self.out: IO[str]
+        self.err: IO[str]
+        self.bar: tqdm
+
+    def run(self, source: IO[bytes]) -> None:
+        lines = enumerate(source, start=1)
+        exhausted = False
+        while True:
+            while not exhausted and len(self.pending) < self.max_in_flight:
+                item = next(lines, None)
+                if item is None:
+                    exhausted = True
+                else:
+                    self._take(*item)
+            if not self.pending:
+                if exhausted:
+                    break
+                continue
+            if not self.engine.has_unfinished():
+                raise RuntimeError(f"the engine has no unfinished requests but {len(self.pending)} are "
+                                   f"waiting for an answer (engine bug)")
+            for output in self.engine.step():
+                self._collect(output)
+        self.summary.wall_seconds = time.perf_counter() - self.started
+
+    # -- input -----------------------------------------------------------------------------
+
+    def _take(self, line_number: int, raw: bytes) -> None:
+        if not raw.strip():
+            return
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            self._fail(None, line_number, "invalid_json_line", f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
+            return
+        try:
+            batch_line = parse_batch_line(line, line_number)
+        except RequestError as exc:
+            self._fail(custom_id_of(line), line_number, exc.code, exc.message)
+            return
+        custom_id = batch_line.custom_id
+        if custom_id in self.seen_ids:
+            self._fail(custom_id, line_number, "duplicate_custom_id",
+                       f"custom_id {custom_id!r} was already used by an earlier line; each line needs its own")
+            return
+        self.seen_ids.add(custom_id)
+        try:
+            parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer, self.engine.max_model_len)
+            request_id = uuid.uuid4().hex
+            self.engine.add_request(request_id, parsed.prompt_token_ids, parsed.params)
+        except RequestError as exc:
+            self._fail(custom_id, line_number, exc.code, exc.message)
+            return
+        except EngineRequestError as exc:
+            code = INVALID_REQUEST if exc.code == "invalid_request" else exc.code
+            self._fail(custom_id, line_number, code, str(exc))
+            return
+        self.pending[request_id] = _Pending(custom_id, line_number, batch_line.url,
+                                            parsed.model or self.model_name, parsed)
+
+    # -- output ----------------------------------------------------------------------------
+
+    def _collect(self, output: RequestOutput) -> None:
+        pending = self.pending.get(output.request_id)
+        if pending is None:
+            return
+        pending.text.append(output.text_delta)
+        pending.token_ids.extend(output.new_token_ids)
+        if output.logprobs:
+            pending.logprobs.extend(output.logprobs)
+        if not output.finished:
+            return
+        del self.pending[output.request_id]
+        if output.error is not None:
+            self._fail(pending.custom_id, pending.line_number, "engine_error", output.error)
+            return
+        if output.finish_reason == "abort":
+            self._fail(pending.custom_id, pending.line_number, "request_aborted",
+                       "the request was aborted before it finished")
+            return
+        parsed = pending.parsed
+        prompt_tokens = len(parsed.prompt_token_ids)
+        body = build_response(
+            pending.endpoint, output.request_id, pending.model_name, prompt_tokens, "".join(pending.text),
+            pending.token_ids, output.finish_reason, pending.logprobs if parsed.logprobs_mode is not None else None,
+            self.engine.tokenizer, parsed.logprobs_mode, int(time.time()))
+        self._write(self.out, batch_output_line(pending.custom_id, output.request_id, body))
+        self.summary.requests_ok += 1
+        self.summary.prompt_tokens += prompt_tokens
+        self.summary.completion_tokens += len(pending.token_ids)
+        self._advance()
+
+    def _fail(self, custom_id: str | None, line_number: int, code: str, message: str) -> None:
+        self._write(self.err, batch_error_line(custom_id, line_number, code, message))
+        self.summary.requests_failed += 1
+        self._advance()
+
+    def _write(self, stream: IO[str], line: dict[str, Any]) -> None:
+        stream.write(json.dumps(line, ensure_ascii=False) + "\n")
+        stream.flush()
+
+    def _advance(self) -> None:
+        elapsed = time.perf_counter() - self.started
+        rate = self.summary.completion_tokens / elapsed if elapsed > 0 else 0.0
+        self.bar.set_postfix({"ok": self.summary.requests_ok, "failed": self.summary.requests_failed,
+                              "out tok/s": f"{rate:.1f}"}, refresh=False)
+        self.bar.update(1)

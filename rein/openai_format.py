@@ -1,0 +1,475 @@
+"""OpenAI request and response shapes, mapped onto the engine's types.
+
+Shared by the offline batch runner and the HTTP API, so it imports no web framework and
+nothing from the engine that needs torch: a request body becomes prompt token ids plus
+`SamplingParams`, and the engine's text, token ids and logprobs become exactly the body
+OpenAI's `chat.completion` or `text_completion` would have. Batch-file lines (the OpenAI
+Batch API's `{"custom_id", "method", "url", "body"}`) are read and written here too.
+
+Every malformed request raises `RequestError`, whose message says what was wrong and
+whose `param` and `code` fill OpenAI's error object.
+
+Choices made where OpenAI is silent or rein differs:
+
+* Default `max_tokens`: 16 for /v1/completions (OpenAI's), the rest of the context
+  (max_model_len - prompt tokens) for /v1/chat/completions (vLLM's).
+* `max_completion_tokens` wins over `max_tokens` when both are given.
+* A completions prompt string is encoded with the tokenizer's special tokens (BOS), as
+  vLLM does; chat prompts come from the chat template alone.
+* finish_reason "abort" (the request was cancelled or the engine stopped) is not an
+  OpenAI value. Callers should report an aborted request as an error (the batch runner
+  writes an error line); if a response is built anyway it says "length": the text was cut
+  short from outside, which clients treat as "incomplete", whereas "stop" would claim the
+  model ended its answer.
+* Completions `text_offset` counts characters from the start of the returned text (no
+  echo), token by token.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rein.engine.sampling_params import SamplingParams, SamplingParamsError
+
+if TYPE_CHECKING:
+    from rein.engine.outputs import TokenLogprob
+
+CHAT_COMPLETIONS = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+MAX_CHAT_TOP_LOGPROBS = 20
+MAX_COMPLETION_LOGPROBS = 5
+
+INVALID_REQUEST = "invalid_request_error"
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
+
+
+class RequestError(ValueError):
+    """A request the API refuses (HTTP 400); `param` and `code` go into OpenAI's error object."""
+
+    type = INVALID_REQUEST
+
+    def __init__(self, message: str, param: str | None = None, code: str = INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI's error body: {"error": {message, type, param, code}}."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+@dataclass
+class ParsedRequest:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    model: str | None
+    # None: the response carries `logprobs: null`; k >= 0: logprobs with k alternatives per token.
+    logprobs_mode: int | None
+    stream: bool = False
+
+
+@dataclass
+class BatchLine:
+    custom_id: str
+    method: str
+    url: str
+    body: dict[str, Any]
+
+
+# -- requests ---------------------------------------------------------------------------------
+
+
+def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model_len: int) -> ParsedRequest:
+    """Turn one OpenAI request body into prompt token ids and sampling params."""
+    if endpoint not in ENDPOINTS:
+        raise RequestError(f"unknown endpoint {endpoint!r}: use {' or '.join(ENDPOINTS)}", "url")
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {_json_type(body)}")
+    chat = endpoint == CHAT_COMPLETIONS
+    _refuse_unsupported(body, chat)
+    model = _get(body, "model", str)
+    stream = bool(_get(body, "stream", bool, False))
+
+    if chat:
+        prompt = _chat_prompt(body, tokenizer)
+        logprobs_mode = _chat_logprobs(body)
+    else:
+        prompt = _completion_prompt(body, tokenizer)
+        logprobs_mode = _get(body, "logprobs", int)
+        if logprobs_mode is not None and not 0 <= logprobs_mode <= MAX_COMPLETION_LOGPROBS:
+            raise RequestError(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {logprobs_mode}",
+                               "logprobs")
+
+    max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _get(body, max_tokens_param, int)
+    if max_tokens is None:
+        max_tokens = max(max_model_len - len(prompt), 1) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
+    elif max_tokens < 1:
+        raise RequestError(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
+    if len(prompt) + max_tokens > max_model_len:
+        raise context_length_error(max_model_len, len(prompt), max_tokens, chat)
+
+    n = _get(body, "n", int, 1)
+    if n != 1:
+        raise RequestError(f"only n=1 is supported, got n={n}: send the request {n} times instead", "n")
+    stop = _get(body, "stop", (str, list))
+    if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
+        raise RequestError("stop must be a string or a list of strings", "stop")
+    stop_token_ids = _get(body, "stop_token_ids", list, [])
+    if not all(_is_int(t) for t in stop_token_ids):
+        raise RequestError("stop_token_ids must be a list of integers", "stop_token_ids")
+
+    fields = {
+        "max_tokens": max_tokens,
+        "temperature": _get(body, "temperature", float, 1.0),
+        "top_p": _get(body, "top_p", float, 1.0),
+        "top_k": _get(body, "top_k", int, 0),
+        "min_p": _get(body, "min_p", float, 0.0),
+        "presence_penalty": _get(body, "presence_penalty", float, 0.0),
+        "frequency_penalty": _get(body, "frequency_penalty", float, 0.0),
+        "repetition_penalty": _get(body, "repetition_penalty", float, 1.0),
+        "seed": _get(body, "seed", int),
+        "logprobs": logprobs_mode,
+        "stop": stop or [],
+        "stop_token_ids": stop_token_ids,
+        "ignore_eos": _get(body, "ignore_eos", bool, False),
+        "skip_special_tokens": _get(body, "skip_special_tokens", bool, True),
+    }
+    try:
+        params = SamplingParams(**fields)
+    except SamplingParamsError as exc:
+        param = max_tokens_param if exc.param == "max_tokens" else exc.param
+        if chat and exc.param == "logprobs":
+            param = "top_logprobs"
+        raise RequestError(str(exc), param) from exc
+    return ParsedRequest(prompt, params, model, logprobs_mode, stream)
+
+
+def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> RequestError:
+    """OpenAI's wording for prompt + completion longer than the context."""
+    where, what = ("in the messages", "messages") if chat else ("in your prompt", "prompt")
+    return RequestError(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} {where}, {max_tokens} in the completion). "
+        f"Please reduce the length of the {what} or completion.",
+        "messages" if chat else "prompt",
+        CONTEXT_LENGTH_EXCEEDED,
+    )
+
+
+def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
+    """Fields that would change the answer if silently ignored."""
+    if body.get("tools") or body.get("functions"):
+        raise RequestError("tools and functions are not supported", "tools" if body.get("tools") else "functions")
+    response_format = body.get("response_format")
+    if response_format not in (None, {"type": "text"}):
+        raise RequestError("response_format other than {\"type\": \"text\"} is not supported", "response_format")
+    if body.get("logit_bias"):
+        raise RequestError("logit_bias is not supported", "logit_bias")
+    if not chat:
+        if body.get("echo"):
+            raise RequestError("echo is not supported: the response holds the completion only", "echo")
+        if body.get("suffix"):
+            raise RequestError("suffix is not supported", "suffix")
+        if body.get("best_of") not in (None, 1):
+            raise RequestError(f"only best_of=1 is supported, got {body.get('best_of')!r}", "best_of")
+
+
+def _chat_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
+    if "messages" not in body:
+        raise RequestError("'messages' is a required property", "messages")
+    messages = body["messages"]
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
+    plain = [_plain_message(m, i) for i, m in enumerate(messages)]
+    if not getattr(tokenizer, "chat_template", None):
+        raise RequestError("this model's tokenizer has no chat template; use /v1/completions with a prompt",
+                           "messages")
+    try:
+        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False)
+    except Exception as exc:  # the template may raise anything (jinja errors, raise_exception)
+        raise RequestError(f"the model's chat template rejected the messages: {exc}", "messages") from exc
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding despite return_dict=False
+        ids = ids["input_ids"]
+    ids = [int(t) for t in (ids.tolist() if hasattr(ids, "tolist") else ids)]
+    if not ids:
+        raise RequestError("the messages produced an empty prompt", "messages")
+    return ids
+
+
+def _plain_message(message: Any, index: int) -> dict[str, str]:
+    """{role, content} with content as one string (text parts joined)."""
+    where = f"messages[{index}]"
+    if not isinstance(message, dict):
+        raise RequestError(f"{where} must be an object with role and content, got {_json_type(message)}", where)
+    role = message.get("role")
+    if not isinstance(role, str) or role not in ("system", "developer", "user", "assistant", "tool"):
+        raise RequestError(f"{where}.role must be one of system, developer, user, assistant, tool; got {role!r}",
+                           f"{where}.role")
+    content = message.get("content")
+    if content is None and role == "assistant":
+        content = ""
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+                raise RequestError(f"{where}.content: only text parts are supported, got {kind!r}",
+                                   f"{where}.content")
+            texts.append(part["text"])
+        content = "".join(texts)
+    if not isinstance(content, str):
+        raise RequestError(f"{where}.content must be a string or a list of text parts, got {_json_type(content)}",
+                           f"{where}.content")
+    return {"role": role, "content": content}
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    wanted = _get(body, "logprobs", bool, False)
+    top = _get(body, "top_logprobs", int)
+    if top is not None:
+        if not wanted:
+            raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
+        if not 0 <= top <= MAX_CHAT_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be between 0 and {MAX_CHAT_TOP_LOGPROBS}, got {top}",
+                               "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _completion_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
+    if "prompt" not in body:
+        raise RequestError("'prompt' is a required property", "prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > 1:
+            raise RequestError(
+                f"the prompt is a list of {len(prompt)} prompts; rein takes one prompt per request: "
+                f"send each as its own request (one batch line each)", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        ids = list(tokenizer.encode(prompt, add_special_tokens=True))
+    elif isinstance(prompt, list) and all(_is_int(t) and t >= 0 for t in prompt):
+        ids = list(prompt)
+    else:
+        raise RequestError("prompt must be a string or a list of token ids (non-negative integers)", "prompt")
+    if not ids:
+        raise RequestError("the prompt is empty: give at least one token", "prompt")
+    return ids
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "a list"}
+
+
+def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:
+    """body[name] checked against `kind` (null means the default); floats accept integers."""
+    value = body.get(name)
+    if value is None:
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    for k in kinds:
+        if k is bool and isinstance(value, bool):
+            return value
+        if k is int and _is_int(value):
+            return value
+        if k is float and (isinstance(value, float) or _is_int(value)):
+            return float(value)
+        if k not in (bool, int, float) and isinstance(value, k):
+            return value
+    wanted = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+    raise RequestError(f"{name} must be {wanted}, got {_json_type(value)} {json.dumps(value)[:50]}", name)
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+# -- responses --------------------------------------------------------------------------------
+
+
+def build_response(endpoint: str, request_id: str, model_name: str, prompt_tokens: int, text: str,
+                   token_ids: list[int], finish_reason: str | None, logprobs: list[TokenLogprob] | None,
+                   tokenizer: Any, logprobs_mode: int | None, created: int | None = None) -> dict[str, Any]:
+    """The body OpenAI returns for a finished, non-streamed request."""
+    created = int(time.time()) if created is None else created
+    finish = _FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
+             "total_tokens": prompt_tokens + len(token_ids)}
+    want_logprobs = logprobs_mode is not None and logprobs is not None
+    if endpoint == CHAT_COMPLETIONS:
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": _chat_logprobs_body(logprobs, tokenizer) if want_logprobs else None,
+            "finish_reason": finish,
+        }
+        return {"id": _with_prefix("chatcmpl-", request_id), "object": "chat.completion", "created": created,
+                "model": model_name, "choices": [choice], "usage": usage}
+    if endpoint == COMPLETIONS:
+        choice = {
+            "text": text,
+            "index": 0,
+            "logprobs": _completion_logprobs_body(logprobs, tokenizer) if want_logprobs else None,
+            "finish_reason": finish,
+        }
+        return {"id": _with_prefix("cmpl-", request_id), "object": "text_completion", "created": created,
+                "model": model_name, "choices": [choice], "usage": usage}
+    raise ValueError(f"unknown endpoint {endpoint!r}")
+
+
+def _with_prefix(prefix: str, request_id: str) -> str:
+    return request_id if request_id.startswith(prefix) else prefix + request_id
+
+
+def _chat_logprobs_body(logprobs: list[TokenLogprob], tokenizer: Any) -> dict[str, Any]:
+    texts = _TokenTexts(tokenizer)
+
+    def entry(token_id: int, logprob: float) -> dict[str, Any]:
+        return {"token": texts.text(token_id), "logprob": logprob, "bytes": list(texts.bytes(token_id))}
+
+    return {"content": [
+        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
+        for lp in logprobs
+    ]}
+
+
+def _completion_logprobs_body(logprobs: list[TokenLogprob], tokenizer: Any) -> dict[str, Any]:
+    texts = _TokenTexts(tokenizer)
+    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
+    offset = 0
+    for lp in logprobs:
+        token = texts.text(lp.token_id)
+        tokens.append(token)
+        token_logprobs.append(lp.logprob)
+        # OpenAI: the chosen token is always among the top logprobs, so up to logprobs + 1.
+        top = {texts.text(t): v for t, v in lp.top}
+        top.setdefault(token, lp.logprob)
+        top_logprobs.append(top)
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
+            "text_offset": offsets}
+
+
+_SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-to-unicode map, inverted: the byte each byte-level vocabulary character means."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in set(printable)]
+    table.update({chr(256 + i): b for i, b in enumerate(others)})
+    return table
+
+
+_BYTE_LEVEL = _byte_level_table()
+
+
+class _TokenTexts:
+    """Token id -> its text and its exact bytes, cached for one response."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._text: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        if token_id not in self._text:
+            self._text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return self._text[token_id]
+
+    def bytes(self, token_id: int) -> bytes:
+        text = self.text(token_id)
+        if "\ufffd" not in text:
+            return text.encode("utf-8")
+        # Part of a multi-byte character: the decoded text lost the bytes, the vocabulary has them.
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if isinstance(piece, str):
+            match = _SENTENCEPIECE_BYTE.fullmatch(piece)
+            if match:
+                return bytes([int(match.group(1), 16)])
+            if _is_byte_level(self.tokenizer) and all(c in _BYTE_LEVEL for c in piece):
+                return bytes(_BYTE_LEVEL[c] for c in piece)
+        return text.encode("utf-8")
+
+
+def _is_byte_level(tokenizer: Any) -> bool:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    decoder = getattr(backend, "decoder", None)
+    return type(decoder).__name__ == "ByteLevel"
+
+
+# -- batch lines ------------------------------------------------------------------------------
+
+
+def parse_batch_line(line: str, line_number: int) -> BatchLine:
+    """One line of an OpenAI batch input file; errors name the line and what is wrong."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"line {line_number}: not valid JSON ({exc.msg} at column {exc.colno})", None,
+                           "invalid_json_line") from exc
+    if not isinstance(obj, dict):
+        raise RequestError(f"line {line_number}: must be a JSON object, got {_json_type(obj)}")
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise RequestError(f"line {line_number}: custom_id is missing or not a non-empty string", "custom_id")
+    method = obj.get("method")
+    if method != "POST":
+        raise RequestError(f"line {line_number}: method must be \"POST\", got {method!r}", "method")
+    url = obj.get("url")
+    if url not in ENDPOINTS:
+        raise RequestError(f"line {line_number}: url must be {' or '.join(ENDPOINTS)}, got {url!r}", "url")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise RequestError(f"line {line_number}: body must be a JSON object, got {_json_type(body)}", "body")
+    return BatchLine(custom_id, method, url, body)
+
+
+def custom_id_of(line: str) -> str | None:
+    """The custom_id of a line that failed to parse, when it can still be read."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
+    return custom_id if isinstance(custom_id, str) else None
+
+
+def batch_output_line(custom_id: str, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+def batch_error_line(custom_id: str | None, line_number: int, code: str, message: str) -> dict[str, Any]:
+    if not message.startswith(f"line {line_number}:"):
+        message = f"line {line_number}: {message}"
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}

@@ -1,0 +1,381 @@
+"""Random-weight models of real architectures, for tests, demos, CI and benchmarks.
+
+`make_tiny_model(out_dir, arch, seed, preset)` writes a complete Hugging Face model
+directory (config.json, model.safetensors, generation_config.json, tokenizer.json,
+tokenizer_config.json, special_tokens_map.json) that `AutoModelForCausalLM` and
+`AutoTokenizer` load like any downloaded checkpoint, without network access:
+
+* The weights come from instantiating the real transformers class (LlamaForCausalLM,
+  Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM) under `torch.manual_seed(seed)`,
+  in fp32. Each architecture carries the features an inference engine must get right:
+  llama3 rope scaling and untied embeddings (llama), q/k/v bias and tied embeddings
+  (qwen2), q/k RMSNorm, a head_dim that differs from hidden/heads and tied embeddings
+  (qwen3), plain untied with no sliding window (mistral).
+* transformers initialises biases to zero and norm weights to one, which would let an
+  implementation that ignores them pass; we redraw them from the same seeded generator
+  (biases ~ N(0, initializer_range), norm weights ~ U(0.5, 1.5)).
+* `initializer_range` is larger than the usual 0.02 so that the top-1 logit is usually
+  clearly ahead of the runner-up and greedy decoding is not decided by rounding noise.
+* The tokenizer is a byte-level BPE trained with `tokenizers` on Python standard library
+  sources read from disk, so any UTF-8 text round-trips and CJK characters take several
+  byte tokens. It adds no special tokens on plain encode; the ChatML chat template puts
+  `<|begin_of_text|>` and the `<|im_start|>`/`<|im_end|>` markers in itself.
+
+Everything is deterministic for given (arch, seed, preset) and Python installation: two
+builds produce byte-identical files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+
+VOCAB_SIZE = 2048
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "hidden_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 128,
+        "max_position_embeddings": 2048,
+        "vocab_size": VOCAB_SIZE,
+        "initializer_range": 0.2,
+        # Qwen3 only: an explicit head_dim != hidden_size // num_attention_heads (16).
+        "qwen3_head_dim": 32,
+    },
+    "small": {
+        "hidden_size": 512,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "intermediate_size": 1408,
+        "max_position_embeddings": 2048,
+        "vocab_size": VOCAB_SIZE,
+        "initializer_range": 0.1,
+        # Qwen3 only: an explicit head_dim != hidden_size // num_attention_heads (64).
+        "qwen3_head_dim": 128,
+    },
+}
+
+BOS_TOKEN = "<|begin_of_text|>"
+EOS_TOKEN = "<|end_of_text|>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|pad|>"
+# Appended after the BPE vocabulary, in this order (ids VOCAB_SIZE-5 .. VOCAB_SIZE-1).
+SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN, IM_START_TOKEN, IM_END_TOKEN, PAD_TOKEN)
+
+# Pre-tokenization split (the Qwen2 one: letters, single digits, punctuation runs, spaces).
+PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- endif %}"
+)
+
+# Llama 3.1-style rope scaling; original_max_position_embeddings is small so that the
+# scaled band falls inside the tiny head_dim and the scaling really changes inv_freq.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+# Per architecture: transformers config/model class names, rope theta, tied embeddings.
+_ARCH_SPECS: dict[str, dict[str, Any]] = {
+    "llama": {
+        "config_class": "LlamaConfig",
+        "model_class": "LlamaForCausalLM",
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen2": {
+        "config_class": "Qwen2Config",
+        "model_class": "Qwen2ForCausalLM",
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+    "qwen3": {
+        "config_class": "Qwen3Config",
+        "model_class": "Qwen3ForCausalLM",
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": True,
+    },
+    "mistral": {
+        "config_class": "MistralConfig",
+        "model_class": "MistralForCausalLM",
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+}
+
+# Tokenizer training corpus: top-level stdlib modules, sorted, whole files until the cap.
+_CORPUS_MAX_BYTES = 3_000_000
+_CORPUS_MIN_BYTES = 200_000
+
+
+def make_tiny_model(
+    out_dir: str | Path, arch: str = "llama", seed: int = 0, preset: str = "tiny"
+) -> Path:
+    """Write a random-weight `arch` model with the `preset` shape into `out_dir`.
+
+    Returns the directory as a Path. Files already in `out_dir` with the same names are
+    overwritten; others are left alone.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; expected one of {tuple(PRESETS)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = PRESETS[preset]
+
+    tokenizer_json = _train_tokenizer(shape["vocab_size"])
+    ids = _special_token_ids(tokenizer_json)
+    _write_tokenizer_files(out, tokenizer_json, ids, shape["max_position_embeddings"])
+    _write_model_files(out, arch, seed, shape, ids)
+    return out
+
+
+def model_summary(model_dir: str | Path) -> dict[str, Any]:
+    """Arch, parameter count, vocab size and shape of a model directory, without torch."""
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    with open(model_dir / "model.safetensors", "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    params = 0
+    for name, info in header.items():
+        if name != "__metadata__":
+            params += functools.reduce(lambda a, b: a * b, info["shape"], 1)
+    return {
+        "arch": config["model_type"],
+        "parameters": params,
+        "vocab_size": config["vocab_size"],
+        "hidden_size": config["hidden_size"],
+        "num_hidden_layers": config["num_hidden_layers"],
+        "tie_word_embeddings": config.get("tie_word_embeddings", False),
+    }
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def _corpus_files() -> list[Path]:
+    stdlib = Path(os.__file__).parent
+    files: list[Path] = []
+    total = 0
+    for path in sorted(stdlib.glob("*.py")):
+        files.append(path)
+        total += path.stat().st_size
+        if total >= _CORPUS_MAX_BYTES:
+            break
+    if total < _CORPUS_MIN_BYTES:
+        raise RuntimeError(
+            f"found only {total} bytes of Python sources under {stdlib}; "
+            "cannot train the tiny tokenizer"
+        )
+    return files
+
+
+@functools.lru_cache(maxsize=4)
+def _train_tokenizer(vocab_size: int) -> str:
+    """Train the byte-level BPE and return its tokenizer.json text (cached per process)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+
+    texts = [p.read_bytes().decode("utf-8", errors="replace") for p in _corpus_files()]
+    # The exact pipeline transformers' Qwen2Tokenizer hard-codes (it rebuilds the pipeline
+    # from vocab/merges, ignoring tokenizer.json's, for every model_type "qwen2" checkpoint).
+    # Using it for every arch keeps AutoTokenizer and a bare `tokenizers.Tokenizer` on
+    # tokenizer.json in agreement whatever the arch.
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(SPECIAL_TOKENS),
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        special_tokens=[],
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    if tok.get_vocab_size() != vocab_size:
+        raise RuntimeError(
+            f"tokenizer training gave {tok.get_vocab_size()} tokens, expected {vocab_size}"
+        )
+    return tok.to_str(pretty=True)
+
+
+def _special_token_ids(tokenizer_json: str) -> dict[str, int]:
+    added = json.loads(tokenizer_json)["added_tokens"]
+    by_content = {t["content"]: t["id"] for t in added}
+    return {token: by_content[token] for token in SPECIAL_TOKENS}
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
+def _write_tokenizer_files(
+    out: Path, tokenizer_json: str, ids: dict[str, int], model_max_length: int
+) -> None:
+    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    added_tokens_decoder = {
+        str(ids[token]): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for token in SPECIAL_TOKENS
+    }
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            # The generic fast tokenizer: AutoTokenizer must not swap in an arch-specific
+            # class that rebuilds the pipeline (transformers 5 aliases this name to
+            # TokenizersBackend; transformers 4 knows it too).
+            "tokenizer_class": "PreTrainedTokenizerFast",
+            "add_bos_token": False,
+            "add_eos_token": False,
+            "added_tokens_decoder": added_tokens_decoder,
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            # Explicitly none: Qwen2Tokenizer would otherwise add "<|endoftext|>" as unk,
+            # a token outside the model's vocabulary.
+            "unk_token": None,
+            "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
+            "clean_up_tokenization_spaces": False,
+            "model_max_length": model_max_length,
+            "chat_template": CHAT_TEMPLATE,
+        },
+    )
+    _write_json(
+        out / "special_tokens_map.json",
+        {
+            "bos_token": BOS_TOKEN,
+            "eos_token": EOS_TOKEN,
+            "pad_token": PAD_TOKEN,
+            "additional_special_tokens": [IM_START_TOKEN, IM_END_TOKEN],
+        },
+    )
+
+
+# --------------------------------------------------------------------------- weights
+
+
+def _build_config(arch: str, shape: dict[str, Any], ids: dict[str, int]):
+    import transformers
+
+    spec = _ARCH_SPECS[arch]
+    kwargs: dict[str, Any] = {
+        "vocab_size": shape["vocab_size"],
+        "hidden_size": shape["hidden_size"],
+        "num_hidden_layers": shape["num_hidden_layers"],
+        "num_attention_heads": shape["num_attention_heads"],
+        "num_key_value_heads": shape["num_key_value_heads"],
+        "intermediate_size": shape["intermediate_size"],
+        "max_position_embeddings": shape["max_position_embeddings"],
+        "initializer_range": shape["initializer_range"],
+        "tie_word_embeddings": spec["tie_word_embeddings"],
+        "bos_token_id": ids[BOS_TOKEN],
+        "eos_token_id": [ids[EOS_TOKEN], ids[IM_END_TOKEN]],
+        "pad_token_id": ids[PAD_TOKEN],
+    }
+    # transformers 5 spells rope settings as one `rope_parameters` dict that includes
+    # rope_theta (the 4.x `rope_theta` + `rope_scaling` keys are still read for BC).
+    rope: dict[str, Any] = {"rope_type": "default"}
+    if arch == "llama":
+        rope = dict(LLAMA3_ROPE)
+    rope["rope_theta"] = spec["rope_theta"]
+    kwargs["rope_parameters"] = rope
+    if arch == "qwen3":
+        kwargs["head_dim"] = shape["qwen3_head_dim"]
+    if arch in ("qwen2", "qwen3"):
+        kwargs["use_sliding_window"] = False
+    if arch == "mistral":
+        kwargs["sliding_window"] = None
+    return getattr(transformers, spec["config_class"])(**kwargs)
+
+
+def _check_config(arch: str, config: Any) -> None:
+    """Guard against transformers silently dropping a feature we rely on."""
+    rope = config.rope_parameters
+    expected_type = "llama3" if arch == "llama" else "default"
+    if rope.get("rope_type") != expected_type:
+        raise RuntimeError(f"{arch}: rope_type is {rope.get('rope_type')!r}, not {expected_type!r}")
+    if config.tie_word_embeddings != _ARCH_SPECS[arch]["tie_word_embeddings"]:
+        raise RuntimeError(f"{arch}: tie_word_embeddings not as requested")
+    if getattr(config, "sliding_window", None) is not None:
+        raise RuntimeError(f"{arch}: sliding_window should be None")
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
+def _write_model_files(
+    out: Path, arch: str, seed: int, shape: dict[str, Any], ids: dict[str, int]
+) -> None:
+    import torch
+    import transformers
+
+    config = _build_config(arch, shape, ids)
+    _check_config(arch, config)
+    model_class = getattr(transformers, _ARCH_SPECS[arch]["model_class"])
+    # fork_rng: seed our build without disturbing the caller's global RNG state.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = model_class(config).to(torch.float32)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith(".bias"):
+                    param.normal_(0.0, shape["initializer_range"])
+                elif "norm" in name:
+                    param.uniform_(0.5, 1.5)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=ids[BOS_TOKEN],
+        eos_token_id=[ids[EOS_TOKEN], ids[IM_END_TOKEN]],
+        pad_token_id=ids[PAD_TOKEN],
+    )
+    # transformers 5 always writes safetensors (`safe_serialization` is gone).
+    with _quiet_progress_bars():
+        model.save_pretrained(out)

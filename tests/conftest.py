@@ -1,0 +1,29 @@
+"""Shared pytest fixtures."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`tiny_models(arch="llama", preset="tiny", seed=0)` -> directory of a random-weight model.
+
+    Each (arch, preset, seed) is built once per session (see rein.tiny_model) into a
+    session temp dir; the directories are shared, so treat them as read-only.
+    """
+    from rein.tiny_model import make_tiny_model
+
+    built: dict[tuple[str, str, int], Path] = {}
+
+    def get(arch: str = "llama", preset: str = "tiny", seed: int = 0) -> Path:
+        key = (arch, preset, seed)
+        if key not in built:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}-{preset}-seed{seed}")
+            built[key] = make_tiny_model(out, arch=arch, seed=seed, preset=preset)
+        return built[key]
+
+    return get

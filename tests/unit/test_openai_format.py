@@ -1,0 +1,249 @@
+"""OpenAI request parsing, response shapes and batch lines (rein.openai_format)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from transformers import AutoTokenizer
+
+from rein.engine.outputs import TokenLogprob
+from rein.openai_format import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    RequestError,
+    batch_error_line,
+    batch_output_line,
+    build_response,
+    parse_batch_line,
+    parse_request,
+)
+
+MAX_LEN = 256
+CHAT = [{"role": "user", "content": "Hello there"}]
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    return AutoTokenizer.from_pretrained(str(tiny_models("llama")))
+
+
+def chat(tokenizer, **fields):
+    return parse_request(CHAT_COMPLETIONS, {"messages": CHAT, **fields}, tokenizer, MAX_LEN)
+
+
+def completion(tokenizer, **fields):
+    return parse_request(COMPLETIONS, {"prompt": "def f(x):", **fields}, tokenizer, MAX_LEN)
+
+
+def error_of(endpoint, body, tokenizer, max_len=MAX_LEN) -> RequestError:
+    with pytest.raises(RequestError) as info:
+        parse_request(endpoint, body, tokenizer, max_len)
+    return info.value
+
+
+# -- parsing --------------------------------------------------------------------------------
+
+
+def test_chat_uses_the_template_and_fills_the_context_by_default(tokenizer):
+    parsed = chat(tokenizer)
+    expected = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert parsed.prompt_token_ids == list(expected["input_ids"])
+    assert all(type(t) is int for t in parsed.prompt_token_ids)
+    assert parsed.params.max_tokens == MAX_LEN - len(parsed.prompt_token_ids)
+    assert parsed.params.temperature == 1.0
+    assert parsed.logprobs_mode is None and parsed.params.logprobs is None
+    assert parsed.model is None
+
+
+def test_chat_fields_map_onto_sampling_params(tokenizer):
+    parsed = chat(tokenizer, model="m", max_tokens=7, temperature=0, top_p=0.5, stop="END", seed=3,
+                  presence_penalty=0.5, frequency_penalty=-0.5, top_k=40, min_p=0.1, repetition_penalty=1.2,
+                  ignore_eos=True, stop_token_ids=[5, 6], logprobs=True, top_logprobs=3)
+    p = parsed.params
+    assert (p.max_tokens, p.temperature, p.top_p, p.stop, p.seed) == (7, 0.0, 0.5, ["END"], 3)
+    assert (p.presence_penalty, p.frequency_penalty) == (0.5, -0.5)
+    assert (p.top_k, p.min_p, p.repetition_penalty, p.ignore_eos, p.stop_token_ids) == (40, 0.1, 1.2, True, [5, 6])
+    assert parsed.logprobs_mode == 3 and p.logprobs == 3
+    assert parsed.model == "m"
+    assert chat(tokenizer, logprobs=True).logprobs_mode == 0
+
+
+def test_max_completion_tokens_wins_and_text_parts_join(tokenizer):
+    assert chat(tokenizer, max_tokens=9, max_completion_tokens=4).params.max_tokens == 4
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "there"}]}]
+    joined = parse_request(CHAT_COMPLETIONS, {"messages": parts}, tokenizer, MAX_LEN)
+    assert joined.prompt_token_ids == chat(tokenizer).prompt_token_ids
+
+
+def test_completion_prompts_and_defaults(tokenizer):
+    parsed = completion(tokenizer)
+    assert parsed.prompt_token_ids == tokenizer.encode("def f(x):", add_special_tokens=True)
+    assert parsed.params.max_tokens == 16
+    assert completion(tokenizer, prompt=[5, 6, 7]).prompt_token_ids == [5, 6, 7]
+    assert completion(tokenizer, prompt=[[5, 6]]).prompt_token_ids == [5, 6]
+    assert completion(tokenizer, prompt=["def f(x):"]).prompt_token_ids == parsed.prompt_token_ids
+    assert completion(tokenizer, logprobs=2).logprobs_mode == 2
+    assert completion(tokenizer, logprobs=0).params.logprobs == 0
+
+
+@pytest.mark.parametrize("endpoint, body, param", [
+    (CHAT_COMPLETIONS, {}, "messages"),
+    (CHAT_COMPLETIONS, {"messages": "hi"}, "messages"),
+    (CHAT_COMPLETIONS, {"messages": []}, "messages"),
+    (CHAT_COMPLETIONS, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    (CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+     "messages[0].content"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "temperature": "hot"}, "temperature"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "temperature": 3}, "temperature"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "top_p": 0}, "top_p"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "presence_penalty": 9}, "presence_penalty"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "n": 2}, "n"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "max_tokens": 0}, "max_tokens"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "max_tokens": True}, "max_tokens"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "stop": [1]}, "stop"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "logprobs": 3}, "logprobs"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    (COMPLETIONS, {}, "prompt"),
+    (COMPLETIONS, {"prompt": 5}, "prompt"),
+    (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt"),
+    (COMPLETIONS, {"prompt": [1, -2]}, "prompt"),
+    (COMPLETIONS, {"prompt": "x", "echo": True}, "echo"),
+    (COMPLETIONS, {"prompt": "x", "suffix": "y"}, "suffix"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": 6}, "logprobs"),
+    (COMPLETIONS, {"prompt": "x", "logprobs": True}, "logprobs"),
+    (COMPLETIONS, {"prompt": "x", "seed": 1.5}, "seed"),
+])
+def test_bad_requests_name_the_param(tokenizer, endpoint, body, param):
+    err = error_of(endpoint, body, tokenizer)
+    assert err.param == param
+    assert err.code == "invalid_request_error"
+    assert err.to_dict()["error"]["type"] == "invalid_request_error"
+
+
+def test_several_prompts_and_echo_say_so(tokenizer):
+    assert "one prompt per request" in error_of(COMPLETIONS, {"prompt": ["a", "b"]}, tokenizer).message
+    assert "not supported" in error_of(COMPLETIONS, {"prompt": "a", "echo": True}, tokenizer).message
+
+
+def test_context_length_in_openai_wording(tokenizer):
+    prompt_len = len(chat(tokenizer).prompt_token_ids)
+    err = error_of(CHAT_COMPLETIONS, {"messages": CHAT, "max_tokens": MAX_LEN}, tokenizer)
+    assert err.code == "context_length_exceeded" and err.param == "messages"
+    assert err.message == (
+        f"This model's maximum context length is {MAX_LEN} tokens. However, you requested "
+        f"{prompt_len + MAX_LEN} tokens ({prompt_len} in the messages, {MAX_LEN} in the completion). "
+        f"Please reduce the length of the messages or completion.")
+    err = error_of(COMPLETIONS, {"prompt": [1, 2, 3], "max_tokens": MAX_LEN - 2}, tokenizer)
+    assert err.code == "context_length_exceeded" and err.param == "prompt"
+    assert f"requested {MAX_LEN + 1} tokens (3 in your prompt, {MAX_LEN - 2} in the completion)" in err.message
+    # exactly max_model_len is fine
+    assert completion(tokenizer, prompt=[1, 2, 3], max_tokens=MAX_LEN - 3).params.max_tokens == MAX_LEN - 3
+    # a prompt that fills the context leaves no room even for the default
+    err = error_of(CHAT_COMPLETIONS, {"messages": CHAT}, tokenizer, max_len=prompt_len)
+    assert err.code == "context_length_exceeded"
+
+
+# -- responses ------------------------------------------------------------------------------
+
+
+def test_chat_response_shape(tokenizer):
+    ids = tokenizer.encode(" hello world", add_special_tokens=False)
+    body = build_response(CHAT_COMPLETIONS, "abc", "tiny", 12, " hello world", ids, "stop", None, tokenizer,
+                          None, created=1700000000)
+    assert body == {
+        "id": "chatcmpl-abc", "object": "chat.completion", "created": 1700000000, "model": "tiny",
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": " hello world"},
+                     "logprobs": None, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 12, "completion_tokens": len(ids), "total_tokens": 12 + len(ids)},
+    }
+    json.dumps(body)
+
+
+def test_chat_logprobs_shape(tokenizer):
+    ids = tokenizer.encode(" hello world", add_special_tokens=False)
+    lps = [TokenLogprob(t, -0.5, [(t, -0.5), (7, -1.5)]) for t in ids]
+    body = build_response(CHAT_COMPLETIONS, "abc", "tiny", 3, " hello world", ids, "length", lps, tokenizer, 2)
+    content = body["choices"][0]["logprobs"]["content"]
+    assert len(content) == len(ids)
+    assert "".join(e["token"] for e in content) == " hello world"
+    first = content[0]
+    assert set(first) == {"token", "logprob", "bytes", "top_logprobs"}
+    assert first["bytes"] == list(first["token"].encode())
+    assert first["top_logprobs"][1] == {"token": tokenizer.decode([7]), "logprob": -1.5,
+                                        "bytes": list(tokenizer.decode([7]).encode())}
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+def test_partial_utf8_token_keeps_its_bytes(tokenizer):
+    # byte-level BPE: the single-byte token for 0xE4 (first byte of many CJK characters)
+    token_id = tokenizer.convert_tokens_to_ids("\u00e4")
+    body = build_response(CHAT_COMPLETIONS, "x", "m", 1, "", [token_id], "length",
+                          [TokenLogprob(token_id, -1.0, [])], tokenizer, 0)
+    assert body["choices"][0]["logprobs"]["content"][0]["bytes"] == [0xE4]
+
+
+def test_completion_response_and_logprobs(tokenizer):
+    ids = tokenizer.encode(" hello world", add_special_tokens=False)
+    lps = [TokenLogprob(t, -0.25, [(7, -0.1)]) for t in ids]
+    body = build_response(COMPLETIONS, "cmpl-q", "tiny", 4, " hello world", ids, "abort", lps, tokenizer, 1,
+                          created=5)
+    assert body["id"] == "cmpl-q" and body["object"] == "text_completion" and body["created"] == 5
+    choice = body["choices"][0]
+    assert set(choice) == {"text", "index", "logprobs", "finish_reason"}
+    assert choice["finish_reason"] == "length"  # "abort" is not an OpenAI value
+    lp = choice["logprobs"]
+    tokens = [tokenizer.decode([t]) for t in ids]
+    assert lp["tokens"] == tokens
+    assert lp["token_logprobs"] == [-0.25] * len(ids)
+    # the chosen token is always among the top ones (OpenAI: up to logprobs + 1 entries)
+    assert lp["top_logprobs"][0] == {tokenizer.decode([7]): -0.1, tokens[0]: -0.25}
+    assert lp["text_offset"] == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
+    assert body["usage"]["completion_tokens"] == len(ids)
+    no_lp = build_response(COMPLETIONS, "q", "tiny", 4, "x", ids, "stop", None, tokenizer, None)
+    assert no_lp["choices"][0]["logprobs"] is None and no_lp["id"] == "cmpl-q"
+
+
+# -- batch lines ----------------------------------------------------------------------------
+
+
+def line(**fields) -> str:
+    obj = {"custom_id": "a", "method": "POST", "url": COMPLETIONS, "body": {"prompt": "x"}, **fields}
+    return json.dumps({k: v for k, v in obj.items() if v is not None})
+
+
+def test_parse_batch_line():
+    parsed = parse_batch_line(line(), 1)
+    assert (parsed.custom_id, parsed.method, parsed.url, parsed.body) == ("a", "POST", COMPLETIONS, {"prompt": "x"})
+
+
+@pytest.mark.parametrize("text, words", [
+    ("{not json", "not valid JSON"),
+    ("[1, 2]", "JSON object"),
+    (line(custom_id=None), "custom_id"),
+    (line(custom_id=7), "custom_id"),
+    (line(method="GET"), "method"),
+    (line(url="/v1/embeddings"), "url"),
+    (line(body="x"), "body"),
+])
+def test_bad_batch_lines_name_line_and_problem(text, words):
+    with pytest.raises(RequestError) as info:
+        parse_batch_line(text, 42)
+    assert info.value.message.startswith("line 42:")
+    assert words in info.value.message
+
+
+def test_batch_output_and_error_lines():
+    out = batch_output_line("c1", "req1", {"x": 1})
+    assert out["id"].startswith("batch_req_")
+    assert out["custom_id"] == "c1" and out["error"] is None
+    assert out["response"] == {"status_code": 200, "request_id": "req1", "body": {"x": 1}}
+    err = batch_error_line(None, 7, "invalid_json_line", "not valid JSON")
+    assert err["id"].startswith("batch_req_") and err["custom_id"] is None and err["response"] is None
+    assert err["error"] == {"code": "invalid_json_line", "message": "line 7: not valid JSON"}
+    assert batch_error_line("c", 7, "x", "line 7: said already")["error"]["message"] == "line 7: said already"
