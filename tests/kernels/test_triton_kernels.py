@@ -25,8 +25,10 @@ from rein.kernels import reference  # noqa: E402
 from rein.kernels import triton_ops as tops  # noqa: E402
 from rein.kernels.triton_decode import choose_partition  # noqa: E402
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-ON_GPU = DEVICE == "cuda"
+# Interpreted kernels (no GPU, or TRITON_INTERPRET=1 set by hand) run on CPU tensors.
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET else "cuda"
+ON_GPU = not INTERPRET
 BLOCK_SIZE = 16
 F32, F16, BF16, I8 = torch.float32, torch.float16, torch.bfloat16, torch.int8
 # bf16 only on a real GPU (see module docstring).
