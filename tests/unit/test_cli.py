@@ -72,7 +72,7 @@ def read_jsonl(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def check_output(lines: list[dict]) -> None:
+def check_output(lines: list[dict], model_name: str) -> None:
     assert len(lines) == len(GOOD) + len(BAD)
     ok = [x for x in lines if x["error"] is None]
     errors = [x for x in lines if x["error"] is not None]
@@ -103,7 +103,7 @@ def check_output(lines: list[dict]) -> None:
             assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
             assert isinstance(choice["text"], str)
     assert by_id["chat-ok"]["response"]["body"]["model"] == "my-model"
-    assert by_id["comp-ok"]["response"]["body"]["model"] == "llama"
+    assert by_id["comp-ok"]["response"]["body"]["model"] == model_name
     assert by_id["chat-ok"]["response"]["body"]["usage"]["completion_tokens"] <= 4
     assert by_id["comp-ids"]["response"]["body"]["usage"]["prompt_tokens"] == 3
     assert by_id["chat-ok"]["response"]["body"]["choices"][0]["logprobs"] is None
@@ -123,7 +123,7 @@ def test_run_batch_answers_every_line_once(engine, tmp_path):
     write_input(src)
     summary = run_batch(engine, src, out, progress=False)
     lines = read_jsonl(out)
-    check_output(lines)
+    check_output(lines, engine.model_dir.name)
     assert isinstance(summary, BatchSummary)
     assert (summary.requests_ok, summary.requests_failed) == (len(GOOD), len(BAD))
     ok = [x["response"]["body"]["usage"] for x in lines if x["error"] is None]
@@ -159,7 +159,7 @@ def test_run_batch_cli(model_dir, tmp_path, capsys):
     code = main(["run-batch", str(src), "-o", str(out), "--model", str(model_dir), "--kv-cache-memory", KV,
                  "--max-model-len", str(MAX_LEN), "--max-num-seqs", "2"])
     assert code == 0
-    check_output(read_jsonl(out))
+    check_output(read_jsonl(out), model_dir.name)
     err = capsys.readouterr().err
     assert f"{len(GOOD)} ok, {len(BAD)} failed" in err
     assert "tokens/s" in err
