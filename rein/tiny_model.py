@@ -17,9 +17,12 @@ tokenizer_config.json, special_tokens_map.json) that `AutoModelForCausalLM` and
 * `initializer_range` is larger than the usual 0.02 so that the top-1 logit is usually
   clearly ahead of the runner-up and greedy decoding is not decided by rounding noise.
 * The tokenizer is a byte-level BPE trained with `tokenizers` on Python standard library
-  sources read from disk, so any UTF-8 text round-trips and CJK characters take several
-  byte tokens. It adds no special tokens on plain encode; the ChatML chat template puts
-  `<|begin_of_text|>` and the `<|im_start|>`/`<|im_end|>` markers in itself.
+  sources read from disk, so any (NFC) UTF-8 text round-trips and CJK characters take
+  several byte tokens. Its pipeline (NFC, Qwen2 split regex, ByteLevel) is the one
+  transformers' Qwen2Tokenizer imposes, so every arch tokenizes identically through
+  AutoTokenizer and through tokenizer.json alone. It adds no special tokens on plain
+  encode; the ChatML chat template puts `<|begin_of_text|>` and the
+  `<|im_start|>`/`<|im_end|>` markers in itself.
 
 Everything is deterministic for given (arch, seed, preset) and Python installation: two
 builds produce byte-identical files.
@@ -383,3 +386,7 @@ def _write_model_files(
     # transformers 5 always writes safetensors (`safe_serialization` is gone).
     with _quiet_progress_bars():
         model.save_pretrained(out)
+    # transformers writes the weights through a private temp file (mode 0600); give them
+    # the same permissions as the other files so another user/container can read them.
+    weights = out / "model.safetensors"
+    weights.chmod((out / "config.json").stat().st_mode & 0o777)

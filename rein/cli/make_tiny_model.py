@@ -19,7 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.splitlines()[0],
     )
     parser.add_argument("dir", metavar="DIR", help="output directory (created if missing)")
-    parser.add_argument("--arch", choices=ARCHS, default="llama", help="architecture (default: llama)")
+    parser.add_argument(
+        "--arch", choices=ARCHS, default="llama", help="architecture (default: llama)"
+    )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
     parser.add_argument(
         "--preset", choices=tuple(PRESETS), default="tiny", help="model size (default: tiny)"
