@@ -18,6 +18,9 @@ SUBCOMMANDS = {
     "run-batch": "rein.cli.run_batch",
     "generate": "rein.cli.generate",
     "estimate": "rein.cli.estimate",
+    "worker": "rein.cli.worker",
+    "migrate": "rein.cli.migrate",
+    "keys": "rein.cli.keys",
 }
 
 

@@ -5,6 +5,11 @@ The engine thread blocks on its command queue when idle (no polling), drains eve
 pending command before each step (so requests join at every step), and hands each
 step's outputs to the streams. `stop()` aborts whatever is left and joins the thread
 promptly — a worker's warm shutdown depends on it.
+
+An optional `on_step` hook sees all of a step's outputs at once, on the engine thread,
+before the streams do: the worker publishes every running job's delta in one Redis round
+trip per step through it. The hook must be quick and must not raise (an exception is
+logged and the engine carries on).
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,8 +75,10 @@ class _Add:
 
 
 class EngineRunner:
-    def __init__(self, engine: LLMEngine, name: str = "rein-engine") -> None:
+    def __init__(self, engine: LLMEngine, name: str = "rein-engine",
+                 on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
+        self.on_step = on_step
         self._commands: queue.Queue[Any] = queue.Queue()
         self._streams: dict[str, RequestStream] = {}
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -169,6 +176,11 @@ class EngineRunner:
             block = False
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
+        if self.on_step is not None and outputs:
+            try:
+                self.on_step(outputs)
+            except Exception:  # a hook's failure must not take the engine down with it
+                log.exception("engine on_step hook failed")
         for output in outputs:
             stream = self._streams.get(output.request_id)
             if stream is None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from rein.engine.attention import AttentionMetadata, LayerCache, paged_attention
 from rein.engine.model_spec import ModelSpec
-from rein.engine.models.rope import RotaryEmbedding
+from rein.engine.models.rope import RotaryEmbedding, apply_rotary
 
 
 class RMSNorm(nn.Module):
@@ -33,7 +33,7 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, rope: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
@@ -45,9 +45,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, spec.hidden_size, bias=False)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
-        self.rope = rope
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -56,7 +55,7 @@ class Attention(nn.Module):
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(positions, q, k)
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         out = paged_attention(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
@@ -76,16 +75,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, rope: RotaryEmbedding) -> None:
+    def __init__(self, spec: ModelSpec) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, rope)
+        self.self_attn = Attention(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: LayerCache,
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rotary, cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -93,10 +92,9 @@ class LlamaFamilyModel(nn.Module):
     def __init__(self, spec: ModelSpec, max_positions: int) -> None:
         super().__init__()
         self.spec = spec
-        rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
-        self.rope = rope
+        self.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, rope) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
@@ -104,8 +102,9 @@ class LlamaFamilyModel(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm, for every token of the step."""
         x = self.embed_tokens(input_ids)
+        rotary = self.rope(positions)
         for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, positions, cache, meta)
+            x = layer(x, rotary, cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -56,15 +56,13 @@ class RotaryEmbedding(torch.nn.Module):
         self.cos = freqs.cos()
         self.sin = freqs.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, heads, d], k [T, kv_heads, d]; the rotate-half (GPT-NeoX) layout of HF Llama."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for each token, [T, 1, head_dim / 2]; looked up once per step, used by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, d] in the rotate-half (GPT-NeoX) layout that HF Llama uses."""
     dtype = x.dtype
     x = x.float()
     half = x.shape[-1] // 2

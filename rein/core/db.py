@@ -1,0 +1,144 @@
+"""Connections to Postgres: the engine and sessions, creating the database, the migration check.
+
+The API and the worker call `check_migrations_current(engine)` at start and refuse to run
+when it raises: a schema they do not expect would fail later, request by request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import lru_cache
+
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
+
+from rein.core.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+
+class StoreError(RuntimeError):
+    """Postgres cannot be used as it is; the message says what to do."""
+
+
+class DatabaseNotMigratedError(StoreError):
+    """The database is missing or its schema is not the revision this code expects."""
+
+
+class DatabaseUnavailableError(StoreError):
+    """The Postgres server cannot be reached."""
+
+
+def make_engine(url: str | URL, **kwargs: object) -> Engine:
+    """A SQLAlchemy engine; pre-ping so a restarted Postgres costs one retry, not an error."""
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_engine(url, **kwargs)
+
+
+@lru_cache(maxsize=8)
+def _engine_for(url: str) -> Engine:
+    return make_engine(url)
+
+
+def get_engine(settings: Settings | None = None) -> Engine:
+    """The process-wide engine for settings.database_url (one pool per URL)."""
+    return _engine_for((settings or get_settings()).database_url)
+
+
+def get_sessionmaker(settings: Settings | None = None) -> sessionmaker[Session]:
+    """Sessions on get_engine(settings); objects stay readable after commit."""
+    return sessionmaker(get_engine(settings), expire_on_commit=False)
+
+
+@contextmanager
+def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Session]:
+    """A session that commits when the block ends and rolls back if it raises."""
+    session = (factory or get_sessionmaker())()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def database_name(url: str | URL) -> str:
+    return make_url(url).database or ""
+
+
+def psycopg_conninfo(url: URL) -> dict[str, object]:
+    """Connection keywords for psycopg from a SQLAlchemy URL (query options included)."""
+    info: dict[str, object] = {k: v for k, v in
+                               {"host": url.host, "port": url.port, "user": url.username,
+                                "password": url.password, "dbname": url.database}.items() if v is not None}
+    info.update({k: v for k, v in url.query.items() if isinstance(v, str)})
+    return info
+
+
+def ensure_database_exists(url: str | URL, maintenance_db: str = "postgres") -> bool:
+    """CREATE DATABASE for url's database if it does not exist; True when it was created.
+
+    Connects to `maintenance_db` on the same server (CREATE DATABASE cannot run inside
+    the target itself, nor inside a transaction).
+    """
+    import psycopg
+    from psycopg import errors, sql
+
+    url = make_url(url)
+    name = url.database
+    if not name:
+        raise StoreError(f"the database URL {url.render_as_string(hide_password=True)} names no database")
+    info = psycopg_conninfo(url) | {"dbname": maintenance_db}
+    try:
+        conn = psycopg.connect(autocommit=True, connect_timeout=10, **info)
+    except psycopg.OperationalError as exc:
+        raise DatabaseUnavailableError(
+            f"cannot connect to Postgres at {url.host}:{url.port or 5432} "
+            f"(database {maintenance_db}): {str(exc).strip()}") from exc
+    with conn:
+        exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+        if exists:
+            return False
+        try:
+            conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        except errors.DuplicateDatabase:   # another `rein migrate` won the race
+            return False
+    log.info("created database %s", name)
+    return True
+
+
+def check_migrations_current(engine: Engine) -> str:
+    """The database's revision when it is the latest; DatabaseNotMigratedError otherwise.
+
+    Also DatabaseNotMigratedError when the database does not exist, and
+    DatabaseUnavailableError when the server cannot be reached.
+    """
+    from rein.core.migrate import current_revision, head_revision
+
+    name = database_name(engine.url)
+    head = head_revision()
+    try:
+        current = current_revision(engine)
+    except OperationalError as exc:
+        if f'database "{name}" does not exist' in str(exc.orig):
+            raise DatabaseNotMigratedError(
+                f"database {name} does not exist (need revision {head}): run `rein migrate`") from exc
+        raise DatabaseUnavailableError(
+            f"cannot connect to Postgres at {engine.url.host}:{engine.url.port or 5432}: "
+            f"{str(exc.orig).strip()}") from exc
+    if current == head:
+        return current
+    from rein.core.migrate import known_revisions
+
+    if current is not None and current not in known_revisions():
+        raise DatabaseNotMigratedError(
+            f"database {name} is at revision {current}, which this version of rein does not know "
+            f"(need {head}): it was migrated by a newer rein; run that version")
+    raise DatabaseNotMigratedError(
+        f"database {name} is not migrated (at revision {current}, need {head}): run `rein migrate`")

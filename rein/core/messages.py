@@ -1,0 +1,85 @@
+"""The shapes that cross process boundaries: the queue message from the API to a worker,
+and the token events a worker streams back through Redis.
+
+Both are plain JSON-able dicts built and read only through these helpers, so the API and
+the worker cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# Celery priorities on Redis: lower value is served first (kombu's priority steps).
+PRIORITY_INTERACTIVE = 0
+PRIORITY_BATCH = 6
+
+# A job's Redis Stream entries hold the event JSON (TokenEvent.to_json) under this field,
+# with the explicit entry id event_id(seq), so SSE `Last-Event-ID: N` resumes at XRANGE (N-0.
+STREAM_FIELD = "data"
+
+
+def event_id(seq: int) -> str:
+    """The stream entry id of the event numbered `seq`."""
+    return f"{seq}-0"
+
+
+@dataclass
+class JobMessage:
+    """What a worker needs to run a job: token ids (never text) and sampling params.
+
+    `sampling` holds SamplingParams fields by name; `logprobs_mode` and `endpoint` let the
+    worker build the same response body the synchronous endpoint returns.
+    """
+
+    job_id: str
+    model: str
+    endpoint: str
+    prompt_token_ids: list[int]
+    sampling: dict[str, Any]
+    priority: int = PRIORITY_INTERACTIVE
+    logprobs_mode: int | None = None
+    tenant: str = ""
+    key_id: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> JobMessage:
+        return cls(**data)
+
+
+@dataclass
+class TokenEvent:
+    """One step's delta of one job. `seq` counts events from 1 with no gaps; the last event
+    has `finish_reason` and `usage` set. Concatenated `text` equals the final text."""
+
+    seq: int
+    text: str
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    usage: dict[str, int] | None = None
+    error: str | None = None
+
+    @property
+    def final(self) -> bool:
+        return self.finish_reason is not None or self.error is not None
+
+    def to_json(self) -> str:
+        data = {"seq": self.seq, "text": self.text, "token_ids": self.token_ids}
+        if self.finish_reason is not None:
+            data["finish_reason"] = self.finish_reason
+        if self.usage is not None:
+            data["usage"] = self.usage
+        if self.error is not None:
+            data["error"] = self.error
+        return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> TokenEvent:
+        data = json.loads(raw)
+        return cls(seq=data["seq"], text=data["text"], token_ids=data.get("token_ids", []),
+                   finish_reason=data.get("finish_reason"), usage=data.get("usage"),
+                   error=data.get("error"))

@@ -1,0 +1,194 @@
+"""The Postgres schema as SQLAlchemy 2 typed ORM classes: api_keys, jobs, results, usage.
+
+The schema only ever changes through a migration (migrations/versions/); a test checks that
+these classes and the migrated database agree exactly.
+
+Ids: a job id is `job_` + 32 hex digits (a random UUID), readable in URLs and logs and
+unguessable. An API key's primary key is its key id, the public part of the key (see
+rein.core.keys). Every row that a client can read carries `tenant`, and every read is
+filtered by it. All timestamps are `timestamptz`, set by the database clock where a default
+applies.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    Text,
+    UniqueConstraint,
+    func,
+    text,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+# Deterministic constraint names, so later migrations can refer to them.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+FINISHED_JOB_STATUSES = ("succeeded", "failed", "cancelled")
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+
+
+def new_job_id() -> str:
+    return f"job_{uuid.uuid4().hex}"
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return f"{column} IN ({', '.join(repr(v) for v in values)})"
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {
+        datetime: DateTime(timezone=True),
+        str: Text(),
+        dict[str, Any]: JSONB(),
+        list[int]: ARRAY(Integer()),
+        list[str]: ARRAY(Text()),
+    }
+
+
+class ApiKey(Base):
+    """An API key: its public id, a hash of its secret (never the secret), scopes and limits."""
+
+    __tablename__ = "api_keys"
+
+    key_id: Mapped[str] = mapped_column(primary_key=True)
+    """The public id embedded in the key (rein_<key_id>_<secret>)."""
+    name: Mapped[str]
+    tenant: Mapped[str] = mapped_column(index=True)
+    """Whose key this is; every object the key creates belongs to this tenant."""
+    secret_hash: Mapped[bytes] = mapped_column(LargeBinary())
+    """SHA-256 of the secret (see rein.core.keys for why a fast hash is right here)."""
+    scopes: Mapped[list[str]]
+    rpm_limit: Mapped[int | None]
+    """Requests per minute; NULL: the settings' default_rpm."""
+    tpm_limit: Mapped[int | None]
+    """Tokens (prompt + max_tokens) per minute; NULL: the settings' default_tpm."""
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    revoked_at: Mapped[datetime | None]
+
+    __table_args__ = (
+        CheckConstraint("rpm_limit IS NULL OR rpm_limit > 0", name="rpm_limit_positive"),
+        CheckConstraint("tpm_limit IS NULL OR tpm_limit > 0", name="tpm_limit_positive"),
+    )
+
+
+class Job(Base):
+    """One inference request, sync or async, from intake to its end.
+
+    `params` holds what the client sent (`body`) and the sampling parameters the API resolved
+    (`sampling`). `prompt_token_ids` is the tokenized prompt: the queue message carries it too,
+    but a redelivered message, a replay or an audit can rely on the row alone.
+
+    Claiming: a worker moves a job queued -> running by incrementing `attempt` and setting
+    `worker` and `lease_expires_at` in one conditional UPDATE; its later writes name the
+    attempt they belong to, so a stale worker's writes match no row.
+    """
+
+    __tablename__ = "jobs"
+
+    id: Mapped[str] = mapped_column(primary_key=True, default=new_job_id)
+    tenant: Mapped[str]
+    key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.key_id"), index=True)
+    model: Mapped[str]
+    endpoint: Mapped[str]
+    """/v1/completions or /v1/chat/completions: the shape of the response body."""
+    params: Mapped[dict[str, Any]]
+    prompt_token_ids: Mapped[list[int]]
+    prompt_tokens: Mapped[int]
+    priority: Mapped[int] = mapped_column(server_default=text("0"))
+    """The Celery priority the job was queued with (Redis transport: lower is taken first)."""
+    status: Mapped[str] = mapped_column(server_default=text("'queued'"))
+    attempt: Mapped[int] = mapped_column(server_default=text("0"))
+    """How many times a worker has claimed the job."""
+    worker: Mapped[str | None]
+    """The worker holding (or last holding) the job."""
+    lease_expires_at: Mapped[datetime | None]
+    idempotency_key: Mapped[str | None]
+    """The client's Idempotency-Key; a retry with the same key gets this job back."""
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", server_default=text("'{}'::jsonb"))
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    queued_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    started_at: Mapped[datetime | None]
+    first_token_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    cancel_requested_at: Mapped[datetime | None]
+    """Set by a cancel request; a worker that sees it aborts the job."""
+    error: Mapped[dict[str, Any] | None]
+    """On failure: {"message", "type", "code"} in OpenAI's error shape."""
+
+    result: Mapped[Result | None] = relationship(back_populates="job")
+    usage: Mapped[Usage | None] = relationship(back_populates="job")
+
+    __table_args__ = (
+        CheckConstraint(_in("status", JOB_STATUSES), name="status_valid"),
+        CheckConstraint("attempt >= 0", name="attempt_nonnegative"),
+        CheckConstraint("prompt_tokens >= 0", name="prompt_tokens_nonnegative"),
+        UniqueConstraint("tenant", "idempotency_key"),
+        # Listing newest first is a backward scan of this index.
+        Index("ix_jobs_tenant_created_at", "tenant", "created_at", "id"),
+    )
+
+
+class Result(Base):
+    """What a finished job produced (the engine's output, before response formatting)."""
+
+    __tablename__ = "results"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    text: Mapped[str]
+    finish_reason: Mapped[str]
+    """stop | length | abort, as the engine reports it."""
+    token_ids: Mapped[list[int]]
+    logprobs: Mapped[dict[str, Any] | None]
+    """Only when the request asked for logprobs, in the shape the response needs."""
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+    job: Mapped[Job] = relationship(back_populates="result")
+
+
+class Usage(Base):
+    """Token accounting: exactly one row per job (unique on job_id), written with the result."""
+
+    __tablename__ = "usage"
+
+    id: Mapped[int] = mapped_column(BigInteger(), primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), unique=True)
+    tenant: Mapped[str]
+    key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.key_id"))
+    model: Mapped[str]
+    prompt_tokens: Mapped[int]
+    completion_tokens: Mapped[int]
+    cached_tokens: Mapped[int] = mapped_column(server_default=text("0"))
+    """Prompt tokens served from the prefix cache (a subset of prompt_tokens)."""
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+    job: Mapped[Job] = relationship(back_populates="usage")
+
+    __table_args__ = (
+        CheckConstraint(
+            "prompt_tokens >= 0 AND completion_tokens >= 0 AND cached_tokens >= 0 "
+            "AND cached_tokens <= prompt_tokens",
+            name="tokens_valid",
+        ),
+        Index("ix_usage_tenant_created_at", "tenant", "created_at"),
+    )

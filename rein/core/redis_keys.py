@@ -1,0 +1,46 @@
+"""Every Redis key and channel name rein uses, in one place.
+
+A `prefix` (default "rein") namespaces everything, so tests and several deployments can
+share one Redis without colliding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RedisKeys:
+    prefix: str = "rein"
+
+    @classmethod
+    def from_settings(cls, settings: Any) -> RedisKeys:
+        """Keys under settings.redis_key_prefix (a trailing ':' is the separator added here)."""
+        return cls(str(getattr(settings, "redis_key_prefix", "rein")).rstrip(":") or "rein")
+
+    def job_stream(self, job_id: str) -> str:
+        """Stream of a job's token events (XADD with id = <seq>-0, capped, expiring after the job)."""
+        return f"{self.prefix}:job:{job_id}:events"
+
+    def job_channel(self, job_id: str) -> str:
+        """Pub/sub channel with the same events, for direct subscribers."""
+        return f"{self.prefix}:job:{job_id}:live"
+
+    def job_cancel(self, job_id: str) -> str:
+        """Set when a job is cancelled; the worker checks it when it takes the job."""
+        return f"{self.prefix}:job:{job_id}:cancel"
+
+    def cancel_channel(self) -> str:
+        """Workers subscribe here to abort running jobs within one engine step."""
+        return f"{self.prefix}:cancel"
+
+    def queue(self, model: str) -> str:
+        """The Celery queue of a served model."""
+        return f"{self.prefix}.model.{model}"
+
+    def rate_limit(self, key_id: str, kind: str, window: int) -> str:
+        return f"{self.prefix}:ratelimit:{key_id}:{kind}:{window}"
+
+    def worker_heartbeat(self, worker: str) -> str:
+        return f"{self.prefix}:worker:{worker}"

@@ -1,0 +1,191 @@
+"""The one settings object shared by the API, the worker and the CLI.
+
+Every value comes from an environment variable `REIN_<FIELD>` (e.g. `REIN_DATABASE_URL`),
+read once by `get_settings()`. This is the only module in rein that reads the environment:
+everything else takes a `Settings` (CLI flags override a field with `model_copy(update=...)`).
+Empty variables count as unset.
+
+`REIN_MODELS` names the served models, comma separated, the first being the default:
+
+    REIN_MODELS="llama=/models/Llama-3.1-8B-Instruct@8192,qwen=Qwen/Qwen3-0.6B"
+
+Each entry is `name=path_or_hub_id[@max_model_len]`: the name clients send as `model`,
+a local Hugging Face model directory or a hub id, and optionally `@N` to cap the context
+length at N tokens (default: the model's own).
+"""
+
+from __future__ import annotations
+
+import re
+from functools import lru_cache
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+MODELS_FORMAT = "name=path_or_hub_id[@max_model_len][,name=...]"
+_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
+
+
+class SettingsError(ValueError):
+    """The environment holds a value rein cannot use; the message names each variable."""
+
+
+class ServedModel(BaseModel):
+    """One entry of REIN_MODELS."""
+
+    model_config = ConfigDict(frozen=True)
+
+    name: str
+    """What clients pass as `model` (and what names the model's queue)."""
+    source: str
+    """A local model directory or a Hugging Face hub id."""
+    max_model_len: int | None = None
+    """Context length cap in tokens; None: the model's own."""
+
+
+def parse_models(text: str) -> tuple[ServedModel, ...]:
+    """'a=/m/a@4096,b=org/b' -> ServedModels; ValueError naming the bad entry and the format."""
+    models: list[ServedModel] = []
+    for raw in text.split(","):
+        entry = raw.strip()
+        if not entry:
+            if text.strip():
+                raise ValueError(f"empty entry in {text!r} (a stray comma?): expected {MODELS_FORMAT}")
+            continue
+        name, sep, source = (part.strip() for part in entry.partition("="))
+        if not sep:
+            raise ValueError(f"entry {entry!r} has no '=': expected {MODELS_FORMAT}, e.g. llama=/models/llama")
+        if not name:
+            raise ValueError(f"entry {entry!r} has no model name before '=': expected {MODELS_FORMAT}")
+        if not _MODEL_NAME.fullmatch(name):
+            raise ValueError(
+                f"entry {entry!r}: model name {name!r} must start with a letter or digit and use only "
+                f"letters, digits and . _ : / - (expected {MODELS_FORMAT})"
+            )
+        max_model_len = None
+        # A path may contain '@'; only a final '@' followed by no '/' is the length suffix.
+        head, at, tail = source.rpartition("@")
+        if at and "/" not in tail:
+            if not tail.isdigit() or int(tail) < 1:
+                raise ValueError(
+                    f"entry {entry!r}: max_model_len {tail!r} after '@' must be a positive integer "
+                    f"(expected {MODELS_FORMAT}, e.g. {name}=/models/x@4096)"
+                )
+            source, max_model_len = head.strip(), int(tail)
+        if not source:
+            raise ValueError(f"entry {entry!r} has no model path or hub id after '=': expected {MODELS_FORMAT}")
+        if any(m.name == name for m in models):
+            raise ValueError(f"model name {name!r} appears twice in {text!r}: names must be unique")
+        models.append(ServedModel(name=name, source=source, max_model_len=max_model_len))
+    return tuple(models)
+
+
+class Settings(BaseSettings):
+    """rein's configuration; each field is read from `REIN_<FIELD NAME>`."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="REIN_", env_ignore_empty=True, extra="ignore", frozen=True,
+        use_attribute_docstrings=True,
+    )
+
+    # --- where things are
+    database_url: str = "postgresql+psycopg://postgres@127.0.0.1:5432/rein"
+    """Postgres, as a SQLAlchemy URL (driver psycopg 3); `rein migrate` creates the database if missing."""
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    """Redis: Celery broker, rate-limit counters and per-job token streams."""
+    redis_key_prefix: str = "rein:"
+    """Prefix of every Redis key rein names, so deployments (and test runs) can share one Redis."""
+
+    # --- what is served
+    models: Annotated[tuple[ServedModel, ...], NoDecode] = ()
+    """REIN_MODELS: `name=path_or_hub_id[@max_model_len],...`; the first is the default."""
+
+    # --- the API
+    api_host: str = "127.0.0.1"
+    """Address `rein api` listens on."""
+    api_port: int = Field(8000, ge=1, le=65535)
+    """Port `rein api` listens on (it also serves /metrics there)."""
+    max_queue_depth: int = Field(1000, ge=1)
+    """Backpressure: above this many queued jobs for a model, new jobs get 503 with Retry-After."""
+    default_rpm: int | None = Field(None, ge=1)
+    """Requests per minute for a key without its own limit; unset: unlimited."""
+    default_tpm: int | None = Field(None, ge=1)
+    """Tokens (prompt + max_tokens) per minute for a key without its own limit; unset: unlimited."""
+
+    # --- jobs and streams
+    job_timeout_seconds: int = Field(3600, ge=1)
+    """Longest a job may run; the broker's visibility timeout is set longer (see below)."""
+    stream_maxlen: int = Field(10_000, ge=1)
+    """Events kept per job stream (approximate cap); a longer job replays its start from Postgres."""
+    stream_ttl_seconds: int = Field(3600, ge=1)
+    """A job's token stream expires this long after the job ends."""
+
+    # --- the worker's engine (see rein.engine.config.EngineConfig, which validates them)
+    max_num_seqs: int = Field(64, ge=1)
+    """Sequences batched at once; also the worker's Celery concurrency."""
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    """Token budget of one engine step (prefill chunks + decodes)."""
+    kv_cache_memory: str | None = None
+    """Bytes for the KV cache, e.g. 4GiB; unset: a share of free GPU memory (1 GiB on CPU)."""
+    device: str = "auto"
+    """auto (cuda when available), cuda, cuda:N or cpu."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Weights dtype; auto: bfloat16 on CUDA, float32 on CPU."""
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = "auto"
+    """KV cache element type; auto: the weights dtype."""
+    worker_metrics_port: int | None = Field(None, ge=1, le=65535)
+    """Port for the worker's Prometheus metrics; unset: the worker serves none."""
+
+    @field_validator("models", mode="before")
+    @classmethod
+    def _parse_models(cls, value: object) -> object:
+        return parse_models(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> Settings:
+        names = [m.name for m in self.models]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model names must be unique, got {names}")
+        return self
+
+    @property
+    def default_model(self) -> ServedModel:
+        """The first served model; SettingsError when REIN_MODELS is empty."""
+        if not self.models:
+            raise SettingsError(f"no model is served: set REIN_MODELS, e.g. REIN_MODELS=\"{MODELS_FORMAT}\"")
+        return self.models[0]
+
+    def served_model(self, name: str) -> ServedModel | None:
+        """The served model called `name`, or None."""
+        return next((m for m in self.models if m.name == name), None)
+
+    @property
+    def visibility_timeout_seconds(self) -> int:
+        """Broker visibility timeout: past the longest job, so a running job is never redelivered."""
+        return 2 * self.job_timeout_seconds + 60
+
+
+def load_settings(**overrides: object) -> Settings:
+    """Settings from the environment (overrides win); SettingsError lists each bad variable."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise SettingsError(describe_errors(exc)) from None
+
+
+def describe_errors(exc: ValidationError) -> str:
+    lines = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else ""
+        where = f"REIN_{field.upper()}" if field else "settings"
+        message = error["msg"].removeprefix("Value error, ")
+        given = "" if error["type"] == "value_error" else f" (got {error.get('input')!r})"
+        lines.append(f"{where}: {message}{given}")
+    return "invalid configuration:\n  " + "\n  ".join(lines)
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process's settings, read from the environment once (`get_settings.cache_clear()` re-reads)."""
+    return load_settings()

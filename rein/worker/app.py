@@ -1,0 +1,107 @@
+"""The Celery app: broker, flow control, queues and priorities, and how a job is enqueued.
+
+One module holds the whole Celery configuration, so the API (which only sends) and the
+worker (which consumes) cannot disagree about it. Importing it costs no torch.
+
+Why each setting:
+
+* Flow control (see DESIGN.md): the threads pool with one thread per engine sequence,
+  prefetch 1 and late acks, so a worker reserves only as many jobs as its engine batches,
+  and a message is acknowledged only once its job is recorded.
+* `task_reject_on_worker_lost` and a visibility timeout longer than the longest job
+  (`Settings.visibility_timeout_seconds`): a message whose worker vanished comes back,
+  but never while its job may still be running. The claim's lease (rein.worker.claim)
+  makes that redelivery safe.
+* `worker_cancel_long_running_tasks_on_connection_loss`: a message whose broker
+  connection was lost cannot be acknowledged any more and will be redelivered, so its
+  running job is interrupted and handed back rather than run on (the threads pool cannot
+  kill a thread: rein's pool turns the cancel into an engine abort, see
+  rein.worker.bootstep.EngineThreadPool).
+* One queue per served model (`RedisKeys.queue`), chosen by a router from the message's
+  `model`; Redis priorities with ten steps, where lower is taken first, so interactive
+  jobs (PRIORITY_INTERACTIVE = 0) overtake batch jobs (PRIORITY_BATCH = 6) waiting in the
+  same queue.
+* No result backend: results, status and usage go to Postgres.
+* Every broker key lives under `settings.redis_key_prefix` (kombu's `global_keyprefix`),
+  like every other key rein names, so deployments and test runs can share one Redis.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from celery import Celery
+
+from rein.core.messages import PRIORITY_BATCH, JobMessage
+from rein.core.redis_keys import RedisKeys
+
+TASK_NAME = "rein.run_job"
+PRIORITY_STEPS = list(range(10))
+PRIORITY_SEP = ":"
+
+
+def make_celery(settings: Any) -> Celery:
+    """The Celery app for these settings (broker = settings.redis_url)."""
+    keys = RedisKeys.from_settings(settings)
+    app = Celery("rein", broker=settings.redis_url, set_as_current=False)
+    app.conf.update(
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout_seconds,
+            "queue_order_strategy": "priority",
+            "priority_steps": PRIORITY_STEPS,
+            "sep": PRIORITY_SEP,
+            # Every broker key (queues, unacked, bindings) under the deployment's prefix.
+            "global_keyprefix": settings.redis_key_prefix,
+        },
+        result_backend=None,
+        task_ignore_result=True,
+        task_serializer="json",
+        accept_content=["json"],
+        task_acks_late=True,
+        task_reject_on_worker_lost=True,
+        task_default_priority=PRIORITY_BATCH,
+        task_routes=(JobRouter(keys),),
+        task_default_queue=f"{keys.prefix}.default",
+        worker_prefetch_multiplier=1,
+        worker_concurrency=settings.max_num_seqs,
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+        worker_send_task_events=False,
+        worker_enable_remote_control=True,
+    )
+    app.rein_settings = settings
+    # Registers the job task on this app (a shared task); the module imports no torch.
+    import rein.worker.tasks  # noqa: F401
+
+    return app
+
+
+class JobRouter:
+    """Celery router: the job task goes to its model's queue."""
+
+    def __init__(self, keys: RedisKeys) -> None:
+        self.keys = keys
+
+    def __call__(self, name: str, args: Any, kwargs: Any, options: Any, task: Any = None,
+                 **kw: Any) -> dict[str, str] | None:
+        if name != TASK_NAME:
+            return None
+        message = args[0] if args else (kwargs or {}).get("message")
+        if not isinstance(message, dict) or "model" not in message:
+            raise ValueError(f"{TASK_NAME} needs a JobMessage dict with a 'model', got {message!r:.200}")
+        return {"queue": self.keys.queue(message["model"])}
+
+
+def enqueue_job(app: Celery, message: JobMessage) -> None:
+    """Put a job on its model's queue at its priority (what the API calls after the job row exists)."""
+    app.send_task(TASK_NAME, args=[message.to_dict()], priority=message.priority)
+
+
+def queue_keys(settings: Any, model: str) -> list[str]:
+    """The Redis lists holding a model's queued messages, one per priority step, highest first.
+
+    The sum of their LLEN is the queue depth (for backpressure and `rein top`). Kombu puts
+    every broker key under settings.redis_key_prefix (its `global_keyprefix`).
+    """
+    queue = settings.redis_key_prefix + RedisKeys.from_settings(settings).queue(model)
+    return [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]

@@ -1,0 +1,274 @@
+"""The worker's long-lived half: the engine, its runner thread, the token publisher, the
+cancel listener and a heartbeat, owned by one Celery bootstep.
+
+The bootstep starts after the pool and before the consumer, so the engine is loaded
+before the first message is taken; it stops after the consumer has stopped taking
+messages and before the pool waits for its threads. Stopping closes the publisher,
+stops the runner (aborting whatever the engine still runs) and so ends every task
+promptly: each hands its job back for another worker (rein.worker.claim.release_job)
+instead of keeping the warm shutdown waiting for the longest job.
+
+Tasks reach all of this through `worker_context(app)`.
+
+`EngineThreadPool` is Celery's threads pool plus the one thing it lacks: terminating a
+task. Celery terminates tasks on broker connection loss
+(`worker_cancel_long_running_tasks_on_connection_loss`), on cold shutdown and on
+`revoke(terminate=True)`; a thread cannot be killed, so this pool interrupts the task's
+job in the engine instead, and the task hands it back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery, bootsteps
+from celery.concurrency.thread import ApplyResult
+from celery.concurrency.thread import TaskPool as ThreadTaskPool
+from redis import Redis
+from redis.exceptions import RedisError
+from sqlalchemy.orm import Session, sessionmaker
+
+from rein.core.redis_keys import RedisKeys
+from rein.worker.cancel import CancelListener
+from rein.worker.publisher import INTERRUPTED, TokenPublisher
+
+if TYPE_CHECKING:
+    from rein.engine.config import EngineConfig
+    from rein.engine.engine import LLMEngine
+    from rein.engine.runner import EngineRunner
+
+log = logging.getLogger(__name__)
+
+HEARTBEAT_SECONDS = 5.0
+
+
+@dataclass
+class WorkerSpec:
+    """What the bootstep builds: the model served and its engine configuration.
+
+    `engine_factory` (tests) replaces building an LLMEngine from `engine_config`.
+    """
+
+    settings: Any
+    model_name: str
+    engine_config: EngineConfig | None = None
+    engine_factory: Callable[[], LLMEngine] | None = None
+
+
+@dataclass
+class WorkerContext:
+    """Everything a task needs while the worker runs."""
+
+    app: Celery
+    settings: Any
+    model_name: str
+    worker_name: str
+    keys: RedisKeys
+    redis: Redis
+    sessions: sessionmaker[Session]
+    runner: EngineRunner
+    publisher: TokenPublisher
+    listener: CancelListener | None = None
+    stopping: threading.Event = field(default_factory=threading.Event)
+    interrupted: set[str] = field(default_factory=set)
+    _jobs_by_thread: dict[int, str] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _heartbeat: threading.Thread | None = None
+
+    @property
+    def engine(self) -> LLMEngine:
+        return self.runner.engine
+
+    @contextmanager
+    def tracking(self, job_id: str) -> Iterator[None]:
+        """While the calling task thread runs `job_id` (for cancels and interrupts)."""
+        ident = threading.get_ident()
+        with self._lock:
+            self._jobs_by_thread[ident] = job_id
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._jobs_by_thread.pop(ident, None)
+                self.interrupted.discard(job_id)
+
+    def running_jobs(self) -> list[str]:
+        with self._lock:
+            return list(self._jobs_by_thread.values())
+
+    def is_interrupted(self, job_id: str) -> bool:
+        with self._lock:
+            return self.stopping.is_set() or job_id in self.interrupted
+
+    def interrupt(self, job_id: str) -> None:
+        """Abort the job in the engine so that its task hands it back (not a cancel)."""
+        with self._lock:
+            self.interrupted.add(job_id)
+        self.publisher.mark_abort(job_id, INTERRUPTED)
+        self.runner.abort(job_id)
+
+    def interrupt_thread(self, ident: int) -> None:
+        with self._lock:
+            job_id = self._jobs_by_thread.get(ident)
+        if job_id is not None:
+            log.warning("interrupting job %s: Celery terminated its task", job_id)
+            self.interrupt(job_id)
+
+    def start(self) -> None:
+        self.listener = CancelListener(self.redis, self.keys, self.runner.abort, self.running_jobs).start()
+        self._heartbeat = threading.Thread(target=self._beat, name="rein-heartbeat", daemon=True)
+        self._heartbeat.start()
+
+    def stop(self) -> None:
+        """Abort what runs (its tasks hand their jobs back) and end every thread."""
+        if self.stopping.is_set():
+            return
+        log.info("stopping the engine of %s (running jobs go back to the queue)", self.model_name)
+        self.stopping.set()
+        self.publisher.close()
+        if self.listener is not None:
+            self.listener.stop()
+        self.runner.stop()
+        if self._heartbeat is not None:
+            self._heartbeat.join(HEARTBEAT_SECONDS)
+        try:
+            self.redis.delete(self.keys.worker_heartbeat(self.worker_name))
+        except RedisError:
+            pass
+
+    def heartbeat(self) -> dict[str, Any]:
+        """What `rein top` shows of this worker."""
+        engine = self.engine
+        return {"worker": self.worker_name, "model": self.model_name, "time": time.time(),
+                "running": engine.num_running, "waiting": engine.num_waiting,
+                "max_num_seqs": engine.config.max_num_seqs, "kv_blocks": engine.pool.num_blocks,
+                "kv_blocks_free": engine.pool.num_free, "kv_usage": engine.pool.usage,
+                "steps": engine.stats.steps, "generation_tokens": engine.stats.generation_tokens}
+
+    def _beat(self) -> None:
+        key = self.keys.worker_heartbeat(self.worker_name)
+        while not self.stopping.is_set():
+            try:
+                self.redis.set(key, json.dumps(self.heartbeat()), ex=int(3 * HEARTBEAT_SECONDS))
+            except (RedisError, RuntimeError) as exc:   # RuntimeError: engine dicts changed under us
+                log.debug("heartbeat skipped: %s", exc)
+            self.stopping.wait(HEARTBEAT_SECONDS)
+
+
+def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerContext:
+    """Load the engine and start its runner, the publisher, the listener and the heartbeat."""
+    from rein.core.db import make_engine
+    from rein.engine.runner import EngineRunner
+
+    settings = spec.settings
+    if spec.engine_factory is not None:
+        engine = spec.engine_factory()
+    else:
+        from rein.engine.engine import LLMEngine
+
+        engine = LLMEngine(spec.engine_config)
+    keys = RedisKeys.from_settings(settings)
+    redis = Redis.from_url(settings.redis_url, health_check_interval=30)
+    publisher = TokenPublisher(redis, keys, settings.stream_maxlen, settings.stream_ttl_seconds,
+                               settings.job_timeout_seconds)
+    runner = EngineRunner(engine, name=f"rein-engine-{spec.model_name}", on_step=publisher.publish_step)
+    # One connection per task thread at most; the claim and the record are short transactions.
+    threads = engine.config.max_num_seqs
+    db = make_engine(settings.database_url, pool_size=min(threads, 16), max_overflow=max(threads - 16, 0) + 4)
+    context = WorkerContext(app=app, settings=settings, model_name=spec.model_name, worker_name=worker_name,
+                            keys=keys, redis=redis, sessions=sessionmaker(db, expire_on_commit=False),
+                            runner=runner, publisher=publisher)
+    runner.start()
+    context.start()
+    log.info("engine ready for %s on %s: %d KV blocks of %d tokens, max %d sequences", spec.model_name,
+             engine.config.device, engine.pool.num_blocks, engine.pool.block_size, threads)
+    return context
+
+
+class EngineBootstep(bootsteps.StartStopStep):
+    """Owns the WorkerContext for the worker's lifetime."""
+
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, worker: Any, **kwargs: Any) -> None:
+        super().__init__(worker, **kwargs)
+        self.context: WorkerContext | None = None
+
+    def start(self, worker: Any) -> None:
+        spec: WorkerSpec | None = getattr(worker.app, "rein_worker_spec", None)
+        if spec is None:
+            raise RuntimeError("no WorkerSpec on the app: call rein.worker.bootstep.configure_worker first")
+        self.context = build_context(worker.app, spec, worker.hostname)
+        worker.app.rein_context = self.context
+
+    def stop(self, worker: Any) -> None:
+        if self.context is not None:
+            self.context.stop()
+
+    def terminate(self, worker: Any) -> None:
+        self.stop(worker)
+
+    def shutdown(self, worker: Any) -> None:
+        self.stop(worker)
+
+
+class EngineThreadPool(ThreadTaskPool):
+    """The threads pool, where terminating a task interrupts its job in the engine.
+
+    Each task gets a unique token as its "pid" (Celery keeps it as the request's
+    worker_pid and passes it back to terminate_job).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._tokens = itertools.count(1)
+        self._threads: dict[int, int] = {}
+        self._threads_lock = threading.Lock()
+
+    def on_apply(self, target: Any, args: Any = None, kwargs: Any = None, callback: Any = None,
+                 accept_callback: Any = None, **_: Any) -> ApplyResult:
+        from celery.concurrency.base import apply_target
+
+        token = next(self._tokens)
+
+        def run(*a: Any, **kw: Any) -> Any:
+            with self._threads_lock:
+                self._threads[token] = threading.get_ident()
+            try:
+                return target(*a, **kw)
+            finally:
+                with self._threads_lock:
+                    self._threads.pop(token, None)
+
+        return ApplyResult(self.executor.submit(apply_target, run, args, kwargs, callback,
+                                                accept_callback, pid=token))
+
+    def terminate_job(self, pid: int, signal: Any = None) -> None:
+        with self._threads_lock:
+            ident = self._threads.get(pid)
+        context: WorkerContext | None = getattr(self.app, "rein_context", None)
+        if ident is not None and context is not None:
+            context.interrupt_thread(ident)
+
+
+def configure_worker(app: Celery, spec: WorkerSpec) -> None:
+    """Make `app` an engine worker for spec.model_name: the bootstep and the pool."""
+    app.rein_worker_spec = spec
+    app.steps["worker"].add(EngineBootstep)
+    app.conf.worker_pool = f"{EngineThreadPool.__module__}:{EngineThreadPool.__qualname__}"
+
+
+def worker_context(app: Celery) -> WorkerContext:
+    """The running worker's context; RuntimeError when this process runs no engine."""
+    context: WorkerContext | None = getattr(app, "rein_context", None)
+    if context is None:
+        raise RuntimeError("this Celery worker has no rein engine: start it with `rein worker --model NAME`")
+    return context

@@ -1,0 +1,137 @@
+"""The job lease: which worker runs a job, under which attempt number.
+
+A message may be delivered more than once (a worker was lost, a broker connection
+dropped, a shutdown handed the job back), so the task never trusts the message: it
+first claims the job row in Postgres with one conditional UPDATE.
+
+Lease semantics:
+
+* `claim_job` moves a job to `running`, increments `attempt`, records the worker and sets
+  `lease_expires_at` = now + the longest allowed job + a margin. It succeeds only when the
+  job is `queued`, or `running` under an expired lease (its worker died without handing
+  it back), and no cancel was requested.
+* Every later write names the attempt it belongs to (`WHERE attempt = :attempt AND
+  status = 'running'`): a worker that lost its lease writes nothing, so one attempt at
+  most ever records a result or bills usage.
+* A job already finished (succeeded, failed, cancelled) is never claimed again: a
+  redelivered message for it is acknowledged and does nothing. A job running under a live
+  lease (another worker has it) is left alone too: that worker records it.
+* `release_job` hands a job back (`queued`) when its run was interrupted rather than
+  finished (warm shutdown, broker connection lost); the next claim runs it again as a new
+  attempt.
+* The broker's visibility timeout (2 x job timeout + 60 s) exceeds the lease
+  (job timeout + 60 s), so a message comes back only after its lease has run out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from enum import StrEnum
+
+from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from rein.core.models import FINISHED_JOB_STATUSES, Job
+
+LEASE_MARGIN_SECONDS = 60
+
+
+class ClaimOutcome(StrEnum):
+    CLAIMED = "claimed"
+    MISSING = "missing"                  # no such job row
+    FINISHED = "finished"                # succeeded, failed or cancelled already: nothing to do
+    CANCELLED = "cancelled"              # a cancel was requested; this call marked it cancelled
+    HELD_ELSEWHERE = "held_elsewhere"    # running under another live lease
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A claimed job: what the later writes need to name it."""
+
+    job_id: str
+    attempt: int
+    worker: str
+    tenant: str
+    key_id: str
+    model: str
+    endpoint: str
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Claim:
+    outcome: ClaimOutcome
+    lease: Lease | None = None
+
+    @property
+    def claimed(self) -> bool:
+        return self.lease is not None
+
+
+def lease_seconds(job_timeout_seconds: int) -> int:
+    return job_timeout_seconds + LEASE_MARGIN_SECONDS
+
+
+def _claimable():
+    """A job that may start a new attempt: queued, or running under an expired lease."""
+    expired = or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < func.now())
+    return or_(Job.status == "queued", and_(Job.status == "running", expired))
+
+
+def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_for_seconds: int) -> Claim:
+    """Take the job for a new attempt, or say why not (see the module docstring)."""
+    with sessions.begin() as session:
+        row = session.execute(
+            update(Job)
+            .where(Job.id == job_id, Job.cancel_requested_at.is_(None), _claimable())
+            .values(status="running", attempt=Job.attempt + 1, worker=worker, started_at=func.now(),
+                    first_token_at=None, finished_at=None, error=None,
+                    lease_expires_at=func.now() + timedelta(seconds=lease_for_seconds))
+            .returning(Job.attempt, Job.tenant, Job.key_id, Job.model, Job.endpoint, Job.prompt_tokens)
+            .execution_options(synchronize_session=False)
+        ).one_or_none()
+        if row is not None:
+            return Claim(ClaimOutcome.CLAIMED, Lease(job_id, row.attempt, worker, row.tenant, row.key_id,
+                                                     row.model, row.endpoint, row.prompt_tokens))
+        current = session.execute(
+            select(Job.status, Job.cancel_requested_at).where(Job.id == job_id)).one_or_none()
+    if current is None:
+        return Claim(ClaimOutcome.MISSING)
+    if current.status in FINISHED_JOB_STATUSES:
+        return Claim(ClaimOutcome.FINISHED)
+    if current.cancel_requested_at is not None and cancel_unstarted_job(sessions, job_id):
+        return Claim(ClaimOutcome.CANCELLED)
+    return Claim(ClaimOutcome.HELD_ELSEWHERE)
+
+
+def cancel_unstarted_job(sessions: sessionmaker[Session], job_id: str) -> bool:
+    """Mark a job that no live worker runs as cancelled; True when this call did it.
+
+    For a job cancelled while queued (its message is skipped when taken) and for one whose
+    worker died after a cancel was requested.
+    """
+    with sessions.begin() as session:
+        row = session.execute(
+            update(Job)
+            .where(Job.id == job_id, _claimable())
+            .values(status="cancelled", finished_at=func.now(), lease_expires_at=None,
+                    cancel_requested_at=func.coalesce(Job.cancel_requested_at, func.now()))
+            .returning(Job.id)
+            .execution_options(synchronize_session=False)
+        ).one_or_none()
+    return row is not None
+
+
+def release_job(sessions: sessionmaker[Session], lease: Lease) -> bool:
+    """Hand an interrupted attempt back (status queued); False when the lease was already lost."""
+    with sessions.begin() as session:
+        row = session.execute(
+            update(Job)
+            .where(Job.id == lease.job_id, Job.attempt == lease.attempt, Job.status == "running")
+            .values(status="queued", worker=None, lease_expires_at=None, started_at=None,
+                    first_token_at=None)
+            .returning(Job.id)
+            .execution_options(synchronize_session=False)
+        ).one_or_none()
+    return row is not None

@@ -1,0 +1,194 @@
+"""The job task, thin like a web view: unpack the message, claim, hand to the engine, wait,
+record. `process_job` is that flow as a plain function (tested without a broker); the
+pieces live in claim, publisher, recorder and cancel.
+
+How an attempt ends:
+
+* stop / length — `succeeded`: result, usage and timings in one transaction;
+* aborted by a cancel — `cancelled`, with the partial result and the tokens it used;
+* past the job time limit — `failed` (code `timeout`), tokens used billed;
+* refused by the engine (a prompt it cannot take) or engine failure — `failed`;
+* interrupted (warm shutdown, broker connection lost) — handed back: the job row returns
+  to `queued` and a fresh message is queued for it.
+
+The Celery message is acknowledged after this returns in every case (late ack).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any
+
+from celery import shared_task
+
+from rein.core.messages import JobMessage
+from rein.worker.app import TASK_NAME, enqueue_job
+from rein.worker.bootstep import worker_context
+from rein.worker.cancel import is_cancel_requested
+from rein.worker.claim import ClaimOutcome, claim_job, lease_seconds, release_job
+from rein.worker.publisher import TIMEOUT, usage_of
+from rein.worker.recorder import JobRecord, record_job, response_logprobs
+
+if TYPE_CHECKING:
+    from rein.engine.outputs import RequestOutput, TokenLogprob
+    from rein.engine.runner import RequestStream
+    from rein.worker.bootstep import WorkerContext
+    from rein.worker.claim import Lease
+
+log = logging.getLogger(__name__)
+
+# After aborting a job that ran out of time, how long to wait for the engine to confirm.
+ABORT_GRACE_SECONDS = 30.0
+
+
+@shared_task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
+def run_job(self: Any, message: dict[str, Any]) -> str:
+    """Run one job on this worker's engine; returns how it ended (for logs)."""
+    return process_job(worker_context(self.app), JobMessage.from_dict(message))
+
+
+@dataclass
+class _Collected:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    first_token_at: datetime | None = None
+    final: RequestOutput | None = None
+    timed_out: bool = False
+
+
+def process_job(context: WorkerContext, message: JobMessage) -> str:
+    """Claim, run and record one job; returns the outcome ("succeeded", "skipped: finished", ...)."""
+    job_id = message.job_id
+    if context.stopping.is_set():
+        requeue(context, message)
+        return "requeued"
+    if is_cancel_requested(context.redis, context.keys, job_id):
+        from rein.worker.claim import cancel_unstarted_job
+
+        if cancel_unstarted_job(context.sessions, job_id):
+            context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_of(0, 0))
+        return "skipped: cancelled"
+    claim = claim_job(context.sessions, job_id, context.worker_name,
+                      lease_seconds(context.settings.job_timeout_seconds))
+    if claim.lease is None:
+        if claim.outcome is ClaimOutcome.CANCELLED:
+            context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_of(0, 0))
+        log.info("job %s not run: %s", job_id, claim.outcome.value)
+        return f"skipped: {claim.outcome.value}"
+    with context.tracking(job_id):
+        return _run_claimed(context, message, claim.lease)
+
+
+def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> str:
+    from rein.engine.runner import EngineStoppedError
+    from rein.engine.sampling_params import SamplingParams
+
+    job_id = message.job_id
+    context.publisher.begin(job_id, restart=lease.attempt > 1)
+    try:
+        params = SamplingParams(**message.sampling)
+    except (TypeError, ValueError) as exc:
+        return _fail(context, lease, f"invalid sampling parameters: {exc}", "invalid_request_error",
+                     "invalid_sampling_params")
+    try:
+        stream = context.runner.submit(job_id, message.prompt_token_ids, params, message.priority)
+    except EngineStoppedError:
+        return _hand_back(context, message, lease)
+    except Exception as exc:  # the engine refused the request (EngineRequestError, ...)
+        return _fail(context, lease, str(exc), "invalid_request_error", getattr(exc, "code", None)
+                     or "engine_refused")
+    if is_cancel_requested(context.redis, context.keys, job_id):
+        context.runner.abort(job_id)   # the cancel came between the claim and the submit
+    deadline = time.monotonic() + context.settings.job_timeout_seconds
+    try:
+        collected = _collect(context, job_id, stream, deadline)
+    except EngineStoppedError as exc:
+        if context.is_interrupted(job_id):
+            return _hand_back(context, message, lease)
+        return _fail(context, lease, f"the engine failed: {exc}", "server_error", "engine_failed")
+    final = collected.final
+    if final is None:   # the engine never confirmed the abort of a timed-out job
+        return _fail(context, lease, "the job ran past its time limit and the engine did not stop it",
+                     "server_error", "timeout")
+    if final.finish_reason == "abort" and not collected.timed_out and context.is_interrupted(job_id):
+        return _hand_back(context, message, lease)
+
+    if collected.timed_out:
+        status, error = "failed", _error(
+            f"the job ran past its time limit of {context.settings.job_timeout_seconds} s", "server_error",
+            "timeout")
+    elif final.finish_reason == "abort":
+        status, error = "cancelled", None
+    else:
+        status, error = "succeeded", None
+    record = JobRecord(
+        status=status, text=collected.text, token_ids=collected.token_ids, finish_reason=final.finish_reason,
+        logprobs=response_logprobs(lease.endpoint, collected.logprobs if params.logprobs is not None else None,
+                                   context.engine.tokenizer, message.logprobs_mode),
+        prompt_tokens=final.num_prompt_tokens, completion_tokens=final.num_output_tokens,
+        first_token_at=collected.first_token_at, error=error)
+    if not record_job(context.sessions, lease, record):
+        log.warning("job %s attempt %d: lease lost before recording; result dropped", job_id, lease.attempt)
+        return "lease lost"
+    return status
+
+
+def _collect(context: WorkerContext, job_id: str, stream: RequestStream, deadline: float) -> _Collected:
+    """Read the job's outputs until the final one, aborting it at the deadline."""
+    collected = _Collected()
+    while True:
+        try:
+            output = stream.get(timeout=max(deadline - time.monotonic(), 0.0))
+        except queue.Empty:
+            if collected.timed_out:
+                return collected          # the abort was never confirmed
+            collected.timed_out = True
+            context.publisher.mark_abort(job_id, TIMEOUT)
+            context.runner.abort(job_id)
+            deadline = time.monotonic() + ABORT_GRACE_SECONDS
+            continue
+        if output.new_token_ids and collected.first_token_at is None:
+            collected.first_token_at = datetime.now(UTC)
+        collected.text += output.text_delta
+        collected.token_ids.extend(output.new_token_ids)
+        if output.logprobs:
+            collected.logprobs.extend(output.logprobs)
+        if output.finished:
+            collected.final = output
+            return collected
+
+
+def _error(message: str, type_: str, code: str | None) -> dict[str, Any]:
+    return {"message": message, "type": type_, "code": code}
+
+
+def _fail(context: WorkerContext, lease: Lease, message: str, type_: str, code: str | None) -> str:
+    log.warning("job %s failed: %s", lease.job_id, message)
+    context.publisher.publish_final(lease.job_id, error=message)
+    record_job(context.sessions, lease, JobRecord(status="failed", error=_error(message, type_, code)))
+    return "failed"
+
+
+def _hand_back(context: WorkerContext, message: JobMessage, lease: Lease) -> str:
+    """The attempt was interrupted, not finished: back to queued, with a new message."""
+    context.publisher.forget(message.job_id)
+    if release_job(context.sessions, lease):
+        requeue(context, message)
+        log.info("job %s attempt %d interrupted: handed back to the queue", message.job_id, lease.attempt)
+        return "requeued"
+    return "lease lost"
+
+
+def requeue(context: WorkerContext, message: JobMessage) -> None:
+    """A fresh message for the job; if the broker is unreachable, the original message comes
+    back after the visibility timeout instead (it could not be acknowledged either)."""
+    try:
+        enqueue_job(context.app, message)
+    except Exception as exc:  # kombu raises transport-specific errors
+        log.warning("could not requeue job %s (%s): it returns after the broker's visibility timeout",
+                    message.job_id, exc)

@@ -1,0 +1,504 @@
+"""The worker against real Redis and Postgres: the token publisher, the lease, the
+recorder, cancellation, queue priority, and a Celery worker running in this process
+(threads pool, tiny model) taking jobs end to end."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+from sqlalchemy import func, select, update
+
+from rein.core.messages import (
+    PRIORITY_BATCH,
+    PRIORITY_INTERACTIVE,
+    STREAM_FIELD,
+    JobMessage,
+    TokenEvent,
+)
+from rein.core.models import ApiKey, Job, Result, Usage
+from rein.core.redis_keys import RedisKeys
+from rein.worker.app import enqueue_job, make_celery, queue_keys
+from rein.worker.cancel import CancelListener, is_cancel_requested, request_cancel
+from rein.worker.claim import ClaimOutcome, cancel_unstarted_job, claim_job, release_job
+from rein.worker.publisher import TokenPublisher
+from rein.worker.recorder import JobRecord, record_job, response_body
+
+MODEL = "tiny"
+WAIT = 60.0   # generous: the CI machine may be busy
+
+
+def wait_for(predicate: Callable[[], object], timeout: float = WAIT, what: str = "condition") -> object:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def keys(settings) -> RedisKeys:
+    return RedisKeys.from_settings(settings)
+
+
+@pytest.fixture
+def make_job(db_sessionmaker, tenant) -> Callable[..., JobMessage]:
+    """Insert a queued job (and its tenant's key) and return its queue message."""
+    key_id = f"k{secrets.token_hex(6)}"
+    with db_sessionmaker.begin() as session:
+        session.add(ApiKey(key_id=key_id, name="test", tenant=tenant, secret_hash=b"x" * 32,
+                           scopes=["inference"]))
+
+    def make(prompt: list[int] | None = None, max_tokens: int = 6, endpoint: str = "/v1/completions",
+             priority: int = PRIORITY_INTERACTIVE, model: str = MODEL, **sampling: object) -> JobMessage:
+        prompt = prompt or [5, 6, 7, 8]
+        sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **sampling}
+        job = Job(tenant=tenant, key_id=key_id, model=model, endpoint=endpoint,
+                  params={"body": {}, "sampling": sampling}, prompt_token_ids=prompt, prompt_tokens=len(prompt),
+                  priority=priority)
+        with db_sessionmaker.begin() as session:
+            session.add(job)
+        return JobMessage(job_id=job.id, model=model, endpoint=endpoint, prompt_token_ids=prompt,
+                          sampling=sampling, priority=priority, tenant=tenant, key_id=key_id)
+
+    return make
+
+
+def job_row(sessions, job_id: str) -> Job:
+    with sessions() as session:
+        return session.get(Job, job_id)
+
+
+def usage_rows(sessions, job_id: str) -> list[Usage]:
+    with sessions() as session:
+        return list(session.scalars(select(Usage).where(Usage.job_id == job_id)))
+
+
+def stream_events(redis, keys, job_id: str) -> list[tuple[str, TokenEvent]]:
+    return [(entry_id.decode(), TokenEvent.from_json(fields[STREAM_FIELD.encode()]))
+            for entry_id, fields in redis.xrange(keys.job_stream(job_id))]
+
+
+# -- the publisher -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models):
+    from rein.engine import EngineConfig, LLMEngine
+
+    return LLMEngine(EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
+                                  max_num_seqs=4))
+
+
+def test_publisher_sends_one_pipeline_per_step_with_gapless_ids(engine, redis_client, keys, settings):
+    from rein.engine import EngineRunner, SamplingParams
+
+    publisher = TokenPublisher(redis_client, keys, stream_maxlen=1000, stream_ttl_seconds=120,
+                               job_timeout_seconds=600)
+    steps: list[int] = []
+
+    def on_step(outputs):
+        publisher.publish_step(outputs)
+        steps.append(len(outputs))
+
+    jobs = [f"job_pub_{secrets.token_hex(4)}_{i}" for i in range(3)]
+    live = redis_client.pubsub(ignore_subscribe_messages=True)
+    live.subscribe(keys.job_channel(jobs[0]))
+    texts: dict[str, str] = {}
+    with EngineRunner(engine, on_step=on_step) as runner:
+        streams = []
+        for i, job_id in enumerate(jobs):
+            publisher.begin(job_id)
+            streams.append(runner.submit(job_id, [9, 10 + i, 11], SamplingParams(max_tokens=5 + i, temperature=0,
+                                                                                  ignore_eos=True)))
+        for job_id, stream in zip(jobs, streams, strict=True):
+            texts[job_id] = "".join(o.text_delta for o in stream)
+    publisher.begin("not-streamed-after-all")
+    publisher.forget("not-streamed-after-all")
+
+    assert publisher.pipelines_sent == len(steps)          # exactly one round trip per step
+    assert max(steps) > 1                                  # and steps did carry several jobs
+    for i, job_id in enumerate(jobs):
+        events = stream_events(redis_client, keys, job_id)
+        assert [entry_id for entry_id, _ in events] == [f"{n}-0" for n in range(1, len(events) + 1)]
+        assert [e.seq for _, e in events] == list(range(1, len(events) + 1))
+        assert "".join(e.text for _, e in events) == texts[job_id]
+        final = events[-1][1]
+        assert final.finish_reason == "length" and all(not e.final for _, e in events[:-1])
+        assert final.usage == {"prompt_tokens": 3, "completion_tokens": 5 + i, "total_tokens": 8 + i}
+        assert sum(len(e.token_ids) for _, e in events) == 5 + i
+        assert 0 < redis_client.ttl(keys.job_stream(job_id)) <= 120     # expires after the job
+    expected = [e for _, e in stream_events(redis_client, keys, jobs[0])]
+    received: list[TokenEvent] = []
+    deadline = time.monotonic() + 10
+    while len(received) < len(expected) and time.monotonic() < deadline:
+        message = live.get_message(timeout=0.5)   # None also for the ignored subscribe reply
+        if message is not None:
+            received.append(TokenEvent.from_json(message["data"]))
+    live.close()
+    assert received == expected
+
+
+def test_open_stream_expires_past_the_longest_job(redis_client, keys):
+    from rein.engine.outputs import RequestOutput
+
+    publisher = TokenPublisher(redis_client, keys, stream_maxlen=1000, stream_ttl_seconds=60,
+                               job_timeout_seconds=600)
+    job_id = f"job_open_{secrets.token_hex(4)}"
+    publisher.begin(job_id)
+    publisher.publish_step([RequestOutput(job_id, [4], "a")])
+    assert 600 < redis_client.ttl(keys.job_stream(job_id)) <= 660
+    publisher.publish_final(job_id, error="boom")
+    events = stream_events(redis_client, keys, job_id)
+    assert [e.seq for _, e in events] == [1, 2] and events[-1][1].error == "boom"
+    assert redis_client.ttl(keys.job_stream(job_id)) <= 60
+
+
+def test_publisher_keeps_events_while_redis_is_away_and_sends_them_in_order(redis_client, redis_url, keys):
+    from redis import Redis
+
+    from rein.engine.outputs import RequestOutput
+    from rein.worker import publisher as publisher_module
+
+    broken = Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)   # nothing listens there
+    publisher = TokenPublisher(broken, keys, stream_maxlen=1000, stream_ttl_seconds=60, job_timeout_seconds=60)
+    job_id = f"job_blip_{secrets.token_hex(4)}"
+    publisher.begin(job_id)
+    publisher.publish_step([RequestOutput(job_id, [4], "a")])
+    publisher.publish_step([RequestOutput(job_id, [5], "b")])
+    assert publisher.pipelines_sent == 0
+    publisher.redis = redis_client                          # Redis is back
+    publisher._retry_at = 0.0
+    publisher.publish_step([RequestOutput(job_id, [6], "c", finished=True, finish_reason="stop",
+                                          num_prompt_tokens=2, num_output_tokens=3)])
+    events = stream_events(redis_client, keys, job_id)
+    assert "".join(e.text for _, e in events) == "abc" and [e.seq for _, e in events] == [1, 2, 3]
+    assert publisher_module.MAX_BACKLOG > 0
+
+
+# -- the lease and the recorder ------------------------------------------------------------------
+
+
+def test_claim_is_exclusive_and_a_finished_job_is_never_claimed_again(make_job, db_sessionmaker):
+    message = make_job()
+    first = claim_job(db_sessionmaker, message.job_id, "w1", 600)
+    assert first.outcome is ClaimOutcome.CLAIMED and first.lease.attempt == 1
+    row = job_row(db_sessionmaker, message.job_id)
+    assert row.status == "running" and row.worker == "w1" and row.started_at is not None
+    assert row.lease_expires_at is not None
+
+    again = claim_job(db_sessionmaker, message.job_id, "w2", 600)     # a redelivery while it runs
+    assert again.outcome is ClaimOutcome.HELD_ELSEWHERE and again.lease is None
+
+    assert record_job(db_sessionmaker, first.lease, JobRecord(status="succeeded", text="hi", token_ids=[1, 2],
+                                                              finish_reason="stop", prompt_tokens=4,
+                                                              completion_tokens=2))
+    late = claim_job(db_sessionmaker, message.job_id, "w2", 600)      # a redelivery after it finished
+    assert late.outcome is ClaimOutcome.FINISHED
+    assert job_row(db_sessionmaker, message.job_id).attempt == 1
+    assert claim_job(db_sessionmaker, "job_missing", "w1", 600).outcome is ClaimOutcome.MISSING
+
+
+def test_expired_lease_is_reclaimed_and_the_stale_attempt_writes_nothing(make_job, db_sessionmaker):
+    message = make_job()
+    stale = claim_job(db_sessionmaker, message.job_id, "w1", 600).lease
+    with db_sessionmaker.begin() as session:   # w1 vanished long ago
+        session.execute(update(Job).where(Job.id == message.job_id)
+                        .values(lease_expires_at=func.now() - func.make_interval(0, 0, 0, 0, 0, 1)))
+    fresh = claim_job(db_sessionmaker, message.job_id, "w2", 600).lease
+    assert fresh.attempt == 2 and fresh.worker == "w2"
+    done = JobRecord(status="succeeded", text="x", token_ids=[1], finish_reason="stop", prompt_tokens=4,
+                     completion_tokens=1)
+    assert not record_job(db_sessionmaker, stale, done)
+    assert record_job(db_sessionmaker, fresh, done)
+    assert not release_job(db_sessionmaker, fresh)
+    assert len(usage_rows(db_sessionmaker, message.job_id)) == 1
+
+
+def test_recorder_writes_result_status_and_usage_once(make_job, db_sessionmaker, tenant):
+    message = make_job()
+    lease = claim_job(db_sessionmaker, message.job_id, "w1", 600).lease
+    record = JobRecord(status="succeeded", text="hello", token_ids=[7, 8, 9], finish_reason="stop",
+                       prompt_tokens=4, completion_tokens=3, cached_tokens=2)
+    assert record_job(db_sessionmaker, lease, record)
+    assert not record_job(db_sessionmaker, lease, record)            # the retry writes nothing
+    rows = usage_rows(db_sessionmaker, message.job_id)
+    assert len(rows) == 1
+    usage = rows[0]
+    assert (usage.tenant, usage.model, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == \
+        (tenant, MODEL, 4, 3, 2)
+    with db_sessionmaker() as session:
+        job = session.get(Job, message.job_id)
+        result = session.get(Result, message.job_id)
+        assert job.status == "succeeded" and job.finished_at is not None and job.lease_expires_at is None
+        assert (result.text, result.token_ids, result.finish_reason) == ("hello", [7, 8, 9], "stop")
+        body = response_body(job, result)
+    assert body["object"] == "text_completion" and body["id"] == f"cmpl-{message.job_id}"
+    assert body["choices"][0]["text"] == "hello" and body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+
+
+def test_released_job_is_claimed_again_as_a_new_attempt(make_job, db_sessionmaker):
+    message = make_job()
+    lease = claim_job(db_sessionmaker, message.job_id, "w1", 600).lease
+    assert release_job(db_sessionmaker, lease)
+    row = job_row(db_sessionmaker, message.job_id)
+    assert row.status == "queued" and row.worker is None
+    assert claim_job(db_sessionmaker, message.job_id, "w2", 600).lease.attempt == 2
+
+
+def test_cancel_requested_while_queued_is_not_claimed(make_job, db_sessionmaker, redis_client, keys):
+    message = make_job()
+    with db_sessionmaker.begin() as session:
+        session.execute(update(Job).where(Job.id == message.job_id).values(cancel_requested_at=func.now()))
+    claim = claim_job(db_sessionmaker, message.job_id, "w1", 600)
+    assert claim.outcome is ClaimOutcome.CANCELLED
+    row = job_row(db_sessionmaker, message.job_id)
+    assert row.status == "cancelled" and row.attempt == 0 and row.finished_at is not None
+    assert not cancel_unstarted_job(db_sessionmaker, message.job_id)
+
+    other = make_job()
+    assert not is_cancel_requested(redis_client, keys, other.job_id)
+    request_cancel(redis_client, keys, other.job_id, flag_ttl_seconds=60)
+    assert is_cancel_requested(redis_client, keys, other.job_id)
+
+
+def test_cancel_listener_hears_cancels_and_checks_flags_on_subscribe(redis_client, keys):
+    heard: list[str] = []
+    flagged = f"job_flagged_{secrets.token_hex(4)}"
+    request_cancel(redis_client, keys, flagged, flag_ttl_seconds=60)   # before the listener runs
+    listener = CancelListener(redis_client, keys, heard.append, running_jobs=lambda: [flagged, "job_other"],
+                              wait_seconds=0.1).start()
+    try:
+        assert listener.subscribed.wait(10)
+        request_cancel(redis_client, keys, "job_live", flag_ttl_seconds=60)
+        wait_for(lambda: "job_live" in heard, 10, "the published cancel")
+    finally:
+        started = time.monotonic()
+        listener.stop()
+        assert time.monotonic() - started < 2
+    assert heard == [flagged, "job_live"]
+
+
+# -- queues and priorities ----------------------------------------------------------------------
+
+
+def test_interactive_jobs_are_taken_before_batch_jobs(settings, make_job):
+    app = make_celery(settings)
+    model = f"prio{secrets.token_hex(3)}"                     # a queue no worker consumes
+    batch = [make_job(model=model, priority=PRIORITY_BATCH) for _ in range(2)]
+    interactive = make_job(model=model, priority=PRIORITY_INTERACTIVE)
+    for message in [*batch, interactive]:
+        enqueue_job(app, message)
+    queue = RedisKeys.from_settings(settings).queue(model)
+    taken = []
+    with app.connection_for_read() as conn:
+        channel = conn.default_channel
+        for _ in range(3):
+            message = channel.basic_get(queue, no_ack=True)
+            taken.append(message.decode()[0][0]["job_id"])
+        assert channel.basic_get(queue, no_ack=True) is None
+    assert taken == [interactive.job_id, batch[0].job_id, batch[1].job_id]
+    depth_keys = queue_keys(settings, model)
+    assert all(k.startswith(settings.redis_key_prefix) for k in depth_keys)
+
+
+# -- a worker in this process ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def worker_app(make_settings, tiny_models) -> Iterator:
+    """A Celery worker (threads pool, tiny model) in a thread of this process, for the tests below."""
+    from celery.contrib.testing.worker import start_worker
+
+    from rein.engine import EngineConfig, LLMEngine
+    from rein.worker.bootstep import EngineThreadPool, WorkerSpec, configure_worker
+
+    settings = make_settings(job_timeout_seconds=60, max_num_seqs=4, stream_ttl_seconds=300)
+    config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
+                          max_num_seqs=4)
+    app = make_celery(settings)
+    configure_worker(app, WorkerSpec(settings=settings, model_name=MODEL,
+                                     engine_factory=lambda: LLMEngine(config)))
+    queue = RedisKeys.from_settings(settings).queue(MODEL)
+    with start_worker(app, concurrency=4, pool=EngineThreadPool, perform_ping_check=False, queues=[queue],
+                      shutdown_timeout=30, loglevel="WARNING") as worker:
+        app.rein_test_worker = worker
+        yield app
+
+
+def wait_finished(sessions, job_id: str) -> Job:
+    return wait_for(lambda: (row := job_row(sessions, job_id)).status in ("succeeded", "failed", "cancelled")
+                    and row, what=f"job {job_id} to finish")
+
+
+def test_worker_runs_a_job_end_to_end(worker_app, make_job, db_sessionmaker, redis_client, keys, tenant):
+    context = worker_app.rein_context
+    message = make_job(endpoint="/v1/chat/completions", max_tokens=8)
+    enqueue_job(worker_app, message)
+    job = wait_finished(db_sessionmaker, message.job_id)
+    assert job.status == "succeeded", job.error
+    assert job.attempt == 1 and job.worker == context.worker_name
+    assert job.queued_at <= job.started_at <= job.first_token_at <= job.finished_at
+
+    with db_sessionmaker() as session:
+        result = session.get(Result, message.job_id)
+    events = stream_events(redis_client, keys, message.job_id)
+    assert [entry_id for entry_id, _ in events] == [f"{n}-0" for n in range(1, len(events) + 1)]
+    assert "".join(e.text for _, e in events) == result.text
+    assert [t for _, e in events for t in e.token_ids] == result.token_ids
+    assert len(result.token_ids) == 8 and result.finish_reason == "length"
+    assert events[-1][1].usage == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
+    [usage] = usage_rows(db_sessionmaker, message.job_id)
+    assert (usage.tenant, usage.key_id, usage.model) == (tenant, message.key_id, MODEL)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (4, 8)
+    body = response_body(job, result)
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == result.text
+
+    enqueue_job(worker_app, message)                 # a redelivered message: nothing runs twice
+    marker = make_job(max_tokens=1)                  # jobs run in order on this quiet queue
+    enqueue_job(worker_app, marker)
+    wait_finished(db_sessionmaker, marker.job_id)
+    time.sleep(0.2)
+    assert job_row(db_sessionmaker, message.job_id).attempt == 1
+    assert len(usage_rows(db_sessionmaker, message.job_id)) == 1
+    assert len(stream_events(redis_client, keys, message.job_id)) == len(events)
+    assert context.engine.pool.num_free == context.engine.pool.num_blocks
+
+
+def test_worker_stores_logprobs_in_the_response_shape(worker_app, make_job, db_sessionmaker):
+    message = make_job(max_tokens=3, logprobs=2)
+    message.logprobs_mode = 2
+    enqueue_job(worker_app, message)
+    job = wait_finished(db_sessionmaker, message.job_id)
+    with db_sessionmaker() as session:
+        result = session.get(Result, message.job_id)
+    logprobs = response_body(job, result)["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 3 and len(logprobs["top_logprobs"]) == 3
+
+
+def test_cancel_mid_generation_frees_the_engine_blocks(worker_app, make_job, db_sessionmaker, redis_client,
+                                                        keys):
+    engine = worker_app.rein_context.engine
+    message = make_job(max_tokens=900)
+    enqueue_job(worker_app, message)
+    wait_for(lambda: len(stream_events(redis_client, keys, message.job_id)) >= 2, what="the first events")
+    assert engine.pool.num_free < engine.pool.num_blocks
+    request_cancel(redis_client, keys, message.job_id, flag_ttl_seconds=60)
+    job = wait_finished(db_sessionmaker, message.job_id)
+    assert job.status == "cancelled"
+    wait_for(lambda: engine.pool.num_free == engine.pool.num_blocks, 10, "the blocks to come back")
+    events = stream_events(redis_client, keys, message.job_id)
+    final = events[-1][1]
+    assert final.finish_reason == "abort" and final.usage["completion_tokens"] < 900
+    with db_sessionmaker() as session:
+        result = session.get(Result, message.job_id)
+    assert result.finish_reason == "abort" and "".join(e.text for _, e in events) == result.text
+    [usage] = usage_rows(db_sessionmaker, message.job_id)
+    assert usage.completion_tokens == len(result.token_ids) == final.usage["completion_tokens"]
+
+
+def test_job_cancelled_while_queued_is_skipped(worker_app, make_job, db_sessionmaker, redis_client, keys):
+    message = make_job()
+    request_cancel(redis_client, keys, message.job_id, flag_ttl_seconds=60)
+    enqueue_job(worker_app, message)
+    job = wait_finished(db_sessionmaker, message.job_id)
+    assert job.status == "cancelled" and job.attempt == 0
+    [(_, event)] = stream_events(redis_client, keys, message.job_id)
+    assert event.finish_reason == "abort" and event.seq == 1
+    assert usage_rows(db_sessionmaker, message.job_id) == []
+
+
+def test_job_the_engine_refuses_fails_with_its_reason(worker_app, make_job, db_sessionmaker, redis_client, keys):
+    message = make_job(max_tokens=5000)               # beyond max_model_len 1024
+    enqueue_job(worker_app, message)
+    job = wait_finished(db_sessionmaker, message.job_id)
+    assert job.status == "failed" and job.error["code"] == "context_length_exceeded"
+    [(_, event)] = stream_events(redis_client, keys, message.job_id)
+    assert event.error and "maximum context length" in event.error
+    assert usage_rows(db_sessionmaker, message.job_id) == []
+
+
+def test_interrupted_job_is_handed_back_to_the_queue(worker_app, make_job, db_sessionmaker, redis_client, keys):
+    """What a broker connection loss does: Celery terminates the task; the job goes back."""
+    context = worker_app.rein_context
+    message = make_job(max_tokens=900, model=MODEL)
+    enqueue_job(worker_app, message)
+    wait_for(lambda: message.job_id in context.running_jobs() and stream_events(redis_client, keys, message.job_id),
+             what="the job to run")
+    pool = worker_app.rein_test_worker.pool
+    token = next(t for t, ident in pool._threads.items()
+                 if context._jobs_by_thread.get(ident) == message.job_id)
+    pool.terminate_job(token)
+    # Handed back and, with a fresh message, taken again by this same worker as attempt 2.
+    wait_for(lambda: job_row(db_sessionmaker, message.job_id).attempt == 2, what="the second attempt")
+    wait_for(lambda: len(stream_events(redis_client, keys, message.job_id)) >= 1, what="the restarted stream")
+    request_cancel(redis_client, keys, message.job_id, flag_ttl_seconds=60)
+    job = wait_finished(db_sessionmaker, message.job_id)
+    assert job.status == "cancelled" and job.attempt == 2
+    events = stream_events(redis_client, keys, message.job_id)
+    assert [e.seq for _, e in events] == list(range(1, len(events) + 1))
+    with db_sessionmaker() as session:
+        assert "".join(e.text for _, e in events) == session.get(Result, message.job_id).text
+    assert len(usage_rows(db_sessionmaker, message.job_id)) == 1
+
+
+# -- shutdown and the CLI --------------------------------------------------------------------------
+
+
+def test_warm_shutdown_hands_running_jobs_back_and_exits_promptly(make_settings, tiny_models, make_job,
+                                                                 db_sessionmaker, redis_client):
+    from celery.contrib.testing.worker import TestWorkController, setup_app_for_worker
+
+    from rein.engine import EngineConfig, LLMEngine
+    from rein.worker.bootstep import EngineThreadPool, WorkerSpec, configure_worker
+
+    settings = make_settings(job_timeout_seconds=60, max_num_seqs=2)
+    model = f"shut{secrets.token_hex(3)}"
+    config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
+                          max_num_seqs=2)
+    app = make_celery(settings)
+    configure_worker(app, WorkerSpec(settings=settings, model_name=model, engine_factory=lambda: LLMEngine(config)))
+    keys = RedisKeys.from_settings(settings)
+    message = make_job(max_tokens=900, model=model)
+    # A worker of its own, stopped the way SIGTERM stops one (a warm shutdown of this worker only:
+    # start_worker's exit would set the process-wide cold-shutdown flag).
+    setup_app_for_worker(app, "WARNING", None)
+    worker = TestWorkController(app=app, concurrency=2, pool=EngineThreadPool, hostname=f"{model}@test",
+                                queues=[keys.queue(model)], without_heartbeat=True, without_mingle=True,
+                                without_gossip=True, loglevel="WARNING", ready_callback=None)
+    thread = threading.Thread(target=worker.start, daemon=True)
+    thread.start()
+    worker.ensure_started()
+    enqueue_job(app, message)
+    wait_for(lambda: stream_events(redis_client, keys, message.job_id), what="the job to run")
+    started = time.monotonic()
+    app.control.shutdown(destination=[worker.hostname])
+    thread.join(30)
+    assert not thread.is_alive() and time.monotonic() - started < 10
+    assert not [t for t in threading.enumerate() if t.name == f"rein-engine-{model}"]
+    job = job_row(db_sessionmaker, message.job_id)
+    assert job.status == "queued" and job.attempt == 1 and job.worker is None
+    depth = sum(redis_client.llen(k) for k in queue_keys(settings, model))
+    assert depth == 1                                   # one message waits for the next worker
+    events = stream_events(redis_client, keys, message.job_id)
+    assert events and not any(e.final for _, e in events)     # no false "finished" for the client
+
+
+def test_worker_cli_refuses_an_unmigrated_database(make_database, settings_env, monkeypatch, capsys):
+    from rein.cli.main import main
+    from rein.core.settings import get_settings
+
+    monkeypatch.setenv("REIN_DATABASE_URL", make_database())
+    monkeypatch.setenv("REIN_MODELS", "tiny=/nonexistent")
+    get_settings.cache_clear()
+    assert main(["worker", "--model", "tiny"]) == 2
+    assert "not migrated" in capsys.readouterr().err
+    assert main(["worker", "--model", "other"]) == 2
+    assert "'other' is not served" in capsys.readouterr().err

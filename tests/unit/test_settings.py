@@ -1,0 +1,132 @@
+"""Settings from the environment: defaults, REIN_MODELS parsing, clear errors."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from rein.core.settings import (
+    MODELS_FORMAT,
+    ServedModel,
+    Settings,
+    SettingsError,
+    get_settings,
+    load_settings,
+    parse_models,
+)
+
+
+@pytest.fixture(autouse=True)
+def clean_env(monkeypatch):
+    """No REIN_* variable from the machine leaks into a test; the cached settings are dropped."""
+    for name in list(os.environ):
+        if name.startswith("REIN_"):
+            monkeypatch.delenv(name)
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()
+
+
+def test_defaults():
+    s = load_settings()
+    assert s.database_url == "postgresql+psycopg://postgres@127.0.0.1:5432/rein"
+    assert s.redis_url == "redis://127.0.0.1:6379/0"
+    assert (s.api_host, s.api_port) == ("127.0.0.1", 8000)
+    assert s.models == ()
+    assert s.default_rpm is None and s.default_tpm is None
+    assert s.visibility_timeout_seconds > s.job_timeout_seconds
+    with pytest.raises(SettingsError, match="no model is served: set REIN_MODELS"):
+        _ = s.default_model
+
+
+def test_every_field_is_documented():
+    for name, field in Settings.model_fields.items():
+        assert field.description, f"Settings.{name} has no docstring"
+
+
+def test_models_from_the_environment(monkeypatch):
+    monkeypatch.setenv("REIN_MODELS", " llama=/models/Llama-3.1-8B@8192 , qwen=Qwen/Qwen3-0.6B,"
+                                      "odd=/data/v@2/model,x.y:z=./m@16")
+    s = load_settings()
+    assert s.models == (
+        ServedModel(name="llama", source="/models/Llama-3.1-8B", max_model_len=8192),
+        ServedModel(name="qwen", source="Qwen/Qwen3-0.6B"),
+        ServedModel(name="odd", source="/data/v@2/model"),   # '@' inside a path is part of it
+        ServedModel(name="x.y:z", source="./m", max_model_len=16),
+    )
+    assert s.default_model.name == "llama"
+    assert s.served_model("qwen").source == "Qwen/Qwen3-0.6B" and s.served_model("nope") is None
+
+
+def test_models_as_a_keyword():
+    assert Settings(models="a=/m").models == (ServedModel(name="a", source="/m"),)
+    assert Settings(models=[ServedModel(name="a", source="/m")]).default_model.source == "/m"
+    assert parse_models("") == () and parse_models("  ") == ()
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("llama", "entry 'llama' has no '='"),
+    ("=/m", "entry '=/m' has no model name before '='"),
+    ("a=", "entry 'a=' has no model path or hub id after '='"),
+    ("a=/m@", "max_model_len '' after '@' must be a positive integer"),
+    ("a=/m@4k", "max_model_len '4k' after '@' must be a positive integer"),
+    ("a=/m@0", "max_model_len '0' after '@' must be a positive integer"),
+    ("a b=/m", "model name 'a b' must start with a letter or digit"),
+    ("a=/m,a=/n", "model name 'a' appears twice"),
+    ("a=/m,,b=/n", "empty entry"),
+])
+def test_malformed_models(monkeypatch, value, says):
+    monkeypatch.setenv("REIN_MODELS", value)
+    with pytest.raises(SettingsError) as error:
+        load_settings()
+    message = str(error.value)
+    assert message.startswith("invalid configuration:\n  REIN_MODELS: ")
+    assert says in message
+    if "twice" not in says:
+        assert f"expected {MODELS_FORMAT}" in message
+
+
+def test_other_errors_name_the_variable(monkeypatch):
+    monkeypatch.setenv("REIN_API_PORT", "http")
+    monkeypatch.setenv("REIN_DEFAULT_RPM", "0")
+    monkeypatch.setenv("REIN_DTYPE", "fp8")
+    with pytest.raises(SettingsError) as error:
+        load_settings()
+    lines = str(error.value).splitlines()[1:]
+    assert lines[0].strip().startswith("REIN_API_PORT: Input should be a valid integer") and "'http'" in lines[0]
+    assert any(line.strip().startswith("REIN_DEFAULT_RPM: Input should be greater than or equal to 1")
+               for line in lines)
+    assert any(line.strip().startswith("REIN_DTYPE:") and "float32" in line and "'fp8'" in line
+               for line in lines)
+
+
+def test_values_and_empty_variables(monkeypatch):
+    monkeypatch.setenv("REIN_DEFAULT_RPM", "")          # empty counts as unset
+    monkeypatch.setenv("REIN_DEFAULT_TPM", "20000")
+    monkeypatch.setenv("REIN_API_PORT", "9000")
+    monkeypatch.setenv("REIN_KV_CACHE_MEMORY", "4GiB")
+    monkeypatch.setenv("REIN_DATABASE_URL", "postgresql+psycopg://u:p@db:5432/x")
+    s = load_settings()
+    assert (s.default_rpm, s.default_tpm, s.api_port) == (None, 20000, 9000)
+    assert s.kv_cache_memory == "4GiB" and s.database_url.endswith("@db:5432/x")
+    assert load_settings(api_port=1234).api_port == 1234      # a CLI flag wins
+
+
+def test_get_settings_reads_once(monkeypatch):
+    monkeypatch.setenv("REIN_API_PORT", "9001")
+    assert get_settings().api_port == 9001
+    monkeypatch.setenv("REIN_API_PORT", "9002")
+    assert get_settings() is get_settings() and get_settings().api_port == 9001
+    get_settings.cache_clear()
+    assert get_settings().api_port == 9002
+
+
+def test_only_settings_reads_the_environment():
+    root = Path(__file__).resolve().parents[2] / "rein"
+    pattern = re.compile(r"\bos\.environ\b|\bgetenv\(|\bfrom os import .*\benviron\b")
+    readers = [str(path.relative_to(root)) for path in root.rglob("*.py")
+               if path.name != "settings.py" and pattern.search(path.read_text())]
+    assert readers == [], f"only rein/core/settings.py may read the environment: {readers}"
