@@ -32,6 +32,7 @@ class AttentionMetadata:
     num_decode_tokens: int              # rows [0, num_decode_tokens) are single-token decodes
     decode_block_tables: torch.Tensor | None
     decode_context_lens: torch.Tensor | None
+    decode_groups: list[tuple[int, int]] | None   # decode row ranges run as separate calls
     prefill_block_tables: torch.Tensor | None
     prefill_cu_seqlens_q: torch.Tensor | None   # offsets relative to the first prefill row
     prefill_context_lens: torch.Tensor | None
@@ -48,23 +49,26 @@ def paged_attention(
     """Store this step's k/v [T, kvh, d] in the cache, then attend; q [T, heads, d] -> same shape."""
     kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
     num_decode = meta.num_decode_tokens
-    if num_decode == q.shape[0]:
+    if num_decode == 0:
+        return _prefill(q, cache, meta, scale)
+    if num_decode == q.shape[0] and not meta.decode_groups:
         return kernels.paged_decode_attention(
             q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, scale,
             cache.k_scale, cache.v_scale,
         )
-    if num_decode == 0:
-        return kernels.paged_prefill_attention(
-            q, cache.k, cache.v, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-            meta.prefill_context_lens, scale, cache.k_scale, cache.v_scale,
-        )
     out = torch.empty_like(q)
-    out[:num_decode] = kernels.paged_decode_attention(
-        q[:num_decode], cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens,
-        scale, cache.k_scale, cache.v_scale,
-    )
-    out[num_decode:] = kernels.paged_prefill_attention(
-        q[num_decode:], cache.k, cache.v, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
+    for start, end in meta.decode_groups or [(0, num_decode)]:
+        out[start:end] = kernels.paged_decode_attention(
+            q[start:end], cache.k, cache.v, meta.decode_block_tables[start:end],
+            meta.decode_context_lens[start:end], scale, cache.k_scale, cache.v_scale,
+        )
+    if num_decode < q.shape[0]:
+        out[num_decode:] = _prefill(q[num_decode:], cache, meta, scale)
+    return out
+
+
+def _prefill(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    return kernels.paged_prefill_attention(
+        q, cache.k, cache.v, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
         meta.prefill_context_lens, scale, cache.k_scale, cache.v_scale,
     )
-    return out

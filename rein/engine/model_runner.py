@@ -26,6 +26,9 @@ from rein.engine.scheduler import ScheduledRequest
 log = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_MEMORY = 1024**3
+# The CPU attention pads a decode batch to its longest context; splitting the batch into
+# this many groups of similar length avoids most of that padding.
+DECODE_LENGTH_GROUPS = 4
 
 
 class CapacityError(ValueError):
@@ -102,7 +105,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
-        decodes = [s for s in scheduled if s.num_new_tokens == 1]
+        # Decodes sorted by context length, so similar lengths sit in contiguous rows.
+        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.end)
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
         ordered = decodes + prefills
         bs = self.block_size
@@ -133,6 +137,7 @@ class ModelRunner:
             num_decode_tokens=len(decodes),
             decode_block_tables=self._block_tables(decodes) if decodes else None,
             decode_context_lens=self._tensor([s.end for s in decodes], torch.int32) if decodes else None,
+            decode_groups=self._decode_groups([s.end for s in decodes]),
             prefill_block_tables=self._block_tables(prefills) if prefills else None,
             prefill_cu_seqlens_q=self._cu_seqlens(prefills) if prefills else None,
             prefill_context_lens=self._tensor([s.end for s in prefills], torch.int32) if prefills else None,
@@ -143,6 +148,17 @@ class ModelRunner:
             return StepResult(hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32), [])
         logits = self.model.compute_logits(hidden[self._tensor(sample_rows, torch.int64)])
         return StepResult(logits.float(), sampling)
+
+    def _decode_groups(self, lengths: list[int]) -> list[tuple[int, int]] | None:
+        """Row ranges of similar context length for the CPU attention, or None (one batch) when
+        grouping saves little padding. The Triton kernel handles ragged lengths itself."""
+        count = len(lengths)
+        if self.device.type == "cuda" or count < 4 * DECODE_LENGTH_GROUPS:
+            return None
+        size = -(-count // DECODE_LENGTH_GROUPS)
+        bounds = [(start, min(start + size, count)) for start in range(0, count, size)]
+        grouped = sum((end - start) * lengths[end - 1] for start, end in bounds)
+        return bounds if grouped < 0.7 * count * lengths[-1] else None
 
     def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)

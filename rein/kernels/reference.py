@@ -91,11 +91,6 @@ def _gather(
     return out.to(dtype) * s[:, :length].unsqueeze(-1).to(dtype)
 
 
-# Decode batches are split into this many groups of similar context length, so short
-# contexts are not padded to the longest one in the batch.
-DECODE_LENGTH_GROUPS = 4
-
-
 def paged_decode_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -112,31 +107,6 @@ def paged_decode_attention(
     blocks are ignored); context_lens [B] = tokens in the cache for that request, the
     query's own token included. Returns [B, num_heads, head_dim].
     """
-    groups = _length_groups(context_lens)
-    if groups is None:
-        return _decode_group(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
-    out = torch.empty_like(query)
-    for rows in groups:
-        out[rows] = _decode_group(query[rows], k_cache, v_cache, block_tables[rows], context_lens[rows],
-                                  scale, k_scale, v_scale)
-    return out
-
-
-def _length_groups(context_lens: torch.Tensor) -> list[torch.Tensor] | None:
-    """Row groups of similar context length, or None when one padded batch costs about as
-    much (uniform lengths, small batches): every group is one more kernel call."""
-    batch = context_lens.shape[0]
-    if batch < 4 * DECODE_LENGTH_GROUPS:
-        return None
-    lengths, order = torch.sort(context_lens)
-    groups = order.chunk(DECODE_LENGTH_GROUPS)
-    bounds = lengths.chunk(DECODE_LENGTH_GROUPS)
-    padded = batch * int(lengths[-1])
-    grouped = sum(len(b) * int(b[-1]) for b in bounds)
-    return list(groups) if grouped < 0.7 * padded else None
-
-
-def _decode_group(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale):
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     max_len = int(context_lens.max())
