@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "worker": "rein.cli.worker",
     "migrate": "rein.cli.migrate",
     "keys": "rein.cli.keys",
+    "api": "rein.cli.api",
 }
 
 

@@ -481,6 +481,13 @@ def test_warm_shutdown_hands_running_jobs_back_and_exits_promptly(make_settings,
     started = time.monotonic()
     app.control.shutdown(destination=[worker.hostname])
     thread.join(30)
+    if thread.is_alive():
+        import faulthandler
+        with open("/tmp/stacks.txt", "w") as f:
+            print([(t.name, t.ident) for t in threading.enumerate()], file=f)
+            print(worker.blueprint.state, worker.consumer.blueprint.state, file=f)
+            print(job_row(db_sessionmaker, message.job_id).status, file=f)
+            faulthandler.dump_traceback(f, all_threads=True)
     assert not thread.is_alive() and time.monotonic() - started < 10
     assert not [t for t in threading.enumerate() if t.name == f"rein-engine-{model}"]
     job = job_row(db_sessionmaker, message.job_id)

@@ -1,0 +1,99 @@
+"""The FastAPI application: `create_app(settings)`.
+
+At startup (the lifespan) the app refuses an unmigrated database with the migration
+check's message (`rein migrate` fixes it), loads each served model's tokenizer once, and
+opens its Redis clients (sync for intake, asyncio for streams) and the Celery producer.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from fastapi.concurrency import run_in_threadpool
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+from sqlalchemy.orm import sessionmaker
+
+from rein.api.errors import install_error_handlers
+from rein.api.jobs import JobIntake
+from rein.api.ratelimit import RateLimiter
+from rein.api.routes import health, jobs, openai, usage
+from rein.api.tokenizers import ModelRegistry
+from rein.core.db import check_migrations_current, make_engine
+from rein.core.redis_keys import RedisKeys
+from rein.core.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine = make_engine(settings.database_url)
+        try:
+            # DatabaseNotMigratedError / DatabaseUnavailableError: the message says what to do.
+            revision = await run_in_threadpool(check_migrations_current, engine)
+            registry = await run_in_threadpool(ModelRegistry.load, settings)
+        except BaseException:
+            engine.dispose()
+            raise
+        from rein.worker.app import make_celery
+
+        state = app.state
+        state.settings = settings
+        state.sessions = sessionmaker(engine, expire_on_commit=False)
+        state.registry = registry
+        state.redis = Redis.from_url(settings.redis_url)
+        state.async_redis = AsyncRedis.from_url(settings.redis_url)
+        state.celery = make_celery(settings)
+        state.limiter = RateLimiter(state.redis, RedisKeys.from_settings(settings), settings)
+        state.intake = JobIntake(settings, state.sessions, state.redis, state.celery, state.limiter,
+                                 registry)
+        state.started_at = int(time.time())
+        log.info("rein api ready: database at revision %s, models %s", revision,
+                 ", ".join(e.name for e in registry) or "none")
+        try:
+            yield
+        finally:
+            await state.async_redis.aclose()
+            state.redis.close()
+            state.celery.close()
+            engine.dispose()
+
+    app = FastAPI(
+        title="rein",
+        version="0.1.0",
+        summary="Message-queue-driven batch inference for LLMs: OpenAI-compatible and async jobs.",
+        lifespan=lifespan,
+    )
+    install_error_handlers(app)
+    for module in (openai, jobs, usage, health):
+        app.include_router(module.router)
+    app.openapi = lambda: _openapi(app)
+    return app
+
+
+def _openapi(app: FastAPI) -> dict:
+    """FastAPI's schema, corrected: validation errors are 400 in OpenAI's shape, not 422."""
+    if app.openapi_schema is None:
+        from fastapi.openapi.utils import get_openapi
+
+        schema = get_openapi(title=app.title, version=app.version, summary=app.summary, routes=app.routes)
+        error_ref = {"$ref": "#/components/schemas/ErrorResponse"}
+        for path in schema.get("paths", {}).values():
+            for operation in path.values():
+                responses = operation.get("responses", {})
+                if responses.pop("422", None) is not None:
+                    responses.setdefault("400", {"description": "Bad Request",
+                                                 "content": {"application/json": {"schema": error_ref}}})
+        components = schema.get("components", {}).get("schemas", {})
+        for name in ("HTTPValidationError", "ValidationError"):
+            components.pop(name, None)
+        app.openapi_schema = schema
+    return app.openapi_schema

@@ -1,0 +1,96 @@
+"""FastAPI dependencies as `Annotated` aliases, so a route's signature says what it needs.
+
+`CurrentKey` authenticates the bearer key (401 when missing, malformed, unknown or
+revoked); `require_scope("batch")` also demands a scope (403 naming it). Authentication
+uses its own short session, so a long-lived response (SSE) holds no database connection.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
+from sqlalchemy.orm import Session, sessionmaker
+
+from rein.api.errors import APIError, unauthorized
+from rein.core.keys import InvalidKeyError, KeyInfo, authenticate
+from rein.core.settings import Settings
+
+if TYPE_CHECKING:
+    from rein.api.jobs import JobIntake
+    from rein.api.tokenizers import ModelRegistry
+
+_bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer rein_<id>_<secret>`")
+
+
+def get_settings_dep(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_sessions(request: Request) -> sessionmaker[Session]:
+    return request.app.state.sessions
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with request.app.state.sessions() as session:
+        yield session
+
+
+def get_redis(request: Request) -> Redis:
+    return request.app.state.redis
+
+
+def get_async_redis(request: Request) -> AsyncRedis:
+    return request.app.state.async_redis
+
+
+def get_registry(request: Request) -> ModelRegistry:
+    return request.app.state.registry
+
+
+def get_intake(request: Request) -> JobIntake:
+    return request.app.state.intake
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
+SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
+SessionDep = Annotated[Session, Depends(get_session)]
+RedisDep = Annotated[Redis, Depends(get_redis)]
+AsyncRedisDep = Annotated[AsyncRedis, Depends(get_async_redis)]
+RegistryDep = Annotated["ModelRegistry", Depends(get_registry)]
+IntakeDep = Annotated["JobIntake", Depends(get_intake)]
+
+
+def current_key(sessions: SessionsDep,
+                credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> KeyInfo:
+    if credentials is None or not credentials.credentials:
+        raise unauthorized("You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
+    with sessions() as session:
+        try:
+            return authenticate(session, credentials.credentials)
+        except InvalidKeyError as exc:
+            raise unauthorized(f"Incorrect API key provided: {exc}") from None
+
+
+CurrentKey = Annotated[KeyInfo, Depends(current_key)]
+
+
+def require_scope(scope: str) -> Callable[[KeyInfo], KeyInfo]:
+    """A dependency: the current key, which must hold `scope` (403 naming it otherwise)."""
+
+    def check(key: CurrentKey) -> KeyInfo:
+        if scope not in key.scopes:
+            raise APIError(403, f"API scope is not declared: {scope}", type="permission_error",
+                           code="insufficient_scope")
+        return key
+
+    check.__name__ = f"require_{scope}_scope"
+    return check
+
+
+InferenceKey = Annotated[KeyInfo, Depends(require_scope("inference"))]
+UsageKey = Annotated[KeyInfo, Depends(require_scope("usage"))]

@@ -1,0 +1,122 @@
+"""Every error the API returns, in OpenAI's shape: {"error": {message, type, param, code}}.
+
+Routes raise `APIError` (or a `RequestError` from rein.openai_format); the handlers
+installed by `install_error_handlers` turn those, FastAPI's validation errors (400 naming
+the offending parameter), unknown routes (404) and unexpected failures (500) into that
+shape, so a client parses one error format everywhere.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rein.openai_format import RequestError
+
+log = logging.getLogger(__name__)
+
+INVALID_REQUEST = "invalid_request_error"
+
+
+class APIError(Exception):
+    """An error response: HTTP status, OpenAI's error fields and optional headers."""
+
+    def __init__(self, status_code: int, message: str, *, type: str = INVALID_REQUEST,
+                 param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status_code = status_code
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def to_dict(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.to_dict(), status_code=self.status_code, headers=self.headers)
+
+
+def error_body(message: str, type: str = INVALID_REQUEST, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def not_found(what: str, ident: str, code: str = "not_found") -> APIError:
+    return APIError(404, f"No {what} found with id '{ident}'.", code=code)
+
+
+def unauthorized(message: str) -> APIError:
+    return APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _param_of(loc: tuple[Any, ...] | list[Any]) -> str | None:
+    """('body', 'messages', 0, 'role') -> 'messages[0].role'; ('query', 'limit') -> 'limit'."""
+    parts = list(loc)
+    if parts and parts[0] in ("body", "query", "path", "header", "cookie"):
+        parts = parts[1:]
+    name = ""
+    for part in parts:
+        if isinstance(part, int):
+            name += f"[{part}]"
+        else:
+            name += f".{part}" if name else str(part)
+    return name or None
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request", None
+    first = errors[0]
+    param = _param_of(first.get("loc", ()))
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('msg')}", None
+    if first.get("type") == "missing" and param:
+        message = f"'{param}' is a required property"
+    else:
+        message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+    if len(errors) > 1:
+        message += f" (and {len(errors) - 1} more error{'s' if len(errors) > 2 else ''})"
+    return message, param
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestError)
+    async def _request_error(request: Request, exc: RequestError) -> JSONResponse:
+        return JSONResponse(exc.to_dict(), status_code=400)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, INVALID_REQUEST, param, "invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 404:
+            message = f"Unknown route: {request.method} {request.url.path}"
+            code = "unknown_url"
+        elif exc.status_code == 405:
+            message = f"Method {request.method} is not allowed on {request.url.path}"
+            code = "method_not_allowed"
+        else:
+            message, code = str(exc.detail), None
+        return JSONResponse(error_body(message, INVALID_REQUEST, None, code),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return JSONResponse(error_body("The server had an error while processing your request.",
+                                       "server_error", None, "internal_error"), status_code=500)

@@ -1,0 +1,2 @@
+"""The API's routes, one module per area: openai (completions, chat, models), jobs, usage,
+health."""

@@ -1,0 +1,145 @@
+"""Async jobs: POST /v1/jobs, GET /v1/jobs/{id}, GET /v1/jobs, cancel, and the SSE events."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Query, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
+
+from rein.api.deps import AsyncRedisDep, InferenceKey, IntakeDep, RedisDep, SessionDep, SettingsDep
+from rein.api.errors import APIError
+from rein.api.jobs import (
+    get_job_for_tenant,
+    list_jobs_for_tenant,
+    request_job_cancel,
+    seconds_between,
+)
+from rein.api.schemas import (
+    ErrorResponse,
+    JobCreate,
+    JobCreated,
+    JobError,
+    JobList,
+    JobPublic,
+    JobResponse,
+    JobTimings,
+    JobUsage,
+)
+from rein.api.streams import follow_events, job_event_stream
+from rein.core.messages import STREAM_FIELD, TokenEvent, event_id
+from rein.core.models import Job
+from rein.core.redis_keys import RedisKeys
+from rein.worker.cancel import request_cancel
+from rein.worker.recorder import response_body
+
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+
+_ERRORS = {401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
+
+
+def job_public(job: Job) -> JobPublic:
+    """The public view of a job row (with its result and usage loaded)."""
+    usage = job.usage
+    response = None
+    if job.status == "succeeded" and job.result is not None:
+        response = JobResponse(status_code=200, body=response_body(job, job.result))
+    error = JobError(**{k: job.error.get(k) for k in ("message", "type", "code")}) \
+        if job.status == "failed" and job.error else None
+    return JobPublic(
+        id=job.id, status=job.status, model=job.model, endpoint=job.endpoint, created_at=job.created_at,
+        metadata=dict(job.metadata_ or {}), prompt_tokens=job.prompt_tokens,
+        cancel_requested_at=job.cancel_requested_at,
+        timings=JobTimings(
+            queued_at=job.queued_at, started_at=job.started_at, first_token_at=job.first_token_at,
+            finished_at=job.finished_at,
+            queue_seconds=seconds_between(job.queued_at, job.started_at),
+            time_to_first_token_seconds=seconds_between(job.queued_at, job.first_token_at),
+            total_seconds=seconds_between(job.queued_at, job.finished_at)),
+        usage=JobUsage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
+                       total_tokens=usage.prompt_tokens + usage.completion_tokens,
+                       cached_tokens=usage.cached_tokens) if usage else None,
+        response=response, error=error)
+
+
+@router.post("", status_code=202, response_model=JobCreated,
+             responses={**_ERRORS, 400: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
+                        503: {"model": ErrorResponse}})
+def create_job(payload: JobCreate, key: InferenceKey, intake: IntakeDep,
+               idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> JobCreated:
+    """Queue a job; 202 with its id. A retry with the same Idempotency-Key returns the same job."""
+    job, _ = intake.submit(key, payload.endpoint, payload.body, metadata=payload.metadata,
+                           idempotency_key=idempotency_key)
+    return JobCreated(id=job.id, status=job.status)
+
+
+@router.get("", response_model=JobList, responses=_ERRORS)
+def list_jobs(session: SessionDep, key: InferenceKey,
+              limit: Annotated[int, Query(ge=1, le=100)] = 20,
+              after: Annotated[str | None, Query(description="A job id: list the jobs older than it.")] = None,
+              ) -> JobList:
+    """The caller's jobs, newest first."""
+    jobs, has_more = list_jobs_for_tenant(session, key.tenant, limit, after)
+    return JobList(data=[job_public(job) for job in jobs], first_id=jobs[0].id if jobs else None,
+                   last_id=jobs[-1].id if jobs else None, has_more=has_more)
+
+
+@router.get("/{job_id}", response_model=JobPublic, responses=_ERRORS)
+def get_job(job_id: str, session: SessionDep, key: InferenceKey) -> JobPublic:
+    """Status, timings, usage and, when it succeeded, the response body."""
+    return job_public(get_job_for_tenant(session, key.tenant, job_id))
+
+
+@router.post("/{job_id}/cancel", response_model=JobPublic, responses=_ERRORS)
+def cancel_job(job_id: str, session: SessionDep, key: InferenceKey, redis: RedisDep,
+               settings: SettingsDep) -> JobPublic:
+    """Cancel a job: a queued one is cancelled at once, a running one within an engine step."""
+    job, was_queued = request_job_cancel(session, key.tenant, job_id)
+    if job.status not in ("succeeded", "failed") or was_queued:
+        keys = RedisKeys.from_settings(settings)
+        request_cancel(redis, keys, job.id, settings.job_timeout_seconds + settings.stream_ttl_seconds)
+        if was_queued:
+            # No worker will run it, so the API ends its stream (event 1: nothing ran before).
+            final = TokenEvent(seq=1, text="", finish_reason="abort",
+                               usage={"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0})
+            pipe = redis.pipeline(transaction=False)
+            stream = keys.job_stream(job.id)
+            pipe.xadd(stream, {STREAM_FIELD: final.to_json()}, id=event_id(1))
+            pipe.publish(keys.job_channel(job.id), final.to_json())
+            pipe.expire(stream, settings.stream_ttl_seconds)
+            pipe.execute(raise_on_error=False)
+    return job_public(job)
+
+
+@router.get("/{job_id}/events", responses={**_ERRORS, 200: {
+    "content": {"text/event-stream": {}},
+    "description": "SSE: `id: <seq>` and `data: {seq, text, token_ids[, finish_reason, usage, error]}` "
+                   "per event; reconnect with Last-Event-ID to resume."}})
+async def job_events(job_id: str, request: Request, key: InferenceKey, redis: AsyncRedisDep,
+                     settings: SettingsDep,
+                     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+                     ) -> StreamingResponse:
+    """The job's token events as Server-Sent Events, from Last-Event-ID on."""
+    sessions = request.app.state.sessions
+
+    def load() -> Job | None:
+        with sessions() as session:
+            try:
+                return get_job_for_tenant(session, key.tenant, job_id)
+            except APIError:
+                return None
+
+    if await run_in_threadpool(load) is None:
+        raise APIError(404, f"No job found with id '{job_id}'.", code="not_found")
+    last = 0
+    if last_event_id:
+        try:
+            last = int(last_event_id.strip().split("-")[0])
+        except ValueError:
+            raise APIError(400, f"Last-Event-ID must be an event id (an integer), got {last_event_id!r}",
+                           param="Last-Event-ID", code="invalid_value") from None
+    events = follow_events(redis, RedisKeys.from_settings(settings), job_id, last,
+                           lambda: run_in_threadpool(load))
+    return StreamingResponse(job_event_stream(events), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -1,0 +1,146 @@
+"""OpenAI-compatible endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+
+Each request becomes a job like POST /v1/jobs (same validation, limits and queue). Without
+`stream`, the route follows the job's event stream to its final event and returns the
+body stored in Postgres, exactly what GET /v1/jobs/{id} shows as `response.body`. With
+`stream: true` it relays the events as OpenAI chunks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from rein.api.deps import (
+    AsyncRedisDep,
+    CurrentKey,
+    InferenceKey,
+    IntakeDep,
+    RegistryDep,
+    SettingsDep,
+)
+from rein.api.errors import APIError, error_body
+from rein.api.jobs import get_job_for_tenant
+from rein.api.schemas import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ErrorResponse,
+    ModelList,
+    ModelPublic,
+)
+from rein.api.streams import StreamEvent, follow_events, openai_chunk_stream
+from rein.core.keys import KeyInfo
+from rein.core.models import FINISHED_JOB_STATUSES, Job
+from rein.core.redis_keys import RedisKeys
+from rein.openai_format import CHAT_COMPLETIONS, COMPLETIONS, build_response
+from rein.worker.recorder import response_body
+
+router = APIRouter(prefix="/v1", tags=["openai"])
+
+# The worker publishes the final event just before it commits the result: how long to wait
+# for the commit to show.
+RESULT_COMMIT_WAIT_SECONDS = 10.0
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 429, 500, 503)}
+_SSE = {"text/event-stream": {}}
+
+
+@router.post("/chat/completions", response_model=ChatCompletion,
+             responses={**_ERRORS, 200: {"content": _SSE}})
+async def chat_completions(payload: ChatCompletionRequest, request: Request, key: InferenceKey,
+                           intake: IntakeDep, redis: AsyncRedisDep, settings: SettingsDep) -> Any:
+    """Chat completion; `stream: true` answers with `chat.completion.chunk` SSE and `[DONE]`."""
+    return await _complete(CHAT_COMPLETIONS, payload.model_dump(exclude_unset=True), request, key,
+                           intake, redis, settings)
+
+
+@router.post("/completions", response_model=Completion, responses={**_ERRORS, 200: {"content": _SSE}})
+async def completions(payload: CompletionRequest, request: Request, key: InferenceKey,
+                      intake: IntakeDep, redis: AsyncRedisDep, settings: SettingsDep) -> Any:
+    """Text completion; `stream: true` answers with `text_completion` SSE chunks and `[DONE]`."""
+    return await _complete(COMPLETIONS, payload.model_dump(exclude_unset=True), request, key,
+                           intake, redis, settings)
+
+
+@router.get("/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
+def list_models(key: CurrentKey, registry: RegistryDep, request: Request) -> ModelList:
+    """The served models (any valid key)."""
+    created = request.app.state.started_at
+    return ModelList(data=[ModelPublic(id=e.name, created=created, max_model_len=e.max_model_len)
+                           for e in registry])
+
+
+async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: KeyInfo,
+                    intake: Any, redis: Any, settings: Any) -> Any:
+    job, prepared = await run_in_threadpool(intake.submit, key, endpoint, body)
+    sessions = request.app.state.sessions
+    keys = RedisKeys.from_settings(settings)
+
+    def load() -> Job | None:
+        with sessions() as session:
+            try:
+                return get_job_for_tenant(session, key.tenant, job.id)
+            except APIError:
+                return None
+
+    events = follow_events(redis, keys, job.id, 0, lambda: run_in_threadpool(load))
+    if body.get("stream"):
+        options = body.get("stream_options") or {}
+        return StreamingResponse(
+            openai_chunk_stream(events, endpoint=endpoint, job_id=job.id, model=job.model,
+                                prompt_tokens=job.prompt_tokens,
+                                include_usage=bool(options.get("include_usage"))),
+            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+    final: StreamEvent | None = None
+    text, token_ids = [], []
+    async for event in events:
+        if event is None:
+            continue
+        text.append(event.data.get("text", ""))
+        token_ids.extend(event.data.get("token_ids", []))
+        if event.final:
+            final = event
+    stored = await _wait_for_record(load)
+    if stored is not None:
+        return _stored_response(stored)
+    if final is None or final.data.get("error"):
+        message = (final.data.get("error") if final else None) or "the job ended without a result"
+        return JSONResponse(error_body(message, "server_error", None, "job_failed"), status_code=500)
+    # The record did not show in time: the stream holds everything the body needs but logprobs.
+    entry = prepared.entry if prepared else None
+    return build_response(endpoint, job.id, job.model, job.prompt_tokens, "".join(text), token_ids,
+                          final.data.get("finish_reason"), None, entry.tokenizer if entry else None, None)
+
+
+async def _wait_for_record(load: Any) -> Job | None:
+    deadline = asyncio.get_running_loop().time() + RESULT_COMMIT_WAIT_SECONDS
+    delay = 0.005
+    while True:
+        job = await run_in_threadpool(load)
+        if job is None or job.status in FINISHED_JOB_STATUSES:
+            return job
+        if asyncio.get_running_loop().time() > deadline:
+            return None
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 0.2)
+
+
+def _stored_response(job: Job) -> Any:
+    if job.status == "succeeded" and job.result is not None:
+        return JSONResponse(response_body(job, job.result))
+    if job.status == "failed":
+        error = job.error or {}
+        status = 400 if error.get("type") == "invalid_request_error" else 500
+        return JSONResponse(error_body(error.get("message") or "the job failed",
+                                       error.get("type") or "server_error", None, error.get("code")),
+                            status_code=status)
+    return JSONResponse(error_body("The request was cancelled before it completed.",
+                                   "invalid_request_error", None, "cancelled"), status_code=409)

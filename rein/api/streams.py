@@ -1,0 +1,163 @@
+"""Following a job's token events, and writing them as SSE.
+
+A worker XADDs each TokenEvent to the job's Redis Stream with the id `<seq>-0`. Reading
+with XREAD BLOCK from `<last seq>-0` returns exactly the events after `last seq`, so a
+client that reconnects with `Last-Event-ID: N` gets N+1, N+2, ... with no gap and no
+repeat. When the stream is gone (expired after the job ended) and the job has finished,
+the job is replayed from Postgres as one final event (`"replayed": true`, the whole text:
+the per-event split is not kept there).
+
+Two SSE formats come out of the same events: rein's own for GET /v1/jobs/{id}/events
+(`id: <seq>` + the event JSON) and OpenAI's `chat.completion.chunk` / `text_completion`
+chunks ending in `data: [DONE]` for `stream: true` on the OpenAI endpoints.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from redis.asyncio import Redis as AsyncRedis
+
+from rein.core.messages import STREAM_FIELD, event_id
+from rein.core.models import FINISHED_JOB_STATUSES, Job
+from rein.core.redis_keys import RedisKeys
+
+BLOCK_MS = 5_000
+READ_COUNT = 512
+KEEPALIVE = ": keepalive\n\n"
+
+_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
+
+
+@dataclass
+class StreamEvent:
+    seq: int
+    data: dict[str, Any]
+
+    @property
+    def final(self) -> bool:
+        return self.data.get("finish_reason") is not None or self.data.get("error") is not None
+
+
+# Loads the job (tenant already checked) when the stream may be gone; None if it vanished.
+JobLoader = Callable[[], Awaitable[Job | None]]
+
+
+def replay_event(job: Job, seq: int) -> StreamEvent | None:
+    """A finished job as one final event from Postgres; None while it is not finished."""
+    if job.status not in FINISHED_JOB_STATUSES:
+        return None
+    result, usage = job.result, job.usage
+    data: dict[str, Any] = {"seq": seq, "text": result.text if result else "",
+                            "token_ids": list(result.token_ids) if result else []}
+    if job.status == "failed":
+        data["error"] = (job.error or {}).get("message") or "the job failed"
+        if result is not None:
+            data["finish_reason"] = result.finish_reason
+    else:
+        data["finish_reason"] = result.finish_reason if result else "abort"
+    prompt = usage.prompt_tokens if usage else (job.prompt_tokens if result else 0)
+    completion = usage.completion_tokens if usage else len(data["token_ids"])
+    data["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                     "total_tokens": prompt + completion}
+    data["replayed"] = True
+    return StreamEvent(seq, data)
+
+
+async def follow_events(redis: AsyncRedis, keys: RedisKeys, job_id: str, last_seq: int,
+                        load_job: JobLoader, block_ms: int = BLOCK_MS) -> AsyncIterator[StreamEvent | None]:
+    """The job's events after `last_seq`, ending with the final one; None while idle (keepalive)."""
+    stream = keys.job_stream(job_id)
+    last = last_seq
+    check_store = True
+    while True:
+        if check_store and not await redis.exists(stream):
+            job = await load_job()
+            if job is None:
+                return
+            # Read the stream once more: the job may have written it between the two checks.
+            if job.status in FINISHED_JOB_STATUSES and not await redis.exists(stream):
+                event = replay_event(job, last + 1)
+                if event is not None:
+                    yield event
+                return
+        response = await redis.xread({stream: event_id(last)}, count=READ_COUNT, block=block_ms)
+        if not response:
+            check_store = True
+            yield None
+            continue
+        check_store = False
+        for entry_id, fields in response[0][1]:
+            raw = fields.get(STREAM_FIELD.encode()) or fields.get(STREAM_FIELD)
+            data = json.loads(raw)
+            seq = int(entry_id.split(b"-")[0] if isinstance(entry_id, bytes) else entry_id.split("-")[0])
+            last = seq
+            event = StreamEvent(seq, data)
+            yield event
+            if event.final:
+                return
+
+
+def sse(data: str, event_id_: int | None = None) -> str:
+    head = f"id: {event_id_}\n" if event_id_ is not None else ""
+    return f"{head}data: {data}\n\n"
+
+
+async def job_event_stream(events: AsyncIterator[StreamEvent | None]) -> AsyncIterator[str]:
+    """rein's SSE: `id: <seq>` and the event JSON per event."""
+    async for event in events:
+        if event is None:
+            yield KEEPALIVE
+        else:
+            yield sse(json.dumps(event.data, ensure_ascii=False, separators=(",", ":")), event.seq)
+
+
+async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endpoint: str, job_id: str,
+                              model: str, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
+    """OpenAI's streaming format: chunks, the usage chunk if asked, then [DONE]."""
+    chat = endpoint == "/v1/chat/completions"
+    created = int(time.time())
+    chunk_id = ("chatcmpl-" if chat else "cmpl-") + job_id
+    base = {"id": chunk_id, "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": created, "model": model}
+
+    def chunk(text: str | None, finish_reason: str | None, first: bool = False) -> str:
+        if chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}
+        body = {**base, "choices": [choice]}
+        if include_usage:
+            body["usage"] = None
+        return sse(json.dumps(body, ensure_ascii=False, separators=(",", ":")))
+
+    if chat:
+        yield chunk(None, None, first=True)
+    usage: dict[str, int] | None = None
+    async for event in events:
+        if event is None:
+            yield KEEPALIVE
+            continue
+        data = event.data
+        if data.get("error"):
+            error = {"error": {"message": data["error"], "type": "server_error", "param": None,
+                               "code": "job_failed"}}
+            yield sse(json.dumps(error))
+            break
+        finish = data.get("finish_reason")
+        if data.get("text") or finish:
+            yield chunk(data.get("text"), _FINISH_REASONS.get(finish, finish) if finish else None)
+        if finish:
+            usage = data.get("usage")
+    if include_usage:
+        usage = usage or {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
+                          "total_tokens": prompt_tokens}
+        yield sse(json.dumps({**base, "choices": [], "usage": usage}, separators=(",", ":")))
+    yield sse("[DONE]")
