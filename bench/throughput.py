@@ -66,6 +66,17 @@ TARGETS = {
 }
 
 
+# Rounds for the short (uniform) workloads; see main().
+SHORT_WORKLOAD_ROUNDS = 5
+
+
+def median_run(runs: list[dict]) -> dict | None:
+    """The run with the median throughput, or None when the system did not run."""
+    if not runs:
+        return None
+    return sorted(runs, key=lambda r: r["tps"])[len(runs) // 2]
+
+
 # --------------------------------------------------------------------------- workloads
 
 
@@ -403,25 +414,32 @@ def main(argv: list[str] | None = None) -> int:
         for name, wl in wls.items():
             row: dict = {"requests": wl.num_requests, "useful_output_tokens": wl.useful_tokens,
                          "prompt_tokens": sum(len(p) for p in wl.prompts)}
-            print(f"# {preset}/{name}: rein ...", flush=True)
-            t = time.perf_counter()
-            rein = run_rein(engine, wl, allowed)
-            timings[f"{preset}/{name}/rein"] = time.perf_counter() - t
-            static = batch = None
-            if "static" not in skip:
-                print(f"# {preset}/{name}: HF static (batch {wl.hf_batch_size}) ...", flush=True)
+            # A run of well under a second is at the mercy of this shared machine's noise:
+            # short workloads run several rounds, the three systems interleaved, and each
+            # system's median round is reported.
+            rounds = 1 if name == "mixed" or args.quick else SHORT_WORKLOAD_ROUNDS
+            row["rounds"] = rounds
+            runs: dict[str, list[dict]] = {"rein": [], "static": [], "batch": []}
+            for _ in range(rounds):
+                print(f"# {preset}/{name}: rein ...", flush=True)
                 t = time.perf_counter()
-                static = run_hf_static(model, tok, wl)
-                timings[f"{preset}/{name}/hf_static"] = time.perf_counter() - t
-            if "batch" not in skip:
-                print(f"# {preset}/{name}: HF continuous batching ...", flush=True)
-                t = time.perf_counter()
-                try:
-                    batch = run_hf_batch(model, wl)
-                except Exception as exc:  # report, don't die: the other figures still stand
-                    row["hf_batch_error"] = f"{type(exc).__name__}: {exc}"
-                    print(f"# HF continuous batching failed: {row['hf_batch_error']}", flush=True)
-                timings[f"{preset}/{name}/hf_batch"] = time.perf_counter() - t
+                runs["rein"].append(run_rein(engine, wl, allowed))
+                timings[f"{preset}/{name}/rein"] = time.perf_counter() - t
+                if "static" not in skip:
+                    print(f"# {preset}/{name}: HF static (batch {wl.hf_batch_size}) ...", flush=True)
+                    t = time.perf_counter()
+                    runs["static"].append(run_hf_static(model, tok, wl))
+                    timings[f"{preset}/{name}/hf_static"] = time.perf_counter() - t
+                if "batch" not in skip and "hf_batch_error" not in row:
+                    print(f"# {preset}/{name}: HF continuous batching ...", flush=True)
+                    t = time.perf_counter()
+                    try:
+                        runs["batch"].append(run_hf_batch(model, wl))
+                    except Exception as exc:  # report, don't die: the other figures still stand
+                        row["hf_batch_error"] = f"{type(exc).__name__}: {exc}"
+                        print(f"# HF continuous batching failed: {row['hf_batch_error']}", flush=True)
+                    timings[f"{preset}/{name}/hf_batch"] = time.perf_counter() - t
+            rein, static, batch = (median_run(runs[k]) for k in ("rein", "static", "batch"))
             row.update({
                 "rein_tps": rein["tps"], "hf_static_tps": static and static["tps"],
                 "hf_batch_tps": batch and batch["tps"],

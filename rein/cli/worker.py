@@ -58,16 +58,19 @@ def run(args: argparse.Namespace) -> int:
         db.dispose()
 
     from rein.engine.config import EngineConfig
+    from rein.engine.loader import resolve_model_dir
     from rein.worker.app import make_celery
     from rein.worker.bootstep import EngineThreadPool, WorkerSpec, configure_worker
 
     try:
+        # The bootstep loads the engine; a model that cannot be found fails here, in one line.
+        resolve_model_dir(served.source)
         config = EngineConfig(
             model=served.source, device=settings.device, dtype=settings.dtype,
             kv_cache_dtype=settings.kv_cache_dtype, kv_cache_memory=settings.kv_cache_memory,
             max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
             max_model_len=served.max_model_len)
-    except ValueError as exc:
+    except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -16,6 +16,9 @@ Lease semantics:
 * A job already finished (succeeded, failed, cancelled) is never claimed again: a
   redelivered message for it is acknowledged and does nothing. A job running under a live
   lease (another worker has it) is left alone too: that worker records it.
+* A job whose attempts keep ending without a result (its workers lost, or a failure that
+  kills the task) is not tried for ever: after MAX_ATTEMPTS starts the next claim marks
+  it failed (code `too_many_attempts`).
 * `release_job` hands a job back (`queued`) when its run was interrupted rather than
   finished (warm shutdown, broker connection lost); the next claim runs it again as a new
   attempt.
@@ -35,6 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 
 LEASE_MARGIN_SECONDS = 60
+MAX_ATTEMPTS = 3
 
 
 class ClaimOutcome(StrEnum):
@@ -43,6 +47,7 @@ class ClaimOutcome(StrEnum):
     FINISHED = "finished"                # succeeded, failed or cancelled already: nothing to do
     CANCELLED = "cancelled"              # a cancel was requested; this call marked it cancelled
     HELD_ELSEWHERE = "held_elsewhere"    # running under another live lease
+    GAVE_UP = "gave_up"                  # MAX_ATTEMPTS starts already: this call marked it failed
 
 
 @dataclass(frozen=True)
@@ -79,12 +84,14 @@ def _claimable():
     return or_(Job.status == "queued", and_(Job.status == "running", expired))
 
 
-def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_for_seconds: int) -> Claim:
+def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_for_seconds: int,
+              max_attempts: int = MAX_ATTEMPTS) -> Claim:
     """Take the job for a new attempt, or say why not (see the module docstring)."""
     with sessions.begin() as session:
         row = session.execute(
             update(Job)
-            .where(Job.id == job_id, Job.cancel_requested_at.is_(None), _claimable())
+            .where(Job.id == job_id, Job.cancel_requested_at.is_(None), Job.attempt < max_attempts,
+                   _claimable())
             .values(status="running", attempt=Job.attempt + 1, worker=worker, started_at=func.now(),
                     first_token_at=None, finished_at=None, error=None,
                     lease_expires_at=func.now() + timedelta(seconds=lease_for_seconds))
@@ -95,14 +102,31 @@ def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_f
             return Claim(ClaimOutcome.CLAIMED, Lease(job_id, row.attempt, worker, row.tenant, row.key_id,
                                                      row.model, row.endpoint, row.prompt_tokens))
         current = session.execute(
-            select(Job.status, Job.cancel_requested_at).where(Job.id == job_id)).one_or_none()
+            select(Job.status, Job.cancel_requested_at, Job.attempt).where(Job.id == job_id)).one_or_none()
     if current is None:
         return Claim(ClaimOutcome.MISSING)
     if current.status in FINISHED_JOB_STATUSES:
         return Claim(ClaimOutcome.FINISHED)
     if current.cancel_requested_at is not None and cancel_unstarted_job(sessions, job_id):
         return Claim(ClaimOutcome.CANCELLED)
+    if current.attempt >= max_attempts and _give_up(sessions, job_id, current.attempt):
+        return Claim(ClaimOutcome.GAVE_UP)
     return Claim(ClaimOutcome.HELD_ELSEWHERE)
+
+
+def _give_up(sessions: sessionmaker[Session], job_id: str, attempts: int) -> bool:
+    error = {"message": f"the job was started {attempts} times and never finished (its workers were lost "
+                        f"or failed); it will not be tried again", "type": "server_error",
+             "code": "too_many_attempts"}
+    with sessions.begin() as session:
+        row = session.execute(
+            update(Job)
+            .where(Job.id == job_id, _claimable())
+            .values(status="failed", finished_at=func.now(), lease_expires_at=None, error=error)
+            .returning(Job.id)
+            .execution_options(synchronize_session=False)
+        ).one_or_none()
+    return row is not None
 
 
 def cancel_unstarted_job(sessions: sessionmaker[Session], job_id: str) -> bool:

@@ -35,6 +35,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rein.core.messages import STREAM_FIELD, TokenEvent, event_id
 from rein.core.redis_keys import RedisKeys
 from rein.engine.outputs import RequestOutput
+from rein.worker.recorder import storable_text
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,8 @@ class TokenPublisher:
             if not output.new_token_ids and not output.text_delta:
                 return None
             state.seq += 1
-            return TokenEvent(seq=state.seq, text=output.text_delta, token_ids=list(output.new_token_ids))
+            return TokenEvent(seq=state.seq, text=storable_text(output.text_delta),
+                              token_ids=list(output.new_token_ids))
         del self._jobs[output.request_id]
         usage = usage_of(output.num_prompt_tokens, output.num_output_tokens)
         error = output.error
@@ -139,8 +141,9 @@ class TokenPublisher:
             if reason == TIMEOUT:
                 error = "the job ran past its time limit and was stopped"
         state.seq += 1
-        return TokenEvent(seq=state.seq, text=output.text_delta, token_ids=list(output.new_token_ids),
-                          finish_reason=output.finish_reason, usage=usage, error=error)
+        return TokenEvent(seq=state.seq, text=storable_text(output.text_delta),
+                          token_ids=list(output.new_token_ids), finish_reason=output.finish_reason,
+                          usage=usage, error=error)
 
     # -- Redis -------------------------------------------------------------------------------
 

@@ -10,6 +10,10 @@ engine's output (text, token ids, the engine's finish reason stop | length | abo
 when the request asked for logprobs, the response's `logprobs` object already in OpenAI's
 shape (it needs the tokenizer, which the worker has and the API need not load).
 `response_body(job, result)` rebuilds exactly the body the synchronous endpoint returns.
+
+Postgres text and jsonb cannot hold U+0000, which a model can emit (a byte-level token
+for 0x00): `storable_text` drops it, here and in the published events alike, so the
+streamed deltas still concatenate to the stored text.
 """
 
 from __future__ import annotations
@@ -25,6 +29,21 @@ from sqlalchemy.orm import Session, sessionmaker
 from rein.core.models import Job, Result, Usage
 from rein.openai_format import build_response
 from rein.worker.claim import Lease
+
+
+def storable_text(text: str) -> str:
+    """`text` without U+0000 (Postgres refuses it in text and jsonb)."""
+    return text.replace("\x00", "") if "\x00" in text else text
+
+
+def _storable(value: Any) -> Any:
+    if isinstance(value, str):
+        return storable_text(value)
+    if isinstance(value, dict):
+        return {storable_text(k): _storable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_storable(v) for v in value]
+    return value
 
 
 @dataclass
@@ -45,6 +64,9 @@ class JobRecord:
     def __post_init__(self) -> None:
         if self.status not in ("succeeded", "failed", "cancelled"):
             raise ValueError(f"a job ends succeeded, failed or cancelled, not {self.status!r}")
+        self.text = storable_text(self.text)
+        self.logprobs = _storable(self.logprobs)
+        self.error = _storable(self.error)
 
 
 def record_job(sessions: sessionmaker[Session], lease: Lease, record: JobRecord) -> bool:

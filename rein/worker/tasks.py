@@ -24,12 +24,20 @@ from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
 from celery import shared_task
+from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
 
 from rein.core.messages import JobMessage
 from rein.worker.app import TASK_NAME, enqueue_job
 from rein.worker.bootstep import worker_context
 from rein.worker.cancel import is_cancel_requested
-from rein.worker.claim import ClaimOutcome, claim_job, lease_seconds, release_job
+from rein.worker.claim import (
+    ClaimOutcome,
+    cancel_unstarted_job,
+    claim_job,
+    lease_seconds,
+    release_job,
+)
 from rein.worker.publisher import TIMEOUT, usage_of
 from rein.worker.recorder import JobRecord, record_job, response_logprobs
 
@@ -45,10 +53,23 @@ log = logging.getLogger(__name__)
 ABORT_GRACE_SECONDS = 30.0
 
 
+# A job that could not even be claimed (Postgres or Redis unreachable) is retried this often.
+NOT_TAKEN_RETRY_SECONDS = 5
+
+
+class JobNotTaken(RuntimeError):
+    """Postgres or Redis failed before the job was claimed: nothing ran, try again later."""
+
+
 @shared_task(name=TASK_NAME, bind=True, acks_late=True, reject_on_worker_lost=True, ignore_result=True)
 def run_job(self: Any, message: dict[str, Any]) -> str:
     """Run one job on this worker's engine; returns how it ended (for logs)."""
-    return process_job(worker_context(self.app), JobMessage.from_dict(message))
+    try:
+        return process_job(worker_context(self.app), JobMessage.from_dict(message))
+    except JobNotTaken as exc:
+        log.warning("job %s not taken (%s); retrying in %d s", message.get("job_id"), exc.__cause__,
+                    NOT_TAKEN_RETRY_SECONDS)
+        raise self.retry(exc=exc, countdown=NOT_TAKEN_RETRY_SECONDS, max_retries=None) from exc
 
 
 @dataclass
@@ -67,21 +88,39 @@ def process_job(context: WorkerContext, message: JobMessage) -> str:
     if context.stopping.is_set():
         requeue(context, message)
         return "requeued"
-    if is_cancel_requested(context.redis, context.keys, job_id):
-        from rein.worker.claim import cancel_unstarted_job
-
-        if cancel_unstarted_job(context.sessions, job_id):
-            context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_of(0, 0))
-        return "skipped: cancelled"
-    claim = claim_job(context.sessions, job_id, context.worker_name,
-                      lease_seconds(context.settings.job_timeout_seconds))
+    try:
+        if is_cancel_requested(context.redis, context.keys, job_id):
+            if cancel_unstarted_job(context.sessions, job_id):
+                context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_of(0, 0))
+            return "skipped: cancelled"
+        claim = claim_job(context.sessions, job_id, context.worker_name,
+                          lease_seconds(context.settings.job_timeout_seconds))
+    except (RedisError, SQLAlchemyError) as exc:
+        raise JobNotTaken(str(exc)) from exc
     if claim.lease is None:
         if claim.outcome is ClaimOutcome.CANCELLED:
             context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_of(0, 0))
+        elif claim.outcome is ClaimOutcome.GAVE_UP:
+            context.publisher.publish_final(job_id, error="the job was started too many times and never finished")
         log.info("job %s not run: %s", job_id, claim.outcome.value)
         return f"skipped: {claim.outcome.value}"
     with context.tracking(job_id):
-        return _run_claimed(context, message, claim.lease)
+        try:
+            return _run_claimed(context, message, claim.lease)
+        except Exception as exc:
+            # Never leave a claimed job running with nobody on it: fail it, or at least hand it back.
+            log.exception("job %s attempt %d broke in the worker", job_id, claim.lease.attempt)
+            context.runner.abort(job_id)
+            try:
+                return _fail(context, claim.lease, f"internal error in the worker: {type(exc).__name__}",
+                             "server_error", "worker_error")
+            except Exception:
+                try:
+                    _hand_back(context, message, claim.lease)
+                except Exception:
+                    log.exception("job %s: could not hand it back either; it is retried once its lease "
+                                  "expires and its message comes back", job_id)
+                raise
 
 
 def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> str:

@@ -253,6 +253,15 @@ def test_released_job_is_claimed_again_as_a_new_attempt(make_job, db_sessionmake
     assert claim_job(db_sessionmaker, message.job_id, "w2", 600).lease.attempt == 2
 
 
+def test_a_job_that_keeps_losing_its_workers_is_given_up(make_job, db_sessionmaker):
+    message = make_job()
+    with db_sessionmaker.begin() as session:   # three attempts already started, none finished
+        session.execute(update(Job).where(Job.id == message.job_id).values(attempt=3, status="queued"))
+    assert claim_job(db_sessionmaker, message.job_id, "w1", 600).outcome is ClaimOutcome.GAVE_UP
+    row = job_row(db_sessionmaker, message.job_id)
+    assert row.status == "failed" and row.error["code"] == "too_many_attempts" and row.attempt == 3
+
+
 def test_cancel_requested_while_queued_is_not_claimed(make_job, db_sessionmaker, redis_client, keys):
     message = make_job()
     with db_sessionmaker.begin() as session:
@@ -312,13 +321,47 @@ def test_interactive_jobs_are_taken_before_batch_jobs(settings, make_job):
 # -- a worker in this process ------------------------------------------------------------------
 
 
+class InProcessWorker:
+    """A Celery worker (threads pool, the engine bootstep) in a thread of this process.
+
+    One at a time: Celery keeps worker state per process, and `stop()` is a warm shutdown
+    as SIGTERM does it, through the process-wide flag.
+    """
+
+    def __init__(self, app, queue: str, concurrency: int) -> None:
+        from celery.contrib.testing.worker import TestWorkController, setup_app_for_worker
+
+        from rein.worker.bootstep import EngineThreadPool
+
+        setup_app_for_worker(app, "WARNING", None)
+        self.app = app
+        self.worker = TestWorkController(app=app, concurrency=concurrency, pool=EngineThreadPool,
+                                         hostname=f"test-{secrets.token_hex(3)}@localhost", queues=[queue],
+                                         without_heartbeat=True, without_mingle=True, without_gossip=True,
+                                         loglevel="WARNING", ready_callback=None)
+        self.thread = threading.Thread(target=self.worker.start, name="test-worker", daemon=True)
+        self.thread.start()
+        self.worker.ensure_started()
+
+    def stop(self, timeout: float = 30.0) -> float:
+        """Warm shutdown; returns the seconds it took."""
+        from celery.worker import state
+
+        started = time.monotonic()
+        state.should_stop = 0
+        try:
+            self.thread.join(timeout)
+        finally:
+            state.should_stop = None
+        assert not self.thread.is_alive(), f"the worker did not stop within {timeout} s"
+        return time.monotonic() - started
+
+
 @pytest.fixture(scope="module")
 def worker_app(make_settings, tiny_models) -> Iterator:
-    """A Celery worker (threads pool, tiny model) in a thread of this process, for the tests below."""
-    from celery.contrib.testing.worker import start_worker
-
+    """The app of an in-process worker for MODEL (tiny model, 4 threads); the shutdown test stops it."""
     from rein.engine import EngineConfig, LLMEngine
-    from rein.worker.bootstep import EngineThreadPool, WorkerSpec, configure_worker
+    from rein.worker.bootstep import WorkerSpec, configure_worker
 
     settings = make_settings(job_timeout_seconds=60, max_num_seqs=4, stream_ttl_seconds=300)
     config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
@@ -326,11 +369,11 @@ def worker_app(make_settings, tiny_models) -> Iterator:
     app = make_celery(settings)
     configure_worker(app, WorkerSpec(settings=settings, model_name=MODEL,
                                      engine_factory=lambda: LLMEngine(config)))
-    queue = RedisKeys.from_settings(settings).queue(MODEL)
-    with start_worker(app, concurrency=4, pool=EngineThreadPool, perform_ping_check=False, queues=[queue],
-                      shutdown_timeout=30, loglevel="WARNING") as worker:
-        app.rein_test_worker = worker
-        yield app
+    handle = InProcessWorker(app, RedisKeys.from_settings(settings).queue(MODEL), concurrency=4)
+    app.rein_test_worker = handle
+    yield app
+    if handle.thread.is_alive():
+        handle.stop()
 
 
 def wait_finished(sessions, job_id: str) -> Job:
@@ -432,10 +475,11 @@ def test_interrupted_job_is_handed_back_to_the_queue(worker_app, make_job, db_se
     enqueue_job(worker_app, message)
     wait_for(lambda: message.job_id in context.running_jobs() and stream_events(redis_client, keys, message.job_id),
              what="the job to run")
-    pool = worker_app.rein_test_worker.pool
-    token = next(t for t, ident in pool._threads.items()
-                 if context._jobs_by_thread.get(ident) == message.job_id)
-    pool.terminate_job(token)
+    # What the consumer does on connection loss (worker_cancel_long_running_tasks_on_connection_loss).
+    from celery.worker.state import active_requests
+
+    [request] = [r for r in tuple(active_requests) if r.args and r.args[0]["job_id"] == message.job_id]
+    request.cancel(worker_app.rein_test_worker.worker.pool)
     # Handed back and, with a fresh message, taken again by this same worker as attempt 2.
     wait_for(lambda: job_row(db_sessionmaker, message.job_id).attempt == 2, what="the second attempt")
     wait_for(lambda: len(stream_events(redis_client, keys, message.job_id)) >= 1, what="the restarted stream")
@@ -449,50 +493,51 @@ def test_interrupted_job_is_handed_back_to_the_queue(worker_app, make_job, db_se
     assert len(usage_rows(db_sessionmaker, message.job_id)) == 1
 
 
+def test_process_job_without_a_broker_fails_a_job_past_its_time_limit(make_settings, tiny_models, make_job,
+                                                                     db_sessionmaker, redis_client):
+    """The task's logic is a plain function: run it on a context built without Celery."""
+    from rein.engine import EngineConfig, LLMEngine
+    from rein.worker.bootstep import WorkerSpec, build_context
+    from rein.worker.tasks import process_job
+
+    settings = make_settings(job_timeout_seconds=1)
+    config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
+                          max_num_seqs=2)
+    spec = WorkerSpec(settings=settings, model_name=MODEL, engine_factory=lambda: LLMEngine(config))
+    context = build_context(make_celery(settings), spec, "plain@test")
+    try:
+        message = make_job(max_tokens=1000)
+        assert process_job(context, message) == "failed"
+    finally:
+        context.stop()
+    job = job_row(db_sessionmaker, message.job_id)
+    assert job.status == "failed" and job.error["code"] == "timeout"
+    with db_sessionmaker() as session:
+        result = session.get(Result, message.job_id)
+    [usage] = usage_rows(db_sessionmaker, message.job_id)
+    assert usage.completion_tokens == len(result.token_ids) < 1000     # the tokens it did use are billed
+    events = stream_events(redis_client, RedisKeys.from_settings(settings), message.job_id)
+    final = events[-1][1]
+    assert final.error and "time limit" in final.error and final.finish_reason == "abort"
+    assert "".join(e.text for _, e in events) == result.text
+    assert context.engine.pool.num_free == context.engine.pool.num_blocks
+
+
 # -- shutdown and the CLI --------------------------------------------------------------------------
 
 
-def test_warm_shutdown_hands_running_jobs_back_and_exits_promptly(make_settings, tiny_models, make_job,
-                                                                 db_sessionmaker, redis_client):
-    from celery.contrib.testing.worker import TestWorkController, setup_app_for_worker
-
-    from rein.engine import EngineConfig, LLMEngine
-    from rein.worker.bootstep import EngineThreadPool, WorkerSpec, configure_worker
-
-    settings = make_settings(job_timeout_seconds=60, max_num_seqs=2)
-    model = f"shut{secrets.token_hex(3)}"
-    config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
-                          max_num_seqs=2)
-    app = make_celery(settings)
-    configure_worker(app, WorkerSpec(settings=settings, model_name=model, engine_factory=lambda: LLMEngine(config)))
-    keys = RedisKeys.from_settings(settings)
-    message = make_job(max_tokens=900, model=model)
-    # A worker of its own, stopped the way SIGTERM stops one (a warm shutdown of this worker only:
-    # start_worker's exit would set the process-wide cold-shutdown flag).
-    setup_app_for_worker(app, "WARNING", None)
-    worker = TestWorkController(app=app, concurrency=2, pool=EngineThreadPool, hostname=f"{model}@test",
-                                queues=[keys.queue(model)], without_heartbeat=True, without_mingle=True,
-                                without_gossip=True, loglevel="WARNING", ready_callback=None)
-    thread = threading.Thread(target=worker.start, daemon=True)
-    thread.start()
-    worker.ensure_started()
-    enqueue_job(app, message)
+def test_warm_shutdown_hands_running_jobs_back_and_exits_promptly(worker_app, make_job, db_sessionmaker,
+                                                                 redis_client, keys):
+    """Stops the module's worker: keep it the last test that uses `worker_app`."""
+    settings = worker_app.rein_settings
+    message = make_job(max_tokens=900)
+    enqueue_job(worker_app, message)
     wait_for(lambda: stream_events(redis_client, keys, message.job_id), what="the job to run")
-    started = time.monotonic()
-    app.control.shutdown(destination=[worker.hostname])
-    thread.join(30)
-    if thread.is_alive():
-        import faulthandler
-        with open("/tmp/stacks.txt", "w") as f:
-            print([(t.name, t.ident) for t in threading.enumerate()], file=f)
-            print(worker.blueprint.state, worker.consumer.blueprint.state, file=f)
-            print(job_row(db_sessionmaker, message.job_id).status, file=f)
-            faulthandler.dump_traceback(f, all_threads=True)
-    assert not thread.is_alive() and time.monotonic() - started < 10
-    assert not [t for t in threading.enumerate() if t.name == f"rein-engine-{model}"]
+    assert worker_app.rein_test_worker.stop() < 10
+    assert not [t for t in threading.enumerate() if t.name == f"rein-engine-{MODEL}"]
     job = job_row(db_sessionmaker, message.job_id)
     assert job.status == "queued" and job.attempt == 1 and job.worker is None
-    depth = sum(redis_client.llen(k) for k in queue_keys(settings, model))
+    depth = sum(redis_client.llen(k) for k in queue_keys(settings, MODEL))
     assert depth == 1                                   # one message waits for the next worker
     events = stream_events(redis_client, keys, message.job_id)
     assert events and not any(e.final for _, e in events)     # no false "finished" for the client
@@ -502,10 +547,14 @@ def test_worker_cli_refuses_an_unmigrated_database(make_database, settings_env, 
     from rein.cli.main import main
     from rein.core.settings import get_settings
 
-    monkeypatch.setenv("REIN_DATABASE_URL", make_database())
     monkeypatch.setenv("REIN_MODELS", "tiny=/nonexistent")
+    get_settings.cache_clear()
+    assert main(["worker", "--model", "tiny"]) == 2              # migrated, but no such model
+    assert "model directory /nonexistent does not exist" in capsys.readouterr().err
+    assert main(["worker", "--model", "other"]) == 2
+    assert "'other' is not served" in capsys.readouterr().err
+
+    monkeypatch.setenv("REIN_DATABASE_URL", make_database())    # an empty database
     get_settings.cache_clear()
     assert main(["worker", "--model", "tiny"]) == 2
     assert "not migrated" in capsys.readouterr().err
-    assert main(["worker", "--model", "other"]) == 2
-    assert "'other' is not served" in capsys.readouterr().err
