@@ -162,6 +162,7 @@ class LLMEngine:
         return outputs
 
     def _sample_and_update(self, logits: torch.Tensor, sampling: list[Request]) -> list[RequestOutput]:
+        # The hot loop of the step on CPU (one pass per sampled request), kept lean on purpose.
         batch = SamplingBatch(
             params=[r.sampling_params for r in sampling],
             generators=[r.generator for r in sampling],
@@ -171,48 +172,43 @@ class LLMEngine:
         sampled = self.sampler(logits, batch)
         now = time.monotonic()
         outputs = []
-        for row, request in enumerate(sampling):
-            token = sampled.token_ids[row]
-            request.output_token_ids.append(token)
+        append = outputs.append
+        logprobs, top_logprobs = sampled.logprobs, sampled.top_logprobs
+        for row, (request, token) in enumerate(zip(sampling, sampled.token_ids, strict=True)):
+            output_ids = request.output_token_ids
+            output_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
-            self.stats.generation_tokens += 1
             logprob = None
-            if request.sampling_params.logprobs is not None and sampled.logprobs is not None:
-                top = sampled.top_logprobs[row] if sampled.top_logprobs else []
-                logprob = [TokenLogprob(token, sampled.logprobs[row], top)]
-            delta = request.detokenizer.add_token(token)
-            status = self._stop_status(request, token)
+            if logprobs is not None and request.sampling_params.logprobs is not None:
+                logprob = [TokenLogprob(token, logprobs[row], top_logprobs[row] if top_logprobs else [])]
+            detokenizer = request.detokenizer
+            delta = detokenizer.add_token(token)
+            status = self._stop_status(request, token, len(output_ids))
             if status is not None:
-                if not request.detokenizer.stopped:
-                    delta += request.detokenizer.finish()  # release text held back for a stop string
+                if not detokenizer.stopped:
+                    delta += detokenizer.finish()  # release text held back for a stop string
                 self.scheduler.finish(request, status)
                 self.requests.pop(request.request_id, None)
                 self.stats.finished += 1
-            outputs.append(RequestOutput(
-                request_id=request.request_id,
-                new_token_ids=[token],
-                text_delta=delta,
-                finished=status is not None,
-                finish_reason=request.finish_reason,
-                stop_reason=request.stop_reason,
-                num_prompt_tokens=request.num_prompt_tokens,
-                num_output_tokens=request.num_output_tokens,
-                logprobs=logprob,
+            append(RequestOutput(
+                request.request_id, [token], delta, status is not None, request.finish_reason,
+                request.stop_reason, len(request.prompt_token_ids), len(output_ids), logprob,
             ))
+        self.stats.generation_tokens += len(sampling)
         return outputs
 
-    def _stop_status(self, request: Request, token: int) -> RequestStatus | None:
+    def _stop_status(self, request: Request, token: int, num_output: int) -> RequestStatus | None:
         params = request.sampling_params
         if request.detokenizer.stopped:
             request.stop_reason = request.detokenizer.stop_string
             return RequestStatus.FINISHED_STOPPED
         if token in request.eos_token_ids:
             return RequestStatus.FINISHED_STOPPED
-        if token in params.stop_token_ids:
+        if params.stop_token_ids and token in params.stop_token_ids:
             request.stop_reason = token
             return RequestStatus.FINISHED_STOPPED
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        if num_output >= params.max_tokens or num_output + len(request.prompt_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -20,20 +20,19 @@ from rein.engine.block_pool import BlockPool
 from rein.engine.request import Request, RequestStatus
 
 
-@dataclass
 class ScheduledRequest:
-    request: Request
-    start: int              # first position computed this step (= num_computed_tokens)
-    num_new_tokens: int
+    """One request's share of a step: positions [start, end) are computed. `samples` is true
+    when the step reaches the request's last token, so it yields a new one. Plain slots, as
+    the model runner reads these fields for every request of every step."""
 
-    @property
-    def end(self) -> int:
-        return self.start + self.num_new_tokens
+    __slots__ = ("request", "start", "num_new_tokens", "end", "samples")
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last token, so it yields a new one."""
-        return self.end == self.request.num_tokens
+    def __init__(self, request: Request, start: int, num_new_tokens: int) -> None:
+        self.request = request
+        self.start = start
+        self.num_new_tokens = num_new_tokens
+        self.end = start + num_new_tokens
+        self.samples = self.end == request.num_tokens
 
 
 @dataclass

@@ -116,11 +116,11 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     # Grouped-query attention without copying K/V per query head: [B, kvh, group, d].
     q = query.view(batch, num_kv_heads, group, head_dim)
-    positions = torch.arange(max_len, device=query.device)
-    mask = positions.unsqueeze(0) < context_lens.to(query.device).unsqueeze(1)  # [B, L]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        q, keys, values, attn_mask=mask[:, None, None, :], scale=scale
-    )
+    mask = None
+    if int(context_lens.min()) != max_len:  # equal lengths need no mask (a faster SDPA path)
+        positions = torch.arange(max_len, device=query.device)
+        mask = (positions.unsqueeze(0) < context_lens.to(query.device).unsqueeze(1))[:, None, None, :]
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(batch, num_heads, head_dim)
 
 
