@@ -13,7 +13,6 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
@@ -229,19 +228,3 @@ class LLMEngine:
         if slots:
             self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization, tokens / slots)
         self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, self.pool.usage)
-
-    # -- helpers ---------------------------------------------------------------------------
-
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise EngineRequestError("this model's tokenizer has no chat template; use /v1/completions",
-                                     param="messages")
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
-
-    def text(self, request_id: str) -> str:
-        return self.requests[request_id].detokenizer.text
-
-    @classmethod
-    def from_model(cls, model: str | Path, **overrides) -> LLMEngine:
-        return cls(EngineConfig(model=str(model), **overrides))

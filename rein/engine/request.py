@@ -63,8 +63,6 @@ class Request:
     # Engine-owned helpers (detokenizer, generator); opaque to the scheduler.
     detokenizer: Any = None
     generator: Any = None
-    logprobs: list[float] = field(default_factory=list)
-    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)
     # Stop strings cut the text; set when one matched.
     stop_reason: str | int | None = None
 
