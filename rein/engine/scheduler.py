@@ -95,12 +95,17 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self._grow(request, num_new, out):
+        running, scheduled, block_size = self.running, out.scheduled, self.pool.block_size
+        while index < len(running) and budget > 0:
+            request = running[index]
+            computed = request.num_computed_tokens
+            num_new = min(request.num_tokens - computed, budget)
+            # A decode whose next token still fits its last block needs no new block: the
+            # common case, checked inline because it runs for every request every step.
+            if (computed + num_new) > len(request.block_ids) * block_size \
+                    and not self._grow(request, num_new, out):
                 break  # the request itself was preempted; everyone after it already was
-            out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
+            scheduled.append(ScheduledRequest(request, computed, num_new))
             budget -= num_new
             index += 1
 
