@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "migrate": "rein.cli.migrate",
     "keys": "rein.cli.keys",
     "api": "rein.cli.api",
+    "up": "rein.cli.up",
 }
 
 

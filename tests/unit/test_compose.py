@@ -1,0 +1,141 @@
+"""compose.yaml and the Dockerfile, checked statically (no Docker engine needed): the
+services and their order of start, health checks, Redis durability, GPU reservation, and
+that every REIN_* name the deployment uses is a real setting."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rein.core.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "compose.yaml"
+DOCKERFILE = ROOT / "Dockerfile"
+REIN_NAME = re.compile(r"\bREIN_[A-Z0-9_]+")
+SETTINGS_NAMES = {f"REIN_{field.upper()}" for field in Settings.model_fields}
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+@pytest.fixture(scope="module")
+def services(compose) -> dict:
+    return compose["services"]
+
+
+def command_text(service: dict) -> str:
+    command = service.get("command", "")
+    return " ".join(command) if isinstance(command, list) else str(command)
+
+
+def environment(service: dict) -> dict[str, str]:
+    env = service.get("environment", {})
+    if isinstance(env, list):
+        return dict(item.split("=", 1) if "=" in item else (item, "") for item in env)
+    return {k: "" if v is None else str(v) for k, v in env.items()}
+
+
+def healthcheck_text(service: dict) -> str:
+    test = service["healthcheck"]["test"]
+    return " ".join(test) if isinstance(test, list) else test
+
+
+def test_services_exist(services):
+    assert {"postgres", "redis", "migrate", "api", "worker", "worker-cpu"} <= set(services)
+    assert services["worker-cpu"].get("profiles") == ["cpu"]
+    for name in ("postgres", "redis", "migrate", "api", "worker"):
+        assert not services[name].get("profiles"), f"{name} must start with a plain `docker compose up`"
+
+
+def test_health_checks(services):
+    assert "pg_isready" in healthcheck_text(services["postgres"])
+    assert "redis-cli" in healthcheck_text(services["redis"]) and "ping" in healthcheck_text(services["redis"])
+    api_check = healthcheck_text(services["api"])
+    assert "/healthz" in api_check and ":8000" in api_check
+
+
+def test_start_order(services):
+    assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    for name in ("api", "worker", "worker-cpu"):
+        deps = services[name]["depends_on"]
+        assert isinstance(deps, dict), f"{name}: depends_on needs conditions"
+        assert deps["migrate"]["condition"] == "service_completed_successfully", name
+        assert deps["redis"]["condition"] == "service_healthy", name
+    # Every dependency names a service of the file.
+    for name, service in services.items():
+        for dep in service.get("depends_on", {}):
+            assert dep in services, f"{name} depends on unknown service {dep}"
+
+
+def test_commands(services):
+    assert command_text(services["migrate"]).split()[0] == "migrate"
+    api = command_text(services["api"]).split()
+    assert api[0] == "api" and api[api.index("--host") + 1] == "0.0.0.0"
+    assert any(p.split(":")[-1] == "8000" for p in services["api"]["ports"])
+    assert command_text(services["worker"]).split()[:2] == ["worker", "--model"]
+    assert "rein worker --model" in command_text(services["worker-cpu"])
+    assert "rein make-tiny-model /models/tiny" in command_text(services["worker-cpu"])
+
+
+def test_redis_is_durable_and_never_evicts(services):
+    command = command_text(services["redis"])
+    assert re.search(r"--appendonly\s+yes", command)
+    assert re.search(r"--maxmemory-policy\s+noeviction", command)
+
+
+def test_rein_names_are_settings():
+    used = set(REIN_NAME.findall(COMPOSE.read_text()))
+    assert {"REIN_DATABASE_URL", "REIN_REDIS_URL", "REIN_MODELS"} <= used
+    unknown = used - SETTINGS_NAMES
+    assert not unknown, f"compose.yaml uses REIN_* names that are not settings: {sorted(unknown)}"
+
+
+def test_rein_services_point_at_the_compose_servers(services):
+    for name in ("migrate", "api", "worker", "worker-cpu"):
+        env = environment(services[name])
+        assert "@postgres:5432/" in env["REIN_DATABASE_URL"], name
+        assert env["REIN_REDIS_URL"].startswith("redis://redis:6379"), name
+        assert env.get("REIN_MODELS"), name
+    assert environment(services["worker-cpu"])["REIN_DEVICE"] == "cpu"
+
+
+def test_worker_reserves_a_gpu(services):
+    devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
+    assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices)
+    assert "deploy" not in services["worker-cpu"]
+
+
+def test_volumes_declared(compose, services):
+    declared = set(compose.get("volumes") or {})
+    assert {"postgres-data", "redis-data", "models"} <= declared
+    for name, service in services.items():
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0] if isinstance(volume, str) else volume.get("source")
+            if not source.startswith((".", "/")):
+                assert source in declared, f"{name} mounts undeclared volume {source}"
+    assert any(v.startswith("postgres-data:") for v in services["postgres"]["volumes"])
+    assert any(v.startswith("redis-data:") for v in services["redis"]["volumes"])
+
+
+def test_dockerfile():
+    text = DOCKERFILE.read_text()
+    instructions = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    copies = [line for line in instructions if line.upper().startswith("COPY ")]
+    assert any(re.match(r"COPY\s+migrations/?\s", line) for line in copies), copies
+    assert any(re.match(r"COPY\s+rein/?\s", line) for line in copies), copies
+    assert any(re.match(r"RUN\s+pip install(\s+\S+)*\s+\.$", line) for line in instructions)
+    assert re.search(r"^FROM\s+\S*python:3\.11-slim|^ARG BASE_IMAGE=python:3\.11-slim", text, re.M)
+    assert re.search(r"^USER\s+(?!root\b|0\b)\S+", text, re.M), "the image must run as a non-root user"
+    assert re.search(r'^ENTRYPOINT\s+\["rein"\]\s*$', text, re.M)
+
+
+def test_dockerignore_keeps_the_context_small():
+    ignored = {line.strip().rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert {".venv", ".cache", "demo", ".git", "tests"} <= ignored
+    assert "migrations" not in ignored and "rein" not in ignored
