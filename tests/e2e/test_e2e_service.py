@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from support import connect_postgres, delete_prefixed, unreachable, wait_for
 
 httpx = pytest.importorskip("httpx")
 
@@ -42,45 +43,6 @@ REIN = [sys.executable, "-m", "rein.cli.main"]
 
 
 # -- helpers ----------------------------------------------------------------------------------
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
-
-
-def unreachable(what: str, exc: Exception) -> None:
-    message = f"{what} is not reachable ({type(exc).__name__}: {str(exc).strip()})"
-    if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
-
-
-def _connect(url, dbname: str | None = None):
-    import psycopg
-
-    from rein.core.db import psycopg_conninfo
-
-    info = psycopg_conninfo(url) | ({"dbname": dbname} if dbname else {})
-    return psycopg.connect(autocommit=True, connect_timeout=5, **info)
-
-
-def _delete_prefixed(client, prefix: str) -> None:
-    pattern = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix) + "*"
-    batch = []
-    for key in client.scan_iter(match=pattern, count=500):
-        batch.append(key)
-        if len(batch) >= 500:
-            client.delete(*batch)
-            batch.clear()
-    if batch:
-        client.delete(*batch)
 
 
 def _free_port() -> int:
@@ -184,7 +146,7 @@ def service(tmp_path_factory: pytest.TempPathFactory, tiny_models) -> Iterator[S
 
     server = make_url(POSTGRES_URL)
     try:
-        _connect(server).close()
+        connect_postgres(server).close()
     except psycopg.OperationalError as exc:
         unreachable(f"PostgreSQL at {server.host}:{server.port or 5432}", exc)
     redis_client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=5)
@@ -271,10 +233,10 @@ def service(tmp_path_factory: pytest.TempPathFactory, tiny_models) -> Iterator[S
         for log in logs:
             log.close()
         try:
-            _delete_prefixed(redis_client, prefix)
+            delete_prefixed(redis_client, prefix)
         finally:
             redis_client.close()
-            with _connect(server) as conn:
+            with connect_postgres(server) as conn:
                 conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(dbname)))
 
 

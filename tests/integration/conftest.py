@@ -25,6 +25,7 @@ import pytest
 from sqlalchemy import Engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.orm import Session, sessionmaker
+from support import connect_postgres, delete_prefixed, unreachable
 
 from rein.core.settings import Settings, get_settings
 
@@ -38,23 +39,6 @@ REDIS_URL = os.environ.get("REIN_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 REDIS_PREFIX = f"rein_test_{RUN_ID}:"
 
 
-def unreachable(what: str, exc: Exception) -> None:
-    message = (f"{what} is not reachable ({type(exc).__name__}: {str(exc).strip()}); "
-               "start it (see .ci/run) or point the REIN_TEST_* variables at one")
-    if os.environ.get("CI") == "true":
-        pytest.fail(message)
-    pytest.skip(message)
-
-
-def _connect(url: URL, dbname: str | None = None):
-    import psycopg
-
-    from rein.core.db import psycopg_conninfo
-
-    info = psycopg_conninfo(url) | ({"dbname": dbname} if dbname else {})
-    return psycopg.connect(autocommit=True, connect_timeout=5, **info)
-
-
 @pytest.fixture(scope="session")
 def postgres_url() -> URL:
     """The Postgres server's maintenance URL (skips or fails when it cannot be reached)."""
@@ -62,7 +46,7 @@ def postgres_url() -> URL:
 
     url = make_url(POSTGRES_URL)
     try:
-        _connect(url).close()
+        connect_postgres(url).close()
     except psycopg.OperationalError as exc:
         unreachable(f"PostgreSQL at {url.host}:{url.port or 5432}", exc)
     return url
@@ -84,14 +68,14 @@ def make_database(postgres_url: URL) -> Iterator[Callable[..., str]]:
         name = f"rein_test_{RUN_ID}_{next(counter)}"
         names.append(name)
         if create:
-            with _connect(postgres_url) as conn:
+            with connect_postgres(postgres_url) as conn:
                 conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         return postgres_url.set(database=name).render_as_string(hide_password=False)
 
     yield make
 
     def drop(name: str) -> None:
-        with _connect(postgres_url) as conn:
+        with connect_postgres(postgres_url) as conn:
             conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
     # Each DROP waits for a checkpoint (about a second); dropped together, they share one.
@@ -129,15 +113,7 @@ def _delete_prefixed(url: str, prefix: str) -> None:
 
     client = redis.Redis.from_url(url)
     try:
-        pattern = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix) + "*"
-        batch = []
-        for key in client.scan_iter(match=pattern, count=500):
-            batch.append(key)
-            if len(batch) >= 500:
-                client.delete(*batch)
-                batch.clear()
-        if batch:
-            client.delete(*batch)
+        delete_prefixed(client, prefix)
     finally:
         client.close()
 

@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+import support
 from sqlalchemy import func, select, update
 
 from rein.core.messages import (
@@ -32,14 +33,7 @@ WAIT = 60.0   # generous: the CI machine may be busy
 
 
 def wait_for(predicate: Callable[[], object], timeout: float = WAIT, what: str = "condition") -> object:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
+    return support.wait_for(predicate, timeout, what)
 
 
 @pytest.fixture(scope="module")

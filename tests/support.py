@@ -1,0 +1,54 @@
+"""Helpers shared by the integration and end-to-end tests (pytest fixtures do not flow
+between sibling test folders, so plain functions live here)."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+import pytest
+
+
+def unreachable(what: str, exc: Exception) -> None:
+    """Skip when a service is missing on a developer's machine; fail in CI, where .ci/run starts it."""
+    message = (f"{what} is not reachable ({type(exc).__name__}: {str(exc).strip()}); "
+               "start it (see .ci/run) or point the REIN_TEST_* variables at one")
+    if os.environ.get("CI") == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def connect_postgres(url, dbname: str | None = None):
+    """An autocommit psycopg connection to the server of a SQLAlchemy URL (or another database on it)."""
+    import psycopg
+
+    from rein.core.db import psycopg_conninfo
+
+    info = psycopg_conninfo(url) | ({"dbname": dbname} if dbname else {})
+    return psycopg.connect(autocommit=True, connect_timeout=5, **info)
+
+
+def delete_prefixed(client, prefix: str) -> None:
+    """Delete every Redis key under `prefix` (glob characters in it are escaped)."""
+    pattern = "".join(f"\\{c}" if c in "*?[]\\" else c for c in prefix) + "*"
+    batch = []
+    for key in client.scan_iter(match=pattern, count=500):
+        batch.append(key)
+        if len(batch) >= 500:
+            client.delete(*batch)
+            batch.clear()
+    if batch:
+        client.delete(*batch)
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> object:
+    """Poll `predicate` until it returns something truthy, or fail naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
