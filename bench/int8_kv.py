@@ -54,13 +54,11 @@ from rein.engine.config import EngineConfig
 from rein.engine.engine import LLMEngine
 from rein.engine.model_spec import ModelSpec
 from rein.engine.sampling_params import SamplingParams
-from rein.tiny_model import make_tiny_model
+from rein.tiny_model import ensure_tiny_model
 
 SEED = 0
 BLOCK_SIZE = 16
 TOP_LOGPROBS = 5
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-               "tokenizer_config.json")
 
 
 @dataclass
@@ -73,11 +71,7 @@ class RunResult:
 
 
 def ensure_model(cache_dir: Path, preset: str) -> Path:
-    path = cache_dir / f"llama-{preset}"
-    if all((path / f).exists() for f in MODEL_FILES):
-        return path
-    print(f"# building llama-{preset} into {path} ...", flush=True)
-    return make_tiny_model(path, arch="llama", seed=SEED, preset=preset)
+    return ensure_tiny_model(cache_dir / f"llama-{preset}", arch="llama", seed=SEED, preset=preset)
 
 
 def make_prompts(tokenizer, vocab_size: int, count: int) -> list[list[int]]:

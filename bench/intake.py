@@ -57,7 +57,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / ".cache" / "bench-models" / "llama-tiny"
-MODEL_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 512
 ENDPOINT = "/v1/completions"
@@ -90,12 +89,9 @@ def free_port() -> int:
 
 
 def ensure_model() -> Path:
-    if not all((MODEL_DIR / name).is_file() for name in MODEL_FILES):
-        from rein.tiny_model import make_tiny_model
+    from rein.tiny_model import ensure_tiny_model
 
-        print(f"building the tiny llama in {MODEL_DIR} ...", file=sys.stderr)
-        make_tiny_model(MODEL_DIR, arch="llama", seed=0, preset="tiny")
-    return MODEL_DIR
+    return ensure_tiny_model(MODEL_DIR, arch="llama", seed=0, preset="tiny")
 
 
 def check_loopback(url: str, what: str) -> None:

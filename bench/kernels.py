@@ -336,13 +336,9 @@ QWEN2_05B_SHAPE = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_h
 
 
 def ensure_tiny_llama(models_dir: Path) -> Path:
-    from rein.tiny_model import make_tiny_model
+    from rein.tiny_model import ensure_tiny_model
 
-    path = models_dir / "llama-tiny"
-    if all((path / f).exists() for f in MODEL_FILES):
-        return path
-    print(f"# building the tiny llama into {path} ...", flush=True)
-    return make_tiny_model(path, arch="llama", seed=0, preset="tiny")
+    return ensure_tiny_model(models_dir / "llama-tiny", arch="llama", seed=0, preset="tiny")
 
 
 def ensure_qwen2_05b_shape(models_dir: Path, tokenizer_dir: Path, device: str) -> Path:

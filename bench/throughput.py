@@ -48,14 +48,12 @@ import torch
 from rein.engine.config import EngineConfig
 from rein.engine.engine import EngineStats, LLMEngine
 from rein.engine.sampling_params import SamplingParams
-from rein.tiny_model import make_tiny_model
+from rein.tiny_model import ensure_tiny_model
 
 SEED = 0
 MAX_NUM_SEQS = 64
 MAX_NUM_BATCHED_TOKENS = 2048
 HF_CB_PAGE_SIZE = 256          # transformers' default page size
-MODEL_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-               "tokenizer_config.json")
 
 TARGETS = {
     "mixed_rein_over_static": 2.0,
@@ -125,11 +123,7 @@ def allowed_token_ids(tokenizer, vocab_size: int) -> list[int]:
 
 
 def ensure_model(cache_dir: Path, preset: str) -> Path:
-    path = cache_dir / f"llama-{preset}"
-    if all((path / f).exists() for f in MODEL_FILES):
-        return path
-    print(f"# building llama-{preset} into {path} ...", flush=True)
-    return make_tiny_model(path, arch="llama", seed=SEED, preset=preset)
+    return ensure_tiny_model(cache_dir / f"llama-{preset}", arch="llama", seed=SEED, preset=preset)
 
 
 # --------------------------------------------------------------------------- rein

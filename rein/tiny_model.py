@@ -35,6 +35,7 @@ import functools
 import json
 import os
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -161,6 +162,21 @@ def make_tiny_model(
     _write_tokenizer_files(out, tokenizer_json, ids, shape["max_position_embeddings"])
     _write_model_files(out, arch, seed, shape, ids)
     return out
+
+
+# What a complete tiny-model directory holds (written last: the weights).
+MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "model.safetensors")
+
+
+def ensure_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, preset: str = "tiny") -> Path:
+    """The tiny model at `out_dir`, built first when any of its files is missing (benchmarks
+    and demos reuse one build across runs)."""
+    out = Path(out_dir)
+    if all((out / name).is_file() for name in MODEL_FILES):
+        return out
+    print(f"# building a tiny {arch} ({preset}) into {out} ...", file=sys.stderr, flush=True)
+    return make_tiny_model(out, arch=arch, seed=seed, preset=preset)
 
 
 def model_summary(model_dir: str | Path) -> dict[str, Any]:

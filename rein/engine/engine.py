@@ -46,8 +46,6 @@ class EngineStats:
     finished: int = 0
     peak_kv_utilization: float = 0.0   # max over steps of tokens stored / slots allocated
     peak_kv_usage: float = 0.0         # max share of blocks in use
-    last_step_seconds: float = 0.0
-    last_batch_size: int = 0
 
     @property
     def overhead_share(self) -> float:
@@ -156,8 +154,6 @@ class LLMEngine:
         self.stats.steps += 1
         self.stats.step_seconds += elapsed
         self.stats.forward_seconds += forward_seconds
-        self.stats.last_step_seconds = elapsed
-        self.stats.last_batch_size = len(plan.scheduled)
         return outputs
 
     def _sample_and_update(self, logits: torch.Tensor, sampling: list[Request]) -> list[RequestOutput]:

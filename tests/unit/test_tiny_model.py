@@ -323,3 +323,15 @@ def test_cli_main_builds_a_model(tmp_path, capsys):
     assert "arch=qwen3" in printed and f"vocab={VOCAB_SIZE}" in printed
     assert read_config(out)["model_type"] == "qwen3"
     AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_ensure_tiny_model_reuses_a_complete_build_and_rebuilds_a_partial_one(tmp_path):
+    from rein.tiny_model import MODEL_FILES, ensure_tiny_model
+
+    out = ensure_tiny_model(tmp_path / "m")
+    weights = out / "model.safetensors"
+    first = weights.stat().st_mtime_ns
+    assert ensure_tiny_model(out) == out and weights.stat().st_mtime_ns == first
+    (out / MODEL_FILES[0]).unlink()
+    ensure_tiny_model(out)
+    assert all((out / name).is_file() for name in MODEL_FILES)
