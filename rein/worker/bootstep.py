@@ -6,7 +6,9 @@ before the first message is taken; it stops after the consumer has stopped takin
 messages and before the pool waits for its threads. Stopping closes the publisher,
 stops the runner (aborting whatever the engine still runs) and so ends every task
 promptly: each hands its job back for another worker (rein.worker.claim.release_job)
-instead of keeping the warm shutdown waiting for the longest job.
+instead of keeping the warm shutdown waiting for the longest job. So that this does not
+wait for the consumer to close its broker connection first, the same stop also starts as
+soon as Celery announces the shutdown (its `worker_shutting_down` signal).
 
 Tasks reach all of this through `worker_context(app)`.
 
@@ -32,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery, bootsteps
 from celery.concurrency.thread import ApplyResult
 from celery.concurrency.thread import TaskPool as ThreadTaskPool
+from celery.signals import worker_shutting_down
 from redis import Redis
 from redis.exceptions import RedisError
 from sqlalchemy.orm import Session, sessionmaker
@@ -81,6 +84,7 @@ class WorkerContext:
     interrupted: set[str] = field(default_factory=set)
     _jobs_by_thread: dict[int, str] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stop_lock: threading.Lock = field(default_factory=threading.Lock)
     _heartbeat: threading.Thread | None = None
 
     @property
@@ -128,9 +132,15 @@ class WorkerContext:
         self._heartbeat.start()
 
     def stop(self) -> None:
-        """Abort what runs (its tasks hand their jobs back) and end every thread."""
-        if self.stopping.is_set():
-            return
+        """Abort what runs (its tasks hand their jobs back) and end every thread.
+
+        Safe to call from several threads: a second caller waits until the first is done.
+        """
+        with self._stop_lock:
+            if not self.stopping.is_set():
+                self._stop()
+
+    def _stop(self) -> None:
         log.info("stopping the engine of %s (running jobs go back to the queue)", self.model_name)
         self.stopping.set()
         self.publisher.close()
@@ -208,8 +218,18 @@ class EngineBootstep(bootsteps.StartStopStep):
             raise RuntimeError("no WorkerSpec on the app: call rein.worker.bootstep.configure_worker first")
         self.context = build_context(worker.app, spec, worker.hostname)
         worker.app.rein_context = self.context
+        worker_shutting_down.connect(self._on_shutting_down, weak=False)
+
+    def _on_shutting_down(self, sender: Any = None, **_: Any) -> None:
+        # Sent from the signal handler as soon as SIGTERM/SIGINT arrives, well before Celery
+        # has stopped its consumer and reaches stop(): hand the running jobs back now, from
+        # another thread (stopping joins threads, which a signal handler must not wait on).
+        context = self.context
+        if context is not None and sender == context.worker_name:
+            threading.Thread(target=context.stop, name="rein-stop", daemon=True).start()
 
     def stop(self, worker: Any) -> None:
+        worker_shutting_down.disconnect(self._on_shutting_down)
         if self.context is not None:
             self.context.stop()
 
