@@ -1,0 +1,181 @@
+"""End to end with the official `openai` client: rein must be a drop-in base_url.
+
+`rein api` and `rein worker` run as subprocesses on a tiny model (see service_harness);
+every request here goes through `openai.OpenAI(base_url=<rein>/v1, api_key=<rein key>)`, so
+the client's own parsing (pydantic models, SSE decoding, error classes) checks rein's wire
+format: response shapes, streamed chunks, the usage chunk, and errors mapped to the client's
+exception classes by status code with OpenAI's `code`.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Iterator
+
+import openai
+import pytest
+from service_harness import MAX_MODEL_LEN, MODEL, REIN, REPO, Service, run_service
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT = 120.0   # a whole generation on a busy 2-core machine
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory: pytest.TempPathFactory, tiny_models) -> Iterator[Service]:
+    with run_service(tmp_path_factory.mktemp("openai-client"), tiny_models("llama"),
+                     scopes="inference,batch,usage") as svc:
+        yield svc
+
+
+def make_client(service: Service, key: str) -> openai.OpenAI:
+    # No retries: a retried 5xx or 429 would hide the error the test wants to see.
+    return openai.OpenAI(base_url=f"{service.base_url}/v1", api_key=key, max_retries=0,
+                         timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def client(service: Service) -> Iterator[openai.OpenAI]:
+    with make_client(service, service.keys["a"]) as c:
+        yield c
+
+
+# -- models -----------------------------------------------------------------------------------
+
+
+def test_models_list(client: openai.OpenAI) -> None:
+    models = list(client.models.list())
+    assert [m.id for m in models] == [MODEL]
+    assert models[0].object == "model" and models[0].owned_by == "rein"
+    assert models[0].created > 0
+
+
+# -- chat completions -------------------------------------------------------------------------
+
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Name three rivers."}],
+        "max_tokens": 12, "temperature": 0.0}
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.create(**CHAT)
+    assert isinstance(completion, openai.types.chat.ChatCompletion)
+    assert completion.object == "chat.completion" and completion.model == MODEL
+    assert completion.id.startswith("chatcmpl-")
+    [choice] = completion.choices
+    assert choice.index == 0 and choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    usage = completion.usage
+    assert usage is not None and usage.prompt_tokens > 0
+    assert 0 < usage.completion_tokens <= CHAT["max_tokens"]
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_chat_stream_equals_non_stream(client: openai.OpenAI) -> None:
+    """Greedy: the streamed deltas concatenate to the non-streamed answer; no usage chunk unasked."""
+    expected = client.chat.completions.create(**CHAT)
+    chunks = list(client.chat.completions.create(**CHAT, stream=True))
+    assert chunks, "no chunks"
+    assert all(c.object == "chat.completion.chunk" and c.model == MODEL for c in chunks)
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.usage is None for c in chunks)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected.choices[0].message.content
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices]
+    assert finishes[-1] == expected.choices[0].finish_reason
+    assert all(f is None for f in finishes[:-1]), finishes
+
+
+def test_chat_stream_include_usage(client: openai.OpenAI) -> None:
+    chunks = list(client.chat.completions.create(**{**CHAT, "max_tokens": 9}, stream=True,
+                                                  stream_options={"include_usage": True}))
+    *content, last = chunks
+    # OpenAI's shape: every chunk carries `usage: null` but the last, which has no choices.
+    assert last.choices == [] and last.usage is not None
+    assert all(c.usage is None and len(c.choices) == 1 for c in content)
+    assert 0 < last.usage.completion_tokens <= 9
+    assert last.usage.total_tokens == last.usage.prompt_tokens + last.usage.completion_tokens
+    expected = client.chat.completions.create(**{**CHAT, "max_tokens": 9})
+    assert last.usage.model_dump() == expected.usage.model_dump()
+
+
+# -- completions ------------------------------------------------------------------------------
+
+COMPLETION = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0.0}
+
+
+def test_completion(client: openai.OpenAI) -> None:
+    completion = client.completions.create(**COMPLETION)
+    assert isinstance(completion, openai.types.Completion)
+    assert completion.object == "text_completion" and completion.model == MODEL
+    [choice] = completion.choices
+    assert isinstance(choice.text, str) and choice.finish_reason in ("stop", "length")
+    assert completion.usage is not None and 0 < completion.usage.completion_tokens <= 10
+
+
+def test_completion_stream(client: openai.OpenAI) -> None:
+    expected = client.completions.create(**COMPLETION)
+    chunks = list(client.completions.create(**COMPLETION, stream=True))
+    assert chunks and all(c.object == "text_completion" for c in chunks)
+    assert "".join(c.choices[0].text for c in chunks) == expected.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == expected.choices[0].finish_reason
+    with_usage = list(client.completions.create(**COMPLETION, stream=True,
+                                                stream_options={"include_usage": True}))
+    assert with_usage[-1].choices == []
+    assert with_usage[-1].usage.model_dump() == expected.usage.model_dump()
+
+
+def test_completion_token_id_prompt(client: openai.OpenAI) -> None:
+    completion = client.completions.create(model=MODEL, prompt=[5, 6, 7, 8], max_tokens=4,
+                                           temperature=0.0)
+    assert completion.usage.prompt_tokens == 4
+
+
+# -- errors -----------------------------------------------------------------------------------
+
+
+def test_unknown_model_is_not_found(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.chat.completions.create(**{**CHAT, "model": "no-such-model"})
+    assert caught.value.status_code == 404
+    assert "no-such-model" in caught.value.message
+
+
+def test_context_length_is_bad_request(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="hello", max_tokens=MAX_MODEL_LEN + 1)
+    assert caught.value.code == "context_length_exceeded"
+    assert str(MAX_MODEL_LEN) in caught.value.message
+    # streaming requests are checked before the stream starts
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**{**CHAT, "max_tokens": MAX_MODEL_LEN + 1}, stream=True)
+    assert caught.value.code == "context_length_exceeded"
+
+
+def test_bad_parameter_is_bad_request(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**{**CHAT, "temperature": -1.0})
+    assert caught.value.param == "temperature" or "temperature" in caught.value.message
+
+
+def test_bad_key_is_authentication_error(service: Service) -> None:
+    with make_client(service, "rein_nope_notakey") as bad, pytest.raises(openai.AuthenticationError) as caught:
+        bad.models.list()
+    assert caught.value.status_code == 401
+    assert caught.value.code == "invalid_api_key"
+
+
+def test_missing_scope_is_permission_denied(service: Service) -> None:
+    created = subprocess.run([*REIN, "keys", "create", "--name", "usage-only", "--tenant", "a-usage",
+                              "--scopes", "usage"], env=service.env, cwd=REPO, capture_output=True,
+                             text=True, timeout=120, check=True)
+    key = created.stdout.strip().splitlines()[-1]
+    with make_client(service, key) as usage_only:
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            usage_only.chat.completions.create(**CHAT)
+        assert caught.value.status_code == 403
+        assert "inference" in caught.value.message
+        with pytest.raises(openai.PermissionDeniedError) as caught:
+            usage_only.completions.create(**COMPLETION, stream=True)
+        assert "inference" in caught.value.message
