@@ -20,7 +20,15 @@ import re
 from functools import lru_cache
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 MODELS_FORMAT = "name=path_or_hub_id[@max_model_len][,name=...]"
@@ -112,6 +120,10 @@ class Settings(BaseSettings):
     """Requests per minute for a key without its own limit; unset: unlimited."""
     default_tpm: int | None = Field(None, ge=1)
     """Tokens (prompt + max_tokens) per minute for a key without its own limit; unset: unlimited."""
+
+    # --- clients of a running rein (`rein batch`)
+    api_key: SecretStr | None = None
+    """The key `rein batch` sends (`--api-key` overrides); the API itself never reads it."""
 
     # --- jobs and streams
     job_timeout_seconds: int = Field(3600, ge=1)
