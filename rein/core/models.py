@@ -1,4 +1,5 @@
-"""The Postgres schema as SQLAlchemy 2 typed ORM classes: api_keys, jobs, results, usage.
+"""The Postgres schema as SQLAlchemy 2 typed ORM classes: api_keys, jobs, results, usage,
+files and batches.
 
 The schema only ever changes through a migration (migrations/versions/); a test checks that
 these classes and the migrated database agree exactly.
@@ -45,10 +46,22 @@ NAMING_CONVENTION = {
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 FINISHED_JOB_STATUSES = ("succeeded", "failed", "cancelled")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
+FILE_PURPOSES = ("batch", "batch_output")
+BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired",
+                  "cancelling", "cancelled")
+FINISHED_BATCH_STATUSES = ("failed", "completed", "expired", "cancelled")
 
 
 def new_job_id() -> str:
     return f"job_{uuid.uuid4().hex}"
+
+
+def new_file_id() -> str:
+    return f"file-{uuid.uuid4().hex}"
+
+
+def new_batch_id() -> str:
+    return f"batch_{uuid.uuid4().hex}"
 
 
 def _in(column: str, values: tuple[str, ...]) -> str:
@@ -135,6 +148,14 @@ class Job(Base):
     """Set by a cancel request; a worker that sees it aborts the job."""
     error: Mapped[dict[str, Any] | None]
     """On failure: {"message", "type", "code"} in OpenAI's error shape."""
+    batch_id: Mapped[str | None] = mapped_column(ForeignKey("batches.id"))
+    """The batch this job is one line of; NULL for jobs submitted on their own."""
+    custom_id: Mapped[str | None]
+    """The batch line's custom_id (unique within the batch)."""
+    batch_line: Mapped[int | None]
+    """The batch line's number in the input file (1-based), for output order and error reports."""
+    sent_at: Mapped[datetime | None]
+    """When the batch manager put the job's message on the queue; NULL: not sent yet (batch jobs)."""
 
     result: Mapped[Result | None] = relationship(back_populates="job")
     usage: Mapped[Usage | None] = relationship(back_populates="job")
@@ -146,6 +167,9 @@ class Job(Base):
         UniqueConstraint("tenant", "idempotency_key"),
         # Listing newest first is a backward scan of this index.
         Index("ix_jobs_tenant_created_at", "tenant", "created_at", "id"),
+        UniqueConstraint("batch_id", "custom_id"),
+        # A batch's request_counts and the manager's "what is left" are GROUP BYs on this.
+        Index("ix_jobs_batch_id_status", "batch_id", "status"),
     )
 
 
@@ -191,4 +215,70 @@ class Usage(Base):
             name="tokens_valid",
         ),
         Index("ix_usage_tenant_created_at", "tenant", "created_at"),
+    )
+
+
+class File(Base):
+    """An uploaded or generated file: its metadata here, its bytes in the FileStore (by id)."""
+
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(primary_key=True, default=new_file_id)
+    tenant: Mapped[str]
+    key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.key_id"))
+    filename: Mapped[str]
+    purpose: Mapped[str]
+    """batch (uploaded input) or batch_output (a batch's output or error file)."""
+    bytes: Mapped[int] = mapped_column(BigInteger())
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+    __table_args__ = (
+        CheckConstraint(_in("purpose", FILE_PURPOSES), name="purpose_valid"),
+        CheckConstraint("bytes >= 0", name="bytes_nonnegative"),
+        Index("ix_files_tenant_created_at", "tenant", "created_at", "id"),
+    )
+
+
+class Batch(Base):
+    """An OpenAI batch: one input file, one job per line, output and error files at the end.
+
+    `status` follows OpenAI's: validating -> in_progress -> finalizing -> completed, or failed
+    (validation), expired, cancelling -> cancelled. Request counts are not stored: they are
+    a GROUP BY over the batch's jobs when read. `errors` holds validation errors
+    ({"code", "line", "message", "param"} each), as OpenAI's `errors.data`.
+    """
+
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(primary_key=True, default=new_batch_id)
+    tenant: Mapped[str]
+    key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.key_id"))
+    endpoint: Mapped[str]
+    input_file_id: Mapped[str]
+    """No foreign key: the input file may be deleted once its lines are jobs."""
+    completion_window: Mapped[str]
+    model: Mapped[str | None]
+    """The model of every line, known after validation."""
+    status: Mapped[str] = mapped_column(server_default=text("'validating'"))
+    request_total: Mapped[int] = mapped_column(server_default=text("0"))
+    errors: Mapped[dict[str, Any] | None]
+    metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", server_default=text("'{}'::jsonb"))
+    output_file_id: Mapped[str | None]
+    error_file_id: Mapped[str | None]
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    expires_at: Mapped[datetime]
+    in_progress_at: Mapped[datetime | None]
+    finalizing_at: Mapped[datetime | None]
+    completed_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    expired_at: Mapped[datetime | None]
+    cancelling_at: Mapped[datetime | None]
+    cancelled_at: Mapped[datetime | None]
+
+    __table_args__ = (
+        CheckConstraint(_in("status", BATCH_STATUSES), name="status_valid"),
+        CheckConstraint("request_total >= 0", name="request_total_nonnegative"),
+        Index("ix_batches_tenant_created_at", "tenant", "created_at", "id"),
+        # The manager's scan for batches with work to do.
+        Index("ix_batches_status", "status"),
     )

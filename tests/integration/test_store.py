@@ -27,7 +27,7 @@ from rein.core.migrate import current_revision, head_revision, upgrade
 from rein.core.models import ApiKey, Base, Job, Result, Usage
 from rein.core.settings import Settings
 
-TABLES = {"api_keys", "jobs", "results", "usage", "alembic_version"}
+TABLES = {"api_keys", "jobs", "results", "usage", "alembic_version", "files", "batches"}
 
 
 def engine_for(url: str):
@@ -40,13 +40,13 @@ def engine_for(url: str):
 def test_migrate_creates_database_and_tables_and_is_idempotent(make_database):
     url = make_database(create=False)
     first = upgrade(Settings(database_url=url))
-    assert first.created_database and first.before is None and first.after == head_revision() == "0001"
+    assert first.created_database and first.before is None and first.after == head_revision() == "0002"
     engine = engine_for(url)
     try:
         assert set(inspect(engine).get_table_names()) == TABLES
-        assert current_revision(engine) == "0001"
+        assert current_revision(engine) == "0002"
         second = upgrade(Settings(database_url=url))
-        assert not second.created_database and second.before == second.after == "0001"
+        assert not second.created_database and second.before == second.after == "0002"
         assert set(inspect(engine).get_table_names()) == TABLES
     finally:
         engine.dispose()
@@ -59,11 +59,11 @@ def test_migrate_cli(make_database, capsys):
     assert main(["migrate", "--database-url", url]) == 0
     out = capsys.readouterr().out
     name = url.rsplit("/", 1)[1]
-    assert f"database {name}: created" in out and "upgraded from revision (none) to 0001" in out
+    assert f"database {name}: created" in out and "upgraded from revision (none) to 0002" in out
     assert main(["migrate", "--database-url", url]) == 0
-    assert "already at revision 0001" in capsys.readouterr().out
+    assert "already at revision 0002" in capsys.readouterr().out
     assert main(["migrate", "--database-url", url, "--check"]) == 0
-    assert "at revision 0001 (latest)" in capsys.readouterr().out
+    assert "at revision 0002 (latest)" in capsys.readouterr().out
 
 
 def test_migrate_cli_unreachable_server(capsys):
@@ -78,10 +78,10 @@ def test_check_migrations_current(make_database):
     try:
         with pytest.raises(DatabaseNotMigratedError) as error:
             check_migrations_current(engine)
-        assert str(error.value) == (f"database {name} is not migrated (at revision None, need 0001): "
+        assert str(error.value) == (f"database {name} is not migrated (at revision None, need 0002): "
                                     "run `rein migrate`")
         upgrade(Settings(database_url=url))
-        assert check_migrations_current(engine) == "0001"
+        assert check_migrations_current(engine) == "0002"
         with engine.begin() as conn:
             conn.execute(text("UPDATE alembic_version SET version_num = 'ffff'"))
         with pytest.raises(DatabaseNotMigratedError, match="revision ffff, which this version of rein does not know"):
@@ -93,7 +93,7 @@ def test_check_migrations_current(make_database):
 def test_check_migrations_on_missing_database(make_database):
     url = make_database(create=False)
     engine = engine_for(url)
-    with pytest.raises(DatabaseNotMigratedError, match=r"does not exist \(need revision 0001\): run `rein migrate`"):
+    with pytest.raises(DatabaseNotMigratedError, match=r"does not exist \(need revision 0002\): run `rein migrate`"):
         check_migrations_current(engine)
 
 
@@ -348,7 +348,7 @@ def test_keys_cli(settings, tenant, db_sessionmaker, capsys):
 def test_keys_cli_refuses_an_unmigrated_database(make_database, capsys):
     url = make_database()
     assert main(["keys", "--database-url", url, "list"]) == 2
-    assert "is not migrated (at revision None, need 0001): run `rein migrate`" in capsys.readouterr().err
+    assert "is not migrated (at revision None, need 0002): run `rein migrate`" in capsys.readouterr().err
 
 
 def test_keys_create_last_line_in_a_shell(settings, tenant):
