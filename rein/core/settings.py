@@ -114,6 +114,13 @@ class Settings(BaseSettings):
     """Address `rein api` listens on."""
     api_port: int = Field(8000, ge=1, le=65535)
     """Port `rein api` listens on (it also serves /metrics there)."""
+    api_workers: int = Field(1, ge=1, le=64)
+    """Processes `rein api` runs (uvicorn workers); each holds its own pools and tokenizers."""
+    api_db_pool_size: int = Field(20, ge=1, le=200)
+    """Postgres connections each API process keeps open (a request holds one only briefly)."""
+    auth_cache_seconds: float = Field(1.0, ge=0, le=60)
+    """How long an API process trusts a key it has checked; a revoked key is refused within this.
+    0: every request reads the key from Postgres."""
     max_queue_depth: int = Field(1000, ge=1)
     """Backpressure: above this many queued jobs for a model, new jobs get 503 with Retry-After."""
     default_rpm: int | None = Field(None, ge=1)
@@ -133,6 +140,20 @@ class Settings(BaseSettings):
     stream_ttl_seconds: int = Field(3600, ge=1)
     """A job's token stream expires this long after the job ends."""
 
+    # --- files and batches (see rein.batches)
+    files_dir: str = "data/files"
+    """Directory (a volume in compose) holding uploaded and generated files, one file per id."""
+    max_file_bytes: int = Field(200 * 1024 * 1024, ge=1)
+    """Largest upload accepted by POST /v1/files (default 200 MiB)."""
+    batch_max_requests: int = Field(50_000, ge=1)
+    """Most request lines in one batch input file."""
+    batch_completion_window_seconds: float = Field(86_400, gt=0)
+    """How long a batch may run (its `completion_window` "24h"); requests unfinished then expire."""
+    batch_queue_window: int = Field(256, ge=1)
+    """Batch messages kept waiting on a model's queue; the batch manager tops it up as workers drain it."""
+    batch_poll_seconds: float = Field(1.0, gt=0)
+    """How often the API's batch manager looks for batch work (validation, feeding, finalizing)."""
+
     # --- the worker's engine (see rein.engine.config.EngineConfig, which validates them)
     max_num_seqs: int = Field(64, ge=1)
     """Sequences batched at once; also the worker's Celery concurrency."""
@@ -146,8 +167,12 @@ class Settings(BaseSettings):
     """Weights dtype; auto: bfloat16 on CUDA, float32 on CPU."""
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = "auto"
     """KV cache element type; auto: the weights dtype."""
-    worker_metrics_port: int | None = Field(None, ge=1, le=65535)
-    """Port for the worker's Prometheus metrics; unset: the worker serves none."""
+    worker_metrics_port: int | None = Field(None, ge=0, le=65535)
+    """Port the worker serves its Prometheus metrics on (/metrics, all interfaces); unset or 0: none."""
+
+    # --- operating
+    log_format: Literal["auto", "json", "text"] = "auto"
+    """Log lines as JSON objects or text; auto: text on a terminal, JSON otherwise (rein.core.logging)."""
 
     @field_validator("models", mode="before")
     @classmethod
