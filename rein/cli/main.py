@@ -23,6 +23,7 @@ SUBCOMMANDS = {
     "keys": "rein.cli.keys",
     "api": "rein.cli.api",
     "up": "rein.cli.up",
+    "batch": "rein.cli.batch",
 }
 
 
