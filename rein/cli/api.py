@@ -34,6 +34,8 @@ def run(args: argparse.Namespace) -> int:
 
     from rein.api.app import create_app
 
+    # log_config=None: uvicorn's loggers propagate to rein's handler (rein.core.logging)
+    # instead of getting uvicorn's own, so its lines come out as JSON like the rest.
     uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port,
-                log_level="info", proxy_headers=True)
+                log_level="info", log_config=None, proxy_headers=True)
     return 0

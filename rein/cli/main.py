@@ -13,6 +13,8 @@ import importlib
 import logging
 import sys
 
+from rein.core.logging import LogFormat, configure_logging
+
 SUBCOMMANDS = {
     "make-tiny-model": "rein.cli.make_tiny_model",
     "run-batch": "rein.cli.run_batch",
@@ -24,6 +26,7 @@ SUBCOMMANDS = {
     "api": "rein.cli.api",
     "up": "rein.cli.up",
     "batch": "rein.cli.batch",
+    "top": "rein.cli.top",
 }
 
 
@@ -40,12 +43,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    configure_logging(logging.DEBUG if args.verbose else logging.INFO, _log_format())
     return int(args.func(args) or 0)
+
+
+def _log_format() -> LogFormat:
+    """REIN_LOG_FORMAT; 'auto' when the settings cannot load (the subcommand says why)."""
+    from rein.core.settings import SettingsError, get_settings
+
+    try:
+        return get_settings().log_format
+    except SettingsError:
+        return "auto"
 
 
 if __name__ == "__main__":

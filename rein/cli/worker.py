@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import socket
 import sys
+from typing import Any
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -25,6 +26,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="worker log level (default info)")
     parser.add_argument("--hostname", default=None, metavar="NAME",
                         help="worker node name (default MODEL@host)")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve Prometheus metrics on PORT at /metrics; 0: none "
+                             "(default: REIN_WORKER_METRICS_PORT, unset: none)")
     parser.set_defaults(func=run)
 
 
@@ -47,6 +51,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: --concurrency must be at least 1, got {args.concurrency}", file=sys.stderr)
             return 2
         settings = settings.model_copy(update={"max_num_seqs": args.concurrency})
+    if args.metrics_port is not None:
+        if not 0 <= args.metrics_port <= 65535:
+            print(f"error: --metrics-port must be 0 (none) to 65535, got {args.metrics_port}", file=sys.stderr)
+            return 2
+        settings = settings.model_copy(update={"worker_metrics_port": args.metrics_port})
 
     db = make_engine(settings.database_url)
     try:
@@ -75,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     app = make_celery(settings)
+    _keep_rein_logging(app, args.loglevel)
     configure_worker(app, WorkerSpec(settings=settings, model_name=served.name, engine_config=config))
     from rein.core.redis_keys import RedisKeys
 
@@ -90,3 +100,24 @@ def run(args: argparse.Namespace) -> int:
     )
     worker.start()
     return int(worker.exitcode or 0)
+
+
+def _keep_rein_logging(app: Any, loglevel: str) -> None:
+    """Celery logs through rein's handler (rein.core.logging) instead of replacing it.
+
+    A receiver of Celery's `setup_logging` signal stops Celery from configuring logging at
+    all (it would otherwise hijack the root logger with its own format); without the
+    stdout redirect, rein's handler writing to stderr cannot loop back into logging.
+    """
+    import logging
+
+    from celery.signals import setup_logging
+
+    setup_logging.connect(_logging_is_configured, weak=False)
+    app.conf.worker_hijack_root_logger = False
+    app.conf.worker_redirect_stdouts = False
+    logging.getLogger().setLevel(loglevel.upper())
+
+
+def _logging_is_configured(**_: object) -> None:
+    """Celery's setup_logging receiver: rein.cli.main has configured logging already."""

@@ -43,4 +43,9 @@ class RedisKeys:
         return f"{self.prefix}:ratelimit:{key_id}:{kind}:{window}"
 
     def worker_heartbeat(self, worker: str) -> str:
+        """A worker's latest heartbeat JSON, expiring when it stops beating."""
         return f"{self.prefix}:worker:{worker}"
+
+    def workers(self) -> str:
+        """Hash worker name -> its last heartbeat JSON, kept after it stops (for `rein top`)."""
+        return f"{self.prefix}:workers"

@@ -27,6 +27,7 @@ from celery import shared_task
 from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 
+from rein.core.logging import log_context
 from rein.core.messages import JobMessage
 from rein.worker.app import TASK_NAME, enqueue_job
 from rein.worker.bootstep import worker_context
@@ -67,8 +68,10 @@ def run_job(self: Any, message: dict[str, Any]) -> str:
     try:
         return process_job(worker_context(self.app), JobMessage.from_dict(message))
     except JobNotTaken as exc:
-        log.warning("job %s not taken (%s); retrying in %d s", message.get("job_id"), exc.__cause__,
-                    NOT_TAKEN_RETRY_SECONDS)
+        with log_context(job_id=message.get("job_id"), key_id=message.get("key_id"),
+                         model=message.get("model"), worker=self.request.hostname):
+            log.warning("job %s not taken (%s); retrying in %d s", message.get("job_id"), exc.__cause__,
+                        NOT_TAKEN_RETRY_SECONDS)
         raise self.retry(exc=exc, countdown=NOT_TAKEN_RETRY_SECONDS, max_retries=None) from exc
 
 
@@ -78,12 +81,23 @@ class _Collected:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     first_token_at: datetime | None = None
+    first_token_time: float | None = None       # time.monotonic(), for the latency metrics
     final: RequestOutput | None = None
     timed_out: bool = False
 
 
 def process_job(context: WorkerContext, message: JobMessage) -> str:
-    """Claim, run and record one job; returns the outcome ("succeeded", "skipped: finished", ...)."""
+    """Claim, run and record one job; returns the outcome ("succeeded", "skipped: finished", ...).
+
+    Every line logged meanwhile carries the job's ids (rein.core.logging), so one grep for
+    the job id follows it from the API's "job accepted" to its outcome here.
+    """
+    with log_context(job_id=message.job_id, key_id=message.key_id, model=message.model,
+                     worker=context.worker_name):
+        return _process_job(context, message)
+
+
+def _process_job(context: WorkerContext, message: JobMessage) -> str:
     job_id = message.job_id
     if context.stopping.is_set():
         requeue(context, message)
@@ -104,9 +118,13 @@ def process_job(context: WorkerContext, message: JobMessage) -> str:
             context.publisher.publish_final(job_id, error="the job was started too many times and never finished")
         log.info("job %s not run: %s", job_id, claim.outcome.value)
         return f"skipped: {claim.outcome.value}"
-    with context.tracking(job_id):
+    log.info("job %s started: attempt %d, %d prompt tokens", job_id, claim.lease.attempt,
+             len(message.prompt_token_ids))
+    with context.tracking(job_id), log_context(attempt=claim.lease.attempt):
         try:
-            return _run_claimed(context, message, claim.lease)
+            outcome = _run_claimed(context, message, claim.lease)
+            log.info("job %s attempt %d ended: %s", job_id, claim.lease.attempt, outcome)
+            return outcome
         except Exception as exc:
             # Never leave a claimed job running with nobody on it: fail it, or at least hand it back.
             log.exception("job %s attempt %d broke in the worker", job_id, claim.lease.attempt)
@@ -128,6 +146,9 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
     from rein.engine.sampling_params import SamplingParams
 
     job_id = message.job_id
+    claimed = time.monotonic()
+    if context.metrics is not None and lease.attempt == 1 and lease.queue_seconds is not None:
+        context.metrics.observe_queue_time(lease.queue_seconds)
     context.publisher.begin(job_id, restart=lease.attempt > 1)
     try:
         params = SamplingParams(**message.sampling)
@@ -165,6 +186,9 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
         status, error = "cancelled", None
     else:
         status, error = "succeeded", None
+        if context.metrics is not None:
+            context.metrics.observe_request(claimed=claimed, first_token=collected.first_token_time,
+                                            finished=time.monotonic(), num_output_tokens=final.num_output_tokens)
     record = JobRecord(
         status=status, text=collected.text, token_ids=collected.token_ids, finish_reason=final.finish_reason,
         logprobs=response_logprobs(lease.endpoint, collected.logprobs if params.logprobs is not None else None,
@@ -193,6 +217,7 @@ def _collect(context: WorkerContext, job_id: str, stream: RequestStream, deadlin
             continue
         if output.new_token_ids and collected.first_token_at is None:
             collected.first_token_at = datetime.now(UTC)
+            collected.first_token_time = time.monotonic()
         collected.text += output.text_delta
         collected.token_ids.extend(output.new_token_ids)
         if output.logprobs:

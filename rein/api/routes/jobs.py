@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
@@ -28,11 +29,14 @@ from rein.api.schemas import (
     JobUsage,
 )
 from rein.api.streams import follow_events, job_event_stream
+from rein.core.logging import log_context
 from rein.core.messages import STREAM_FIELD, TokenEvent, event_id
 from rein.core.models import Job
 from rein.core.redis_keys import RedisKeys
 from rein.worker.cancel import request_cancel
 from rein.worker.recorder import response_body
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -69,9 +73,21 @@ def job_public(job: Job) -> JobPublic:
 def create_job(payload: JobCreate, key: InferenceKey, intake: IntakeDep,
                idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> JobCreated:
     """Queue a job; 202 with its id. A retry with the same Idempotency-Key returns the same job."""
-    job, _ = intake.submit(key, payload.endpoint, payload.body, metadata=payload.metadata,
-                           idempotency_key=idempotency_key)
+    with log_context(key_id=key.key_id, model=payload.body.get("model")):
+        job, prepared = intake.submit(key, payload.endpoint, payload.body, metadata=payload.metadata,
+                                      idempotency_key=idempotency_key)
+        log_job_accepted(job, reused=prepared is None)
     return JobCreated(id=job.id, status=job.status)
+
+
+def log_job_accepted(job: Job, *, reused: bool = False) -> None:
+    """The API's one line about a job: its ids and sizes, never the prompt (grep the job id)."""
+    with log_context(job_id=job.id, key_id=job.key_id, model=job.model):
+        if reused:
+            log.info("job %s returned again for its Idempotency-Key", job.id)
+        else:
+            log.info("job %s accepted: %s, %d prompt tokens, priority %d", job.id, job.endpoint,
+                     job.prompt_tokens, job.priority)
 
 
 @router.get("", response_model=JobList, responses=_ERRORS)

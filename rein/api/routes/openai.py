@@ -25,6 +25,7 @@ from rein.api.deps import (
 )
 from rein.api.errors import APIError, error_body
 from rein.api.jobs import get_job_for_tenant
+from rein.api.routes.jobs import log_job_accepted
 from rein.api.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -36,6 +37,7 @@ from rein.api.schemas import (
 )
 from rein.api.streams import StreamEvent, follow_events, openai_chunk_stream
 from rein.core.keys import KeyInfo
+from rein.core.logging import log_context
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.core.redis_keys import RedisKeys
 from rein.openai_format import CHAT_COMPLETIONS, COMPLETIONS, build_response
@@ -79,7 +81,9 @@ def list_models(key: CurrentKey, registry: RegistryDep, request: Request) -> Mod
 
 async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: KeyInfo,
                     intake: Any, redis: Any, settings: Any) -> Any:
-    job, prepared = await run_in_threadpool(intake.submit, key, endpoint, body)
+    with log_context(key_id=key.key_id, model=body.get("model")):
+        job, prepared = await run_in_threadpool(intake.submit, key, endpoint, body)
+    log_job_accepted(job)
     sessions = request.app.state.sessions
     keys = RedisKeys.from_settings(settings)
 
