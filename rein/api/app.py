@@ -18,12 +18,16 @@ from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 from sqlalchemy.orm import sessionmaker
 
+from rein.api.auth import KeyCache
 from rein.api.errors import install_error_handlers
 from rein.api.jobs import JobIntake
+from rein.api.metrics import APIMetrics, MetricsMiddleware
+from rein.api.metrics import router as metrics_router
 from rein.api.ratelimit import RateLimiter
-from rein.api.routes import health, jobs, openai, usage
+from rein.api.routes import batches, files, health, jobs, openai, usage
 from rein.api.tokenizers import ModelRegistry
 from rein.core.db import check_migrations_current, make_engine
+from rein.core.filestore import LocalFileStore
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings, get_settings
 
@@ -35,7 +39,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        engine = make_engine(settings.database_url)
+        # A pool as large as the request threads that use it at once: a smaller one would
+        # open and close a connection (a Postgres backend) for every request above its size.
+        engine = make_engine(settings.database_url, pool_size=settings.api_db_pool_size,
+                             max_overflow=settings.api_db_pool_size)
         try:
             # DatabaseNotMigratedError / DatabaseUnavailableError: the message says what to do.
             revision = await run_in_threadpool(check_migrations_current, engine)
@@ -52,9 +59,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.redis = Redis.from_url(settings.redis_url)
         state.async_redis = AsyncRedis.from_url(settings.redis_url)
         state.celery = make_celery(settings)
+        state.key_cache = KeyCache(settings.auth_cache_seconds)
         state.limiter = RateLimiter(state.redis, RedisKeys.from_settings(settings), settings)
         state.intake = JobIntake(settings, state.sessions, state.redis, state.celery, state.limiter,
                                  registry)
+        state.filestore = LocalFileStore(settings.files_dir)
         state.started_at = int(time.time())
         log.info("rein api ready: database at revision %s, models %s", revision,
                  ", ".join(e.name for e in registry) or "none")
@@ -73,8 +82,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    for module in (openai, jobs, usage, health):
+    for module in (openai, jobs, files, batches, usage, health):
         app.include_router(module.router)
+    # Prometheus: every response counted and timed by route template; GET /metrics.
+    app.state.metrics = APIMetrics(settings)
+    app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    app.include_router(metrics_router)
     app.openapi = lambda: _openapi(app)
     return app
 

@@ -1,0 +1,3 @@
+"""The OpenAI Files and Batches API behind the routes: tenant-scoped queries and public views
+(repository), line validation (validation), output and error files (output), and the batch
+manager that moves batches through their statuses (manager)."""

@@ -1,0 +1,102 @@
+"""Where file bytes live: a directory (a volume in compose) behind a small `FileStore` interface.
+
+Files (uploaded batch inputs, generated batch outputs and error files) are stored one per
+id under `settings.files_dir`; their metadata (tenant, name, purpose, size) is a row in the
+`files` table, and tenant checks happen there, never here. A directory was chosen over
+Postgres large objects because outputs are written and read as streams of lines, a volume
+is easy to back up or move to network storage, and Postgres stays small. Another backend
+(object storage) only has to provide the methods of `FileStore`.
+
+Writes are atomic: bytes go to a temporary file in the same directory, renamed into place
+when complete, so a reader never sees half a file and a crash leaves no partial one under
+its id (a rewrite of the same id, as the batch manager does after a restart, replaces it).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import IO, Protocol
+
+_SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
+
+
+class FileTooLargeError(ValueError):
+    """More bytes came than the limit allows; nothing was stored."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the file is larger than the limit of {limit} bytes")
+        self.limit = limit
+
+
+class FileStore(Protocol):
+    def save(self, file_id: str, chunks: Iterable[bytes], max_bytes: int | None = None) -> int:
+        """Store the chunks under file_id; the byte count (FileTooLargeError past max_bytes)."""
+
+    @contextmanager
+    def writer(self, file_id: str) -> Iterator[IO[str]]:
+        """A text file to write file_id into; stored when the block ends without error."""
+
+    def open(self, file_id: str) -> IO[bytes]:
+        """The stored bytes (FileNotFoundError when missing)."""
+
+    def size(self, file_id: str) -> int:
+        """The stored byte count."""
+
+    def delete(self, file_id: str) -> None:
+        """Remove file_id's bytes (no error when already gone)."""
+
+
+class LocalFileStore:
+    """A FileStore on a local directory (created when missing)."""
+
+    def __init__(self, root: str | Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def path(self, file_id: str) -> Path:
+        if not _SAFE_ID.fullmatch(file_id):    # ids are ours, but never let one name a path
+            raise ValueError(f"not a file id: {file_id!r}")
+        return self.root / file_id
+
+    def save(self, file_id: str, chunks: Iterable[bytes], max_bytes: int | None = None) -> int:
+        target = self.path(file_id)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".upload-")
+        size = 0
+        try:
+            with os.fdopen(fd, "wb") as out:
+                for chunk in chunks:
+                    size += len(chunk)
+                    if max_bytes is not None and size > max_bytes:
+                        raise FileTooLargeError(max_bytes)
+                    out.write(chunk)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return size
+
+    @contextmanager
+    def writer(self, file_id: str) -> Iterator[IO[str]]:
+        target = self.path(file_id)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".write-")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as out:
+                yield out
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    def open(self, file_id: str) -> IO[bytes]:
+        return open(self.path(file_id), "rb")  # noqa: SIM115 (the caller closes it)
+
+    def size(self, file_id: str) -> int:
+        return self.path(file_id).stat().st_size
+
+    def delete(self, file_id: str) -> None:
+        self.path(file_id).unlink(missing_ok=True)
