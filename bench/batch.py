@@ -1,0 +1,352 @@
+"""Batch throughput: one OpenAI batch file through the service (Files + Batches API, one worker)
+beside the same file through `rein run-batch`'s runner in this process.
+
+    python bench/batch.py [--requests 2000] [--max-num-seqs 64] [--kv-cache-memory 256MiB]
+                          [--redis-url URL] [--postgres-url URL] [--keep DIR]
+
+The workload is generated from a fixed seed: `--requests` /v1/completions lines, prompts of
+4 to 120 random words, max_tokens 16 to 64, greedy with ignore_eos (every request produces
+exactly its max_tokens, so both sides do the same work and output tokens are comparable).
+The model is the tiny llama (.cache/bench-models/llama-tiny, rein.tiny_model) capped at 512
+tokens of context; both engines have the same settings (device cpu, fp32, --max-num-seqs,
+2048 batched tokens a step, --kv-cache-memory) and one torch thread (the worker gets
+OMP_NUM_THREADS=1; this process calls torch.set_num_threads(1)).
+
+* service: a throwaway database `rein_bench_<random>` and Redis prefix (bench/intake.py's
+  Sandbox: dropped and deleted at the end, even on failure), a key with the batch scope,
+  then `rein api` and one `rein worker` as subprocesses. Timed from the start of the upload
+  (POST /v1/files) until the output file is downloaded: upload, POST /v1/batches, polling
+  GET /v1/batches/{id} every 0.5 s until `completed`, GET /v1/files/{output}/content.
+  Process start and model load are not timed (the worker's heartbeat is awaited first).
+* offline: rein.offline.run_batch.run_batch on an LLMEngine built in this process (model
+  load not timed), the same input file, written to a file like `rein run-batch -o`.
+
+Figures: requests/s and output tokens/s of each (tokens counted from each output file's
+usage), and their ratio service / offline (target ≥ 0.8). Greedy outputs are compared by
+custom_id as a check that both answered the same requests. The service and the offline run
+happen one after the other on a shared machine: the 1-minute load average is printed. The
+last line of stdout is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from intake import Sandbox, check_loopback, ensure_model, free_port  # noqa: E402  (bench helpers)
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAME = "tiny"
+MAX_MODEL_LEN = 512
+ENDPOINT = "/v1/completions"
+MAX_NUM_BATCHED_TOKENS = 2048
+POLL_SECONDS = 0.5
+STARTUP_TIMEOUT = 180.0
+TARGET_RATIO = 0.8
+SEED = 0
+WORDS = ("river queue token batch engine model paged cache worker stream tenant harness rein "
+         "prompt answer block request step budget sample decode prefill latency cloud night "
+         "north mountain garden quiet letter number yellow window bridge music winter story").split()
+
+
+# -- the workload -----------------------------------------------------------------------------
+
+
+def write_workload(path: Path, requests: int) -> dict[str, int]:
+    """The seeded batch file; returns each custom_id's max_tokens."""
+    rng = random.Random(SEED)
+    max_tokens: dict[str, int] = {}
+    with path.open("w") as out:
+        for i in range(requests):
+            custom_id = f"req-{i:05d}"
+            words = " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 120)))
+            max_tokens[custom_id] = rng.randint(16, 64)
+            body = {"model": MODEL_NAME, "prompt": words, "max_tokens": max_tokens[custom_id],
+                    "temperature": 0.0, "ignore_eos": True}
+            out.write(json.dumps({"custom_id": custom_id, "method": "POST", "url": ENDPOINT,
+                                  "body": body}) + "\n")
+    return max_tokens
+
+
+def read_output(path: Path) -> tuple[dict[str, str], int, list[str]]:
+    """(custom_id -> text, output tokens, custom_ids that failed) of an output file."""
+    texts: dict[str, str] = {}
+    tokens = 0
+    failed: list[str] = []
+    with path.open() as fh:
+        for line in fh:
+            if not line.strip():
+                continue
+            row = json.loads(line)
+            response = row.get("response")
+            if row.get("error") or not response or response.get("status_code") != 200:
+                failed.append(row.get("custom_id"))
+                continue
+            body = response["body"]
+            texts[row["custom_id"]] = body["choices"][0]["text"]
+            tokens += body["usage"]["completion_tokens"]
+    return texts, tokens, failed
+
+
+# -- the service ------------------------------------------------------------------------------
+
+
+class Service:
+    """`rein api` and one `rein worker` on the sandbox; `stop()` ends both."""
+
+    def __init__(self, sandbox: Sandbox, model_dir: Path, log_dir: Path, args: argparse.Namespace) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.hostname = f"bench-batch-{sandbox.tag}@localhost"
+        self.log_dir = log_dir
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("REIN_")} | {
+            "REIN_DATABASE_URL": sandbox.database_url,
+            "REIN_REDIS_URL": sandbox.redis_url,
+            "REIN_REDIS_KEY_PREFIX": sandbox.prefix,
+            "REIN_MODELS": f"{MODEL_NAME}={model_dir}@{MAX_MODEL_LEN}",
+            "REIN_API_HOST": "127.0.0.1",
+            "REIN_API_PORT": str(self.port),
+            "REIN_MAX_QUEUE_DEPTH": "100000",
+            "REIN_MAX_NUM_SEQS": str(args.max_num_seqs),
+            "REIN_MAX_NUM_BATCHED_TOKENS": str(MAX_NUM_BATCHED_TOKENS),
+            "REIN_KV_CACHE_MEMORY": args.kv_cache_memory,
+            "REIN_DEVICE": "cpu",
+            "REIN_DTYPE": "float32",
+            "OMP_NUM_THREADS": "1",
+        }
+        self.procs: list[subprocess.Popen] = []
+        self._logs: list = []
+        self.worker = self._spawn("worker", "worker", "--model", MODEL_NAME, "--hostname", self.hostname,
+                                  "--loglevel", "warning")
+        self.api = self._spawn("api", "api")
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop)
+        self._logs.append(log)
+        proc = subprocess.Popen([sys.executable, "-m", "rein.cli.main", *args], env=self.env, cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        try:
+            text = (self.log_dir / f"{name}.log").read_text(errors="replace")
+        except OSError:
+            return "(no log)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def wait_ready(self, heartbeat_key: str) -> None:
+        import httpx
+        import redis
+
+        client = redis.Redis.from_url(self.env["REIN_REDIS_URL"])
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        try:
+            while time.monotonic() < deadline:
+                for name, proc in (("worker", self.worker), ("api", self.api)):
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"rein {name} exited with {proc.returncode}:\n{self.tail(name)}")
+                try:
+                    api_ok = httpx.get(f"{self.base_url}/readyz", timeout=2).status_code == 200
+                except httpx.HTTPError:
+                    api_ok = False
+                if api_ok and client.exists(heartbeat_key):
+                    return
+                time.sleep(0.25)
+        finally:
+            client.close()
+        raise RuntimeError(f"service not ready after {STARTUP_TIMEOUT:.0f} s:\n{self.tail('worker')}"
+                           f"\n{self.tail('api')}")
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        for log in self._logs:
+            log.close()
+
+
+def run_service(sandbox: Sandbox, model_dir: Path, input_path: Path, output_path: Path,
+                log_dir: Path, args: argparse.Namespace, phase) -> dict:
+    from sqlalchemy.orm import sessionmaker
+    from sqlalchemy.pool import NullPool
+
+    from rein.cli.batch import BatchClient
+    from rein.core.db import make_engine
+    from rein.core.keys import create_key
+    from rein.core.redis_keys import RedisKeys
+
+    report = sandbox.migrate()
+    phase(f"database {sandbox.db_name}: migrated to {report.after}; redis prefix {sandbox.prefix!r}")
+    engine = make_engine(sandbox.database_url, poolclass=NullPool)
+    try:
+        with sessionmaker(engine).begin() as session:
+            key = create_key(session, name="bench-batch", tenant="bench", scopes="batch").key
+    finally:
+        engine.dispose()
+    service = Service(sandbox, model_dir, log_dir, args)
+    try:
+        keys = RedisKeys(sandbox.prefix.rstrip(":"))
+        service.wait_ready(keys.worker_heartbeat(service.hostname))
+        phase(f"rein api ({service.base_url}) and rein worker ready")
+        with BatchClient(service.base_url, key) as client:
+            start = time.perf_counter()
+            uploaded = client.upload(input_path)
+            batch = client.create_batch(uploaded["id"], ENDPOINT, "24h", None)
+            last_report = start
+            while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
+                time.sleep(POLL_SECONDS)
+                batch = client.batch(batch["id"])
+                if time.perf_counter() - last_report > 15:
+                    last_report = time.perf_counter()
+                    counts = batch.get("request_counts") or {}
+                    phase(f"  {batch['status']}: {counts.get('completed', 0)}/{counts.get('total', 0)} "
+                          f"completed, {counts.get('failed', 0)} failed")
+            if batch["status"] != "completed" or not batch.get("output_file_id"):
+                raise RuntimeError(f"the batch ended {batch['status']}: {json.dumps(batch)[:1000]}"
+                                   f"\n{service.tail('worker')}")
+            client.download(batch["output_file_id"], output_path)
+            wall = time.perf_counter() - start
+    finally:
+        service.stop()
+    in_server = None
+    if batch.get("completed_at") and batch.get("created_at"):
+        in_server = batch["completed_at"] - batch["created_at"]
+    return {"wall_s": wall, "in_server_s": in_server, "batch": batch}
+
+
+# -- offline ----------------------------------------------------------------------------------
+
+
+def run_offline(model_dir: Path, input_path: Path, output_path: Path, args: argparse.Namespace) -> dict:
+    from rein.engine.config import EngineConfig
+    from rein.engine.engine import LLMEngine
+    from rein.offline.run_batch import run_batch
+
+    engine = LLMEngine(EngineConfig(
+        model=str(model_dir), device="cpu", dtype="float32", kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
+        max_model_len=MAX_MODEL_LEN))
+    start = time.perf_counter()
+    summary = run_batch(engine, input_path, output_path, model_name=MODEL_NAME, progress=False)
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "ok": summary.requests_ok, "failed": summary.requests_failed}
+
+
+# -- main -------------------------------------------------------------------------------------
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=2000, help="lines in the batch file (2000)")
+    parser.add_argument("--max-num-seqs", type=int, default=64, help="engine sequences, both sides (64)")
+    parser.add_argument("--kv-cache-memory", default="256MiB", help="KV cache, both sides (256MiB)")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--postgres-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
+                        help="the Postgres server (its maintenance database); the bench database is made on it")
+    parser.add_argument("--keep", default=None, metavar="DIR",
+                        help="keep the input, both outputs and the service logs in DIR")
+    args = parser.parse_args()
+    check_loopback(args.redis_url, "redis")
+    check_loopback(args.postgres_url, "postgres")
+
+    import torch
+
+    torch.set_num_threads(1)   # as the worker (OMP_NUM_THREADS=1)
+    t_start = time.monotonic()
+
+    def phase(text: str) -> None:
+        print(f"[{time.monotonic() - t_start:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    work_dir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="rein-bench-batch-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    input_path = work_dir / "input.jsonl"
+    max_tokens = write_workload(input_path, args.requests)
+    expected_tokens = sum(max_tokens.values())
+    model_dir = ensure_model()
+    phase(f"{args.requests} requests ({expected_tokens} output tokens) in {input_path}")
+
+    load = {"start": os.getloadavg()[0]}
+    sandbox = Sandbox(args.postgres_url, args.redis_url)
+    try:
+        service = run_service(sandbox, model_dir, input_path, work_dir / "service-output.jsonl",
+                              work_dir, args, phase)
+    finally:
+        try:
+            sandbox.delete_keys()
+            sandbox.drop_database()
+        except Exception as exc:
+            print(f"warning: cleanup of {sandbox.db_name} / {sandbox.prefix!r} failed: {exc}", file=sys.stderr)
+    load["after_service"] = os.getloadavg()[0]
+    phase(f"service: {service['wall_s']:.1f} s")
+
+    offline = run_offline(model_dir, input_path, work_dir / "offline-output.jsonl", args)
+    load["end"] = os.getloadavg()[0]
+    phase(f"offline: {offline['wall_s']:.1f} s")
+
+    service_texts, service_tokens, service_failed = read_output(work_dir / "service-output.jsonl")
+    offline_texts, offline_tokens, offline_failed = read_output(work_dir / "offline-output.jsonl")
+    answered = set(service_texts) | set(service_failed)
+    missing = sorted(set(max_tokens) - answered)
+    same_text = sum(service_texts.get(cid) == text for cid, text in offline_texts.items())
+
+    sides = {}
+    for name, wall, tokens, ok in (("service", service["wall_s"], service_tokens, len(service_texts)),
+                                   ("offline", offline["wall_s"], offline_tokens, len(offline_texts))):
+        sides[name] = {"wall_s": round(wall, 2), "requests_ok": ok, "output_tokens": tokens,
+                       "requests_per_s": round(ok / wall, 2), "output_tokens_per_s": round(tokens / wall, 1)}
+    ratio = sides["service"]["output_tokens_per_s"] / sides["offline"]["output_tokens_per_s"]
+    ratio_requests = sides["service"]["requests_per_s"] / sides["offline"]["requests_per_s"]
+
+    print()
+    print(f"batch: {args.requests} /v1/completions requests, prompts 4-120 words, max_tokens 16-64, "
+          f"greedy + ignore_eos ({expected_tokens} output tokens expected); tiny llama, cpu fp32, "
+          f"1 torch thread, max_num_seqs {args.max_num_seqs}, KV {args.kv_cache_memory}")
+    print(f"  {'path':<44} {'wall s':>8} {'req/s':>8} {'out tok/s':>10}")
+    for name, label in (("service", "service (upload → batch → download, 1 worker)"),
+                        ("offline", "offline (run_batch in-process)")):
+        s = sides[name]
+        print(f"  {label:<44} {s['wall_s']:>8.1f} {s['requests_per_s']:>8.2f} {s['output_tokens_per_s']:>10.1f}")
+    if service["in_server_s"] is not None:
+        print(f"  service in-server time (batch created_at → completed_at, 1 s resolution): "
+              f"{service['in_server_s']} s")
+    print(f"  ratio service / offline: {ratio:.3f}x output tokens/s, {ratio_requests:.3f}x requests/s "
+          f"(target >= {TARGET_RATIO}x): {'PASS' if ratio >= TARGET_RATIO else 'MISS'}")
+    print(f"  checks: service answered {len(answered)}/{args.requests} ({len(service_failed)} failed, "
+          f"{len(missing)} missing); offline {offline['ok']} ok, {offline['failed']} failed; "
+          f"output tokens {service_tokens} / {offline_tokens} (expected {expected_tokens}); "
+          f"same greedy text for {same_text}/{len(offline_texts)}")
+    print(f"  1-minute load average: {load['start']:.2f} at start, {load['after_service']:.2f} after the "
+          f"service run, {load['end']:.2f} at the end ({os.cpu_count()} CPUs)")
+    result = {
+        "bench": "batch", "requests": args.requests, "expected_output_tokens": expected_tokens,
+        "max_num_seqs": args.max_num_seqs, "kv_cache_memory": args.kv_cache_memory,
+        "service": sides["service"] | {"in_server_s": service["in_server_s"],
+                                       "failed": len(service_failed), "missing": len(missing)},
+        "offline": sides["offline"] | {"failed": offline["failed"]},
+        "ratio_output_tokens_per_s": round(ratio, 4), "ratio_requests_per_s": round(ratio_requests, 4),
+        "same_greedy_text": same_text, "cpus": os.cpu_count(),
+        "loadavg_1m": {k: round(v, 2) for k, v in load.items()},
+        "target": {"ratio_min": TARGET_RATIO, "pass": ratio >= TARGET_RATIO},
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
