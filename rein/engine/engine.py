@@ -44,6 +44,8 @@ class EngineStats:
     generation_tokens: int = 0
     preemptions: int = 0
     finished: int = 0
+    scheduled_requests: int = 0     # summed over steps (a step's batch size)
+    scheduled_tokens: int = 0       # summed over steps (prefill chunks + decodes)
     peak_kv_utilization: float = 0.0   # max over steps of tokens stored / slots allocated
     peak_kv_usage: float = 0.0         # max share of blocks in use
 
@@ -143,7 +145,9 @@ class LLMEngine:
         result = self.runner.execute(plan.scheduled)
         forward_seconds = time.perf_counter() - forward_start
 
+        self.stats.scheduled_requests += len(plan.scheduled)
         for s in plan.scheduled:
+            self.stats.scheduled_tokens += s.end - s.start
             s.request.num_computed_tokens = s.end
             self.stats.prompt_tokens += max(0, min(s.end, s.request.num_prompt_tokens) - s.start)
         self._record_kv_utilization()

@@ -39,8 +39,10 @@ from redis import Redis
 from redis.exceptions import RedisError
 from sqlalchemy.orm import Session, sessionmaker
 
+from rein.core.logging import log_context
 from rein.core.redis_keys import RedisKeys
 from rein.worker.cancel import CancelListener
+from rein.worker.metrics import WorkerMetrics, compose_hooks
 from rein.worker.publisher import INTERRUPTED, TokenPublisher
 
 if TYPE_CHECKING:
@@ -51,6 +53,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 5.0
+# The workers registry (RedisKeys.workers) outlives its last writer by this long.
+WORKER_REGISTRY_TTL_SECONDS = 24 * 3600
 
 
 @dataclass
@@ -79,6 +83,7 @@ class WorkerContext:
     sessions: sessionmaker[Session]
     runner: EngineRunner
     publisher: TokenPublisher
+    metrics: WorkerMetrics | None = None
     listener: CancelListener | None = None
     stopping: threading.Event = field(default_factory=threading.Event)
     interrupted: set[str] = field(default_factory=set)
@@ -86,6 +91,8 @@ class WorkerContext:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
     _heartbeat: threading.Thread | None = None
+    started_at: float = field(default_factory=time.time)
+    _previous_beat: tuple[float, int, int, float] | None = None   # time and totals at the last beat
 
     @property
     def engine(self) -> LLMEngine:
@@ -123,7 +130,8 @@ class WorkerContext:
         with self._lock:
             job_id = self._jobs_by_thread.get(ident)
         if job_id is not None:
-            log.warning("interrupting job %s: Celery terminated its task", job_id)
+            with log_context(job_id=job_id, model=self.model_name, worker=self.worker_name):
+                log.warning("interrupting job %s: Celery terminated its task", job_id)
             self.interrupt(job_id)
 
     def start(self) -> None:
@@ -147,30 +155,58 @@ class WorkerContext:
         if self.listener is not None:
             self.listener.stop()
         self.runner.stop()
+        if self.metrics is not None:
+            self.metrics.stop()
         if self._heartbeat is not None:
             self._heartbeat.join(HEARTBEAT_SECONDS)
         try:
             self.redis.delete(self.keys.worker_heartbeat(self.worker_name))
+            self._beat_stopped()
         except RedisError:
             pass
 
     def heartbeat(self) -> dict[str, Any]:
-        """What `rein top` shows of this worker."""
-        engine = self.engine
-        return {"worker": self.worker_name, "model": self.model_name, "time": time.time(),
+        """What `rein top` shows of this worker (rein.cli.top reads these fields).
+
+        `tokens_per_second` and `step_ms` (mean step duration) cover the time since the
+        previous heartbeat; `step_ms` is None when no step ran in it.
+        """
+        engine, stats, now = self.engine, self.engine.stats, time.time()
+        totals = (now, stats.generation_tokens, stats.steps, stats.step_seconds)
+        previous = self._previous_beat or (self.started_at, 0, 0, 0.0)
+        self._previous_beat = totals
+        elapsed, steps = now - previous[0], stats.steps - previous[2]
+        return {"worker": self.worker_name, "model": self.model_name, "time": now, "state": "up",
+                "started": self.started_at, "interval": HEARTBEAT_SECONDS,
                 "running": engine.num_running, "waiting": engine.num_waiting,
                 "max_num_seqs": engine.config.max_num_seqs, "kv_blocks": engine.pool.num_blocks,
                 "kv_blocks_free": engine.pool.num_free, "kv_usage": engine.pool.usage,
-                "steps": engine.stats.steps, "generation_tokens": engine.stats.generation_tokens}
+                "steps": stats.steps, "generation_tokens": stats.generation_tokens,
+                "preemptions": stats.preemptions,
+                "tokens_per_second": (stats.generation_tokens - previous[1]) / elapsed if elapsed > 0 else 0.0,
+                "step_ms": 1000 * (stats.step_seconds - previous[3]) / steps if steps else None}
 
     def _beat(self) -> None:
         key = self.keys.worker_heartbeat(self.worker_name)
         while not self.stopping.is_set():
             try:
-                self.redis.set(key, json.dumps(self.heartbeat()), ex=int(3 * HEARTBEAT_SECONDS))
+                beat = json.dumps(self.heartbeat())
+                # The key expires with the worker; the registry entry stays, so that `rein top`
+                # can show a worker that stopped beating as LOST (rein.cli.top forgets it later).
+                pipe = self.redis.pipeline(transaction=False)
+                pipe.set(key, beat, ex=int(3 * HEARTBEAT_SECONDS))
+                pipe.hset(self.keys.workers(), self.worker_name, beat)
+                pipe.expire(self.keys.workers(), WORKER_REGISTRY_TTL_SECONDS)
+                pipe.execute()
             except (RedisError, RuntimeError) as exc:   # RuntimeError: engine dicts changed under us
                 log.debug("heartbeat skipped: %s", exc)
             self.stopping.wait(HEARTBEAT_SECONDS)
+
+    def _beat_stopped(self) -> None:
+        """A last registry entry saying this worker stopped on purpose (not LOST)."""
+        beat = {"worker": self.worker_name, "model": self.model_name, "time": time.time(),
+                "state": "stopped", "started": self.started_at, "interval": HEARTBEAT_SECONDS}
+        self.redis.hset(self.keys.workers(), self.worker_name, json.dumps(beat))
 
 
 def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerContext:
@@ -179,6 +215,15 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     from rein.engine.runner import EngineRunner
 
     settings = spec.settings
+    metrics = WorkerMetrics(spec.model_name)
+    if settings.worker_metrics_port:
+        # Before loading the engine: a port already taken fails the start in seconds, not minutes.
+        try:
+            metrics.serve(settings.worker_metrics_port)
+        except OSError as exc:
+            raise RuntimeError(f"cannot serve worker metrics on port {settings.worker_metrics_port}: {exc}; "
+                               f"choose a free port with REIN_WORKER_METRICS_PORT or --metrics-port "
+                               f"(0 serves none)") from exc
     if spec.engine_factory is not None:
         engine = spec.engine_factory()
     else:
@@ -189,13 +234,15 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     redis = Redis.from_url(settings.redis_url, health_check_interval=30)
     publisher = TokenPublisher(redis, keys, settings.stream_maxlen, settings.stream_ttl_seconds,
                                settings.job_timeout_seconds)
-    runner = EngineRunner(engine, name=f"rein-engine-{spec.model_name}", on_step=publisher.publish_step)
+    metrics.attach(engine)
+    runner = EngineRunner(engine, name=f"rein-engine-{spec.model_name}",
+                          on_step=compose_hooks(publisher.publish_step, metrics.observe_step))
     # One connection per task thread at most; the claim and the record are short transactions.
     threads = engine.config.max_num_seqs
     db = make_engine(settings.database_url, pool_size=min(threads, 16), max_overflow=max(threads - 16, 0) + 4)
     context = WorkerContext(app=app, settings=settings, model_name=spec.model_name, worker_name=worker_name,
                             keys=keys, redis=redis, sessions=sessionmaker(db, expire_on_commit=False),
-                            runner=runner, publisher=publisher)
+                            runner=runner, publisher=publisher, metrics=metrics)
     runner.start()
     context.start()
     log.info("engine ready for %s on %s: %d KV blocks of %d tokens, max %d sequences", spec.model_name,

@@ -62,6 +62,7 @@ class Lease:
     model: str
     endpoint: str
     prompt_tokens: int
+    queue_seconds: float | None = None   # from the job's submission to this claim (database clock)
 
 
 @dataclass(frozen=True)
@@ -95,12 +96,14 @@ def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_f
             .values(status="running", attempt=Job.attempt + 1, worker=worker, started_at=func.now(),
                     first_token_at=None, finished_at=None, error=None,
                     lease_expires_at=func.now() + timedelta(seconds=lease_for_seconds))
-            .returning(Job.attempt, Job.tenant, Job.key_id, Job.model, Job.endpoint, Job.prompt_tokens)
+            .returning(Job.attempt, Job.tenant, Job.key_id, Job.model, Job.endpoint, Job.prompt_tokens,
+                       Job.queued_at, Job.started_at)
             .execution_options(synchronize_session=False)
         ).one_or_none()
         if row is not None:
+            queue_seconds = (row.started_at - row.queued_at).total_seconds() if row.queued_at else None
             return Claim(ClaimOutcome.CLAIMED, Lease(job_id, row.attempt, worker, row.tenant, row.key_id,
-                                                     row.model, row.endpoint, row.prompt_tokens))
+                                                     row.model, row.endpoint, row.prompt_tokens, queue_seconds))
         current = session.execute(
             select(Job.status, Job.cancel_requested_at, Job.attempt).where(Job.id == job_id)).one_or_none()
     if current is None:
