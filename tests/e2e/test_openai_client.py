@@ -9,6 +9,7 @@ exception classes by status code with OpenAI's `code`.
 
 from __future__ import annotations
 
+import json
 import subprocess
 from collections.abc import Iterator
 
@@ -179,3 +180,61 @@ def test_missing_scope_is_permission_denied(service: Service) -> None:
         with pytest.raises(openai.PermissionDeniedError) as caught:
             usage_only.completions.create(**COMPLETION, stream=True)
         assert "inference" in caught.value.message
+
+
+# -- files ------------------------------------------------------------------------------------
+
+
+def batch_lines(n: int, prefix: str = "req", **body) -> bytes:
+    """n chat-completion batch lines with custom_ids `<prefix>-<i>`, greedy, varied lengths."""
+    lines = []
+    for i in range(n):
+        request = {"model": MODEL, "messages": [{"role": "user", "content": f"{prefix} question {i}"}],
+                   "max_tokens": 4 + i % 7, "temperature": 0.0, **body}
+        lines.append(json.dumps({"custom_id": f"{prefix}-{i}", "method": "POST",
+                                 "url": "/v1/chat/completions", "body": request}))
+    return ("\n".join(lines) + "\n").encode()
+
+
+def test_files_round_trip(client: openai.OpenAI, service: Service) -> None:
+    content = batch_lines(3, prefix="files")
+    created = client.files.create(file=("requests.jsonl", content), purpose="batch")
+    assert isinstance(created, openai.types.FileObject)
+    assert created.id.startswith("file") and created.object == "file"
+    assert created.bytes == len(content) and created.filename == "requests.jsonl"
+    assert created.purpose == "batch" and created.created_at > 0
+
+    assert client.files.retrieve(created.id).model_dump() == created.model_dump()
+    assert created.id in [f.id for f in client.files.list()]
+    assert created.id in [f.id for f in client.files.list(purpose="batch")]
+    assert client.files.content(created.id).content == content
+
+    with make_client(service, service.keys["b"]) as other:   # another tenant sees nothing
+        with pytest.raises(openai.NotFoundError):
+            other.files.retrieve(created.id)
+        with pytest.raises(openai.NotFoundError):
+            other.files.content(created.id)
+        with pytest.raises(openai.NotFoundError):
+            other.files.delete(created.id)
+        assert created.id not in [f.id for f in other.files.list()]
+
+    deleted = client.files.delete(created.id)
+    assert deleted.id == created.id and deleted.deleted is True
+    with pytest.raises(openai.NotFoundError):
+        client.files.retrieve(created.id)
+    with pytest.raises(openai.NotFoundError):
+        client.files.content(created.id)
+    assert created.id not in [f.id for f in client.files.list()]
+
+
+def test_files_list_pages(client: openai.OpenAI) -> None:
+    ids = [client.files.create(file=(f"page-{i}.jsonl", batch_lines(1, prefix=f"page{i}")),
+                               purpose="batch").id for i in range(3)]
+    first = client.files.list(limit=2)
+    assert len(first.data) == 2 and first.has_more
+    # The client follows `after` across pages: every file once, newest first.
+    listed = [f.id for f in client.files.list(limit=2)]
+    assert len(listed) == len(set(listed))
+    assert [i for i in listed if i in ids] == ids[::-1]
+    for file_id in ids:
+        client.files.delete(file_id)
