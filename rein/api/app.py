@@ -26,6 +26,7 @@ from rein.api.metrics import router as metrics_router
 from rein.api.ratelimit import RateLimiter
 from rein.api.routes import batches, files, health, jobs, openai, usage
 from rein.api.tokenizers import ModelRegistry
+from rein.batches.manager import BatchManager
 from rein.core.db import check_migrations_current, make_engine
 from rein.core.filestore import LocalFileStore
 from rein.core.redis_keys import RedisKeys
@@ -64,12 +65,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.intake = JobIntake(settings, state.sessions, state.redis, state.celery, state.limiter,
                                  registry)
         state.filestore = LocalFileStore(settings.files_dir)
+        # Validates, feeds, expires and finalizes batches (all state in Postgres, see its docstring).
+        state.batch_manager = BatchManager(settings, state.sessions, state.redis, state.celery, registry,
+                                           state.filestore).start()
         state.started_at = int(time.time())
         log.info("rein api ready: database at revision %s, models %s", revision,
                  ", ".join(e.name for e in registry) or "none")
         try:
             yield
         finally:
+            await run_in_threadpool(state.batch_manager.stop)
             await state.async_redis.aclose()
             state.redis.close()
             state.celery.close()

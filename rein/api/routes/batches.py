@@ -1,5 +1,155 @@
-"""The OpenAI Batches API (placeholder router until the batch routes land)."""
+"""The OpenAI Batches API: POST /v1/batches, GET /v1/batches/{id}, GET /v1/batches,
+POST /v1/batches/{id}/cancel; and rein's partial views GET /v1/batches/{id}/output and
+GET /v1/batches/{id}/errors (the lines so far, while the batch runs). Needs the `batch` scope.
 
-from fastapi import APIRouter
+Creating a batch only records it (status `validating`); the batch manager
+(rein.batches.manager) validates every line, enqueues and finalizes. A batch counts as one
+request against the key's RPM when created; its lines are not counted against RPM or TPM
+(they run at batch priority in the capacity interactive traffic leaves, and the manager's
+queue window keeps them from filling the queue), but every token they use is in usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import StreamingResponse
+from sqlalchemy import func, update
+
+from rein.api.deps import RedisDep, SessionDep, SessionsDep, SettingsDep
+from rein.api.errors import APIError
+from rein.api.jobs import MAX_METADATA_PAIRS
+from rein.api.ratelimit import RateLimitExceeded
+from rein.api.routes.files import BatchKey
+from rein.api.schemas import ErrorResponse
+from rein.batches.manager import drop_batch_jobs
+from rein.batches.output import Kind, batch_lines
+from rein.batches.repository import (
+    batch_public,
+    batches_public,
+    get_batch_for_tenant,
+    get_file_for_tenant,
+    list_for_tenant,
+)
+from rein.batches.schemas import BatchCreate, BatchList, BatchObject
+from rein.core.models import Batch
+from rein.core.redis_keys import RedisKeys
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
+
+MAX_METADATA_KEY_LEN = 64
+MAX_METADATA_VALUE_LEN = 512
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
+
+
+def _wake_manager(request: Request) -> None:
+    manager = getattr(request.app.state, "batch_manager", None)
+    if manager is not None:
+        manager.wake()
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise APIError(400, f"metadata holds at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
+                       param="metadata", code="invalid_value")
+    for name, value in metadata.items():
+        if len(name) > MAX_METADATA_KEY_LEN or len(value) > MAX_METADATA_VALUE_LEN:
+            raise APIError(400, f"metadata keys are at most {MAX_METADATA_KEY_LEN} characters and values at "
+                                f"most {MAX_METADATA_VALUE_LEN}; '{name[:80]}' is longer",
+                           param="metadata", code="invalid_value")
+
+
+@router.post("", response_model=BatchObject,
+             responses={**_ERRORS, 400: {"model": ErrorResponse}, 429: {"model": ErrorResponse}})
+def create_batch(payload: BatchCreate, request: Request, session: SessionDep, key: BatchKey,
+                 settings: SettingsDep) -> BatchObject:
+    """Start a batch from an uploaded file; it is `validating` until every line has been checked."""
+    _check_metadata(payload.metadata)
+    file = get_file_for_tenant(session, key.tenant, payload.input_file_id)
+    if file.purpose != "batch":
+        raise APIError(400, f"File {file.id} has purpose '{file.purpose}'; a batch needs a file uploaded "
+                            "with purpose 'batch'.", param="input_file_id", code="invalid_value")
+    try:
+        request.app.state.limiter.check(key, 0)     # one request against RPM, no tokens
+    except RateLimitExceeded as exc:
+        raise APIError(429, exc.message, type=exc.kind, code="rate_limit_exceeded",
+                       headers={"Retry-After": str(exc.retry_after)}) from None
+    batch = Batch(tenant=key.tenant, key_id=key.key_id, endpoint=payload.endpoint, input_file_id=file.id,
+                  completion_window=payload.completion_window, metadata_=dict(payload.metadata or {}),
+                  expires_at=func.now() + timedelta(seconds=settings.batch_completion_window_seconds))
+    session.add(batch)
+    session.commit()
+    session.refresh(batch)
+    _wake_manager(request)
+    return batch_public(session, batch)
+
+
+@router.get("", response_model=BatchList, responses=_ERRORS)
+def list_batches(session: SessionDep, key: BatchKey,
+                 limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                 after: Annotated[str | None, Query(description="A batch id: list the batches older than it.")]
+                 = None) -> BatchList:
+    """The caller's batches, newest first."""
+    batches, has_more = list_for_tenant(session, Batch, key.tenant, limit, after)
+    return BatchList(data=batches_public(session, batches), first_id=batches[0].id if batches else None,
+                     last_id=batches[-1].id if batches else None, has_more=has_more)
+
+
+@router.get("/{batch_id}", response_model=BatchObject, responses=_ERRORS)
+def get_batch(batch_id: str, session: SessionDep, key: BatchKey) -> BatchObject:
+    """The batch, with live request_counts and usage."""
+    return batch_public(session, get_batch_for_tenant(session, key.tenant, batch_id))
+
+
+@router.post("/{batch_id}/cancel", response_model=BatchObject, responses=_ERRORS)
+def cancel_batch(batch_id: str, request: Request, session: SessionDep, key: BatchKey, redis: RedisDep,
+                 settings: SettingsDep) -> BatchObject:
+    """Cancel: queued requests are dropped, running ones aborted; `cancelling`, then `cancelled`.
+
+    Completed results are kept (in the output file). A batch that already ended, or is
+    finalizing, is returned as it is.
+    """
+    batch = get_batch_for_tenant(session, key.tenant, batch_id)
+    moved = session.execute(
+        update(Batch).where(Batch.id == batch.id, Batch.status.in_(("validating", "in_progress")))
+        .values(status="cancelling", cancelling_at=func.now()).returning(Batch.id)).one_or_none()
+    session.commit()
+    if moved is not None:
+        # Drop at once rather than on the manager's next tick; the manager repeats it.
+        drop_batch_jobs(session, redis, RedisKeys.from_settings(settings), settings, batch.id)
+        session.commit()
+        _wake_manager(request)
+    session.expire_all()
+    return batch_public(session, get_batch_for_tenant(session, key.tenant, batch_id))
+
+
+def _lines_response(request: Request, sessions: Any, tenant: str, batch_id: str, kind: Kind
+                    ) -> StreamingResponse:
+    with sessions() as session:
+        get_batch_for_tenant(session, tenant, batch_id)
+
+    def stream() -> Iterator[bytes]:
+        with sessions() as session:
+            batch = get_batch_for_tenant(session, tenant, batch_id)
+            for line in batch_lines(session, batch, kind):
+                yield line.encode()
+
+    return StreamingResponse(stream(), media_type="application/jsonl")
+
+
+@router.get("/{batch_id}/output", responses={**_ERRORS, 200: {"content": {"application/jsonl": {}}}})
+def batch_output(batch_id: str, request: Request, sessions: SessionsDep, key: BatchKey) -> StreamingResponse:
+    """The output lines of the requests that succeeded so far, in input order (rein only)."""
+    return _lines_response(request, sessions, key.tenant, batch_id, "output")
+
+
+@router.get("/{batch_id}/errors", responses={**_ERRORS, 200: {"content": {"application/jsonl": {}}}})
+def batch_errors(batch_id: str, request: Request, sessions: SessionsDep, key: BatchKey) -> StreamingResponse:
+    """The error lines of the requests that failed so far, in input order (rein only)."""
+    return _lines_response(request, sessions, key.tenant, batch_id, "errors")

@@ -1,0 +1,268 @@
+"""The batch manager: a thread in each API process that moves batches through their statuses.
+
+All of a batch's state lives in Postgres, so any API replica, or the same one after a
+restart, carries on where another stopped. Each tick looks at every unfinished batch and,
+holding a per-batch advisory transaction lock (`pg_try_advisory_xact_lock`: a batch another
+replica is handling is skipped, not waited for), does the next step in one transaction:
+
+* validating: read the input file and check every line (rein.batches.validation). Errors:
+  `failed`, with the bad lines listed. Otherwise one job per line is inserted (bulk,
+  unique on (batch_id, custom_id)) and the batch becomes `in_progress`, in the same
+  transaction: all the jobs exist or none do.
+* in_progress: feed the model's queue. Batch jobs are not all sent at once: the manager
+  keeps at most REIN_BATCH_QUEUE_WINDOW batch messages waiting on the model's queue (the
+  priority-6 list), sending the next lines as workers drain it and stamping `sent_at`.
+  So 50,000 lines never fill the queue that backpressure measures, interactive jobs
+  (priority 0) are always taken first, and a cancel has few messages to skip. A message
+  is sent before its `sent_at` commits: after a crash in between it is sent again, which
+  the worker's claim lease makes harmless (the second delivery finds the job taken or
+  finished). When no job is queued or running: `finalizing`.
+* Expiry: past `expires_at`, the queued jobs are cancelled and the running ones aborted
+  (as a job cancel does: a flag plus a message every worker hears, see rein.worker.cancel);
+  `expired_at` is set and the batch goes `finalizing`, then `expired`. Finished requests
+  stay in the output and in usage; the others become `batch_expired` error lines.
+* cancelling (set by POST /v1/batches/{id}/cancel): the same drop as expiry; once nothing
+  runs, `cancelled`, with completed results kept.
+* finalizing: once nothing runs, write the output and error files (rein.batches.output)
+  and set the final status, in one transaction.
+
+A running job whose abort is never confirmed (its worker died) is marked cancelled after
+ABORT_GRACE_SECONDS; the worker's recorder only writes under a live `running` lease, so
+nothing is recorded or billed twice. The manager polls every REIN_BATCH_POLL_SECONDS and
+is woken at once when this process creates or cancels a batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from datetime import timedelta
+from typing import Any
+
+from celery import Celery
+from redis import Redis
+from sqlalchemy import Integer, cast, func, insert, select, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from rein.api.tokenizers import ModelRegistry
+from rein.batches.output import write_result_files
+from rein.batches.validation import validate_lines
+from rein.core.filestore import FileStore
+from rein.core.messages import PRIORITY_BATCH, JobMessage
+from rein.core.models import Batch, File, Job
+from rein.core.redis_keys import RedisKeys
+from rein.core.settings import Settings
+from rein.worker.app import enqueue_job, queue_keys
+from rein.worker.cancel import request_cancel
+
+log = logging.getLogger(__name__)
+
+ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
+OPEN_JOB_STATUSES = ("queued", "running")
+# Namespace of the per-batch advisory locks ("batc"), beside rein migrate's lock.
+LOCK_NAMESPACE = 0x62617463
+ABORT_GRACE_SECONDS = 60
+INSERT_ROWS = 2000
+
+
+class _Superseded(Exception):
+    """The batch changed status under a step; roll the step back."""
+
+
+class BatchManager:
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], redis: Redis, celery: Celery,
+                 registry: ModelRegistry, store: FileStore) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.redis = redis
+        self.celery = celery
+        self.registry = registry
+        self.store = store
+        self.keys = RedisKeys.from_settings(settings)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rein-batch-manager", daemon=True)
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def start(self) -> BatchManager:
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 30.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                self.tick()
+            except Exception:   # Postgres or Redis away: log, and try again next tick
+                log.exception("batch manager tick failed")
+            self._wake.wait(self.settings.batch_poll_seconds)
+
+    def tick(self) -> None:
+        """One pass over every unfinished batch, oldest first."""
+        with self.sessions() as session:
+            ids = list(session.scalars(select(Batch.id).where(Batch.status.in_(ACTIVE_STATUSES))
+                                       .order_by(Batch.created_at, Batch.id)))
+        room: dict[str, int] = {}    # model -> batch messages it may still take this tick
+        for batch_id in ids:
+            if self._stop.is_set():
+                return
+            try:
+                self.advance(batch_id, room)
+            except Exception:
+                log.exception("batch %s: step failed; retrying next tick", batch_id)
+
+    def advance(self, batch_id: str, room: dict[str, int] | None = None) -> None:
+        """Do the batch's next step, unless another manager holds it right now."""
+        room = {} if room is None else room
+        try:
+            self._advance(batch_id, room)
+        except _Superseded:
+            pass
+
+    def _advance(self, batch_id: str, room: dict[str, int]) -> None:
+        with self.sessions() as session, session.begin():
+            if not session.scalar(select(func.pg_try_advisory_xact_lock(cast(LOCK_NAMESPACE, Integer),
+                                                                         func.hashtext(batch_id)))):
+                return
+            batch = session.scalars(select(Batch).where(Batch.id == batch_id)
+                                    .execution_options(populate_existing=True)).one()
+            if batch.status == "validating":
+                self._validate(session, batch)
+            elif batch.status == "in_progress":
+                self._progress(session, batch, room)
+            elif batch.status in ("finalizing", "cancelling"):
+                self._finish(session, batch)
+
+    # -- steps ------------------------------------------------------------------------------
+
+    def _validate(self, session: Session, batch: Batch) -> None:
+        file = session.scalars(select(File).where(File.id == batch.input_file_id,
+                                                  File.tenant == batch.tenant)).one_or_none()
+        try:
+            source = self.store.open(batch.input_file_id) if file is not None else None
+        except FileNotFoundError:
+            source = None
+        if source is None:
+            self._fail(session, batch, [{"code": "file_not_found", "line": None, "param": "input_file_id",
+                                         "message": f"the input file {batch.input_file_id} was deleted "
+                                                    "before the batch was validated"}])
+            return
+        with source:
+            result = validate_lines(source, batch.endpoint, self.registry, self.settings.batch_max_requests)
+        if not result.ok:
+            self._fail(session, batch, result.errors)
+            return
+        rows = [line.job_values() | {"tenant": batch.tenant, "key_id": batch.key_id, "batch_id": batch.id,
+                                     "priority": PRIORITY_BATCH} for line in result.lines]
+        for start in range(0, len(rows), INSERT_ROWS):
+            session.execute(insert(Job), rows[start:start + INSERT_ROWS])
+        moved = session.execute(
+            update(Batch).where(Batch.id == batch.id, Batch.status == "validating")
+            .values(status="in_progress", in_progress_at=func.now(), model=result.model,
+                    request_total=len(rows)).returning(Batch.id)).one_or_none()
+        if moved is None:    # cancelled meanwhile: the jobs go with the rolled-back transaction
+            raise _Superseded(batch.id)
+        log.info("batch %s: %d requests validated and stored", batch.id, len(rows))
+        self.wake()          # feed it at once rather than next tick
+
+    def _fail(self, session: Session, batch: Batch, errors: list[dict[str, Any]]) -> None:
+        session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == "validating")
+                        .values(status="failed", failed_at=func.now(),
+                                errors={"object": "list", "data": errors}))
+        log.info("batch %s failed validation: %d errors", batch.id, len(errors))
+
+    def _progress(self, session: Session, batch: Batch, room: dict[str, int]) -> None:
+        expired = session.scalar(select(func.now() >= batch.expires_at))
+        if expired:
+            drop_batch_jobs(session, self.redis, self.keys, self.settings, batch.id)
+            session.execute(update(Batch).where(Batch.id == batch.id)
+                            .values(status="finalizing", expired_at=func.now(), finalizing_at=func.now()))
+            log.info("batch %s expired: unfinished requests dropped", batch.id)
+            return
+        if not _open_jobs(session, batch.id):
+            session.execute(update(Batch).where(Batch.id == batch.id)
+                            .values(status="finalizing", finalizing_at=func.now()))
+            session.flush()
+            session.refresh(batch)
+            self._finish(session, batch)
+            return
+        self._feed(session, batch, room)
+
+    def _feed(self, session: Session, batch: Batch, room: dict[str, int]) -> None:
+        model = batch.model or ""
+        if model not in room:
+            waiting = self.redis.llen(queue_keys(self.settings, model)[PRIORITY_BATCH])
+            room[model] = max(self.settings.batch_queue_window - waiting, 0)
+        if room[model] <= 0:
+            return
+        rows = session.execute(
+            select(Job.id, Job.model, Job.endpoint, Job.prompt_token_ids, Job.params, Job.tenant, Job.key_id)
+            .where(Job.batch_id == batch.id, Job.status == "queued", Job.sent_at.is_(None))
+            .order_by(Job.batch_line).limit(room[model])).all()
+        for row in rows:
+            enqueue_job(self.celery, JobMessage(
+                job_id=row.id, model=row.model, endpoint=row.endpoint, prompt_token_ids=list(row.prompt_token_ids),
+                sampling=row.params["sampling"], priority=PRIORITY_BATCH,
+                logprobs_mode=row.params.get("logprobs_mode"), tenant=row.tenant, key_id=row.key_id))
+        if rows:
+            session.execute(update(Job).where(Job.id.in_([row.id for row in rows])).values(sent_at=func.now()))
+            room[model] -= len(rows)
+
+    def _finish(self, session: Session, batch: Batch) -> None:
+        """finalizing or cancelling: once no job is open, write the files and end the batch."""
+        dropping = batch.status == "cancelling" or batch.expired_at is not None
+        if dropping:
+            drop_batch_jobs(session, self.redis, self.keys, self.settings, batch.id)
+        if _open_jobs(session, batch.id):
+            since = batch.cancelling_at or batch.expired_at
+            if dropping and since is not None and session.scalar(
+                    select(func.now() > since + timedelta(seconds=ABORT_GRACE_SECONDS))):
+                # Aborts never confirmed (their worker is gone): end them here; a late
+                # recorder finds no running lease and writes nothing.
+                session.execute(update(Job).where(Job.batch_id == batch.id, Job.status.in_(OPEN_JOB_STATUSES))
+                                .values(status="cancelled", finished_at=func.now(), lease_expires_at=None))
+            return
+        output_id, error_id = write_result_files(session, self.store, batch)
+        if batch.status == "cancelling":
+            final = {"status": "cancelled", "cancelled_at": func.now()}
+        elif batch.expired_at is not None:
+            final = {"status": "expired"}
+        else:
+            final = {"status": "completed", "completed_at": func.now()}
+        session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == batch.status)
+                        .values(output_file_id=output_id, error_file_id=error_id, **final))
+        log.info("batch %s %s", batch.id, final["status"])
+
+
+def _open_jobs(session: Session, batch_id: str) -> int:
+    return session.scalar(select(func.count()).where(Job.batch_id == batch_id,
+                                                     Job.status.in_(OPEN_JOB_STATUSES))) or 0
+
+
+def drop_batch_jobs(session: Session, redis: Redis, keys: RedisKeys, settings: Settings, batch_id: str) -> int:
+    """Cancel the batch's queued jobs and abort its running ones; how many were aborted.
+
+    Queued first, then running: a job a worker claims between the two statements is
+    caught by the second. Idempotent: a running job is signalled once (its
+    cancel_requested_at is set then), and queued ones are already gone the next time.
+    """
+    session.execute(update(Job).where(Job.batch_id == batch_id, Job.status == "queued")
+                    .values(status="cancelled", finished_at=func.now(), lease_expires_at=None,
+                            cancel_requested_at=func.coalesce(Job.cancel_requested_at, func.now()))
+                    .execution_options(synchronize_session=False))
+    running = list(session.scalars(
+        update(Job).where(Job.batch_id == batch_id, Job.status == "running", Job.cancel_requested_at.is_(None))
+        .values(cancel_requested_at=func.now()).returning(Job.id).execution_options(synchronize_session=False)))
+    for job_id in running:
+        request_cancel(redis, keys, job_id, settings.job_timeout_seconds + settings.stream_ttl_seconds)
+    return len(running)

@@ -1,0 +1,105 @@
+"""A batch's output and error lines, in OpenAI's batch output format, and its result files.
+
+Output line (a request that succeeded):
+    {"id": "batch_req_...", "custom_id": ..., "response": {"status_code": 200,
+     "request_id": <job id>, "body": <exactly the synchronous endpoint's body>}, "error": null}
+Error line, a request that failed: `response` carries the status code and the error body;
+a request that never finished because the batch was cancelled or expired:
+    {"id": ..., "custom_id": ..., "response": null,
+     "error": {"code": "batch_cancelled" | "batch_expired", "message": ...}}
+
+Lines come in input-file order. The same generator serves the partial views while a batch
+runs (GET /v1/batches/{id}/output and /errors) and writes the files when it ends, so the
+two never differ; line ids are derived from job ids, so they are stable too. The files get
+ids derived from the batch id: writing them again after a crash replaces, never duplicates.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.orm import Session
+
+from rein.core.filestore import FileStore
+from rein.core.models import Batch, File, Job, Result
+from rein.worker.recorder import response_body
+
+Kind = Literal["output", "errors"]
+FETCH_ROWS = 500
+_FILE_IDS = uuid.UUID("6b1f0f5e-2c55-4a57-9d55-7265696e6261")
+
+
+def line_id(job_id: str) -> str:
+    return "batch_req_" + job_id.removeprefix("job_")
+
+
+def result_file_id(batch_id: str, kind: Kind) -> str:
+    return f"file-{uuid.uuid5(_FILE_IDS, f'{batch_id}:{kind}').hex}"
+
+
+def _dump(line: dict[str, Any]) -> str:
+    return json.dumps(line, ensure_ascii=False, separators=(",", ":")) + "\n"
+
+
+def _status_code(error: dict[str, Any]) -> int:
+    return 400 if error.get("type") == "invalid_request_error" else 500
+
+
+def batch_lines(session: Session, batch: Batch, kind: Kind) -> Iterator[str]:
+    """The batch's output or error lines so far, in input order (JSONL text, one per line)."""
+    if kind == "output":
+        rows = session.execute(
+            select(Job, Result).join(Result, Result.job_id == Job.id)
+            .where(Job.batch_id == batch.id, Job.status == "succeeded")
+            .order_by(Job.batch_line).execution_options(yield_per=FETCH_ROWS))
+        for job, result in rows:
+            yield _dump({"id": line_id(job.id), "custom_id": job.custom_id,
+                         "response": {"status_code": 200, "request_id": job.id,
+                                      "body": response_body(job, result)}, "error": None})
+        return
+    dropped = "batch_expired" if batch.expired_at is not None else "batch_cancelled"
+    reason = ("the batch's completion window closed before this request finished"
+              if dropped == "batch_expired" else "the batch was cancelled before this request finished")
+    rows = session.execute(
+        select(Job.id, Job.custom_id, Job.status, Job.error)
+        .where(Job.batch_id == batch.id, Job.status.in_(("failed", "cancelled")))
+        .order_by(Job.batch_line).execution_options(yield_per=FETCH_ROWS))
+    for job_id, custom_id, status, error in rows:
+        if status == "failed":
+            error = {"message": "the request failed", "type": "server_error", "code": None} | (error or {})
+            line = {"id": line_id(job_id), "custom_id": custom_id,
+                    "response": {"status_code": _status_code(error), "request_id": job_id,
+                                 "body": {"error": {**error, "param": error.get("param")}}},
+                    "error": None}
+        else:
+            line = {"id": line_id(job_id), "custom_id": custom_id, "response": None,
+                    "error": {"code": dropped, "message": reason}}
+        yield _dump(line)
+
+
+def write_result_files(session: Session, store: FileStore, batch: Batch) -> tuple[str | None, str | None]:
+    """Write the output and error files (each only when it has lines); (output id, error id)."""
+    ids: list[str | None] = []
+    for kind, suffix in (("output", "output"), ("errors", "error")):
+        file_id = result_file_id(batch.id, kind)
+        count = 0
+        with store.writer(file_id) as out:
+            for text in batch_lines(session, batch, kind):
+                out.write(text)
+                count += 1
+        if count == 0:
+            store.delete(file_id)
+            ids.append(None)
+            continue
+        size = store.size(file_id)
+        session.execute(insert(File).values(
+            id=file_id, tenant=batch.tenant, key_id=batch.key_id, filename=f"{batch.id}_{suffix}.jsonl",
+            purpose="batch_output", bytes=size,
+        ).on_conflict_do_update(index_elements=[File.id], set_={"bytes": size}))
+        ids.append(file_id)
+    return ids[0], ids[1]

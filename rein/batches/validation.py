@@ -1,0 +1,124 @@
+"""Validating a batch input file, every line, before anything is enqueued.
+
+Each non-blank line must be JSON in OpenAI's batch line format with a `custom_id` unique in
+the file, `method` "POST", a `url` equal to the batch's endpoint, and a body the endpoint
+accepts: a served model (the same on every line, as OpenAI requires), valid sampling
+parameters, and a prompt + max_tokens within the model's context. The body is checked by
+the same `prepare` the synchronous endpoints use, so it tokenizes each prompt once and
+the token ids are kept for the jobs. A file with more than the batch limit of requests,
+or none, is refused as a whole.
+
+The file is read line by line (never whole). Errors are listed as OpenAI's batch `errors`
+are: `{"code", "line", "message", "param"}`, up to MAX_REPORTED_ERRORS of them; once a
+line is bad, the others are still checked (to report them) but no longer kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from rein.api.errors import APIError
+from rein.api.jobs import Prepared, prepare
+from rein.api.tokenizers import ModelRegistry
+from rein.openai_format import RequestError, parse_batch_line
+
+MAX_REPORTED_ERRORS = 1000
+
+
+@dataclass
+class ValidLine:
+    line: int
+    custom_id: str
+    prepared: Prepared
+
+    def job_values(self) -> dict[str, Any]:
+        """The jobs-table values this line's request needs (as JobIntake stores a job)."""
+        parsed = self.prepared.parsed
+        return {
+            "model": self.prepared.entry.name, "endpoint": self.prepared.endpoint,
+            "params": {"body": self.prepared.body, "sampling": dataclasses.asdict(parsed.params),
+                       "logprobs_mode": parsed.logprobs_mode, "stream": False},
+            "prompt_token_ids": list(parsed.prompt_token_ids),
+            "prompt_tokens": len(parsed.prompt_token_ids),
+            "custom_id": self.custom_id, "batch_line": self.line,
+        }
+
+
+@dataclass
+class Validation:
+    lines: list[ValidLine] = field(default_factory=list)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+    model: str | None = None
+    requests: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def fail(self, code: str, message: str, line: int | None = None, param: str | None = None) -> None:
+        self.lines.clear()      # a failed batch enqueues nothing: stop holding prepared lines
+        if len(self.errors) < MAX_REPORTED_ERRORS:
+            if line is not None and not message.startswith(f"line {line}:"):
+                message = f"line {line}: {message}"
+            self.errors.append({"code": code, "line": line, "message": message, "param": param})
+
+
+def validate_lines(raw_lines: Iterable[bytes], endpoint: str, registry: ModelRegistry,
+                   max_requests: int) -> Validation:
+    """Check every line of a batch input file (see the module docstring)."""
+    result = Validation()
+    seen: set[str] = set()
+    for number, raw in enumerate(raw_lines, start=1):
+        if not raw.strip():
+            continue
+        result.requests += 1
+        if result.requests > max_requests:
+            result.fail("too_many_requests",
+                        f"the file holds more than {max_requests} requests, this deployment's limit per "
+                        "batch (REIN_BATCH_MAX_REQUESTS): split it into several batches", number)
+            return result
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            result.fail("invalid_json_line", f"not UTF-8 text (byte {exc.start})", number)
+            continue
+        try:
+            line = parse_batch_line(text, number)
+        except RequestError as exc:
+            result.fail(exc.code if exc.code != "invalid_request_error" else "invalid_request",
+                        exc.message, number, exc.param)
+            continue
+        if line.custom_id in seen:
+            result.fail("duplicate_custom_id", f"custom_id {line.custom_id!r} appears on an earlier line; "
+                                               "each request needs its own", number, "custom_id")
+            continue
+        seen.add(line.custom_id)
+        if line.url != endpoint:
+            result.fail("invalid_url", f"url {line.url!r} differs from the batch's endpoint {endpoint!r}",
+                        number, "url")
+            continue
+        try:
+            prepared = prepare(registry, endpoint, line.body)
+        except RequestError as exc:
+            result.fail(exc.code if exc.code != "invalid_request_error" else "invalid_request",
+                        exc.message, number, f"body.{exc.param}" if exc.param else "body")
+            continue
+        except APIError as exc:
+            result.fail(exc.code or "invalid_request", exc.message, number,
+                        f"body.{exc.param}" if exc.param else "body")
+            continue
+        model = prepared.entry.name
+        if result.model is None:
+            result.model = model
+        elif model != result.model:
+            result.fail("mismatched_model", f"model {model!r} differs from {result.model!r} on the earlier "
+                                            "lines: a batch runs one model", number, "body.model")
+            continue
+        if result.ok:
+            result.lines.append(ValidLine(number, line.custom_id, prepared))
+    if result.requests == 0 and result.ok:
+        result.fail("empty_file", "the input file holds no requests (one JSON request per line)")
+    return result

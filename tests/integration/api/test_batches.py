@@ -1,0 +1,306 @@
+"""The Batches API against real Postgres and Redis, with the batch manager running in the app and
+the worker's part played by hand (FakeWorker): validation with line numbers, enqueueing at batch
+priority within the queue window, live counts and partial output, finalizing into output and
+error files, cancel, expiry, tenant isolation, and the official openai client."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+from api_helpers import auth
+from sqlalchemy import select, update
+from support import wait_for
+
+from rein.core.messages import PRIORITY_BATCH
+from rein.core.models import Job
+from rein.worker.app import queue_keys
+
+FAST = {"batch_poll_seconds": 0.05}
+
+
+def line(custom_id: str, prompt: str = "hello", url: str = "/v1/completions", **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": url,
+            "body": {"model": "tiny", "prompt": prompt, "max_tokens": 4, **body}}
+
+
+def jsonl(*lines: dict | str) -> bytes:
+    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
+
+
+@pytest.fixture
+def batch_client(make_client, tmp_path):
+    return make_client(files_dir=str(tmp_path / "files"), **FAST)
+
+
+def upload(client, key: str, content: bytes) -> str:
+    response = client.post("/v1/files", headers=auth(key), data={"purpose": "batch"},
+                           files={"file": ("in.jsonl", io.BytesIO(content), "application/jsonl")})
+    assert response.status_code == 200, response.text
+    return response.json()["id"]
+
+
+def create(client, key: str, content: bytes, endpoint: str = "/v1/completions", **extra) -> dict:
+    response = client.post("/v1/batches", headers=auth(key), json={
+        "input_file_id": upload(client, key, content), "endpoint": endpoint, "completion_window": "24h",
+        **extra})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def get(client, key: str, batch_id: str) -> dict:
+    response = client.get(f"/v1/batches/{batch_id}", headers=auth(key))
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def wait_status(client, key: str, batch_id: str, *statuses: str, timeout: float = 30) -> dict:
+    return wait_for(lambda: (b := get(client, key, batch_id))["status"] in statuses and b, timeout,
+                    f"batch {batch_id} to reach {statuses}")
+
+
+def batch_jobs(sessions, batch_id: str) -> list[Job]:
+    with sessions() as session:
+        return list(session.scalars(select(Job).where(Job.batch_id == batch_id).order_by(Job.batch_line)))
+
+
+def fail_job(sessions, job_id: str) -> None:
+    with sessions.begin() as session:
+        session.execute(update(Job).where(Job.id == job_id).values(
+            status="failed", finished_at=Job.queued_at,
+            error={"message": "the engine refused it", "type": "invalid_request_error", "code": "engine_refused"}))
+
+
+def jsonl_lines(response) -> list[dict]:
+    assert response.status_code == 200, response.text
+    return [json.loads(x) for x in response.text.splitlines()]
+
+
+def test_validation_lists_every_bad_line(batch_client, make_key, tenant, db_sessionmaker):
+    key = make_key(tenant, "batch")
+    content = jsonl(
+        line("ok-1"),
+        "{not json",
+        "",                                                   # blank lines are skipped
+        line("ok-1", "again"),                                # duplicate custom_id
+        line("chat", url="/v1/chat/completions"),             # url differs from the batch's endpoint
+        line("who", model="gpt-nope"),                        # model not served
+        line("long", max_tokens=600),                         # past the 512-token context
+        {**line("get"), "method": "GET"},
+        line("ok-2"),
+    )
+    batch = create(batch_client, key, content)
+    assert batch["status"] == "validating" and batch["object"] == "batch"
+    failed = wait_status(batch_client, key, batch["id"], "failed")
+    errors = failed["errors"]["data"]
+    assert [(e["line"], e["code"]) for e in errors] == [
+        (2, "invalid_json_line"), (4, "duplicate_custom_id"), (5, "invalid_url"), (6, "model_not_found"),
+        (7, "context_length_exceeded"), (8, "invalid_request")]
+    for error in errors:
+        assert error["message"].startswith(f"line {error['line']}: ")
+    assert "gpt-nope" in errors[3]["message"] and "512" in errors[4]["message"]
+    assert failed["failed_at"] is not None and failed["in_progress_at"] is None
+    assert batch_jobs(db_sessionmaker, batch["id"]) == []
+
+
+def test_too_many_lines_and_empty_file(make_client, make_key, tenant, tmp_path):
+    client = make_client(files_dir=str(tmp_path / "files"), batch_max_requests=2, **FAST)
+    key = make_key(tenant, "batch")
+    batch = create(client, key, jsonl(line("a"), line("b"), line("c")))
+    errors = wait_status(client, key, batch["id"], "failed")["errors"]["data"]
+    assert [(e["line"], e["code"]) for e in errors] == [(3, "too_many_requests")]
+    assert "more than 2 requests" in errors[0]["message"]
+    empty = create(client, key, b"\n\n")
+    assert wait_status(client, key, empty["id"], "failed")["errors"]["data"][0]["code"] == "empty_file"
+
+
+def test_batch_runs_to_completion(batch_client, make_key, tenant, db_sessionmaker, fake_worker, redis_client,
+                                  settings):
+    key = make_key(tenant, "batch,inference")
+    content = jsonl(line("first", "one"), line("second", "two"), line("third", "three"))
+    batch = create(batch_client, key, content, metadata={"project": "x"})
+    assert batch["metadata"] == {"project": "x"}
+    running = wait_status(batch_client, key, batch["id"], "in_progress")
+    assert running["request_counts"] == {"total": 3, "completed": 0, "failed": 0}
+    assert running["model"] == "tiny" and running["in_progress_at"] is not None
+    jobs = wait_for(lambda: (js := batch_jobs(db_sessionmaker, batch["id"])) and all(j.sent_at for j in js)
+                    and js, 10, "every job sent")
+    assert [(j.custom_id, j.batch_line, j.priority, j.status) for j in jobs] == [
+        ("first", 1, PRIORITY_BATCH, "queued"), ("second", 2, PRIORITY_BATCH, "queued"),
+        ("third", 3, PRIORITY_BATCH, "queued")]
+    batch_queue = queue_keys(settings, "tiny")[PRIORITY_BATCH]
+    assert redis_client.llen(batch_queue) == 3
+    # The jobs are ordinary jobs too: GET /v1/jobs/{id} shows them.
+    assert batch_client.get(f"/v1/jobs/{jobs[0].id}", headers=auth(key)).json()["status"] == "queued"
+
+    fake_worker.record(jobs[1].id, "two done", [5, 6])
+    live = get(batch_client, key, batch["id"])
+    assert live["status"] == "in_progress"
+    assert live["request_counts"] == {"total": 3, "completed": 1, "failed": 0}
+    assert live["usage"]["output_tokens"] == 2 and live["usage"]["input_tokens"] == jobs[1].prompt_tokens
+    partial = jsonl_lines(batch_client.get(f"/v1/batches/{batch['id']}/output", headers=auth(key)))
+    assert [x["custom_id"] for x in partial] == ["second"]
+    assert partial[0]["response"]["body"]["choices"][0]["text"] == "two done"
+
+    fake_worker.record(jobs[0].id, "one done", [7])
+    fail_job(db_sessionmaker, jobs[2].id)
+    done = wait_status(batch_client, key, batch["id"], "completed")
+    assert done["request_counts"] == {"total": 3, "completed": 2, "failed": 1}
+    assert done["finalizing_at"] is not None and done["completed_at"] is not None
+    output = jsonl_lines(batch_client.get(f"/v1/files/{done['output_file_id']}/content", headers=auth(key)))
+    assert [x["custom_id"] for x in output] == ["first", "second"]
+    for entry, job in zip(output, jobs[:2], strict=True):
+        assert entry["error"] is None and entry["id"].startswith("batch_req_")
+        assert entry["response"]["status_code"] == 200 and entry["response"]["request_id"] == job.id
+        job_view = batch_client.get(f"/v1/jobs/{job.id}", headers=auth(key)).json()
+        assert entry["response"]["body"] == job_view["response"]["body"]
+    errors = jsonl_lines(batch_client.get(f"/v1/files/{done['error_file_id']}/content", headers=auth(key)))
+    assert [x["custom_id"] for x in errors] == ["third"]
+    assert errors[0]["response"]["status_code"] == 400
+    assert errors[0]["response"]["body"]["error"]["code"] == "engine_refused"
+    # The partial view of a finished batch is the output file.
+    assert jsonl_lines(batch_client.get(f"/v1/batches/{batch['id']}/output", headers=auth(key))) == output
+    file = batch_client.get(f"/v1/files/{done['output_file_id']}", headers=auth(key)).json()
+    assert file["purpose"] == "batch_output" and file["filename"] == f"{batch['id']}_output.jsonl"
+
+
+def test_queue_window_feeds_as_workers_drain(make_client, make_key, tenant, db_sessionmaker, redis_client,
+                                             settings, tmp_path):
+    client = make_client(files_dir=str(tmp_path / "files"), batch_queue_window=2, **FAST)
+    key = make_key(tenant, "batch")
+    batch = create(client, key, jsonl(*(line(f"r{i}") for i in range(5))))
+    wait_status(client, key, batch["id"], "in_progress")
+    batch_queue = queue_keys(settings, "tiny")[PRIORITY_BATCH]
+
+    def sent() -> int:
+        return sum(1 for j in batch_jobs(db_sessionmaker, batch["id"]) if j.sent_at)
+
+    wait_for(lambda: sent() == 2, 10, "two jobs sent")
+    assert redis_client.llen(batch_queue) == 2
+    redis_client.delete(batch_queue)             # a worker took both messages
+    wait_for(lambda: sent() == 4, 10, "two more jobs sent")
+    assert redis_client.llen(batch_queue) == 2
+
+
+def test_cancel_mid_batch(batch_client, make_key, tenant, db_sessionmaker, fake_worker, redis_client, settings):
+    from rein.core.redis_keys import RedisKeys
+
+    key = make_key(tenant, "batch")
+    batch = create(batch_client, key, jsonl(*(line(f"r{i}") for i in range(4))))
+    wait_status(batch_client, key, batch["id"], "in_progress")
+    jobs = batch_jobs(db_sessionmaker, batch["id"])
+    fake_worker.record(jobs[0].id, "kept", [1, 2])
+    with db_sessionmaker.begin() as session:      # a worker has claimed r1
+        session.execute(update(Job).where(Job.id == jobs[1].id).values(status="running", attempt=1))
+
+    response = batch_client.post(f"/v1/batches/{batch['id']}/cancel", headers=auth(key))
+    assert response.status_code == 200
+    cancelling = response.json()
+    assert cancelling["status"] == "cancelling" and cancelling["cancelling_at"] is not None
+    statuses = {j.custom_id: (j.status, j.cancel_requested_at is not None)
+                for j in batch_jobs(db_sessionmaker, batch["id"])}
+    assert statuses == {"r0": ("succeeded", False), "r1": ("running", True), "r2": ("cancelled", True),
+                        "r3": ("cancelled", True)}
+    assert redis_client.exists(RedisKeys.from_settings(settings).job_cancel(jobs[1].id))
+    # It stays cancelling while r1 runs; the worker aborts it and records it cancelled.
+    assert get(batch_client, key, batch["id"])["status"] == "cancelling"
+    fake_worker.record(jobs[1].id, "par", [3], finish_reason="abort", status="cancelled")
+    done = wait_status(batch_client, key, batch["id"], "cancelled")
+    assert done["cancelled_at"] is not None and done["completed_at"] is None
+    assert done["request_counts"] == {"total": 4, "completed": 1, "failed": 3}
+    output = jsonl_lines(batch_client.get(f"/v1/files/{done['output_file_id']}/content", headers=auth(key)))
+    assert [x["custom_id"] for x in output] == ["r0"]
+    errors = jsonl_lines(batch_client.get(f"/v1/files/{done['error_file_id']}/content", headers=auth(key)))
+    assert [(x["custom_id"], x["error"]["code"]) for x in errors] == [
+        ("r1", "batch_cancelled"), ("r2", "batch_cancelled"), ("r3", "batch_cancelled")]
+    # Cancelling again changes nothing.
+    again = batch_client.post(f"/v1/batches/{batch['id']}/cancel", headers=auth(key)).json()
+    assert again["status"] == "cancelled"
+
+
+def test_cancel_while_validating(batch_client, make_key, tenant, db_sessionmaker):
+    key = make_key(tenant, "batch")
+    batch = create(batch_client, key, jsonl(*(line(f"r{i}") for i in range(3))))
+    cancelled = batch_client.post(f"/v1/batches/{batch['id']}/cancel", headers=auth(key)).json()
+    assert cancelled["status"] in ("cancelling", "cancelled")
+    done = wait_status(batch_client, key, batch["id"], "cancelled")
+    assert all(j.status == "cancelled" for j in batch_jobs(db_sessionmaker, batch["id"]))
+    assert done["output_file_id"] is None
+
+
+def test_expiry(make_client, make_key, tenant, db_sessionmaker, fake_worker, tmp_path):
+    client = make_client(files_dir=str(tmp_path / "files"), batch_completion_window_seconds=2.0, **FAST)
+    key = make_key(tenant, "batch")
+    batch = create(client, key, jsonl(*(line(f"r{i}") for i in range(3))))
+    assert batch["expires_at"] - batch["created_at"] in (1, 2, 3)
+    wait_status(client, key, batch["id"], "in_progress")
+    jobs = batch_jobs(db_sessionmaker, batch["id"])
+    fake_worker.record(jobs[2].id, "in time", [9])
+    done = wait_status(client, key, batch["id"], "expired")
+    assert done["expired_at"] is not None and done["completed_at"] is None
+    assert done["request_counts"] == {"total": 3, "completed": 1, "failed": 2}
+    assert done["usage"]["output_tokens"] == 1
+    output = jsonl_lines(client.get(f"/v1/files/{done['output_file_id']}/content", headers=auth(key)))
+    assert [x["custom_id"] for x in output] == ["r2"]
+    errors = jsonl_lines(client.get(f"/v1/files/{done['error_file_id']}/content", headers=auth(key)))
+    assert [(x["custom_id"], x["error"]["code"], x["response"]) for x in errors] == [
+        ("r0", "batch_expired", None), ("r1", "batch_expired", None)]
+
+
+def test_tenant_isolation(batch_client, make_key, tenant):
+    mine, theirs = make_key(tenant, "batch"), make_key(f"{tenant}-other", "batch")
+    batch = create(batch_client, mine, jsonl(line("a")))
+    for method, path in (("GET", ""), ("POST", "/cancel"), ("GET", "/output"), ("GET", "/errors")):
+        response = batch_client.request(method, f"/v1/batches/{batch['id']}{path}", headers=auth(theirs))
+        assert response.status_code == 404, (path, response.text)
+    assert batch_client.get("/v1/batches", headers=auth(theirs)).json()["data"] == []
+    assert [b["id"] for b in batch_client.get("/v1/batches", headers=auth(mine)).json()["data"]] == [batch["id"]]
+    # Another tenant's file cannot start a batch.
+    file_id = upload(batch_client, mine, jsonl(line("a")))
+    response = batch_client.post("/v1/batches", headers=auth(theirs), json={
+        "input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"})
+    assert response.status_code == 404
+
+
+def test_bad_create_requests(batch_client, make_key, tenant):
+    key = make_key(tenant, "batch")
+    file_id = upload(batch_client, key, jsonl(line("a")))
+
+    def post(**body):
+        return batch_client.post("/v1/batches", headers=auth(key), json={
+            "input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"} | body)
+
+    assert post(endpoint="/v1/embeddings").json()["error"]["param"] == "endpoint"
+    assert post(completion_window="1h").json()["error"]["param"] == "completion_window"
+    assert post(metadata={f"k{i}": "v" for i in range(17)}).status_code == 400
+    assert post(input_file_id="file-missing").status_code == 404
+    response = batch_client.post("/v1/batches", headers=auth(make_key(tenant, "inference")), json={
+        "input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"})
+    assert response.status_code == 403
+    assert response.json()["error"]["message"] == "API scope is not declared: batch"
+
+
+def test_list_pages(batch_client, make_key, tenant):
+    key = make_key(tenant, "batch")
+    ids = [create(batch_client, key, jsonl(line("a")))["id"] for _ in range(3)]
+    first = batch_client.get("/v1/batches", headers=auth(key), params={"limit": 2}).json()
+    assert [b["id"] for b in first["data"]] == ids[::-1][:2] and first["has_more"]
+    rest = batch_client.get("/v1/batches", headers=auth(key), params={"after": first["last_id"]}).json()
+    assert [b["id"] for b in rest["data"]] == [ids[0]] and not rest["has_more"]
+
+
+def test_official_openai_client(batch_client, make_key, tenant):
+    from openai import OpenAI
+
+    client = OpenAI(api_key=make_key(tenant, "batch"), base_url="http://testserver/v1",
+                    http_client=batch_client, max_retries=0)
+    file = client.files.create(file=("in.jsonl", jsonl(line("a"), line("b"))), purpose="batch")
+    batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h",
+                                  metadata={"run": "1"})
+    assert batch.status == "validating" and batch.metadata == {"run": "1"}
+    wait_for(lambda: client.batches.retrieve(batch.id).status == "in_progress", 10, "in_progress")
+    assert client.batches.retrieve(batch.id).request_counts.total == 2
+    assert [b.id for b in client.batches.list()] == [batch.id]
+    assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    wait_for(lambda: client.batches.retrieve(batch.id).status == "cancelled", 10, "cancelled")
