@@ -4,6 +4,7 @@ that every REIN_* name the deployment uses is a real setting."""
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -139,3 +140,66 @@ def test_dockerignore_keeps_the_context_small():
     ignored = {line.strip().rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()}
     assert {".venv", ".cache", "demo", ".git", "tests"} <= ignored
     assert "migrations" not in ignored and "rein" not in ignored
+
+
+# -- the monitoring profile ------------------------------------------------------------------
+
+PROMETHEUS = ROOT / "deploy" / "prometheus" / "prometheus.yml"
+DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "rein.json"
+METRIC_NAME = re.compile(r"\brein:[a-z0-9_]+")
+
+
+def test_monitoring_profile_services(services):
+    for name in ("prometheus", "grafana"):
+        assert services[name].get("profiles") == ["monitoring"], name
+    assert "prometheus" in services["grafana"]["depends_on"]
+    assert any(p.split(":")[-1] == "9090" for p in services["prometheus"]["ports"])
+    assert any(p.split(":")[-1] == "3000" for p in services["grafana"]["ports"])
+
+
+def test_monitoring_mounts_files_of_the_repo(services):
+    mounted = {}
+    for name in ("prometheus", "grafana"):
+        for volume in services[name]["volumes"]:
+            source, target = volume.split(":")[:2]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), f"{name} mounts {source}, which is not in the repo"
+                mounted[target] = ROOT / source
+    config = next(v for v in services["prometheus"]["command"] if v.startswith("--config.file="))
+    assert mounted[config.split("=", 1)[1]] == PROMETHEUS
+    provisioning = mounted["/etc/grafana/provisioning"]
+    assert (provisioning / "datasources" / "prometheus.yml").exists()
+    providers = yaml.safe_load((provisioning / "dashboards" / "rein.yml").read_text())["providers"]
+    assert mounted[providers[0]["options"]["path"]] == DASHBOARD.parent
+    datasource = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"][0]
+    assert datasource["url"] == "http://prometheus:9090" and datasource["uid"] == "prometheus"
+
+
+def test_prometheus_scrapes_the_ports_the_services_serve(services):
+    jobs = {job["job_name"]: job for job in yaml.safe_load(PROMETHEUS.read_text())["scrape_configs"]}
+    api_command = command_text(services["api"]).split()
+    api_port = api_command[api_command.index("--port") + 1]
+    assert jobs["rein-api"]["static_configs"][0]["targets"] == [f"api:{api_port}"]
+    assert jobs["rein-api"].get("metrics_path", "/metrics") == "/metrics"
+    workers = jobs["rein-worker"]["dns_sd_configs"][0]
+    assert set(workers["names"]) == {"worker", "worker-cpu"}
+    for name in workers["names"]:
+        port = environment(services[name])["REIN_WORKER_METRICS_PORT"]
+        assert Settings(worker_metrics_port=port).worker_metrics_port == workers["port"], name
+
+
+def test_dashboard_shows_every_metric_and_only_real_ones():
+    from rein.api.metrics import APIMetrics
+    from rein.worker.metrics import WorkerMetrics
+
+    suffixes = {"counter": ("_total",), "gauge": ("",), "histogram": ("_bucket", "_sum", "_count")}
+    families = {family.name: family.type for metrics in (WorkerMetrics("m"), APIMetrics(Settings()))
+                for family in metrics.registry.collect()}
+    dashboard = json.loads(DASHBOARD.read_text())
+    exprs = " ".join(t["expr"] for p in dashboard["panels"] for t in p.get("targets", []))
+    used = set(METRIC_NAME.findall(exprs))
+    exposed = {name + suffix for name, kind in families.items() for suffix in suffixes[kind]}
+    assert used <= exposed, f"the dashboard queries metrics nobody exposes: {sorted(used - exposed)}"
+    shown = {name for name, kind in families.items() if any(name + s in used for s in suffixes[kind])}
+    assert shown == set(families), f"metrics without a panel: {sorted(set(families) - shown)}"
+    assert all(p.get("datasource", {}).get("uid", "prometheus") == "prometheus" for p in dashboard["panels"])

@@ -281,3 +281,19 @@ def test_api_middleware_counts_by_route_template_and_status():
     assert families(text)["rein:api_requests"] == "counter"
     assert "rein:api_requests_total" in sample_names(text)
     assert families(text)["rein:api_request_duration_seconds"] == "histogram"
+
+
+def test_worker_metrics_port_setting_and_flag(monkeypatch, capsys):
+    from rein.cli.main import main
+    from rein.core.settings import get_settings
+
+    assert Settings(worker_metrics_port=0).worker_metrics_port == 0          # 0: serve none
+    with pytest.raises(ValueError):
+        Settings(worker_metrics_port=70000)
+    monkeypatch.setenv("REIN_MODELS", "tiny=/nowhere")
+    get_settings.cache_clear()
+    try:
+        assert main(["worker", "--metrics-port", "70000"]) == 2
+    finally:
+        get_settings.cache_clear()
+    assert "--metrics-port must be 0 (none) to 65535, got 70000" in capsys.readouterr().err
