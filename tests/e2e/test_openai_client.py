@@ -133,6 +133,46 @@ def test_completion_token_id_prompt(client: openai.OpenAI) -> None:
     assert completion.usage.prompt_tokens == 4
 
 
+def test_models_retrieve(client: openai.OpenAI) -> None:
+    model = client.models.retrieve(MODEL)
+    assert model.id == MODEL and model.object == "model"
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("no-such-model")
+    assert caught.value.code == "model_not_found"
+
+
+def test_chat_logprobs(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.create(**CHAT, logprobs=True, top_logprobs=2)
+    content = completion.choices[0].logprobs.content
+    assert len(content) == completion.usage.completion_tokens
+    assert "".join(t.token for t in content) == completion.choices[0].message.content
+    for token in content:
+        assert token.logprob <= 0 and len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob >= token.top_logprobs[1].logprob
+
+
+def test_completion_logprobs(client: openai.OpenAI) -> None:
+    completion = client.completions.create(**COMPLETION, logprobs=1)
+    logprobs = completion.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == completion.usage.completion_tokens
+    assert len(logprobs.text_offset) == len(logprobs.tokens)
+    assert all(len(top) >= 1 for top in logprobs.top_logprobs)
+
+
+def test_newer_client_parameters(client: openai.OpenAI) -> None:
+    """max_completion_tokens, user, n=1, stop and a seed are what current code sends."""
+    completion = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+        max_completion_tokens=6, user="someone", n=1, stop=["zzzz"], seed=7, temperature=0.9)
+    assert completion.usage.completion_tokens <= 6
+    again = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+        max_completion_tokens=6, user="someone", n=1, stop=["zzzz"], seed=7, temperature=0.9)
+    assert again.choices[0].message.content == completion.choices[0].message.content
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 

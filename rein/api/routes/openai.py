@@ -1,4 +1,5 @@
-"""OpenAI-compatible endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models.
+"""OpenAI-compatible endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models
+(and /v1/models/{model}).
 
 Each request becomes a job like POST /v1/jobs (same validation, limits and queue). Without
 `stream`, the route follows the job's event stream to its final event and returns the
@@ -77,6 +78,19 @@ def list_models(key: CurrentKey, registry: RegistryDep, request: Request) -> Mod
     created = request.app.state.started_at
     return ModelList(data=[ModelPublic(id=e.name, created=created, max_model_len=e.max_model_len)
                            for e in registry])
+
+
+@router.get("/models/{model:path}", response_model=ModelPublic,
+            responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
+def retrieve_model(model: str, key: CurrentKey, registry: RegistryDep, request: Request) -> ModelPublic:
+    """One served model (the official client's `models.retrieve`)."""
+    entry = registry.get(model)
+    if entry is None:
+        served = ", ".join(e.name for e in registry) or "none"
+        raise APIError(404, f"The model '{model}' does not exist (served: {served}).", param="model",
+                       code="model_not_found")
+    return ModelPublic(id=entry.name, created=request.app.state.started_at,
+                       max_model_len=entry.max_model_len)
 
 
 async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: KeyInfo,
