@@ -30,11 +30,11 @@ RUN pip install .
 # it: they find migrations/ in the working directory (/app).
 COPY migrations/ ./migrations/
 
-# Non-root; /models is where compose mounts the models volume (a new named volume takes
-# this directory's owner, so the user can write the tiny model and the hub cache there).
+# Non-root; /models is where compose mounts the models volume, /data/files the files volume
+# (a new named volume takes this directory's owner, so the user can write there).
 RUN useradd --create-home --uid 10001 rein \
-    && mkdir -p /models \
-    && chown rein:rein /models
+    && mkdir -p /models /data/files \
+    && chown rein:rein /models /data/files
 USER rein
 
 EXPOSE 8000
