@@ -122,8 +122,10 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
              len(message.prompt_token_ids))
     with context.tracking(job_id), log_context(attempt=claim.lease.attempt):
         try:
+            started = time.monotonic()
             outcome = _run_claimed(context, message, claim.lease)
-            log.info("job %s attempt %d ended: %s", job_id, claim.lease.attempt, outcome)
+            log.info("job %s attempt %d ended: %s after %.3f s", job_id, claim.lease.attempt, outcome,
+                     time.monotonic() - started)
             return outcome
         except Exception as exc:
             # Never leave a claimed job running with nobody on it: fail it, or at least hand it back.
