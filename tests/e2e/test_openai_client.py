@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import time
 from collections.abc import Iterator
 
 import openai
@@ -24,8 +25,9 @@ TIMEOUT = 120.0   # a whole generation on a busy 2-core machine
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory, tiny_models) -> Iterator[Service]:
-    with run_service(tmp_path_factory.mktemp("openai-client"), tiny_models("llama"),
-                     scopes="inference,batch,usage") as svc:
+    tmp = tmp_path_factory.mktemp("openai-client")
+    with run_service(tmp, tiny_models("llama"), scopes="inference,batch,usage",
+                     extra_env={"REIN_FILES_DIR": str(tmp / "files"), "REIN_BATCH_POLL_SECONDS": "0.2"}) as svc:
         yield svc
 
 
@@ -278,3 +280,107 @@ def test_files_list_pages(client: openai.OpenAI) -> None:
     assert [i for i in listed if i in ids] == ids[::-1]
     for file_id in ids:
         client.files.delete(file_id)
+
+
+# -- batches ----------------------------------------------------------------------------------
+
+BATCH_TIMEOUT = 180.0
+TERMINAL = ("completed", "failed", "expired", "cancelled")
+
+
+def wait_batch(client: openai.OpenAI, batch_id: str, timeout: float = BATCH_TIMEOUT):
+    deadline = time.monotonic() + timeout
+    while True:
+        batch = client.batches.retrieve(batch_id)
+        if batch.status in TERMINAL:
+            return batch
+        if time.monotonic() > deadline:
+            raise AssertionError(f"batch {batch_id} still {batch.status} after {timeout:.0f} s: "
+                                 f"{batch.request_counts}")
+        time.sleep(0.25)
+
+
+def file_lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
+    if file_id is None:
+        return []
+    return [json.loads(line) for line in client.files.content(file_id).text.splitlines() if line.strip()]
+
+
+def submit_batch(client: openai.OpenAI, content: bytes, **kwargs):
+    input_file = client.files.create(file=("batch.jsonl", content), purpose="batch")
+    return client.batches.create(input_file_id=input_file.id, endpoint="/v1/chat/completions",
+                                 completion_window="24h", **kwargs)
+
+
+def test_batch_end_to_end(client: openai.OpenAI, service: Service) -> None:
+    content = batch_lines(10, prefix="e2e")
+    requests = {json.loads(line)["custom_id"]: json.loads(line)["body"] for line in content.splitlines()}
+    created = submit_batch(client, content, metadata={"run": "e2e"})
+    assert isinstance(created, openai.types.Batch) and created.object == "batch"
+    assert created.status in ("validating", "in_progress") and created.metadata == {"run": "e2e"}
+    assert created.endpoint == "/v1/chat/completions" and created.completion_window == "24h"
+
+    done = wait_batch(client, created.id)
+    assert done.status == "completed", done
+    assert done.request_counts.model_dump() == {"total": 10, "completed": 10, "failed": 0}
+    assert done.error_file_id is None and done.output_file_id is not None
+    assert done.created_at <= done.in_progress_at <= done.finalizing_at <= done.completed_at
+    assert client.files.retrieve(done.output_file_id).purpose == "batch_output"
+
+    lines = file_lines(client, done.output_file_id)
+    assert sorted(line["custom_id"] for line in lines) == sorted(requests)   # each exactly once
+    completion_tokens = 0
+    for line in lines:
+        assert set(line) == {"id", "custom_id", "response", "error"} and line["error"] is None
+        response = line["response"]
+        assert response["status_code"] == 200 and isinstance(response["request_id"], str)
+        body = openai.types.chat.ChatCompletion.model_validate(response["body"])
+        assert body.usage.completion_tokens <= requests[line["custom_id"]]["max_tokens"]
+        completion_tokens += body.usage.completion_tokens
+    assert done.usage.output_tokens == completion_tokens
+
+    # Greedy: a line's answer is what the synchronous endpoint answers to the same body.
+    line = lines[3]
+    sync = client.chat.completions.create(**requests[line["custom_id"]])
+    assert sync.choices[0].message.content == line["response"]["body"]["choices"][0]["message"]["content"]
+
+    assert created.id in [b.id for b in client.batches.list()]
+    with make_client(service, service.keys["b"]) as other:
+        with pytest.raises(openai.NotFoundError):
+            other.batches.retrieve(created.id)
+        with pytest.raises(openai.NotFoundError):
+            other.batches.cancel(created.id)
+        with pytest.raises(openai.NotFoundError):
+            other.files.content(done.output_file_id)
+        assert created.id not in [b.id for b in other.batches.list()]
+
+
+def test_batch_with_a_bad_line_fails_validation(client: openai.OpenAI) -> None:
+    good = batch_lines(2, prefix="ok").decode().splitlines()
+    too_long = json.dumps({"custom_id": "too-long", "method": "POST", "url": "/v1/chat/completions",
+                           "body": {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                    "max_tokens": MAX_MODEL_LEN + 1}})
+    done = wait_batch(client, submit_batch(client, "\n".join([*good, too_long]).encode() + b"\n").id)
+    assert done.status == "failed", done
+    assert done.output_file_id is None
+    [error] = done.errors.data
+    assert error.line == 3 and error.code == "context_length_exceeded", error
+
+
+def test_batch_cancel_answers_every_line_once(client: openai.OpenAI) -> None:
+    content = batch_lines(24, prefix="cancel", max_tokens=300, ignore_eos=True)
+    created = submit_batch(client, content)
+    cancelling = client.batches.cancel(created.id)
+    assert cancelling.status in ("cancelling", "cancelled"), cancelling
+    done = wait_batch(client, created.id)
+    assert done.status == "cancelled", done
+    assert done.cancelling_at is not None and done.cancelled_at is not None
+    counts = done.request_counts
+    assert counts.total == 24 and counts.completed < 24
+    # Completed requests are kept in the output; each dropped one is an error line.
+    answered = file_lines(client, done.output_file_id) + file_lines(client, done.error_file_id)
+    assert sorted(line["custom_id"] for line in answered) == sorted(f"cancel-{i}" for i in range(24))
+    ok = [line for line in answered if line["response"] and line["response"]["status_code"] == 200]
+    assert len(ok) == counts.completed
+    cancelled_codes = {(line["error"] or {}).get("code") for line in answered if line not in ok}
+    assert cancelled_codes <= {"batch_cancelled"}, cancelled_codes
