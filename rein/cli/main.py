@@ -13,7 +13,7 @@ import importlib
 import logging
 import sys
 
-from rein.core.logging import LogFormat, configure_logging
+from rein.core.logging import LogFormat, configure_logging, configured_elsewhere
 
 SUBCOMMANDS = {
     "make-tiny-model": "rein.cli.make_tiny_model",
@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    configure_logging(logging.DEBUG if args.verbose else logging.INFO, _log_format())
+    if not configured_elsewhere():
+        configure_logging(logging.DEBUG if args.verbose else logging.INFO, _log_format())
     return int(args.func(args) or 0)
 
 

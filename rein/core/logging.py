@@ -166,6 +166,13 @@ def configure_logging(level: int = logging.INFO, log_format: LogFormat = "auto",
     return handler
 
 
+def configured_elsewhere() -> bool:
+    """True when the root logger has handlers rein did not install (a test runner's capture,
+    a program embedding rein): then, like logging.basicConfig, the `rein` command leaves
+    logging as it is found instead of adding its own handler to theirs."""
+    return any(not getattr(h, "rein_handler", False) for h in logging.getLogger().handlers)
+
+
 def remove_handler(handler: logging.Handler) -> None:
     """Take a handler from configure_logging off the root logger again (tests)."""
     logging.getLogger().removeHandler(handler)

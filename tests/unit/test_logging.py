@@ -18,6 +18,7 @@ from rein.core.logging import (
     JOB_FIELDS,
     REDACTED,
     configure_logging,
+    configured_elsewhere,
     current_context,
     log_context,
     redact,
@@ -31,6 +32,16 @@ KEY = "rein_0123456789ab_" + "S3cr3t" * 7 + "x"    # the shape rein.core.keys.fo
 class _Terminal(io.StringIO):
     def isatty(self) -> bool:
         return True
+
+
+@pytest.fixture(autouse=True)
+def restore_root_logger() -> Iterator[None]:
+    """Each test leaves the root logger's handlers and level as it found them."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 @pytest.fixture
@@ -152,6 +163,16 @@ def test_configure_replaces_its_own_handler_and_keeps_others():
     finally:
         remove_handler(second)
         root.removeHandler(other)
+
+
+def test_the_rein_command_leaves_a_foreign_setup_alone():
+    root = logging.getLogger()
+    root.handlers[:] = []
+    assert not configured_elsewhere()                 # a fresh process: `rein` installs its own
+    configure_logging(logging.INFO, "json", io.StringIO())
+    assert not configured_elsewhere()                 # its own handler does not count
+    root.addHandler(logging.NullHandler())            # a test runner's capture, an embedding program
+    assert configured_elsewhere()
 
 
 def test_stderr_handler_follows_sys_stderr(capsys):

@@ -27,11 +27,13 @@ WORKER = "logs@test"
 @pytest.fixture
 def log_buffer() -> Iterator[io.StringIO]:
     buffer = io.StringIO()
+    level = logging.getLogger().level
     handler = configure_logging(logging.INFO, "json", buffer)
     try:
         yield buffer
     finally:
         remove_handler(handler)
+        logging.getLogger().setLevel(level)
 
 
 def run_queue(context, settings, model: str, stop: threading.Event) -> None:
