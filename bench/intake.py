@@ -1,7 +1,7 @@
 """Intake and stream latency: the API's POST /v1/jobs beside raw Celery sends, and XADD → SSE.
 
     python bench/intake.py [--jobs 1000] [--concurrency 16] [--rounds 2] [--events 300]
-                           [--interval-ms 2] [--redis-url URL] [--postgres-url URL]
+                           [--interval-ms 2] [--api-workers 1] [--redis-url URL] [--postgres-url URL]
 
 Everything runs on loopback, in a throwaway Postgres database `rein_bench_<random>` (migrated
 with rein.core.migrate.upgrade, dropped at the end even on failure) and under a unique Redis
@@ -167,7 +167,7 @@ class Sandbox:
 
 
 class ApiProcess:
-    def __init__(self, sandbox: Sandbox, model_dir: Path, log_path: Path) -> None:
+    def __init__(self, sandbox: Sandbox, model_dir: Path, log_path: Path, workers: int = 1) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -180,6 +180,7 @@ class ApiProcess:
             "REIN_MAX_QUEUE_DEPTH": "100000",
             "REIN_API_HOST": "127.0.0.1",
             "REIN_API_PORT": str(self.port),
+            "REIN_API_WORKERS": str(workers),
         })
         rein = Path(sys.executable).with_name("rein")
         command = [str(rein), "api"] if rein.is_file() else [sys.executable, "-m", "rein.cli.main", "api"]
@@ -405,6 +406,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=2, help="alternating API/raw rounds (default 2)")
     parser.add_argument("--events", type=int, default=300, help="timed stream events (default 300)")
     parser.add_argument("--interval-ms", type=float, default=2.0, help="spacing of stream events (2 ms)")
+    parser.add_argument("--api-workers", type=int, default=1,
+                        help="API processes (REIN_API_WORKERS; default 1)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--postgres-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
                         help="the Postgres server (its maintenance database); the bench database is made on it")
@@ -446,7 +449,7 @@ def main() -> int:
                             redis_key_prefix=sandbox.prefix, models=f"{MODEL_NAME}={model_dir}@{MAX_MODEL_LEN}",
                             max_queue_depth=100_000)
 
-        api = ApiProcess(sandbox, model_dir, log_dir / "api.log")
+        api = ApiProcess(sandbox, model_dir, log_dir / "api.log", workers=args.api_workers)
         api.wait_ready()
         phase(f"rein api ready on {api.base_url} (pid {api.proc.pid})")
 
@@ -514,7 +517,7 @@ def main() -> int:
 
     print()
     print(f"intake: {args.rounds} rounds x {args.jobs} jobs per side, {args.concurrency} concurrent, "
-          f"loopback; median of rounds ({os.cpu_count()} CPUs, 1-min load average "
+          f"loopback, {args.api_workers} API process(es); median of rounds ({os.cpu_count()} CPUs, 1-min load average "
           f"{load_before:.2f} at start, {os.getloadavg()[0]:.2f} at end)")
     print(f"  {'path':<34} {'rate/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
     print(f"  {'API POST /v1/jobs (202)':<34} {api_rate:>9.1f} {pct(api_lat, 50):>8.2f} {pct(api_lat, 99):>8.2f}")
@@ -531,6 +534,7 @@ def main() -> int:
     result = {
         "bench": "intake",
         "jobs_per_round": args.jobs, "rounds": args.rounds, "concurrency": args.concurrency,
+        "api_workers": args.api_workers,
         "cpus": os.cpu_count(), "loadavg_1m": [round(load_before, 2), round(os.getloadavg()[0], 2)],
         "api_jobs_per_s": round(api_rate, 1),
         "api_p50_ms": round(pct(api_lat, 50), 3), "api_p99_ms": round(pct(api_lat, 99), 3),

@@ -1,8 +1,12 @@
 """FastAPI dependencies as `Annotated` aliases, so a route's signature says what it needs.
 
+They are `async def` unless they block: FastAPI runs a plain `def` dependency in its
+thread pool, and on the intake path those thread hops cost more than the work itself.
+
 `CurrentKey` authenticates the bearer key (401 when missing, malformed, unknown or
 revoked); `require_scope("batch")` also demands a scope (403 naming it). Authentication
-uses its own short session, so a long-lived response (SSE) holds no database connection.
+(rein.api.auth) uses its own short session, so a long-lived response (SSE) holds no
+database connection, and remembers a verified key for a second.
 """
 
 from __future__ import annotations
@@ -11,13 +15,15 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
+from fastapi.concurrency import run_in_threadpool
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
 from sqlalchemy.orm import Session, sessionmaker
 
+from rein.api.auth import KeyCache, authenticate_and_remember, key_digest
 from rein.api.errors import APIError, unauthorized
-from rein.core.keys import InvalidKeyError, KeyInfo, authenticate
+from rein.core.keys import InvalidKeyError, KeyInfo
 from rein.core.settings import Settings
 
 if TYPE_CHECKING:
@@ -27,11 +33,11 @@ if TYPE_CHECKING:
 _bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer rein_<id>_<secret>`")
 
 
-def get_settings_dep(request: Request) -> Settings:
+async def get_settings_dep(request: Request) -> Settings:
     return request.app.state.settings
 
 
-def get_sessions(request: Request) -> sessionmaker[Session]:
+async def get_sessions(request: Request) -> sessionmaker[Session]:
     return request.app.state.sessions
 
 
@@ -40,19 +46,19 @@ def get_session(request: Request) -> Iterator[Session]:
         yield session
 
 
-def get_redis(request: Request) -> Redis:
+async def get_redis(request: Request) -> Redis:
     return request.app.state.redis
 
 
-def get_async_redis(request: Request) -> AsyncRedis:
+async def get_async_redis(request: Request) -> AsyncRedis:
     return request.app.state.async_redis
 
 
-def get_registry(request: Request) -> ModelRegistry:
+async def get_registry(request: Request) -> ModelRegistry:
     return request.app.state.registry
 
 
-def get_intake(request: Request) -> JobIntake:
+async def get_intake(request: Request) -> JobIntake:
     return request.app.state.intake
 
 
@@ -65,15 +71,20 @@ RegistryDep = Annotated["ModelRegistry", Depends(get_registry)]
 IntakeDep = Annotated["JobIntake", Depends(get_intake)]
 
 
-def current_key(sessions: SessionsDep,
-                credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> KeyInfo:
+async def current_key(request: Request, sessions: SessionsDep,
+                      credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> KeyInfo:
     if credentials is None or not credentials.credentials:
         raise unauthorized("You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
-    with sessions() as session:
-        try:
-            return authenticate(session, credentials.credentials)
-        except InvalidKeyError as exc:
-            raise unauthorized(f"Incorrect API key provided: {exc}") from None
+    cache: KeyCache = request.app.state.key_cache
+    digest = key_digest(credentials.credentials)
+    info = cache.get(digest)   # on the event loop: a remembered key costs no thread hop
+    if info is not None:
+        return info
+    try:
+        return await run_in_threadpool(authenticate_and_remember, sessions, cache, digest,
+                                       credentials.credentials)
+    except InvalidKeyError as exc:
+        raise unauthorized(f"Incorrect API key provided: {exc}") from None
 
 
 CurrentKey = Annotated[KeyInfo, Depends(current_key)]
@@ -82,7 +93,7 @@ CurrentKey = Annotated[KeyInfo, Depends(current_key)]
 def require_scope(scope: str) -> Callable[[KeyInfo], KeyInfo]:
     """A dependency: the current key, which must hold `scope` (403 naming it otherwise)."""
 
-    def check(key: CurrentKey) -> KeyInfo:
+    async def check(key: CurrentKey) -> KeyInfo:
         if scope not in key.scopes:
             raise APIError(403, f"API scope is not declared: {scope}", type="permission_error",
                            code="insufficient_scope")

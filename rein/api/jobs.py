@@ -7,8 +7,9 @@ which would reveal that it exists).
 `JobIntake.submit` is the one way a job enters the system, for the OpenAI endpoints and
 POST /v1/jobs alike: resolve the model (404 model_not_found), tokenize and validate with
 the model's tokenizer (400), refuse when the model's queue is full (503, before anything
-is counted), count the request against the key's limits (429), insert the row (queued,
-with the prompt token ids), then enqueue the message. An `Idempotency-Key` seen before
+is counted), count the request against the key's limits (429) — those two in one Redis round trip —
+insert the row (queued, with the prompt token ids; one autocommitted INSERT), then
+enqueue the message. An `Idempotency-Key` seen before
 for the tenant returns that job instead, without counting it again.
 """
 
@@ -23,15 +24,15 @@ from typing import Any
 from celery import Celery
 from redis import Redis
 from sqlalchemy import func, select, tuple_, update
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
 from rein.api.errors import APIError, not_found
-from rein.api.ratelimit import RateLimiter, RateLimitExceeded
+from rein.api.ratelimit import QueueFull, RateLimiter, RateLimitExceeded
 from rein.api.tokenizers import ModelEntry, ModelRegistry
 from rein.core.keys import KeyInfo
 from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
-from rein.core.models import FINISHED_JOB_STATUSES, Job
+from rein.core.models import FINISHED_JOB_STATUSES, Job, new_job_id
 from rein.core.settings import Settings
 from rein.openai_format import ParsedRequest, RequestError, parse_request
 from rein.worker.app import enqueue_job, queue_keys
@@ -104,6 +105,18 @@ def request_job_cancel(session: Session, tenant: str, job_id: str) -> tuple[Job,
     return get_job_for_tenant(session, tenant, job_id), queued
 
 
+def same_request_or_conflict(job: Job, endpoint: str, body: dict[str, Any],
+                             metadata: dict[str, str] | None) -> Job:
+    """The job an Idempotency-Key names, if it was created by this same request; 409 otherwise
+    (reusing a key for a different request is a client bug that must not pass silently)."""
+    if job.endpoint != endpoint or (job.params or {}).get("body") != body \
+            or dict(job.metadata_ or {}) != dict(metadata or {}):
+        raise APIError(409, f"This Idempotency-Key was already used for a different request (job "
+                            f"{job.id}). Use a new key for a new request.", param="Idempotency-Key",
+                       type="invalid_request_error", code="idempotency_key_reused")
+    return job
+
+
 # -- intake -----------------------------------------------------------------------------------
 
 
@@ -147,24 +160,21 @@ class JobIntake:
         self.celery = celery
         self.limiter = limiter
         self.registry = registry
+        self._queue_keys: dict[str, list[str]] = {}
+        self._db = sessions.kw["bind"]   # the Engine behind the sessions, for the one-statement insert
 
-    def queue_depth(self, model: str) -> int:
-        pipe = self.redis.pipeline(transaction=False)
-        for key in queue_keys(self.settings, model):
-            pipe.llen(key)
-        return sum(pipe.execute())
-
-    def check_backpressure(self, model: str) -> None:
-        depth = self.queue_depth(model)
-        if depth >= self.settings.max_queue_depth:
-            raise APIError(503, f"The queue of model '{model}' is full ({depth} jobs waiting, limit "
-                                f"{self.settings.max_queue_depth}). Retry later.",
-                           type="server_error", code="queue_full",
-                           headers={"Retry-After": str(BACKPRESSURE_RETRY_AFTER)})
-
-    def check_rate_limit(self, key: KeyInfo, tokens: int) -> None:
+    def admit(self, key: KeyInfo, model: str, tokens: int) -> None:
+        """Backpressure (503) then the key's rate limits (429), in one Redis round trip."""
+        queue = self._queue_keys.get(model)
+        if queue is None:
+            queue = self._queue_keys[model] = queue_keys(self.settings, model)
         try:
-            self.limiter.check(key, tokens)
+            self.limiter.check(key, tokens, queue=queue, max_depth=self.settings.max_queue_depth)
+        except QueueFull as exc:
+            raise APIError(503, f"The queue of model '{model}' is full ({exc.depth} jobs waiting, limit "
+                                f"{exc.limit}). Retry later.",
+                           type="server_error", code="queue_full",
+                           headers={"Retry-After": str(BACKPRESSURE_RETRY_AFTER)}) from None
         except RateLimitExceeded as exc:
             raise APIError(429, exc.message, type=exc.kind, code="rate_limit_exceeded",
                            headers={"Retry-After": str(exc.retry_after)}) from None
@@ -180,34 +190,28 @@ class JobIntake:
             with self.sessions() as session:
                 existing = find_job_by_idempotency_key(session, key.tenant, idempotency_key)
             if existing is not None:
-                return existing, None
+                return same_request_or_conflict(existing, endpoint, body, metadata), None
         if metadata is not None and len(metadata) > MAX_METADATA_PAIRS:
             raise APIError(400, f"metadata holds at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
                            param="metadata", code="invalid_value")
         prepared = prepare(self.registry, endpoint, body)
         model = prepared.entry.name
-        self.check_backpressure(model)
-        self.check_rate_limit(key, prepared.requested_tokens)
+        self.admit(key, model, prepared.requested_tokens)
 
         parsed = prepared.parsed
         sampling = dataclasses.asdict(parsed.params)
-        job = Job(tenant=key.tenant, key_id=key.key_id, model=model, endpoint=endpoint,
+        job = Job(id=new_job_id(), tenant=key.tenant, key_id=key.key_id, model=model, endpoint=endpoint,
                   params={"body": body, "sampling": sampling, "logprobs_mode": parsed.logprobs_mode,
                           "stream": parsed.stream},
                   prompt_token_ids=list(parsed.prompt_token_ids), prompt_tokens=len(parsed.prompt_token_ids),
                   priority=priority, idempotency_key=idempotency_key, metadata_=dict(metadata or {}))
-        with self.sessions() as session:
-            session.add(job)
-            try:
-                session.commit()
-            except IntegrityError:
-                # Another request with the same Idempotency-Key won the race: return its job.
-                session.rollback()
-                existing = (find_job_by_idempotency_key(session, key.tenant, idempotency_key)
-                            if idempotency_key else None)
-                if existing is None:
-                    raise
-                return existing, None
+        if not self._insert(job):
+            # Another request with the same Idempotency-Key won the race: return its job.
+            with self.sessions() as session:
+                existing = find_job_by_idempotency_key(session, key.tenant, idempotency_key or "")
+            if existing is None:
+                raise RuntimeError(f"job insert for tenant {key.tenant} conflicted with no job")
+            return same_request_or_conflict(existing, endpoint, body, metadata), None
         message = JobMessage(job_id=job.id, model=model, endpoint=endpoint,
                              prompt_token_ids=list(parsed.prompt_token_ids), sampling=sampling,
                              priority=priority, logprobs_mode=parsed.logprobs_mode,
@@ -222,12 +226,34 @@ class JobIntake:
                            headers={"Retry-After": str(BACKPRESSURE_RETRY_AFTER)}) from None
         return job, prepared
 
+    def _insert(self, job: Job) -> bool:
+        """INSERT the job row in one round trip (autocommit); False when its Idempotency-Key
+        is taken. Fills in the columns the database sets (status, timestamps)."""
+        values = {column.name: getattr(job, attr) for attr, column in _INSERTED_COLUMNS}
+        with self._db.connect() as conn:
+            row = conn.execution_options(isolation_level="AUTOCOMMIT").execute(
+                _INSERT_JOB, values).one_or_none()
+        if row is None:
+            return False
+        job.status, job.attempt, job.created_at, job.queued_at = row
+        return True
+
     def _fail_unqueued(self, job_id: str, reason: str) -> None:
         with self.sessions.begin() as session:
             session.execute(update(Job).where(Job.id == job_id, Job.status == "queued")
                             .values(status="failed", finished_at=func.now(),
                                     error={"message": f"could not be queued: {reason}",
                                            "type": "server_error", "code": "queue_unavailable"}))
+
+
+# (ORM attribute, column) of what intake writes; the database fills in the rest. The
+# statement is built once: executed with a dict of values, SQLAlchemy reuses its compiled form.
+_INSERTED_COLUMNS = [(attr, Job.__mapper__.columns[attr]) for attr in (
+    "id", "tenant", "key_id", "model", "endpoint", "params", "prompt_token_ids", "prompt_tokens",
+    "priority", "idempotency_key", "metadata_")]
+_INSERT_JOB = (pg_insert(Job.__table__).on_conflict_do_nothing()
+               .returning(Job.__table__.c.status, Job.__table__.c.attempt, Job.__table__.c.created_at,
+                          Job.__table__.c.queued_at))
 
 
 def seconds_between(start: datetime | None, end: datetime | None) -> float | None:

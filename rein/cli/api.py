@@ -36,6 +36,26 @@ def run(args: argparse.Namespace) -> int:
 
     # log_config=None: uvicorn's loggers propagate to rein's handler (rein.core.logging)
     # instead of getting uvicorn's own, so its lines come out as JSON like the rest.
-    uvicorn.run(create_app(settings), host=settings.api_host, port=settings.api_port,
-                log_level="info", log_config=None, proxy_headers=True)
+    options = {"host": settings.api_host, "port": settings.api_port, "log_level": "info",
+               "log_config": None, "proxy_headers": True}
+    if settings.api_workers > 1:
+        # Several processes on one socket: uvicorn starts each from the factory below.
+        uvicorn.run(f"{__name__}:app_for_worker_process", factory=True, workers=settings.api_workers,
+                    **options)
+    else:
+        uvicorn.run(create_app(settings), **options)
     return 0
+
+
+def app_for_worker_process():
+    """The app of one of several API processes (REIN_API_WORKERS > 1): uvicorn calls this in
+    each freshly started process, which reads the settings and sets up logging itself."""
+    import logging
+
+    from rein.api.app import create_app
+    from rein.core.logging import configure_logging
+    from rein.core.settings import load_settings
+
+    settings = load_settings()
+    configure_logging(logging.INFO, settings.log_format)
+    return create_app(settings)

@@ -94,7 +94,10 @@ class JobRouter:
 
 def enqueue_job(app: Celery, message: JobMessage) -> None:
     """Put a job on its model's queue at its priority (what the API calls after the job row exists)."""
-    app.send_task(TASK_NAME, args=[message.to_dict()], priority=message.priority)
+    # argsrepr: what Celery shows of the arguments in its logs and events. Its default, a
+    # repr of the whole message, would put every prompt token id there (and costs time).
+    app.send_task(TASK_NAME, args=[message.to_dict()], priority=message.priority,
+                  argsrepr=f"[{message.job_id}]", kwargsrepr="{}")
 
 
 def queue_keys(settings: Any, model: str) -> list[str]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from api_helpers import auth, chat_body
 
@@ -39,6 +41,32 @@ def test_wrong_secret_and_revoked_key_are_401(client, make_key, tenant):
     revoked = make_key(tenant, revoked=True)
     error = _error(client.get("/v1/models", headers=auth(revoked)), 401)
     assert "revoked" in error["message"]
+
+
+def test_a_key_revoked_while_in_use_is_refused_within_the_auth_cache_time(make_client, make_key,
+                                                                          tenant, db_sessionmaker):
+    from rein.core.keys import parse_key, revoke_key
+
+    ttl = 0.5
+    client = make_client(auth_cache_seconds=ttl)
+    key = make_key(tenant)
+    assert client.get("/v1/models", headers=auth(key)).status_code == 200   # now remembered
+    with db_sessionmaker.begin() as session:
+        revoke_key(session, parse_key(key)[0])
+    revoked_at = time.monotonic()
+    statuses = []
+    while time.monotonic() - revoked_at < ttl + 0.5:
+        statuses.append(client.get("/v1/models", headers=auth(key)).status_code)
+    # Accepted at most until the remembered check expires, refused from then on.
+    assert statuses[-1] == 401 and 401 in statuses
+    assert statuses == sorted(statuses), statuses   # never 200 again after a 401
+
+    uncached = make_client(auth_cache_seconds=0)
+    key = make_key(tenant)
+    assert uncached.get("/v1/models", headers=auth(key)).status_code == 200
+    with db_sessionmaker.begin() as session:
+        revoke_key(session, parse_key(key)[0])
+    assert uncached.get("/v1/models", headers=auth(key)).status_code == 401
 
 
 def test_scope_missing_is_403_naming_it(client, make_key, tenant):

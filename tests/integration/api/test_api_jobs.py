@@ -89,8 +89,15 @@ def test_tenant_isolation_on_every_id_route_and_the_list(client, make_key, tenan
 def test_idempotency_key_returns_the_same_job(client, make_key, tenant, db_session):
     key = make_key(tenant)
     first = _create(client, key, headers={"Idempotency-Key": "abc-1"})
-    again = _create(client, key, chat_body("something else"), headers={"Idempotency-Key": "abc-1"})
+    again = _create(client, key, headers={"Idempotency-Key": "abc-1"})
     assert again["id"] == first["id"]
+    # The same key for a different request is a client bug: 409, and no new job.
+    response = client.post("/v1/jobs", json={"endpoint": "/v1/chat/completions",
+                                             "body": chat_body("something else"), "metadata": {"k": "v"}},
+                           headers=auth(key) | {"Idempotency-Key": "abc-1"})
+    assert response.status_code == 409, response.text
+    assert response.json()["error"]["code"] == "idempotency_key_reused"
+    assert first["id"] in response.json()["error"]["message"]
     other = _create(client, key, headers={"Idempotency-Key": "abc-2"})
     assert other["id"] != first["id"]
     # The same key from another tenant is another job.
