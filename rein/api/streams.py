@@ -5,7 +5,9 @@ with XREAD BLOCK from `<last seq>-0` returns exactly the events after `last seq`
 client that reconnects with `Last-Event-ID: N` gets N+1, N+2, ... with no gap and no
 repeat. When the stream is gone (expired after the job ended) and the job has finished,
 the job is replayed from Postgres as one final event (`"replayed": true`, the whole text:
-the per-event split is not kept there).
+the per-event split is not kept there). A stream is capped (`Settings.stream_maxlen`): a
+client resuming from an event already trimmed gets a final error event
+(`"code": "events_expired"`) instead of a silent gap.
 
 Two SSE formats come out of the same events: rein's own for GET /v1/jobs/{id}/events
 (`id: <seq>` + the event JSON) and OpenAI's `chat.completion.chunk` / `text_completion`
@@ -68,6 +70,17 @@ def replay_event(job: Job, seq: int) -> StreamEvent | None:
     return StreamEvent(seq, data)
 
 
+def gap_event(job_id: str, last_seq: int, first_kept: int) -> StreamEvent:
+    """The final event when events after `last_seq` were trimmed from the capped stream."""
+    missing = (f"event {last_seq + 1}" if first_kept == last_seq + 2
+               else f"events {last_seq + 1} to {first_kept - 1}")
+    return StreamEvent(last_seq, {
+        "seq": last_seq, "code": "events_expired",
+        "error": f"{missing} of job {job_id} are no longer kept: its stream holds only the latest "
+                 f"events (REIN_STREAM_MAXLEN). GET /v1/jobs/{job_id} has the whole text once the "
+                 f"job has finished."})
+
+
 async def follow_events(redis: AsyncRedis, keys: RedisKeys, job_id: str, last_seq: int,
                         load_job: JobLoader, block_ms: int = BLOCK_MS) -> AsyncIterator[StreamEvent | None]:
     """The job's events after `last_seq`, ending with the final one; None while idle (keepalive)."""
@@ -95,6 +108,11 @@ async def follow_events(redis: AsyncRedis, keys: RedisKeys, job_id: str, last_se
             raw = fields.get(STREAM_FIELD.encode()) or fields.get(STREAM_FIELD)
             data = json.loads(raw)
             seq = int(entry_id.split(b"-")[0] if isinstance(entry_id, bytes) else entry_id.split("-")[0])
+            if seq > last + 1:
+                # The stream is capped (Settings.stream_maxlen): the events the client needs
+                # next were trimmed. Say so rather than skip them silently.
+                yield gap_event(job_id, last, seq)
+                return
             last = seq
             event = StreamEvent(seq, data)
             yield event
@@ -148,7 +166,7 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
         data = event.data
         if data.get("error"):
             error = {"error": {"message": data["error"], "type": "server_error", "param": None,
-                               "code": "job_failed"}}
+                               "code": data.get("code") or "job_failed"}}
             yield sse(json.dumps(error))
             break
         finish = data.get("finish_reason")

@@ -69,6 +69,24 @@ def test_replay_from_postgres_after_the_stream_expired(client, key, fake_worker,
     assert data["finish_reason"] == "stop" and data["usage"]["completion_tokens"] == 5
 
 
+def test_resuming_from_a_trimmed_event_is_an_error_not_a_gap(client, key, fake_worker, redis_client,
+                                                             settings):
+    job_id = _job(client, key)
+    fake_worker.run(job_id, PIECES)
+    stream = RedisKeys.from_settings(settings).job_stream(job_id)
+    redis_client.xtrim(stream, maxlen=2, approximate=False)   # what the cap does to a long job: events 1 and 2 gone
+    resumed = _events(client.get(f"/v1/jobs/{job_id}/events",
+                                 headers=auth(key) | {"Last-Event-ID": "2"}).text)
+    assert [e for e, _ in resumed] == [3, 4]   # nothing missing after 2: served as usual
+    events = _events(client.get(f"/v1/jobs/{job_id}/events", headers=auth(key)).text)
+    assert len(events) == 1
+    data = json.loads(events[0][1])
+    assert data["code"] == "events_expired" and "events 1 to 2" in data["error"]
+    resumed = _events(client.get(f"/v1/jobs/{job_id}/events",
+                                 headers=auth(key) | {"Last-Event-ID": "1"}).text)
+    assert json.loads(resumed[0][1])["code"] == "events_expired" and "event 2 " in resumed[0][1]
+
+
 def test_events_follow_a_job_as_it_runs(client, key, fake_worker, tenant):
     thread = fake_worker.serve_next(tenant, PIECES)
     job_id = _job(client, key)
