@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 from celery import Celery
 from redis import Redis
-from sqlalchemy import Integer, cast, func, insert, select, update
+from sqlalchemy import Integer, cast, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.tokenizers import ModelRegistry
@@ -49,10 +50,10 @@ from rein.batches.output import write_result_files
 from rein.batches.validation import validate_lines
 from rein.core.filestore import FileStore
 from rein.core.messages import PRIORITY_BATCH, JobMessage
-from rein.core.models import Batch, File, Job
+from rein.core.models import Batch, File, Job, new_job_id
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
-from rein.worker.app import enqueue_job, queue_keys
+from rein.worker.app import TASK_NAME, queue_keys
 from rein.worker.cancel import request_cancel
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,8 @@ OPEN_JOB_STATUSES = ("queued", "running")
 # Namespace of the per-batch advisory locks ("batc"), beside rein migrate's lock.
 LOCK_NAMESPACE = 0x62617463
 ABORT_GRACE_SECONDS = 60
-INSERT_ROWS = 2000
+COPY_COLUMNS = ("id", "tenant", "key_id", "model", "endpoint", "params", "prompt_token_ids",
+                "prompt_tokens", "priority", "batch_id", "custom_id", "batch_line")
 
 
 class _Superseded(Exception):
@@ -157,22 +159,25 @@ class BatchManager:
                                          "message": f"the input file {batch.input_file_id} was deleted "
                                                     "before the batch was validated"}])
             return
+        started = time.monotonic()
         with source:
             result = validate_lines(source, batch.endpoint, self.registry, self.settings.batch_max_requests)
         if not result.ok:
             self._fail(session, batch, result.errors)
             return
-        rows = [line.job_values() | {"tenant": batch.tenant, "key_id": batch.key_id, "batch_id": batch.id,
-                                     "priority": PRIORITY_BATCH} for line in result.lines]
-        for start in range(0, len(rows), INSERT_ROWS):
-            session.execute(insert(Job), rows[start:start + INSERT_ROWS])
+        validated = time.monotonic()
+        rows = [line.job_values() | {"id": new_job_id(), "tenant": batch.tenant, "key_id": batch.key_id,
+                                     "batch_id": batch.id, "priority": PRIORITY_BATCH}
+                for line in result.lines]
+        copy_jobs(session, rows)
         moved = session.execute(
             update(Batch).where(Batch.id == batch.id, Batch.status == "validating")
             .values(status="in_progress", in_progress_at=func.now(), model=result.model,
                     request_total=len(rows)).returning(Batch.id)).one_or_none()
         if moved is None:    # cancelled meanwhile: the jobs go with the rolled-back transaction
             raise _Superseded(batch.id)
-        log.info("batch %s: %d requests validated and stored", batch.id, len(rows))
+        log.info("batch %s: %d requests validated in %.1f s, stored in %.1f s", batch.id, len(rows),
+                 validated - started, time.monotonic() - validated)
         self.wake()          # feed it at once rather than next tick
 
     def _fail(self, session: Session, batch: Batch, errors: list[dict[str, Any]]) -> None:
@@ -209,11 +214,16 @@ class BatchManager:
             select(Job.id, Job.model, Job.endpoint, Job.prompt_token_ids, Job.params, Job.tenant, Job.key_id)
             .where(Job.batch_id == batch.id, Job.status == "queued", Job.sent_at.is_(None))
             .order_by(Job.batch_line).limit(room[model])).all()
-        for row in rows:
-            enqueue_job(self.celery, JobMessage(
-                job_id=row.id, model=row.model, endpoint=row.endpoint, prompt_token_ids=list(row.prompt_token_ids),
-                sampling=row.params["sampling"], priority=PRIORITY_BATCH,
-                logprobs_mode=row.params.get("logprobs_mode"), tenant=row.tenant, key_id=row.key_id))
+        # One producer (one broker connection) for the whole chunk: ~30% less per message.
+        with self.celery.producer_or_acquire() as producer:
+            for row in rows:
+                message = JobMessage(
+                    job_id=row.id, model=row.model, endpoint=row.endpoint,
+                    prompt_token_ids=list(row.prompt_token_ids), sampling=row.params["sampling"],
+                    priority=PRIORITY_BATCH, logprobs_mode=row.params.get("logprobs_mode"), tenant=row.tenant,
+                    key_id=row.key_id)
+                self.celery.send_task(TASK_NAME, args=[message.to_dict()], priority=PRIORITY_BATCH,
+                                      producer=producer)
         if rows:
             session.execute(update(Job).where(Job.id.in_([row.id for row in rows])).values(sent_at=func.now()))
             room[model] -= len(rows)
@@ -242,6 +252,20 @@ class BatchManager:
         session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == batch.status)
                         .values(output_file_id=output_id, error_file_id=error_id, **final))
         log.info("batch %s %s", batch.id, final["status"])
+
+
+def copy_jobs(session: Session, rows: list[dict[str, Any]]) -> None:
+    """Insert job rows with COPY, in the session's transaction (several times faster than
+    a multi-row INSERT for a 50,000-line batch). Columns left out take their defaults."""
+    from psycopg.types.json import Jsonb
+
+    cursor = session.connection().connection.cursor()
+    try:
+        with cursor.copy(f"COPY jobs ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row([Jsonb(row[c]) if c == "params" else row[c] for c in COPY_COLUMNS])
+    finally:
+        cursor.close()
 
 
 def _open_jobs(session: Session, batch_id: str) -> int:
