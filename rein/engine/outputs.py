@@ -24,4 +24,3 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
-    error: str | None = None                  # set when the engine failed this request

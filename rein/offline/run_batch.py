@@ -202,9 +202,6 @@ class _BatchRun:
         if not output.finished:
             return
         del self.pending[output.request_id]
-        if output.error is not None:
-            self._fail(pending.custom_id, pending.line_number, "engine_error", output.error)
-            return
         if output.finish_reason == "abort":
             self._fail(pending.custom_id, pending.line_number, "request_aborted",
                        "the request was aborted before it finished")

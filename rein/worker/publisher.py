@@ -133,7 +133,7 @@ class TokenPublisher:
                               token_ids=list(output.new_token_ids))
         del self._jobs[output.request_id]
         usage = usage_of(output.num_prompt_tokens, output.num_output_tokens)
-        error = output.error
+        error = None
         if output.finish_reason == "abort":
             reason = state.abort_reason or (INTERRUPTED if self._closed else None)
             if reason == INTERRUPTED:
