@@ -29,6 +29,18 @@ def jsonl(*lines: dict | str) -> bytes:
     return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
 
 
+@pytest.fixture(autouse=True)
+def end_leftover_batches(db_sessionmaker):
+    """Every app's batch manager works on every unfinished batch in the run's database: end
+    this test's leftovers so that they do not feed the queues of the next test."""
+    yield
+    from rein.batches.manager import ACTIVE_STATUSES
+    from rein.core.models import Batch
+
+    with db_sessionmaker.begin() as session:
+        session.execute(update(Batch).where(Batch.status.in_(ACTIVE_STATUSES)).values(status="cancelled"))
+
+
 @pytest.fixture
 def batch_client(make_client, tmp_path):
     return make_client(files_dir=str(tmp_path / "files"), **FAST)
@@ -304,3 +316,14 @@ def test_official_openai_client(batch_client, make_key, tenant):
     assert [b.id for b in client.batches.list()] == [batch.id]
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     wait_for(lambda: client.batches.retrieve(batch.id).status == "cancelled", 10, "cancelled")
+
+
+def test_custom_ids_and_prompts_survive_the_bulk_copy(batch_client, make_key, tenant, db_sessionmaker):
+    key = make_key(tenant, "batch")
+    odd = ["tab\there", "new\nline", "back\\slash", "ünïcødé ✓", "quote\"s", "\\N"]
+    batch = create(batch_client, key, jsonl(*(line(c, prompt=f"{c} {{json}}\t") for c in odd)))
+    wait_status(batch_client, key, batch["id"], "in_progress")
+    jobs = batch_jobs(db_sessionmaker, batch["id"])
+    assert [j.custom_id for j in jobs] == odd
+    assert [j.params["body"]["prompt"] for j in jobs] == [f"{c} {{json}}\t" for c in odd]
+    assert all(j.id.startswith("job_") and j.status == "queued" and j.attempt == 0 for j in jobs)

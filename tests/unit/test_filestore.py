@@ -1,0 +1,44 @@
+"""LocalFileStore: atomic writes, the size limit, ids that cannot name a path."""
+
+from __future__ import annotations
+
+import pytest
+
+from rein.core.filestore import FileTooLargeError, LocalFileStore
+
+
+def test_save_open_size_delete(tmp_path):
+    store = LocalFileStore(tmp_path / "files")
+    assert store.save("file-abc", [b"one\n", b"two\n"]) == 8
+    with store.open("file-abc") as f:
+        assert f.read() == b"one\ntwo\n"
+    assert store.size("file-abc") == 8
+    store.delete("file-abc")
+    store.delete("file-abc")     # already gone: no error
+    with pytest.raises(FileNotFoundError):
+        store.open("file-abc")
+
+
+def test_too_large_leaves_nothing(tmp_path):
+    store = LocalFileStore(tmp_path)
+    with pytest.raises(FileTooLargeError, match="limit of 5 bytes"):
+        store.save("file-big", [b"abc", b"def"], max_bytes=5)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_writer_is_atomic(tmp_path):
+    store = LocalFileStore(tmp_path)
+    with store.writer("file-out") as out:
+        out.write("first\n")
+    with pytest.raises(RuntimeError), store.writer("file-out") as out:
+        out.write("half")
+        raise RuntimeError("crash mid-write")
+    with store.open("file-out") as f:
+        assert f.read() == b"first\n"     # the old contents, no partial file
+    assert [p.name for p in tmp_path.iterdir()] == ["file-out"]
+
+
+@pytest.mark.parametrize("bad", ["../etc/passwd", "a/b", "", "x" * 200, "file-1.jsonl"])
+def test_ids_cannot_name_paths(tmp_path, bad):
+    with pytest.raises(ValueError, match="not a file id"):
+        LocalFileStore(tmp_path).path(bad)
