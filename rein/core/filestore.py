@@ -52,11 +52,15 @@ class FileStore(Protocol):
 
 
 class LocalFileStore:
-    """A FileStore on a local directory (created when missing)."""
+    """A FileStore on a local directory, created at the first write (so an API that never
+    stores a file starts even where the default directory cannot be created)."""
 
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
+
+    def _temporary(self, prefix: str) -> tuple[int, str]:
         self.root.mkdir(parents=True, exist_ok=True)
+        return tempfile.mkstemp(dir=self.root, prefix=prefix)
 
     def path(self, file_id: str) -> Path:
         if not _SAFE_ID.fullmatch(file_id):    # ids are ours, but never let one name a path
@@ -65,7 +69,7 @@ class LocalFileStore:
 
     def save(self, file_id: str, chunks: Iterable[bytes], max_bytes: int | None = None) -> int:
         target = self.path(file_id)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".upload-")
+        fd, tmp = self._temporary(".upload-")
         size = 0
         try:
             with os.fdopen(fd, "wb") as out:
@@ -83,7 +87,7 @@ class LocalFileStore:
     @contextmanager
     def writer(self, file_id: str) -> Iterator[IO[str]]:
         target = self.path(file_id)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".write-")
+        fd, tmp = self._temporary(".write-")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as out:
                 yield out
