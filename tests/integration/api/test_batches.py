@@ -327,3 +327,21 @@ def test_custom_ids_and_prompts_survive_the_bulk_copy(batch_client, make_key, te
     assert [j.custom_id for j in jobs] == odd
     assert [j.params["body"]["prompt"] for j in jobs] == [f"{c} {{json}}\t" for c in odd]
     assert all(j.id.startswith("job_") and j.status == "queued" and j.attempt == 0 for j in jobs)
+
+
+def test_lost_messages_are_sent_again(batch_client, make_key, tenant, db_sessionmaker, redis_client, settings,
+                                      monkeypatch):
+    import rein.batches.manager as manager
+
+    key = make_key(tenant, "batch")
+    batch = create(batch_client, key, jsonl(*(line(f"r{i}") for i in range(3))))
+    wait_status(batch_client, key, batch["id"], "in_progress")
+    batch_queue = queue_keys(settings, "tiny")[PRIORITY_BATCH]
+    wait_for(lambda: redis_client.llen(batch_queue) == 3, 10, "three messages queued")
+    first_sent = {j.id: j.sent_at for j in batch_jobs(db_sessionmaker, batch["id"])}
+    monkeypatch.setattr(manager, "LOST_MESSAGE_SECONDS", 0)
+    redis_client.delete(batch_queue)              # Redis lost them; no worker took them
+    wait_for(lambda: redis_client.llen(batch_queue) == 3, 10, "the three messages sent again")
+    again = {j.id: j.sent_at for j in batch_jobs(db_sessionmaker, batch["id"])}
+    assert again.keys() == first_sent.keys()
+    assert all(again[job_id] and again[job_id] > first_sent[job_id] for job_id in again)
