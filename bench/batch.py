@@ -100,6 +100,14 @@ def read_output(path: Path) -> tuple[dict[str, str], int, list[str]]:
 # -- the service ------------------------------------------------------------------------------
 
 
+def process_cpu_seconds(pid: int) -> float | None:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+
+
 class Service:
     """`rein api` and one `rein worker` on the sandbox; `stop()` ends both."""
 
@@ -121,8 +129,11 @@ class Service:
             "REIN_KV_CACHE_MEMORY": args.kv_cache_memory,
             "REIN_DEVICE": "cpu",
             "REIN_DTYPE": "float32",
+            "REIN_FILES_DIR": str(log_dir / "files"),
             "OMP_NUM_THREADS": "1",
-        }
+        } | {f"REIN_{name.upper()}": str(value) for name, value in (
+            ("batch_queue_window", args.batch_queue_window), ("batch_poll_seconds", args.batch_poll_seconds),
+        ) if value is not None}
         self.procs: list[subprocess.Popen] = []
         self._logs: list = []
         self.worker = self._spawn("worker", "worker", "--model", MODEL_NAME, "--hostname", self.hostname,
@@ -167,6 +178,10 @@ class Service:
         raise RuntimeError(f"service not ready after {STARTUP_TIMEOUT:.0f} s:\n{self.tail('worker')}"
                            f"\n{self.tail('api')}")
 
+    def cpu_seconds(self) -> dict[str, float | None]:
+        """User + system CPU seconds each process has used so far (Linux /proc; None elsewhere)."""
+        return {"api": process_cpu_seconds(self.api.pid), "worker": process_cpu_seconds(self.worker.pid)}
+
     def stop(self) -> None:
         for proc in self.procs:
             if proc.poll() is None:
@@ -204,7 +219,14 @@ def run_service(sandbox: Sandbox, model_dir: Path, input_path: Path, output_path
         keys = RedisKeys(sandbox.prefix.rstrip(":"))
         service.wait_ready(keys.worker_heartbeat(service.hostname))
         phase(f"rein api ({service.base_url}) and rein worker ready")
+        profiler = None
+        if args.profile_worker:
+            # py-spy samples every thread of the worker (engine thread and task threads alike).
+            profiler = subprocess.Popen(["py-spy", "record", "--pid", str(service.worker.pid), "--format", "raw",
+                                         "--output", args.profile_worker, "--rate", "100"],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with BatchClient(service.base_url, key) as client:
+            cpu_before = service.cpu_seconds()
             start = time.perf_counter()
             uploaded = client.upload(input_path)
             batch = client.create_batch(uploaded["id"], ENDPOINT, "24h", None)
@@ -222,12 +244,19 @@ def run_service(sandbox: Sandbox, model_dir: Path, input_path: Path, output_path
                                    f"\n{service.tail('worker')}")
             client.download(batch["output_file_id"], output_path)
             wall = time.perf_counter() - start
+            cpu_after = service.cpu_seconds()
+        if profiler is not None:
+            profiler.send_signal(signal.SIGINT)   # py-spy writes its file on SIGINT
+            profiler.wait(timeout=60)
+            phase(f"worker profile (py-spy, collapsed stacks): {args.profile_worker}")
     finally:
         service.stop()
+    cpu = {name: None if cpu_after[name] is None or cpu_before[name] is None
+           else round(cpu_after[name] - cpu_before[name], 1) for name in cpu_after}
     in_server = None
     if batch.get("completed_at") and batch.get("created_at"):
         in_server = batch["completed_at"] - batch["created_at"]
-    return {"wall_s": wall, "in_server_s": in_server, "batch": batch}
+    return {"wall_s": wall, "in_server_s": in_server, "batch": batch, "cpu_s": cpu}
 
 
 # -- offline ----------------------------------------------------------------------------------
@@ -242,10 +271,12 @@ def run_offline(model_dir: Path, input_path: Path, output_path: Path, args: argp
         model=str(model_dir), device="cpu", dtype="float32", kv_cache_memory=args.kv_cache_memory,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
         max_model_len=MAX_MODEL_LEN))
+    cpu_before = time.process_time()
     start = time.perf_counter()
     summary = run_batch(engine, input_path, output_path, model_name=MODEL_NAME, progress=False)
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "ok": summary.requests_ok, "failed": summary.requests_failed}
+    return {"wall_s": wall, "ok": summary.requests_ok, "failed": summary.requests_failed,
+            "cpu_s": round(time.process_time() - cpu_before, 1)}
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -256,6 +287,12 @@ def main() -> int:
     parser.add_argument("--requests", type=int, default=2000, help="lines in the batch file (2000)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="engine sequences, both sides (64)")
     parser.add_argument("--kv-cache-memory", default="256MiB", help="KV cache, both sides (256MiB)")
+    parser.add_argument("--batch-queue-window", type=int, default=None, metavar="N",
+                        help="REIN_BATCH_QUEUE_WINDOW of the service (default: the setting's default)")
+    parser.add_argument("--batch-poll-seconds", type=float, default=None, metavar="S",
+                        help="REIN_BATCH_POLL_SECONDS of the service (default: the setting's default)")
+    parser.add_argument("--profile-worker", default=None, metavar="FILE",
+                        help="sample the worker with py-spy while the batch runs; collapsed stacks to FILE")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--postgres-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
                         help="the Postgres server (its maintenance database); the bench database is made on it")
@@ -325,6 +362,8 @@ def main() -> int:
     if service["in_server_s"] is not None:
         print(f"  service in-server time (batch created_at → completed_at, 1 s resolution): "
               f"{service['in_server_s']} s")
+    print(f"  CPU seconds while timed: service api {service['cpu_s']['api']}, worker "
+          f"{service['cpu_s']['worker']}; offline {offline['cpu_s']} (this process)")
     print(f"  ratio service / offline: {ratio:.3f}x output tokens/s, {ratio_requests:.3f}x requests/s "
           f"(target >= {TARGET_RATIO}x): {'PASS' if ratio >= TARGET_RATIO else 'MISS'}")
     print(f"  checks: service answered {len(answered)}/{args.requests} ({len(service_failed)} failed, "
@@ -336,9 +375,9 @@ def main() -> int:
     result = {
         "bench": "batch", "requests": args.requests, "expected_output_tokens": expected_tokens,
         "max_num_seqs": args.max_num_seqs, "kv_cache_memory": args.kv_cache_memory,
-        "service": sides["service"] | {"in_server_s": service["in_server_s"],
+        "service": sides["service"] | {"in_server_s": service["in_server_s"], "cpu_s": service["cpu_s"],
                                        "failed": len(service_failed), "missing": len(missing)},
-        "offline": sides["offline"] | {"failed": offline["failed"]},
+        "offline": sides["offline"] | {"failed": offline["failed"], "cpu_s": offline["cpu_s"]},
         "ratio_output_tokens_per_s": round(ratio, 4), "ratio_requests_per_s": round(ratio_requests, 4),
         "same_greedy_text": same_text, "cpus": os.cpu_count(),
         "loadavg_1m": {k: round(v, 2) for k, v in load.items()},
