@@ -12,8 +12,8 @@ until the prefix is deleted.
 * API intake: `rein api` (uvicorn, as deployed) in a subprocess on a free port, serving the
   tiny llama (.cache/bench-models/llama-tiny, built with rein.tiny_model.make_tiny_model if
   missing) for its tokenizer, REIN_MAX_QUEUE_DEPTH=100000 so backpressure never answers.
-  `--jobs` POST /v1/jobs (a small /v1/completions body) from `--concurrency` httpx clients at
-  once: jobs/s = jobs / wall seconds, and each request's latency (p50/p99) as the client sees
+  `--jobs` POST /v1/jobs (a small /v1/completions body) over `--concurrency` keep-alive
+  connections at once (a minimal asyncio HTTP/1.1 client, see post_jobs): jobs/s = jobs / wall seconds, and each request's latency (p50/p99) as the client sees
   it. Each accepted job costs the API: auth (key lookup), tokenization, the queue-depth
   check, the rate limiter, the job row (INSERT + COMMIT) and the Celery send.
 * Raw Celery: the same number of `enqueue_job(make_celery(settings), JobMessage)` calls (the
@@ -31,6 +31,10 @@ until the prefix is deleted.
   client has read the event's `data:` line. One warm-up event first makes sure the client
   is already blocked in the API's XREAD when the timed events start. Both ends are in this
   process on one monotonic clock.
+
+CPU: for each round, the CPU time used per job by the API processes, Postgres, Redis and
+this process (the HTTP clients; the sending threads in a raw round), from /proc. The rates
+depend on how many cores are free; the CPU per job says what each job costs wherever it runs.
 
 Targets (issue 3): API intake ≥ 0.5× raw send rate; stream latency p99 < 10 ms on loopback.
 The last line of stdout is one JSON object with every figure.
@@ -102,6 +106,53 @@ def check_loopback(url: str, what: str) -> None:
     host = make_url(url).host if what == "postgres" else urlparse(url).hostname
     if host not in ("127.0.0.1", "localhost", "::1"):
         sys.exit(f"error: {what} must be on loopback for this benchmark, got host {host!r}")
+
+
+# -- CPU accounting (Linux /proc) ---------------------------------------------------------------
+
+
+def _proc_cpu_seconds(pid: str) -> float:
+    stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(stat[11]) + int(stat[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_by_role(api_pid: int) -> dict[str, float]:
+    """CPU seconds used so far by: the API process and its children, Postgres, Redis, and
+    this process (the HTTP clients or the raw-send threads). Postgres backends come and go,
+    so compare two readings only across a window in which no connection closed."""
+    me = str(os.getpid())
+    parents: dict[str, str] = {}
+    commands: dict[str, str] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parents[entry.name] = (entry / "stat").read_text().rsplit(")", 1)[1].split()[1]
+            commands[entry.name] = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+    api = {str(api_pid)}
+    grew = True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in api and pid not in api:
+                api.add(pid)
+                grew = True
+    totals = {"api": 0.0, "postgres": 0.0, "redis": 0.0, "bench": 0.0}
+    for pid, command in commands.items():
+        role = ("api" if pid in api else "bench" if pid == me else "postgres" if command.startswith("postgres")
+                else "redis" if "redis-server" in command else None)
+        if role is not None:
+            try:
+                totals[role] += _proc_cpu_seconds(pid)
+            except OSError:
+                pass
+    return totals
+
+
+def cpu_ms_per_item(before: dict[str, float], after: dict[str, float], n: int) -> dict[str, float]:
+    return {role: round((after[role] - before[role]) * 1000 / n, 3) for role in before}
 
 
 # -- throwaway database and Redis prefix ------------------------------------------------------
@@ -243,31 +294,45 @@ class Run:
 
 
 async def post_jobs(base_url: str, key: str, n: int, concurrency: int) -> tuple[Run, list[str]]:
-    """n POST /v1/jobs from `concurrency` clients; every answer must be 202."""
-    import httpx
+    """n POST /v1/jobs over `concurrency` keep-alive connections; every answer must be 202.
 
-    payload = {"endpoint": ENDPOINT, "body": BODY}
-    headers = {"Authorization": f"Bearer {key}"}
+    The client is a minimal HTTP/1.1 writer/reader on asyncio streams (the request bytes are
+    built once), like a load generator: httpx costs about as much CPU per request as the API
+    itself, and on a small machine that CPU would be taken from the server being measured.
+    """
+    from urllib.parse import urlparse
+
+    url = urlparse(base_url)
+    payload = json.dumps({"endpoint": ENDPOINT, "body": BODY}).encode()
+    request = (f"POST /v1/jobs HTTP/1.1\r\nHost: {url.netloc}\r\nAuthorization: Bearer {key}\r\n"
+               f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode() + payload
     latencies: list[float] = []
     ids: list[str] = []
     remaining = n
-    limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
 
-    async with httpx.AsyncClient(base_url=base_url, headers=headers, limits=limits, timeout=30.0) as client:
-        async def one_client() -> None:
-            nonlocal remaining
+    async def one_connection() -> None:
+        nonlocal remaining
+        reader, writer = await asyncio.open_connection(url.hostname, url.port)
+        try:
             while remaining > 0:
                 remaining -= 1
                 t0 = time.perf_counter()
-                response = await client.post("/v1/jobs", json=payload)
+                writer.write(request)
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length:"))
+                body = await reader.readexactly(length)
                 latencies.append((time.perf_counter() - t0) * 1000)
-                if response.status_code != 202:
-                    raise RuntimeError(f"POST /v1/jobs answered {response.status_code}: {response.text[:300]}")
-                ids.append(response.json()["id"])
+                status = int(head.split(b" ", 2)[1])
+                if status != 202:
+                    raise RuntimeError(f"POST /v1/jobs answered {status}: {body[:300]!r}")
+                ids.append(json.loads(body)["id"])
+        finally:
+            writer.close()
 
-        start = time.perf_counter()
-        await asyncio.gather(*(one_client() for _ in range(concurrency)))
-        wall = time.perf_counter() - start
+    start = time.perf_counter()
+    await asyncio.gather(*(one_connection() for _ in range(concurrency)))
+    wall = time.perf_counter() - start
     return Run(n, wall, latencies), ids
 
 
@@ -463,10 +528,16 @@ def main() -> int:
 
         api_runs: list[Run] = []
         raw_runs: list[Run] = []
+        api_cpu: list[dict[str, float]] = []
+        raw_cpu: list[dict[str, float]] = []
         for r in range(args.rounds):
+            before = cpu_by_role(api.proc.pid)
             run, _ = asyncio.run(post_jobs(api.base_url, key, args.jobs, args.concurrency))
+            api_cpu.append(cpu_ms_per_item(before, cpu_by_role(api.proc.pid), args.jobs))
             api_runs.append(run)
+            before = cpu_by_role(api.proc.pid)
             raw_runs.append(raw_sends(celery_app, message_for, args.jobs, args.concurrency))
+            raw_cpu.append(cpu_ms_per_item(before, cpu_by_role(api.proc.pid), args.jobs))
             phase(f"round {r + 1}: api {api_runs[-1].rate:8.1f} jobs/s   raw {raw_runs[-1].rate:8.1f} msgs/s")
 
         # one client at a time: each request's own cost, with no queueing behind others
@@ -507,6 +578,10 @@ def main() -> int:
         if not cleanup_errors:
             phase(f"cleaned up: database {sandbox.db_name} dropped, {deleted} redis keys deleted")
 
+    def median_cpu(rounds: list[dict[str, float]]) -> dict[str, float]:
+        return {role: round(statistics.median(r[role] for r in rounds), 3) for role in rounds[0]}
+
+    cpu_api, cpu_raw = median_cpu(api_cpu), median_cpu(raw_cpu)
     api_rate = statistics.median(r.rate for r in api_runs)
     raw_rate = statistics.median(r.rate for r in raw_runs)
     api_lat = [x for r in api_runs for x in r.latencies_ms]
@@ -525,6 +600,8 @@ def main() -> int:
     print(f"  {'API, 1 client (serial)':<34} {serial_api.rate:>9.1f} {serial_api.p50:>8.2f} {serial_api.p99:>8.2f}")
     print(f"  {'raw, 1 thread (serial)':<34} {serial_raw.rate:>9.1f} {serial_raw.p50:>8.2f} {serial_raw.p99:>8.2f}")
     print(f"  ratio API / raw: {ratio:.3f}x   (queued messages seen in Redis: {queued}, expected {expected_queued})")
+    print("  CPU ms per job (median of rounds): " + ", ".join(f"{k} {v:.2f}" for k, v in cpu_api.items())
+          + "  |  per raw send: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu_raw.items()))
     print(f"stream: {stream['events']} events {args.interval_ms:g} ms apart, publish_step → SSE data line")
     print(f"  p50 {stream['p50']:.3f} ms   p99 {stream['p99']:.3f} ms   max {stream['max']:.3f} ms   "
           f"mean {stream['mean']:.3f} ms")
@@ -545,6 +622,7 @@ def main() -> int:
         "api_serial_p99_ms": round(serial_api.p99, 3),
         "raw_serial_msgs_per_s": round(serial_raw.rate, 1), "raw_serial_p50_ms": round(serial_raw.p50, 3),
         "raw_serial_p99_ms": round(serial_raw.p99, 3),
+        "cpu_ms_per_api_job": cpu_api, "cpu_ms_per_raw_send": cpu_raw,
         "api_rounds_jobs_per_s": [round(r.rate, 1) for r in api_runs],
         "raw_rounds_msgs_per_s": [round(r.rate, 1) for r in raw_runs],
         "queued_seen": queued, "queued_expected": expected_queued,
