@@ -106,6 +106,42 @@ def test_submit_without_wait_then_cancel(service: Service, tmp_path: Path) -> No
     assert other.returncode == 2 and "404" in other.stderr, other.stderr
 
 
+def test_wait_on_a_cancelled_batch_downloads_the_error_file(service: Service, tmp_path: Path) -> None:
+    ids = write_input(tmp_path / "slow.jsonl", 40, max_tokens=300, ignore_eos=True)
+    out = tmp_path / "slow-out.jsonl"
+    env = service.env | {"REIN_API_KEY": service.keys["a"]}
+    waiting = subprocess.Popen([*REIN, "batch", "submit", str(tmp_path / "slow.jsonl"), "--endpoint",
+                                "/v1/completions", "--wait", "--poll-interval", "0.2", "-o", str(out)],
+                               env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        batch_id = waiting.stdout.readline().strip()   # printed before it starts waiting
+        assert batch_id.startswith("batch"), batch_id
+        cancelled = rein_batch(service, "cancel", batch_id, key=service.keys["a"])
+        assert cancelled.returncode == 0, cancelled.stderr
+        stdout, stderr = waiting.communicate(timeout=CLI_TIMEOUT)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+    assert waiting.returncode == 1, stderr          # the batch did not complete
+    assert "cancelled" in stderr and "errors: " in stderr, stderr
+    errors = read_jsonl(tmp_path / "slow-out.errors.jsonl")
+    answered = errors + (read_jsonl(out) if out.exists() else [])
+    assert sorted(line["custom_id"] for line in answered) == sorted(ids)
+    assert {line["error"]["code"] for line in errors} == {"batch_cancelled"}
+
+
+def test_wait_on_a_batch_that_fails_validation(service: Service, tmp_path: Path) -> None:
+    write_input(tmp_path / "bad.jsonl", 2)
+    with (tmp_path / "bad.jsonl").open("a") as fh:
+        fh.write("this is not json\n")
+    done = rein_batch(service, "submit", str(tmp_path / "bad.jsonl"), "--endpoint", "/v1/completions",
+                      "--wait", "--no-progress", key=service.keys["a"])
+    assert done.returncode == 1, done.stderr
+    assert "  failed  " in done.stderr and "error (line 3)" in done.stderr, done.stderr
+    assert not (tmp_path / "bad.output.jsonl").exists()
+
+
 # -- failures ---------------------------------------------------------------------------------
 
 
