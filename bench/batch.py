@@ -2,7 +2,8 @@
 beside the same file through `rein run-batch`'s runner in this process.
 
     python bench/batch.py [--requests 2000] [--max-num-seqs 64] [--kv-cache-memory 256MiB]
-                          [--redis-url URL] [--postgres-url URL] [--keep DIR]
+                          [--batch-queue-window N] [--batch-poll-seconds S]
+                          [--profile-worker FILE] [--redis-url URL] [--postgres-url URL] [--keep DIR]
 
 The workload is generated from a fixed seed: `--requests` /v1/completions lines, prompts of
 4 to 120 random words, max_tokens 16 to 64, greedy with ignore_eos (every request produces
@@ -23,9 +24,14 @@ OMP_NUM_THREADS=1; this process calls torch.set_num_threads(1)).
 
 Figures: requests/s and output tokens/s of each (tokens counted from each output file's
 usage), and their ratio service / offline (target ≥ 0.8). Greedy outputs are compared by
-custom_id as a check that both answered the same requests. The service and the offline run
-happen one after the other on a shared machine: the 1-minute load average is printed. The
-last line of stdout is one JSON object with every figure.
+custom_id as a check that both answered the same requests (fp32 sums depend on which
+requests share a step, so a near-tie can go either way: a few differ). The service and the
+offline run happen one after the other on a shared machine: the 1-minute load average is
+printed, and the CPU seconds each side used while timed (the API and worker processes, read
+from /proc; this process for offline), whose ratio depends less on the neighbours than wall
+time does. `--profile-worker` samples the worker with py-spy (it slows the worker: use it to
+see where time goes, not for figures). The last line of stdout is one JSON object with
+every figure.
 """
 
 from __future__ import annotations
@@ -362,8 +368,13 @@ def main() -> int:
     if service["in_server_s"] is not None:
         print(f"  service in-server time (batch created_at → completed_at, 1 s resolution): "
               f"{service['in_server_s']} s")
-    print(f"  CPU seconds while timed: service api {service['cpu_s']['api']}, worker "
-          f"{service['cpu_s']['worker']}; offline {offline['cpu_s']} (this process)")
+    service_cpu = None if None in service["cpu_s"].values() else sum(service["cpu_s"].values())
+    # On a busy machine wall time depends on the neighbours; CPU seconds for the same work less so.
+    cpu_ratio = offline["cpu_s"] / service_cpu if service_cpu else None
+    print(f"  CPU seconds while timed: service api {service['cpu_s']['api']} + worker "
+          f"{service['cpu_s']['worker']} (Postgres and Redis not counted); offline {offline['cpu_s']} "
+          f"(this process); offline / service CPU: "
+          f"{'n/a' if cpu_ratio is None else f'{cpu_ratio:.3f}x'}")
     print(f"  ratio service / offline: {ratio:.3f}x output tokens/s, {ratio_requests:.3f}x requests/s "
           f"(target >= {TARGET_RATIO}x): {'PASS' if ratio >= TARGET_RATIO else 'MISS'}")
     print(f"  checks: service answered {len(answered)}/{args.requests} ({len(service_failed)} failed, "
@@ -379,6 +390,7 @@ def main() -> int:
                                        "failed": len(service_failed), "missing": len(missing)},
         "offline": sides["offline"] | {"failed": offline["failed"], "cpu_s": offline["cpu_s"]},
         "ratio_output_tokens_per_s": round(ratio, 4), "ratio_requests_per_s": round(ratio_requests, 4),
+        "cpu_ratio_offline_over_service": None if cpu_ratio is None else round(cpu_ratio, 4),
         "same_greedy_text": same_text, "cpus": os.cpu_count(),
         "loadavg_1m": {k: round(v, 2) for k, v in load.items()},
         "target": {"ratio_min": TARGET_RATIO, "pass": ratio >= TARGET_RATIO},
