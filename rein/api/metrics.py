@@ -15,7 +15,10 @@
   read from Redis (LLEN of the broker's priority lists) when Prometheus scrapes.
 
 Every metric lives in the app's own `CollectorRegistry` (`app.state.metrics.registry`),
-so tests can build several apps in one process.
+so tests can build several apps in one process. With several API processes
+(REIN_API_WORKERS > 1) `rein api` gives them a shared PROMETHEUS_MULTIPROC_DIR:
+prometheus_client then keeps each process's values in files there, and a scrape of any
+process reports the sum over all of them (queue depth: the latest reading).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
+    multiprocess,
 )
 from redis.exceptions import RedisError
 
@@ -86,6 +90,7 @@ class APIMetrics:
             "Jobs waiting in a served model's queue, by priority (read at scrape time).",
             ("model_name", "priority"),
             registry=r,
+            multiprocess_mode="mostrecent",   # read by whichever process is scraped
         )
         self._depth_labels: set[tuple[str, str]] = set()
 
@@ -119,6 +124,11 @@ class APIMetrics:
                     self.queue_depth.labels(*labels).set(depth)
 
     def exposition(self) -> bytes:
+        if self.settings.prometheus_multiproc_dir:
+            # Every API process's values, from the files they all write.
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry, path=self.settings.prometheus_multiproc_dir)
+            return generate_latest(registry)
         return generate_latest(self.registry)
 
 

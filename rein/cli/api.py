@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
+import tempfile
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,9 +42,15 @@ def run(args: argparse.Namespace) -> int:
     options = {"host": settings.api_host, "port": settings.api_port, "log_level": "info",
                "log_config": None, "proxy_headers": True}
     if settings.api_workers > 1:
-        # Several processes on one socket: uvicorn starts each from the factory below.
-        uvicorn.run(f"{__name__}:app_for_worker_process", factory=True, workers=settings.api_workers,
-                    **options)
+        # Several processes on one socket: uvicorn starts each from the factory below. They
+        # share a directory for their Prometheus values, so /metrics on any reports all.
+        metrics_dir = tempfile.mkdtemp(prefix="rein-api-metrics-")
+        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir   # inherited by the processes
+        try:
+            uvicorn.run(f"{__name__}:app_for_worker_process", factory=True,
+                        workers=settings.api_workers, **options)
+        finally:
+            shutil.rmtree(metrics_dir, ignore_errors=True)
     else:
         uvicorn.run(create_app(settings), **options)
     return 0

@@ -118,6 +118,9 @@ class Settings(BaseSettings):
     """Processes `rein api` runs (uvicorn workers); each holds its own pools and tokenizers."""
     api_db_pool_size: int = Field(20, ge=1, le=200)
     """Postgres connections each API process keeps open (a request holds one only briefly)."""
+    prometheus_multiproc_dir: str | None = Field(None, validation_alias="PROMETHEUS_MULTIPROC_DIR")
+    """prometheus_client's own variable (no REIN_ prefix): set by `rein api` for its processes
+    when REIN_API_WORKERS > 1, so that a scrape of any of them reports all of them."""
     auth_cache_seconds: float = Field(1.0, ge=0, le=60)
     """How long an API process trusts a key it has checked; a revoked key is refused within this.
     0: every request reads the key from Postgres."""

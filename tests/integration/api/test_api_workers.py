@@ -1,5 +1,6 @@
 """`rein api` with REIN_API_WORKERS=2: two API processes on one port, both serving, both
-logging like the single-process API, and all of them gone after SIGTERM."""
+logging like the single-process API, /metrics on either counting both, and all of them gone
+after SIGTERM."""
 
 from __future__ import annotations
 
@@ -30,6 +31,15 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def accepted_jobs(exposition: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(sample.value for family in text_string_to_metric_families(exposition)
+               for sample in family.samples
+               if sample.name == "rein:api_requests_total" and sample.labels.get("route") == "/v1/jobs"
+               and sample.labels.get("status") == "202")
 
 
 def children(pid: int) -> list[int]:
@@ -78,12 +88,16 @@ def test_two_api_processes_serve_one_port(settings_env, tiny_models, monkeypatch
         workers = [pid for pid in children(proc.pid)
                    if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
         assert len(workers) == 2, f"expected two API worker processes under {proc.pid}: {workers}"
-        with httpx.Client(base_url=base, timeout=10) as client:
+        # A new connection per request (Connection: close), so both processes take some.
+        with httpx.Client(base_url=base, timeout=10, headers={"Connection": "close"}) as client:
             for _ in range(20):
                 response = client.post("/v1/jobs", headers=auth(key), json={
                     "endpoint": "/v1/completions", "body": {"model": "tiny", "prompt": "hi", "max_tokens": 2}})
                 assert response.status_code == 202, response.text
                 served_by.add(response.json()["id"])
+            # Whichever process answers the scrape reports the requests both processes served.
+            for _ in range(4):
+                assert accepted_jobs(client.get("/metrics").text) == 20
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
