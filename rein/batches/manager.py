@@ -44,7 +44,8 @@ from typing import Any
 
 from celery import Celery
 from redis import Redis
-from sqlalchemy import Integer, cast, func, select, update
+from sqlalchemy import Integer, cast, func, select, text, update
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.tokenizers import ModelRegistry
@@ -137,8 +138,7 @@ class BatchManager:
 
     def _advance(self, batch_id: str, room: dict[str, int]) -> None:
         with self.sessions() as session, session.begin():
-            if not session.scalar(select(func.pg_try_advisory_xact_lock(cast(LOCK_NAMESPACE, Integer),
-                                                                         func.hashtext(batch_id)))):
+            if not try_lock_batch(session, batch_id):
                 return
             batch = session.scalars(select(Batch).where(Batch.id == batch_id)
                                     .execution_options(populate_existing=True)).one()
@@ -270,6 +270,26 @@ class BatchManager:
         session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == batch.status)
                         .values(output_file_id=output_id, error_file_id=error_id, **final))
         log.info("batch %s %s", batch.id, final["status"])
+
+
+def try_lock_batch(session: Session, batch_id: str) -> bool:
+    """Take the batch's advisory lock for the session's transaction; False if someone holds it."""
+    return bool(session.scalar(select(func.pg_try_advisory_xact_lock(cast(LOCK_NAMESPACE, Integer),
+                                                                      func.hashtext(batch_id)))))
+
+
+def lock_batch_waiting(session: Session, batch_id: str, seconds: float) -> bool:
+    """Take the batch's advisory lock, waiting up to `seconds` (a manager's step on an
+    in_progress batch is short; a validation may not be); False when it timed out, and then
+    the session's transaction is rolled back."""
+    try:
+        session.execute(text(f"SET LOCAL lock_timeout = {int(seconds * 1000)}"))
+        session.execute(select(func.pg_advisory_xact_lock(cast(LOCK_NAMESPACE, Integer),
+                                                          func.hashtext(batch_id))))
+    except OperationalError:
+        session.rollback()
+        return False
+    return True
 
 
 def copy_jobs(session: Session, rows: list[dict[str, Any]]) -> None:

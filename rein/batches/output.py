@@ -4,9 +4,10 @@ Output line (a request that succeeded):
     {"id": "batch_req_...", "custom_id": ..., "response": {"status_code": 200,
      "request_id": <job id>, "body": <exactly the synchronous endpoint's body>}, "error": null}
 Error line, a request that failed: `response` carries the status code and the error body;
-a request that never finished because the batch was cancelled or expired:
+a request that never finished because the batch was cancelled or expired (or the request
+itself was cancelled through the jobs API):
     {"id": ..., "custom_id": ..., "response": null,
-     "error": {"code": "batch_cancelled" | "batch_expired", "message": ...}}
+     "error": {"code": "batch_cancelled" | "batch_expired" | "request_cancelled", "message": ...}}
 
 Lines come in input-file order. The same generator serves the partial views while a batch
 runs (GET /v1/batches/{id}/output and /errors) and writes the files when it ends, so the
@@ -62,9 +63,12 @@ def batch_lines(session: Session, batch: Batch, kind: Kind) -> Iterator[str]:
                          "response": {"status_code": 200, "request_id": job.id,
                                       "body": response_body(job, result)}, "error": None})
         return
-    dropped = "batch_expired" if batch.expired_at is not None else "batch_cancelled"
-    reason = ("the batch's completion window closed before this request finished"
-              if dropped == "batch_expired" else "the batch was cancelled before this request finished")
+    if batch.expired_at is not None:
+        dropped, reason = "batch_expired", "the batch's completion window closed before this request finished"
+    elif batch.cancelling_at is not None:
+        dropped, reason = "batch_cancelled", "the batch was cancelled before this request finished"
+    else:
+        dropped, reason = "request_cancelled", "the request was cancelled (POST /v1/jobs/{id}/cancel)"
     rows = session.execute(
         select(Job.id, Job.custom_id, Job.status, Job.error)
         .where(Job.batch_id == batch.id, Job.status.in_(("failed", "cancelled")))

@@ -25,7 +25,7 @@ from rein.api.jobs import MAX_METADATA_PAIRS
 from rein.api.ratelimit import RateLimitExceeded
 from rein.api.routes.files import BatchKey
 from rein.api.schemas import ErrorResponse
-from rein.batches.manager import drop_batch_jobs
+from rein.batches.manager import drop_batch_jobs, lock_batch_waiting
 from rein.batches.output import Kind, batch_lines
 from rein.batches.repository import (
     batch_public,
@@ -41,6 +41,7 @@ from rein.core.redis_keys import RedisKeys
 router = APIRouter(prefix="/v1/batches", tags=["batches"])
 
 MAX_METADATA_KEY_LEN = 64
+CANCEL_LOCK_WAIT_SECONDS = 2.0
 MAX_METADATA_VALUE_LEN = 512
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
@@ -121,9 +122,11 @@ def cancel_batch(batch_id: str, request: Request, session: SessionDep, key: Batc
         .values(status="cancelling", cancelling_at=func.now()).returning(Batch.id)).one_or_none()
     session.commit()
     if moved is not None:
-        # Drop at once rather than on the manager's next tick; the manager repeats it.
-        drop_batch_jobs(session, redis, RedisKeys.from_settings(settings), settings, batch.id)
-        session.commit()
+        # Drop at once rather than on the manager's next tick (which repeats it), unless a
+        # manager holds the batch for long (validating it): then it is left to the manager.
+        if lock_batch_waiting(session, batch.id, CANCEL_LOCK_WAIT_SECONDS):
+            drop_batch_jobs(session, redis, RedisKeys.from_settings(settings), settings, batch.id)
+            session.commit()
         _wake_manager(request)
     session.expire_all()
     return batch_public(session, get_batch_for_tenant(session, key.tenant, batch_id))

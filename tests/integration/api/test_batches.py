@@ -337,11 +337,16 @@ def test_lost_messages_are_sent_again(batch_client, make_key, tenant, db_session
     batch = create(batch_client, key, jsonl(*(line(f"r{i}") for i in range(3))))
     wait_status(batch_client, key, batch["id"], "in_progress")
     batch_queue = queue_keys(settings, "tiny")[PRIORITY_BATCH]
-    wait_for(lambda: redis_client.llen(batch_queue) == 3, 10, "three messages queued")
+    # Messages go out before their sent_at commits: wait for both.
+    wait_for(lambda: redis_client.llen(batch_queue) == 3
+             and all(j.sent_at for j in batch_jobs(db_sessionmaker, batch["id"])), 10, "three messages sent")
     first_sent = {j.id: j.sent_at for j in batch_jobs(db_sessionmaker, batch["id"])}
     monkeypatch.setattr(manager, "LOST_MESSAGE_SECONDS", 0)
     redis_client.delete(batch_queue)              # Redis lost them; no worker took them
-    wait_for(lambda: redis_client.llen(batch_queue) == 3, 10, "the three messages sent again")
-    again = {j.id: j.sent_at for j in batch_jobs(db_sessionmaker, batch["id"])}
-    assert again.keys() == first_sent.keys()
-    assert all(again[job_id] and again[job_id] > first_sent[job_id] for job_id in again)
+
+    def sent_again() -> dict | None:
+        again = {j.id: j.sent_at for j in batch_jobs(db_sessionmaker, batch["id"])}
+        resent = all(again[job_id] and again[job_id] > first_sent[job_id] for job_id in first_sent)
+        return again if resent and redis_client.llen(batch_queue) == 3 else None
+
+    assert wait_for(sent_again, 10, "the three messages sent again").keys() == first_sent.keys()
