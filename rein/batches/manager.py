@@ -5,10 +5,11 @@ restart, carries on where another stopped. Each tick looks at every unfinished b
 holding a per-batch advisory transaction lock (`pg_try_advisory_xact_lock`: a batch another
 replica is handling is skipped, not waited for), does the next step in one transaction:
 
-* validating: read the input file and check every line (rein.batches.validation). Errors:
-  `failed`, with the bad lines listed. Otherwise one job per line is inserted (bulk,
-  unique on (batch_id, custom_id)) and the batch becomes `in_progress`, in the same
-  transaction: all the jobs exist or none do.
+* validating: read the input file and check every line (rein.batches.validation); each
+  good line is COPYed into the jobs table as it is checked (unique on (batch_id,
+  custom_id)), and when all are good the batch becomes `in_progress` in the same
+  transaction: all the jobs exist or none do. A bad line: the transaction is rolled back
+  and the batch is `failed`, with the bad lines listed.
 * in_progress: feed the model's queue. Batch jobs are not all sent at once: the manager
   keeps at most REIN_BATCH_QUEUE_WINDOW batch messages waiting on the model's queue (the
   priority-6 list), sending the next lines as workers drain it and stamping `sent_at`;
@@ -39,6 +40,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -74,6 +77,15 @@ COPY_COLUMNS = ("id", "tenant", "key_id", "model", "endpoint", "params", "prompt
 
 class _Superseded(Exception):
     """The batch changed status under a step; roll the step back."""
+
+
+class _ValidationFailed(Exception):
+    """Some line is bad: roll back the jobs copied so far, then record the errors."""
+
+    def __init__(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
+        super().__init__(batch_id)
+        self.batch_id = batch_id
+        self.errors = errors
 
 
 class BatchManager:
@@ -135,6 +147,9 @@ class BatchManager:
             self._advance(batch_id, room)
         except _Superseded:
             pass
+        except _ValidationFailed as failed:
+            with self.sessions() as session, session.begin():
+                self._fail(session, failed.batch_id, failed.errors)
 
     def _advance(self, batch_id: str, room: dict[str, int]) -> None:
         with self.sessions() as session, session.begin():
@@ -159,36 +174,32 @@ class BatchManager:
         except FileNotFoundError:
             source = None
         if source is None:
-            self._fail(session, batch, [{"code": "file_not_found", "line": None, "param": "input_file_id",
+            self._fail(session, batch.id, [{"code": "file_not_found", "line": None, "param": "input_file_id",
                                          "message": f"the input file {batch.input_file_id} was deleted "
                                                     "before the batch was validated"}])
             return
         started = time.monotonic()
-        with source:
-            result = validate_lines(source, batch.endpoint, self.registry, self.settings.batch_max_requests)
-        if not result.ok:
-            self._fail(session, batch, result.errors)
-            return
-        validated = time.monotonic()
-        rows = [line.job_values() | {"id": new_job_id(), "tenant": batch.tenant, "key_id": batch.key_id,
-                                     "batch_id": batch.id, "priority": PRIORITY_BATCH}
-                for line in result.lines]
-        copy_jobs(session, rows)
+        fixed = {"tenant": batch.tenant, "key_id": batch.key_id, "batch_id": batch.id, "priority": PRIORITY_BATCH}
+        with source, copy_jobs(session) as write_job:
+            result = validate_lines(source, batch.endpoint, self.registry, self.settings.batch_max_requests,
+                                    on_valid=lambda line: write_job(line.job_values() | fixed))
+        if not result.ok:    # roll back the jobs already copied, then record the errors
+            raise _ValidationFailed(batch.id, result.errors)
         moved = session.execute(
             update(Batch).where(Batch.id == batch.id, Batch.status == "validating")
             .values(status="in_progress", in_progress_at=func.now(), model=result.model,
-                    request_total=len(rows)).returning(Batch.id)).one_or_none()
+                    request_total=result.valid).returning(Batch.id)).one_or_none()
         if moved is None:    # cancelled meanwhile: the jobs go with the rolled-back transaction
             raise _Superseded(batch.id)
-        log.info("batch %s: %d requests validated in %.1f s, stored in %.1f s", batch.id, len(rows),
-                 validated - started, time.monotonic() - validated)
+        log.info("batch %s: %d requests validated and stored in %.1f s", batch.id, result.valid,
+                 time.monotonic() - started)
         self.wake()          # feed it at once rather than next tick
 
-    def _fail(self, session: Session, batch: Batch, errors: list[dict[str, Any]]) -> None:
-        session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == "validating")
+    def _fail(self, session: Session, batch_id: str, errors: list[dict[str, Any]]) -> None:
+        session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating")
                         .values(status="failed", failed_at=func.now(),
                                 errors={"object": "list", "data": errors}))
-        log.info("batch %s failed validation: %d errors", batch.id, len(errors))
+        log.info("batch %s failed validation: %d errors", batch_id, len(errors))
 
     def _progress(self, session: Session, batch: Batch, room: dict[str, int]) -> None:
         expired = session.scalar(select(func.now() >= batch.expires_at))
@@ -292,16 +303,21 @@ def lock_batch_waiting(session: Session, batch_id: str, seconds: float) -> bool:
     return True
 
 
-def copy_jobs(session: Session, rows: list[dict[str, Any]]) -> None:
-    """Insert job rows with COPY, in the session's transaction (several times faster than
-    a multi-row INSERT for a 50,000-line batch). Columns left out take their defaults."""
+@contextmanager
+def copy_jobs(session: Session) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """A function inserting one job row (a dict of COPY_COLUMNS but the id) through COPY, in
+    the session's transaction: several times faster than INSERTs for a 50,000-line batch,
+    and rows stream to Postgres as they come. Columns left out take their defaults."""
     from psycopg.types.json import Jsonb
 
     cursor = session.connection().connection.cursor()
     try:
         with cursor.copy(f"COPY jobs ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
-            for row in rows:
-                copy.write_row([Jsonb(row[c]) if c == "params" else row[c] for c in COPY_COLUMNS])
+            def write(row: dict[str, Any]) -> None:
+                row = row | {"id": new_job_id(), "params": Jsonb(row["params"])}
+                copy.write_row([row[column] for column in COPY_COLUMNS])
+
+            yield write
     finally:
         cursor.close()
 

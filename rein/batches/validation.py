@@ -8,15 +8,18 @@ the same `prepare` the synchronous endpoints use, so it tokenizes each prompt on
 the token ids are kept for the jobs. A file with more than the batch limit of requests,
 or none, is refused as a whole.
 
-The file is read line by line (never whole). Errors are listed as OpenAI's batch `errors`
-are: `{"code", "line", "message", "param"}`, up to MAX_REPORTED_ERRORS of them; once a
-line is bad, the others are still checked (to report them) but no longer kept.
+The file is read line by line (never whole), and each valid line is handed to `on_valid`
+as soon as it is checked (the batch manager COPYs it into the jobs table at once, so a
+50,000-line batch's token ids are never all held in memory; if a later line turns out bad,
+the manager rolls the whole transaction back). Errors are listed as OpenAI's batch `errors`
+are: `{"code", "line", "message", "param"}`, up to MAX_REPORTED_ERRORS of them; once a line
+is bad, the others are still checked (to report them) but no longer handed on.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,25 +52,24 @@ class ValidLine:
 
 @dataclass
 class Validation:
-    lines: list[ValidLine] = field(default_factory=list)
     errors: list[dict[str, Any]] = field(default_factory=list)
     model: str | None = None
     requests: int = 0
+    valid: int = 0
 
     @property
     def ok(self) -> bool:
         return not self.errors
 
     def fail(self, code: str, message: str, line: int | None = None, param: str | None = None) -> None:
-        self.lines.clear()      # a failed batch enqueues nothing: stop holding prepared lines
         if len(self.errors) < MAX_REPORTED_ERRORS:
             if line is not None and not message.startswith(f"line {line}:"):
                 message = f"line {line}: {message}"
             self.errors.append({"code": code, "line": line, "message": message, "param": param})
 
 
-def validate_lines(raw_lines: Iterable[bytes], endpoint: str, registry: ModelRegistry,
-                   max_requests: int) -> Validation:
+def validate_lines(raw_lines: Iterable[bytes], endpoint: str, registry: ModelRegistry, max_requests: int,
+                   on_valid: Callable[[ValidLine], None] = lambda line: None) -> Validation:
     """Check every line of a batch input file (see the module docstring)."""
     result = Validation()
     seen: set[str] = set()
@@ -118,7 +120,8 @@ def validate_lines(raw_lines: Iterable[bytes], endpoint: str, registry: ModelReg
                                             "lines: a batch runs one model", number, "body.model")
             continue
         if result.ok:
-            result.lines.append(ValidLine(number, line.custom_id, prepared))
+            on_valid(ValidLine(number, line.custom_id, prepared))
+            result.valid += 1
     if result.requests == 0 and result.ok:
         result.fail("empty_file", "the input file holds no requests (one JSON request per line)")
     return result

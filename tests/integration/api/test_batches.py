@@ -116,13 +116,14 @@ def test_validation_lists_every_bad_line(batch_client, make_key, tenant, db_sess
     assert batch_jobs(db_sessionmaker, batch["id"]) == []
 
 
-def test_too_many_lines_and_empty_file(make_client, make_key, tenant, tmp_path):
+def test_too_many_lines_and_empty_file(make_client, make_key, tenant, tmp_path, db_sessionmaker):
     client = make_client(files_dir=str(tmp_path / "files"), batch_max_requests=2, **FAST)
     key = make_key(tenant, "batch")
     batch = create(client, key, jsonl(line("a"), line("b"), line("c")))
     errors = wait_status(client, key, batch["id"], "failed")["errors"]["data"]
     assert [(e["line"], e["code"]) for e in errors] == [(3, "too_many_requests")]
     assert "more than 2 requests" in errors[0]["message"]
+    assert batch_jobs(db_sessionmaker, batch["id"]) == []    # the two good lines' jobs rolled back
     empty = create(client, key, b"\n\n")
     assert wait_status(client, key, empty["id"], "failed")["errors"]["data"][0]["code"] == "empty_file"
 
