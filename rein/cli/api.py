@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -19,7 +18,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from rein.core.db import StoreError, check_migrations_current, make_engine
-    from rein.core.settings import SettingsError, load_settings
+    from rein.core.settings import SettingsError, load_settings, share_prometheus_multiproc_dir
 
     overrides = {k: v for k, v in (("api_host", args.host), ("api_port", args.port)) if v is not None}
     try:
@@ -45,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
         # Several processes on one socket: uvicorn starts each from the factory below. They
         # share a directory for their Prometheus values, so /metrics on any reports all.
         metrics_dir = tempfile.mkdtemp(prefix="rein-api-metrics-")
-        os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir   # inherited by the processes
+        share_prometheus_multiproc_dir(metrics_dir)   # inherited by the processes
         try:
             uvicorn.run(f"{__name__}:app_for_worker_process", factory=True,
                         workers=settings.api_workers, **options)

@@ -16,6 +16,7 @@ length at N tokens (default: the model's own).
 
 from __future__ import annotations
 
+import os
 import re
 from functools import lru_cache
 from typing import Annotated, Literal
@@ -229,3 +230,9 @@ def describe_errors(exc: ValidationError) -> str:
 def get_settings() -> Settings:
     """The process's settings, read from the environment once (`get_settings.cache_clear()` re-reads)."""
     return load_settings()
+
+
+def share_prometheus_multiproc_dir(path: str) -> None:
+    """Set PROMETHEUS_MULTIPROC_DIR for the processes this one starts from now on (`rein api`
+    with several workers). Here because this module alone touches the environment."""
+    os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
