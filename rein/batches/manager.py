@@ -53,7 +53,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.tokenizers import ModelRegistry
 from rein.batches.output import write_result_files
-from rein.batches.validation import validate_lines
+from rein.batches.validation import ValidLine, validate_lines
 from rein.core.filestore import FileStore
 from rein.core.messages import PRIORITY_BATCH, JobMessage
 from rein.core.models import Batch, File, Job, new_job_id
@@ -180,9 +180,15 @@ class BatchManager:
             return
         started = time.monotonic()
         fixed = {"tenant": batch.tenant, "key_id": batch.key_id, "batch_id": batch.id, "priority": PRIORITY_BATCH}
+
+        def store(line: ValidLine) -> None:
+            if self._stop.is_set():      # shutting down: roll back, the next manager starts over
+                raise _Superseded(batch.id)
+            write_job(line.job_values() | fixed)
+
         with source, copy_jobs(session) as write_job:
             result = validate_lines(source, batch.endpoint, self.registry, self.settings.batch_max_requests,
-                                    on_valid=lambda line: write_job(line.job_values() | fixed))
+                                    on_valid=store)
         if not result.ok:    # roll back the jobs already copied, then record the errors
             raise _ValidationFailed(batch.id, result.errors)
         moved = session.execute(
