@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from service_harness import MODEL, REIN, REPO, Service, run_service
+from support import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -116,6 +117,9 @@ def test_wait_on_a_cancelled_batch_downloads_the_error_file(service: Service, tm
     try:
         batch_id = waiting.stdout.readline().strip()   # printed before it starts waiting
         assert batch_id.startswith("batch"), batch_id
+        # Cancel once validated: then every line exists and is answered (completed or dropped).
+        wait_for(lambda: json.loads(rein_batch(service, "status", batch_id, "--json", key=service.keys["a"])
+                                    .stdout)["status"] != "validating", 60, "validation")
         cancelled = rein_batch(service, "cancel", batch_id, key=service.keys["a"])
         assert cancelled.returncode == 0, cancelled.stderr
         stdout, stderr = waiting.communicate(timeout=CLI_TIMEOUT)

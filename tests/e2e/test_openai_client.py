@@ -370,6 +370,11 @@ def test_batch_with_a_bad_line_fails_validation(client: openai.OpenAI) -> None:
 def test_batch_cancel_answers_every_line_once(client: openai.OpenAI) -> None:
     content = batch_lines(24, prefix="cancel", max_tokens=300, ignore_eos=True)
     created = submit_batch(client, content)
+    # Once validated (in_progress) its 24 requests exist; a batch cancelled while validating has none.
+    deadline = time.monotonic() + BATCH_TIMEOUT
+    while client.batches.retrieve(created.id).status == "validating":
+        assert time.monotonic() < deadline, "the batch is still validating"
+        time.sleep(0.05)
     cancelling = client.batches.cancel(created.id)
     assert cancelling.status in ("cancelling", "cancelled"), cancelling
     done = wait_batch(client, created.id)
