@@ -9,6 +9,7 @@ exception classes by status code with OpenAI's `code`.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import time
@@ -175,6 +176,25 @@ def test_newer_client_parameters(client: openai.OpenAI) -> None:
     assert again.choices[0].message.content == completion.choices[0].message.content
 
 
+def test_rein_parameters_through_extra_body(client: openai.OpenAI) -> None:
+    completion = client.completions.create(**{**COMPLETION, "max_tokens": 20},
+                                           extra_body={"ignore_eos": True, "top_k": 1})
+    assert completion.usage.completion_tokens == 20 and completion.choices[0].finish_reason == "length"
+
+
+def test_async_client_stream(service: Service) -> None:
+    async def run() -> tuple[str, str]:
+        async with openai.AsyncOpenAI(base_url=f"{service.base_url}/v1", api_key=service.keys["a"],
+                                      max_retries=0, timeout=TIMEOUT) as client:
+            expected = await client.chat.completions.create(**CHAT)
+            stream = await client.chat.completions.create(**CHAT, stream=True)
+            text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+            return text, expected.choices[0].message.content
+
+    streamed, expected = asyncio.run(run())
+    assert streamed == expected
+
+
 # -- errors -----------------------------------------------------------------------------------
 
 
@@ -209,11 +229,23 @@ def test_bad_key_is_authentication_error(service: Service) -> None:
     assert caught.value.code == "invalid_api_key"
 
 
+def create_key(service: Service, name: str, *args: str) -> str:
+    created = subprocess.run([*REIN, "keys", "create", "--name", name, "--tenant", f"openai-{name}", *args],
+                             env=service.env, cwd=REPO, capture_output=True, text=True, timeout=120, check=True)
+    return created.stdout.strip().splitlines()[-1]
+
+
+def test_rate_limit_is_rate_limit_error(service: Service) -> None:
+    with make_client(service, create_key(service, "one-rpm", "--scopes", "inference", "--rpm", "1")) as limited:
+        limited.completions.create(**COMPLETION)
+        with pytest.raises(openai.RateLimitError) as caught:
+            limited.completions.create(**COMPLETION)
+    assert caught.value.status_code == 429 and caught.value.code == "rate_limit_exceeded"
+    assert int(caught.value.response.headers["retry-after"]) >= 1
+
+
 def test_missing_scope_is_permission_denied(service: Service) -> None:
-    created = subprocess.run([*REIN, "keys", "create", "--name", "usage-only", "--tenant", "a-usage",
-                              "--scopes", "usage"], env=service.env, cwd=REPO, capture_output=True,
-                             text=True, timeout=120, check=True)
-    key = created.stdout.strip().splitlines()[-1]
+    key = create_key(service, "usage-only", "--scopes", "usage")
     with make_client(service, key) as usage_only:
         with pytest.raises(openai.PermissionDeniedError) as caught:
             usage_only.chat.completions.create(**CHAT)
