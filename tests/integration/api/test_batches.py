@@ -351,3 +351,14 @@ def test_lost_messages_are_sent_again(batch_client, make_key, tenant, db_session
         return again if resent and redis_client.llen(batch_queue) == 3 else None
 
     assert wait_for(sent_again, 10, "the three messages sent again").keys() == first_sent.keys()
+
+
+def test_a_batch_counts_as_one_request_against_rpm(batch_client, make_key, tenant, db_sessionmaker):
+    key = make_key(tenant, "batch", rpm=1, tpm=10)
+    # Ten lines of up to 4 + prompt tokens each: far past the TPM, yet the batch is accepted.
+    batch = create(batch_client, key, jsonl(*(line(f"r{i}") for i in range(10))))
+    assert wait_status(batch_client, key, batch["id"], "in_progress")["request_counts"]["total"] == 10
+    response = batch_client.post("/v1/batches", headers=auth(key), json={
+        "input_file_id": batch["input_file_id"], "endpoint": "/v1/completions", "completion_window": "24h"})
+    assert response.status_code == 429 and response.headers["Retry-After"]
+    assert response.json()["error"]["code"] == "rate_limit_exceeded"
