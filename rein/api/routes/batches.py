@@ -132,8 +132,7 @@ def cancel_batch(batch_id: str, request: Request, session: SessionDep, key: Batc
     return batch_public(session, get_batch_for_tenant(session, key.tenant, batch_id))
 
 
-def _lines_response(request: Request, sessions: Any, tenant: str, batch_id: str, kind: Kind
-                    ) -> StreamingResponse:
+def _lines_response(sessions: Any, tenant: str, batch_id: str, kind: Kind) -> StreamingResponse:
     with sessions() as session:
         get_batch_for_tenant(session, tenant, batch_id)
 
@@ -147,12 +146,12 @@ def _lines_response(request: Request, sessions: Any, tenant: str, batch_id: str,
 
 
 @router.get("/{batch_id}/output", responses={**_ERRORS, 200: {"content": {"application/jsonl": {}}}})
-def batch_output(batch_id: str, request: Request, sessions: SessionsDep, key: BatchKey) -> StreamingResponse:
+def batch_output(batch_id: str, sessions: SessionsDep, key: BatchKey) -> StreamingResponse:
     """The output lines of the requests that succeeded so far, in input order (rein only)."""
-    return _lines_response(request, sessions, key.tenant, batch_id, "output")
+    return _lines_response(sessions, key.tenant, batch_id, "output")
 
 
 @router.get("/{batch_id}/errors", responses={**_ERRORS, 200: {"content": {"application/jsonl": {}}}})
-def batch_errors(batch_id: str, request: Request, sessions: SessionsDep, key: BatchKey) -> StreamingResponse:
+def batch_errors(batch_id: str, sessions: SessionsDep, key: BatchKey) -> StreamingResponse:
     """The error lines of the requests that failed so far, in input order (rein only)."""
-    return _lines_response(request, sessions, key.tenant, batch_id, "errors")
+    return _lines_response(sessions, key.tenant, batch_id, "errors")
