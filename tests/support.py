@@ -4,8 +4,10 @@ between sibling test folders, so plain functions live here)."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +54,18 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
         time.sleep(interval)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether the process runs (a zombie has exited all the same)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False

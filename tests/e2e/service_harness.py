@@ -13,7 +13,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from support import connect_postgres, delete_prefixed, unreachable, wait_for
+from support import connect_postgres, delete_prefixed, free_port, unreachable, wait_for
 
 POSTGRES_URL = os.environ.get("REIN_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -40,10 +39,6 @@ REIN = [sys.executable, "-m", "rein.cli.main"]
 # -- helpers ----------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _tail(path: Path, lines: int = 40) -> str:
@@ -161,7 +156,7 @@ def run_service(tmp: Path, model_dir: Path, *, scopes: str = "inference,usage",
     dbname = f"rein_e2e_{run_id}"
     prefix = f"rein_e2e_{run_id}:"
     t_model = time.monotonic()
-    port = _free_port()
+    port = free_port()
     hostname = f"e2e-{run_id}@localhost"
     env = {k: v for k, v in os.environ.items() if not k.startswith("REIN_")} | {
         "REIN_DATABASE_URL": server.set(database=dbname).render_as_string(hide_password=False),

@@ -10,14 +10,13 @@ and a message saying what to change.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from service_harness import MODEL, REIN, REPO, Service, run_service
-from support import wait_for
+from support import free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -55,10 +54,6 @@ def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # -- the happy path ---------------------------------------------------------------------------

@@ -4,7 +4,6 @@ requests, prompt and generation tokens; the engine's gauges return to 0 once it 
 
 from __future__ import annotations
 
-import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -12,22 +11,18 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from service_harness import MODEL, Service, run_service, submit
-from support import wait_for
+from support import free_port, wait_for
 
 pytestmark = pytest.mark.slow
 
 NUM_JOBS = 12
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
 def metrics_port() -> int:
-    return _free_port()
+    return free_port()
 
 
 @pytest.fixture(scope="module")

@@ -6,35 +6,20 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import httpx
 import pytest
+from support import free_port, pid_alive
 
 STARTUP_TIMEOUT = 120.0  # typically ~40 s: two processes importing torch at once
 EXIT_TIMEOUT = 20.0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    # A zombie still answers kill(0); it has exited all the same.
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def child_pids(log: str) -> dict[str, int]:

@@ -4,7 +4,6 @@ by a real tiny engine, the worker's metrics server, and the API middleware on a 
 
 from __future__ import annotations
 
-import socket
 import urllib.request
 from dataclasses import dataclass, field
 
@@ -13,6 +12,7 @@ from fastapi import FastAPI, Request
 from fastapi.testclient import TestClient
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from support import free_port
 
 from rein.api.errors import APIError, install_error_handlers
 from rein.api.metrics import APIMetrics, MetricsMiddleware
@@ -178,17 +178,13 @@ def test_composed_hooks_all_run_when_one_fails():
     assert len(seen) == 1
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_worker_serves_its_registry_on_its_port_and_refuses_a_taken_one():
     engine = FakeEngine(num_running=1)
     first, second = WorkerMetrics("tiny"), WorkerMetrics("tiny")   # two registries in one process
     first.attach(engine)
-    port = _free_port()
+    port = free_port()
     first.serve(port, host="127.0.0.1")
     try:
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()

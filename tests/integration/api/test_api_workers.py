@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,21 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 from api_helpers import auth
+from support import free_port, pid_alive
 
 STARTUP_TIMEOUT = 120.0
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def accepted_jobs(exposition: str) -> float:
