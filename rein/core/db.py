@@ -10,8 +10,9 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
+from typing import Any
 
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Engine, Row, create_engine
 from sqlalchemy.engine import URL, make_url
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import Session, sessionmaker
@@ -31,6 +32,23 @@ class DatabaseNotMigratedError(StoreError):
 
 class DatabaseUnavailableError(StoreError):
     """The Postgres server cannot be reached."""
+
+
+def engine_of(sessions: sessionmaker[Session]) -> Engine:
+    """The engine a sessionmaker binds its sessions to."""
+    return sessions.kw["bind"]
+
+
+def execute_one(engine: Engine, sql: str, params: tuple[Any, ...]) -> Row[Any] | None:
+    """Run one SQL statement as its own transaction (autocommit: one round trip); its first row.
+
+    For the hottest single-statement writes (the API's job INSERT, a worker's claim and its
+    record): there, building and compiling SQLAlchemy statements per call cost more CPU than
+    everything else the write does. `sql` uses the driver's `%s` placeholders; errors still
+    come out as SQLAlchemy's, and a broken connection is still dropped from the pool.
+    """
+    with engine.connect() as conn:
+        return conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(sql, params).first()
 
 
 def make_engine(url: str | URL, **kwargs: object) -> Engine:

@@ -29,12 +29,12 @@ Lease semantics:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import timedelta
 from enum import StrEnum
 
 from sqlalchemy import and_, func, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from rein.core.db import engine_of, execute_one
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 
 LEASE_MARGIN_SECONDS = 60
@@ -80,30 +80,34 @@ def lease_seconds(job_timeout_seconds: int) -> int:
 
 
 def _claimable():
-    """A job that may start a new attempt: queued, or running under an expired lease."""
+    """A job that may start a new attempt: queued, or running under an expired lease (the
+    same condition as _CLAIM_SQL's, for the rare paths: giving up, cancelling unstarted)."""
     expired = or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < func.now())
     return or_(Job.status == "queued", and_(Job.status == "running", expired))
+
+
+# The claim: one conditional UPDATE, its own transaction (rein.core.db.execute_one; every job
+# runs it, so it is SQL text). A job may start a new attempt when it is queued, or running
+# under an expired lease, with no cancel requested and attempts left.
+_CLAIM_SQL = """
+UPDATE jobs SET status = 'running', attempt = attempt + 1, worker = %s, started_at = now(),
+       first_token_at = NULL, finished_at = NULL, error = NULL,
+       lease_expires_at = now() + make_interval(secs => %s)
+ WHERE id = %s AND cancel_requested_at IS NULL AND attempt < %s
+   AND (status = 'queued'
+        OR (status = 'running' AND (lease_expires_at IS NULL OR lease_expires_at < now())))
+RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, started_at"""
 
 
 def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_for_seconds: int,
               max_attempts: int = MAX_ATTEMPTS) -> Claim:
     """Take the job for a new attempt, or say why not (see the module docstring)."""
-    with sessions.begin() as session:
-        row = session.execute(
-            update(Job)
-            .where(Job.id == job_id, Job.cancel_requested_at.is_(None), Job.attempt < max_attempts,
-                   _claimable())
-            .values(status="running", attempt=Job.attempt + 1, worker=worker, started_at=func.now(),
-                    first_token_at=None, finished_at=None, error=None,
-                    lease_expires_at=func.now() + timedelta(seconds=lease_for_seconds))
-            .returning(Job.attempt, Job.tenant, Job.key_id, Job.model, Job.endpoint, Job.prompt_tokens,
-                       Job.queued_at, Job.started_at)
-            .execution_options(synchronize_session=False)
-        ).one_or_none()
-        if row is not None:
-            queue_seconds = (row.started_at - row.queued_at).total_seconds() if row.queued_at else None
-            return Claim(ClaimOutcome.CLAIMED, Lease(job_id, row.attempt, worker, row.tenant, row.key_id,
-                                                     row.model, row.endpoint, row.prompt_tokens, queue_seconds))
+    row = execute_one(engine_of(sessions), _CLAIM_SQL, (worker, lease_for_seconds, job_id, max_attempts))
+    if row is not None:
+        queue_seconds = (row.started_at - row.queued_at).total_seconds() if row.queued_at else None
+        return Claim(ClaimOutcome.CLAIMED, Lease(job_id, row.attempt, worker, row.tenant, row.key_id,
+                                                 row.model, row.endpoint, row.prompt_tokens, queue_seconds))
+    with sessions() as session:
         current = session.execute(
             select(Job.status, Job.cancel_requested_at, Job.attempt).where(Job.id == job_id)).one_or_none()
     if current is None:

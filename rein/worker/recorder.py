@@ -18,15 +18,15 @@ streamed deltas still concatenate to the stored text.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, update
-from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.core.models import Job, Result, Usage
+from rein.core.db import engine_of, execute_one
+from rein.core.models import Job, Result
 from rein.openai_format import build_response
 from rein.worker.claim import Lease
 
@@ -71,29 +71,40 @@ class JobRecord:
 
 def record_job(sessions: sessionmaker[Session], lease: Lease, record: JobRecord) -> bool:
     """Write the attempt's outcome; False (and nothing written) if the lease is no longer held."""
-    with sessions.begin() as session:
-        row = session.execute(
-            update(Job)
-            .where(Job.id == lease.job_id, Job.attempt == lease.attempt, Job.status == "running")
-            .values(status=record.status, finished_at=func.now(), first_token_at=record.first_token_at,
-                    error=record.error, lease_expires_at=None)
-            .returning(Job.tenant, Job.key_id, Job.model)
-            .execution_options(synchronize_session=False)
-        ).one_or_none()
-        if row is None:
-            return False
-        if record.finish_reason is not None:
-            session.execute(insert(Result).values(
-                job_id=lease.job_id, text=record.text, finish_reason=record.finish_reason,
-                token_ids=list(record.token_ids), logprobs=record.logprobs,
-            ).on_conflict_do_nothing(index_elements=[Result.job_id]))
-        if record.prompt_tokens is not None:
-            session.execute(insert(Usage).values(
-                job_id=lease.job_id, tenant=row.tenant, key_id=row.key_id, model=row.model,
-                prompt_tokens=record.prompt_tokens, completion_tokens=record.completion_tokens,
-                cached_tokens=min(record.cached_tokens, record.prompt_tokens),
-            ).on_conflict_do_nothing(index_elements=[Usage.job_id]))
-    return True
+    has_result = record.finish_reason is not None
+    has_usage = record.prompt_tokens is not None
+    prompt_tokens = record.prompt_tokens or 0
+    row = execute_one(engine_of(sessions), _RECORD_SQL, (
+        record.status, record.first_token_at, _json(record.error), lease.job_id, lease.attempt,
+        record.text, record.finish_reason, "{" + ",".join(map(str, record.token_ids)) + "}",
+        _json(record.logprobs), has_result,
+        prompt_tokens, record.completion_tokens, min(record.cached_tokens, prompt_tokens), has_usage))
+    return row is not None and row[0] == 1
+
+
+def _json(value: Any) -> str | None:
+    return None if value is None else json.dumps(value)
+
+
+# The record: the job's status, its result and its usage in one statement (so one transaction
+# and one round trip; rein.core.db.execute_one). The result and usage rows are written only
+# when the UPDATE matched, i.e. while this attempt still holds the job, and each at most once.
+_RECORD_SQL = """
+WITH done AS (
+    UPDATE jobs SET status = %s, finished_at = now(), first_token_at = %s, error = %s::jsonb,
+                    lease_expires_at = NULL
+     WHERE id = %s AND attempt = %s AND status = 'running'
+    RETURNING id, tenant, key_id, model
+), result_row AS (
+    INSERT INTO results (job_id, text, finish_reason, token_ids, logprobs)
+    SELECT id, %s, %s, %s::integer[], %s::jsonb FROM done WHERE %s
+    ON CONFLICT (job_id) DO NOTHING
+), usage_row AS (
+    INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_tokens, cached_tokens)
+    SELECT id, tenant, key_id, model, %s, %s, %s FROM done WHERE %s
+    ON CONFLICT (job_id) DO NOTHING
+)
+SELECT count(*) FROM done"""
 
 
 def response_body(job: Job, result: Result) -> dict[str, Any]:
