@@ -17,9 +17,7 @@ The Celery message is acknowledged after this returns in every case (late ack).
 from __future__ import annotations
 
 import logging
-import queue
 import time
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
@@ -43,8 +41,7 @@ from rein.worker.publisher import TIMEOUT, usage_of
 from rein.worker.recorder import JobRecord, record_job, response_logprobs
 
 if TYPE_CHECKING:
-    from rein.engine.outputs import RequestOutput, TokenLogprob
-    from rein.engine.runner import RequestStream
+    from rein.engine.runner import CollectingStream
     from rein.worker.bootstep import WorkerContext
     from rein.worker.claim import Lease
 
@@ -73,17 +70,6 @@ def run_job(self: Any, message: dict[str, Any]) -> str:
             log.warning("job %s not taken (%s); retrying in %d s", message.get("job_id"), exc.__cause__,
                         NOT_TAKEN_RETRY_SECONDS)
         raise self.retry(exc=exc, countdown=NOT_TAKEN_RETRY_SECONDS, max_retries=None) from exc
-
-
-@dataclass
-class _Collected:
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    first_token_at: datetime | None = None
-    first_token_time: float | None = None       # time.monotonic(), for the latency metrics
-    final: RequestOutput | None = None
-    timed_out: bool = False
 
 
 def process_job(context: WorkerContext, message: JobMessage) -> str:
@@ -158,7 +144,8 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
         return _fail(context, lease, f"invalid sampling parameters: {exc}", "invalid_request_error",
                      "invalid_sampling_params")
     try:
-        stream = context.runner.submit(job_id, message.prompt_token_ids, params, message.priority)
+        stream = context.runner.submit(job_id, message.prompt_token_ids, params, message.priority,
+                                       collect=True)
     except EngineStoppedError:
         return _hand_back(context, message, lease)
     except Exception as exc:  # the engine refused the request (EngineRequestError, ...)
@@ -168,19 +155,20 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
         context.runner.abort(job_id)   # the cancel came between the claim and the submit
     deadline = time.monotonic() + context.settings.job_timeout_seconds
     try:
-        collected = _collect(context, job_id, stream, deadline)
+        timed_out = _wait(context, job_id, stream, deadline)
     except EngineStoppedError as exc:
         if context.is_interrupted(job_id):
             return _hand_back(context, message, lease)
         return _fail(context, lease, f"the engine failed: {exc}", "server_error", "engine_failed")
+    collected = stream.collected
     final = collected.final
     if final is None:   # the engine never confirmed the abort of a timed-out job
         return _fail(context, lease, "the job ran past its time limit and the engine did not stop it",
                      "server_error", "timeout")
-    if final.finish_reason == "abort" and not collected.timed_out and context.is_interrupted(job_id):
+    if final.finish_reason == "abort" and not timed_out and context.is_interrupted(job_id):
         return _hand_back(context, message, lease)
 
-    if collected.timed_out:
+    if timed_out:
         status, error = "failed", _error(
             f"the job ran past its time limit of {context.settings.job_timeout_seconds} s", "server_error",
             "timeout")
@@ -189,44 +177,29 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
     else:
         status, error = "succeeded", None
         if context.metrics is not None:
-            context.metrics.observe_request(claimed=claimed, first_token=collected.first_token_time,
+            context.metrics.observe_request(claimed=claimed, first_token=collected.first_token_monotonic,
                                             finished=time.monotonic(), num_output_tokens=final.num_output_tokens)
     record = JobRecord(
         status=status, text=collected.text, token_ids=collected.token_ids, finish_reason=final.finish_reason,
         logprobs=response_logprobs(lease.endpoint, collected.logprobs if params.logprobs is not None else None,
                                    context.engine.tokenizer, message.logprobs_mode),
         prompt_tokens=final.num_prompt_tokens, completion_tokens=final.num_output_tokens,
-        first_token_at=collected.first_token_at, error=error)
+        first_token_at=(datetime.fromtimestamp(collected.first_token_at, UTC)
+                        if collected.first_token_at is not None else None), error=error)
     if not record_job(context.sessions, lease, record):
         log.warning("job %s attempt %d: lease lost before recording; result dropped", job_id, lease.attempt)
         return "lease lost"
     return status
 
 
-def _collect(context: WorkerContext, job_id: str, stream: RequestStream, deadline: float) -> _Collected:
-    """Read the job's outputs until the final one, aborting it at the deadline."""
-    collected = _Collected()
-    while True:
-        try:
-            output = stream.get(timeout=max(deadline - time.monotonic(), 0.0))
-        except queue.Empty:
-            if collected.timed_out:
-                return collected          # the abort was never confirmed
-            collected.timed_out = True
-            context.publisher.mark_abort(job_id, TIMEOUT)
-            context.runner.abort(job_id)
-            deadline = time.monotonic() + ABORT_GRACE_SECONDS
-            continue
-        if output.new_token_ids and collected.first_token_at is None:
-            collected.first_token_at = datetime.now(UTC)
-            collected.first_token_time = time.monotonic()
-        collected.text += output.text_delta
-        collected.token_ids.extend(output.new_token_ids)
-        if output.logprobs:
-            collected.logprobs.extend(output.logprobs)
-        if output.finished:
-            collected.final = output
-            return collected
+def _wait(context: WorkerContext, job_id: str, stream: CollectingStream, deadline: float) -> bool:
+    """Wait for the job's end, aborting it at the deadline; True when it ran out of time."""
+    if stream.wait(max(deadline - time.monotonic(), 0.0)):
+        return False
+    context.publisher.mark_abort(job_id, TIMEOUT)
+    context.runner.abort(job_id)
+    stream.wait(ABORT_GRACE_SECONDS)   # collected.final stays None if it is never confirmed
+    return True
 
 
 def _error(message: str, type_: str, code: str | None) -> dict[str, Any]:

@@ -204,3 +204,29 @@ def test_runner_stop_ends_open_streams(model_dir):
         while True:
             outputs.append(stream.get(timeout=5))
     assert outputs and outputs[-1].finish_reason == "abort"
+
+
+def test_collecting_stream_hands_over_the_whole_result_at_the_end(model_dir):
+    engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="8MiB", max_model_len=256))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
+    with EngineRunner(engine) as runner:
+        streamed = list(runner.submit("one-by-one", [30, 31, 32], params))
+        stream = runner.submit("collected", [30, 31, 32], params, collect=True)
+        assert stream.wait(timeout=60)
+        collected = stream.collected
+        assert collected.text == "".join(o.text_delta for o in streamed)
+        assert collected.token_ids == [t for o in streamed for t in o.new_token_ids] and len(collected.token_ids) == 12
+        assert [lp.token_id for lp in collected.logprobs] == collected.token_ids
+        assert collected.final.finished and collected.final.finish_reason == "length"
+        assert collected.first_token_at is not None and collected.first_token_monotonic is not None
+
+        slow = runner.submit("slow", [5, 6], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+                             collect=True)
+        assert not slow.wait(timeout=0.01)   # still running: a timeout, not an end
+        slow.abort()
+        assert slow.wait(timeout=30) and slow.collected.final.finish_reason == "abort"
+
+        stopped = runner.submit("stopped", [5, 6], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True),
+                                collect=True)
+    # Stopping the runner aborts what still runs: the collecting stream ends with that abort.
+    assert stopped.wait(timeout=10) and stopped.collected.final.finish_reason == "abort"
