@@ -1,14 +1,15 @@
 """Batch throughput: one OpenAI batch file through the service (Files + Batches API, one worker)
 beside the same file through `rein run-batch`'s runner in this process.
 
-    python bench/batch.py [--requests 2000] [--max-num-seqs 64] [--kv-cache-memory 256MiB]
+    python bench/batch.py [--requests 2000] [--preset tiny] [--max-num-seqs 64] [--kv-cache-memory 256MiB]
                           [--batch-queue-window N] [--batch-poll-seconds S]
                           [--profile-worker FILE] [--redis-url URL] [--postgres-url URL] [--keep DIR]
 
 The workload is generated from a fixed seed: `--requests` /v1/completions lines, prompts of
 4 to 120 random words, max_tokens 16 to 64, greedy with ignore_eos (every request produces
 exactly its max_tokens, so both sides do the same work and output tokens are comparable).
-The model is the tiny llama (.cache/bench-models/llama-tiny, rein.tiny_model) capped at 512
+The model is the tiny llama (.cache/bench-models/llama-tiny, rein.tiny_model; `--preset
+small` for the larger one, .cache/bench-models/llama-small) capped at 512
 tokens of context; both engines have the same settings (device cpu, fp32, --max-num-seqs,
 2048 batched tokens a step, --kv-cache-memory) and one torch thread (the worker gets
 OMP_NUM_THREADS=1; this process calls torch.set_num_threads(1)).
@@ -291,6 +292,9 @@ def run_offline(model_dir: Path, input_path: Path, output_path: Path, args: argp
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=2000, help="lines in the batch file (2000)")
+    parser.add_argument("--preset", choices=("tiny", "small"), default="tiny",
+                        help="model size (tiny: hidden 64 / 2 layers; small: 512 / 8, ~30x the work "
+                             "per token, which shows the service's cost per request in proportion)")
     parser.add_argument("--max-num-seqs", type=int, default=64, help="engine sequences, both sides (64)")
     parser.add_argument("--kv-cache-memory", default="256MiB", help="KV cache, both sides (256MiB)")
     parser.add_argument("--batch-queue-window", type=int, default=None, metavar="N",
@@ -321,7 +325,7 @@ def main() -> int:
     input_path = work_dir / "input.jsonl"
     max_tokens = write_workload(input_path, args.requests)
     expected_tokens = sum(max_tokens.values())
-    model_dir = ensure_model()
+    model_dir = ensure_model(args.preset)
     phase(f"{args.requests} requests ({expected_tokens} output tokens) in {input_path}")
 
     load = {"start": os.getloadavg()[0]}
@@ -358,7 +362,7 @@ def main() -> int:
 
     print()
     print(f"batch: {args.requests} /v1/completions requests, prompts 4-120 words, max_tokens 16-64, "
-          f"greedy + ignore_eos ({expected_tokens} output tokens expected); tiny llama, cpu fp32, "
+          f"greedy + ignore_eos ({expected_tokens} output tokens expected); {args.preset} llama, cpu fp32, "
           f"1 torch thread, max_num_seqs {args.max_num_seqs}, KV {args.kv_cache_memory}")
     print(f"  {'path':<44} {'wall s':>8} {'req/s':>8} {'out tok/s':>10}")
     for name, label in (("service", "service (upload → batch → download, 1 worker)"),
@@ -384,7 +388,8 @@ def main() -> int:
     print(f"  1-minute load average: {load['start']:.2f} at start, {load['after_service']:.2f} after the "
           f"service run, {load['end']:.2f} at the end ({os.cpu_count()} CPUs)")
     result = {
-        "bench": "batch", "requests": args.requests, "expected_output_tokens": expected_tokens,
+        "bench": "batch", "preset": args.preset, "requests": args.requests,
+        "expected_output_tokens": expected_tokens,
         "max_num_seqs": args.max_num_seqs, "kv_cache_memory": args.kv_cache_memory,
         "service": sides["service"] | {"in_server_s": service["in_server_s"], "cpu_s": service["cpu_s"],
                                        "failed": len(service_failed), "missing": len(missing)},

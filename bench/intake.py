@@ -92,10 +92,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def ensure_model() -> Path:
+def ensure_model(preset: str = "tiny") -> Path:
+    """The bench's random-weight llama of this preset (built once under .cache/bench-models)."""
     from rein.tiny_model import ensure_tiny_model
 
-    return ensure_tiny_model(MODEL_DIR, arch="llama", seed=0, preset="tiny")
+    return ensure_tiny_model(MODEL_DIR.with_name(f"llama-{preset}"), arch="llama", seed=0, preset=preset)
 
 
 def check_loopback(url: str, what: str) -> None:
