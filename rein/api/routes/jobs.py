@@ -68,11 +68,12 @@ def job_public(job: Job) -> JobPublic:
 
 
 @router.post("", status_code=202, response_model=JobCreated,
-             responses={**_ERRORS, 400: {"model": ErrorResponse}, 429: {"model": ErrorResponse},
-                        503: {"model": ErrorResponse}})
+             responses={**_ERRORS, 400: {"model": ErrorResponse}, 409: {"model": ErrorResponse},
+                        429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
 def create_job(payload: JobCreate, key: InferenceKey, intake: IntakeDep,
                idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> JobCreated:
-    """Queue a job; 202 with its id. A retry with the same Idempotency-Key returns the same job."""
+    """Queue a job; 202 with its id. A retry with the same Idempotency-Key returns the same job;
+    the same key with a different request is 409 `idempotency_key_reused`."""
     with log_context(key_id=key.key_id, model=payload.body.get("model")):
         job, prepared = intake.submit(key, payload.endpoint, payload.body, metadata=payload.metadata,
                                       idempotency_key=idempotency_key)

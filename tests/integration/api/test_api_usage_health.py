@@ -68,11 +68,15 @@ def test_openapi_lists_the_routes(client):
     expected = {"/v1/chat/completions": {"post"}, "/v1/completions": {"post"}, "/v1/models": {"get"},
                 "/v1/jobs": {"get", "post"}, "/v1/jobs/{job_id}": {"get"},
                 "/v1/jobs/{job_id}/cancel": {"post"}, "/v1/jobs/{job_id}/events": {"get"},
-                "/v1/usage": {"get"}, "/healthz": {"get"}, "/readyz": {"get"}}
+                "/v1/usage": {"get"}, "/healthz": {"get"}, "/readyz": {"get"},
+                "/v1/files": {"get", "post"}, "/v1/files/{file_id}": {"get", "delete"},
+                "/v1/files/{file_id}/content": {"get"}, "/v1/batches": {"get", "post"},
+                "/v1/batches/{batch_id}": {"get"}, "/v1/batches/{batch_id}/cancel": {"post"}}
     for path, methods in expected.items():
         assert methods <= set(paths[path]), path
     assert paths["/v1/jobs"]["post"]["responses"]["202"]["content"]["application/json"]["schema"] == {
         "$ref": "#/components/schemas/JobCreated"}
+    assert {"400", "401", "403", "409", "429", "503"} <= set(paths["/v1/jobs"]["post"]["responses"])
     assert "HTTPBearer" in schema["components"]["securitySchemes"]
     # Validation errors are answered 400 in OpenAI's shape, and documented so.
     for path in paths.values():
