@@ -62,7 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.celery = make_celery(settings)
         state.key_cache = KeyCache(settings.auth_cache_seconds)
         state.limiter = RateLimiter(state.redis, RedisKeys.from_settings(settings), settings)
-        state.intake = JobIntake(settings, state.sessions, state.redis, state.celery, state.limiter,
+        state.intake = JobIntake(settings, state.sessions, state.celery, state.limiter,
                                  registry)
         state.filestore = LocalFileStore(settings.files_dir)
         # Validates, feeds, expires and finalizes batches (all state in Postgres, see its docstring).

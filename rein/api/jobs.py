@@ -23,7 +23,6 @@ from datetime import datetime
 from typing import Any
 
 from celery import Celery
-from redis import Redis
 from sqlalchemy import func, select, tuple_, update
 from sqlalchemy.orm import Session, selectinload, sessionmaker
 
@@ -153,11 +152,10 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Pre
 
 
 class JobIntake:
-    def __init__(self, settings: Settings, sessions: sessionmaker[Session], redis: Redis,
-                 celery: Celery, limiter: RateLimiter, registry: ModelRegistry) -> None:
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], celery: Celery,
+                 limiter: RateLimiter, registry: ModelRegistry) -> None:
         self.settings = settings
         self.sessions = sessions
-        self.redis = redis
         self.celery = celery
         self.limiter = limiter
         self.registry = registry

@@ -59,7 +59,7 @@ from rein.core.messages import PRIORITY_BATCH, JobMessage
 from rein.core.models import Batch, File, Job, new_job_id
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
-from rein.worker.app import TASK_NAME, queue_keys
+from rein.worker.app import enqueue_job, queue_keys
 from rein.worker.cancel import request_cancel
 
 log = logging.getLogger(__name__)
@@ -245,8 +245,7 @@ class BatchManager:
                     prompt_token_ids=list(row.prompt_token_ids), sampling=row.params["sampling"],
                     priority=PRIORITY_BATCH, logprobs_mode=row.params.get("logprobs_mode"), tenant=row.tenant,
                     key_id=row.key_id)
-                self.celery.send_task(TASK_NAME, args=[message.to_dict()], priority=PRIORITY_BATCH,
-                                      producer=producer)
+                enqueue_job(self.celery, message, producer)
         if rows:
             session.execute(update(Job).where(Job.id.in_([row.id for row in rows])).values(sent_at=func.now()))
             room[model] -= len(rows)

@@ -92,12 +92,15 @@ class JobRouter:
         return {"queue": self.keys.queue(message["model"])}
 
 
-def enqueue_job(app: Celery, message: JobMessage) -> None:
-    """Put a job on its model's queue at its priority (what the API calls after the job row exists)."""
+def enqueue_job(app: Celery, message: JobMessage, producer: Any = None) -> None:
+    """Put a job on its model's queue at its priority (what the API calls after the job row exists).
+
+    `producer`: one from `app.producer_or_acquire()`, to send many messages on one connection.
+    """
     # argsrepr: what Celery shows of the arguments in its logs and events. Its default, a
     # repr of the whole message, would put every prompt token id there (and costs time).
     app.send_task(TASK_NAME, args=[message.to_dict()], priority=message.priority,
-                  argsrepr=f"[{message.job_id}]", kwargsrepr="{}")
+                  argsrepr=f"[{message.job_id}]", kwargsrepr="{}", producer=producer)
 
 
 def queue_keys(settings: Any, model: str) -> list[str]:

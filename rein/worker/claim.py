@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from sqlalchemy import and_, func, or_, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.db import engine_of, execute_one
@@ -79,23 +79,23 @@ def lease_seconds(job_timeout_seconds: int) -> int:
     return job_timeout_seconds + LEASE_MARGIN_SECONDS
 
 
+# A job that may start a new attempt: queued, or running under an expired lease. One
+# condition for every path: the claim below, giving up, cancelling an unstarted job.
+_CLAIMABLE_SQL = ("(status = 'queued' OR (status = 'running' "
+                  "AND (lease_expires_at IS NULL OR lease_expires_at < now())))")
+
+
 def _claimable():
-    """A job that may start a new attempt: queued, or running under an expired lease (the
-    same condition as _CLAIM_SQL's, for the rare paths: giving up, cancelling unstarted)."""
-    expired = or_(Job.lease_expires_at.is_(None), Job.lease_expires_at < func.now())
-    return or_(Job.status == "queued", and_(Job.status == "running", expired))
+    return text(_CLAIMABLE_SQL)
 
 
 # The claim: one conditional UPDATE, its own transaction (rein.core.db.execute_one; every job
-# runs it, so it is SQL text). A job may start a new attempt when it is queued, or running
-# under an expired lease, with no cancel requested and attempts left.
-_CLAIM_SQL = """
+# runs it, so it is SQL text), for a claimable job with no cancel requested and attempts left.
+_CLAIM_SQL = f"""
 UPDATE jobs SET status = 'running', attempt = attempt + 1, worker = %s, started_at = now(),
        first_token_at = NULL, finished_at = NULL, error = NULL,
        lease_expires_at = now() + make_interval(secs => %s)
- WHERE id = %s AND cancel_requested_at IS NULL AND attempt < %s
-   AND (status = 'queued'
-        OR (status = 'running' AND (lease_expires_at IS NULL OR lease_expires_at < now())))
+ WHERE id = %s AND cancel_requested_at IS NULL AND attempt < %s AND {_CLAIMABLE_SQL}
 RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, started_at"""
 
 

@@ -25,6 +25,8 @@ from pathlib import Path
 import httpx
 from support import connect_postgres, delete_prefixed, free_port, unreachable, wait_for
 
+from rein.core.redis_keys import RedisKeys
+
 POSTGRES_URL = os.environ.get("REIN_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("REIN_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -200,7 +202,7 @@ def run_service(tmp: Path, model_dir: Path, *, scopes: str = "inference,usage",
         with ThreadPoolExecutor(max_workers=2) as pool:   # while the api and the worker start
             keys = dict(pool.map(create_key, ("a", "b")))
         svc = Service(base_url=f"http://127.0.0.1:{port}", keys=keys, env=env, redis=redis_client,
-                      heartbeat_key=f"{prefix.rstrip(':')}:worker:{hostname}", worker=worker, api=api,
+                      heartbeat_key=RedisKeys(prefix.rstrip(":")).worker_heartbeat(hostname), worker=worker, api=api,
                       logs=tmp, spawn=spawn, hostname=hostname)
 
         def ready() -> bool:
