@@ -20,7 +20,7 @@ from sqlalchemy.orm import sessionmaker
 
 from rein.api.auth import KeyCache
 from rein.api.errors import install_error_handlers
-from rein.api.jobs import JobIntake
+from rein.api.intake import JobIntake
 from rein.api.metrics import APIMetrics, MetricsMiddleware
 from rein.api.metrics import router as metrics_router
 from rein.api.ratelimit import RateLimiter
@@ -62,8 +62,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.celery = make_celery(settings)
         state.key_cache = KeyCache(settings.auth_cache_seconds)
         state.limiter = RateLimiter(state.redis, RedisKeys.from_settings(settings), settings)
+        # Commits concurrent requests' jobs together (rein.api.intake).
         state.intake = JobIntake(settings, state.sessions, state.celery, state.limiter,
-                                 registry)
+                                 registry).start()
         state.filestore = LocalFileStore(settings.files_dir)
         # Validates, feeds, expires and finalizes batches (all state in Postgres, see its docstring).
         state.batch_manager = BatchManager(settings, state.sessions, state.redis, state.celery, registry,
@@ -75,6 +76,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await run_in_threadpool(state.batch_manager.stop)
+            await run_in_threadpool(state.intake.stop)
             await state.async_redis.aclose()
             state.redis.close()
             state.celery.close()

@@ -1,14 +1,16 @@
 """Admission in one Redis round trip: the model's queue depth (backpressure) and the key's
-rate limits (requests per minute and tokens per minute).
+rate limits (requests per minute and tokens per minute), for one request or many at once.
 
 Tokens are counted as prompt tokens + max_tokens (what a request may cost, known before it
 runs, as OpenAI counts). Counters live in Redis, so every API replica shares them, in
 fixed one-minute windows (`RedisKeys.rate_limit(key_id, kind, window)`, expiring after the
-window). One Lua script first sums the queue's lengths (refusing with QueueFull at the
-limit, before anything is counted), then checks both limits and, only if both admit the
-request, counts it in both: atomic, so a burst of concurrent requests admits exactly the
-limit and a refused request costs nothing. A rate-limit refusal says when the window ends
-(Retry-After). Intake is on every request's path, so this is one round trip, not three.
+window). One Lua script takes the requests in order: for each it first sums its model's
+queue lengths (refusing with QueueFull at the limit, before anything is counted), then
+checks both limits and, only if both admit the request, counts it in both. Atomic, so a
+burst of concurrent requests admits exactly the limit and a refused request costs nothing.
+A rate-limit refusal says when the window ends (Retry-After). Intake is on every request's
+path, so this is one round trip, however many requests the API admits together (see
+rein.api.intake: concurrent requests are committed as a group).
 """
 
 from __future__ import annotations
@@ -26,24 +28,55 @@ from rein.core.settings import Settings
 
 WINDOW_SECONDS = 60
 
-# KEYS: rpm counter, tpm counter, then the queue's lists. ARGV: rpm, tpm, tokens, ttl, max depth
-# (0: no queue check). Returns {admitted, refused kind, used or depth}.
+# KEYS: for request i (1-based) its rpm counter (2i-1) and tpm counter (2i); after the 2n
+# counters, the queues' lists, `steps` per queue. ARGV: ttl, max depth (0: no queue check),
+# n, steps, then per request: rpm, tpm, tokens, queue number (0: none). Returns for each
+# request {admitted, refused kind, used or depth}, flattened. A queue's depth counts the
+# requests admitted to it earlier in the same call: they are about to be enqueued.
 _ADMIT = """
-local rpm, tpm, tokens, ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
-local max_depth = tonumber(ARGV[5])
-if max_depth > 0 then
-  local depth = 0
-  for i = 3, #KEYS do depth = depth + redis.call('LLEN', KEYS[i]) end
-  if depth >= max_depth then return {0, 'queue', depth} end
+local ttl, max_depth, n, steps = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local depths, out = {}, {}
+for i = 1, n do
+  local a = 4 + (i - 1) * 4
+  local rpm, tpm, tokens, q = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  local rkey, tkey = KEYS[2 * i - 1], KEYS[2 * i]
+  local kind, used = '', 0
+  if q > 0 and max_depth > 0 then
+    if depths[q] == nil then
+      local depth, first = 0, 2 * n + (q - 1) * steps
+      for j = first + 1, first + steps do depth = depth + redis.call('LLEN', KEYS[j]) end
+      depths[q] = depth
+    end
+    if depths[q] >= max_depth then kind, used = 'queue', depths[q] end
+  end
+  if kind == '' then
+    local requests_used = tonumber(redis.call('GET', rkey) or '0')
+    local tokens_used = tonumber(redis.call('GET', tkey) or '0')
+    if rpm > 0 and requests_used + 1 > rpm then kind, used = 'requests', requests_used
+    elseif tpm > 0 and tokens_used + tokens > tpm then kind, used = 'tokens', tokens_used end
+  end
+  if kind == '' then
+    if rpm > 0 then redis.call('INCR', rkey); redis.call('EXPIRE', rkey, ttl) end
+    if tpm > 0 then redis.call('INCRBY', tkey, tokens); redis.call('EXPIRE', tkey, ttl) end
+    if q > 0 and depths[q] ~= nil then depths[q] = depths[q] + 1 end
+    out[#out + 1] = 1
+  else
+    out[#out + 1] = 0
+  end
+  out[#out + 1] = kind
+  out[#out + 1] = used
 end
-local requests_used = tonumber(redis.call('GET', KEYS[1]) or '0')
-local tokens_used = tonumber(redis.call('GET', KEYS[2]) or '0')
-if rpm > 0 and requests_used + 1 > rpm then return {0, 'requests', requests_used} end
-if tpm > 0 and tokens_used + tokens > tpm then return {0, 'tokens', tokens_used} end
-if rpm > 0 then redis.call('INCR', KEYS[1]); redis.call('EXPIRE', KEYS[1], ttl) end
-if tpm > 0 then redis.call('INCRBY', KEYS[2], tokens); redis.call('EXPIRE', KEYS[2], ttl) end
-return {1, '', 0}
+return out
 """
+
+
+@dataclass(frozen=True)
+class Admission:
+    """One request to admit: whose, how many tokens, and its model's queue lists (or none)."""
+
+    key: KeyInfo
+    tokens: int
+    queue: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -89,22 +122,50 @@ class RateLimiter:
         when the lists hold `max_depth` messages or more. Raises QueueFull or
         RateLimitExceeded with nothing counted.
         """
-        rpm, tpm = self.limits(key)
-        if rpm is None and tpm is None and not (queue and max_depth):
-            return
+        refusal = self.admit_many([Admission(key, tokens, tuple(queue))], max_depth=max_depth, now=now)[0]
+        if refusal is not None:
+            raise refusal
+
+    def admit_many(self, requests: Sequence[Admission], *, max_depth: int = 0,
+                   now: float | None = None) -> list[QueueFull | RateLimitExceeded | None]:
+        """Admit requests in order, in one round trip: for each, None (admitted and counted)
+        or the QueueFull / RateLimitExceeded that refused it (nothing counted for it)."""
         now = time.time() if now is None else now
         window = int(now // WINDOW_SECONDS)
-        allowed, kind, used = self._script(
-            keys=[self.keys.rate_limit(key.key_id, "rpm", window),
-                  self.keys.rate_limit(key.key_id, "tpm", window), *queue],
-            args=[rpm or 0, tpm or 0, tokens, WINDOW_SECONDS * 2, max_depth if queue else 0],
-        )
-        if int(allowed):
-            return
-        kind = kind.decode() if isinstance(kind, bytes) else str(kind)
-        if kind == "queue":
-            raise QueueFull(int(used), max_depth)
-        retry_after = max(1, math.ceil((window + 1) * WINDOW_SECONDS - now))
-        limit = rpm if kind == "requests" else tpm
-        raise RateLimitExceeded(kind, int(limit or 0), int(used), 1 if kind == "requests" else tokens,
-                                retry_after)
+        counters: list[str] = []
+        args: list[int] = []
+        queues: dict[tuple[str, ...], int] = {}
+        limits = []
+        for request in requests:
+            rpm, tpm = self.limits(request.key)
+            limits.append((rpm, tpm))
+            number = 0
+            if request.queue and max_depth:
+                number = queues.setdefault(request.queue, len(queues) + 1)
+            counters += (self.keys.rate_limit(request.key.key_id, "rpm", window),
+                         self.keys.rate_limit(request.key.key_id, "tpm", window))
+            args += (rpm or 0, tpm or 0, request.tokens, number)
+        if not queues and all(rpm is None and tpm is None for rpm, tpm in limits):
+            return [None] * len(requests)      # nothing to check: no round trip
+        steps = len(next(iter(queues))) if queues else 0
+        if any(len(queue) != steps for queue in queues):
+            raise ValueError("every queue passed to one admit_many call must have as many lists")
+        lists = [name for queue in queues for name in queue]
+        flat = self._script(keys=[*counters, *lists],
+                            args=[WINDOW_SECONDS * 2, max_depth if queues else 0, len(requests), steps, *args])
+        verdicts: list[QueueFull | RateLimitExceeded | None] = []
+        for i, request in enumerate(requests):
+            allowed, kind, used = flat[3 * i: 3 * i + 3]
+            if int(allowed):
+                verdicts.append(None)
+                continue
+            kind = kind.decode() if isinstance(kind, bytes) else str(kind)
+            if kind == "queue":
+                verdicts.append(QueueFull(int(used), max_depth))
+                continue
+            rpm, tpm = limits[i]
+            retry_after = max(1, math.ceil((window + 1) * WINDOW_SECONDS - now))
+            limit = rpm if kind == "requests" else tpm
+            verdicts.append(RateLimitExceeded(kind, int(limit or 0), int(used),
+                                              1 if kind == "requests" else request.tokens, retry_after))
+        return verdicts

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rein.api.errors import APIError
-from rein.api.jobs import Prepared, prepare
+from rein.api.intake import Prepared, prepare
 from rein.api.tokenizers import ModelRegistry
 from rein.openai_format import RequestError, parse_batch_line
 

@@ -39,8 +39,8 @@ def engine_of(sessions: sessionmaker[Session]) -> Engine:
     return sessions.kw["bind"]
 
 
-def execute_one(engine: Engine, sql: str, params: tuple[Any, ...]) -> Row[Any] | None:
-    """Run one SQL statement as its own transaction (autocommit: one round trip); its first row.
+def execute_all(engine: Engine, sql: str, params: tuple[Any, ...]) -> list[Row[Any]]:
+    """Run one SQL statement as its own transaction (autocommit: one round trip); its rows.
 
     For the hottest single-statement writes (the API's job INSERT, a worker's claim and its
     record): there, building and compiling SQLAlchemy statements per call cost more CPU than
@@ -48,7 +48,13 @@ def execute_one(engine: Engine, sql: str, params: tuple[Any, ...]) -> Row[Any] |
     come out as SQLAlchemy's, and a broken connection is still dropped from the pool.
     """
     with engine.connect() as conn:
-        return conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(sql, params).first()
+        return conn.execution_options(isolation_level="AUTOCOMMIT").exec_driver_sql(sql, params).all()
+
+
+def execute_one(engine: Engine, sql: str, params: tuple[Any, ...]) -> Row[Any] | None:
+    """`execute_all`'s first row, for a statement that returns at most one."""
+    rows = execute_all(engine, sql, params)
+    return rows[0] if rows else None
 
 
 def make_engine(url: str | URL, **kwargs: object) -> Engine:

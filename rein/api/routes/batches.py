@@ -21,7 +21,7 @@ from sqlalchemy import func, update
 
 from rein.api.deps import RedisDep, SessionDep, SessionsDep, SettingsDep
 from rein.api.errors import APIError
-from rein.api.jobs import MAX_METADATA_PAIRS
+from rein.api.intake import MAX_METADATA_PAIRS
 from rein.api.ratelimit import RateLimitExceeded
 from rein.api.routes.files import BatchKey
 from rein.api.schemas import ErrorResponse

@@ -11,6 +11,7 @@ from fastapi.responses import StreamingResponse
 
 from rein.api.deps import AsyncRedisDep, InferenceKey, IntakeDep, RedisDep, SessionDep, SettingsDep
 from rein.api.errors import APIError
+from rein.api.intake import NewJob
 from rein.api.jobs import (
     get_job_for_tenant,
     list_jobs_for_tenant,
@@ -70,18 +71,27 @@ def job_public(job: Job) -> JobPublic:
 @router.post("", status_code=202, response_model=JobCreated,
              responses={**_ERRORS, 400: {"model": ErrorResponse}, 409: {"model": ErrorResponse},
                         429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
-def create_job(payload: JobCreate, key: InferenceKey, intake: IntakeDep,
-               idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None) -> JobCreated:
+async def create_job(payload: JobCreate, request: Request, key: InferenceKey, intake: IntakeDep,
+                     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+                     ) -> JobCreated:
     """Queue a job; 202 with its id. A retry with the same Idempotency-Key returns the same job;
     the same key with a different request is 409 `idempotency_key_reused`."""
     with log_context(key_id=key.key_id, model=payload.body.get("model")):
-        job, prepared = intake.submit(key, payload.endpoint, payload.body, metadata=payload.metadata,
-                                      idempotency_key=idempotency_key)
+        job, prepared = await intake.submit(key, payload.endpoint, payload.body, metadata=payload.metadata,
+                                            idempotency_key=idempotency_key, body_bytes=body_bytes(request))
         log_job_accepted(job, reused=prepared is None)
     return JobCreated(id=job.id, status=job.status)
 
 
-def log_job_accepted(job: Job, *, reused: bool = False) -> None:
+def body_bytes(request: Request) -> int | None:
+    """The request body's declared size; None when it was not declared (chunked)."""
+    try:
+        return int(request.headers["content-length"])
+    except (KeyError, ValueError):
+        return None
+
+
+def log_job_accepted(job: Job | NewJob, *, reused: bool = False) -> None:
     """The API's one line about a job: its ids and sizes, never the prompt (grep the job id)."""
     with log_context(job_id=job.id, key_id=job.key_id, model=job.model):
         if reused:

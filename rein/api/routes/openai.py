@@ -26,7 +26,7 @@ from rein.api.deps import (
 )
 from rein.api.errors import APIError, error_body
 from rein.api.jobs import get_job_for_tenant
-from rein.api.routes.jobs import log_job_accepted
+from rein.api.routes.jobs import body_bytes, log_job_accepted
 from rein.api.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -96,7 +96,7 @@ def retrieve_model(model: str, key: CurrentKey, registry: RegistryDep, request: 
 async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: KeyInfo,
                     intake: Any, redis: Any, settings: Any) -> Any:
     with log_context(key_id=key.key_id, model=body.get("model")):
-        job, prepared = await run_in_threadpool(intake.submit, key, endpoint, body)
+        job, prepared = await intake.submit(key, endpoint, body, body_bytes=body_bytes(request))
     log_job_accepted(job)
     sessions = request.app.state.sessions
     keys = RedisKeys.from_settings(settings)

@@ -1,0 +1,392 @@
+"""Intake: how a job enters the system — validate, admit, store, enqueue — for the OpenAI
+endpoints and POST /v1/jobs alike.
+
+1. `JobIntake.validate` (per request): resolve the model (404 model_not_found), tokenize
+   and validate the body with the model's tokenizer and chat template (400). An
+   `Idempotency-Key` seen before for the tenant returns that job instead, without counting
+   it again (409 `idempotency_key_reused` when it was a different request).
+2. `JobIntake.commit` (for several submissions at once): admit them in one Redis round trip
+   (503 when the model's queue is full, before anything is counted; 429 over the key's
+   limits; rein.api.ratelimit), INSERT the admitted ones as queued in one multi-row
+   autocommitted statement, then publish their Celery messages in one Redis pipeline
+   (kombu's `Producer.batch`). A job whose message could not be published is marked
+   failed, so no worker runs it, and its request gets a 503.
+
+Group commit: `JobIntake.submit` hands each validated submission to the process's
+`GroupCommitter`, one thread that takes every submission waiting, commits them together and
+answers each request. A request that finds the committer idle is committed at once; under
+load, the requests that arrive while a commit is in flight go together in the next one.
+The three round trips and their fixed costs (connection checkout, the Lua call, kombu's
+pipeline) are then paid once per group rather than once per job, and intake no longer
+needs a thread per request contending for the GIL (bench/intake.py measures it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import queue
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+from celery import Celery
+from fastapi.concurrency import run_in_threadpool
+from sqlalchemy import func, update
+from sqlalchemy.orm import Session, sessionmaker
+
+from rein.api.errors import APIError
+from rein.api.jobs import find_job_by_idempotency_key, same_request_or_conflict
+from rein.api.ratelimit import Admission, QueueFull, RateLimiter, RateLimitExceeded
+from rein.api.tokenizers import ModelEntry, ModelRegistry
+from rein.core.db import engine_of, execute_all
+from rein.core.keys import KeyInfo
+from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
+from rein.core.models import Job, new_job_id
+from rein.core.settings import Settings
+from rein.openai_format import ParsedRequest, RequestError, parse_request
+from rein.worker.app import enqueue_job, queue_keys
+
+log = logging.getLogger(__name__)
+
+BACKPRESSURE_RETRY_AFTER = 5
+MAX_METADATA_PAIRS = 16
+MAX_IDEMPOTENCY_KEY_LEN = 255
+# The most submissions one commit takes: bounds one INSERT (11 parameters a row) and how
+# long the requests at the end of a group wait for the ones before them.
+MAX_GROUP = 256
+# Bodies up to this size are tokenized on the event loop (well under a millisecond for
+# them); a larger one goes to the thread pool, so one long prompt cannot stall the loop,
+# and with it every other request of the process.
+INLINE_VALIDATE_MAX_BYTES = 16 * 1024
+
+
+@dataclass
+class Prepared:
+    entry: ModelEntry
+    endpoint: str
+    body: dict[str, Any]
+    parsed: ParsedRequest
+
+    @property
+    def requested_tokens(self) -> int:
+        return len(self.parsed.prompt_token_ids) + self.parsed.params.max_tokens
+
+
+def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Prepared:
+    """Resolve the model and tokenize + validate the body (APIError 404 / RequestError 400)."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", "body")
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise RequestError("model must be a string", "model")
+    entry = registry.get(name) if name is not None else registry.default
+    if entry is None:
+        if name is None:
+            raise APIError(404, "No model is served by this deployment.", param="model",
+                           code="model_not_found")
+        served = ", ".join(e.name for e in registry) or "none"
+        raise APIError(404, f"The model '{name}' does not exist or you do not have access to it "
+                            f"(served: {served}).", param="model", code="model_not_found")
+    parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len)
+    return Prepared(entry, endpoint, body, parsed)
+
+
+@dataclass(slots=True)
+class NewJob:
+    """A job row being created: the columns intake writes, then those the database fills in.
+
+    A plain record rather than a `Job`: intake never needs the ORM's change tracking, and
+    building an instrumented object cost more than the rest of a request's bookkeeping.
+    It reads like a `Job` where the routes use it (id, status, model, sizes).
+    """
+
+    id: str
+    tenant: str
+    key_id: str
+    model: str
+    endpoint: str
+    params: dict[str, Any]
+    prompt_token_ids: list[int]
+    prompt_tokens: int
+    priority: int
+    idempotency_key: str | None
+    metadata_: dict[str, str]
+    status: str | None = None
+    attempt: int | None = None
+    created_at: datetime | None = None
+    queued_at: datetime | None = None
+
+
+@dataclass
+class Submission:
+    """A validated request, ready to commit: its job row (not yet stored) and its message."""
+
+    key: KeyInfo
+    prepared: Prepared
+    job: NewJob
+    message: JobMessage
+    metadata: dict[str, str] | None
+
+
+# What a request gets: (its job, what was prepared for it) — prepared is None when an
+# earlier job (a `Job` from Postgres) was returned for its Idempotency-Key.
+Accepted = tuple[NewJob | Job, Prepared | None]
+
+
+class JobIntake:
+    def __init__(self, settings: Settings, sessions: sessionmaker[Session], celery: Celery,
+                 limiter: RateLimiter, registry: ModelRegistry) -> None:
+        self.settings = settings
+        self.sessions = sessions
+        self.celery = celery
+        self.limiter = limiter
+        self.registry = registry
+        self._queue_keys: dict[str, tuple[str, ...]] = {}
+        self._db = engine_of(sessions)
+        self._committer: GroupCommitter | None = None
+
+    def start(self) -> JobIntake:
+        self._committer = GroupCommitter(self.commit).start()
+        return self
+
+    def stop(self) -> None:
+        if self._committer is not None:
+            self._committer.stop()
+
+    async def submit(self, key: KeyInfo, endpoint: str, body: dict[str, Any], *,
+                     metadata: dict[str, str] | None = None, idempotency_key: str | None = None,
+                     priority: int = PRIORITY_INTERACTIVE, body_bytes: int | None = None) -> Accepted:
+        """Validate, then commit with whatever other requests are waiting (see the docstring).
+
+        `body_bytes`: the request body's size; a small one is tokenized on the event loop,
+        a large or unknown one in the thread pool. A request with an Idempotency-Key
+        validates in the thread pool too: it reads Postgres.
+        """
+        if self._committer is None:
+            raise RuntimeError("JobIntake.start() was not called")
+        args = (key, endpoint, body, metadata, idempotency_key, priority)
+        if idempotency_key is None and body_bytes is not None and body_bytes <= INLINE_VALIDATE_MAX_BYTES:
+            checked = self.validate(*args)
+        else:
+            checked = await run_in_threadpool(self.validate, *args)
+        if isinstance(checked, Job):
+            return checked, None
+        return await asyncio.wrap_future(self._committer.submit(checked))
+
+    def validate(self, key: KeyInfo, endpoint: str, body: dict[str, Any], metadata: dict[str, str] | None,
+                 idempotency_key: str | None, priority: int) -> Submission | Job:
+        """The request checked and tokenized, as a Submission; or the job its Idempotency-Key
+        already names. Raises APIError / RequestError (400, 404, 409)."""
+        if idempotency_key is not None:
+            if not 0 < len(idempotency_key) <= MAX_IDEMPOTENCY_KEY_LEN:
+                raise APIError(400, f"Idempotency-Key must be 1 to {MAX_IDEMPOTENCY_KEY_LEN} characters",
+                               param="Idempotency-Key", code="invalid_value")
+            with self.sessions() as session:
+                existing = find_job_by_idempotency_key(session, key.tenant, idempotency_key)
+            if existing is not None:
+                return same_request_or_conflict(existing, endpoint, body, metadata)
+        if metadata is not None and len(metadata) > MAX_METADATA_PAIRS:
+            raise APIError(400, f"metadata holds at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
+                           param="metadata", code="invalid_value")
+        prepared = prepare(self.registry, endpoint, body)
+        parsed = prepared.parsed
+        model = prepared.entry.name
+        # Shallow: the values are only serialized (asdict's deep copy was a measurable cost).
+        sampling = {f.name: getattr(parsed.params, f.name) for f in dataclasses.fields(parsed.params)}
+        prompt = list(parsed.prompt_token_ids)
+        job = NewJob(id=new_job_id(), tenant=key.tenant, key_id=key.key_id, model=model, endpoint=endpoint,
+                     params={"body": body, "sampling": sampling, "logprobs_mode": parsed.logprobs_mode,
+                             "stream": parsed.stream},
+                     prompt_token_ids=prompt, prompt_tokens=len(prompt), priority=priority,
+                     idempotency_key=idempotency_key, metadata_=dict(metadata or {}))
+        message = JobMessage(job_id=job.id, model=model, endpoint=endpoint, prompt_token_ids=prompt,
+                             sampling=sampling, priority=priority, logprobs_mode=parsed.logprobs_mode,
+                             tenant=key.tenant, key_id=key.key_id)
+        return Submission(key, prepared, job, message, metadata)
+
+    def commit(self, submissions: Sequence[Submission]) -> list[Accepted | Exception]:
+        """Admit, store and enqueue these submissions together; for each, in order, what its
+        request gets: (job, prepared) or the APIError that refused it. Raises only when
+        Redis or Postgres cannot be used at all (then none of them was stored)."""
+        outcomes: list[Accepted | Exception | None] = [None] * len(submissions)
+        verdicts = self.limiter.admit_many(
+            [Admission(s.key, s.prepared.requested_tokens, self._queue(s.job.model)) for s in submissions],
+            max_depth=self.settings.max_queue_depth)
+        admitted = [i for i, refusal in enumerate(verdicts) if refusal is None]
+        for i, refusal in enumerate(verdicts):
+            if refusal is not None:
+                outcomes[i] = _refused(submissions[i].job.model, refusal)
+        stored = self._insert([submissions[i].job for i in admitted])
+        for i in admitted:
+            if submissions[i].job.id not in stored:
+                # Another request with the same Idempotency-Key won the race: answer with its job.
+                outcomes[i] = self._existing_job(submissions[i])
+        to_send = [i for i in admitted if submissions[i].job.id in stored]
+        sent = self._publish([submissions[i] for i in to_send])
+        for i in to_send:
+            outcomes[i] = (submissions[i].job, submissions[i].prepared) if sent else APIError(
+                503, "The job queue is unavailable; the job was not accepted. Retry later.",
+                type="server_error", code="queue_unavailable",
+                headers={"Retry-After": str(BACKPRESSURE_RETRY_AFTER)})
+        return outcomes  # type: ignore[return-value]  # every slot is filled above
+
+    def _queue(self, model: str) -> tuple[str, ...]:
+        lists = self._queue_keys.get(model)
+        if lists is None:
+            lists = self._queue_keys[model] = tuple(queue_keys(self.settings, model))
+        return lists
+
+    def _insert(self, jobs: list[NewJob]) -> set[str]:
+        """INSERT the job rows in one autocommitted statement; the ids stored (a row whose
+        Idempotency-Key is taken is skipped). Fills in the columns the database sets."""
+        if not jobs:
+            return set()
+        values: list[Any] = []
+        for job in jobs:
+            values += (job.id, job.tenant, job.key_id, job.model, job.endpoint, json.dumps(job.params),
+                       "{" + ",".join(map(str, job.prompt_token_ids)) + "}", job.prompt_tokens,
+                       job.priority, job.idempotency_key, json.dumps(job.metadata_))
+        by_id = {job.id: job for job in jobs}
+        stored = set()
+        for job_id, status, attempt, created_at, queued_at in execute_all(self._db, _insert_sql(len(jobs)),
+                                                                         tuple(values)):
+            job = by_id[job_id]
+            job.status, job.attempt, job.created_at, job.queued_at = status, attempt, created_at, queued_at
+            stored.add(job_id)
+        return stored
+
+    def _existing_job(self, submission: Submission) -> Accepted | Exception:
+        with self.sessions() as session:
+            existing = find_job_by_idempotency_key(session, submission.key.tenant,
+                                                   submission.job.idempotency_key or "")
+        if existing is None:
+            return RuntimeError(f"job insert for tenant {submission.key.tenant} conflicted with no job")
+        try:
+            return same_request_or_conflict(existing, submission.job.endpoint, submission.prepared.body,
+                                            submission.metadata), None
+        except APIError as exc:
+            return exc
+
+    def _publish(self, submissions: list[Submission]) -> bool:
+        """Publish their messages in one pipeline; on failure mark their jobs failed (a
+        worker skips a failed job, should a message have gone out after all) and say False."""
+        if not submissions:
+            return True
+        try:
+            with self.celery.producer_or_acquire() as producer, producer.batch():
+                for submission in submissions:
+                    enqueue_job(self.celery, submission.message, producer)
+            return True
+        except Exception as exc:  # kombu raises transport-specific errors
+            ids = [s.job.id for s in submissions]
+            log.error("could not enqueue %d job(s) (%s): %s", len(ids), ", ".join(ids), exc)
+            with self.sessions.begin() as session:
+                session.execute(update(Job).where(Job.id.in_(ids), Job.status == "queued")
+                                .values(status="failed", finished_at=func.now(),
+                                        error={"message": f"could not be queued: {exc}",
+                                               "type": "server_error", "code": "queue_unavailable"}))
+            return False
+
+
+def _refused(model: str, refusal: QueueFull | RateLimitExceeded) -> APIError:
+    if isinstance(refusal, QueueFull):
+        return APIError(503, f"The queue of model '{model}' is full ({refusal.depth} jobs waiting, limit "
+                             f"{refusal.limit}). Retry later.", type="server_error", code="queue_full",
+                        headers={"Retry-After": str(BACKPRESSURE_RETRY_AFTER)})
+    return APIError(429, refusal.message, type=refusal.kind, code="rate_limit_exceeded",
+                    headers={"Retry-After": str(refusal.retry_after)})
+
+
+class GroupCommitter:
+    """One thread committing the submissions that wait, together (see the module docstring)."""
+
+    def __init__(self, commit: Callable[[list[Submission]], list[Accepted | Exception]],
+                 max_group: int = MAX_GROUP) -> None:
+        self._commit = commit
+        self._max_group = max_group
+        self._waiting: queue.SimpleQueue[tuple[Submission, Future] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="rein-intake-commit", daemon=True)
+        self._stopped = False
+
+    def start(self) -> GroupCommitter:
+        self._thread.start()
+        return self
+
+    def submit(self, submission: Submission) -> Future:
+        """A future of what the request gets (Accepted), or of the exception that refused it."""
+        if self._stopped:
+            raise RuntimeError("the intake is shutting down")
+        future: Future = Future()
+        self._waiting.put((submission, future))
+        return future
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Commit what is waiting, then end the thread."""
+        self._stopped = True
+        self._waiting.put(None)
+        self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._waiting.get()
+            if item is None:
+                return
+            group, stop = [item], False
+            while len(group) < self._max_group:
+                try:
+                    item = self._waiting.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                group.append(item)
+            self._commit_group(group)
+            if stop:
+                return
+
+    def _commit_group(self, group: list[tuple[Submission, Future]]) -> None:
+        # A request cancelled while it waited (its client went away) is not committed.
+        live = [(submission, future) for submission, future in group if future.set_running_or_notify_cancel()]
+        if not live:
+            return
+        try:
+            outcomes = self._commit([submission for submission, _ in live])
+        except Exception as exc:
+            log.error("could not commit %d job(s): %s", len(live), exc)
+            for _, future in live:
+                future.set_exception(exc)
+            return
+        for (_, future), outcome in zip(live, outcomes, strict=True):
+            if isinstance(outcome, Exception):
+                future.set_exception(outcome)
+            else:
+                future.set_result(outcome)
+
+
+# The INSERT as SQL text (see rein.core.db.execute_all: building and compiling it with
+# SQLAlchemy per call cost more CPU than the rest of the write). The columns are checked
+# against the mapped table, so it cannot drift from the schema; the database fills in the
+# rest (status, times).
+_INSERT_COLUMNS = ("id", "tenant", "key_id", "model", "endpoint", "params", "prompt_token_ids",
+                   "prompt_tokens", "priority", "idempotency_key", "metadata")
+_CASTS = {"params": "::jsonb", "prompt_token_ids": "::integer[]", "metadata": "::jsonb"}
+if not set(_INSERT_COLUMNS) <= set(Job.__table__.c.keys()):
+    raise RuntimeError(f"the intake INSERT names columns jobs lacks: {set(_INSERT_COLUMNS) - set(Job.__table__.c.keys())}")
+_INSERT_ROW = "(" + ", ".join("%s" + _CASTS.get(c, "") for c in _INSERT_COLUMNS) + ")"
+
+
+@lru_cache(maxsize=MAX_GROUP)
+def _insert_sql(rows: int) -> str:
+    # ON CONFLICT DO NOTHING: a taken (tenant, Idempotency-Key) skips the row, also when two
+    # rows of one group carry the same key.
+    return (f"INSERT INTO {Job.__tablename__} ({', '.join(_INSERT_COLUMNS)}) "
+            f"VALUES {', '.join([_INSERT_ROW] * rows)} "
+            "ON CONFLICT DO NOTHING RETURNING id, status, attempt, created_at, queued_at")

@@ -1,0 +1,213 @@
+"""Group commit (rein.api.intake): several requests admitted, stored and queued together.
+
+`JobIntake.commit` is called here with hand-built groups, so each case is exact rather than
+depending on which requests happen to arrive together; the committer thread that forms the
+groups is tested on its own at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from api_helpers import auth, chat_body
+from sqlalchemy import select
+
+from rein.api.errors import APIError
+from rein.api.intake import GroupCommitter
+from rein.core.keys import authenticate
+from rein.core.models import Job
+from rein.worker.app import make_celery, queue_keys
+
+
+@pytest.fixture(autouse=True)
+def not_at_a_window_edge():
+    """Fixed one-minute rate-limit windows: keep each test inside one."""
+    if time.time() % 60 > 55:
+        time.sleep(60 - time.time() % 60 + 0.1)
+
+
+@pytest.fixture
+def model() -> str:
+    """The name of a model served only by this test, so its queue starts empty."""
+    return f"m{secrets.token_hex(3)}"
+
+
+def _queued_job_ids(redis_client, settings, model):
+    ids = []
+    for queue in queue_keys(settings, model):
+        for raw in redis_client.lrange(queue, 0, -1):
+            body = json.loads(__import__("base64").b64decode(json.loads(raw)["body"]))
+            ids.append(body[0][0]["job_id"])
+    return ids
+
+
+def _key_info(db_session, secret):
+    return authenticate(db_session, secret)
+
+
+def test_a_group_is_admitted_in_order_stored_and_queued_once(make_client, make_key, tenant, model,
+                                                             model_dir, db_session, redis_client):
+    client = make_client(models=f"{model}={model_dir}@512", max_queue_depth=5)
+    intake, settings = client.app.state.intake, client.app.state.settings
+    limited = _key_info(db_session, make_key(tenant, rpm=2))
+    free = _key_info(db_session, make_key(tenant))
+    body = chat_body(model=model)
+    group = [intake.validate(k, "/v1/chat/completions", body, None, None, 0)
+             for k in (limited, free, limited, free, limited, free, free)]
+
+    outcomes = intake.commit(group)
+
+    accepted = [*outcomes[:4], outcomes[5]]
+    assert all(isinstance(o, tuple) and o[0].status == "queued" for o in accepted), outcomes
+    # The key's third request is over its 2 RPM (and, refused, does not count as queued);
+    # the last one finds the queue holding 5: the 5 admitted before it in the same group.
+    assert isinstance(outcomes[4], APIError) and outcomes[4].status_code == 429
+    assert isinstance(outcomes[6], APIError) and outcomes[6].status_code == 503
+    assert outcomes[6].to_dict()["error"]["code"] == "queue_full"
+    ids = [job.id for job, _ in accepted]
+    stored = db_session.scalars(select(Job.id).where(Job.model == model)).all()
+    assert sorted(stored) == sorted(ids)
+    assert sorted(_queued_job_ids(redis_client, settings, model)) == sorted(ids)
+    # Each stored row is the job its request got back: the database filled in its times.
+    for job, _ in accepted:
+        row = db_session.get(Job, job.id)
+        assert row.queued_at == job.queued_at and row.attempt == job.attempt
+
+
+def test_one_idempotency_key_twice_in_a_group_makes_one_job(make_client, make_key, tenant, model,
+                                                            model_dir, db_session, redis_client):
+    client = make_client(models=f"{model}={model_dir}@512")
+    intake, settings = client.app.state.intake, client.app.state.settings
+    key = _key_info(db_session, make_key(tenant))
+    body = chat_body(model=model)
+    other = chat_body("a different request", model=model)
+    group = [intake.validate(key, "/v1/chat/completions", b, None, "same-key", 0) for b in (body, body, other)]
+
+    first, second, third = intake.commit(group)
+
+    assert first[0].id == second[0].id and second[1] is None      # the retry gets the first job
+    assert isinstance(third, APIError) and third.status_code == 409
+    assert third.to_dict()["error"]["code"] == "idempotency_key_reused"
+    assert db_session.scalars(select(Job.id).where(Job.model == model)).all() == [first[0].id]
+    assert _queued_job_ids(redis_client, settings, model) == [first[0].id]
+
+
+def test_jobs_that_cannot_be_queued_are_failed_not_lost(make_client, make_key, tenant, model, model_dir,
+                                                        db_session):
+    client = make_client(models=f"{model}={model_dir}@512")
+    intake = client.app.state.intake
+    key = _key_info(db_session, make_key(tenant))
+    group = [intake.validate(key, "/v1/chat/completions", chat_body(model=model), None, None, 0)
+             for _ in range(2)]
+    # A broker nobody listens on, and no retries: the publish fails at once.
+    dead = make_celery(intake.settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"}))
+    dead.conf.broker_connection_retry = False
+    dead.conf.broker_connection_max_retries = 0
+    dead.conf.task_publish_retry = False
+    intake.celery = dead
+    try:
+        outcomes = intake.commit(group)
+    finally:
+        dead.close()
+
+    assert all(isinstance(o, APIError) and o.status_code == 503 for o in outcomes)
+    assert outcomes[0].to_dict()["error"]["code"] == "queue_unavailable"
+    rows = db_session.scalars(select(Job).where(Job.model == model)).all()
+    assert len(rows) == 2 and {r.status for r in rows} == {"failed"}   # never run, never lost
+    assert all(r.error["code"] == "queue_unavailable" for r in rows)
+
+
+def test_concurrent_requests_are_all_accepted_exactly_once(make_client, make_key, tenant, model,
+                                                           model_dir, db_session, redis_client):
+    """Through HTTP: 40 requests at once go through the committer; each gets its own job."""
+    client = make_client(models=f"{model}={model_dir}@512")
+    key = make_key(tenant)
+
+    def post(i: int) -> str:
+        response = client.post("/v1/jobs", json={"endpoint": "/v1/chat/completions",
+                                                 "body": chat_body(f"request {i}", model=model)},
+                               headers=auth(key))
+        assert response.status_code == 202, response.text
+        return response.json()["id"]
+
+    with ThreadPoolExecutor(max_workers=16) as pool:
+        ids = list(pool.map(post, range(40)))
+    assert len(set(ids)) == 40
+    rows = db_session.scalars(select(Job).where(Job.model == model)).all()
+    assert sorted(r.id for r in rows) == sorted(ids)
+    # Each request's own prompt went into its own job.
+    assert {r.params["body"]["messages"][0]["content"] for r in rows} == {f"request {i}" for i in range(40)}
+    assert sorted(_queued_job_ids(redis_client, client.app.state.settings, model)) == sorted(ids)
+
+
+# -- the committer thread on its own -----------------------------------------------------------
+
+
+class _Recorder:
+    """A commit function that records its groups; the first call waits until released."""
+
+    def __init__(self) -> None:
+        self.groups: list[list[int]] = []
+        self.release = threading.Event()
+        self.entered = threading.Event()
+
+    def __call__(self, group):
+        if not self.groups:
+            self.entered.set()
+            self.release.wait(10)
+        self.groups.append(list(group))
+        return [("ok", s) if s >= 0 else ValueError(f"refused {s}") for s in group]
+
+
+def test_requests_arriving_during_a_commit_go_together_in_the_next():
+    commit = _Recorder()
+    committer = GroupCommitter(commit, max_group=5).start()
+    try:
+        first = committer.submit(0)
+        assert commit.entered.wait(5)
+        later = [committer.submit(i) for i in (1, 2, 3, 4, 5, 6, -7)]
+        commit.release.set()
+        assert first.result(5) == ("ok", 0)
+        assert [f.result(5) if i < 6 else None for i, f in enumerate(later)][:6] == \
+            [("ok", i) for i in (1, 2, 3, 4, 5, 6)]
+        with pytest.raises(ValueError, match="refused -7"):
+            later[-1].result(5)
+    finally:
+        committer.stop()
+    # Alone, the first request went at once; the seven that waited went in groups of at most 5.
+    assert commit.groups == [[0], [1, 2, 3, 4, 5], [6, -7]]
+
+
+def test_a_cancelled_request_is_not_committed_and_a_failing_commit_fails_its_group():
+    commit = _Recorder()
+    committer = GroupCommitter(commit).start()
+    try:
+        first = committer.submit(0)
+        assert commit.entered.wait(5)
+        cancelled, kept = committer.submit(1), committer.submit(2)
+        assert cancelled.cancel()
+        commit.release.set()
+        assert kept.result(5) == ("ok", 2)
+        assert first.result(5) == ("ok", 0)
+    finally:
+        committer.stop()
+    assert commit.groups == [[0], [2]]
+
+    def broken(group):
+        raise ConnectionError("postgres is down")
+
+    committer = GroupCommitter(broken).start()
+    try:
+        futures = [committer.submit(i) for i in range(3)]
+        for future in futures:
+            with pytest.raises(ConnectionError, match="postgres is down"):
+                future.result(5)
+    finally:
+        committer.stop()
+    with pytest.raises(RuntimeError, match="shutting down"):
+        committer.submit(9)
