@@ -51,7 +51,7 @@ from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
 from rein.core.models import Job, new_job_id
 from rein.core.settings import Settings
 from rein.openai_format import ParsedRequest, RequestError, parse_request
-from rein.worker.app import enqueue_job, queue_keys
+from rein.worker.app import enqueue_jobs, queue_keys
 
 log = logging.getLogger(__name__)
 
@@ -280,9 +280,7 @@ class JobIntake:
         if not submissions:
             return True
         try:
-            with self.celery.producer_or_acquire() as producer, producer.batch():
-                for submission in submissions:
-                    enqueue_job(self.celery, submission.message, producer)
+            enqueue_jobs(self.celery, [s.message for s in submissions])
             return True
         except Exception as exc:  # kombu raises transport-specific errors
             ids = [s.job.id for s in submissions]

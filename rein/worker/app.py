@@ -28,6 +28,7 @@ Why each setting:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from celery import Celery
@@ -92,15 +93,34 @@ class JobRouter:
         return {"queue": self.keys.queue(message["model"])}
 
 
-def enqueue_job(app: Celery, message: JobMessage, producer: Any = None) -> None:
-    """Put a job on its model's queue at its priority (what the API calls after the job row exists).
+def enqueue_job(app: Celery, message: JobMessage, producer: Any = None, **options: Any) -> None:
+    """Put a job on its model's queue at its priority (after its job row exists).
 
-    `producer`: one from `app.producer_or_acquire()`, to send many messages on one connection.
+    `producer`: one from `app.producer_or_acquire()`, to send many messages on one connection
+    (see `enqueue_jobs`). `options`: more `send_task` options.
     """
     # argsrepr: what Celery shows of the arguments in its logs and events. Its default, a
     # repr of the whole message, would put every prompt token id there (and costs time).
+    # declare=[]: the message goes to the anonymous exchange straight into the queue's list,
+    # so declaring the queue from here would only re-check kombu's declaration cache per
+    # message; the worker declares the queues it consumes.
     app.send_task(TASK_NAME, args=[message.to_dict()], priority=message.priority,
-                  argsrepr=f"[{message.job_id}]", kwargsrepr="{}", producer=producer)
+                  argsrepr=f"[{message.job_id}]", kwargsrepr="{}", producer=producer, declare=[],
+                  **options)
+
+
+def enqueue_jobs(app: Celery, messages: Sequence[JobMessage]) -> None:
+    """Enqueue several jobs in one Redis round trip (kombu's publish batch: one pipeline).
+
+    All or nothing as far as kombu knows: it raises when the pipeline fails, and then some
+    messages may have gone out; callers mark those jobs failed so no worker runs them.
+    """
+    if not messages:
+        return
+    with app.producer_or_acquire() as producer, producer.batch():
+        for message in messages:
+            # Per-message retries mean nothing here: the batch is sent once, when it ends.
+            enqueue_job(app, message, producer, retry=False)
 
 
 def queue_keys(settings: Any, model: str) -> list[str]:
