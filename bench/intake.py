@@ -13,12 +13,15 @@ until the prefix is deleted.
   tiny llama (.cache/bench-models/llama-tiny, built with rein.tiny_model.make_tiny_model if
   missing) for its tokenizer, REIN_MAX_QUEUE_DEPTH=100000 so backpressure never answers.
   `--jobs` POST /v1/jobs (a small /v1/completions body) over `--concurrency` keep-alive
-  connections at once (a minimal asyncio HTTP/1.1 client, see post_jobs): jobs/s = jobs / wall seconds, and each request's latency (p50/p99) as the client sees
-  it. Each accepted job costs the API: auth (key lookup), tokenization, the queue-depth
-  check, the rate limiter, the job row (INSERT + COMMIT) and the Celery send.
+  connections at once (a minimal asyncio HTTP/1.1 client, see post_jobs): jobs/s = jobs /
+  wall seconds, and each request's latency (p50/p99) as the client sees it. Each accepted
+  job costs the API: auth (key lookup, cached for a second), tokenization, then its share of
+  a group commit (rein.api.intake: one Lua call for the queue-depth check and the rate
+  limits, one multi-row INSERT, one pipelined publish of the Celery messages).
 * Raw Celery: the same number of `enqueue_job(make_celery(settings), JobMessage)` calls (the
-  API's own send: `send_task` to the model's queue at the job's priority, the message built
-  from the same body with the same parser) from `--concurrency` threads, on the same Redis.
+  API's own send, one message at a time: `send_task` to the model's queue at the job's
+  priority, the message built from the same body with the same parser) from `--concurrency`
+  threads, on the same Redis.
   Printed as msgs/s, with per-call latency, and the ratio API jobs/s ÷ raw msgs/s.
   Rounds alternate API and raw (after a warm-up of each); the figures are the medians of the
   rounds, so a burst of load from a neighbour on the machine moves both sides alike.
