@@ -18,10 +18,11 @@ until the prefix is deleted.
   job costs the API: auth (key lookup, cached for a second), tokenization, then its share of
   a group commit (rein.api.intake: one Lua call for the queue-depth check and the rate
   limits, one multi-row INSERT, one pipelined publish of the Celery messages).
-* Raw Celery: the same number of `enqueue_job(make_celery(settings), JobMessage)` calls (the
-  API's own send, one message at a time: `send_task` to the model's queue at the job's
-  priority, the message built from the same body with the same parser) from `--concurrency`
-  threads, on the same Redis.
+* Raw Celery: the same number of `enqueue_job(make_celery(settings), JobMessage)` calls:
+  Celery's `send_task` (apply_async by name) to the model's queue at the job's priority, one
+  message per call, the message built from the same body with the same parser, from
+  `--concurrency` threads, on the same Redis. The API sends the same Celery messages
+  (a test compares them) but a group at a time (rein.worker.app.enqueue_jobs).
   Printed as msgs/s, with per-call latency, and the ratio API jobs/s ÷ raw msgs/s.
   Rounds alternate API and raw (after a warm-up of each); the figures are the medians of the
   rounds, so a burst of load from a neighbour on the machine moves both sides alike.
@@ -341,7 +342,7 @@ async def post_jobs(base_url: str, key: str, n: int, concurrency: int) -> tuple[
 
 
 def raw_sends(app, message_for, n: int, concurrency: int) -> Run:
-    """n enqueue_job calls (the API's Celery send) from `concurrency` threads."""
+    """n enqueue_job calls (Celery send_task, one message each) from `concurrency` threads."""
     from rein.worker.app import enqueue_job
 
     latencies: list[float] = []

@@ -552,3 +552,44 @@ def test_worker_cli_refuses_an_unmigrated_database(make_database, settings_env, 
     get_settings.cache_clear()
     assert main(["worker", "--model", "tiny"]) == 2
     assert "not migrated" in capsys.readouterr().err
+
+
+def test_a_batched_send_makes_the_same_celery_message_as_a_single_one(settings, redis_client):
+    """enqueue_jobs publishes through kombu directly; a worker must not be able to tell."""
+    import base64
+    import json
+
+    from rein.worker.app import enqueue_jobs
+
+    app = make_celery(settings)
+    model = f"m{secrets.token_hex(3)}"
+    message = JobMessage(job_id="job_same", model=model, endpoint="/v1/completions",
+                         prompt_token_ids=[5, 6, 7], sampling={"max_tokens": 3}, priority=PRIORITY_BATCH,
+                         tenant="t", key_id="k")
+    try:
+        enqueue_job(app, message)
+        enqueue_jobs(app, [message, message])
+    finally:
+        app.close()
+    raw = [m for q in queue_keys(settings, model) for m in redis_client.lrange(q, 0, -1)]
+    assert len(raw) == 3
+    # Both went to the batch priority's list, none to the interactive one.
+    assert redis_client.llen(queue_keys(settings, model)[0]) == 0
+    single, *batched = [json.loads(m) for m in reversed(raw)]        # LPUSH: the oldest is last
+
+    def comparable(envelope: dict) -> dict:
+        task_id = envelope["headers"]["id"]
+        props = dict(envelope["properties"], delivery_tag=None)
+        assert props["correlation_id"] == task_id
+        # send_task also copies argsrepr and kwargsrepr into the properties, which no
+        # consumer reads (they are in the headers, compared below).
+        return {"body": json.loads(base64.b64decode(envelope["body"])),
+                "headers": {k: v for k, v in envelope["headers"].items() if k not in ("id", "root_id")},
+                "properties": {k: v for k, v in props.items()
+                               if k not in ("correlation_id", "argsrepr", "kwargsrepr")},
+                "content": (envelope["content-type"], envelope["content-encoding"])}
+
+    for envelope in batched:
+        assert comparable(envelope) == comparable(single)
+    assert comparable(single)["body"][0] == [message.to_dict()]
+    assert comparable(single)["headers"]["argsrepr"] == "[job_same]"   # no token ids in Celery's logs
