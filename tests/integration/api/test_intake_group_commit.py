@@ -7,6 +7,7 @@ groups is tested on its own at the end.
 
 from __future__ import annotations
 
+import base64
 import json
 import secrets
 import threading
@@ -41,21 +42,17 @@ def _queued_job_ids(redis_client, settings, model):
     ids = []
     for queue in queue_keys(settings, model):
         for raw in redis_client.lrange(queue, 0, -1):
-            body = json.loads(__import__("base64").b64decode(json.loads(raw)["body"]))
+            body = json.loads(base64.b64decode(json.loads(raw)["body"]))
             ids.append(body[0][0]["job_id"])
     return ids
-
-
-def _key_info(db_session, secret):
-    return authenticate(db_session, secret)
 
 
 def test_a_group_is_admitted_in_order_stored_and_queued_once(make_client, make_key, tenant, model,
                                                              model_dir, db_session, redis_client):
     client = make_client(models=f"{model}={model_dir}@512", max_queue_depth=5)
     intake, settings = client.app.state.intake, client.app.state.settings
-    limited = _key_info(db_session, make_key(tenant, rpm=2))
-    free = _key_info(db_session, make_key(tenant))
+    limited = authenticate(db_session, make_key(tenant, rpm=2))
+    free = authenticate(db_session, make_key(tenant))
     body = chat_body(model=model)
     group = [intake.validate(k, "/v1/chat/completions", body, None, None, 0)
              for k in (limited, free, limited, free, limited, free, free)]
@@ -83,7 +80,7 @@ def test_one_idempotency_key_twice_in_a_group_makes_one_job(make_client, make_ke
                                                             model_dir, db_session, redis_client):
     client = make_client(models=f"{model}={model_dir}@512")
     intake, settings = client.app.state.intake, client.app.state.settings
-    key = _key_info(db_session, make_key(tenant))
+    key = authenticate(db_session, make_key(tenant))
     body = chat_body(model=model)
     other = chat_body("a different request", model=model)
     group = [intake.validate(key, "/v1/chat/completions", b, None, "same-key", 0) for b in (body, body, other)]
@@ -101,7 +98,7 @@ def test_jobs_that_cannot_be_queued_are_failed_not_lost(make_client, make_key, t
                                                         db_session):
     client = make_client(models=f"{model}={model_dir}@512")
     intake = client.app.state.intake
-    key = _key_info(db_session, make_key(tenant))
+    key = authenticate(db_session, make_key(tenant))
     group = [intake.validate(key, "/v1/chat/completions", chat_body(model=model), None, None, 0)
              for _ in range(2)]
     # A broker nobody listens on, and no retries: the publish fails at once.
