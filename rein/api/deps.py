@@ -11,7 +11,7 @@ database connection, and remembers a verified key for a second.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
@@ -27,7 +27,6 @@ from rein.core.keys import InvalidKeyError, KeyInfo
 from rein.core.settings import Settings
 
 if TYPE_CHECKING:
-    from rein.api.intake import JobIntake
     from rein.api.tokenizers import ModelRegistry
 
 _bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer rein_<id>_<secret>`")
@@ -58,21 +57,16 @@ async def get_registry(request: Request) -> ModelRegistry:
     return request.app.state.registry
 
 
-async def get_intake(request: Request) -> JobIntake:
-    return request.app.state.intake
-
-
 SettingsDep = Annotated[Settings, Depends(get_settings_dep)]
 SessionsDep = Annotated[sessionmaker[Session], Depends(get_sessions)]
 SessionDep = Annotated[Session, Depends(get_session)]
 RedisDep = Annotated[Redis, Depends(get_redis)]
 AsyncRedisDep = Annotated[AsyncRedis, Depends(get_async_redis)]
 RegistryDep = Annotated["ModelRegistry", Depends(get_registry)]
-IntakeDep = Annotated["JobIntake", Depends(get_intake)]
 
 
-async def current_key(request: Request,
-                      credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]) -> KeyInfo:
+async def authenticate_request(request: Request, credentials: HTTPAuthorizationCredentials | None) -> KeyInfo:
+    """The key of the request's bearer credentials (401 when missing, unknown or revoked)."""
     if credentials is None or not credentials.credentials:
         raise unauthorized("You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
     cache: KeyCache = request.app.state.key_cache
@@ -81,20 +75,31 @@ async def current_key(request: Request,
     if info is not None:
         return info
     try:
-        # The sessions straight from the app state: one dependency less on every request.
         return await run_in_threadpool(authenticate_and_remember, request.app.state.sessions, cache, digest,
                                        credentials.credentials)
     except InvalidKeyError as exc:
         raise unauthorized(f"Incorrect API key provided: {exc}") from None
 
 
+BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+async def current_key(request: Request, credentials: BearerDep) -> KeyInfo:
+    return await authenticate_request(request, credentials)
+
+
 CurrentKey = Annotated[KeyInfo, Depends(current_key)]
 
 
-def require_scope(scope: str) -> Callable[[KeyInfo], KeyInfo]:
-    """A dependency: the current key, which must hold `scope` (403 naming it otherwise)."""
+def require_scope(scope: str) -> Callable[..., Awaitable[KeyInfo]]:
+    """A dependency: the current key, which must hold `scope` (403 naming it otherwise).
 
-    async def check(key: CurrentKey) -> KeyInfo:
+    It authenticates itself rather than depending on `current_key`: every level of nested
+    dependencies costs FastAPI a resolution on each request, and these guard the intake path.
+    """
+
+    async def check(request: Request, credentials: BearerDep) -> KeyInfo:
+        key = await authenticate_request(request, credentials)
         if scope not in key.scopes:
             raise APIError(403, f"API scope is not declared: {scope}", type="permission_error",
                            code="insufficient_scope")

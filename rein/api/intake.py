@@ -16,9 +16,11 @@ Group commit: `JobIntake.submit` hands each validated submission to the process'
 `GroupCommitter`, one thread that takes every submission waiting, commits them together and
 answers each request. A request that finds the committer idle is committed at once; under
 load, the requests that arrive while a commit is in flight go together in the next one.
-The three round trips and their fixed costs (connection checkout, the Lua call, kombu's
-pipeline) are then paid once per group rather than once per job, and intake no longer
-needs a thread per request contending for the GIL (bench/intake.py measures it).
+The three round trips and their fixed costs (the Lua call, the INSERT, kombu's pipeline)
+are then paid once per group rather than once per job, and intake no longer needs a thread
+per request contending for the GIL (bench/intake.py measures it). The committer keeps its
+Postgres connection between groups (rein.core.db.HeldConnections) instead of checking one
+out of the pool, with its pre-ping, for each.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ from rein.api.errors import APIError
 from rein.api.jobs import find_job_by_idempotency_key, same_request_or_conflict
 from rein.api.ratelimit import Admission, QueueFull, RateLimiter, RateLimitExceeded
 from rein.api.tokenizers import ModelEntry, ModelRegistry
-from rein.core.db import engine_of, execute_all
+from rein.core.db import HeldConnections, engine_of
 from rein.core.keys import KeyInfo
 from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
 from rein.core.models import Job, new_job_id
@@ -149,7 +151,8 @@ class JobIntake:
         self.limiter = limiter
         self.registry = registry
         self._queue_keys: dict[str, tuple[str, ...]] = {}
-        self._db = engine_of(sessions)
+        # The committer's own connection, kept between groups (rein.core.db.HeldConnections).
+        self._db = HeldConnections(engine_of(sessions))
         self._committer: GroupCommitter | None = None
 
     def start(self) -> JobIntake:
@@ -159,6 +162,7 @@ class JobIntake:
     def stop(self) -> None:
         if self._committer is not None:
             self._committer.stop()
+        self._db.close()
 
     async def submit(self, key: KeyInfo, endpoint: str, body: dict[str, Any], *,
                      metadata: dict[str, str] | None = None, idempotency_key: str | None = None,
@@ -255,8 +259,8 @@ class JobIntake:
                        job.priority, job.idempotency_key, json.dumps(job.metadata_))
         by_id = {job.id: job for job in jobs}
         stored = set()
-        for job_id, status, attempt, created_at, queued_at in execute_all(self._db, _insert_sql(len(jobs)),
-                                                                         tuple(values)):
+        rows = self._db.execute_all(_insert_sql(len(jobs)), tuple(values))
+        for job_id, status, attempt, created_at, queued_at in rows:
             job = by_id[job_id]
             job.status, job.attempt, job.created_at, job.queued_at = status, attempt, created_at, queued_at
             stored.add(job_id)

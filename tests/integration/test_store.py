@@ -6,19 +6,21 @@ import hashlib
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import inspect, select, text
 from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from rein.cli.main import main
 from rein.core import keys
 from rein.core.db import (
     DatabaseNotMigratedError,
+    HeldConnections,
     check_migrations_current,
     make_engine,
     session_scope,
@@ -368,3 +370,65 @@ def test_redis_client_is_namespaced(redis_client, redis_prefix, settings):
     redis_client.set(key, "1", ex=60)
     assert redis_client.get(key) == b"1"
     assert redis_prefix.startswith("rein_test_") and settings.redis_key_prefix == redis_prefix
+
+
+# --- held connections (the API committer's statements)
+
+
+def _backend_pid(held: HeldConnections) -> int:
+    return held.execute_all("SELECT pg_backend_pid()", ())[0][0]
+
+
+def test_held_connection_is_kept_while_busy_and_returned_when_idle(db_engine, monkeypatch):
+    clock = [1000.0]
+    monkeypatch.setattr("rein.core.db.time.monotonic", lambda: clock[0])
+    held = HeldConnections(db_engine, idle_seconds=1.0)
+    first = _backend_pid(held)
+    clock[0] += 0.5
+    assert _backend_pid(held) == first, "a busy thread keeps its connection"
+    assert db_engine.pool.checkedout() == 1
+    clock[0] += 5
+    _backend_pid(held)   # idle too long: back to the pool (pre-pinged) before this statement
+    assert db_engine.pool.checkedout() == 1
+    held.close()
+    assert db_engine.pool.checkedout() == 0
+
+
+def test_held_connection_writes_are_committed(db_engine, tenant):
+    table = f"held_probe_{tenant.replace('-', '_')}"
+    with db_engine.begin() as other:
+        other.execute(text(f"CREATE TABLE {table} (x int)"))
+    held = HeldConnections(db_engine)
+    try:
+        assert held.execute_all(f"INSERT INTO {table} VALUES (%s), (%s) RETURNING x", (1, 2)) == [(1,), (2,)]
+        with db_engine.connect() as other:   # autocommitted: another connection sees the rows at once
+            assert other.execute(text(f"SELECT count(*) FROM {table}")).scalar() == 2
+    finally:
+        held.close()
+        with db_engine.begin() as other:
+            other.execute(text(f"DROP TABLE {table}"))
+
+
+def test_held_connection_is_replaced_after_it_breaks(db_engine):
+    held = HeldConnections(db_engine, idle_seconds=3600)
+    first = _backend_pid(held)
+    with db_engine.connect() as admin:
+        admin.execute(text("SELECT pg_terminate_backend(:pid, 5000)"), {"pid": first})   # waits for it
+        admin.commit()
+    with pytest.raises(OperationalError):
+        _backend_pid(held)   # the statement that finds it broken fails...
+    second = _backend_pid(held)   # ...and the next one runs on a fresh connection
+    assert second != first
+    held.close()
+    assert db_engine.pool.checkedout() == 0
+
+
+def test_held_connections_are_per_thread(db_engine):
+    held = HeldConnections(db_engine)
+    mine = _backend_pid(held)
+    with ThreadPoolExecutor(1) as pool:
+        theirs = pool.submit(_backend_pid, held).result()
+    assert mine != theirs
+    assert db_engine.pool.checkedout() == 2
+    held.close()
+    assert db_engine.pool.checkedout() == 0

@@ -9,9 +9,9 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
-from rein.api.deps import AsyncRedisDep, InferenceKey, IntakeDep, RedisDep, SessionDep, SettingsDep
+from rein.api.deps import AsyncRedisDep, InferenceKey, RedisDep, SessionDep, SettingsDep
 from rein.api.errors import APIError
-from rein.api.intake import NewJob
+from rein.api.intake import JobIntake, NewJob
 from rein.api.jobs import (
     get_job_for_tenant,
     list_jobs_for_tenant,
@@ -71,16 +71,22 @@ def job_public(job: Job) -> JobPublic:
 @router.post("", status_code=202, response_model=JobCreated,
              responses={**_ERRORS, 400: {"model": ErrorResponse}, 409: {"model": ErrorResponse},
                         429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
-async def create_job(payload: JobCreate, request: Request, key: InferenceKey, intake: IntakeDep,
+async def create_job(payload: JobCreate, request: Request, key: InferenceKey,
                      idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
                      ) -> JobCreated:
     """Queue a job; 202 with its id. A retry with the same Idempotency-Key returns the same job;
     the same key with a different request is 409 `idempotency_key_reused`."""
     with log_context(key_id=key.key_id, model=payload.body.get("model")):
-        job, prepared = await intake.submit(key, payload.endpoint, payload.body, metadata=payload.metadata,
+        job, prepared = await intake_of(request).submit(key, payload.endpoint, payload.body, metadata=payload.metadata,
                                             idempotency_key=idempotency_key, body_bytes=body_bytes(request))
         log_job_accepted(job, reused=prepared is None)
     return JobCreated(id=job.id, status=job.status)
+
+
+def intake_of(request: Request) -> JobIntake:
+    """The process's JobIntake (from the app state, not a dependency: one resolution less on
+    the intake routes)."""
+    return request.app.state.intake
 
 
 def body_bytes(request: Request) -> int | None:

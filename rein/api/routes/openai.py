@@ -20,13 +20,12 @@ from rein.api.deps import (
     AsyncRedisDep,
     CurrentKey,
     InferenceKey,
-    IntakeDep,
     RegistryDep,
     SettingsDep,
 )
 from rein.api.errors import APIError, error_body
 from rein.api.jobs import get_job_for_tenant
-from rein.api.routes.jobs import body_bytes, log_job_accepted
+from rein.api.routes.jobs import body_bytes, intake_of, log_job_accepted
 from rein.api.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -58,18 +57,18 @@ _SSE = {"text/event-stream": {}}
 @router.post("/chat/completions", response_model=ChatCompletion,
              responses={**_ERRORS, 200: {"content": _SSE}})
 async def chat_completions(payload: ChatCompletionRequest, request: Request, key: InferenceKey,
-                           intake: IntakeDep, redis: AsyncRedisDep, settings: SettingsDep) -> Any:
+                           redis: AsyncRedisDep, settings: SettingsDep) -> Any:
     """Chat completion; `stream: true` answers with `chat.completion.chunk` SSE and `[DONE]`."""
     return await _complete(CHAT_COMPLETIONS, payload.model_dump(exclude_unset=True), request, key,
-                           intake, redis, settings)
+                           redis, settings)
 
 
 @router.post("/completions", response_model=Completion, responses={**_ERRORS, 200: {"content": _SSE}})
 async def completions(payload: CompletionRequest, request: Request, key: InferenceKey,
-                      intake: IntakeDep, redis: AsyncRedisDep, settings: SettingsDep) -> Any:
+                      redis: AsyncRedisDep, settings: SettingsDep) -> Any:
     """Text completion; `stream: true` answers with `text_completion` SSE chunks and `[DONE]`."""
     return await _complete(COMPLETIONS, payload.model_dump(exclude_unset=True), request, key,
-                           intake, redis, settings)
+                           redis, settings)
 
 
 @router.get("/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
@@ -94,9 +93,9 @@ def retrieve_model(model: str, key: CurrentKey, registry: RegistryDep, request: 
 
 
 async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: KeyInfo,
-                    intake: Any, redis: Any, settings: Any) -> Any:
+                    redis: Any, settings: Any) -> Any:
     with log_context(key_id=key.key_id, model=body.get("model")):
-        job, prepared = await intake.submit(key, endpoint, body, body_bytes=body_bytes(request))
+        job, prepared = await intake_of(request).submit(key, endpoint, body, body_bytes=body_bytes(request))
     log_job_accepted(job)
     sessions = request.app.state.sessions
     keys = RedisKeys.from_settings(settings)
