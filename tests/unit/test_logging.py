@@ -113,6 +113,20 @@ def test_threads_and_tasks_keep_their_own_context(capture):
                     "in task 0": "task-0", "in task 1": "task-1"}
 
 
+def test_timestamp_is_the_records_utc_time_to_the_millisecond():
+    from datetime import UTC, datetime
+
+    from rein.core.logging import JsonFormatter
+
+    formatter = JsonFormatter()
+    # Two records in one second (the formatted second is reused), then one in the next.
+    for created in (1764460801.123456, 1764460801.999, 1764460802.0005):
+        record = logging.LogRecord("rein.test", logging.INFO, __file__, 1, "m", None, None)
+        record.created, record.msecs = created, (created - int(created)) * 1000
+        expected = datetime.fromtimestamp(created, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        assert json.loads(formatter.format(record))["ts"] == expected
+
+
 def test_key_secrets_are_redacted_in_messages_and_tracebacks(capture):
     buffer, log = capture
     secret = KEY.split("_")[2]
