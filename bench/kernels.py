@@ -28,7 +28,8 @@ holding all of them):
   vocabulary and tokenizer instead of 151936, so its embedding is 1.8M parameters, not
   136M (360M parameters in all instead of 494M; the transformer layers are the same).
   tokens/s = output tokens / wall time from adding the requests to the last token, after
-  a warm-up run (which also compiles the kernels). For the steps that only decode, the
+  a warm-up run (which also compiles the kernels): mixed prompt lengths, then the timed
+  prompts with 8 output tokens. For the steps that only decode, the
   achieved memory bandwidth is approximated as (weight bytes + K/V bytes read) / step time:
   weight bytes = every parameter once in bf16 (an untied input embedding is left out:
   only its looked-up rows are read); K/V bytes = the context length of every request in
@@ -36,7 +37,10 @@ holding all of them):
   activations, logits and the new token's K/V write are ignored. Two step times: the
   runner's whole `execute` (host-side input building + forward + logits; synchronized
   before and after, which adds a sync the sampler would do anyway) and the model forward
-  alone (CUDA events around it; includes the GPU idle gaps while Python launches kernels).
+  alone (CUDA events around it; includes the GPU idle gaps while Python launches kernels;
+  only in eager runs, since a replayed graph calls no forward). Each model and cache runs
+  twice: with the decode CUDA graphs (the default) and with enforce_eager, printed as
+  the ratio of their tokens/s.
 
 Timing: CUDA events around each launch, after warm-up (which also compiles the kernels),
 median of --iters; the L2 cache is flushed before every timed launch (--no-flush to keep
@@ -65,7 +69,7 @@ NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE = torch.bfloat16
 DTYPE_NAME = str(DTYPE).removeprefix("torch.")
 DEADLINE_S = 270.0  # leave head-room under the 5-minute budget
-ENGINE_RESERVE_S = 90.0  # of DEADLINE_S, kept for the engine figures (estimated ~60 s; not yet timed on a GPU)
+ENGINE_RESERVE_S = 150.0  # of DEADLINE_S, kept for the engine figures (each model and cache with and without CUDA graphs)
 
 # Peak HBM bandwidth in GB/s by device-name substring; first match wins, so more specific
 # names come first ("GH200" contains "H200", "H100 PCIe" contains "H100").
@@ -481,7 +485,7 @@ def engine_generate(engine, prompts: list[list[int]], output_len: int) -> int:
 
 
 def engine_run(model_dir: Path, kv_cache_dtype: str, prompts: list[list[int]], output_len: int,
-               kv_memory: int, peak: float) -> dict:
+               kv_memory: int, peak: float, enforce_eager: bool = False) -> dict:
     import gc
     import random
 
@@ -491,7 +495,7 @@ def engine_run(model_dir: Path, kv_cache_dtype: str, prompts: list[list[int]], o
     engine = LLMEngine(EngineConfig(
         model=str(model_dir), dtype="bfloat16", kv_cache_dtype=kv_cache_dtype,
         kv_cache_memory=kv_memory, max_model_len=ENGINE_MAX_MODEL_LEN,
-        max_num_seqs=ENGINE_REQUESTS, seed=0))
+        max_num_seqs=ENGINE_REQUESTS, seed=0, enforce_eager=enforce_eager))
     try:
         spec = engine.spec
         # Warm-up: mixed prompt lengths (chunked prefill, prefill + decode steps) and block
@@ -499,6 +503,11 @@ def engine_run(model_dir: Path, kv_cache_dtype: str, prompts: list[list[int]], o
         rng = random.Random(1)
         warm = [[rng.randrange(0, 2000) for _ in range(rng.randint(100, 232))] for _ in range(16)]
         engine_generate(engine, warm, 24)
+        # And the timed workload itself with a few output tokens: the same prefill chunks and
+        # mixed steps, so the timed run compiles nothing (Triton specializes on shapes and on
+        # strides such as the block table's width; without this, whichever of the CUDA-graph
+        # and eager runs came first paid ~2 s of compiling inside its timing).
+        engine_generate(engine, prompts, 8)
         with DecodeProbe(engine) as probe:
             start = time.perf_counter()
             produced = engine_generate(engine, prompts, output_len)
@@ -511,7 +520,8 @@ def engine_run(model_dir: Path, kv_cache_dtype: str, prompts: list[list[int]], o
             weight_bytes -= spec.vocab_size * spec.hidden_size * elem
         kv_per_token = spec.kv_bytes_per_token(engine.runner.cache_dtype)
         return {
-            "kv_cache": kv_cache_dtype, "tokens_per_s": produced / wall, "wall_s": wall,
+            "kv_cache": kv_cache_dtype, "cuda_graphs": engine.runner.decode_graphs is not None,
+            "tokens_per_s": produced / wall, "wall_s": wall,
             "output_tokens": produced, "kv_blocks": engine.pool.num_blocks,
             "weight_bytes": weight_bytes, "kv_bytes_per_token": kv_per_token,
             "preemptions": engine.stats.preemptions,
@@ -544,7 +554,7 @@ def engine_figures(peak: float, deadline: float, quick: bool, models_dir: Path) 
     print(f"\n== engine: {requests} requests x {ENGINE_PROMPT_LEN} prompt / {ENGINE_OUTPUT_LEN} output "
           f"tokens, greedy, max_num_seqs {ENGINE_REQUESTS}, bf16 weights; bandwidth over decode-only "
           f"steps = (weights + K/V read) / time")
-    print(f"{'model':<24} {'cache':>5} {'tok/s':>8} {'wall s':>7} {'steps':>6} {'batch':>6} "
+    print(f"{'model':<24} {'cache':>10} {'tok/s':>8} {'wall s':>7} {'steps':>6} {'batch':>6} "
           f"{'step ms':>8} {'GB/step':>8} {'%peak':>6} {'fwd ms':>7} {'%peak':>6}")
     tiny_dir: Path | None = None
     for name in ("llama-tiny", "qwen2-0.5b-shape"):
@@ -569,25 +579,31 @@ def engine_figures(peak: float, deadline: float, quick: bool, models_dir: Path) 
             print(f"{name:<24} failed: {row['error']}", flush=True)
             traceback.print_exc(file=sys.stderr)
             continue
-        for cache in ("bfloat16", "int8"):
-            label = "bf16" if cache == "bfloat16" else cache
+        for cache, eager in (("bfloat16", False), ("bfloat16", True), ("int8", False), ("int8", True)):
+            label = ("bf16" if cache == "bfloat16" else cache) + ("-eager" if eager else "")
             if time.perf_counter() + ENGINE_RUN_MIN_S > deadline:
                 row[label] = {"skipped": "time budget"}
-                print(f"{name:<24} {label:>5} skipped: time budget")
+                print(f"{name:<24} {label:>10} skipped: time budget")
                 continue
             try:
-                r = engine_run(model_dir, cache, prompts, ENGINE_OUTPUT_LEN, kv_memory, peak)
+                r = engine_run(model_dir, cache, prompts, ENGINE_OUTPUT_LEN, kv_memory, peak, enforce_eager=eager)
             except Exception as exc:
                 row[label] = {"error": f"{type(exc).__name__}: {exc}"}
-                print(f"{name:<24} {label:>5} failed: {row[label]['error']}", flush=True)
+                print(f"{name:<24} {label:>10} failed: {row[label]['error']}", flush=True)
                 traceback.print_exc(file=sys.stderr)
                 continue
             row[label] = r
-            print(f"{name:<24} {label:>5} {r['tokens_per_s']:8.0f} {r['wall_s']:7.2f} "
+            print(f"{name:<24} {label:>10} {r['tokens_per_s']:8.0f} {r['wall_s']:7.2f} "
                   f"{r['decode_steps']:6d} {num(r.get('decode_mean_batch'), '6.0f')} "
                   f"{num(r.get('decode_step_ms'), '8.2f')} {num(r.get('decode_gb_per_step'), '8.3f')} "
                   f"{num(r.get('decode_step_pct_peak'), '5.1f%')} {num(r.get('forward_ms'), '7.2f')} "
                   f"{num(r.get('forward_pct_peak'), '5.1f%')}", flush=True)
+        for label in ("bf16", "int8"):
+            graphs, eager = row.get(label, {}), row.get(f"{label}-eager", {})
+            if "tokens_per_s" in graphs and "tokens_per_s" in eager:
+                row[f"{label}_graphs_over_eager_tokens_per_s"] = graphs["tokens_per_s"] / eager["tokens_per_s"]
+                print(f"{name:<24} {label:>10} CUDA graphs / eager: "
+                      f"{row[f'{label}_graphs_over_eager_tokens_per_s']:.2f}x tokens/s")
         if "tokens_per_s" in row.get("bf16", {}) and "tokens_per_s" in row.get("int8", {}):
             row["int8_over_bf16_tokens_per_s"] = row["int8"]["tokens_per_s"] / row["bf16"]["tokens_per_s"]
     return figures

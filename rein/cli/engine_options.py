@@ -37,6 +37,8 @@ def add_engine_options(parser: argparse.ArgumentParser, seed: bool = True) -> No
                        help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
     group.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
     group.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
+    group.add_argument("--enforce-eager", action="store_true",
+                       help="on CUDA, launch decode steps kernel by kernel instead of replaying CUDA graphs")
     if seed:
         group.add_argument("--seed", dest="engine_seed", type=int, default=0, metavar="N",
                            help="engine seed, for requests that give none (default 0)")
@@ -57,6 +59,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         seed=getattr(args, "engine_seed", 0),
+        enforce_eager=args.enforce_eager,
     )
 
 

@@ -171,6 +171,8 @@ class Settings(BaseSettings):
     """Weights dtype; auto: bfloat16 on CUDA, float32 on CPU."""
     kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = "auto"
     """KV cache element type; auto: the weights dtype."""
+    enforce_eager: bool = False
+    """On CUDA, launch decode steps kernel by kernel instead of replaying CUDA graphs (for debugging)."""
     worker_metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port the worker serves its Prometheus metrics on (/metrics, all interfaces); unset or 0: none."""
 

@@ -47,6 +47,8 @@ class EngineConfig:
     kv_cache_memory: bytes for the KV block pool (int or '4GiB'); when None,
     gpu_memory_utilization (a share of the device's free memory after the weights) sizes
     it on CUDA, and a fixed 1 GiB default is used on CPU.
+    enforce_eager: on CUDA, run decode-only steps kernel by kernel instead of replaying the
+    CUDA graphs captured at start (rein.engine.cuda_graphs); CPU engines always run eagerly.
     """
 
     model: str
@@ -60,6 +62,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None
     seed: int = 0
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         if self.device == "auto":

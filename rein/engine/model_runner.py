@@ -18,6 +18,7 @@ import torch
 from rein.engine.attention import AttentionMetadata, LayerCache
 from rein.engine.capacity import KVCapacity, kv_capacity
 from rein.engine.config import EngineConfig
+from rein.engine.cuda_graphs import DecodeGraphs
 from rein.engine.loader import load_model
 from rein.engine.model_spec import ModelSpec
 from rein.engine.request import Request
@@ -75,6 +76,13 @@ class ModelRunner:
                 f"or lower max_model_len")
         self.caches = self._allocate_cache(self.capacity.num_blocks)
         log.info("%s", self.capacity.describe())
+        # Decode-only steps replay CUDA graphs (rein.engine.cuda_graphs); everything else,
+        # and everything on CPU, runs eagerly.
+        self.decode_graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.caches, max_num_seqs=config.max_num_seqs,
+                max_blocks_per_seq=-(-self.max_model_len // self.block_size), device=self.device)
 
     def _size_cache(self) -> KVCapacity:
         memory = self.config.kv_cache_memory
@@ -132,6 +140,10 @@ class ModelRunner:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(request)
 
+        graphs = self.decode_graphs
+        if not prefills and graphs is not None and graphs.fits(len(decodes)):
+            hidden = graphs.run(input_ids, positions, slots, [s.end for s in decodes], self._block_rows(decodes))
+            return self._logits(hidden, sample_rows, sampling)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             num_decode_tokens=len(decodes),
@@ -144,6 +156,9 @@ class ModelRunner:
         )
         hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
                             self.caches, meta)
+        return self._logits(hidden, sample_rows, sampling)
+
+    def _logits(self, hidden: torch.Tensor, sample_rows: list[int], sampling: list[Request]) -> StepResult:
         if not sample_rows:
             return StepResult(hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32), [])
         logits = self.model.compute_logits(hidden[self._tensor(sample_rows, torch.int64)])
@@ -164,9 +179,13 @@ class ModelRunner:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
     def _block_tables(self, group: list[ScheduledRequest]) -> torch.Tensor:
+        return self._tensor(self._block_rows(group), torch.int32)
+
+    @staticmethod
+    def _block_rows(group: list[ScheduledRequest]) -> list[list[int]]:
+        """The requests' block ids, each padded with 0 to the longest."""
         width = max(len(s.request.block_ids) for s in group)
-        rows = [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in group]
-        return self._tensor(rows, torch.int32)
+        return [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in group]
 
     def _cu_seqlens(self, group: list[ScheduledRequest]) -> torch.Tensor:
         offsets = [0]
