@@ -314,14 +314,21 @@ def _json_type(value: Any) -> str:
 # -- responses --------------------------------------------------------------------------------
 
 
+def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's `usage` object; `cached_tokens`: prompt tokens served from the prefix cache."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
 def build_response(endpoint: str, request_id: str, model_name: str, prompt_tokens: int, text: str,
                    token_ids: list[int], finish_reason: str | None, logprobs: list[TokenLogprob] | None,
-                   tokenizer: Any, logprobs_mode: int | None, created: int | None = None) -> dict[str, Any]:
+                   tokenizer: Any, logprobs_mode: int | None, created: int | None = None,
+                   cached_tokens: int = 0) -> dict[str, Any]:
     """The body OpenAI returns for a finished, non-streamed request."""
     created = int(time.time()) if created is None else created
     finish = _FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
-    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": len(token_ids),
-             "total_tokens": prompt_tokens + len(token_ids)}
+    usage = usage_body(prompt_tokens, len(token_ids), cached_tokens)
     want_logprobs = logprobs_mode is not None and logprobs is not None
     if endpoint == CHAT_COMPLETIONS:
         choice = {

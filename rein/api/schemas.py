@@ -83,10 +83,16 @@ class ChatChoice(BaseModel):
     finish_reason: str | None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = Field(description="Prompt tokens whose KV cache was reused from earlier requests "
+                                           "(automatic prefix caching) instead of computed.")
+
+
 class CompletionUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
 
 
 class ChatCompletion(BaseModel):

@@ -27,6 +27,7 @@ from redis.asyncio import Redis as AsyncRedis
 from rein.core.messages import STREAM_FIELD, event_id
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.core.redis_keys import RedisKeys
+from rein.openai_format import usage_body
 
 BLOCK_MS = 5_000
 READ_COUNT = 512
@@ -64,8 +65,7 @@ def replay_event(job: Job, seq: int) -> StreamEvent | None:
         data["finish_reason"] = result.finish_reason if result else "abort"
     prompt = usage.prompt_tokens if usage else (job.prompt_tokens if result else 0)
     completion = usage.completion_tokens if usage else len(data["token_ids"])
-    data["usage"] = {"prompt_tokens": prompt, "completion_tokens": completion,
-                     "total_tokens": prompt + completion}
+    data["usage"] = usage_body(prompt, completion, usage.cached_tokens if usage else 0)
     data["replayed"] = True
     return StreamEvent(seq, data)
 
@@ -158,7 +158,7 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
 
     if chat:
         yield chunk(None, None, first=True)
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None
     async for event in events:
         if event is None:
             yield KEEPALIVE
@@ -175,7 +175,6 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
         if finish:
             usage = data.get("usage")
     if include_usage:
-        usage = usage or {"prompt_tokens": prompt_tokens, "completion_tokens": 0,
-                          "total_tokens": prompt_tokens}
+        usage = usage or usage_body(prompt_tokens, 0)
         yield sse(json.dumps({**base, "choices": [], "usage": usage}, separators=(",", ":")))
     yield sse("[DONE]")

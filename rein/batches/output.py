@@ -27,7 +27,7 @@ from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
 from rein.core.filestore import FileStore
-from rein.core.models import Batch, File, Job, Result
+from rein.core.models import Batch, File, Job, Result, Usage
 from rein.worker.recorder import response_body
 
 Kind = Literal["output", "errors"]
@@ -55,13 +55,14 @@ def batch_lines(session: Session, batch: Batch, kind: Kind) -> Iterator[str]:
     """The batch's output or error lines so far, in input order (JSONL text, one per line)."""
     if kind == "output":
         rows = session.execute(
-            select(Job, Result).join(Result, Result.job_id == Job.id)
+            select(Job, Result, Usage.cached_tokens).join(Result, Result.job_id == Job.id)
+            .outerjoin(Usage, Usage.job_id == Job.id)
             .where(Job.batch_id == batch.id, Job.status == "succeeded")
             .order_by(Job.batch_line).execution_options(yield_per=FETCH_ROWS))
-        for job, result in rows:
+        for job, result, cached_tokens in rows:
             yield _dump({"id": line_id(job.id), "custom_id": job.custom_id,
                          "response": {"status_code": 200, "request_id": job.id,
-                                      "body": response_body(job, result)}, "error": None})
+                                      "body": response_body(job, result, cached_tokens or 0)}, "error": None})
         return
     if batch.expired_at is not None:
         dropped, reason = "batch_expired", "the batch's completion window closed before this request finished"

@@ -39,6 +39,9 @@ def add_engine_options(parser: argparse.ArgumentParser, seed: bool = True) -> No
     group.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
     group.add_argument("--enforce-eager", action="store_true",
                        help="on CUDA, launch decode steps kernel by kernel instead of replaying CUDA graphs")
+    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                       help="compute every prompt in full instead of reusing the KV blocks of leading "
+                            "tokens other requests computed")
     if seed:
         group.add_argument("--seed", dest="engine_seed", type=int, default=0, metavar="N",
                            help="engine seed, for requests that give none (default 0)")
@@ -60,6 +63,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         max_model_len=args.max_model_len,
         seed=getattr(args, "engine_seed", 0),
         enforce_eager=args.enforce_eager,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
             model=served.source, device=settings.device, dtype=settings.dtype,
             kv_cache_dtype=settings.kv_cache_dtype, kv_cache_memory=settings.kv_cache_memory,
             max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_model_len=served.max_model_len, enforce_eager=settings.enforce_eager)
+            max_model_len=served.max_model_len, enforce_eager=settings.enforce_eager,
+            enable_prefix_caching=settings.enable_prefix_caching)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -61,7 +61,7 @@ class TokenEvent:
     text: str
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
-    usage: dict[str, int] | None = None
+    usage: dict[str, Any] | None = None
     error: str | None = None
 
     @property

@@ -173,6 +173,8 @@ class Settings(BaseSettings):
     """KV cache element type; auto: the weights dtype."""
     enforce_eager: bool = False
     """On CUDA, launch decode steps kernel by kernel instead of replaying CUDA graphs (for debugging)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of leading tokens other requests computed (automatic prefix caching)."""
     worker_metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port the worker serves its Prometheus metrics on (/metrics, all interfaces); unset or 0: none."""
 

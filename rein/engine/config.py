@@ -49,6 +49,8 @@ class EngineConfig:
     it on CUDA, and a fixed 1 GiB default is used on CPU.
     enforce_eager: on CUDA, run decode-only steps kernel by kernel instead of replaying the
     CUDA graphs captured at start (rein.engine.cuda_graphs); CPU engines always run eagerly.
+    enable_prefix_caching: a request whose leading tokens (whole KV blocks) another request
+    already computed reuses those blocks instead of computing them (rein.engine.block_pool).
     """
 
     model: str
@@ -63,6 +65,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     enforce_eager: bool = False
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.device == "auto":

@@ -48,6 +48,8 @@ class EngineStats:
     scheduled_tokens: int = 0       # summed over steps (prefill chunks + decodes)
     peak_kv_utilization: float = 0.0   # max over steps of tokens stored / slots allocated
     peak_kv_usage: float = 0.0         # max share of blocks in use
+    prefix_cache_queries: int = 0      # prompt tokens of requests admitted (first time, caching on)
+    prefix_cache_hits: int = 0         # of those, tokens found in the prefix cache
 
     @property
     def overhead_share(self) -> float:
@@ -63,7 +65,8 @@ class LLMEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self.runner = ModelRunner(config, self.model_dir, self.spec)
         self.max_model_len = self.runner.max_model_len
-        self.pool = BlockPool(self.runner.capacity.num_blocks, config.block_size)
+        self.pool = BlockPool(self.runner.capacity.num_blocks, config.block_size,
+                              enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
@@ -139,6 +142,8 @@ class LLMEngine:
 
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
+        self.stats.prefix_cache_queries += plan.prefix_cache_queries
+        self.stats.prefix_cache_hits += plan.prefix_cache_hits
         if plan.is_empty:
             return outputs
         forward_start = time.perf_counter()
@@ -146,10 +151,14 @@ class LLMEngine:
         forward_seconds = time.perf_counter() - forward_start
 
         self.stats.scheduled_requests += len(plan.scheduled)
+        caching, block_size = self.pool.enable_caching, self.pool.block_size
         for s in plan.scheduled:
+            request = s.request
             self.stats.scheduled_tokens += s.end - s.start
-            s.request.num_computed_tokens = s.end
-            self.stats.prompt_tokens += max(0, min(s.end, s.request.num_prompt_tokens) - s.start)
+            request.num_computed_tokens = s.end
+            self.stats.prompt_tokens += max(0, min(s.end, request.num_prompt_tokens) - s.start)
+            if caching and s.end // block_size > request.num_registered_blocks:
+                self.scheduler.register_computed_blocks(request)
         self._record_kv_utilization()
         if result.sampling:
             outputs.extend(self._sample_and_update(result.logits, result.sampling))
@@ -193,6 +202,7 @@ class LLMEngine:
             append(RequestOutput(
                 request.request_id, [token], delta, status is not None, request.finish_reason,
                 request.stop_reason, len(request.prompt_token_ids), len(output_ids), logprob,
+                request.num_cached_tokens,
             ))
         self.stats.generation_tokens += len(sampling)
         return outputs
@@ -215,7 +225,7 @@ class LLMEngine:
         return RequestOutput(
             request_id=request.request_id, new_token_ids=[], text_delta="", finished=True,
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens)
+            num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens)
 
     def _record_kv_utilization(self) -> None:
         # Tokens whose K/V sit in the cache after this step's forward, against the slots the

@@ -24,3 +24,4 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0                # prompt tokens taken from the prefix cache

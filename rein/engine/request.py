@@ -58,6 +58,12 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Prefix caching (rein.engine.block_pool): prompt tokens found cached at the first
+    # admission (for usage), how many leading full blocks are registered, and the link the
+    # next one is registered under.
+    num_cached_tokens: int = 0
+    num_registered_blocks: int = 0
+    cache_parent: tuple[int, int] = (-1, 0)
     num_preemptions: int = 0
     first_token_time: float | None = None
     # Engine-owned helpers (detokenizer, generator); opaque to the scheduler.

@@ -5,6 +5,9 @@ its `num_tokens` under a per-step token budget. A new prompt is prefilled in chu
 it does not fit the budget, a decoding request asks for one token, and a preempted
 request simply starts again from zero computed tokens (recompute).
 
+A waiting request whose leading tokens are in the prefix cache (rein.engine.block_pool)
+takes those blocks and starts computing after them.
+
 Running requests are served first, oldest first; when the block pool runs dry, the
 newest running request is preempted (its blocks freed, sent back to the waiting queue)
 until the older one fits. Waiting requests join while the budget, `max_num_seqs` and the
@@ -16,7 +19,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass, field
 
-from rein.engine.block_pool import BlockPool
+from rein.engine.block_pool import ROOT, BlockPool
 from rein.engine.request import Request, RequestStatus
 
 
@@ -39,6 +42,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    prefix_cache_queries: int = 0   # prompt tokens of the requests admitted for the first time
+    prefix_cache_hits: int = 0      # of those, tokens taken from the prefix cache
 
     @property
     def num_batched_tokens(self) -> int:
@@ -116,18 +121,48 @@ class Scheduler:
             if request.status.finished:
                 heapq.heappop(self._waiting)
                 continue
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            needed = self.pool.blocks_for(request.num_computed_tokens + num_new) - len(request.block_ids)
-            if needed > self.pool.num_free:
+            # Blocks another request already computed for the same leading tokens; at least
+            # the last token is always computed, since its logits give the next token.
+            cached = self.pool.find_prefix(request.tokens(0, request.num_tokens),
+                                           (request.num_tokens - 1) // block_size) \
+                if self.pool.enable_caching and not request.block_ids else []
+            computed = len(cached) * block_size if cached else request.num_computed_tokens
+            num_new = min(request.num_tokens - computed, budget)
+            needed = self.pool.blocks_for(computed + num_new) - len(request.block_ids) - len(cached)
+            if needed + self.pool.num_unheld(cached) > self.pool.num_free:
                 break
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
+            if cached:
+                self._take_cached(request, cached)
+            if self.pool.enable_caching and request.num_preemptions == 0:
+                out.prefix_cache_queries += request.num_prompt_tokens
+                out.prefix_cache_hits += request.num_cached_tokens
             request.block_ids.extend(self.pool.allocate(needed))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return out
+
+    def _take_cached(self, request: Request, blocks: list[int]) -> None:
+        self.pool.share(blocks)
+        request.block_ids = list(blocks)
+        request.num_computed_tokens = len(blocks) * self.pool.block_size
+        request.num_registered_blocks = len(blocks)
+        request.cache_parent = (blocks[-1], self.pool.generation(blocks[-1]))
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+
+    def register_computed_blocks(self, request: Request) -> None:
+        """Offer the request's newly completed blocks to the prefix cache (after a step)."""
+        size = self.pool.block_size
+        full = request.num_computed_tokens // size
+        parent, tokens, blocks = request.cache_parent, request.tokens, request.block_ids
+        for i in range(request.num_registered_blocks, full):
+            parent = self.pool.cache_block(blocks[i], parent, tokens(i * size, (i + 1) * size))
+        request.cache_parent = parent
+        request.num_registered_blocks = full
 
     def _grow(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Give `request` blocks for `num_new` more tokens, preempting the newest running
@@ -156,3 +191,5 @@ class Scheduler:
         if request.block_ids:
             self.pool.free(request.block_ids)
             request.block_ids = []
+        request.num_registered_blocks = 0
+        request.cache_parent = ROOT

@@ -211,7 +211,7 @@ class _BatchRun:
         body = build_response(
             pending.endpoint, output.request_id, pending.model_name, prompt_tokens, "".join(pending.text),
             pending.token_ids, output.finish_reason, pending.logprobs if parsed.logprobs_mode is not None else None,
-            self.engine.tokenizer, parsed.logprobs_mode, int(time.time()))
+            self.engine.tokenizer, parsed.logprobs_mode, int(time.time()), cached_tokens=output.num_cached_tokens)
         self._write(self.out, batch_output_line(pending.custom_id, output.request_id, body))
         self.summary.requests_ok += 1
         self.summary.prompt_tokens += prompt_tokens

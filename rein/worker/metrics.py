@@ -77,6 +77,11 @@ class WorkerMetrics:
             "rein:kv_cache_usage_perc", "KV cache usage: share of KV blocks in use, 0 to 1.")
         self.num_preemptions = counter(
             "rein:num_preemptions", "Requests preempted (blocks freed, recomputed later).")
+        self.prefix_cache_queries = counter(
+            "rein:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache (each request once, when first scheduled).")
+        self.prefix_cache_hits = counter(
+            "rein:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).")
         self.prompt_tokens = counter(
             "rein:prompt_tokens",
             "Prompt tokens of requests, counted when their prefill completes.")
@@ -109,13 +114,15 @@ class WorkerMetrics:
             ITERATION_TOKENS_BUCKETS)
         self._bind_children()
         self._engine: LLMEngine | None = None
-        self._seen: tuple[int, float, int, int, int] = (0, 0.0, 0, 0, 0)
+        self._seen: tuple[int, float, int, int, int, int, int] = (0, 0.0, 0, 0, 0, 0, 0)
         self._server: Any = None
 
     def _bind_children(self) -> None:
         # Labelled children resolved once: the engine thread then pays one call per figure.
         name = self.model_name
         self._preemptions = self.num_preemptions.labels(name)
+        self._prefix_queries = self.prefix_cache_queries.labels(name)
+        self._prefix_hits = self.prefix_cache_hits.labels(name)
         self._prompt_tokens = self.prompt_tokens.labels(name)
         self._generation_tokens = self.generation_tokens.labels(name)
         self._finished = {reason: self.request_success.labels(name, reason)
@@ -140,10 +147,10 @@ class WorkerMetrics:
         self._seen = self._totals(engine)
 
     @staticmethod
-    def _totals(engine: LLMEngine) -> tuple[int, float, int, int, int]:
+    def _totals(engine: LLMEngine) -> tuple[int, float, int, int, int, int, int]:
         stats = engine.stats
         return (stats.steps, stats.step_seconds, stats.preemptions, stats.scheduled_requests,
-                stats.scheduled_tokens)
+                stats.scheduled_tokens, stats.prefix_cache_queries, stats.prefix_cache_hits)
 
     def observe_step(self, outputs: Iterable[RequestOutput]) -> None:
         """The runner's on_step hook (engine thread): the steps since its last call, and their
@@ -163,11 +170,15 @@ class WorkerMetrics:
         if self._engine is None:
             return
         totals = self._totals(self._engine)
-        steps, seconds, preemptions, requests, tokens = (
+        steps, seconds, preemptions, requests, tokens, queries, hits = (
             now - before for now, before in zip(totals, self._seen, strict=True))
         self._seen = totals
         if preemptions:
             self._preemptions.inc(preemptions)
+        if queries:
+            self._prefix_queries.inc(queries)
+        if hits:
+            self._prefix_hits.inc(hits)
         # Usually one step; steps without outputs in between are observed at their mean.
         for _ in range(steps):
             self._step_duration.observe(seconds / steps)

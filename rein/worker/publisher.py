@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from redis import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -35,6 +36,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rein.core.messages import STREAM_FIELD, TokenEvent, event_id
 from rein.core.redis_keys import RedisKeys
 from rein.engine.outputs import RequestOutput
+from rein.openai_format import usage_body
 from rein.worker.recorder import storable_text
 
 log = logging.getLogger(__name__)
@@ -44,11 +46,6 @@ MAX_BACKLOG = 100_000
 
 INTERRUPTED = "interrupted"
 TIMEOUT = "timeout"
-
-
-def usage_of(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
 
 
 @dataclass
@@ -93,7 +90,7 @@ class TokenPublisher:
             self._jobs.pop(job_id, None)
 
     def publish_final(self, job_id: str, *, finish_reason: str | None = None,
-                      usage: dict[str, int] | None = None, error: str | None = None) -> TokenEvent:
+                      usage: dict[str, Any] | None = None, error: str | None = None) -> TokenEvent:
         """End a job's stream from outside the engine (failed, or cancelled before it ran)."""
         if finish_reason is None and error is None:
             raise ValueError("a final event needs a finish_reason or an error")
@@ -132,7 +129,7 @@ class TokenPublisher:
             return TokenEvent(seq=state.seq, text=storable_text(output.text_delta),
                               token_ids=list(output.new_token_ids))
         del self._jobs[output.request_id]
-        usage = usage_of(output.num_prompt_tokens, output.num_output_tokens)
+        usage = usage_body(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
         error = None
         if output.finish_reason == "abort":
             reason = state.abort_reason or (INTERRUPTED if self._closed else None)

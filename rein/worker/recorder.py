@@ -107,15 +107,17 @@ WITH done AS (
 SELECT count(*) FROM done"""
 
 
-def response_body(job: Job, result: Result) -> dict[str, Any]:
+def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str, Any]:
     """The OpenAI body of a finished job, exactly as the synchronous endpoint returns it.
 
-    `created` is the job's finish time; the id is the job id with OpenAI's prefix.
+    `created` is the job's finish time; the id is the job id with OpenAI's prefix;
+    `cached_tokens` comes from the job's usage row.
     """
     finished = job.finished_at or result.created_at
     body = build_response(job.endpoint, job.id, job.model, job.prompt_tokens, result.text,
                           list(result.token_ids), result.finish_reason, None, None, None,
-                          created=int(finished.timestamp()) if finished is not None else None)
+                          created=int(finished.timestamp()) if finished is not None else None,
+                          cached_tokens=cached_tokens)
     body["choices"][0]["logprobs"] = result.logprobs
     return body
 

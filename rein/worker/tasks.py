@@ -27,6 +27,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from rein.core.logging import log_context
 from rein.core.messages import JobMessage
+from rein.openai_format import usage_body
 from rein.worker.app import TASK_NAME, enqueue_job
 from rein.worker.bootstep import worker_context
 from rein.worker.cancel import is_cancel_requested
@@ -37,7 +38,7 @@ from rein.worker.claim import (
     lease_seconds,
     release_job,
 )
-from rein.worker.publisher import TIMEOUT, usage_of
+from rein.worker.publisher import TIMEOUT
 from rein.worker.recorder import JobRecord, record_job, response_logprobs
 
 if TYPE_CHECKING:
@@ -91,7 +92,7 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
     try:
         if is_cancel_requested(context.redis, context.keys, job_id):
             if cancel_unstarted_job(context.sessions, job_id):
-                context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_of(0, 0))
+                context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_body(0, 0))
             return "skipped: cancelled"
         claim = claim_job(context.sessions, job_id, context.worker_name,
                           lease_seconds(context.settings.job_timeout_seconds))
@@ -99,7 +100,7 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
         raise JobNotTaken(str(exc)) from exc
     if claim.lease is None:
         if claim.outcome is ClaimOutcome.CANCELLED:
-            context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_of(0, 0))
+            context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_body(0, 0))
         elif claim.outcome is ClaimOutcome.GAVE_UP:
             context.publisher.publish_final(job_id, error="the job was started too many times and never finished")
         log.info("job %s not run: %s", job_id, claim.outcome.value)
@@ -184,7 +185,7 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
         logprobs=response_logprobs(lease.endpoint, collected.logprobs if params.logprobs is not None else None,
                                    context.engine.tokenizer, message.logprobs_mode),
         prompt_tokens=final.num_prompt_tokens, completion_tokens=final.num_output_tokens,
-        first_token_at=(datetime.fromtimestamp(collected.first_token_at, UTC)
+        cached_tokens=final.num_cached_tokens, first_token_at=(datetime.fromtimestamp(collected.first_token_at, UTC)
                         if collected.first_token_at is not None else None), error=error)
     if not record_job(context.sessions, lease, record):
         log.warning("job %s attempt %d: lease lost before recording; result dropped", job_id, lease.attempt)

@@ -22,6 +22,7 @@ from rein.core.messages import (
 )
 from rein.core.models import ApiKey, Job, Result, Usage
 from rein.core.redis_keys import RedisKeys
+from rein.openai_format import usage_body
 from rein.worker.app import enqueue_job, make_celery, queue_keys
 from rein.worker.cancel import CancelListener, is_cancel_requested, request_cancel
 from rein.worker.claim import ClaimOutcome, cancel_unstarted_job, claim_job, release_job
@@ -125,7 +126,7 @@ def test_publisher_sends_one_pipeline_per_step_with_gapless_ids(engine, redis_cl
         assert "".join(e.text for _, e in events) == texts[job_id]
         final = events[-1][1]
         assert final.finish_reason == "length" and all(not e.final for _, e in events[:-1])
-        assert final.usage == {"prompt_tokens": 3, "completion_tokens": 5 + i, "total_tokens": 8 + i}
+        assert final.usage == usage_body(3, 5 + i)
         assert sum(len(e.token_ids) for _, e in events) == 5 + i
         assert 0 < redis_client.ttl(keys.job_stream(job_id)) <= 120     # expires after the job
     expected = [e for _, e in stream_events(redis_client, keys, jobs[0])]
@@ -235,7 +236,8 @@ def test_recorder_writes_result_status_and_usage_once(make_job, db_sessionmaker,
         body = response_body(job, result)
     assert body["object"] == "text_completion" and body["id"] == f"cmpl-{message.job_id}"
     assert body["choices"][0]["text"] == "hello" and body["choices"][0]["finish_reason"] == "stop"
-    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_released_job_is_claimed_again_as_a_new_attempt(make_job, db_sessionmaker):
@@ -391,7 +393,8 @@ def test_worker_runs_a_job_end_to_end(worker_app, make_job, db_sessionmaker, red
     assert "".join(e.text for _, e in events) == result.text
     assert [t for _, e in events for t in e.token_ids] == result.token_ids
     assert len(result.token_ids) == 8 and result.finish_reason == "length"
-    assert events[-1][1].usage == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12}
+    assert events[-1][1].usage == {"prompt_tokens": 4, "completion_tokens": 8, "total_tokens": 12,
+                                   "prompt_tokens_details": {"cached_tokens": 0}}
     [usage] = usage_rows(db_sessionmaker, message.job_id)
     assert (usage.tenant, usage.key_id, usage.model) == (tenant, message.key_id, MODEL)
     assert (usage.prompt_tokens, usage.completion_tokens) == (4, 8)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from rein.engine.block_pool import BlockPool, BlockPoolExhausted
+from rein.engine.block_pool import ROOT, BlockPool, BlockPoolExhausted
 from rein.engine.request import Request, RequestStatus
 from rein.engine.sampling_params import SamplingParams
 from rein.engine.scheduler import Scheduler
@@ -138,3 +138,124 @@ def test_long_prompt_is_prefilled_in_chunks_beside_decodes():
             if s.samples:
                 s.request.output_token_ids.append(0)
     assert chunks == [9, 9, 9, 8]
+
+
+# --- prefix caching
+
+
+def test_cached_chain_is_found_block_by_block_and_only_for_the_same_tokens():
+    pool = BlockPool(8, 4, enable_caching=True)
+    tokens = list(range(10, 22))   # 3 full blocks
+    blocks = pool.allocate(3)
+    parent = ROOT
+    for i, block in enumerate(blocks):
+        parent = pool.cache_block(block, parent, tokens[i * 4:(i + 1) * 4])
+    assert pool.find_prefix(tokens, 3) == blocks
+    assert pool.find_prefix(tokens + [99], 2) == blocks[:2]          # at most max_blocks
+    assert pool.find_prefix(tokens[:4] + [0, 0, 0, 0], 3) == blocks[:1]   # diverges in block 2
+    assert pool.find_prefix([0] + tokens[1:], 3) == []               # differs in the first token
+    assert pool.find_prefix(tokens[4:8], 1) == []                    # same tokens, other position
+
+
+def test_caching_off_finds_nothing():
+    pool = BlockPool(4, 4)
+    [block] = pool.allocate(1)
+    pool.cache_block(block, ROOT, [1, 2, 3, 4])
+    assert pool.find_prefix([1, 2, 3, 4], 1) == []
+
+
+def test_freed_cached_blocks_count_as_free_revive_on_share_and_are_evicted_oldest_first():
+    pool = BlockPool(3, 2, enable_caching=True)
+    a, b = pool.allocate(2)
+    link = pool.cache_block(a, ROOT, [1, 2])
+    pool.cache_block(b, link, [3, 4])
+    pool.free([a, b])
+    assert pool.num_free == 3 and pool.num_cached == 2
+    found = pool.find_prefix([1, 2, 3, 4], 2)
+    assert found == [a, b] and pool.num_unheld(found) == 2
+    pool.share(found)                          # revived: held again, no longer free
+    assert pool.num_free == 1 and pool.ref_count(a) == 1
+    pool.free(found)                           # a then b freed: a is the older
+    [c] = pool.allocate(1)                     # the never-cached block goes first
+    assert c not in (a, b) and pool.num_cached == 2
+    [d] = pool.allocate(1)                     # then the least recently freed cached one: a
+    assert d == a and pool.num_cached == 1
+    # b's key named a as its predecessor; a now holds something else, so b is unreachable.
+    assert pool.find_prefix([1, 2, 3, 4], 2) == []
+    pool.cache_block(d, ROOT, [1, 2])          # the same first block again, a new generation
+    assert pool.find_prefix([1, 2, 3, 4], 2) == [d]
+
+
+def test_sharing_a_free_block_that_is_not_cached_is_refused():
+    pool = BlockPool(2, 4, enable_caching=True)
+    with pytest.raises(ValueError):
+        pool.share([0])
+
+
+def test_a_prefix_cached_twice_keeps_the_first_block_and_the_chain_continues():
+    pool = BlockPool(6, 2, enable_caching=True)
+    first, second = pool.allocate(2)
+    link_first = pool.cache_block(first, ROOT, [5, 6])
+    link_second = pool.cache_block(second, ROOT, [5, 6])   # computed at the same time elsewhere
+    assert link_second == link_first
+    [tail] = pool.allocate(1)
+    pool.cache_block(tail, link_second, [7, 8])
+    assert pool.find_prefix([5, 6, 7, 8], 2) == [first, tail]
+
+
+def _write(contents: dict[int, dict[int, int]], request: Request, start: int, end: int, size: int,
+           pool: BlockPool) -> None:
+    """Play the model: the K/V of positions [start, end) land in the request's blocks. No
+    other request may hold a block that is written, and what is already computed must hold
+    exactly the request's tokens (whether computed by it or found in the prefix cache)."""
+    for pos in range(start):
+        block = request.block_ids[pos // size]
+        assert contents.get(block, {}).get(pos % size) == request.token_at(pos), "cached block holds other tokens"
+    for pos in range(start, end):
+        block = request.block_ids[pos // size]
+        assert pool.ref_count(block) == 1, "a shared block is being written"
+        contents.setdefault(block, {})[pos % size] = request.token_at(pos)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_prefix_sharing_never_writes_shared_blocks_or_reads_other_tokens(seed):
+    rng = random.Random(seed)
+    size = 4
+    pool = BlockPool(10, size, enable_caching=True)   # 40 slots: preemption under pressure
+    scheduler = Scheduler(pool, max_num_seqs=5, max_num_batched_tokens=rng.choice([6, 16, 64]))
+    # Few distinct beginnings, so prompts share prefixes of every length.
+    stems = [[rng.randrange(1, 5) for _ in range(rng.randint(3, 14))] for _ in range(3)]
+    contents: dict[int, dict[int, int]] = {}
+    live: list[Request] = []
+    hits = 0
+    for i in range(400):
+        op = rng.random()
+        if op < 0.3:
+            prompt = rng.choice(stems)[: rng.randint(1, 14)] + [rng.randrange(1, 5) for _ in range(rng.randint(0, 6))]
+            request = Request(str(i), prompt, SamplingParams(max_tokens=rng.randint(1, 16)))
+            scheduler.add(request)
+            live.append(request)
+        elif op < 0.37 and live:
+            scheduler.finish(rng.choice(live), RequestStatus.FINISHED_ABORTED)
+        else:
+            plan = scheduler.schedule()
+            hits += plan.prefix_cache_hits
+            for s in plan.scheduled:
+                request = s.request
+                assert s.start == request.num_computed_tokens
+                _write(contents, request, s.start, s.end, size, pool)
+                request.num_computed_tokens = s.end
+                scheduler.register_computed_blocks(request)
+                if s.samples:
+                    request.output_token_ids.append(rng.randrange(1, 5))
+                    if request.num_output_tokens >= request.sampling_params.max_tokens:
+                        scheduler.finish(request, RequestStatus.FINISHED_LENGTH)
+            held = [b for r in scheduler.running for b in r.block_ids]
+            assert len(set(held)) == pool.num_used
+            for block in set(held):
+                assert pool.ref_count(block) == held.count(block)
+        live = [r for r in live if not r.is_finished]
+    for request in live:
+        scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+    assert not scheduler.has_unfinished() and pool.num_free == pool.num_blocks
+    assert hits > 0 and scheduler.num_preemptions > 0

@@ -30,6 +30,7 @@ WORKER_NAMES = {
     "rein:time_to_first_token_seconds": "histogram", "rein:time_per_output_token_seconds": "histogram",
     "rein:e2e_request_latency_seconds": "histogram", "rein:step_duration_seconds": "histogram",
     "rein:batch_size": "histogram", "rein:iteration_tokens_total": "histogram",
+    "rein:prefix_cache_queries": "counter", "rein:prefix_cache_hits": "counter",
 }
 
 
@@ -59,12 +60,15 @@ class FakeEngine:
     pool: FakePool = field(default_factory=FakePool)
     stats: EngineStats = field(default_factory=EngineStats)
 
-    def step(self, seconds: float, requests: int, tokens: int, preemptions: int = 0) -> None:
+    def step(self, seconds: float, requests: int, tokens: int, preemptions: int = 0,
+             prefix_queries: int = 0, prefix_hits: int = 0) -> None:
         self.stats.steps += 1
         self.stats.step_seconds += seconds
         self.stats.scheduled_requests += requests
         self.stats.scheduled_tokens += tokens
         self.stats.preemptions += preemptions
+        self.stats.prefix_cache_queries += prefix_queries
+        self.stats.prefix_cache_hits += prefix_hits
 
 
 def output(request_id: str, n_out: int, *, prompt: int = 5, finish: str | None = None) -> RequestOutput:
@@ -114,11 +118,11 @@ def test_steps_move_tokens_finishes_and_step_histograms():
     metrics = WorkerMetrics("tiny")
     metrics.attach(engine)
 
-    engine.step(0.010, 2, 12)          # prefill of a (5 tokens) and b (7): both sample a first token
+    engine.step(0.010, 2, 12, prefix_queries=12)   # prefill of a (5 tokens) and b (7): both sample a first token
     metrics.observe_step([output("a", 1, prompt=5), output("b", 1, prompt=7)])
     engine.step(0.004, 2, 2, preemptions=1)
     metrics.observe_step([output("a", 2, finish="length"), output("b", 2)])
-    engine.step(0.002, 1, 1)
+    engine.step(0.002, 1, 1, prefix_queries=32, prefix_hits=16)   # a request that found 16 cached
     metrics.observe_step([output("b", 3, prompt=7, finish="stop")])
     # An aborted request's final output carries no token and counts as an abort.
     metrics.observe_step([RequestOutput("c", [], "", finished=True, finish_reason="abort",
@@ -127,6 +131,8 @@ def test_steps_move_tokens_finishes_and_step_histograms():
     assert value(metrics, "rein:prompt_tokens_total") == 12          # 5 + 7, once each
     assert value(metrics, "rein:generation_tokens_total") == 5
     assert value(metrics, "rein:num_preemptions_total") == 1
+    assert value(metrics, "rein:prefix_cache_queries_total") == 44
+    assert value(metrics, "rein:prefix_cache_hits_total") == 16
     assert value(metrics, "rein:request_success_total", finished_reason="length") == 1
     assert value(metrics, "rein:request_success_total", finished_reason="stop") == 1
     assert value(metrics, "rein:request_success_total", finished_reason="abort") == 1

@@ -155,12 +155,13 @@ def test_context_length_in_openai_wording(tokenizer):
 def test_chat_response_shape(tokenizer):
     ids = tokenizer.encode(" hello world", add_special_tokens=False)
     body = build_response(CHAT_COMPLETIONS, "abc", "tiny", 12, " hello world", ids, "stop", None, tokenizer,
-                          None, created=1700000000)
+                          None, created=1700000000, cached_tokens=8)
     assert body == {
         "id": "chatcmpl-abc", "object": "chat.completion", "created": 1700000000, "model": "tiny",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": " hello world"},
                      "logprobs": None, "finish_reason": "stop"}],
-        "usage": {"prompt_tokens": 12, "completion_tokens": len(ids), "total_tokens": 12 + len(ids)},
+        "usage": {"prompt_tokens": 12, "completion_tokens": len(ids), "total_tokens": 12 + len(ids),
+                  "prompt_tokens_details": {"cached_tokens": 8}},
     }
     json.dumps(body)
 

@@ -18,9 +18,9 @@ from rein.core.messages import (
 )
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
+from rein.openai_format import usage_body
 from rein.worker.app import PRIORITY_STEPS, TASK_NAME, JobRouter, make_celery, queue_keys
 from rein.worker.claim import lease_seconds
-from rein.worker.publisher import usage_of
 from rein.worker.recorder import JobRecord
 
 
@@ -45,11 +45,12 @@ def test_message_round_trip_is_json_safe():
 
 def test_token_event_round_trip_and_stream_ids():
     middle = TokenEvent(seq=3, text="héllo ", token_ids=[5, 6])
-    final = TokenEvent(seq=4, text="", finish_reason="stop", usage=usage_of(7, 3))
+    final = TokenEvent(seq=4, text="", finish_reason="stop", usage=usage_body(7, 3))
     assert TokenEvent.from_json(middle.to_json()) == middle
     assert not middle.final and final.final
     assert TokenEvent.from_json(final.to_json().encode()) == final
-    assert json.loads(final.to_json())["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert json.loads(final.to_json())["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10,
+                                                    "prompt_tokens_details": {"cached_tokens": 0}}
     assert "finish_reason" not in json.loads(middle.to_json())
     assert event_id(4) == "4-0" and STREAM_FIELD == "data"
 

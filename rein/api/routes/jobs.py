@@ -34,6 +34,7 @@ from rein.core.logging import log_context
 from rein.core.messages import STREAM_FIELD, TokenEvent, event_id
 from rein.core.models import Job
 from rein.core.redis_keys import RedisKeys
+from rein.openai_format import usage_body
 from rein.worker.cancel import request_cancel
 from rein.worker.recorder import response_body
 
@@ -49,7 +50,8 @@ def job_public(job: Job) -> JobPublic:
     usage = job.usage
     response = None
     if job.status == "succeeded" and job.result is not None:
-        response = JobResponse(status_code=200, body=response_body(job, job.result))
+        response = JobResponse(status_code=200, body=response_body(
+            job, job.result, usage.cached_tokens if usage else 0))
     error = JobError(**{k: job.error.get(k) for k in ("message", "type", "code")}) \
         if job.status == "failed" and job.error else None
     return JobPublic(
@@ -135,7 +137,7 @@ def cancel_job(job_id: str, session: SessionDep, key: InferenceKey, redis: Redis
         if was_queued:
             # No worker will run it, so the API ends its stream (event 1: nothing ran before).
             final = TokenEvent(seq=1, text="", finish_reason="abort",
-                               usage={"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0})
+                               usage=usage_body(0, 0))
             pipe = redis.pipeline(transaction=False)
             stream = keys.job_stream(job.id)
             pipe.xadd(stream, {STREAM_FIELD: final.to_json()}, id=event_id(1))

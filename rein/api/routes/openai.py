@@ -133,8 +133,10 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
         return JSONResponse(error_body(message, "server_error", None, "job_failed"), status_code=500)
     # The record did not show in time: the stream holds everything the body needs but logprobs.
     entry = prepared.entry if prepared else None
+    cached = ((final.data.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     return build_response(endpoint, job.id, job.model, job.prompt_tokens, "".join(text), token_ids,
-                          final.data.get("finish_reason"), None, entry.tokenizer if entry else None, None)
+                          final.data.get("finish_reason"), None, entry.tokenizer if entry else None, None,
+                          cached_tokens=cached)
 
 
 async def _wait_for_record(load: Any) -> Job | None:
@@ -152,7 +154,7 @@ async def _wait_for_record(load: Any) -> Job | None:
 
 def _stored_response(job: Job) -> Any:
     if job.status == "succeeded" and job.result is not None:
-        return JSONResponse(response_body(job, job.result))
+        return JSONResponse(response_body(job, job.result, job.usage.cached_tokens if job.usage else 0))
     if job.status == "failed":
         error = job.error or {}
         status = 400 if error.get("type") == "invalid_request_error" else 500
