@@ -2,8 +2,9 @@
 
 On CUDA the engine runs the Triton kernels. This checks, per architecture of the tiny
 models, that the engine's greedy tokens in fp32 equal Hugging Face generate() (the same
-claim the CPU tests make for the reference path), that bf16 and the int8 KV cache run end
-to end, and that no KV blocks leak. Prints a table and, last, one JSON object.
+claim the CPU tests make for the reference path), also for prompts that share their first
+blocks (prefix caching), that bf16 and the int8 KV cache run end to end, and that no KV
+blocks leak. Prints a table and, last, one JSON object.
 """
 
 from __future__ import annotations
@@ -81,8 +82,18 @@ def main() -> int:
             row["int8_token_agreement"] = sum(
                 x == y for a, b in zip(int8, expected, strict=True) for x, y in zip(a, b, strict=True)) / (len(prompts) * MAX_TOKENS)
             row["int8_leaked_blocks"] = engine.pool.num_used
+            # Prefix caching: prompts sharing a 40-token beginning (two full blocks), arriving a
+            # few at a time so later ones find the first ones' blocks; against HF as above.
+            shared = [prompts[3][:40] + p for p in prompts]
+            shared_expected = hf_greedy(model_dir, shared)
+            got, engine = run_engine(model_dir, shared, dtype="float32")
+            row["prefix_cached_identical_requests"] = sum(a == b for a, b in zip(got, shared_expected, strict=True))
+            row["prefix_cache_hit_tokens"] = engine.stats.prefix_cache_hits
+            row["prefix_leaked_blocks"] = engine.pool.num_used
             row["seconds"] = round(time.perf_counter() - started, 1)
             ok &= row["fp32_identical_requests"] == len(prompts) and row["fp32_leaked_blocks"] == 0
+            ok &= row["prefix_cached_identical_requests"] == len(prompts) and row["prefix_cache_hit_tokens"] > 0
+            ok &= row["prefix_leaked_blocks"] == 0
             results["archs"][arch] = row
             print(arch, row, flush=True)
     results["ok"] = ok
