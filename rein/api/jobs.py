@@ -36,10 +36,15 @@ def find_job_by_idempotency_key(session: Session, tenant: str, idempotency_key: 
                                              Job.idempotency_key == idempotency_key)).one_or_none()
 
 
-def list_jobs_for_tenant(session: Session, tenant: str, limit: int,
-                         after: str | None = None) -> tuple[list[Job], bool]:
-    """The tenant's jobs newest first, `limit` of them after the job `after`; (jobs, has_more)."""
+def list_jobs_for_tenant(session: Session, tenant: str, limit: int, after: str | None = None, *,
+                         status: str | None = None, batch_id: str | None = None) -> tuple[list[Job], bool]:
+    """The tenant's jobs newest first, `limit` of them after the job `after`, optionally only
+    those of one status and/or one batch; (jobs, has_more)."""
     query = select(Job).where(Job.tenant == tenant)
+    if status is not None:
+        query = query.where(Job.status == status)
+    if batch_id is not None:
+        query = query.where(Job.batch_id == batch_id)
     if after is not None:
         cursor = session.execute(select(Job.created_at, Job.id)
                                  .where(Job.id == after, Job.tenant == tenant)).one_or_none()

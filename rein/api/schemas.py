@@ -188,6 +188,8 @@ class JobPublic(BaseModel):
     endpoint: str
     created_at: datetime
     metadata: dict[str, Any]
+    batch_id: str | None = Field(None, description="The batch the job is a line of, if any.")
+    custom_id: str | None = Field(None, description="That batch line's custom_id.")
     prompt_tokens: int
     cancel_requested_at: datetime | None
     timings: JobTimings

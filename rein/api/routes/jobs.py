@@ -26,6 +26,7 @@ from rein.api.schemas import (
     JobList,
     JobPublic,
     JobResponse,
+    JobStatus,
     JobTimings,
     JobUsage,
 )
@@ -56,6 +57,7 @@ def job_public(job: Job) -> JobPublic:
         if job.status == "failed" and job.error else None
     return JobPublic(
         id=job.id, status=job.status, model=job.model, endpoint=job.endpoint, created_at=job.created_at,
+        batch_id=job.batch_id, custom_id=job.custom_id,
         metadata=dict(job.metadata_ or {}), prompt_tokens=job.prompt_tokens,
         cancel_requested_at=job.cancel_requested_at,
         timings=JobTimings(
@@ -113,9 +115,13 @@ def log_job_accepted(job: Job | NewJob, *, reused: bool = False) -> None:
 def list_jobs(session: SessionDep, key: InferenceKey,
               limit: Annotated[int, Query(ge=1, le=100)] = 20,
               after: Annotated[str | None, Query(description="A job id: list the jobs older than it.")] = None,
+              status: Annotated[JobStatus | None, Query(description="Only jobs in this status.")] = None,
+              batch_id: Annotated[str | None, Query(
+                  description="Only the jobs of this batch (one per input line).")] = None,
               ) -> JobList:
-    """The caller's jobs, newest first."""
-    jobs, has_more = list_jobs_for_tenant(session, key.tenant, limit, after)
+    """The caller's jobs, newest first: those sent to POST /v1/jobs or the OpenAI endpoints,
+    and the lines of their batches."""
+    jobs, has_more = list_jobs_for_tenant(session, key.tenant, limit, after, status=status, batch_id=batch_id)
     return JobList(data=[job_public(job) for job in jobs], first_id=jobs[0].id if jobs else None,
                    last_id=jobs[-1].id if jobs else None, has_more=has_more)
 

@@ -67,6 +67,17 @@ def test_get_job_and_list_newest_first_with_cursor(client, make_key, tenant):
     assert [j["id"] for j in page["data"]] == [ids[0]]
     assert page["has_more"] is False
 
+    # Filters: by status (with the cursor), and a bad status names the parameter.
+    assert client.post(f"/v1/jobs/{ids[1]}/cancel", headers=auth(key)).json()["status"] == "cancelled"
+    queued = client.get("/v1/jobs?status=queued", headers=auth(key)).json()
+    assert [j["id"] for j in queued["data"]] == [ids[2], ids[0]]
+    assert [j["id"] for j in client.get(f"/v1/jobs?status=queued&after={ids[2]}", headers=auth(key))
+            .json()["data"]] == [ids[0]]
+    assert [j["id"] for j in client.get("/v1/jobs?status=cancelled", headers=auth(key)).json()["data"]] == [ids[1]]
+    response = client.get("/v1/jobs?status=done", headers=auth(key))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "status"
+    assert client.get("/v1/jobs?batch_id=batch_nope", headers=auth(key)).json()["data"] == []
+
 
 def test_tenant_isolation_on_every_id_route_and_the_list(client, make_key, tenant):
     mine, theirs = make_key(tenant), make_key(f"other-{tenant}")

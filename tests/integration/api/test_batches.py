@@ -144,8 +144,17 @@ def test_batch_runs_to_completion(batch_client, make_key, tenant, db_sessionmake
         ("third", 3, PRIORITY_BATCH, "queued")]
     batch_queue = queue_keys(settings, "tiny")[PRIORITY_BATCH]
     assert redis_client.llen(batch_queue) == 3
-    # The jobs are ordinary jobs too: GET /v1/jobs/{id} shows them.
+    # The jobs are ordinary jobs too: GET /v1/jobs/{id} shows them, and the list filters them.
     assert batch_client.get(f"/v1/jobs/{jobs[0].id}", headers=auth(key)).json()["status"] == "queued"
+    other = batch_client.post("/v1/jobs", headers=auth(key), json={
+        "endpoint": "/v1/completions", "body": line("x")["body"]}).json()["id"]
+    listed = batch_client.get(f"/v1/jobs?batch_id={batch['id']}", headers=auth(key)).json()["data"]
+    # (one INSERT made them all: same created_at, so "newest first" leaves their order open)
+    assert sorted((j["custom_id"], j["batch_id"]) for j in listed) == [
+        ("first", batch["id"]), ("second", batch["id"]), ("third", batch["id"])]
+    everything = batch_client.get("/v1/jobs", headers=auth(key)).json()["data"]
+    assert {j["id"] for j in everything} == {other, *(j.id for j in jobs)}
+    assert next(j for j in everything if j["id"] == other)["batch_id"] is None
 
     fake_worker.record(jobs[1].id, "two done", [5, 6])
     live = get(batch_client, key, batch["id"])
@@ -268,6 +277,8 @@ def test_tenant_isolation(batch_client, make_key, tenant):
         response = batch_client.request(method, f"/v1/batches/{batch['id']}{path}", headers=auth(theirs))
         assert response.status_code == 404, (path, response.text)
     assert batch_client.get("/v1/batches", headers=auth(theirs)).json()["data"] == []
+    assert batch_client.get(f"/v1/jobs?batch_id={batch['id']}", headers=auth(make_key(f"{tenant}-other"))
+                            ).json()["data"] == []
     assert [b["id"] for b in batch_client.get("/v1/batches", headers=auth(mine)).json()["data"]] == [batch["id"]]
     # Another tenant's file cannot start a batch.
     file_id = upload(batch_client, mine, jsonl(line("a")))
