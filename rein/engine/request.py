@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from rein.engine.block_pool import ROOT
 from rein.engine.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
@@ -63,7 +64,7 @@ class Request:
     # next one is registered under.
     num_cached_tokens: int = 0
     num_registered_blocks: int = 0
-    cache_parent: tuple[int, int] = (-1, 0)
+    cache_parent: tuple[int, int] = ROOT
     num_preemptions: int = 0
     first_token_time: float | None = None
     # Engine-owned helpers (detokenizer, generator); opaque to the scheduler.
