@@ -382,13 +382,15 @@ _INSERT_COLUMNS = ("id", "tenant", "key_id", "model", "endpoint", "params", "pro
 _CASTS = {"params": "::jsonb", "prompt_token_ids": "::integer[]", "metadata": "::jsonb"}
 if not set(_INSERT_COLUMNS) <= set(Job.__table__.c.keys()):
     raise RuntimeError(f"the intake INSERT names columns jobs lacks: {set(_INSERT_COLUMNS) - set(Job.__table__.c.keys())}")
-_INSERT_ROW = "(" + ", ".join("%s" + _CASTS.get(c, "") for c in _INSERT_COLUMNS) + ")"
+# sent_at: the message is published right after the INSERT (the reaper sends it again if it
+# never reaches the queue, see rein.worker.reaper).
+_INSERT_ROW = "(" + ", ".join("%s" + _CASTS.get(c, "") for c in _INSERT_COLUMNS) + ", now())"
 
 
 @lru_cache(maxsize=MAX_GROUP)
 def _insert_sql(rows: int) -> str:
     # ON CONFLICT DO NOTHING: a taken (tenant, Idempotency-Key) skips the row, also when two
     # rows of one group carry the same key.
-    return (f"INSERT INTO {Job.__tablename__} ({', '.join(_INSERT_COLUMNS)}) "
+    return (f"INSERT INTO {Job.__tablename__} ({', '.join(_INSERT_COLUMNS)}, sent_at) "
             f"VALUES {', '.join([_INSERT_ROW] * rows)} "
             "ON CONFLICT DO NOTHING RETURNING id, status, attempt, created_at, queued_at")

@@ -12,9 +12,9 @@ replica is handling is skipped, not waited for), does the next step in one trans
   and the batch is `failed`, with the bad lines listed.
 * in_progress: feed the model's queue. Batch jobs are not all sent at once: the manager
   keeps at most REIN_BATCH_QUEUE_WINDOW batch messages waiting on the model's queue (the
-  priority-6 list), sending the next lines as workers drain it and stamping `sent_at`;
-  when that list is empty but jobs sent long ago are still queued, their messages were
-  lost and they are sent again.
+  priority-6 list), sending the next lines as workers drain it and stamping `sent_at`.
+  A sent line whose message was lost (Redis restarted without its data, a dead worker's
+  reserved messages) is sent again by the reaper (rein.worker.reaper), as any job is.
   So 50,000 lines never fill the queue that backpressure measures, interactive jobs
   (priority 0) are always taken first, and a cancel has few messages to skip. A message
   is sent before its `sent_at` commits: after a crash in between it is sent again, which
@@ -56,7 +56,7 @@ from rein.batches.output import write_result_files
 from rein.batches.validation import ValidLine, validate_lines
 from rein.core.filestore import FileStore
 from rein.core.messages import PRIORITY_BATCH, JobMessage
-from rein.core.models import Batch, File, Job, new_job_id
+from rein.core.models import JOB_MESSAGE_COLUMNS, Batch, File, Job, new_job_id
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
 from rein.worker.app import enqueue_jobs, queue_keys
@@ -69,8 +69,6 @@ OPEN_JOB_STATUSES = ("queued", "running")
 # Namespace of the per-batch advisory locks ("batc"), beside rein migrate's lock.
 LOCK_NAMESPACE = 0x62617463
 ABORT_GRACE_SECONDS = 60
-# A sent job still queued this long after its batch queue emptied has lost its message.
-LOST_MESSAGE_SECONDS = 120
 COPY_COLUMNS = ("id", "tenant", "key_id", "model", "endpoint", "params", "prompt_token_ids",
                 "prompt_tokens", "priority", "batch_id", "custom_id", "batch_line")
 
@@ -229,35 +227,17 @@ class BatchManager:
         if model not in room:
             waiting = self.redis.llen(queue_keys(self.settings, model)[PRIORITY_BATCH])
             room[model] = max(self.settings.batch_queue_window - waiting, 0)
-            if waiting == 0:
-                self._resend_lost(session, batch)
         if room[model] <= 0:
             return
         rows = session.execute(
-            select(Job.id, Job.model, Job.endpoint, Job.prompt_token_ids, Job.params, Job.tenant, Job.key_id)
+            select(*JOB_MESSAGE_COLUMNS)
             .where(Job.batch_id == batch.id, Job.status == "queued", Job.sent_at.is_(None))
             .order_by(Job.batch_line).limit(room[model])).all()
         # The whole chunk in one pipeline.
-        enqueue_jobs(self.celery, [JobMessage(
-            job_id=row.id, model=row.model, endpoint=row.endpoint,
-            prompt_token_ids=list(row.prompt_token_ids), sampling=row.params["sampling"],
-            priority=PRIORITY_BATCH, logprobs_mode=row.params.get("logprobs_mode"), tenant=row.tenant,
-            key_id=row.key_id) for row in rows])
+        enqueue_jobs(self.celery, [JobMessage.for_job(row) for row in rows])
         if rows:
             session.execute(update(Job).where(Job.id.in_([row.id for row in rows])).values(sent_at=func.now()))
             room[model] -= len(rows)
-
-    def _resend_lost(self, session: Session, batch: Batch) -> None:
-        """Jobs sent long ago and still queued while the batch queue is empty: their messages
-        were lost (a Redis without persistence restarted, say). Mark them unsent to send again;
-        if a worker does hold one after all, the claim lease makes the duplicate harmless."""
-        lost = session.execute(
-            update(Job).where(Job.batch_id == batch.id, Job.status == "queued",
-                              Job.sent_at < func.now() - timedelta(seconds=LOST_MESSAGE_SECONDS))
-            .values(sent_at=None).execution_options(synchronize_session=False)).rowcount
-        if lost:
-            log.warning("batch %s: %d queued jobs were sent over %d s ago and are not on the queue; "
-                        "sending them again", batch.id, lost, LOST_MESSAGE_SECONDS)
 
     def _finish(self, session: Session, batch: Batch) -> None:
         """finalizing or cancelling: once no job is open, write the files and end the batch."""

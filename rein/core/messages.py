@@ -51,6 +51,15 @@ class JobMessage:
     def from_dict(cls, data: dict[str, Any]) -> JobMessage:
         return cls(**data)
 
+    @classmethod
+    def for_job(cls, job: Any) -> JobMessage:
+        """The message of a stored job (a `Job` or a row with its columns), to send it again:
+        the job row holds everything the API put in the first message."""
+        return cls(job_id=job.id, model=job.model, endpoint=job.endpoint,
+                   prompt_token_ids=list(job.prompt_token_ids), sampling=job.params["sampling"],
+                   priority=job.priority, logprobs_mode=job.params.get("logprobs_mode"),
+                   tenant=job.tenant, key_id=job.key_id)
+
 
 @dataclass
 class TokenEvent:

@@ -155,7 +155,8 @@ class Job(Base):
     batch_line: Mapped[int | None]
     """The batch line's number in the input file (1-based), for output order and error reports."""
     sent_at: Mapped[datetime | None]
-    """When the batch manager put the job's message on the queue; NULL: not sent yet (batch jobs)."""
+    """When the job's message was last put on its queue (by intake, the batch manager or the
+    reaper); NULL: not sent yet (batch lines wait for the batch manager)."""
 
     result: Mapped[Result | None] = relationship(back_populates="job")
     usage: Mapped[Usage | None] = relationship(back_populates="job")
@@ -170,7 +171,16 @@ class Job(Base):
         UniqueConstraint("batch_id", "custom_id"),
         # A batch's request_counts and the manager's "what is left" are GROUP BYs on this.
         Index("ix_jobs_batch_id_status", "batch_id", "status"),
+        # The reaper's two questions (rein.worker.reaper): which leases ran out, which queued
+        # jobs were sent long ago; small partial indexes, since few jobs are open at a time.
+        Index("ix_jobs_running_lease", "lease_expires_at", postgresql_where=text("status = 'running'")),
+        Index("ix_jobs_queued_sent", "model", "priority", "sent_at", postgresql_where=text("status = 'queued'")),
     )
+
+
+# The columns a job's queue message is rebuilt from (rein.core.messages.JobMessage.for_job).
+JOB_MESSAGE_COLUMNS = (Job.id, Job.model, Job.endpoint, Job.prompt_token_ids, Job.params, Job.priority,
+                       Job.tenant, Job.key_id)
 
 
 class Result(Base):

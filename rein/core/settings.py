@@ -138,7 +138,17 @@ class Settings(BaseSettings):
 
     # --- jobs and streams
     job_timeout_seconds: int = Field(3600, ge=1)
-    """Longest a job may run; the broker's visibility timeout is set longer (see below)."""
+    """Longest a job may run; its worker aborts it then (code `timeout`)."""
+    lease_seconds: float = Field(30.0, gt=0)
+    """A running job's lease: a worker that stops renewing it (killed, hung, cut off from
+    Postgres) loses the job this long after its last renewal, and the reaper queues it again."""
+    lease_renew_seconds: float = Field(10.0, gt=0)
+    """How often a worker renews the leases of the jobs it runs (one statement for all of them)."""
+    reaper_interval_seconds: float = Field(5.0, gt=0)
+    """How often the reaper looks for expired leases and queued jobs whose message is lost."""
+    requeue_unclaimed_seconds: float = Field(15.0, gt=0)
+    """A queued job whose message is neither on its queue nor claimed for this long gets a new
+    message (a lost Redis, a dead worker's reserved messages); at once after Redis restarts."""
     stream_maxlen: int = Field(10_000, ge=1)
     """Events kept per job stream (approximate cap); a longer job replays its start from Postgres."""
     stream_ttl_seconds: int = Field(3600, ge=1)
@@ -192,6 +202,10 @@ class Settings(BaseSettings):
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")
+        if self.lease_renew_seconds * 2 > self.lease_seconds:
+            raise ValueError(f"REIN_LEASE_RENEW_SECONDS ({self.lease_renew_seconds:g}) must be at most half of "
+                             f"REIN_LEASE_SECONDS ({self.lease_seconds:g}), so that one late renewal does not "
+                             f"lose a live worker its jobs")
         return self
 
     @property
@@ -207,7 +221,10 @@ class Settings(BaseSettings):
 
     @property
     def visibility_timeout_seconds(self) -> int:
-        """Broker visibility timeout: past the longest job, so a running job is never redelivered."""
+        """Broker visibility timeout: past the longest job, so the broker never redelivers the
+        message of a job that may still run. A dead worker's jobs come back much sooner through
+        their leases and the reaper (rein.worker.reaper); the broker's late redelivery is a
+        backstop that the claim makes harmless."""
         return 2 * self.job_timeout_seconds + 60
 
 

@@ -1,5 +1,12 @@
 """The worker's long-lived half: the engine, its runner thread, the token publisher, the
-cancel listener and a heartbeat, owned by one Celery bootstep.
+cancel listener, a heartbeat, the lease keeper and a reaper, owned by one Celery bootstep.
+
+The lease keeper renews the leases of the jobs this worker runs, all in one statement every
+`Settings.lease_renew_seconds` (rein.worker.claim); a job whose lease it finds lost (the
+reaper gave it to another attempt after this worker could not renew in time) is aborted
+here, since whatever it computes can no longer be recorded. The reaper
+(rein.worker.reaper) runs in every worker, so a deployment recovers a dead worker's jobs as
+long as one worker lives.
 
 The bootstep starts after the pool and before the consumer, so the engine is loaded
 before the first message is taken; it stops after the consumer has stopped taking
@@ -37,13 +44,16 @@ from celery.concurrency.thread import TaskPool as ThreadTaskPool
 from celery.signals import worker_shutting_down
 from redis import Redis
 from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.logging import log_context
 from rein.core.redis_keys import RedisKeys
 from rein.worker.cancel import CancelListener
+from rein.worker.claim import Lease, renew_leases
 from rein.worker.metrics import WorkerMetrics, compose_hooks
 from rein.worker.publisher import INTERRUPTED, TokenPublisher
+from rein.worker.reaper import Reaper
 
 if TYPE_CHECKING:
     from rein.engine.config import EngineConfig
@@ -53,6 +63,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEARTBEAT_SECONDS = 5.0
+# After a failed lease renewal, try again this often.
+LEASE_RETRY_SECONDS = 1.0
 # The workers registry (RedisKeys.workers) outlives its last writer by this long.
 WORKER_REGISTRY_TTL_SECONDS = 24 * 3600
 
@@ -87,10 +99,12 @@ class WorkerContext:
     listener: CancelListener | None = None
     stopping: threading.Event = field(default_factory=threading.Event)
     interrupted: set[str] = field(default_factory=set)
-    _jobs_by_thread: dict[int, str] = field(default_factory=dict)
+    reaper: Reaper | None = None
+    _jobs_by_thread: dict[int, Lease] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
     _heartbeat: threading.Thread | None = None
+    _lease_keeper: threading.Thread | None = None
     started_at: float = field(default_factory=time.time)
     _previous_beat: tuple[float, int, int, float] | None = None   # time and totals at the last beat
 
@@ -99,19 +113,24 @@ class WorkerContext:
         return self.runner.engine
 
     @contextmanager
-    def tracking(self, job_id: str) -> Iterator[None]:
-        """While the calling task thread runs `job_id` (for cancels and interrupts)."""
+    def tracking(self, lease: Lease) -> Iterator[None]:
+        """While the calling task thread runs the leased job (for cancels, interrupts and
+        lease renewal)."""
         ident = threading.get_ident()
         with self._lock:
-            self._jobs_by_thread[ident] = job_id
+            self._jobs_by_thread[ident] = lease
         try:
             yield
         finally:
             with self._lock:
                 self._jobs_by_thread.pop(ident, None)
-                self.interrupted.discard(job_id)
+                self.interrupted.discard(lease.job_id)
 
     def running_jobs(self) -> list[str]:
+        with self._lock:
+            return [lease.job_id for lease in self._jobs_by_thread.values()]
+
+    def held_leases(self) -> list[Lease]:
         with self._lock:
             return list(self._jobs_by_thread.values())
 
@@ -128,7 +147,8 @@ class WorkerContext:
 
     def interrupt_thread(self, ident: int) -> None:
         with self._lock:
-            job_id = self._jobs_by_thread.get(ident)
+            lease = self._jobs_by_thread.get(ident)
+        job_id = lease.job_id if lease is not None else None
         if job_id is not None:
             with log_context(job_id=job_id, model=self.model_name, worker=self.worker_name):
                 log.warning("interrupting job %s: Celery terminated its task", job_id)
@@ -138,6 +158,10 @@ class WorkerContext:
         self.listener = CancelListener(self.redis, self.keys, self.runner.abort, self.running_jobs).start()
         self._heartbeat = threading.Thread(target=self._beat, name="rein-heartbeat", daemon=True)
         self._heartbeat.start()
+        self._lease_keeper = threading.Thread(target=self._keep_leases, name="rein-lease-keeper", daemon=True)
+        self._lease_keeper.start()
+        if self.reaper is not None:
+            self.reaper.start()
 
     def stop(self) -> None:
         """Abort what runs (its tasks hand their jobs back) and end every thread.
@@ -157,8 +181,11 @@ class WorkerContext:
         self.runner.stop()
         if self.metrics is not None:
             self.metrics.stop()
-        if self._heartbeat is not None:
-            self._heartbeat.join(HEARTBEAT_SECONDS)
+        if self.reaper is not None:
+            self.reaper.stop()
+        for thread in (self._heartbeat, self._lease_keeper):
+            if thread is not None:
+                thread.join(HEARTBEAT_SECONDS)
         try:
             self.redis.delete(self.keys.worker_heartbeat(self.worker_name))
             self._beat_stopped()
@@ -202,6 +229,29 @@ class WorkerContext:
                 log.debug("heartbeat skipped: %s", exc)
             self.stopping.wait(HEARTBEAT_SECONDS)
 
+    def _keep_leases(self) -> None:
+        """Renew the leases of the running jobs every lease_renew_seconds; after a failure
+        (Postgres away) try again every LEASE_RETRY_SECONDS, so leases are renewed as soon
+        as Postgres is back, before the reaper takes them."""
+        interval = self.settings.lease_renew_seconds
+        while not self.stopping.wait(interval):
+            leases = self.held_leases()
+            try:
+                held = renew_leases(self.sessions, self.worker_name, leases, self.settings.lease_seconds)
+            except SQLAlchemyError as exc:
+                log.warning("cannot renew the leases of %d running jobs: %s", len(leases), exc)
+                interval = LEASE_RETRY_SECONDS
+                continue
+            interval = self.settings.lease_renew_seconds
+            still_running = {(lease.job_id, lease.attempt) for lease in self.held_leases()}
+            for lease in leases:
+                key = (lease.job_id, lease.attempt)
+                if key not in held and key in still_running:
+                    with log_context(job_id=lease.job_id, model=self.model_name, worker=self.worker_name):
+                        log.warning("job %s attempt %d: lease lost (not renewed in time); stopping it",
+                                    lease.job_id, lease.attempt)
+                    self.interrupt(lease.job_id)
+
     def _beat_stopped(self) -> None:
         """A last registry entry saying this worker stopped on purpose (not LOST)."""
         beat = {"worker": self.worker_name, "model": self.model_name, "time": time.time(),
@@ -240,9 +290,10 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     # One connection per task thread at most; the claim and the record are short transactions.
     threads = engine.config.max_num_seqs
     db = make_engine(settings.database_url, pool_size=min(threads, 16), max_overflow=max(threads - 16, 0) + 4)
+    sessions = sessionmaker(db, expire_on_commit=False)
     context = WorkerContext(app=app, settings=settings, model_name=spec.model_name, worker_name=worker_name,
-                            keys=keys, redis=redis, sessions=sessionmaker(db, expire_on_commit=False),
-                            runner=runner, publisher=publisher, metrics=metrics)
+                            keys=keys, redis=redis, sessions=sessions, runner=runner, publisher=publisher,
+                            metrics=metrics, reaper=Reaper(settings, sessions, redis, app))
     runner.start()
     context.start()
     log.info("engine ready for %s on %s: %d KV blocks of %d tokens, max %d sequences", spec.model_name,

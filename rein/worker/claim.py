@@ -7,23 +7,28 @@ first claims the job row in Postgres with one conditional UPDATE.
 Lease semantics:
 
 * `claim_job` moves a job to `running`, increments `attempt`, records the worker and sets
-  `lease_expires_at` = now + the longest allowed job + a margin. It succeeds only when the
-  job is `queued`, or `running` under an expired lease (its worker died without handing
-  it back), and no cancel was requested.
+  `lease_expires_at` = now + `Settings.lease_seconds` (30 s by default). It succeeds only
+  when the job is `queued`, or `running` under an expired lease (its worker died without
+  handing it back), and no cancel was requested.
+* The lease is short and renewed: the worker renews the leases of all the jobs it runs in
+  one statement every `Settings.lease_renew_seconds` (`renew_leases`). A worker that is
+  killed, hangs or loses Postgres stops renewing, and within a lease its jobs are taken
+  back by the reaper (rein.worker.reaper) and queued again. The job time limit is separate:
+  the worker that runs the job enforces it.
 * Every later write names the attempt it belongs to (`WHERE attempt = :attempt AND
   status = 'running'`): a worker that lost its lease writes nothing, so one attempt at
   most ever records a result or bills usage.
 * A job already finished (succeeded, failed, cancelled) is never claimed again: a
   redelivered message for it is acknowledged and does nothing. A job running under a live
-  lease (another worker has it) is left alone too: that worker records it.
+  lease (another worker has it) is left alone too: that worker records it. So the broker's
+  late redelivery of a dead worker's messages, and the duplicates the reaper may send,
+  are harmless.
 * A job whose attempts keep ending without a result (its workers lost, or a failure that
-  kills the task) is not tried for ever: after MAX_ATTEMPTS starts the next claim marks
-  it failed (code `too_many_attempts`).
+  kills the task) is not tried for ever: after MAX_ATTEMPTS starts the next claim (or the
+  reaper) marks it failed (code `too_many_attempts`).
 * `release_job` hands a job back (`queued`) when its run was interrupted rather than
   finished (warm shutdown, broker connection lost); the next claim runs it again as a new
   attempt.
-* The broker's visibility timeout (2 x job timeout + 60 s) exceeds the lease
-  (job timeout + 60 s), so a message comes back only after its lease has run out.
 """
 
 from __future__ import annotations
@@ -34,10 +39,9 @@ from enum import StrEnum
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.core.db import engine_of, execute_one
+from rein.core.db import engine_of, execute_all, execute_one
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 
-LEASE_MARGIN_SECONDS = 60
 MAX_ATTEMPTS = 3
 
 
@@ -75,10 +79,6 @@ class Claim:
         return self.lease is not None
 
 
-def lease_seconds(job_timeout_seconds: int) -> int:
-    return job_timeout_seconds + LEASE_MARGIN_SECONDS
-
-
 # A job that may start a new attempt: queued, or running under an expired lease. One
 # condition for every path: the claim below, giving up, cancelling an unstarted job.
 _CLAIMABLE_SQL = ("(status = 'queued' OR (status = 'running' "
@@ -99,7 +99,7 @@ UPDATE jobs SET status = 'running', attempt = attempt + 1, worker = %s, started_
 RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, started_at"""
 
 
-def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_for_seconds: int,
+def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_for_seconds: float,
               max_attempts: int = MAX_ATTEMPTS) -> Claim:
     """Take the job for a new attempt, or say why not (see the module docstring)."""
     row = execute_one(engine_of(sessions), _CLAIM_SQL, (worker, lease_for_seconds, job_id, max_attempts))
@@ -121,10 +121,14 @@ def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_f
     return Claim(ClaimOutcome.HELD_ELSEWHERE)
 
 
+def too_many_attempts_error(attempts: int) -> dict[str, str]:
+    return {"message": f"the job was started {attempts} times and never finished (its workers were lost "
+                       f"or failed); it will not be tried again", "type": "server_error",
+            "code": "too_many_attempts"}
+
+
 def _give_up(sessions: sessionmaker[Session], job_id: str, attempts: int) -> bool:
-    error = {"message": f"the job was started {attempts} times and never finished (its workers were lost "
-                        f"or failed); it will not be tried again", "type": "server_error",
-             "code": "too_many_attempts"}
+    error = too_many_attempts_error(attempts)
     with sessions.begin() as session:
         row = session.execute(
             update(Job)
@@ -155,14 +159,38 @@ def cancel_unstarted_job(sessions: sessionmaker[Session], job_id: str) -> bool:
 
 
 def release_job(sessions: sessionmaker[Session], lease: Lease) -> bool:
-    """Hand an interrupted attempt back (status queued); False when the lease was already lost."""
+    """Hand an interrupted attempt back (status queued, about to be sent again: `sent_at` is
+    now); False when the lease was already lost."""
     with sessions.begin() as session:
         row = session.execute(
             update(Job)
             .where(Job.id == lease.job_id, Job.attempt == lease.attempt, Job.status == "running")
             .values(status="queued", worker=None, lease_expires_at=None, started_at=None,
-                    first_token_at=None)
+                    first_token_at=None, sent_at=func.now())
             .returning(Job.id)
             .execution_options(synchronize_session=False)
         ).one_or_none()
     return row is not None
+
+
+# Renewal: every lease this worker holds, in one statement; the (id, attempt) pairs it renewed.
+_RENEW_SQL = """
+UPDATE jobs SET lease_expires_at = now() + make_interval(secs => %s)
+  FROM unnest(%s::text[], %s::integer[]) AS held(id, attempt)
+ WHERE jobs.id = held.id AND jobs.attempt = held.attempt AND jobs.status = 'running'
+   AND jobs.worker = %s
+RETURNING jobs.id, jobs.attempt"""
+
+
+def renew_leases(sessions: sessionmaker[Session], worker: str, leases: list[Lease],
+                 lease_for_seconds: float) -> set[tuple[str, int]]:
+    """Extend the leases of the jobs this worker runs; the (job id, attempt) pairs still held.
+
+    A lease missing from the answer was lost (it expired and the reaper gave the job to
+    another attempt, or the job ended): the worker should stop computing it.
+    """
+    if not leases:
+        return set()
+    rows = execute_all(engine_of(sessions), _RENEW_SQL, (
+        lease_for_seconds, [lease.job_id for lease in leases], [lease.attempt for lease in leases], worker))
+    return {(row.id, row.attempt) for row in rows}

@@ -8,8 +8,12 @@ How an attempt ends:
 * aborted by a cancel — `cancelled`, with the partial result and the tokens it used;
 * past the job time limit — `failed` (code `timeout`), tokens used billed;
 * refused by the engine (a prompt it cannot take) or engine failure — `failed`;
-* interrupted (warm shutdown, broker connection lost) — handed back: the job row returns
-  to `queued` and a fresh message is queued for it.
+* interrupted (warm shutdown, broker connection lost, lease lost) — handed back: the job
+  row returns to `queued` and a fresh message is queued for it (or, when the lease was
+  lost, nothing: another attempt has the job).
+
+A result that cannot be recorded because Postgres is away is kept, and recorded when
+Postgres answers again (`_record`).
 
 The Celery message is acknowledged after this returns in every case (late ack).
 """
@@ -23,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import shared_task
 from redis.exceptions import RedisError
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from rein.core.logging import log_context
 from rein.core.messages import JobMessage
@@ -35,7 +39,6 @@ from rein.worker.claim import (
     ClaimOutcome,
     cancel_unstarted_job,
     claim_job,
-    lease_seconds,
     release_job,
 )
 from rein.worker.publisher import TIMEOUT
@@ -54,6 +57,10 @@ ABORT_GRACE_SECONDS = 30.0
 
 # A job that could not even be claimed (Postgres or Redis unreachable) is retried this often.
 NOT_TAKEN_RETRY_SECONDS = 5
+# How long a finished job's result waits for Postgres to come back before it is given up (the
+# job then runs again once its lease expires), and the longest pause between two tries.
+RECORD_RETRY_SECONDS = 600.0
+RECORD_RETRY_MAX_DELAY = 2.0
 
 
 class JobNotTaken(RuntimeError):
@@ -94,8 +101,7 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
             if cancel_unstarted_job(context.sessions, job_id):
                 context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_body(0, 0))
             return "skipped: cancelled"
-        claim = claim_job(context.sessions, job_id, context.worker_name,
-                          lease_seconds(context.settings.job_timeout_seconds))
+        claim = claim_job(context.sessions, job_id, context.worker_name, context.settings.lease_seconds)
     except (RedisError, SQLAlchemyError) as exc:
         raise JobNotTaken(str(exc)) from exc
     if claim.lease is None:
@@ -107,7 +113,7 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
         return f"skipped: {claim.outcome.value}"
     log.info("job %s started: attempt %d, %d prompt tokens", job_id, claim.lease.attempt,
              len(message.prompt_token_ids))
-    with context.tracking(job_id), log_context(attempt=claim.lease.attempt):
+    with context.tracking(claim.lease), log_context(attempt=claim.lease.attempt):
         try:
             started = time.monotonic()
             outcome = _run_claimed(context, message, claim.lease)
@@ -187,7 +193,7 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
         prompt_tokens=final.num_prompt_tokens, completion_tokens=final.num_output_tokens,
         cached_tokens=final.num_cached_tokens, first_token_at=(datetime.fromtimestamp(collected.first_token_at, UTC)
                         if collected.first_token_at is not None else None), error=error)
-    if not record_job(context.sessions, lease, record):
+    if not _record(context, lease, record):
         log.warning("job %s attempt %d: lease lost before recording; result dropped", job_id, lease.attempt)
         return "lease lost"
     return status
@@ -210,8 +216,26 @@ def _error(message: str, type_: str, code: str | None) -> dict[str, Any]:
 def _fail(context: WorkerContext, lease: Lease, message: str, type_: str, code: str | None) -> str:
     log.warning("job %s failed: %s", lease.job_id, message)
     context.publisher.publish_final(lease.job_id, error=message)
-    record_job(context.sessions, lease, JobRecord(status="failed", error=_error(message, type_, code)))
+    _record(context, lease, JobRecord(status="failed", error=_error(message, type_, code)))
     return "failed"
+
+
+def _record(context: WorkerContext, lease: Lease, record: JobRecord) -> bool:
+    """`record_job`, waiting out a Postgres outage (up to RECORD_RETRY_SECONDS): a computed
+    result is kept until it is stored. The job stays tracked meanwhile, so its lease is
+    renewed as soon as Postgres answers again, before any reaper may take it."""
+    deadline = time.monotonic() + RECORD_RETRY_SECONDS
+    delay = 0.25
+    while True:
+        try:
+            return record_job(context.sessions, lease, record)
+        except (OperationalError, InterfaceError) as exc:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("job %s attempt %d: cannot record the result yet (%s); retrying in %.2g s",
+                        lease.job_id, lease.attempt, type(exc).__name__, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, RECORD_RETRY_MAX_DELAY)
 
 
 def _hand_back(context: WorkerContext, message: JobMessage, lease: Lease) -> str:
