@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from rein.engine.sampling_params import SamplingParams, SamplingParamsError
+from rein.input_checks import BadInput, check_json, text_problem
 
 if TYPE_CHECKING:
     from rein.engine.outputs import TokenLogprob
@@ -46,6 +47,9 @@ ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_CHAT_TOP_LOGPROBS = 20
 MAX_COMPLETION_LOGPROBS = 5
+# vLLM's range. Past it the penalty scales float32 logits to infinity (or to zero).
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 2.0
 
 INVALID_REQUEST = "invalid_request_error"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -107,6 +111,7 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
         logprobs_mode = _chat_logprobs(body)
     else:
         prompt = _completion_prompt(body, tokenizer)
+        _check_token_ids(prompt, tokenizer, "prompt")
         logprobs_mode = _get(body, "logprobs", int)
         if logprobs_mode is not None and not 0 <= logprobs_mode <= MAX_COMPLETION_LOGPROBS:
             raise RequestError(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {logprobs_mode}",
@@ -130,6 +135,12 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
     stop_token_ids = _get(body, "stop_token_ids", list, [])
     if not all(_is_int(t) for t in stop_token_ids):
         raise RequestError("stop_token_ids must be a list of integers", "stop_token_ids")
+    _check_token_ids(stop_token_ids, tokenizer, "stop_token_ids")
+    repetition_penalty = _get(body, "repetition_penalty", float, 1.0)
+    if not MIN_REPETITION_PENALTY <= repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise RequestError(f"repetition_penalty must be between {MIN_REPETITION_PENALTY} and "
+                           f"{MAX_REPETITION_PENALTY} (1 means none), got {repetition_penalty}",
+                           "repetition_penalty")
 
     fields = {
         "max_tokens": max_tokens,
@@ -139,7 +150,7 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
         "min_p": _get(body, "min_p", float, 0.0),
         "presence_penalty": _get(body, "presence_penalty", float, 0.0),
         "frequency_penalty": _get(body, "frequency_penalty", float, 0.0),
-        "repetition_penalty": _get(body, "repetition_penalty", float, 1.0),
+        "repetition_penalty": repetition_penalty,
         "seed": _get(body, "seed", int),
         "logprobs": logprobs_mode,
         "stop": stop or [],
@@ -267,6 +278,20 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
     if not ids:
         raise RequestError("the prompt is empty: give at least one token", "prompt")
     return ids
+
+
+def _check_token_ids(ids: list[int], tokenizer: Any, param: str) -> None:
+    """Token ids must name tokens of the model's vocabulary: any other id is out of range of
+    the embedding (and of the int4 column prompts are stored in)."""
+    try:
+        vocab_size = len(tokenizer)
+    except TypeError:   # a tokenizer that cannot tell: nothing to check against
+        return
+    for index, token_id in enumerate(ids):
+        if not 0 <= token_id < vocab_size:
+            where = f"{param}[{index}]"
+            raise RequestError(f"{where} is {token_id}, not a token id of this model: ids run from 0 to "
+                               f"{vocab_size - 1} (the tokenizer's vocabulary size is {vocab_size})", param)
 
 
 def _is_int(value: Any) -> bool:
@@ -438,6 +463,9 @@ def _is_byte_level(tokenizer: Any) -> bool:
 
 def parse_batch_line(line: str, line_number: int) -> BatchLine:
     """One line of an OpenAI batch input file; errors name the line and what is wrong."""
+    problem = text_problem(line)   # a raw NUL byte: JSON's own error would only say "control character"
+    if problem is not None:
+        raise RequestError(f"line {line_number}: the line {problem}", None, "invalid_json_line")
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as exc:
@@ -445,6 +473,10 @@ def parse_batch_line(line: str, line_number: int) -> BatchLine:
                            "invalid_json_line") from exc
     if not isinstance(obj, dict):
         raise RequestError(f"line {line_number}: must be a JSON object, got {_json_type(obj)}")
+    try:
+        check_json(obj)   # text Postgres and the tokenizer can take, numbers that fit (rein.input_checks)
+    except BadInput as exc:
+        raise RequestError(f"line {line_number}: {exc.message}", exc.param, "invalid_value") from None
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         raise RequestError(f"line {line_number}: custom_id is missing or not a non-empty string", "custom_id")
@@ -467,7 +499,8 @@ def custom_id_of(line: str) -> str | None:
     except json.JSONDecodeError:
         return None
     custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
-    return custom_id if isinstance(custom_id, str) else None
+    # One that cannot be written back (a NUL, a lone surrogate) is as good as missing.
+    return custom_id if isinstance(custom_id, str) and text_problem(custom_id) is None else None
 
 
 def batch_output_line(custom_id: str, request_id: str, body: dict[str, Any]) -> dict[str, Any]:

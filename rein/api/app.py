@@ -1,8 +1,10 @@
 """The FastAPI application: `create_app(settings)`.
 
 At startup (the lifespan) the app refuses an unmigrated database with the migration
-check's message (`rein migrate` fixes it), loads each served model's tokenizer once, and
-opens its Redis clients (sync for intake, asyncio for streams) and the Celery producer.
+check's message (`rein migrate` fixes it), loads each served model's tokenizer once,
+opens its Redis clients (sync for intake, asyncio for streams) and the Celery producer, and
+starts its background threads: the intake's group committer, the batch manager and a
+reaper (rein.worker.reaper).
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from rein.api.metrics import APIMetrics, MetricsMiddleware
 from rein.api.metrics import router as metrics_router
 from rein.api.ratelimit import RateLimiter
 from rein.api.routes import batches, files, health, jobs, openai, usage
+from rein.api.streams import STREAM_SOCKET_TIMEOUT
 from rein.api.tokenizers import ModelRegistry
 from rein.batches.manager import BatchManager
 from rein.core.db import check_migrations_current, make_engine
 from rein.core.filestore import LocalFileStore
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings, get_settings
+from rein.worker.reaper import Reaper
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +62,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.sessions = sessionmaker(engine, expire_on_commit=False)
         state.registry = registry
         state.redis = Redis.from_url(settings.redis_url)
-        state.async_redis = AsyncRedis.from_url(settings.redis_url)
+        # Event followers block in XREAD for BLOCK_MS: the socket timeout must outlast it.
+        state.async_redis = AsyncRedis.from_url(settings.redis_url, socket_timeout=STREAM_SOCKET_TIMEOUT)
         state.celery = make_celery(settings)
         state.key_cache = KeyCache(settings.auth_cache_seconds)
         state.limiter = RateLimiter(state.redis, RedisKeys.from_settings(settings), settings)
@@ -69,12 +74,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Validates, feeds, expires and finalizes batches (all state in Postgres, see its docstring).
         state.batch_manager = BatchManager(settings, state.sessions, state.redis, state.celery, registry,
                                            state.filestore).start()
+        # Takes back expired leases and sends lost messages again (rein.worker.reaper); the
+        # workers run one too, and one pass at a time runs in the deployment.
+        state.reaper = Reaper(settings, state.sessions, state.redis, state.celery, name="rein-api-reaper").start()
         state.started_at = int(time.time())
         log.info("rein api ready: database at revision %s, models %s", revision,
                  ", ".join(e.name for e in registry) or "none")
         try:
             yield
         finally:
+            await run_in_threadpool(state.reaper.stop)
             await run_in_threadpool(state.batch_manager.stop)
             await run_in_threadpool(state.intake.stop)
             await state.async_redis.aclose()

@@ -2,8 +2,9 @@
 
 Routes raise `APIError` (or a `RequestError` from rein.openai_format); the handlers
 installed by `install_error_handlers` turn those, FastAPI's validation errors (400 naming
-the offending parameter), unknown routes (404) and unexpected failures (500) into that
-shape, so a client parses one error format everywhere.
+the offending parameter), unknown routes (404), an unreachable Postgres or Redis (503 with
+Retry-After) and unexpected failures (500) into that shape, so a client parses one error
+format everywhere.
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rein.core.db import DatabaseUnavailableError
 from rein.openai_format import RequestError
 
 log = logging.getLogger(__name__)
@@ -88,6 +93,26 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return message, param
 
 
+# A store that cannot be reached right now: the request may well succeed on a retry.
+UNAVAILABLE_ERRORS: tuple[type[Exception], ...] = (
+    OperationalError, InterfaceError, DatabaseUnavailableError, RedisConnectionError, RedisTimeoutError)
+UNAVAILABLE_RETRY_AFTER = 5
+
+
+def unavailable_response(exc: Exception) -> JSONResponse:
+    """503 with Retry-After for a Postgres or Redis that cannot be reached (crash-only: no
+    traceback for the client, one warning line in the log)."""
+    redis = isinstance(exc, RedisConnectionError | RedisTimeoutError)
+    what = "Redis" if redis else "The database"
+    log.warning("%s unavailable: %s: %s", "Redis" if redis else "Postgres", type(exc).__name__,
+                str(exc).strip().splitlines()[0] if str(exc).strip() else "")
+    return JSONResponse(
+        error_body(f"{what} of this service is unavailable right now; nothing was changed by this request. "
+                   f"Retry after {UNAVAILABLE_RETRY_AFTER} s.", "server_error", None,
+                   "redis_unavailable" if redis else "database_unavailable"),
+        status_code=503, headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)})
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -114,6 +139,12 @@ def install_error_handlers(app: FastAPI) -> None:
             message, code = str(exc.detail), None
         return JSONResponse(error_body(message, INVALID_REQUEST, None, code),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
+        return unavailable_response(exc)
+
+    for error_class in UNAVAILABLE_ERRORS:
+        app.add_exception_handler(error_class, _unavailable)
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

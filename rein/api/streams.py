@@ -5,9 +5,17 @@ with XREAD BLOCK from `<last seq>-0` returns exactly the events after `last seq`
 client that reconnects with `Last-Event-ID: N` gets N+1, N+2, ... with no gap and no
 repeat. When the stream is gone (expired after the job ended) and the job has finished,
 the job is replayed from Postgres as one final event (`"replayed": true`, the whole text:
-the per-event split is not kept there). A stream is capped (`Settings.stream_maxlen`): a
+the per-event split is not kept there; a follower that already forwarded part of the text
+gets only the rest). A stream is capped (`Settings.stream_maxlen`): a
 client resuming from an event already trimmed gets a final error event
 (`"code": "events_expired"`) instead of a silent gap.
+
+A follower waits as long as the job is alive. It survives Redis and Postgres failures: a
+read that fails is retried with keepalives meanwhile, and after a Redis restart that lost
+the stream, the job's next attempt writes it anew or Postgres has the finished job. An idle
+follower also asks Postgres about the job now and then, so a stream that a dead worker left
+without its final event cannot keep it waiting; only when nothing can be read for
+OUTAGE_SECONDS does it end, with an error event (`"code": "stream_unavailable"`).
 
 Two SSE formats come out of the same events: rein's own for GET /v1/jobs/{id}/events
 (`id: <seq>` + the event JSON) and OpenAI's `chat.completion.chunk` / `text_completion`
@@ -16,6 +24,7 @@ chunks ending in `data: [DONE]` for `stream: true` on the OpenAI endpoints.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,13 +32,25 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import RedisError
+from sqlalchemy.exc import SQLAlchemyError
 
 from rein.core.messages import STREAM_FIELD, event_id
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.core.redis_keys import RedisKeys
 from rein.openai_format import usage_body
 
-BLOCK_MS = 5_000
+# XREAD blocks this long, well under the socket timeout of the API's async Redis client
+# (STREAM_SOCKET_TIMEOUT): a read that waits its full block must not look like a dead socket.
+BLOCK_MS = 2_000
+STREAM_SOCKET_TIMEOUT = 10.0
+# An idle follower asks Postgres about its job this often (not at every block: a thousand
+# idle streams would read Postgres hundreds of times a second).
+STORE_CHECK_SECONDS = 15.0
+# Neither Redis nor Postgres answering for this long ends a follower with an error event.
+OUTAGE_SECONDS = 120.0
+RETRY_MIN_SECONDS = 0.25
+RETRY_MAX_SECONDS = 2.0
 READ_COUNT = 512
 KEEPALIVE = ": keepalive\n\n"
 
@@ -50,13 +71,17 @@ class StreamEvent:
 JobLoader = Callable[[], Awaitable[Job | None]]
 
 
-def replay_event(job: Job, seq: int) -> StreamEvent | None:
-    """A finished job as one final event from Postgres; None while it is not finished."""
+def replay_event(job: Job, seq: int, skip_chars: int = 0, skip_tokens: int = 0) -> StreamEvent | None:
+    """A finished job as one final event from Postgres; None while it is not finished.
+
+    `skip_chars` / `skip_tokens`: how much of the text and token ids the client already got
+    from the stream, so the event carries only the rest.
+    """
     if job.status not in FINISHED_JOB_STATUSES:
         return None
     result, usage = job.result, job.usage
-    data: dict[str, Any] = {"seq": seq, "text": result.text if result else "",
-                            "token_ids": list(result.token_ids) if result else []}
+    data: dict[str, Any] = {"seq": seq, "text": result.text[skip_chars:] if result else "",
+                            "token_ids": list(result.token_ids[skip_tokens:]) if result else []}
     if job.status == "failed":
         data["error"] = (job.error or {}).get("message") or "the job failed"
         if result is not None:
@@ -64,7 +89,7 @@ def replay_event(job: Job, seq: int) -> StreamEvent | None:
     else:
         data["finish_reason"] = result.finish_reason if result else "abort"
     prompt = usage.prompt_tokens if usage else (job.prompt_tokens if result else 0)
-    completion = usage.completion_tokens if usage else len(data["token_ids"])
+    completion = usage.completion_tokens if usage else len(result.token_ids) if result else 0
     data["usage"] = usage_body(prompt, completion, usage.cached_tokens if usage else 0)
     data["replayed"] = True
     return StreamEvent(seq, data)
@@ -83,27 +108,51 @@ def gap_event(job_id: str, last_seq: int, first_kept: int) -> StreamEvent:
 
 async def follow_events(redis: AsyncRedis, keys: RedisKeys, job_id: str, last_seq: int,
                         load_job: JobLoader, block_ms: int = BLOCK_MS) -> AsyncIterator[StreamEvent | None]:
-    """The job's events after `last_seq`, ending with the final one; None while idle (keepalive)."""
+    """The job's events after `last_seq`, ending with the final one; None while idle (keepalive).
+
+    Waits as long as the job is alive (see the module docstring): an idle follower looks at
+    the job in Postgres every STORE_CHECK_SECONDS, and a Redis or Postgres that cannot be
+    reached is waited out, with keepalives, for up to OUTAGE_SECONDS.
+    """
     stream = keys.job_stream(job_id)
     last = last_seq
+    forwarded_chars = forwarded_tokens = 0      # of the text this call has yielded
     check_store = True
+    idle_since = time.monotonic()
+    failing_since: float | None = None
+    delay = RETRY_MIN_SECONDS
     while True:
-        if check_store and not await redis.exists(stream):
-            job = await load_job()
-            if job is None:
+        try:
+            if check_store:
+                check_store = False
+                stale = time.monotonic() - idle_since >= STORE_CHECK_SECONDS
+                finished = await _finished_job(redis, stream, load_job, stale)
+                if stale:
+                    idle_since = time.monotonic()
+                if finished is not None:
+                    if finished is not _GONE:
+                        event = replay_event(finished, last + 1, forwarded_chars, forwarded_tokens)
+                        if event is not None:
+                            yield event
+                    return
+            response = await redis.xread({stream: event_id(last)}, count=READ_COUNT, block=block_ms)
+        except (RedisError, SQLAlchemyError, OSError) as exc:
+            now = time.monotonic()
+            failing_since = failing_since or now
+            if now - failing_since > OUTAGE_SECONDS:
+                yield unavailable_event(job_id, last, exc)
                 return
-            # Read the stream once more: the job may have written it between the two checks.
-            if job.status in FINISHED_JOB_STATUSES and not await redis.exists(stream):
-                event = replay_event(job, last + 1)
-                if event is not None:
-                    yield event
-                return
-        response = await redis.xread({stream: event_id(last)}, count=READ_COUNT, block=block_ms)
+            yield None
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RETRY_MAX_SECONDS)
+            check_store = True
+            continue
+        failing_since, delay = None, RETRY_MIN_SECONDS
         if not response:
             check_store = True
             yield None
             continue
-        check_store = False
+        idle_since = time.monotonic()
         for entry_id, fields in response[0][1]:
             raw = fields.get(STREAM_FIELD.encode()) or fields.get(STREAM_FIELD)
             data = json.loads(raw)
@@ -114,10 +163,45 @@ async def follow_events(redis: AsyncRedis, keys: RedisKeys, job_id: str, last_se
                 yield gap_event(job_id, last, seq)
                 return
             last = seq
+            forwarded_chars += len(data.get("text") or "")
+            forwarded_tokens += len(data.get("token_ids") or ())
             event = StreamEvent(seq, data)
             yield event
             if event.final:
                 return
+
+
+_GONE = object()   # _finished_job: the job no longer exists (for this tenant)
+
+
+async def _finished_job(redis: AsyncRedis, stream: str, load_job: JobLoader, stale: bool) -> Any:
+    """The finished job whose remaining events must come from Postgres, _GONE, or None (keep
+    reading the stream).
+
+    Postgres is asked when the stream is missing (never written, expired, or lost with a
+    Redis that restarted empty) or, `stale`, when it has been idle long: an attempt whose
+    worker died leaves a stream that no final event will ever end.
+    """
+    if not stale and await redis.exists(stream):
+        return None
+    job = await load_job()
+    if job is None:
+        return _GONE
+    if job.status not in FINISHED_JOB_STATUSES:
+        return None
+    # A finished job's final event may still be on the stream: read it there if so.
+    if not stale and await redis.exists(stream):
+        return None
+    return job
+
+
+def unavailable_event(job_id: str, last_seq: int, exc: BaseException) -> StreamEvent:
+    """The final event when the job's events cannot be read for OUTAGE_SECONDS."""
+    return StreamEvent(last_seq, {
+        "seq": last_seq, "code": "stream_unavailable",
+        "error": f"the events of job {job_id} could not be read for {OUTAGE_SECONDS:.0f} s "
+                 f"({type(exc).__name__}); the job itself goes on: GET /v1/jobs/{job_id} has its result "
+                 f"once it has finished, or reconnect with Last-Event-ID: {last_seq}."})
 
 
 def sse(data: str, event_id_: int | None = None) -> str:

@@ -61,6 +61,7 @@ LOCK_ID = 0x72656170
 MAX_RESEND = 1000
 # After Postgres came back, wait this long past a renewal interval before taking leases.
 RENEW_MARGIN_SECONDS = 2.0
+OUTAGE_LOG_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -137,14 +138,24 @@ class Reaper:
             self._thread.join(timeout)
 
     def _run(self) -> None:
+        failing_since: float | None = None
         while not self._stop.wait(self.settings.reaper_interval_seconds):
             try:
                 self.reap()
             except (SQLAlchemyError, RedisError, OSError) as exc:
-                log.warning("reaper pass failed (%s: %s); retrying in %g s", type(exc).__name__, exc,
-                            self.settings.reaper_interval_seconds)
+                # One line when an outage starts, then one a minute: not one per pass.
+                now = time.monotonic()
+                if failing_since is None or now - failing_since >= OUTAGE_LOG_SECONDS:
+                    failing_since = now
+                    log.warning("reaper pass failed (%s: %s); retrying every %g s", type(exc).__name__,
+                                str(exc).strip().splitlines()[0] if str(exc).strip() else "",
+                                self.settings.reaper_interval_seconds)
+                continue
             except Exception:
                 log.exception("reaper pass failed")
+            if failing_since is not None:
+                log.info("reaper: Postgres and Redis answer again")
+                failing_since = None
 
     def reap(self, take_leases: bool | None = None) -> ReapReport:
         """One pass (see the module docstring). `take_leases` overrides the post-outage wait."""

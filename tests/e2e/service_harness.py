@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -92,6 +92,8 @@ class Service:
     logs: Path
     spawn: Callable[..., subprocess.Popen]
     hostname: str
+    workers: list[subprocess.Popen] = field(default_factory=list)   # all of them, `worker` first
+    database_url: str = ""
 
     def client(self, tenant: str, timeout: float = 30.0):
         return httpx.Client(base_url=self.base_url, timeout=timeout,
@@ -131,27 +133,31 @@ def _stop(proc: subprocess.Popen, timeout: float = 15.0) -> None:
 
 @contextmanager
 def run_service(tmp: Path, model_dir: Path, *, scopes: str = "inference,usage",
-                extra_env: dict[str, str] | None = None) -> Iterator[Service]:
-    """Migrate a fresh database, start the API and one worker, create keys for tenants a and b.
+                extra_env: dict[str, str] | None = None, postgres_url: str = POSTGRES_URL,
+                redis_url: str = REDIS_URL, workers: int = 1) -> Iterator[Service]:
+    """Migrate a fresh database, start the API and `workers` workers, create keys for tenants
+    a and b.
 
-    `scopes` are the keys' scopes; `extra_env` adds or overrides REIN_* settings of both
-    processes. Everything is stopped and dropped on exit, pass or fail.
+    `scopes` are the keys' scopes; `extra_env` adds or overrides REIN_* settings of all the
+    processes; `postgres_url` (a server's maintenance database) and `redis_url` choose the
+    servers (the fault tests start their own). Everything is stopped and dropped on exit,
+    pass or fail.
     """
     import psycopg
     import redis
     from psycopg import sql
     from sqlalchemy.engine import make_url
 
-    server = make_url(POSTGRES_URL)
+    server = make_url(postgres_url)
     try:
         connect_postgres(server).close()
     except psycopg.OperationalError as exc:
         unreachable(f"PostgreSQL at {server.host}:{server.port or 5432}", exc)
-    redis_client = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=5)
+    redis_client = redis.Redis.from_url(redis_url, socket_connect_timeout=5)
     try:
         redis_client.ping()
     except redis.RedisError as exc:
-        unreachable(f"Redis at {REDIS_URL}", exc)
+        unreachable(f"Redis at {redis_url}", exc)
 
     t0 = time.monotonic()
     run_id = secrets.token_hex(4)
@@ -162,7 +168,7 @@ def run_service(tmp: Path, model_dir: Path, *, scopes: str = "inference,usage",
     hostname = f"e2e-{run_id}@localhost"
     env = {k: v for k, v in os.environ.items() if not k.startswith("REIN_")} | {
         "REIN_DATABASE_URL": server.set(database=dbname).render_as_string(hide_password=False),
-        "REIN_REDIS_URL": REDIS_URL,
+        "REIN_REDIS_URL": redis_url,
         "REIN_REDIS_KEY_PREFIX": prefix,
         "REIN_MODELS": f"{MODEL}={model_dir}@{MAX_MODEL_LEN}",
         "REIN_KV_CACHE_MEMORY": "32MiB",
@@ -191,7 +197,11 @@ def run_service(tmp: Path, model_dir: Path, *, scopes: str = "inference,usage",
     try:
         cli("migrate")   # creates the database (it does not exist yet) and upgrades it
         t_migrate = time.monotonic()
-        worker = spawn("worker", "worker", "--model", MODEL, "--hostname", hostname, "--loglevel", "info")
+        worker_procs = [spawn("worker", "worker", "--model", MODEL, "--hostname", hostname, "--loglevel", "info")]
+        for n in range(1, workers):
+            worker_procs.append(spawn(f"worker{n}", "worker", "--model", MODEL, "--hostname",
+                                      f"e2e-{run_id}-{n}@localhost", "--loglevel", "info"))
+        worker = worker_procs[0]
         api = spawn("api", "api")
 
         def create_key(tenant: str) -> tuple[str, str]:
@@ -203,17 +213,20 @@ def run_service(tmp: Path, model_dir: Path, *, scopes: str = "inference,usage",
             keys = dict(pool.map(create_key, ("a", "b")))
         svc = Service(base_url=f"http://127.0.0.1:{port}", keys=keys, env=env, redis=redis_client,
                       heartbeat_key=RedisKeys(prefix.rstrip(":")).worker_heartbeat(hostname), worker=worker, api=api,
-                      logs=tmp, spawn=spawn, hostname=hostname)
+                      logs=tmp, spawn=spawn, hostname=hostname, workers=worker_procs,
+                      database_url=env["REIN_DATABASE_URL"])
+        beats = [RedisKeys(prefix.rstrip(":")).worker_heartbeat(hostname if n == 0 else f"e2e-{run_id}-{n}@localhost")
+                 for n in range(workers)]
 
         def ready() -> bool:
-            for proc in (worker, api):
+            for proc in (*worker_procs, api):
                 if proc.poll() is not None:
                     raise AssertionError(f"a service process exited early{svc.diagnostics()}")
             try:
                 api_ok = httpx.get(f"{svc.base_url}/readyz", timeout=2).status_code == 200
             except httpx.HTTPError:
                 api_ok = False
-            return api_ok and svc.heartbeat() is not None
+            return api_ok and all(redis_client.exists(beat) for beat in beats)
 
         try:
             wait_for(ready, STARTUP_TIMEOUT, "/readyz and the worker's heartbeat", interval=0.25)

@@ -19,6 +19,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import StreamingResponse
 from sqlalchemy import func, update
 
+from rein.api.checked_route import CheckedRoute
 from rein.api.deps import RedisDep, SessionDep, SessionsDep, SettingsDep
 from rein.api.errors import APIError
 from rein.api.intake import MAX_METADATA_PAIRS
@@ -38,7 +39,7 @@ from rein.batches.schemas import BatchCreate, BatchList, BatchObject
 from rein.core.models import Batch
 from rein.core.redis_keys import RedisKeys
 
-router = APIRouter(prefix="/v1/batches", tags=["batches"])
+router = APIRouter(prefix="/v1/batches", tags=["batches"], route_class=CheckedRoute)
 
 MAX_METADATA_KEY_LEN = 64
 CANCEL_LOCK_WAIT_SECONDS = 2.0

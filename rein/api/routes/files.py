@@ -17,6 +17,7 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from starlette.datastructures import UploadFile
 
+from rein.api.checked_route import CheckedRoute
 from rein.api.deps import SessionDep, SessionsDep, SettingsDep, require_scope
 from rein.api.errors import APIError
 from rein.api.schemas import ErrorResponse
@@ -25,8 +26,9 @@ from rein.batches.schemas import FileDeleted, FileList, FileObject
 from rein.core.filestore import FileStore, FileTooLargeError
 from rein.core.keys import KeyInfo
 from rein.core.models import File, new_file_id
+from rein.input_checks import text_problem
 
-router = APIRouter(prefix="/v1/files", tags=["files"])
+router = APIRouter(prefix="/v1/files", tags=["files"], route_class=CheckedRoute)
 
 BatchKey = Annotated[KeyInfo, Depends(require_scope("batch"))]
 CHUNK_BYTES = 1 << 20
@@ -81,13 +83,17 @@ async def upload_file(request: Request, key: BatchKey, sessions: SessionsDep, se
         if not isinstance(upload, UploadFile):
             raise APIError(400, "'file' is a required multipart field holding the file's contents",
                            param="file", code="invalid_value")
+        filename = upload.filename or "upload.jsonl"
+        problem = text_problem(filename)
+        if problem is not None:
+            raise APIError(400, f"the file name {problem}", param="file", code="invalid_value")
         file_id = new_file_id()
         try:
             size = await run_in_threadpool(store.save, file_id, _chunks(upload), limit)
         except FileTooLargeError:
             raise _too_large(limit) from None
         row = File(id=file_id, tenant=key.tenant, key_id=key.key_id, purpose=purpose, bytes=size,
-                   filename=(upload.filename or "upload.jsonl")[:255])
+                   filename=filename[:255])
 
     def insert() -> File:
         with sessions.begin() as session:

@@ -5,10 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
+from rein.api.checked_route import CheckedRoute
 from rein.api.schemas import Health, Readiness
 from rein.core.db import StoreError, check_migrations_current
 
-router = APIRouter(tags=["health"])
+router = APIRouter(tags=["health"], route_class=CheckedRoute)
 
 
 @router.get("/healthz", response_model=Health)

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
+from rein.api.checked_route import CheckedRoute
 from rein.api.deps import AsyncRedisDep, InferenceKey, RedisDep, SessionDep, SettingsDep
 from rein.api.errors import APIError
 from rein.api.intake import JobIntake, NewJob
@@ -41,8 +42,9 @@ from rein.worker.recorder import response_body
 
 log = logging.getLogger(__name__)
 
-router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
+router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=CheckedRoute)
 
+MAX_EVENT_ID = 2**63 - 1
 _ERRORS = {401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
 
 
@@ -178,8 +180,11 @@ async def job_events(job_id: str, request: Request, key: InferenceKey, redis: As
         try:
             last = int(last_event_id.strip().split("-")[0])
         except ValueError:
-            raise APIError(400, f"Last-Event-ID must be an event id (an integer), got {last_event_id!r}",
-                           param="Last-Event-ID", code="invalid_value") from None
+            last = -1
+        if not 0 <= last <= MAX_EVENT_ID:   # a Redis stream id is a 64-bit number
+            raise APIError(400, f"Last-Event-ID must be an event id (an integer from 0 to {MAX_EVENT_ID}, "
+                                f"as sent in the events' `id:` lines), got {last_event_id[:40]!r}",
+                           param="Last-Event-ID", code="invalid_value")
     events = follow_events(redis, RedisKeys.from_settings(settings), job_id, last,
                            lambda: run_in_threadpool(load))
     return StreamingResponse(job_event_stream(events), media_type="text/event-stream",

@@ -15,7 +15,9 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import JSONResponse, StreamingResponse
+from sqlalchemy.exc import SQLAlchemyError
 
+from rein.api.checked_route import CheckedRoute
 from rein.api.deps import (
     AsyncRedisDep,
     CurrentKey,
@@ -43,7 +45,7 @@ from rein.core.redis_keys import RedisKeys
 from rein.openai_format import CHAT_COMPLETIONS, COMPLETIONS, build_response
 from rein.worker.recorder import response_body
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=CheckedRoute)
 
 # The worker publishes the final event just before it commits the result: how long to wait
 # for the commit to show.
@@ -139,12 +141,18 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
                           cached_tokens=cached)
 
 
+_NOT_YET: Any = object()
+
+
 async def _wait_for_record(load: Any) -> Job | None:
     deadline = asyncio.get_running_loop().time() + RESULT_COMMIT_WAIT_SECONDS
     delay = 0.005
     while True:
-        job = await run_in_threadpool(load)
-        if job is None or job.status in FINISHED_JOB_STATUSES:
+        try:
+            job = await run_in_threadpool(load)
+        except SQLAlchemyError:   # Postgres away: the stream's events make the answer instead
+            job = None if asyncio.get_running_loop().time() > deadline else _NOT_YET
+        if job is None or (job is not _NOT_YET and job.status in FINISHED_JOB_STATUSES):
             return job
         if asyncio.get_running_loop().time() > deadline:
             return None

@@ -8,11 +8,12 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from sqlalchemy import func, select
 
+from rein.api.checked_route import CheckedRoute
 from rein.api.deps import SessionDep, UsageKey
 from rein.api.schemas import ErrorResponse, UsageBucket, UsageReport
 from rein.core.models import Usage
 
-router = APIRouter(prefix="/v1", tags=["usage"])
+router = APIRouter(prefix="/v1", tags=["usage"], route_class=CheckedRoute)
 
 
 @router.get("/usage", response_model=UsageReport,
@@ -30,7 +31,7 @@ def get_usage(session: SessionDep, key: UsageKey,
              .where(Usage.tenant == key.tenant).group_by(day, Usage.model).order_by(day, Usage.model))
     if start is not None:
         query = query.where(Usage.created_at >= datetime.combine(start, time(), UTC))
-    if end is not None:
+    if end is not None and end < date.max:   # the last representable day has no day after it
         query = query.where(Usage.created_at < datetime.combine(end + timedelta(days=1), time(), UTC))
     rows = session.execute(query).all()
     return UsageReport(tenant=key.tenant, data=[

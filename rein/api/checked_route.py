@@ -1,0 +1,174 @@
+"""`CheckedRoute`: the route class of every API router, which refuses unusable input first.
+
+Before FastAPI parses or validates anything, and before any dependency (authentication,
+a database session) runs, the route checks:
+
+- every query parameter (declared or not) and every path parameter, and the header
+  parameters the route declares (Idempotency-Key, Last-Event-ID): no NUL character, no
+  lone surrogate (rein.input_checks);
+- the declared scalar query parameters, strictly as the schema types them: an integer is
+  digits (pydantic alone would take "1.0" or " 1"), a number is finite, a date is
+  YYYY-MM-DD (pydantic alone would take "0", a Unix time, or a datetime at midnight);
+- the JSON body, every key and value at any depth (rein.input_checks.check_json): text
+  Postgres and the tokenizer can take, finite numbers, integers within 64 bits.
+
+A failure is a 400 in OpenAI's shape whose `param` names the parameter or the JSON path
+(`messages[0].content`, `body.metadata.tag`). Values within these limits then meet each
+route's own validation (types, ranges, the context length) as before.
+
+The body check parses the JSON once: Starlette keeps the parsed body on the request, and
+FastAPI reads it from there. A body with nothing that could be refused (no `\\u` escape,
+no byte of an encoded surrogate, no long digit run, no NaN/Infinity, shallow nesting) is
+not walked at all, so the common request pays a few byte scans.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import types
+from collections.abc import Callable, Coroutine, Iterator
+from datetime import date
+from typing import Annotated, Any, Union, get_args, get_origin
+
+from fastapi import Request, Response
+from fastapi.dependencies.models import Dependant
+from fastapi.routing import APIRoute
+
+from rein.api.errors import APIError
+from rein.input_checks import MAX_JSON_DEPTH, BadInput, check_json, check_text, text_problem
+
+# Anything in a raw JSON body that check_json could refuse starts with one of these: an
+# escape (NUL, surrogates), a lead byte of a UTF-8-encoded surrogate (Python's JSON reader
+# decodes those with surrogatepass), NaN/Infinity, or a long run of digits (an integer past
+# 64 bits, or a float that overflows: a mantissa of 16+ digits or an exponent of 3).
+_RISKY_JSON = re.compile(rb"\\u|\xed|NaN|Infinity|\d{16}|[eE][+-]?\d{3}")
+_INTEGER = re.compile(r"[+-]?\d{1,19}")
+_DIGITS = re.compile(r"[+-]?\d+")
+_DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
+
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+
+
+class CheckedRoute(APIRoute):
+    def get_route_handler(self) -> Handler:
+        handler = super().get_route_handler()
+        query_kinds, headers = _declared_params(self.dependant)
+        has_json_body = self.body_field is not None and not _is_form(self)
+
+        async def checked(request: Request) -> Response:
+            try:
+                check_params(request, query_kinds, headers)
+                if has_json_body:
+                    await check_json_body(request)
+            except BadInput as exc:
+                raise APIError(400, exc.message, param=exc.param, code="invalid_value") from None
+            return await handler(request)
+
+        return checked
+
+
+def check_params(request: Request, query_kinds: dict[str, type], headers: tuple[str, ...]) -> None:
+    """The query, path and declared header parameters (BadInput naming the first bad one)."""
+    for name, value in request.query_params.multi_items():
+        problem = text_problem(name)
+        if problem is not None:   # not named in `param`: the name itself cannot be sent back
+            raise BadInput(f"a query parameter name {problem}")
+        check_text(value, name)
+        kind = query_kinds.get(name)
+        if kind is not None:
+            _check_scalar(name, value, kind)
+    for name, value in request.path_params.items():
+        if isinstance(value, str):
+            check_text(value, name)
+    for name in headers:
+        value = request.headers.get(name)
+        if value is not None:
+            check_text(value, name)
+
+
+async def check_json_body(request: Request) -> None:
+    """The JSON body, when there is one FastAPI will read as JSON (BadInput at the first bad value)."""
+    raw = await request.body()
+    if not raw or not _is_json(request.headers.get("content-type")):
+        return
+    if (_RISKY_JSON.search(raw) is None
+            and raw.count(b"{") + raw.count(b"[") < MAX_JSON_DEPTH):
+        return
+    try:
+        body = await request.json()   # kept on the request: FastAPI's own parse reuses it
+    except Exception:  # invalid JSON: FastAPI reports it as a 400 in its own words
+        return
+    check_json(body)
+
+
+def _check_scalar(name: str, value: str, kind: type) -> None:
+    if kind is int and not _INTEGER.fullmatch(value):
+        if _DIGITS.fullmatch(value):
+            raise BadInput(f"{name} is out of range: {value[:40]} has more than 19 digits", name)
+        raise BadInput(f"{name} must be an integer written in digits (e.g. {name}=20), got {value[:40]!r}",
+                       name)
+    if kind is float:
+        try:
+            number = float(value)
+        except ValueError:
+            number = math.nan
+        if not math.isfinite(number):
+            raise BadInput(f"{name} must be a finite number, got {value[:40]!r}", name)
+    if kind is date:
+        ok = _DATE.fullmatch(value) is not None
+        if ok:
+            try:
+                date.fromisoformat(value)
+            except ValueError:
+                ok = False
+        if not ok:
+            raise BadInput(f"{name} must be a calendar date written YYYY-MM-DD (e.g. 2025-01-31), got "
+                           f"{value[:40]!r}", name)
+
+
+def _declared_params(dependant: Dependant) -> tuple[dict[str, type], tuple[str, ...]]:
+    """The route's scalar query parameters by kind (int, float, date), and its header names."""
+    kinds: dict[str, type] = {}
+    headers: list[str] = []
+    for current in _dependants(dependant):
+        for field in current.query_params:
+            kind = _scalar_kind(field.field_info.annotation)
+            if kind is not None:
+                kinds[field.alias] = kind
+        headers += [field.alias for field in current.header_params]
+    return kinds, tuple(dict.fromkeys(headers))
+
+
+def _dependants(dependant: Dependant) -> Iterator[Dependant]:
+    yield dependant
+    for sub in dependant.dependencies:
+        yield from _dependants(sub)
+
+
+def _scalar_kind(annotation: Any) -> type | None:
+    """int, float or date for `int`, `float | None`, `Annotated[date, ...]`...; None otherwise."""
+    while get_origin(annotation) is Annotated:
+        annotation = get_args(annotation)[0]
+    if get_origin(annotation) in (Union, types.UnionType):
+        members = [a for a in get_args(annotation) if a is not type(None)]
+        if len(members) != 1:
+            return None
+        annotation = members[0]
+    if annotation is bool:
+        return None
+    return annotation if annotation in (int, float, date) else None
+
+
+def _is_form(route: APIRoute) -> bool:
+    from fastapi import params
+
+    return isinstance(getattr(route.body_field, "field_info", None), params.Form)
+
+
+def _is_json(content_type: str | None) -> bool:
+    """As FastAPI decides: no content type, application/json or application/*+json."""
+    if not content_type:
+        return True
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
