@@ -65,6 +65,7 @@ class TokenPublisher:
         self._lock = threading.Lock()   # seq numbering and sending stay in order together
         self._jobs: dict[str, _JobState] = {}
         self._backlog: list[tuple[str, TokenEvent]] = []
+        self._stale_streams: set[str] = set()   # jobs whose previous attempt's stream must go first
         self._retry_at = 0.0
         self._closed = False
         self.pipelines_sent = 0
@@ -76,7 +77,14 @@ class TokenPublisher:
         with self._lock:
             self._jobs[job_id] = _JobState()
         if restart:
-            self.redis.delete(self.keys.job_stream(job_id))
+            try:
+                self.redis.delete(self.keys.job_stream(job_id))
+            except (RedisConnectionError, RedisTimeoutError) as exc:
+                # Redis is away: drop the old stream ahead of the new attempt's first events,
+                # in the pipeline that sends them (_send).
+                log.warning("could not drop the old stream of job %s yet: %s", job_id, exc)
+                with self._lock:
+                    self._stale_streams.add(job_id)
 
     def mark_abort(self, job_id: str, reason: str) -> None:
         """Say why the job is about to be aborted: INTERRUPTED or TIMEOUT (default: a cancel)."""
@@ -88,6 +96,7 @@ class TokenPublisher:
     def forget(self, job_id: str) -> None:
         with self._lock:
             self._jobs.pop(job_id, None)
+            self._stale_streams.discard(job_id)
 
     def publish_final(self, job_id: str, *, finish_reason: str | None = None,
                       usage: dict[str, Any] | None = None, error: str | None = None) -> TokenEvent:
@@ -153,6 +162,9 @@ class TokenPublisher:
             self._keep(batch)
             return
         pipe = self.redis.pipeline(transaction=False)
+        stale = {job_id for job_id, _ in batch} & self._stale_streams
+        for job_id in stale:
+            pipe.delete(self.keys.job_stream(job_id))
         for job_id, event in batch:
             stream = self.keys.job_stream(job_id)
             data = event.to_json()
@@ -171,6 +183,7 @@ class TokenPublisher:
             log.warning("cannot publish %d token events (kept to retry): %s", len(batch), exc)
             return
         self._backlog = []
+        self._stale_streams -= stale
         self._retry_at = 0.0
         self.pipelines_sent += 1
         for result in results:

@@ -120,6 +120,17 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
             log.info("job %s attempt %d ended: %s after %.3f s", job_id, claim.lease.attempt, outcome,
                      time.monotonic() - started)
             return outcome
+        except (RedisError, OperationalError, InterfaceError) as exc:
+            # Redis or Postgres away, not a fault of the job: hand it back to run again (if even
+            # that fails, its lease runs out and the reaper queues it).
+            log.warning("job %s attempt %d interrupted: %s: %s", job_id, claim.lease.attempt, type(exc).__name__, exc)
+            context.interrupt(job_id)
+            try:
+                return _hand_back(context, message, claim.lease)
+            except Exception as again:
+                log.warning("job %s: not handed back (%s); the reaper queues it when its lease runs out",
+                            job_id, again)
+                return "lease lost"
         except Exception as exc:
             # Never leave a claimed job running with nobody on it: fail it, or at least hand it back.
             log.exception("job %s attempt %d broke in the worker", job_id, claim.lease.attempt)
@@ -158,8 +169,11 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
     except Exception as exc:  # the engine refused the request (EngineRequestError, ...)
         return _fail(context, lease, str(exc), "invalid_request_error", getattr(exc, "code", None)
                      or "engine_refused")
-    if is_cancel_requested(context.redis, context.keys, job_id):
-        context.runner.abort(job_id)   # the cancel came between the claim and the submit
+    try:
+        if is_cancel_requested(context.redis, context.keys, job_id):
+            context.runner.abort(job_id)   # the cancel came between the claim and the submit
+    except RedisError:   # the cancel listener checks the flags of its jobs when Redis is back
+        pass
     deadline = time.monotonic() + context.settings.job_timeout_seconds
     try:
         timed_out = _wait(context, job_id, stream, deadline)

@@ -1,0 +1,220 @@
+"""What the fault tests (test_chaos.py) and bench/chaos.py share: a Redis server and a
+PostgreSQL cluster of their own, on free ports in a temp dir, so that killing them touches
+nothing else (never the machine's own services); the load (greedy completions of a fixed
+length) and the checks that every accepted job ended exactly once.
+
+`RedisServer` keeps nothing on disk: a restart comes back empty, as a Redis without AOF
+does after a crash or a failover. `PostgresCluster` is made with initdb (as the `postgres`
+user when the tests run as root, which initdb refuses) and started and stopped with pg_ctl.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from service_harness import MODEL, Service
+from sqlalchemy.engine import make_url
+from support import connect_postgres, free_port, wait_for
+
+
+def _need(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        message = f"{tool} is not installed: the fault tests start their own servers"
+        if os.environ.get("CI") == "true":
+            pytest.fail(message)
+        pytest.skip(message)
+    return path
+
+
+class RedisServer:
+    def __init__(self, directory: Path) -> None:
+        self.binary = _need("redis-server")
+        self.directory = directory
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 (the server keeps it)
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(self.directory)], stdout=log, stderr=subprocess.STDOUT)
+        wait_for(self._answers, 20, f"redis-server on port {self.port}", interval=0.05)
+
+    def _answers(self) -> bool:
+        import redis
+
+        try:
+            return bool(redis.Redis(port=self.port, socket_connect_timeout=1).ping())
+        except redis.RedisError:
+            return False
+
+    def kill(self) -> None:
+        """SIGKILL: whatever it held is lost."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        self.kill()
+
+
+class PostgresCluster:
+    """A cluster in a new directory of the system's temp dir (which the `postgres` user can
+    reach, unlike a root-owned pytest temp dir), removed by `destroy`."""
+
+    def __init__(self) -> None:
+        self.initdb, self.pg_ctl = _need("initdb"), _need("pg_ctl")
+        self.directory = Path(tempfile.mkdtemp(prefix="rein-pg-"))
+        self.data = self.directory / "data"
+        self.port = free_port()
+
+    @property
+    def url(self) -> str:
+        """The maintenance database, as the e2e harness wants it."""
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _run(self, *args: str, timeout: float = 60) -> None:
+        command = list(args)
+        if os.geteuid() == 0:       # initdb and postgres refuse to run as root
+            command = ["runuser", "-u", "postgres", "--", *command]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+
+    def create(self) -> None:
+        if os.geteuid() == 0:
+            shutil.chown(self.directory, "postgres")
+        self._run(self.initdb, "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
+        self.start()
+
+    def start(self) -> None:
+        # fsync off: a test cluster, thrown away after the run.
+        self._run(self.pg_ctl, "-D", str(self.data), "-l", str(self.directory / "postgres.log"), "-w", "-o",
+                  f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.directory} "
+                  f"-c fsync=off -c max_connections=200", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._run(self.pg_ctl, "-D", str(self.data), "-m", mode, "-w", "stop")
+
+    def destroy(self) -> None:
+        try:
+            self.stop("immediate")
+        except RuntimeError:
+            pass
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+@dataclass
+class Stack:
+    service: Service
+    redis: RedisServer
+    postgres: PostgresCluster
+
+    def db(self):
+        url = make_url(self.service.database_url)
+        return connect_postgres(url, url.database)
+
+
+JOBS = 24                # per fault: more than the two workers' 2 x 8 slots, so some wait queued
+MAX_TOKENS = 160
+
+
+def body(i: int, max_tokens: int = MAX_TOKENS) -> dict:
+    return {"model": MODEL, "prompt": f"Request {i}: the story of a worker that died", "max_tokens": max_tokens,
+            "temperature": 0.0, "ignore_eos": True}
+
+
+def submit_all(client: httpx.Client, n: int = JOBS, max_tokens: int = MAX_TOKENS) -> list[str]:
+    def one(i: int) -> str:
+        response = client.post("/v1/jobs", json={"endpoint": "/v1/completions", "body": body(i, max_tokens)})
+        assert response.status_code == 202, response.text
+        return response.json()["id"]
+
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        return list(pool.map(one, range(n)))
+
+
+def statuses(stack: Stack, ids: list[str]) -> dict[str, str]:
+    with stack.db() as conn:
+        return dict(conn.execute("SELECT id, status FROM jobs WHERE id = ANY(%s)", (ids,)).fetchall())
+
+
+def wait_all_ended(stack: Stack, ids: list[str], since: float, timeout: float) -> float:
+    """Seconds from `since` (time.monotonic()) until every job has ended."""
+    def ended() -> bool:
+        return all(s in ("succeeded", "failed", "cancelled") for s in statuses(stack, ids).values())
+
+    try:
+        wait_for(ended, timeout, f"{len(ids)} jobs to end", interval=0.25)
+    except AssertionError as exc:
+        left = {s for s in statuses(stack, ids).values()}
+        raise AssertionError(f"{exc}; statuses left: {left}{stack.service.diagnostics()}") from None
+    return time.monotonic() - since
+
+
+def check_exactly_once(stack: Stack, ids: list[str], expected: dict[int, str]) -> None:
+    """Every job succeeded once: one result, one usage row, the fault-free text."""
+    with stack.db() as conn:
+        rows = conn.execute("""
+            SELECT j.id, j.status, j.attempt, r.text, r.token_ids,
+                   (SELECT count(*) FROM results WHERE job_id = j.id),
+                   (SELECT count(*) FROM usage WHERE job_id = j.id),
+                   u.completion_tokens
+              FROM jobs j LEFT JOIN results r ON r.job_id = j.id LEFT JOIN usage u ON u.job_id = j.id
+             WHERE j.id = ANY(%s)""", (ids,)).fetchall()
+    by_id = {row[0]: row for row in rows}
+    assert len(by_id) == len(ids)
+    for i, job_id in enumerate(ids):
+        _, status, attempt, text, token_ids, results, usages, completion = by_id[job_id]
+        assert status == "succeeded", (job_id, status, attempt)
+        assert (results, usages) == (1, 1), f"{job_id}: {results} results, {usages} usage rows"
+        assert completion == len(token_ids) == MAX_TOKENS
+        assert text == expected[i], f"job {i} (attempt {attempt}) differs from the fault-free run"
+
+
+def tally(stack: Stack, ids: list[str]) -> dict[str, int]:
+    """Counts for a report: accepted, ended, succeeded, lost (not succeeded), billed twice, and
+    jobs whose result and usage rows are not exactly one each."""
+    with stack.db() as conn:
+        rows = conn.execute("""
+            SELECT j.status, (SELECT count(*) FROM results WHERE job_id = j.id),
+                   (SELECT count(*) FROM usage WHERE job_id = j.id)
+              FROM jobs j WHERE j.id = ANY(%s)""", (ids,)).fetchall()
+    return {"accepted": len(ids),
+            "ended": sum(status in ("succeeded", "failed", "cancelled") for status, _, _ in rows),
+            "succeeded": sum(status == "succeeded" for status, _, _ in rows),
+            "lost": len(ids) - sum(status == "succeeded" for status, _, _ in rows),
+            "billed_twice": sum(usages > 1 for _, _, usages in rows),
+            "not_exactly_once": sum((results, usages) != (1, 1) for _, results, usages in rows)}
+
+
+def running(stack: Stack, ids: list[str]) -> int:
+    return sum(status == "running" for status in statuses(stack, ids).values())
+
+
+def running_on(stack: Stack, ids: list[str], worker: str) -> int:
+    with stack.db() as conn:
+        return conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s) AND status = 'running' AND worker = %s",
+                            (ids, worker)).fetchone()[0]
+
+
+def texts(stack: Stack, ids: list[str]) -> dict[int, str]:
+    with stack.db() as conn:
+        found = dict(conn.execute("SELECT job_id, text FROM results WHERE job_id = ANY(%s)", (ids,)).fetchall())
+    return {i: found[job_id] for i, job_id in enumerate(ids)}
