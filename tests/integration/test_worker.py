@@ -520,6 +520,83 @@ def test_process_job_without_a_broker_fails_a_job_past_its_time_limit(make_setti
     assert context.engine.pool.num_free == context.engine.pool.num_blocks
 
 
+@pytest.fixture
+def plain_context(make_settings, tiny_models):
+    """`plain_context(**settings)`: a worker context built without Celery (stopped after the test)."""
+    from rein.engine import EngineConfig, LLMEngine
+    from rein.worker.bootstep import WorkerSpec, build_context
+
+    built = []
+
+    def make(**overrides):
+        settings = make_settings(**overrides)
+        config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
+                              max_num_seqs=2)
+        spec = WorkerSpec(settings=settings, model_name=MODEL, engine_factory=lambda: LLMEngine(config))
+        built.append(build_context(make_celery(settings), spec, f"plain-{secrets.token_hex(3)}@test"))
+        return built[-1]
+
+    yield make
+    for context in built:
+        context.stop()
+
+
+def test_a_finished_result_waits_out_a_postgres_outage(plain_context, make_job, db_sessionmaker, monkeypatch):
+    from sqlalchemy.exc import OperationalError
+
+    import rein.worker.tasks as tasks
+
+    context = plain_context()
+    real_record, failures = tasks.record_job, []
+
+    def record_while_postgres_is_down(*args, **kwargs):
+        if len(failures) < 3:
+            failures.append(1)
+            raise OperationalError("UPDATE jobs ...", {}, ConnectionRefusedError("Postgres is down"))
+        return real_record(*args, **kwargs)
+
+    monkeypatch.setattr(tasks, "record_job", record_while_postgres_is_down)
+    message = make_job(max_tokens=5)
+    assert tasks.process_job(context, message) == "succeeded"
+    assert len(failures) == 3
+    assert job_row(db_sessionmaker, message.job_id).status == "succeeded"
+    assert usage_rows(db_sessionmaker, message.job_id)[0].completion_tokens == 5
+
+
+def test_redis_failing_mid_job_hands_the_job_back(plain_context, make_job, db_sessionmaker, monkeypatch):
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from rein.worker.tasks import process_job
+
+    context = plain_context()
+
+    def begin(job_id, restart=False):
+        raise RedisConnectionError("Redis is restarting")
+
+    monkeypatch.setattr(context.publisher, "begin", begin)
+    message = make_job(max_tokens=5)
+    assert process_job(context, message) == "requeued"
+    job = job_row(db_sessionmaker, message.job_id)
+    assert job.status == "queued" and job.attempt == 1 and job.error is None
+
+
+def test_a_job_whose_lease_was_lost_is_stopped(plain_context, make_job, db_sessionmaker):
+    from rein.worker.tasks import process_job
+
+    context = plain_context(lease_seconds=2, lease_renew_seconds=0.5)
+    message = make_job(max_tokens=100_000 // 200, ignore_eos=True)
+    outcome: list[str] = []
+    runner = threading.Thread(target=lambda: outcome.append(process_job(context, message)))
+    runner.start()
+    wait_for(lambda: job_row(db_sessionmaker, message.job_id).status == "running", what="the job to start")
+    with db_sessionmaker.begin() as session:    # the reaper gave it to another attempt meanwhile
+        session.execute(update(Job).where(Job.id == message.job_id).values(attempt=Job.attempt + 1, worker="other"))
+    runner.join(30)
+    assert outcome == ["lease lost"]
+    assert context.engine.num_running == 0
+    assert usage_rows(db_sessionmaker, message.job_id) == []
+
+
 # -- shutdown and the CLI --------------------------------------------------------------------------
 
 
