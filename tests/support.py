@@ -69,3 +69,16 @@ def pid_alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except (OSError, IndexError):
         return False
+
+
+def queued_job_ids(client, list_key: str) -> list[str]:
+    """The job ids of the Celery messages waiting on one of kombu's Redis queue lists."""
+    import base64
+    import json
+
+    ids = []
+    for raw in client.lrange(list_key, 0, -1):
+        envelope = json.loads(raw)                       # kombu's envelope, body in base64
+        args, _kwargs, _embed = json.loads(base64.b64decode(envelope["body"]))
+        ids.append(args[0]["job_id"])
+    return ids

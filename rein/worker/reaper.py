@@ -94,11 +94,12 @@ UPDATE jobs SET
                ORDER BY lease_expires_at LIMIT {MAX_RESEND} FOR UPDATE SKIP LOCKED)
 RETURNING id, status, {", ".join(c.name for c in JOB_MESSAGE_COLUMNS if c.name != "id")}"""
 
-# Queued jobs sent before the bound, by model and priority (each group's queue list is read next).
+# Queued jobs sent before the bound, by model and priority (each group's queue list is read
+# next), the group waiting longest first: MAX_RESEND a pass is shared out oldest first.
 _STALE_GROUPS_SQL = """
 SELECT model, priority, count(*) FROM jobs
  WHERE status = 'queued' AND sent_at < now() - make_interval(secs => %s)
- GROUP BY model, priority"""
+ GROUP BY model, priority ORDER BY min(sent_at)"""
 
 # Of one model's queued jobs of one priority, newest sent first, those past the first
 # `waiting` (the ones on the queue) and sent before the bound: their messages were lost.

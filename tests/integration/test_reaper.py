@@ -4,13 +4,12 @@ advisory lock, and the wait after a Postgres outage."""
 
 from __future__ import annotations
 
-import base64
-import json
 import secrets
 from collections.abc import Callable
 
 import pytest
 from sqlalchemy import func, select, text, update
+from support import queued_job_ids
 
 from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.models import ApiKey, Job
@@ -66,12 +65,7 @@ def row(sessions, job_id: str) -> Job:
 
 def queued_messages(redis_client, settings, model: str, priority: int = PRIORITY_INTERACTIVE) -> list[str]:
     """The job ids of the messages waiting on the model's queue list of that priority."""
-    ids = []
-    for raw in redis_client.lrange(queue_keys(settings, model)[priority], 0, -1):
-        envelope = json.loads(raw)                       # kombu's envelope, body in base64
-        args, _kwargs, _embed = json.loads(base64.b64decode(envelope["body"]))
-        ids.append(args[0]["job_id"])
-    return ids
+    return queued_job_ids(redis_client, queue_keys(settings, model)[priority])
 
 
 def expire_lease(sessions, job_id: str) -> None:

@@ -574,7 +574,8 @@ def test_redis_failing_mid_job_hands_the_job_back(plain_context, make_job, db_se
         raise RedisConnectionError("Redis is restarting")
 
     monkeypatch.setattr(context.publisher, "begin", begin)
-    message = make_job(max_tokens=5)
+    # A model no worker of this test run consumes: the job must stay as handed back.
+    message = make_job(max_tokens=5, model=f"m{secrets.token_hex(3)}")
     assert process_job(context, message) == "requeued"
     job = job_row(db_sessionmaker, message.job_id)
     assert job.status == "queued" and job.attempt == 1 and job.error is None
