@@ -41,6 +41,7 @@ from typing import Any
 from celery import Celery
 from fastapi.concurrency import run_in_threadpool
 from sqlalchemy import func, update
+from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.errors import APIError
@@ -227,9 +228,11 @@ class JobIntake:
         for i, refusal in enumerate(verdicts):
             if refusal is not None:
                 outcomes[i] = _refused(submissions[i].job.model, refusal)
-        stored = self._insert([submissions[i].job for i in admitted])
+        stored, refused = self._insert_isolated([submissions[i].job for i in admitted])
         for i in admitted:
-            if submissions[i].job.id not in stored:
+            if submissions[i].job.id in refused:
+                outcomes[i] = refused[submissions[i].job.id]
+            elif submissions[i].job.id not in stored:
                 # Another request with the same Idempotency-Key won the race: answer with its job.
                 outcomes[i] = self._existing_job(submissions[i])
         to_send = [i for i in admitted if submissions[i].job.id in stored]
@@ -246,6 +249,30 @@ class JobIntake:
         if lists is None:
             lists = self._queue_keys[model] = tuple(queue_keys(self.settings, model))
         return lists
+
+    def _insert_isolated(self, jobs: list[NewJob]) -> tuple[set[str], dict[str, APIError]]:
+        """`_insert`, where a row Postgres refuses fails its own request only: when the group's
+        INSERT is refused, each row is inserted on its own. Ids stored, and the refusals.
+
+        Intake validates what a row may hold before grouping; this is the net under it, so
+        one tenant's odd request can never fail another's. An outage (OperationalError,
+        InterfaceError) is not a refusal: it fails the whole group (503)."""
+        try:
+            return self._insert(jobs), {}
+        except (OperationalError, InterfaceError):
+            raise
+        except DBAPIError as exc:
+            if len(jobs) == 1:
+                return set(), {jobs[0].id: _unstorable(exc)}
+            log.warning("a group of %d jobs was refused by Postgres (%s); storing them one by one",
+                        len(jobs), type(exc.orig).__name__)
+        stored: set[str] = set()
+        refused: dict[str, APIError] = {}
+        for job in jobs:
+            one_stored, one_refused = self._insert_isolated([job])
+            stored |= one_stored
+            refused |= one_refused
+        return stored, refused
 
     def _insert(self, jobs: list[NewJob]) -> set[str]:
         """INSERT the job rows in one autocommitted statement; the ids stored (a row whose
@@ -295,6 +322,13 @@ class JobIntake:
                                         error={"message": f"could not be queued: {exc}",
                                                "type": "server_error", "code": "queue_unavailable"}))
             return False
+
+
+def _unstorable(exc: DBAPIError) -> APIError:
+    """A 400 for a request whose row Postgres refused (its own first line: no parameters)."""
+    reason = str(exc.orig).strip().splitlines()[0] if exc.orig is not None else type(exc).__name__
+    return APIError(400, f"The request holds a value that cannot be stored ({reason}); check its token ids, "
+                         f"strings and numbers.", code="invalid_value")
 
 
 def _refused(model: str, refusal: QueueFull | RateLimitExceeded) -> APIError:

@@ -109,8 +109,13 @@ class HeldConnections:
 
 
 def make_engine(url: str | URL, **kwargs: object) -> Engine:
-    """A SQLAlchemy engine; pre-ping so a restarted Postgres costs one retry, not an error."""
+    """A SQLAlchemy engine; pre-ping so a restarted Postgres costs one retry, not an error.
+
+    `hide_parameters`: a failed statement's error (and so any log line quoting it) names the
+    statement but not its bound values, which hold prompts and other tenants' data.
+    """
     kwargs.setdefault("pool_pre_ping", True)
+    kwargs.setdefault("hide_parameters", True)
     return create_engine(url, **kwargs)
 
 

@@ -432,3 +432,16 @@ def test_held_connections_are_per_thread(db_engine):
     assert db_engine.pool.checkedout() == 2
     held.close()
     assert db_engine.pool.checkedout() == 0
+
+
+def test_a_failed_statement_does_not_carry_its_parameters(db_engine):
+    """What a failed INSERT puts in its error, and so in any log line: the statement, never its
+    bound values (prompts, other tenants' data)."""
+    from rein.core.db import execute_all
+
+    prompt = "a tenant's secret prompt, zebrafinch"
+    with pytest.raises(Exception) as failed:
+        execute_all(db_engine, "INSERT INTO results (job_id, text, finish_reason, token_ids) "
+                               "VALUES (%s, %s, %s, %s::integer[])", ("job_missing", prompt, "stop", "{1099511627776}"))
+    assert "INSERT INTO results" in str(failed.value)
+    assert "zebrafinch" not in str(failed.value) and "parameters hidden" in str(failed.value)

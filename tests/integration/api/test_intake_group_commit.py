@@ -76,6 +76,28 @@ def test_a_group_is_admitted_in_order_stored_and_queued_once(make_client, make_k
         assert row.queued_at == job.queued_at and row.attempt == job.attempt
 
 
+def test_a_row_postgres_refuses_fails_its_own_request_only(make_client, make_key, tenant, model, model_dir,
+                                                           db_session, redis_client):
+    """The net under intake's validation: a row the group INSERT cannot take (here a token id
+    past Postgres' integer, put in after validation) fails its own request with a 400; the
+    other tenant's requests of the same group are stored and queued."""
+    client = make_client(models=f"{model}={model_dir}@512")
+    intake, settings = client.app.state.intake, client.app.state.settings
+    bad_key = authenticate(db_session, make_key(tenant))
+    other = authenticate(db_session, make_key(f"{tenant}-other"))
+    group = [intake.validate(k, "/v1/chat/completions", chat_body(model=model), None, None, 0)
+             for k in (other, bad_key, other, other)]
+    group[1].job.prompt_token_ids[0] = 2**40
+
+    outcomes = intake.commit(group)
+
+    assert isinstance(outcomes[1], APIError) and outcomes[1].status_code == 400, outcomes[1]
+    assert "cannot be stored" in outcomes[1].message
+    good = [outcomes[i][0].id for i in (0, 2, 3)]
+    assert sorted(db_session.scalars(select(Job.id).where(Job.model == model)).all()) == sorted(good)
+    assert sorted(_queued_job_ids(redis_client, settings, model)) == sorted(good)
+
+
 def test_one_idempotency_key_twice_in_a_group_makes_one_job(make_client, make_key, tenant, model,
                                                             model_dir, db_session, redis_client):
     client = make_client(models=f"{model}={model_dir}@512")
