@@ -29,6 +29,14 @@ replica is handling is skipped, not waited for), does the next step in one trans
 * finalizing: once nothing runs, write the output and error files (rein.batches.output)
   and set the final status, in one transaction.
 
+Isolation: validations run on a thread of their own, one batch at a time, so a large file
+never stalls the other batches' steps; an unexpected error while validating fails that
+batch alone (code `validation_error`, naming the line), and a batch still validating
+REIN_BATCH_VALIDATION_TIMEOUT_SECONDS after its creation fails (`validation_timeout`).
+Feeding is fair: each tick splits a model's queue room evenly between the tenants with
+running batches, then between each tenant's batches, and visits batches round-robin across
+tenants, so one tenant's 50,000-line batches cannot starve another tenant's.
+
 A running job whose abort is never confirmed (its worker died) is marked cancelled after
 ABORT_GRACE_SECONDS; the worker's recorder only writes under a live `running` lease, so
 nothing is recorded or billed twice. The manager polls every REIN_BATCH_POLL_SECONDS and
@@ -41,14 +49,16 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
 from celery import Celery
 from redis import Redis
+from redis.exceptions import RedisError
 from sqlalchemy import Integer, cast, func, select, text, update
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.tokenizers import ModelRegistry
@@ -99,6 +109,9 @@ class BatchManager:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rein-batch-manager", daemon=True)
+        self._validator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rein-batch-validator")
+        self._validating: set[str] = set()
+        self._validating_lock = threading.Lock()
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -111,6 +124,7 @@ class BatchManager:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        self._validator.shutdown(wait=True, cancel_futures=True)
 
     def wake(self) -> None:
         self._wake.set()
@@ -125,31 +139,75 @@ class BatchManager:
             self._wake.wait(self.settings.batch_poll_seconds)
 
     def tick(self) -> None:
-        """One pass over every unfinished batch, oldest first."""
+        """One pass over every unfinished batch.
+
+        Validations run on their own thread (`_validator`), one batch at a time, so a large or
+        slow file never holds up feeding and finishing the others. Batch lines are fed to
+        each model's queue in shares: the room on the queue is split evenly between the
+        tenants with running batches, then between each tenant's batches (`feeding_shares`),
+        and the batches are visited round-robin across tenants.
+        """
         with self.sessions() as session:
-            ids = list(session.scalars(select(Batch.id).where(Batch.status.in_(ACTIVE_STATUSES))
-                                       .order_by(Batch.created_at, Batch.id)))
-        room: dict[str, int] = {}    # model -> batch messages it may still take this tick
-        for batch_id in ids:
+            rows = session.execute(select(Batch.id, Batch.status, Batch.tenant, Batch.model)
+                                   .where(Batch.status.in_(ACTIVE_STATUSES))
+                                   .order_by(Batch.created_at, Batch.id)).all()
+        shares = self._feeding_shares([row for row in rows if row.status == "in_progress"])
+        for row in round_robin(rows):
             if self._stop.is_set():
                 return
+            if row.status == "validating":
+                self._validate_in_background(row.id)
+                continue
             try:
-                self.advance(batch_id, room)
+                self.advance(row.id, shares)
             except Exception:
-                log.exception("batch %s: step failed; retrying next tick", batch_id)
+                log.exception("batch %s: step failed; retrying next tick", row.id)
 
-    def advance(self, batch_id: str, room: dict[str, int] | None = None) -> None:
-        """Do the batch's next step, unless another manager holds it right now."""
-        room = {} if room is None else room
+    def _feeding_shares(self, running: list[Any]) -> dict[str, int]:
+        """Batch id -> how many more of its lines may be sent this tick."""
+        by_model: dict[str, list[Any]] = {}
+        for row in running:
+            by_model.setdefault(row.model or "", []).append(row)
+        shares: dict[str, int] = {}
+        for model, batches in by_model.items():
+            waiting = self.redis.llen(queue_keys(self.settings, model)[PRIORITY_BATCH])
+            room = max(self.settings.batch_queue_window - waiting, 0)
+            shares |= feeding_shares(room, [(row.tenant, row.id) for row in batches])
+        return shares
+
+    def _validate_in_background(self, batch_id: str) -> None:
+        with self._validating_lock:
+            if batch_id in self._validating:
+                return
+            self._validating.add(batch_id)
+
+        def run() -> None:
+            try:
+                self.advance(batch_id)
+            except Exception:
+                log.exception("batch %s: validation step failed; retrying next tick", batch_id)
+            finally:
+                with self._validating_lock:
+                    self._validating.discard(batch_id)
+                self.wake()
+
+        self._validator.submit(run)
+
+    def advance(self, batch_id: str, shares: dict[str, int] | None = None) -> None:
+        """Do the batch's next step, unless another manager holds it right now.
+
+        `shares`: how many lines each batch may send now (see `tick`); without it, a batch
+        may fill whatever room its model's queue has.
+        """
         try:
-            self._advance(batch_id, room)
+            self._advance(batch_id, shares)
         except _Superseded:
             pass
         except _ValidationFailed as failed:
             with self.sessions() as session, session.begin():
                 self._fail(session, failed.batch_id, failed.errors)
 
-    def _advance(self, batch_id: str, room: dict[str, int]) -> None:
+    def _advance(self, batch_id: str, shares: dict[str, int] | None) -> None:
         with self.sessions() as session, session.begin():
             if not try_lock_batch(session, batch_id):
                 return
@@ -158,7 +216,7 @@ class BatchManager:
             if batch.status == "validating":
                 self._validate(session, batch)
             elif batch.status == "in_progress":
-                self._progress(session, batch, room)
+                self._progress(session, batch, shares)
             elif batch.status in ("finalizing", "cancelling"):
                 self._finish(session, batch)
 
@@ -176,17 +234,37 @@ class BatchManager:
                                          "message": f"the input file {batch.input_file_id} was deleted "
                                                     "before the batch was validated"}])
             return
+        deadline_seconds = self.settings.batch_validation_timeout_seconds
+        if session.scalar(select(func.now() > batch.created_at + timedelta(seconds=deadline_seconds))):
+            raise _ValidationFailed(batch.id, [_timeout_error(deadline_seconds)])
         started = time.monotonic()
         fixed = {"tenant": batch.tenant, "key_id": batch.key_id, "batch_id": batch.id, "priority": PRIORITY_BATCH}
+        last_line = 0
 
         def store(line: ValidLine) -> None:
+            nonlocal last_line
             if self._stop.is_set():      # shutting down: roll back, the next manager starts over
                 raise _Superseded(batch.id)
+            if time.monotonic() - started > deadline_seconds:
+                raise _ValidationFailed(batch.id, [_timeout_error(deadline_seconds)])
             write_job(line.job_values() | fixed)
+            last_line = line.line
 
-        with source, copy_jobs(session) as write_job:
-            result = validate_lines(source, batch.endpoint, self.registry, self.settings.batch_max_requests,
-                                    on_valid=store)
+        try:
+            with source, copy_jobs(session) as write_job:
+                result = validate_lines(source, batch.endpoint, self.registry, self.settings.batch_max_requests,
+                                        on_valid=store)
+        except (_Superseded, _ValidationFailed, OperationalError, InterfaceError, RedisError):
+            raise                        # a stop, a verdict, or an outage (retried next tick)
+        except Exception as exc:
+            # Anything else is this file's doing, not the service's: fail this batch alone,
+            # rather than retry it every tick for ever.
+            log.exception("batch %s: validation broke near line %d", batch.id, last_line + 1)
+            raise _ValidationFailed(batch.id, [{
+                "code": "validation_error", "line": last_line + 1, "param": None,
+                "message": f"validating line {last_line + 1} failed unexpectedly ({type(exc).__name__}); "
+                           f"lines 1 to {last_line} were fine. Check that line, or split the file to "
+                           f"find the request that causes it."}]) from exc
         if not result.ok:    # roll back the jobs already copied, then record the errors
             raise _ValidationFailed(batch.id, result.errors)
         moved = session.execute(
@@ -205,7 +283,7 @@ class BatchManager:
                                 errors={"object": "list", "data": errors}))
         log.info("batch %s failed validation: %d errors", batch_id, len(errors))
 
-    def _progress(self, session: Session, batch: Batch, room: dict[str, int]) -> None:
+    def _progress(self, session: Session, batch: Batch, shares: dict[str, int] | None) -> None:
         expired = session.scalar(select(func.now() >= batch.expires_at))
         if expired:
             drop_batch_jobs(session, self.redis, self.keys, self.settings, batch.id)
@@ -220,24 +298,24 @@ class BatchManager:
             session.refresh(batch)
             self._finish(session, batch)
             return
-        self._feed(session, batch, room)
+        self._feed(session, batch, shares)
 
-    def _feed(self, session: Session, batch: Batch, room: dict[str, int]) -> None:
-        model = batch.model or ""
-        if model not in room:
-            waiting = self.redis.llen(queue_keys(self.settings, model)[PRIORITY_BATCH])
-            room[model] = max(self.settings.batch_queue_window - waiting, 0)
-        if room[model] <= 0:
+    def _feed(self, session: Session, batch: Batch, shares: dict[str, int] | None) -> None:
+        if shares is None:
+            waiting = self.redis.llen(queue_keys(self.settings, batch.model or "")[PRIORITY_BATCH])
+            share = max(self.settings.batch_queue_window - waiting, 0)
+        else:
+            share = shares.get(batch.id, 0)
+        if share <= 0:
             return
         rows = session.execute(
             select(*JOB_MESSAGE_COLUMNS)
             .where(Job.batch_id == batch.id, Job.status == "queued", Job.sent_at.is_(None))
-            .order_by(Job.batch_line).limit(room[model])).all()
+            .order_by(Job.batch_line).limit(share)).all()
         # The whole chunk in one pipeline.
         enqueue_jobs(self.celery, [JobMessage.for_job(row) for row in rows])
         if rows:
             session.execute(update(Job).where(Job.id.in_([row.id for row in rows])).values(sent_at=func.now()))
-            room[model] -= len(rows)
 
     def _finish(self, session: Session, batch: Batch) -> None:
         """finalizing or cancelling: once no job is open, write the files and end the batch."""
@@ -263,6 +341,39 @@ class BatchManager:
         session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == batch.status)
                         .values(output_file_id=output_id, error_file_id=error_id, **final))
         log.info("batch %s %s", batch.id, final["status"])
+
+
+def _timeout_error(seconds: float) -> dict[str, Any]:
+    return {"code": "validation_timeout", "line": None, "param": None,
+            "message": f"the batch was not validated within {seconds:g} s (REIN_BATCH_VALIDATION_TIMEOUT_SECONDS); "
+                       f"split the input file into smaller batches"}
+
+
+def round_robin(rows: list[Any]) -> list[Any]:
+    """Batches (rows with `tenant`), oldest first, interleaved across tenants: each tenant's
+    oldest, then each tenant's second, ..."""
+    by_tenant: dict[str, list[Any]] = {}
+    for row in rows:
+        by_tenant.setdefault(row.tenant, []).append(row)
+    order = []
+    for rank in range(max((len(v) for v in by_tenant.values()), default=0)):
+        order += [batches[rank] for batches in by_tenant.values() if rank < len(batches)]
+    return order
+
+
+def feeding_shares(room: int, batches: list[tuple[str, str]]) -> dict[str, int]:
+    """Split `room` queue places between (tenant, batch id)s: evenly between tenants, then
+    evenly between each tenant's batches, the remainder to the first (oldest) ones. A batch
+    with fewer lines left than its share leaves the rest unused until the next tick."""
+    by_tenant: dict[str, list[str]] = {}
+    for tenant, batch_id in batches:
+        by_tenant.setdefault(tenant, []).append(batch_id)
+    shares: dict[str, int] = {}
+    for t, (_, ids) in enumerate(by_tenant.items()):
+        tenant_room = room // len(by_tenant) + (1 if t < room % len(by_tenant) else 0)
+        for b, batch_id in enumerate(ids):
+            shares[batch_id] = tenant_room // len(ids) + (1 if b < tenant_room % len(ids) else 0)
+    return shares
 
 
 def try_lock_batch(session: Session, batch_id: str) -> bool:

@@ -165,6 +165,8 @@ class Settings(BaseSettings):
     """How long a batch may run (its `completion_window` "24h"); requests unfinished then expire."""
     batch_queue_window: int = Field(256, ge=1)
     """Batch messages kept waiting on a model's queue; the batch manager tops it up as workers drain it."""
+    batch_validation_timeout_seconds: float = Field(3600, gt=0)
+    """A batch still `validating` this long after its creation fails (`validation_timeout`)."""
     batch_poll_seconds: float = Field(1.0, gt=0)
     """How often the API's batch manager looks for batch work (validation, feeding, finalizing)."""
 

@@ -384,3 +384,62 @@ def test_a_batch_counts_as_one_request_against_rpm(batch_client, make_key, tenan
         "input_file_id": batch["input_file_id"], "endpoint": "/v1/completions", "completion_window": "24h"})
     assert response.status_code == 429 and response.headers["Retry-After"]
     assert response.json()["error"]["code"] == "rate_limit_exceeded"
+
+
+def test_a_batch_whose_validation_breaks_fails_alone(batch_client, make_key, tenant, db_sessionmaker,
+                                                     monkeypatch):
+    """A poisoned file (here: validation raises on its second line) fails its own batch with
+    the line named; another tenant's batch goes on to in_progress meanwhile."""
+    import rein.batches.manager as manager
+
+    real = manager.validate_lines
+
+    def breaks_on_poison(source, *args, on_valid, **kwargs):
+        def store(valid):
+            if valid.custom_id == "poison":
+                raise RuntimeError("a bug this input triggers")
+            on_valid(valid)
+
+        return real(source, *args, on_valid=store, **kwargs)
+
+    monkeypatch.setattr(manager, "validate_lines", breaks_on_poison)
+    poisoned = create(batch_client, make_key(tenant, "batch"), jsonl(line("ok"), line("poison"), line("ok2")))
+    other_key = make_key(f"{tenant}-other", "batch")
+    healthy = create(batch_client, other_key, jsonl(line("a"), line("b")))
+    failed = wait_status(batch_client, make_key(tenant, "batch"), poisoned["id"], "failed")
+    [error] = failed["errors"]["data"]
+    assert error["code"] == "validation_error" and error["line"] == 2, error
+    assert batch_jobs(db_sessionmaker, poisoned["id"]) == []          # nothing half-written
+    assert wait_status(batch_client, other_key, healthy["id"], "in_progress")
+
+
+def test_a_batch_validating_past_its_deadline_fails(make_client, make_key, tenant, tmp_path):
+    client = make_client(files_dir=str(tmp_path / "files"), batch_validation_timeout_seconds=0.001, **FAST)
+    key = make_key(tenant, "batch")
+    batch = create(client, key, jsonl(line("a")))
+    failed = wait_status(client, key, batch["id"], "failed")
+    assert failed["errors"]["data"][0]["code"] == "validation_timeout"
+
+
+def test_batch_lines_are_fed_fairly_across_tenants(make_client, make_key, tenant, db_sessionmaker, tmp_path,
+                                                   redis_client, settings):
+    """One tenant's two large batches fill the queue window first; once workers drain it, the
+    room is shared: the other tenant's small batch gets half of it, not what the large ones
+    leave."""
+    client = make_client(files_dir=str(tmp_path / "files"), batch_queue_window=6, **FAST)
+    big_key, small_key = make_key(tenant, "batch"), make_key(f"{tenant}-small", "batch")
+    big = [create(client, big_key, jsonl(*(line(f"r{i}") for i in range(20)))) for _ in range(2)]
+    for batch in big:
+        wait_status(client, big_key, batch["id"], "in_progress")
+
+    def sent(batch) -> int:
+        return sum(1 for j in batch_jobs(db_sessionmaker, batch["id"]) if j.sent_at)
+
+    wait_for(lambda: sent(big[0]) + sent(big[1]) == 6, 10, "the window filled by the large batches")
+    small = create(client, small_key, jsonl(*(line(f"s{i}") for i in range(4))))
+    wait_status(client, small_key, small["id"], "in_progress")
+    time.sleep(0.5)        # a tick that began before it was in_progress has ended
+    redis_client.delete(queue_keys(settings, "tiny")[PRIORITY_BATCH])     # workers took them all
+    before = [sent(b) for b in big]
+    wait_for(lambda: sent(small) == 3, 10, "the small tenant's half of the window sent")
+    assert [sent(b) - n for b, n in zip(big, before, strict=True)] in ([2, 1], [1, 2])   # the other half, split
