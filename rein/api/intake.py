@@ -6,8 +6,8 @@ endpoints and POST /v1/jobs alike.
    `Idempotency-Key` seen before for the tenant returns that job instead, without counting
    it again (409 `idempotency_key_reused` when it was a different request).
 2. `JobIntake.commit` (for several submissions at once): admit them in one Redis round trip
-   (503 when the model's queue is full, before anything is counted; 429 over the key's
-   limits; rein.api.ratelimit), INSERT the admitted ones as queued in one multi-row
+   (503 when the model's queue is full, before anything is counted; 429 when the tenant
+   holds its share of that queue, or over the key's limits; rein.api.ratelimit), INSERT the admitted ones as queued in one multi-row
    autocommitted statement, then publish their Celery messages in one Redis pipeline
    (kombu's `Producer.batch`). A job whose message could not be published is marked
    failed, so no worker runs it, and its request gets a 503.
@@ -46,7 +46,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.errors import APIError
 from rein.api.jobs import find_job_by_idempotency_key, same_request_or_conflict
-from rein.api.ratelimit import Admission, QueueFull, RateLimiter, RateLimitExceeded
+from rein.api.ratelimit import Admission, QueueFull, RateLimiter, RateLimitExceeded, TenantQueueFull
 from rein.api.tokenizers import ModelEntry, ModelRegistry
 from rein.core.db import HeldConnections, engine_of
 from rein.core.keys import KeyInfo
@@ -221,8 +221,11 @@ class JobIntake:
         request gets: (job, prepared) or the APIError that refused it. Raises only when
         Redis or Postgres cannot be used at all (then none of them was stored)."""
         outcomes: list[Accepted | Exception | None] = [None] * len(submissions)
+        queued = self._tenants_queued(submissions)
         verdicts = self.limiter.admit_many(
-            [Admission(s.key, s.prepared.requested_tokens, self._queue(s.job.model)) for s in submissions],
+            [Admission(s.key, s.prepared.requested_tokens, self._queue(s.job.model),
+                       queued.get((s.job.model, s.key.tenant), 0) if queued is not None else None)
+             for s in submissions],
             max_depth=self.settings.max_queue_depth)
         admitted = [i for i, refusal in enumerate(verdicts) if refusal is None]
         for i, refusal in enumerate(verdicts):
@@ -243,6 +246,16 @@ class JobIntake:
                 type="server_error", code="queue_unavailable",
                 headers={"Retry-After": str(BACKPRESSURE_RETRY_AFTER)})
         return outcomes  # type: ignore[return-value]  # every slot is filled above
+
+    def _tenants_queued(self, submissions: Sequence[Submission]) -> dict[tuple[str, str], int] | None:
+        """(model, tenant) -> the tenant's queued jobs of that model (batch lines aside: the
+        batch manager shares their room), for the queue share check; None when it is off."""
+        if self.limiter.tenant_queue_cap(self.settings.max_queue_depth) is None:
+            return None
+        models = sorted({s.job.model for s in submissions})
+        tenants = sorted({s.key.tenant for s in submissions})
+        rows = self._db.execute_all(_TENANTS_QUEUED_SQL, (models, tenants))
+        return {(model, tenant): count for model, tenant, count in rows}
 
     def _queue(self, model: str) -> tuple[str, ...]:
         lists = self._queue_keys.get(model)
@@ -331,7 +344,12 @@ def _unstorable(exc: DBAPIError) -> APIError:
                          f"strings and numbers.", code="invalid_value")
 
 
-def _refused(model: str, refusal: QueueFull | RateLimitExceeded) -> APIError:
+def _refused(model: str, refusal: QueueFull | TenantQueueFull | RateLimitExceeded) -> APIError:
+    if isinstance(refusal, TenantQueueFull):
+        return APIError(429, f"Your organization has {refusal.queued} requests queued for model '{model}', its "
+                             f"share of the queue ({refusal.limit}, REIN_TENANT_QUEUE_SHARE of "
+                             f"REIN_MAX_QUEUE_DEPTH). Retry once some have run.", type="requests",
+                        code="tenant_queue_full", headers={"Retry-After": str(BACKPRESSURE_RETRY_AFTER)})
     if isinstance(refusal, QueueFull):
         return APIError(503, f"The queue of model '{model}' is full ({refusal.depth} jobs waiting, limit "
                              f"{refusal.limit}). Retry later.", type="server_error", code="queue_full",
@@ -405,6 +423,13 @@ class GroupCommitter:
                 future.set_exception(outcome)
             else:
                 future.set_result(outcome)
+
+
+# A tenant's queued interactive jobs per model (the partial index on queued jobs by model).
+_TENANTS_QUEUED_SQL = """
+SELECT model, tenant, count(*) FROM jobs
+ WHERE status = 'queued' AND batch_id IS NULL AND model = ANY(%s) AND tenant = ANY(%s)
+ GROUP BY model, tenant"""
 
 
 # The INSERT as SQL text (see rein.core.db.execute_all: building and compiling it with

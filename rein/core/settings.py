@@ -127,6 +127,9 @@ class Settings(BaseSettings):
     0: every request reads the key from Postgres."""
     max_queue_depth: int = Field(1000, ge=1)
     """Backpressure: above this many queued jobs for a model, new jobs get 503 with Retry-After."""
+    tenant_queue_share: float = Field(0.5, gt=0, le=1)
+    """The share of REIN_MAX_QUEUE_DEPTH one tenant's queued jobs may take (429 beyond it), so
+    one tenant cannot fill a model's queue for the others; 1: no per-tenant limit."""
     default_rpm: int | None = Field(None, ge=1)
     """Requests per minute for a key without its own limit; unset: unlimited."""
     default_tpm: int | None = Field(None, ge=1)

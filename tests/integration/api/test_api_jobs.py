@@ -138,12 +138,29 @@ def test_cancel_a_queued_job(client, make_key, tenant, redis_client, settings):
 def test_backpressure_503_when_the_queue_is_full(make_client, make_key, tenant, model_dir):
     model = f"m{secrets.token_hex(3)}"
     client = make_client(models=f"{model}={model_dir}@512", max_queue_depth=2)
-    key = make_key(tenant)
+    key, other = make_key(tenant), make_key(f"{tenant}-other")
     body = chat_body(model=model)
-    _create(client, key, body)
-    _create(client, key, body)
+    _create(client, key, body)          # each tenant may hold half the queue
+    _create(client, other, body)
     response = client.post("/v1/jobs", json={"endpoint": "/v1/chat/completions", "body": body},
-                           headers=auth(key))
+                           headers=auth(make_key(f"{tenant}-third")))
     assert response.status_code == 503, response.text
     assert response.json()["error"]["code"] == "queue_full"
     assert int(response.headers["Retry-After"]) >= 1
+
+
+def test_one_tenant_filling_its_queue_share_leaves_room_for_another(make_client, make_key, tenant, model_dir):
+    model = f"m{secrets.token_hex(3)}"
+    client = make_client(models=f"{model}={model_dir}@512", max_queue_depth=4)
+    greedy, other = make_key(tenant), make_key(f"{tenant}-other")
+    body = chat_body(model=model)
+    _create(client, greedy, body)
+    _create(client, greedy, body)        # its share: half of 4
+    refused = client.post("/v1/jobs", json={"endpoint": "/v1/chat/completions", "body": body},
+                          headers=auth(greedy))
+    assert refused.status_code == 429, refused.text
+    error = refused.json()["error"]
+    assert error["code"] == "tenant_queue_full" and "REIN_TENANT_QUEUE_SHARE" in error["message"]
+    assert int(refused.headers["Retry-After"]) >= 1
+    _create(client, other, body)         # the other tenant still gets in
+    _create(client, other, body)

@@ -49,7 +49,7 @@ def _queued_job_ids(redis_client, settings, model):
 
 def test_a_group_is_admitted_in_order_stored_and_queued_once(make_client, make_key, tenant, model,
                                                              model_dir, db_session, redis_client):
-    client = make_client(models=f"{model}={model_dir}@512", max_queue_depth=5)
+    client = make_client(models=f"{model}={model_dir}@512", max_queue_depth=5, tenant_queue_share=1)
     intake, settings = client.app.state.intake, client.app.state.settings
     limited = authenticate(db_session, make_key(tenant, rpm=2))
     free = authenticate(db_session, make_key(tenant))
