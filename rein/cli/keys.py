@@ -37,7 +37,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     create.add_argument("--scopes", required=True, metavar="LIST",
                         help="comma-separated: inference, batch, usage")
     create.add_argument("--tenant", default=None,
-                        help="the tenant the key acts for (default: the key's name)")
+                        help="the tenant the key acts for; keys of one tenant share its jobs, files, batches "
+                             "and usage (default: a new tenant of this key alone, printed)")
     create.add_argument("--rpm", type=_positive_int, default=None, metavar="N",
                         help="requests per minute (default: REIN_DEFAULT_RPM)")
     create.add_argument("--tpm", type=_positive_int, default=None, metavar="N",
@@ -51,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
     revoke = actions.add_parser("revoke", parents=[common], help="revoke a key: it stops working at once")
     revoke.add_argument("key_id", metavar="KEY_ID", help="the key id shown by `rein keys list`")
+    revoke.add_argument("--cancel-work", action="store_true",
+                        help="also cancel the key's queued and running jobs and its unfinished batches "
+                             "(without it, work the key already started runs to its end)")
     revoke.set_defaults(func=run_revoke)
 
 
@@ -136,8 +140,29 @@ def run_revoke(args: argparse.Namespace) -> int:
     try:
         with session_scope(_session_factory(args)) as session:
             info = revoke_key(session, args.key_id)
+            cancelled = _cancel_work(session, args, info.key_id) if args.cancel_work else None
     except KeyNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(f"revoked key {info.key_id} ({info.name}, tenant {info.tenant}) at {_when(info.revoked_at)} UTC")
+    if cancelled is not None:
+        queued, running, batches = cancelled
+        print(f"cancelled its work: {queued} queued jobs, {running} running jobs (stopping within a step), "
+              f"{batches} batches (cancelling)")
     return 0
+
+
+def _cancel_work(session, args: argparse.Namespace, key_id: str) -> tuple[int, int, int]:
+    from redis import Redis
+
+    from rein.core.redis_keys import RedisKeys
+    from rein.core.settings import load_settings
+    from rein.worker.cancel import cancel_work_of_key
+
+    settings = load_settings(**({"database_url": args.database_url} if args.database_url else {}))
+    redis = Redis.from_url(settings.redis_url)
+    try:
+        return cancel_work_of_key(session, redis, RedisKeys.from_settings(settings), key_id,
+                                  settings.job_timeout_seconds + settings.stream_ttl_seconds)
+    finally:
+        redis.close()

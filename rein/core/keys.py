@@ -137,16 +137,23 @@ def _check_limit(name: str, value: int | None) -> None:
                          f"per minute, got {value} (leave it out for the default)")
 
 
+def new_tenant_id() -> str:
+    """A tenant name no other key has: `t-` and 12 random hex digits."""
+    return f"t-{secrets.token_hex(6)}"
+
+
 def create_key(session: Session, *, name: str, scopes: str | list[str] | tuple[str, ...],
                tenant: str | None = None, rpm: int | None = None, tpm: int | None = None) -> CreatedKey:
     """Add a key (flushed, not committed); the returned CreatedKey holds the only copy of the secret."""
     name = name.strip()
     if not name or len(name) > _MAX_NAME_LEN:
         raise ValueError(f"a key name must be 1 to {_MAX_NAME_LEN} characters, got {name!r}")
-    tenant = name if tenant is None else tenant.strip()
+    # No tenant given: a tenant of its own, never one shared by accident with another key of
+    # the same name (keys share a tenant, and so its jobs, files and usage, only when told to).
+    tenant = new_tenant_id() if tenant is None else tenant.strip()
     if not _TENANT_RE.fullmatch(tenant):
         raise ValueError(f"tenant {tenant!r} must be 1 to 128 letters, digits or . _ @ - and start with a "
-                         "letter or digit (it defaults to the key name: pass a tenant if the name has spaces)")
+                         "letter or digit")
     scope_list = parse_scopes(scopes)
     _check_limit("rpm", rpm)
     _check_limit("tpm", tpm)

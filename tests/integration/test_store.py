@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect, select, text
+from sqlalchemy import func, inspect, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.pool import NullPool
@@ -302,8 +302,16 @@ def test_key_input_errors(db_session):
         keys.create_key(db_session, name="x", scopes="inference,admin")
     with pytest.raises(ValueError, match="at least one scope"):
         keys.create_key(db_session, name="x", scopes=" , ")
-    with pytest.raises(ValueError, match="pass a tenant if the name has spaces"):
-        keys.create_key(db_session, name="my app", scopes="inference")
+    with pytest.raises(ValueError, match="must be 1 to 128 letters"):
+        keys.create_key(db_session, name="my app", scopes="inference", tenant="my app")
+
+
+def test_keys_of_one_name_share_a_tenant_only_when_told(db_session):
+    first = keys.create_key(db_session, name="my app", scopes="inference").info
+    second = keys.create_key(db_session, name="my app", scopes="inference").info
+    assert first.tenant != second.tenant and first.tenant.startswith("t-")
+    shared = keys.create_key(db_session, name="my app", scopes="inference", tenant=first.tenant).info
+    assert shared.tenant == first.tenant
     with pytest.raises(ValueError, match="rpm must be a positive number"):
         keys.create_key(db_session, name="x", scopes="inference", rpm=0)
 
@@ -322,8 +330,11 @@ def test_keys_cli(settings, tenant, db_sessionmaker, capsys):
     with db_sessionmaker() as session:
         assert keys.authenticate(session, key).scopes == ("inference", "usage")
 
-    assert main([*db, "create", "--name", tenant, "--scopes", "batch"]) == 0   # tenant defaults to the name
+    assert main([*db, "create", "--name", "ci bot", "--tenant", tenant, "--scopes", "batch"]) == 0
     second = capsys.readouterr().out.splitlines()[-1]
+    assert main([*db, "create", "--name", "ci bot", "--scopes", "batch"]) == 0   # no tenant: a new one
+    apart = capsys.readouterr().out
+    assert f"tenant:  {tenant}" not in apart and "tenant:  t-" in apart
 
     assert main([*db, "list", "--tenant", tenant]) == 0
     listing = capsys.readouterr().out
@@ -445,3 +456,33 @@ def test_a_failed_statement_does_not_carry_its_parameters(db_engine):
                                "VALUES (%s, %s, %s, %s::integer[])", ("job_missing", prompt, "stop", "{1099511627776}"))
     assert "INSERT INTO results" in str(failed.value)
     assert "zebrafinch" not in str(failed.value) and "parameters hidden" in str(failed.value)
+
+
+def test_revoke_with_cancel_work_cancels_what_the_key_started(settings_env, tenant, db_sessionmaker, capsys):
+    import redis
+
+    from rein.core.models import Batch
+    from rein.core.redis_keys import RedisKeys
+
+    with db_sessionmaker.begin() as session:
+        key = keys.create_key(session, name="leaving", scopes="inference,batch", tenant=tenant).info
+        jobs = {status: Job(tenant=tenant, key_id=key.key_id, model="m", endpoint="/v1/completions",
+                            params={}, prompt_token_ids=[1], prompt_tokens=1, status=status)
+                for status in ("queued", "running", "succeeded")}
+        session.add_all(jobs.values())
+        batch = Batch(tenant=tenant, key_id=key.key_id, input_file_id="file-x", endpoint="/v1/completions",
+                      completion_window="24h", status="in_progress",
+                      expires_at=func.now() + func.make_interval(0, 0, 0, 1))
+        session.add(batch)
+    assert main(["keys", "revoke", key.key_id, "--cancel-work"]) == 0
+    assert "cancelled its work: 1 queued jobs, 1 running jobs (stopping within a step), 1 batches" in \
+        capsys.readouterr().out
+    with db_sessionmaker() as session:
+        status = {name: session.get(Job, job.id).status for name, job in jobs.items()}
+        assert status == {"queued": "cancelled", "running": "running", "succeeded": "succeeded"}
+        assert session.get(Job, jobs["running"].id).cancel_requested_at is not None
+        assert session.get(Batch, batch.id).status == "cancelling"
+    flag = RedisKeys.from_settings(settings_env).job_cancel(jobs["running"].id)
+    assert redis.Redis.from_url(settings_env.redis_url).exists(flag)    # what its worker checks
+    with db_sessionmaker.begin() as session:     # no batch manager of a later test should pick it up
+        session.get(Batch, batch.id).status = "cancelled"
