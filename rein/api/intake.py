@@ -34,7 +34,7 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from functools import lru_cache
 from typing import Any
 
@@ -195,6 +195,12 @@ class JobIntake:
                                param="Idempotency-Key", code="invalid_value")
             with self.sessions() as session:
                 existing = find_job_by_idempotency_key(session, key.tenant, idempotency_key)
+                if existing is not None and self._expired(existing):
+                    # Past REIN_IDEMPOTENCY_KEY_TTL_SECONDS the key is free again: the old job
+                    # keeps its results but no longer answers for the key.
+                    session.execute(update(Job).where(Job.id == existing.id).values(idempotency_key=None))
+                    session.commit()
+                    existing = None
             if existing is not None:
                 return same_request_or_conflict(existing, endpoint, body, metadata)
         if metadata is not None and len(metadata) > MAX_METADATA_PAIRS:
@@ -215,6 +221,10 @@ class JobIntake:
                              sampling=sampling, priority=priority, logprobs_mode=parsed.logprobs_mode,
                              tenant=key.tenant, key_id=key.key_id)
         return Submission(key, prepared, job, message, metadata)
+
+    def _expired(self, job: Job) -> bool:
+        age = datetime.now(UTC) - job.created_at
+        return age.total_seconds() > self.settings.idempotency_key_ttl_seconds
 
     def commit(self, submissions: Sequence[Submission]) -> list[Accepted | Exception]:
         """Admit, store and enqueue these submissions together; for each, in order, what its

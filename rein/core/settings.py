@@ -140,6 +140,9 @@ class Settings(BaseSettings):
     """The key `rein batch` sends (`--api-key` overrides); the API itself never reads it."""
 
     # --- jobs and streams
+    idempotency_key_ttl_seconds: float = Field(86_400, gt=0)
+    """How long an Idempotency-Key names its job: a retry within it gets that job back; after
+    it, the key starts a new job."""
     job_timeout_seconds: int = Field(3600, ge=1)
     """Longest a job may run; its worker aborts it then (code `timeout`)."""
     lease_seconds: float = Field(30.0, gt=0)

@@ -6,7 +6,7 @@ import json
 import secrets
 
 from api_helpers import auth, chat_body
-from sqlalchemy import select
+from sqlalchemy import func, select, update
 from transformers import AutoTokenizer
 
 from rein.core.models import Job
@@ -133,6 +133,20 @@ def test_cancel_a_queued_job(client, make_key, tenant, redis_client, settings):
     assert '"finish_reason":"abort"' in events
     # Cancelling again is harmless.
     assert client.post(f"/v1/jobs/{job_id}/cancel", headers=auth(key)).json()["status"] == "cancelled"
+
+
+def test_an_idempotency_key_expires(make_client, make_key, tenant, db_sessionmaker):
+    client = make_client(idempotency_key_ttl_seconds=3600)
+    key = make_key(tenant)
+    first = _create(client, key, headers={"Idempotency-Key": "daily-report"})
+    assert _create(client, key, headers={"Idempotency-Key": "daily-report"})["id"] == first["id"]
+    with db_sessionmaker.begin() as session:      # two hours later
+        session.execute(update(Job).where(Job.id == first["id"])
+                        .values(created_at=func.now() - func.make_interval(0, 0, 0, 0, 2)))
+    later = _create(client, key, headers={"Idempotency-Key": "daily-report"})
+    assert later["id"] != first["id"]
+    assert _create(client, key, headers={"Idempotency-Key": "daily-report"})["id"] == later["id"]
+    assert client.get(f"/v1/jobs/{first['id']}", headers=auth(key)).status_code == 200   # the old job stays
 
 
 def test_backpressure_503_when_the_queue_is_full(make_client, make_key, tenant, model_dir):
