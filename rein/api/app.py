@@ -17,6 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from redis import Redis
+from redis.asyncio import BlockingConnectionPool as AsyncBlockingConnectionPool
 from redis.asyncio import Redis as AsyncRedis
 from sqlalchemy.orm import sessionmaker
 
@@ -27,7 +28,7 @@ from rein.api.metrics import APIMetrics, MetricsMiddleware
 from rein.api.metrics import router as metrics_router
 from rein.api.ratelimit import RateLimiter
 from rein.api.routes import batches, files, health, jobs, openai, usage
-from rein.api.streams import STREAM_SOCKET_TIMEOUT
+from rein.api.streams import STREAM_SOCKET_TIMEOUT, StreamSlots
 from rein.api.tokenizers import ModelRegistry
 from rein.batches.manager import BatchManager
 from rein.core.db import check_migrations_current, make_engine
@@ -37,6 +38,11 @@ from rein.core.settings import Settings, get_settings
 from rein.worker.reaper import Reaper
 
 log = logging.getLogger(__name__)
+
+# Connections of the streams' pool beyond REIN_MAX_EVENT_STREAMS (for the other async uses),
+# and how long a stream waits for one when all are taken.
+STREAM_POOL_SPARE = 16
+STREAM_POOL_WAIT_SECONDS = 30
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -62,8 +68,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.sessions = sessionmaker(engine, expire_on_commit=False)
         state.registry = registry
         state.redis = Redis.from_url(settings.redis_url)
-        # Event followers block in XREAD for BLOCK_MS: the socket timeout must outlast it.
-        state.async_redis = AsyncRedis.from_url(settings.redis_url, socket_timeout=STREAM_SOCKET_TIMEOUT)
+        # Event followers block in XREAD for BLOCK_MS (the socket timeout outlasts it), each on a
+        # connection of its own: a pool as large as the streams served, where a stream beyond it
+        # waits for a connection rather than failing.
+        state.async_redis = AsyncRedis(connection_pool=AsyncBlockingConnectionPool.from_url(
+            settings.redis_url, max_connections=settings.max_event_streams + STREAM_POOL_SPARE,
+            timeout=STREAM_POOL_WAIT_SECONDS, socket_timeout=STREAM_SOCKET_TIMEOUT))
+        state.stream_slots = StreamSlots(settings.max_streams_per_key)
         state.celery = make_celery(settings)
         state.key_cache = KeyCache(settings.auth_cache_seconds)
         state.limiter = RateLimiter(state.redis, RedisKeys.from_settings(settings), settings)

@@ -155,6 +155,11 @@ class Settings(BaseSettings):
     requeue_unclaimed_seconds: float = Field(15.0, gt=0)
     """A queued job whose message is neither on its queue nor claimed for this long gets a new
     message (a lost Redis, a dead worker's reserved messages); at once after Redis restarts."""
+    max_event_streams: int = Field(2000, ge=1)
+    """Event streams (SSE followers, streamed completions) one API process serves at once: its
+    Redis connection pool for them holds this many, and a stream beyond it waits for one."""
+    max_streams_per_key: int = Field(200, ge=1)
+    """Event streams one key may hold open on one API process (429 with Retry-After beyond)."""
     stream_maxlen: int = Field(10_000, ge=1)
     """Events kept per job stream (approximate cap); a longer job replays its start from Postgres."""
     stream_ttl_seconds: int = Field(3600, ge=1)

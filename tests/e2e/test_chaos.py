@@ -95,7 +95,9 @@ def test_a_synchronous_request_and_a_follower_wait_longer_than_ten_seconds(stack
         proc.send_signal(signal.SIGSTOP)
     try:
         with service.client("a", timeout=120) as client, ThreadPoolExecutor(max_workers=2) as pool:
-            sync = pool.submit(client.post, "/v1/completions", json=body(0))
+            sync = pool.submit(client.post, "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "Still there?"}], "max_tokens": 16,
+                "temperature": 0.0, "ignore_eos": True})
             job = client.post("/v1/jobs", json={"endpoint": "/v1/completions", "body": body(1)})
             assert job.status_code == 202, job.text
             job_id = job.json()["id"]
@@ -116,7 +118,8 @@ def test_a_synchronous_request_and_a_follower_wait_longer_than_ten_seconds(stack
         for proc in service.workers:
             proc.send_signal(signal.SIGCONT)
     assert answer.status_code == 200, answer.text
-    assert answer.json()["choices"][0]["text"] == expected[0]
+    choice = answer.json()["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"]
     assert events[-1].get("finish_reason") == "length", events[-1]
     assert "".join(e["text"] for e in events) == expected[1]
 
@@ -144,6 +147,13 @@ def test_redis_sigkill_and_restart_empty(stack: Stack, expected: dict[int, str])
     with service.client("a", timeout=180) as client, ThreadPoolExecutor(max_workers=2) as pool:
         ids = submit_all(client)
         synchronous = pool.submit(client.post, "/v1/completions", json=body(2))
+
+        def follow(job_id: str) -> list[dict]:
+            with client.stream("GET", f"/v1/jobs/{job_id}/events") as response:
+                assert response.status_code == 200
+                return [data for _, data in iter_events(response)]
+
+        followed = pool.submit(follow, ids[3])
         wait_for(lambda: running(stack, ids) >= 4, 60, "jobs to run")
         stack.redis.kill()
         time.sleep(1)
@@ -151,6 +161,7 @@ def test_redis_sigkill_and_restart_empty(stack: Stack, expected: dict[int, str])
         back = time.monotonic()
         recovered = wait_all_ended(stack, ids, back, RECOVERY_BOUND + 30)
         answer = synchronous.result(timeout=120)
+        events = followed.result(timeout=120)
     print(f"\nRedis SIGKILL + empty restart: {len(ids)} jobs ended {recovered:.1f} s after Redis was back")
     check_exactly_once(stack, ids, expected)
     assert recovered < RECOVERY_BOUND
@@ -158,6 +169,10 @@ def test_redis_sigkill_and_restart_empty(stack: Stack, expected: dict[int, str])
     assert answer.status_code in (200, 503), answer.text
     if answer.status_code == 200:
         assert answer.json()["choices"][0]["text"] == expected[2]
+    # The follower reconnected and went on; its events, put together, are the whole answer
+    # (the job's next attempt numbers its events from 1 again, and greedy output is the same).
+    assert events[-1].get("finish_reason") == "length", events[-1]
+    assert "".join(e["text"] for e in events) == expected[3]
     _wait_ready(service)
 
 
