@@ -105,6 +105,10 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
     _refuse_unsupported(body, chat)
     model = _get(body, "model", str)
     stream = bool(_get(body, "stream", bool, False))
+    include_usage = _get(body, "stream_options", dict, {}).get("include_usage")
+    if include_usage is not None and not isinstance(include_usage, bool):
+        raise RequestError(f"stream_options.include_usage must be a boolean, got {_json_type(include_usage)}",
+                           "stream_options.include_usage")
 
     if chat:
         prompt = _chat_prompt(body, tokenizer)
@@ -117,12 +121,14 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
             raise RequestError(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {logprobs_mode}",
                                "logprobs")
 
+    for name in ("max_tokens", "max_completion_tokens"):   # both checked, though one wins
+        value = _get(body, name, int)
+        if value is not None and value < 1:
+            raise RequestError(f"{name} must be at least 1, got {value}", name)
     max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _get(body, max_tokens_param, int)
     if max_tokens is None:
         max_tokens = max(max_model_len - len(prompt), 1) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-    elif max_tokens < 1:
-        raise RequestError(f"{max_tokens_param} must be at least 1, got {max_tokens}", max_tokens_param)
     if len(prompt) + max_tokens > max_model_len:
         raise context_length_error(max_model_len, len(prompt), max_tokens, chat)
 
@@ -235,10 +241,13 @@ def _plain_message(message: Any, index: int) -> dict[str, str]:
     if isinstance(content, list):
         texts = []
         for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else _json_type(part)
                 raise RequestError(f"{where}.content: only text parts are supported, got {kind!r}",
                                    f"{where}.content")
+            if not isinstance(part.get("text"), str):
+                raise RequestError(f"{where}.content: a text part needs its text as a string, got "
+                                   f"{_json_type(part.get('text'))}", f"{where}.content")
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
@@ -269,6 +278,8 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
                 f"the prompt is a list of {len(prompt)} prompts; rein takes one prompt per request: "
                 f"send each as its own request (one batch line each)", "prompt")
         prompt = prompt[0]
+    if prompt == "":   # refused whatever the tokenizer adds (a BOS) to it: it asks for nothing
+        raise RequestError("the prompt is empty: give at least one character or token", "prompt")
     if isinstance(prompt, str):
         ids = list(tokenizer.encode(prompt, add_special_tokens=True))
     elif isinstance(prompt, list) and all(_is_int(t) and t >= 0 for t in prompt):
@@ -298,7 +309,8 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "a list"}
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean", list: "a list",
+               dict: "an object"}
 
 
 def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = None) -> Any:

@@ -3,7 +3,11 @@
 Request models for the OpenAI endpoints document the common fields and keep unknown ones
 (`extra="allow"`): rein.openai_format.parse_request is the one validator of a request's
 meaning (ranges, context length, unsupported fields); these models only reject wrong JSON
-types early, naming the parameter. Strict mode keeps "5" from silently becoming 5.
+types early, naming the parameter. Strict mode keeps "5" from silently becoming 5. The
+ranges parse_request enforces are written into the OpenAPI schema (`_documented`) but not
+checked here, so its messages stay the ones users see; the fuzz test
+(tests/e2e/test_fuzz.py) holds the two to each other: a request outside a documented range
+must be refused.
 """
 
 from __future__ import annotations
@@ -13,8 +17,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rein.openai_format import (
+    MAX_CHAT_TOP_LOGPROBS,
+    MAX_COMPLETION_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    MIN_REPETITION_PENALTY,
+)
+
 Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+MAX_METADATA_PAIRS = 16
 
 
 # -- errors -----------------------------------------------------------------------------------
@@ -36,39 +48,87 @@ class ErrorResponse(BaseModel):
 # -- OpenAI requests --------------------------------------------------------------------------
 
 
+def _documented(**schema: Any) -> Any:
+    """A field whose OpenAPI schema also states `schema` (a range parse_request enforces)."""
+    return Field(None, json_schema_extra=schema)
+
+
+def _replaced(schema: dict[str, Any], description: str) -> Any:
+    """A required field documented exactly as `schema` (a shape parse_request checks itself)."""
+    def replace(field_schema: dict[str, Any]) -> None:
+        field_schema.clear()
+        field_schema.update(schema, description=description)
+
+    return Field(description=description, json_schema_extra=replace)
+
+
+_TOKEN_ID = {"type": "integer", "minimum": 0}
+_TEXT = {"type": "string"}
+_NONEMPTY_TEXT = {"type": "string", "minLength": 1}
+_STOP = {"type": "string", "minLength": 1}
+
+
 class _OpenAIRequest(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = Field(None, description="A served model (GET /v1/models); default: the first.")
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    max_tokens: int | None = _documented(minimum=1)
+    max_completion_tokens: int | None = _documented(minimum=1)
+    # The ranges of rein.engine.sampling_params.SamplingParams.
+    temperature: float | None = _documented(minimum=0, maximum=2)
+    top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
+    top_k: int | None = _documented(minimum=-1, description="0 or -1: off")
+    min_p: float | None = _documented(minimum=0, maximum=1)
+    presence_penalty: float | None = _documented(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _documented(minimum=-2, maximum=2)
+    repetition_penalty: float | None = _documented(minimum=MIN_REPETITION_PENALTY, maximum=MAX_REPETITION_PENALTY)
+    # int64 (rein.input_checks): a format, since OpenAPI numbers would round the exact bounds.
+    seed: int | None = _documented(format="int64")
+    stop: str | list[str] | None = Field(None, json_schema_extra=lambda schema: schema.update(anyOf=[
+        _TEXT, {"type": "array", "items": _STOP, "maxItems": 4}, {"type": "null"}]))   # "": none
+    stop_token_ids: list[int] | None = Field(None, json_schema_extra=lambda schema: schema.update(anyOf=[
+        {"type": "array", "items": _TOKEN_ID}, {"type": "null"}]))
     ignore_eos: bool | None = None
-    n: int | None = None
+    n: int | None = _documented(minimum=1, maximum=1, description="Only 1.")
     stream: bool | None = False
     stream_options: dict[str, Any] | None = Field(
-        None, description='{"include_usage": true} adds a last chunk with the usage.')
+        None, description='{"include_usage": true} adds a last chunk with the usage.',
+        json_schema_extra=lambda schema: schema.update(anyOf=[
+            {"type": "object", "properties": {"include_usage": {"type": ["boolean", "null"]}}},
+            {"type": "null"}]))
+
+
+_CONTENT = [_TEXT, {"type": "array", "items": {
+    "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": _TEXT}}}]
+# Content is required but for an assistant's message (null or missing: empty).
+_MESSAGE = {"anyOf": [
+    {"type": "object", "required": ["role", "content"],
+     "properties": {"role": {"enum": ["system", "developer", "user", "tool"]}, "content": {"anyOf": _CONTENT}}},
+    {"type": "object", "required": ["role"],
+     "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [*_CONTENT, {"type": "null"}]}}},
+]}
 
 
 class ChatCompletionRequest(_OpenAIRequest):
-    messages: list[dict[str, Any]] = Field(description="[{role, content}, ...]")
+    # top_logprobs needs logprobs: true (parse_request refuses it otherwise).
+    model_config = ConfigDict(json_schema_extra={
+        "if": {"required": ["top_logprobs"], "properties": {"top_logprobs": {"type": "integer"}}},
+        "then": {"required": ["logprobs"], "properties": {"logprobs": {"const": True}}}})
+
+    messages: list[dict[str, Any]] = _replaced(
+        {"type": "array", "items": _MESSAGE, "minItems": 1}, "[{role, content}, ...]")
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = _documented(minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
 
 
 class CompletionRequest(_OpenAIRequest):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
-        description="A string or a list of token ids (one prompt per request).")
-    logprobs: int | None = None
+    prompt: str | list[int] | list[str] | list[list[int]] = _replaced(
+        {"anyOf": [_NONEMPTY_TEXT, {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+                   {"type": "array", "items": _NONEMPTY_TEXT, "minItems": 1, "maxItems": 1},
+                   {"type": "array", "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+                    "minItems": 1, "maxItems": 1}]},
+        "A string or a list of token ids (one prompt per request).")
+    logprobs: int | None = _documented(minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
 
 
 class ChatMessage(BaseModel):
@@ -142,8 +202,12 @@ class JobCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     endpoint: Endpoint
-    body: dict[str, Any] = Field(description="The request body that endpoint takes.")
-    metadata: dict[str, str] | None = Field(None, description="Up to 16 string pairs kept with the job.")
+    body: dict[str, Any] = _replaced(
+        {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"},
+                   {"$ref": "#/components/schemas/CompletionRequest"}]},
+        "The request body that endpoint takes.")
+    metadata: dict[str, str] | None = Field(None, description="Up to 16 string pairs kept with the job.",
+                                            json_schema_extra={"maxProperties": MAX_METADATA_PAIRS})
 
 
 class JobCreated(BaseModel):

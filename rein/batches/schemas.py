@@ -10,7 +10,11 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rein.api.schemas import Endpoint
+from rein.api.schemas import MAX_METADATA_PAIRS, Endpoint
+
+# Checked by POST /v1/batches (rein.api.routes.batches), as OpenAI limits them.
+MAX_METADATA_KEY_LEN = 64
+MAX_METADATA_VALUE_LEN = 512
 
 BatchStatus = Literal["validating", "failed", "in_progress", "finalizing", "completed", "expired",
                       "cancelling", "cancelled"]
@@ -49,7 +53,11 @@ class BatchCreate(BaseModel):
     endpoint: Endpoint = Field(description="The url every line must name.")
     completion_window: Literal["24h"] = Field(
         description='"24h" (the deployment\'s REIN_BATCH_COMPLETION_WINDOW_SECONDS).')
-    metadata: dict[str, str] | None = Field(None, description="Up to 16 string pairs kept with the batch.")
+    metadata: dict[str, str] | None = Field(
+        None, description="Up to 16 string pairs kept with the batch.",
+        json_schema_extra={"maxProperties": MAX_METADATA_PAIRS,
+                           "propertyNames": {"maxLength": MAX_METADATA_KEY_LEN},
+                           "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_LEN}})
 
 
 class BatchErrorItem(BaseModel):

@@ -35,15 +35,19 @@ from rein.batches.repository import (
     get_file_for_tenant,
     list_for_tenant,
 )
-from rein.batches.schemas import BatchCreate, BatchList, BatchObject
+from rein.batches.schemas import (
+    MAX_METADATA_KEY_LEN,
+    MAX_METADATA_VALUE_LEN,
+    BatchCreate,
+    BatchList,
+    BatchObject,
+)
 from rein.core.models import Batch
 from rein.core.redis_keys import RedisKeys
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], route_class=CheckedRoute)
 
-MAX_METADATA_KEY_LEN = 64
 CANCEL_LOCK_WAIT_SECONDS = 2.0
-MAX_METADATA_VALUE_LEN = 512
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request
@@ -12,7 +13,7 @@ from fastapi.responses import StreamingResponse
 from rein.api.checked_route import CheckedRoute
 from rein.api.deps import AsyncRedisDep, InferenceKey, RedisDep, SessionDep, SettingsDep
 from rein.api.errors import APIError
-from rein.api.intake import JobIntake, NewJob
+from rein.api.intake import MAX_IDEMPOTENCY_KEY_LEN, JobIntake, NewJob
 from rein.api.jobs import (
     get_job_for_tenant,
     list_jobs_for_tenant,
@@ -45,6 +46,8 @@ log = logging.getLogger(__name__)
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"], route_class=CheckedRoute)
 
 MAX_EVENT_ID = 2**63 - 1
+# An event's `id:` (its sequence number), or the Redis stream id `<seq>-0`; empty: from the start.
+_EVENT_ID = re.compile(r"^(?:([0-9]{1,19})(?:-[0-9]{1,19})?)?$")
 _ERRORS = {401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
 
 
@@ -78,7 +81,9 @@ def job_public(job: Job) -> JobPublic:
              responses={**_ERRORS, 400: {"model": ErrorResponse}, 409: {"model": ErrorResponse},
                         429: {"model": ErrorResponse}, 503: {"model": ErrorResponse}})
 async def create_job(payload: JobCreate, request: Request, key: InferenceKey,
-                     idempotency_key: Annotated[str | None, Header(alias="Idempotency-Key")] = None,
+                     idempotency_key: Annotated[str | None, Header(
+                         alias="Idempotency-Key", json_schema_extra={
+                             "minLength": 1, "maxLength": MAX_IDEMPOTENCY_KEY_LEN})] = None,
                      ) -> JobCreated:
     """Queue a job; 202 with its id. A retry with the same Idempotency-Key returns the same job;
     the same key with a different request is 409 `idempotency_key_reused`."""
@@ -161,7 +166,8 @@ def cancel_job(job_id: str, session: SessionDep, key: InferenceKey, redis: Redis
                    "per event; reconnect with Last-Event-ID to resume."}})
 async def job_events(job_id: str, request: Request, key: InferenceKey, redis: AsyncRedisDep,
                      settings: SettingsDep,
-                     last_event_id: Annotated[str | None, Header(alias="Last-Event-ID")] = None,
+                     last_event_id: Annotated[str | None, Header(
+                         alias="Last-Event-ID", json_schema_extra={"pattern": _EVENT_ID.pattern})] = None,
                      ) -> StreamingResponse:
     """The job's token events as Server-Sent Events, from Last-Event-ID on."""
     sessions = request.app.state.sessions
@@ -177,10 +183,8 @@ async def job_events(job_id: str, request: Request, key: InferenceKey, redis: As
         raise APIError(404, f"No job found with id '{job_id}'.", code="not_found")
     last = 0
     if last_event_id:
-        try:
-            last = int(last_event_id.strip().split("-")[0])
-        except ValueError:
-            last = -1
+        match = _EVENT_ID.fullmatch(last_event_id.strip())
+        last = int(match.group(1)) if match else -1
         if not 0 <= last <= MAX_EVENT_ID:   # a Redis stream id is a 64-bit number
             raise APIError(400, f"Last-Event-ID must be an event id (an integer from 0 to {MAX_EVENT_ID}, "
                                 f"as sent in the events' `id:` lines), got {last_event_id[:40]!r}",
