@@ -42,8 +42,14 @@ class BadInput(ValueError):
 
 def text_problem(text: str) -> str | None:
     """Why `text` cannot be taken (a NUL character or a lone surrogate, and where), or None."""
-    if text.isascii() and "\x00" not in text:    # the common case, without a regex
-        return None
+    if "\x00" not in text:
+        if text.isascii():
+            return None
+        try:    # no surrogate can be encoded; this is much faster than the regex below
+            text.encode("utf-8")
+            return None
+        except UnicodeEncodeError:
+            pass
     match = _BAD_CHAR.search(text)
     if match is None:
         return None
@@ -64,44 +70,74 @@ def check_text(text: str, param: str | None) -> None:
 
 
 def check_json(value: Any, root: str | None = None) -> None:
-    """Walk a parsed JSON value (keys and values); BadInput at the first value rein cannot take.
+    """Walk a parsed JSON value (keys and values); BadInput at the first value rein cannot take,
+    in document order.
 
     Refused: strings (object keys too) with a NUL character or a lone surrogate, numbers
     that are not finite (`NaN`, `Infinity`, or `1e400`, which parses as infinity), integers
     outside the signed 64-bit range, and nesting deeper than MAX_JSON_DEPTH. `root` prefixes
     the paths in errors (e.g. "body" for the request inside a job).
     """
-    # Iterative, so a deeply nested body cannot exhaust the stack before the depth check.
-    stack: list[tuple[Any, str | None, int]] = [(value, root, 0)]
-    while stack:
-        item, path, depth = stack.pop()
-        if isinstance(item, str):
-            check_text(item, path)
-        elif isinstance(item, bool) or item is None:
-            continue
-        elif isinstance(item, int):
-            if not INT64_MIN <= item <= INT64_MAX:
-                raise BadInput(f"{_name(path)}: {_abbreviated(item)} is outside the 64-bit integer range "
-                               f"[{INT64_MIN}, {INT64_MAX}]; send a smaller number", path)
-        elif isinstance(item, float):
-            if not math.isfinite(item):
-                raise BadInput(f"{_name(path)}: the number is not finite ({item}; a literal past "
-                               "±1.8e308 reads as infinity); send a finite number", path)
-        elif isinstance(item, dict):
-            if depth >= MAX_JSON_DEPTH:
-                raise BadInput(f"{_name(path)}: JSON nested deeper than {MAX_JSON_DEPTH} levels; flatten it", path)
-            children = []
-            for key, child in item.items():
-                key_problem = text_problem(key)
-                if key_problem is not None:
-                    raise BadInput(f"{_name(path)}: an object key {key_problem}", path)
-                children.append((child, f"{path}.{key}" if path else key, depth + 1))
-            stack.extend(reversed(children))   # popped in document order
-        elif isinstance(item, list):
-            if depth >= MAX_JSON_DEPTH:
-                raise BadInput(f"{_name(path)}: JSON nested deeper than {MAX_JSON_DEPTH} levels; flatten it", path)
-            stack.extend((item[index], f"{path or ''}[{index}]", depth + 1)
-                         for index in range(len(item) - 1, -1, -1))
+    if isinstance(value, (dict, list)):
+        _walk(value, root, 0)
+    else:
+        _check_scalar(value, root)
+
+
+def _walk(container: dict[str, Any] | list[Any], path: str | None, depth: int) -> None:
+    # Recursion stops at MAX_JSON_DEPTH, far below Python's limit. A path is built only for
+    # nested containers and errors: a list of 10,000 token ids costs one comparison each.
+    if depth >= MAX_JSON_DEPTH:
+        raise BadInput(f"{_name(path)}: JSON nested deeper than {MAX_JSON_DEPTH} levels; flatten it", path)
+    if isinstance(container, dict):
+        for key, child in container.items():
+            if not key.isascii() or "\x00" in key:
+                problem = text_problem(key)
+                if problem is not None:
+                    raise BadInput(f"{_name(path)}: an object key {problem}", path)
+            if child.__class__ is int:
+                if INT64_MIN <= child <= INT64_MAX:
+                    continue
+            elif child.__class__ is str:
+                if child.isascii() and "\x00" not in child:
+                    continue
+            elif child is None or child.__class__ is bool:
+                continue
+            child_path = f"{path}.{key}" if path else key
+            if isinstance(child, (dict, list)):
+                _walk(child, child_path, depth + 1)
+            else:
+                _check_scalar(child, child_path)
+    else:
+        for index, child in enumerate(container):
+            if child.__class__ is int:
+                if INT64_MIN <= child <= INT64_MAX:
+                    continue
+            elif child.__class__ is str:
+                if child.isascii() and "\x00" not in child:
+                    continue
+            elif child is None or child.__class__ is bool:
+                continue
+            child_path = f"{path or ''}[{index}]"
+            if isinstance(child, (dict, list)):
+                _walk(child, child_path, depth + 1)
+            else:
+                _check_scalar(child, child_path)
+
+
+def _check_scalar(item: Any, path: str | None) -> None:
+    if isinstance(item, str):
+        check_text(item, path)
+    elif isinstance(item, bool) or item is None:
+        return
+    elif isinstance(item, int):
+        if not INT64_MIN <= item <= INT64_MAX:
+            raise BadInput(f"{_name(path)}: {_abbreviated(item)} is outside the 64-bit integer range "
+                           f"[{INT64_MIN}, {INT64_MAX}]; send a smaller number", path)
+    elif isinstance(item, float):
+        if not math.isfinite(item):
+            raise BadInput(f"{_name(path)}: the number is not finite ({item}; a literal past "
+                           "±1.8e308 reads as infinity); send a finite number", path)
 
 
 def _name(path: str | None) -> str:

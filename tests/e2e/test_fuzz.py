@@ -24,7 +24,8 @@ does not declare. Schemathesis takes about 75 s of the test's ~100 s on a laptop
 synchronous completions really generate tokens). On failure the assertion shows its
 summary, which lists each failing case with a `curl` line to reproduce it (add the
 Authorization header printed in the message), and the paths of its JUnit and NDJSON
-reports and of the config, kept under pytest's tmp dir.
+reports and of the config, kept under pytest's tmp dir (with the crash cache that
+`st replay <case id>`, run there, reads).
 """
 
 from __future__ import annotations
@@ -125,6 +126,7 @@ def _config(ids: dict[str, list[str]], path: Path) -> Path:
 
 
 def _schemathesis(service: Service, report_dir: Path, config: Path) -> subprocess.CompletedProcess[str]:
+    """The CLI run, in the config's directory: its crash cache (`st replay <id>`) goes there too."""
     command = [
         sys.executable, "-m", "schemathesis.cli", "--config-file", str(config),
         "run", f"{service.base_url}/openapi.json",
@@ -142,7 +144,7 @@ def _schemathesis(service: Service, report_dir: Path, config: Path) -> subproces
         "--no-color",
         "--output-truncate", "false",
     ]
-    return subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    return subprocess.run(command, capture_output=True, text=True, timeout=RUN_TIMEOUT, cwd=config.parent)
 
 
 def test_fuzz_openapi(service: Service, tmp_path: Path) -> None:
