@@ -155,7 +155,7 @@ async def follow_events(redis: AsyncRedis, keys: RedisKeys, job_id: str, last_se
             if check_store:
                 check_store = False
                 stale = time.monotonic() - idle_since >= STORE_CHECK_SECONDS
-                finished = await _finished_job(redis, stream, load_job, stale)
+                finished = await _finished_job(redis, stream, load_job, stale, last)
                 if stale:
                     idle_since = time.monotonic()
                 if finished is not None:
@@ -200,18 +200,22 @@ async def follow_events(redis: AsyncRedis, keys: RedisKeys, job_id: str, last_se
                 return
 
 
-_GONE = object()   # _finished_job: the job no longer exists (for this tenant)
+_GONE = object()   # _finished_job: nothing more to send (the job is gone, or the client has its end)
 
 
-async def _finished_job(redis: AsyncRedis, stream: str, load_job: JobLoader, stale: bool) -> Any:
+async def _finished_job(redis: AsyncRedis, stream: str, load_job: JobLoader, stale: bool, last: int) -> Any:
     """The finished job whose remaining events must come from Postgres, _GONE, or None (keep
     reading the stream).
 
     Postgres is asked when the stream is missing (never written, expired, or lost with a
     Redis that restarted empty) or, `stale`, when it has been idle long: an attempt whose
-    worker died leaves a stream that no final event will ever end.
+    worker died leaves a stream that no final event will ever end. A client resuming past
+    the final event (Last-Event-ID at or after it) has everything: nothing more is sent.
     """
-    if not stale and await redis.exists(stream):
+    tail = await _last_entry(redis, stream)
+    if tail is not None and tail[1] and tail[0] <= last:
+        return _GONE
+    if tail is not None and not stale:
         return None
     job = await load_job()
     if job is None:
@@ -219,9 +223,21 @@ async def _finished_job(redis: AsyncRedis, stream: str, load_job: JobLoader, sta
     if job.status not in FINISHED_JOB_STATUSES:
         return None
     # A finished job's final event may still be on the stream: read it there if so.
-    if not stale and await redis.exists(stream):
-        return None
+    tail = await _last_entry(redis, stream)
+    if tail is not None and tail[1]:
+        return None if tail[0] > last else _GONE
     return job
+
+
+async def _last_entry(redis: AsyncRedis, stream: str) -> tuple[int, bool] | None:
+    """(seq, final) of the stream's last event; None when there is no stream."""
+    entries = await redis.xrevrange(stream, count=1)
+    if not entries:
+        return None
+    entry_id, fields = entries[0]
+    raw = fields.get(STREAM_FIELD.encode()) or fields.get(STREAM_FIELD)
+    seq = int((entry_id.decode() if isinstance(entry_id, bytes) else entry_id).split("-")[0])
+    return seq, StreamEvent(seq, json.loads(raw)).final
 
 
 def unavailable_event(job_id: str, last_seq: int, exc: BaseException) -> StreamEvent:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from api_helpers import auth, chat_body
@@ -161,3 +162,12 @@ def test_failed_event_ends_the_stream(client, key, fake_worker):
     events = _events(client.get(f"/v1/jobs/{job_id}/events", headers=auth(key)).text)
     assert [e for e, _ in events] == [1, 2]
     assert json.loads(events[-1][1])["error"] == "the engine failed"
+
+
+def test_resuming_at_or_past_the_final_event_ends_at_once(client, key, fake_worker):
+    job_id = _job(client, key)
+    fake_worker.run(job_id, PIECES)
+    for last in ("4", "9"):                    # the final event is 4
+        started = time.monotonic()
+        text = client.get(f"/v1/jobs/{job_id}/events", headers=auth(key) | {"Last-Event-ID": last}).text
+        assert _events(text) == [] and time.monotonic() - started < 10   # not an idle wait (15 s)
