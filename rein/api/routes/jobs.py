@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 import re
-from typing import Annotated
+from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from rein.api.checked_route import CheckedRoute
 from rein.api.deps import AsyncRedisDep, InferenceKey, RedisDep, SessionDep, SettingsDep
@@ -32,7 +35,8 @@ from rein.api.schemas import (
     JobTimings,
     JobUsage,
 )
-from rein.api.streams import follow_events, job_event_stream
+from rein.api.streams import StreamSlots, follow_events, job_event_stream
+from rein.core.keys import KeyInfo
 from rein.core.logging import log_context
 from rein.core.messages import STREAM_FIELD, TokenEvent, event_id
 from rein.core.models import Job
@@ -49,6 +53,8 @@ MAX_EVENT_ID = 2**63 - 1
 # An event's `id:` (its sequence number), or the Redis stream id `<seq>-0`; empty: from the start.
 _EVENT_ID = re.compile(r"^(?:([0-9]{1,19})(?:-[0-9]{1,19})?)?$")
 _ERRORS = {401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
+# A key refused a stream for holding REIN_MAX_STREAMS_PER_KEY may retry this soon: streams end often.
+STREAM_RETRY_AFTER = 2
 
 
 def job_public(job: Job) -> JobPublic:
@@ -189,7 +195,57 @@ async def job_events(job_id: str, request: Request, key: InferenceKey, redis: As
             raise APIError(400, f"Last-Event-ID must be an event id (an integer from 0 to {MAX_EVENT_ID}, "
                                 f"as sent in the events' `id:` lines), got {last_event_id[:40]!r}",
                            param="Last-Event-ID", code="invalid_value")
+    release = take_stream_slot(request, key)   # nothing below raises before the response owns it
     events = follow_events(redis, RedisKeys.from_settings(settings), job_id, last,
                            lambda: run_in_threadpool(load))
-    return StreamingResponse(job_event_stream(events), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return SlotStreamingResponse(job_event_stream(events), release, media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def take_stream_slot(request: Request, key: KeyInfo) -> Callable[[], None]:
+    """One of the key's event stream slots (rein.api.streams.StreamSlots), or 429
+    `too_many_streams` with Retry-After. Returns the slot's release, which may be called any
+    number of times (it releases once)."""
+    slots: StreamSlots = request.app.state.stream_slots
+    if not slots.acquire(key.key_id):
+        raise APIError(429, f"This key already holds {slots.per_key} event streams open on this server, its "
+                            f"limit (REIN_MAX_STREAMS_PER_KEY). Close a stream or retry after "
+                            f"{STREAM_RETRY_AFTER} s; GET /v1/jobs/{{id}} gives a job's result without a stream.",
+                       type="requests", code="too_many_streams",
+                       headers={"Retry-After": str(STREAM_RETRY_AFTER)})
+    released = False
+
+    def release() -> None:
+        nonlocal released
+        if not released:
+            released = True
+            slots.release(key.key_id)
+
+    return release
+
+
+class SlotStreamingResponse(StreamingResponse):
+    """A StreamingResponse that holds a stream slot and gives it back when the stream ends, for
+    any reason: its last chunk sent, an error, the client gone (the send fails or the task is
+    cancelled), or the response run but its body never started."""
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None], **kwargs: Any) -> None:
+        super().__init__(_releasing(content, release), **kwargs)
+        self._release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._release()
+
+
+async def _releasing(chunks: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
+    """`chunks` (an async generator), releasing the slot as soon as they end or this is closed,
+    and closing them then."""
+    try:
+        async with aclosing(chunks) as closing:
+            async for chunk in closing:
+                yield chunk
+    finally:
+        release()

@@ -14,7 +14,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse
 from sqlalchemy.exc import SQLAlchemyError
 
 from rein.api.checked_route import CheckedRoute
@@ -27,7 +27,13 @@ from rein.api.deps import (
 )
 from rein.api.errors import APIError, error_body
 from rein.api.jobs import get_job_for_tenant
-from rein.api.routes.jobs import body_bytes, intake_of, log_job_accepted
+from rein.api.routes.jobs import (
+    SlotStreamingResponse,
+    body_bytes,
+    intake_of,
+    log_job_accepted,
+    take_stream_slot,
+)
 from rein.api.schemas import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -96,8 +102,16 @@ def retrieve_model(model: str, key: CurrentKey, registry: RegistryDep, request: 
 
 async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: KeyInfo,
                     redis: Any, settings: Any) -> Any:
-    with log_context(key_id=key.key_id, model=body.get("model")):
-        job, prepared = await intake_of(request).submit(key, endpoint, body, body_bytes=body_bytes(request))
+    # A stream's slot is taken before the job is submitted: a key at its stream limit gets 429
+    # with nothing queued, rather than a job it cannot follow (and would retry, running it twice).
+    release = take_stream_slot(request, key) if body.get("stream") else None
+    try:
+        with log_context(key_id=key.key_id, model=body.get("model")):
+            job, prepared = await intake_of(request).submit(key, endpoint, body, body_bytes=body_bytes(request))
+    except BaseException:
+        if release is not None:
+            release()
+        raise
     log_job_accepted(job)
     sessions = request.app.state.sessions
     keys = RedisKeys.from_settings(settings)
@@ -110,13 +124,13 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
                 return None
 
     events = follow_events(redis, keys, job.id, 0, lambda: run_in_threadpool(load))
-    if body.get("stream"):
+    if release is not None:
         options = body.get("stream_options") or {}
-        return StreamingResponse(
+        return SlotStreamingResponse(
             openai_chunk_stream(events, endpoint=endpoint, job_id=job.id, model=job.model,
                                 prompt_tokens=job.prompt_tokens,
                                 include_usage=bool(options.get("include_usage"))),
-            media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            release, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
     final: StreamEvent | None = None
     text, token_ids = [], []
