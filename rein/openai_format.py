@@ -50,6 +50,13 @@ MAX_COMPLETION_LOGPROBS = 5
 # vLLM's range. Past it the penalty scales float32 logits to infinity (or to zero).
 MIN_REPETITION_PENALTY = 0.01
 MAX_REPETITION_PENALTY = 2.0
+# Caps on what a request may hold, checked before the costly work (tokenizing, templating):
+# far beyond what a real request needs, small enough that no request can hog the API.
+MAX_MESSAGES = 1024
+MAX_CHARS_PER_TOKEN = 64          # a prompt longer than context x this cannot fit in any tokenizer
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 256
 
 INVALID_REQUEST = "invalid_request_error"
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
@@ -111,10 +118,10 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
                            "stream_options.include_usage")
 
     if chat:
-        prompt = _chat_prompt(body, tokenizer)
+        prompt = _chat_prompt(body, tokenizer, max_model_len)
         logprobs_mode = _chat_logprobs(body)
     else:
-        prompt = _completion_prompt(body, tokenizer)
+        prompt = _completion_prompt(body, tokenizer, max_model_len)
         _check_token_ids(prompt, tokenizer, "prompt")
         logprobs_mode = _get(body, "logprobs", int)
         if logprobs_mode is not None and not 0 <= logprobs_mode <= MAX_COMPLETION_LOGPROBS:
@@ -138,7 +145,15 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
     stop = _get(body, "stop", (str, list))
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise RequestError("stop must be a string or a list of strings", "stop")
+    stops = [stop] if isinstance(stop, str) else stop or []
+    if len(stops) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stops):
+        raise RequestError(f"stop holds at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} "
+                           f"characters each (got {len(stops)}, the longest {max(map(len, stops))} characters)",
+                           "stop")
     stop_token_ids = _get(body, "stop_token_ids", list, [])
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise RequestError(f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, got {len(stop_token_ids)}",
+                           "stop_token_ids")
     if not all(_is_int(t) for t in stop_token_ids):
         raise RequestError("stop_token_ids must be a list of integers", "stop_token_ids")
     _check_token_ids(stop_token_ids, tokenizer, "stop_token_ids")
@@ -204,13 +219,16 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
             raise RequestError(f"only best_of=1 is supported, got {body.get('best_of')!r}", "best_of")
 
 
-def _chat_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
+def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int) -> list[int]:
     if "messages" not in body:
         raise RequestError("'messages' is a required property", "messages")
     messages = body["messages"]
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise RequestError(f"messages holds at most {MAX_MESSAGES} messages, got {len(messages)}", "messages")
     plain = [_plain_message(m, i) for i, m in enumerate(messages)]
+    _check_prompt_chars(sum(len(m["content"]) for m in plain), max_model_len, "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions with a prompt",
                            "messages")
@@ -268,7 +286,16 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _completion_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
+def _check_prompt_chars(chars: int, max_model_len: int, param: str) -> None:
+    """Refuse, before tokenizing it, a text too long for the context whatever the tokenizer."""
+    limit = max_model_len * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise RequestError(f"The {param} ({chars} characters) are far longer than this model's context of "
+                           f"{max_model_len} tokens can take: at most {limit} characters are tokenized. "
+                           f"Shorten them.", param, CONTEXT_LENGTH_EXCEEDED)
+
+
+def _completion_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int) -> list[int]:
     if "prompt" not in body:
         raise RequestError("'prompt' is a required property", "prompt")
     prompt = body["prompt"]
@@ -281,6 +308,7 @@ def _completion_prompt(body: dict[str, Any], tokenizer: Any) -> list[int]:
     if prompt == "":   # refused whatever the tokenizer adds (a BOS) to it: it asks for nothing
         raise RequestError("the prompt is empty: give at least one character or token", "prompt")
     if isinstance(prompt, str):
+        _check_prompt_chars(len(prompt), max_model_len, "prompt")
         ids = list(tokenizer.encode(prompt, add_special_tokens=True))
     elif isinstance(prompt, list) and all(_is_int(t) and t >= 0 for t in prompt):
         ids = list(prompt)

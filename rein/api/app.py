@@ -27,6 +27,7 @@ from rein.api.intake import JobIntake
 from rein.api.metrics import APIMetrics, MetricsMiddleware
 from rein.api.metrics import router as metrics_router
 from rein.api.ratelimit import RateLimiter
+from rein.api.request_limits import RequestLimits
 from rein.api.routes import batches, files, health, jobs, openai, usage
 from rein.api.streams import STREAM_SOCKET_TIMEOUT, StreamSlots
 from rein.api.tokenizers import ModelRegistry
@@ -114,6 +115,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Prometheus: every response counted and timed by route template; GET /metrics.
     app.state.metrics = APIMetrics(settings)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
+    # Outermost: a body's size and a key's presence are checked before anything reads the body.
+    app.add_middleware(RequestLimits, max_bytes=settings.max_request_bytes)
     app.include_router(metrics_router)
     app.openapi = lambda: _openapi(app)
     return app

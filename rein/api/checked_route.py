@@ -1,7 +1,8 @@
 """`CheckedRoute`: the route class of every API router, which refuses unusable input first.
 
 Before FastAPI parses or validates anything, and before any dependency (authentication,
-a database session) runs, the route checks:
+a database session) runs, the route checks that an API route's request carries a key at all
+(401 before its body is read), then:
 
 - every query parameter (declared or not) and every path parameter, and the header
   parameters the route declares (Idempotency-Key, Last-Event-ID): no NUL character, no
@@ -34,9 +35,10 @@ from fastapi import Request, Response
 from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 
-from rein.api.errors import APIError
+from rein.api.errors import APIError, unauthorized
 from rein.input_checks import BadInput, check_json, check_text, text_problem
 
+API_PREFIX = "/v1/"
 _INTEGER = re.compile(r"[+-]?\d{1,19}")
 _DIGITS = re.compile(r"[+-]?\d+")
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
@@ -51,6 +53,10 @@ class CheckedRoute(APIRoute):
         has_json_body = self.body_field is not None and not _is_form(self)
 
         async def checked(request: Request) -> Response:
+            if request.url.path.startswith(API_PREFIX) and not _has_bearer(request.headers.get("authorization")):
+                # No key, no body read: an anonymous client cannot make the API read, let alone
+                # parse, a large body. (A key that is there is checked by the route's dependency.)
+                raise unauthorized("You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
             try:
                 check_params(request, query_kinds, headers)
                 if has_json_body:
@@ -60,6 +66,10 @@ class CheckedRoute(APIRoute):
             return await handler(request)
 
         return checked
+
+
+def _has_bearer(value: str | None) -> bool:
+    return value is not None and value[:7].lower() == "bearer " and bool(value[7:].strip())
 
 
 def check_params(request: Request, query_kinds: dict[str, type], headers: tuple[str, ...]) -> None:

@@ -114,6 +114,11 @@ def unavailable_response(exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    from rein.api.request_limits import (  # it builds on error_body
+        RequestTooLarge,
+        too_large_response,
+    )
+
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()
@@ -139,6 +144,10 @@ def install_error_handlers(app: FastAPI) -> None:
             message, code = str(exc.detail), None
         return JSONResponse(error_body(message, INVALID_REQUEST, None, code),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestTooLarge)
+    async def _too_large(request: Request, exc: RequestTooLarge) -> JSONResponse:
+        return too_large_response(exc.limit)
 
     async def _unavailable(request: Request, exc: Exception) -> JSONResponse:
         return unavailable_response(exc)

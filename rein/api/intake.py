@@ -45,7 +45,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.errors import APIError
-from rein.api.jobs import find_job_by_idempotency_key, same_request_or_conflict
+from rein.api.jobs import check_metadata, find_job_by_idempotency_key, same_request_or_conflict
 from rein.api.ratelimit import Admission, QueueFull, RateLimiter, RateLimitExceeded, TenantQueueFull
 from rein.api.tokenizers import ModelEntry, ModelRegistry
 from rein.core.db import HeldConnections, engine_of
@@ -59,7 +59,6 @@ from rein.worker.app import enqueue_jobs, queue_keys
 log = logging.getLogger(__name__)
 
 BACKPRESSURE_RETRY_AFTER = 5
-MAX_METADATA_PAIRS = 16
 MAX_IDEMPOTENCY_KEY_LEN = 255
 # The most submissions one commit takes: bounds one INSERT (11 parameters a row) and how
 # long the requests at the end of a group wait for the ones before them.
@@ -203,9 +202,7 @@ class JobIntake:
                     existing = None
             if existing is not None:
                 return same_request_or_conflict(existing, endpoint, body, metadata)
-        if metadata is not None and len(metadata) > MAX_METADATA_PAIRS:
-            raise APIError(400, f"metadata holds at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
-                           param="metadata", code="invalid_value")
+        check_metadata(metadata)
         prepared = prepare(self.registry, endpoint, body)
         parsed = prepared.parsed
         model = prepared.entry.name

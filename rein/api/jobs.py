@@ -14,6 +14,8 @@ from sqlalchemy import func, select, tuple_, update
 from sqlalchemy.orm import Session, selectinload
 
 from rein.api.errors import APIError, not_found
+from rein.api.schemas import MAX_METADATA_PAIRS
+from rein.batches.schemas import MAX_METADATA_KEY_LEN, MAX_METADATA_VALUE_LEN
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 
 # -- the repository: every tenant-scoped query ------------------------------------------------
@@ -98,3 +100,19 @@ def seconds_between(start: datetime | None, end: datetime | None) -> float | Non
     if start is None or end is None:
         return None
     return round((end - start).total_seconds(), 6)
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    """The limits on a job's or a batch's metadata, as OpenAI's: at most MAX_METADATA_PAIRS
+    pairs, keys of at most MAX_METADATA_KEY_LEN characters, values of at most
+    MAX_METADATA_VALUE_LEN (APIError 400 naming `metadata`)."""
+    if not metadata:
+        return
+    if len(metadata) > MAX_METADATA_PAIRS:
+        raise APIError(400, f"metadata holds at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
+                       param="metadata", code="invalid_value")
+    for name, value in metadata.items():
+        if len(name) > MAX_METADATA_KEY_LEN or len(value) > MAX_METADATA_VALUE_LEN:
+            raise APIError(400, f"metadata keys are at most {MAX_METADATA_KEY_LEN} characters and values at "
+                                f"most {MAX_METADATA_VALUE_LEN}; '{name[:80]}' is longer",
+                           param="metadata", code="invalid_value")

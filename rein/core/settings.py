@@ -125,6 +125,9 @@ class Settings(BaseSettings):
     auth_cache_seconds: float = Field(1.0, ge=0, le=60)
     """How long an API process trusts a key it has checked; a revoked key is refused within this.
     0: every request reads the key from Postgres."""
+    max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    """Largest request body the API reads (413 beyond, before parsing it; chunked bodies are
+    counted as they arrive). File uploads are bounded by REIN_MAX_FILE_BYTES instead."""
     max_queue_depth: int = Field(1000, ge=1)
     """Backpressure: above this many queued jobs for a model, new jobs get 503 with Retry-After."""
     tenant_queue_share: float = Field(0.5, gt=0, le=1)
@@ -170,6 +173,11 @@ class Settings(BaseSettings):
     """Directory (a volume in compose) holding uploaded and generated files, one file per id."""
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1)
     """Largest upload accepted by POST /v1/files (default 200 MiB)."""
+    max_tenant_file_bytes: int = Field(10 * 1024**3, ge=1)
+    """Storage quota of one tenant: the total bytes of its uploaded files (purpose batch; the
+    output and error files its batches generate are not counted, so a batch can always write
+    its results). An upload past it gets 413 `storage_quota_exceeded`. Default 10 GiB: fifty
+    uploads of the default REIN_MAX_FILE_BYTES, while one tenant cannot fill a shared volume."""
     batch_max_requests: int = Field(50_000, ge=1)
     """Most request lines in one batch input file."""
     batch_completion_window_seconds: float = Field(86_400, gt=0)

@@ -22,7 +22,7 @@ from sqlalchemy import func, update
 from rein.api.checked_route import CheckedRoute
 from rein.api.deps import RedisDep, SessionDep, SessionsDep, SettingsDep
 from rein.api.errors import APIError
-from rein.api.intake import MAX_METADATA_PAIRS
+from rein.api.jobs import check_metadata
 from rein.api.ratelimit import RateLimitExceeded
 from rein.api.routes.files import BatchKey
 from rein.api.schemas import ErrorResponse
@@ -36,8 +36,6 @@ from rein.batches.repository import (
     list_for_tenant,
 )
 from rein.batches.schemas import (
-    MAX_METADATA_KEY_LEN,
-    MAX_METADATA_VALUE_LEN,
     BatchCreate,
     BatchList,
     BatchObject,
@@ -58,25 +56,12 @@ def _wake_manager(request: Request) -> None:
         manager.wake()
 
 
-def _check_metadata(metadata: dict[str, str] | None) -> None:
-    if not metadata:
-        return
-    if len(metadata) > MAX_METADATA_PAIRS:
-        raise APIError(400, f"metadata holds at most {MAX_METADATA_PAIRS} pairs, got {len(metadata)}",
-                       param="metadata", code="invalid_value")
-    for name, value in metadata.items():
-        if len(name) > MAX_METADATA_KEY_LEN or len(value) > MAX_METADATA_VALUE_LEN:
-            raise APIError(400, f"metadata keys are at most {MAX_METADATA_KEY_LEN} characters and values at "
-                                f"most {MAX_METADATA_VALUE_LEN}; '{name[:80]}' is longer",
-                           param="metadata", code="invalid_value")
-
-
 @router.post("", response_model=BatchObject,
              responses={**_ERRORS, 400: {"model": ErrorResponse}, 429: {"model": ErrorResponse}})
 def create_batch(payload: BatchCreate, request: Request, session: SessionDep, key: BatchKey,
                  settings: SettingsDep) -> BatchObject:
     """Start a batch from an uploaded file; it is `validating` until every line has been checked."""
-    _check_metadata(payload.metadata)
+    check_metadata(payload.metadata)
     file = get_file_for_tenant(session, key.tenant, payload.input_file_id)
     if file.purpose != "batch":
         raise APIError(400, f"File {file.id} has purpose '{file.purpose}'; a batch needs a file uploaded "
