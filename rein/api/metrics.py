@@ -40,6 +40,7 @@ from prometheus_client import (
 )
 from redis.exceptions import RedisError
 
+from rein.api.deps import BearerDep, require_scope
 from rein.core.keys import parse_key
 from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.settings import Settings
@@ -133,8 +134,12 @@ class APIMetrics:
 
 
 @router.get("/metrics", include_in_schema=False)
-async def metrics(request: Request) -> Response:
-    """Prometheus text exposition of the API's metrics."""
+async def metrics(request: Request, credentials: BearerDep) -> Response:
+    """Prometheus text exposition of the API's metrics: for a key with the `admin` scope
+    (key ids and queue depths are not for every tenant to see), or anyone with
+    REIN_METRICS_PUBLIC."""
+    if not request.app.state.settings.metrics_public:
+        await require_scope("admin")(request, credentials)
     api_metrics: APIMetrics = request.app.state.metrics
     redis = getattr(request.app.state, "async_redis", None)
     if redis is not None:

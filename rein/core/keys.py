@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session
 from rein.core.models import ApiKey
 
 KEY_PREFIX = "rein_"
-SCOPES = ("inference", "batch", "usage")
+SCOPES = ("inference", "batch", "usage", "admin")   # admin: operating rein (GET /metrics)
 _KEY_ID_LEN = 12
 _SECRET_LEN = 43
 _BASE62 = string.ascii_letters + string.digits

@@ -122,6 +122,9 @@ class Settings(BaseSettings):
     prometheus_multiproc_dir: str | None = Field(None, validation_alias="PROMETHEUS_MULTIPROC_DIR")
     """prometheus_client's own variable (no REIN_ prefix): set by `rein api` for its processes
     when REIN_API_WORKERS > 1, so that a scrape of any of them reports all of them."""
+    metrics_public: bool = False
+    """Serve the API's GET /metrics without a key (it names key ids and queue depths); by
+    default it needs a key with the `admin` scope, as Prometheus' bearer credentials."""
     auth_cache_seconds: float = Field(1.0, ge=0, le=60)
     """How long an API process trusts a key it has checked; a revoked key is refused within this.
     0: every request reads the key from Postgres."""

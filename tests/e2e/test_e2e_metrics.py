@@ -27,14 +27,15 @@ def metrics_port() -> int:
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory, tiny_models, metrics_port) -> Iterator[Service]:
-    with run_service(tmp_path_factory.mktemp("e2e-metrics"), tiny_models("llama"),
+    with run_service(tmp_path_factory.mktemp("e2e-metrics"), tiny_models("llama"), scopes="inference,usage,admin",
                      extra_env={"REIN_WORKER_METRICS_PORT": str(metrics_port)}) as svc:
         yield svc
 
 
-def scrape(url: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Sample name -> [(labels, value)], parsed as Prometheus parses the exposition."""
-    response = httpx.get(url, timeout=10)
+def scrape(url: str, key: str | None = None) -> dict[str, list[tuple[dict[str, str], float]]]:
+    """Sample name -> [(labels, value)], parsed as Prometheus parses the exposition (the API's
+    with a key holding the `admin` scope)."""
+    response = httpx.get(url, timeout=10, headers={"Authorization": f"Bearer {key}"} if key else {})
     assert response.status_code == 200, response.text
     samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(response.text):
@@ -92,7 +93,7 @@ def test_worker_and_api_metrics_follow_the_jobs(service: Service, metrics_port: 
     assert total(after, "rein:batch_size_count") == steps
     assert total(after, "rein:step_duration_seconds_sum") > 0
 
-    api = scrape(f"{service.base_url}/metrics")
+    api = scrape(f"{service.base_url}/metrics", service.keys["a"])
     assert total(api, "rein:api_requests_total", route="/v1/jobs", method="POST", status="202") == NUM_JOBS
     assert total(api, "rein:api_requests_total", route="/v1/jobs/{job_id}", method="GET",
                  status="200") >= NUM_JOBS

@@ -4,6 +4,7 @@ priority read from the broker's lists."""
 
 from __future__ import annotations
 
+import secrets
 import time
 
 import pytest
@@ -21,9 +22,19 @@ def not_at_a_window_edge():
         time.sleep(60 - time.time() % 60 + 0.1)
 
 
-def scrape(client) -> dict[tuple[str, frozenset], float]:
-    """(sample name, labels) -> value, parsed from the exposition as Prometheus would."""
-    response = client.get("/metrics")
+@pytest.fixture
+def scrape(make_key):
+    """scrape(client) -> {(sample name, labels): value}, parsed from the exposition as
+    Prometheus would, with a key holding the `admin` scope."""
+    admin = make_key(f"ops-{secrets.token_hex(3)}", "admin")
+
+    def get(client) -> dict[tuple[str, frozenset], float]:
+        return parse(client.get("/metrics", headers=auth(admin)))
+
+    return get
+
+
+def parse(response) -> dict[tuple[str, frozenset], float]:
     assert response.status_code == 200
     assert response.headers["content-type"].startswith("text/plain")
     return {(s.name, frozenset(s.labels.items())): s.value
@@ -40,7 +51,7 @@ def submit(client, key: str):
                        headers=auth(key))
 
 
-def test_refusals_are_counted_by_route_and_status(client, make_key, tenant):
+def test_refusals_are_counted_by_route_and_status(client, make_key, tenant, scrape):
     good = make_key(tenant, rpm=2)
     no_scope = make_key(tenant, scopes="usage")
     statuses = [submit(client, good).status_code for _ in range(3)]
@@ -66,7 +77,7 @@ def test_refusals_are_counted_by_route_and_status(client, make_key, tenant):
     assert not any(job_id in str(labels) for _, labels in samples)
 
 
-def test_tokens_limit_refusal_is_labelled_tokens(client, make_key, tenant):
+def test_tokens_limit_refusal_is_labelled_tokens(client, make_key, tenant, scrape):
     key = make_key(tenant, tpm=10)
     assert submit(client, key).status_code == 429            # prompt + 8 max_tokens > 10
     samples = scrape(client)
@@ -74,7 +85,7 @@ def test_tokens_limit_refusal_is_labelled_tokens(client, make_key, tenant):
     assert samples[("rein:api_rate_limited_total", labels)] == 1
 
 
-def test_queue_depth_per_model_and_priority(client, make_key, tenant):
+def test_queue_depth_per_model_and_priority(client, make_key, tenant, scrape):
     def depth(samples, priority: str) -> float:
         return samples[("rein:queue_depth", frozenset({"model_name": "tiny", "priority": priority}.items()))]
 
@@ -90,3 +101,10 @@ def test_queue_depth_per_model_and_priority(client, make_key, tenant):
     samples = scrape(client)
     assert depth(samples, "interactive") == 3
     assert depth(samples, "batch") == 2
+
+
+def test_metrics_need_an_admin_key_unless_public(client, make_client, make_key, tenant):
+    assert client.get("/metrics").status_code == 401
+    assert client.get("/metrics", headers=auth(make_key(tenant))).status_code == 403
+    assert client.get("/metrics", headers=auth(make_key(tenant, "admin"))).status_code == 200
+    assert make_client(metrics_public=True).get("/metrics").status_code == 200

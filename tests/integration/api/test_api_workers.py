@@ -60,7 +60,7 @@ def test_two_api_processes_serve_one_port(settings_env, tiny_models, monkeypatch
     workers: list[int] = []
     try:
         base = f"http://127.0.0.1:{port}"
-        key = make_key(tenant)
+        key = make_key(tenant, "inference,usage,admin")
         deadline = time.monotonic() + STARTUP_TIMEOUT
         served_by: set[str] = set()
         # Each process logs its own "rein api ready"; wait until both have.
@@ -88,7 +88,7 @@ def test_two_api_processes_serve_one_port(settings_env, tiny_models, monkeypatch
                 served_by.add(response.json()["id"])
             # Whichever process answers the scrape reports the requests both processes served.
             for _ in range(4):
-                assert accepted_jobs(client.get("/metrics").text) == 20
+                assert accepted_jobs(client.get("/metrics", headers=auth(key)).text) == 20
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
