@@ -181,6 +181,10 @@ def test_prometheus_scrapes_the_ports_the_services_serve(services):
     api_port = api_command[api_command.index("--port") + 1]
     assert jobs["rein-api"]["static_configs"][0]["targets"] == [f"api:{api_port}"]
     assert jobs["rein-api"].get("metrics_path", "/metrics") == "/metrics"
+    # The API's /metrics needs an admin key: Prometheus reads it from the mounted secrets folder.
+    credentials = jobs["rein-api"]["authorization"]["credentials_file"]
+    mounts = [v.split(":") for v in services["prometheus"]["volumes"]]
+    assert any(credentials.startswith(target + "/") and (ROOT / source).is_dir() for source, target, *_ in mounts)
     workers = jobs["rein-worker"]["dns_sd_configs"][0]
     assert set(workers["names"]) == {"worker", "worker-cpu"}
     for name in workers["names"]:
