@@ -40,6 +40,7 @@ import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -96,6 +97,7 @@ def _wait_idle(service: Service) -> None:
 
 @contextmanager
 def _worker_paused(service: Service) -> Iterator[None]:
+    """SIGSTOP the worker for the block, SIGCONT after it whatever happens."""
     service.worker.send_signal(signal.SIGSTOP)
     try:
         yield
@@ -105,12 +107,12 @@ def _worker_paused(service: Service) -> Iterator[None]:
 
 def _cpu_seconds(pid: int) -> float:
     """User + system CPU time a process has used (/proc/PID/stat)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()   # noqa: SIM115
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def _open_files_limit(pid: int) -> str:
-    for line in open(f"/proc/{pid}/limits").read().splitlines():   # noqa: SIM115
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
         if line.startswith("Max open files"):
             return line.split()[3]
     return "?"
