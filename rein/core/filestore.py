@@ -10,6 +10,8 @@ is easy to back up or move to network storage, and Postgres stays small. Another
 Writes are atomic: bytes go to a temporary file in the same directory, renamed into place
 when complete, so a reader never sees half a file and a crash leaves no partial one under
 its id (a rewrite of the same id, as the batch manager does after a restart, replaces it).
+A file that arrives in pieces from an async caller (an upload read off the socket) is
+written through `create`: a `NewFile` it appends to, then commits or discards.
 """
 
 from __future__ import annotations
@@ -33,7 +35,26 @@ class FileTooLargeError(ValueError):
         self.limit = limit
 
 
+class NewFile(Protocol):
+    """A file being written: invisible under its id until `commit`; `discard` drops it."""
+
+    size: int
+    """Bytes written so far."""
+
+    def write(self, data: bytes) -> None:
+        """Append data."""
+
+    def commit(self) -> int:
+        """Store the bytes under the file's id (replacing any); the byte count."""
+
+    def discard(self) -> None:
+        """Drop what was written (nothing once committed; safe to call twice)."""
+
+
 class FileStore(Protocol):
+    def create(self, file_id: str) -> NewFile:
+        """A new, empty file for file_id, stored when committed."""
+
     def save(self, file_id: str, chunks: Iterable[bytes], max_bytes: int | None = None) -> int:
         """Store the chunks under file_id; the byte count (FileTooLargeError past max_bytes)."""
 
@@ -67,22 +88,21 @@ class LocalFileStore:
             raise ValueError(f"not a file id: {file_id!r}")
         return self.root / file_id
 
-    def save(self, file_id: str, chunks: Iterable[bytes], max_bytes: int | None = None) -> int:
+    def create(self, file_id: str) -> NewFile:
         target = self.path(file_id)
         fd, tmp = self._temporary(".upload-")
-        size = 0
+        return _LocalNewFile(os.fdopen(fd, "wb"), Path(tmp), target)
+
+    def save(self, file_id: str, chunks: Iterable[bytes], max_bytes: int | None = None) -> int:
+        new = self.create(file_id)
         try:
-            with os.fdopen(fd, "wb") as out:
-                for chunk in chunks:
-                    size += len(chunk)
-                    if max_bytes is not None and size > max_bytes:
-                        raise FileTooLargeError(max_bytes)
-                    out.write(chunk)
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-        return size
+            for chunk in chunks:
+                if max_bytes is not None and new.size + len(chunk) > max_bytes:
+                    raise FileTooLargeError(max_bytes)
+                new.write(chunk)
+            return new.commit()
+        finally:
+            new.discard()
 
     @contextmanager
     def writer(self, file_id: str) -> Iterator[IO[str]]:
@@ -104,3 +124,29 @@ class LocalFileStore:
 
     def delete(self, file_id: str) -> None:
         self.path(file_id).unlink(missing_ok=True)
+
+
+class _LocalNewFile:
+    """A temporary file beside its target, renamed onto it by `commit`."""
+
+    def __init__(self, out: IO[bytes], tmp: Path, target: Path) -> None:
+        self._out, self._tmp, self._target = out, tmp, target
+        self._finished = False
+        self.size = 0
+
+    def write(self, data: bytes) -> None:
+        self._out.write(data)
+        self.size += len(data)
+
+    def commit(self) -> int:
+        self._out.close()
+        os.replace(self._tmp, self._target)
+        self._finished = True
+        return self.size
+
+    def discard(self) -> None:
+        if self._finished:
+            return
+        self._finished = True
+        self._out.close()
+        self._tmp.unlink(missing_ok=True)

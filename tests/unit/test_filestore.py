@@ -42,3 +42,19 @@ def test_writer_is_atomic(tmp_path):
 def test_ids_cannot_name_paths(tmp_path, bad):
     with pytest.raises(ValueError, match="not a file id"):
         LocalFileStore(tmp_path).path(bad)
+
+
+def test_new_file_is_stored_only_when_committed(tmp_path):
+    store = LocalFileStore(tmp_path)
+    new = store.create("file-new")
+    new.write(b"one\n")
+    new.write(b"two\n")
+    assert new.size == 8 and not store.path("file-new").exists()
+    assert new.commit() == 8
+    new.discard()                        # after commit: nothing to drop
+    assert store.size("file-new") == 8
+    dropped = store.create("file-dropped")
+    dropped.write(b"partial")
+    dropped.discard()
+    dropped.discard()                    # twice: no error
+    assert [p.name for p in tmp_path.iterdir()] == ["file-new"]

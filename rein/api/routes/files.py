@@ -1,10 +1,17 @@
 """The OpenAI Files API: POST /v1/files (multipart), GET /v1/files, GET /v1/files/{id},
 GET /v1/files/{id}/content, DELETE /v1/files/{id}. Needs the `batch` scope.
 
-An upload is streamed: the multipart parser spools the file part to a temporary file (at
-most 1 MiB of it in memory) and it is copied to the FileStore chunk by chunk, counting
-bytes against REIN_MAX_FILE_BYTES; a request whose Content-Length already says it is too
-large is refused before its body is read. Contents are streamed back the same way.
+An upload is read as it arrives (rein.api.multipart_upload): its file part goes straight to
+the FileStore, counted byte by byte, and reading stops with a 413 the moment it passes the
+room this upload has: REIN_MAX_FILE_BYTES, or less when the tenant's storage quota
+(REIN_MAX_TENANT_FILE_BYTES) has less left. A request whose Content-Length already says it
+is too large is refused before its body is read; one without (chunked) is cut off at the
+limit, so no more than the limit (plus the multipart overhead) is ever read or stored.
+Nothing is stored under the file's id unless the upload is accepted. Contents are streamed
+back chunk by chunk.
+
+The quota counts the tenant's uploads (purpose `batch`), not the output and error files its
+batches generate, so a batch can always write its results.
 """
 
 from __future__ import annotations
@@ -15,11 +22,13 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
-from starlette.datastructures import UploadFile
+from sqlalchemy import Integer, cast, func, select
+from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.checked_route import CheckedRoute
 from rein.api.deps import SessionDep, SessionsDep, SettingsDep, require_scope
 from rein.api.errors import APIError
+from rein.api.multipart_upload import receive_upload
 from rein.api.schemas import ErrorResponse
 from rein.batches.repository import file_public, get_file_for_tenant, list_for_tenant
 from rein.batches.schemas import FileDeleted, FileList, FileObject
@@ -35,6 +44,9 @@ CHUNK_BYTES = 1 << 20
 # Room for the multipart framing and the purpose field around the file itself.
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
 UPLOAD_PURPOSES = ("batch",)
+# Namespace of the per-tenant advisory lock an upload's row is inserted under ("file"),
+# beside the batch manager's ("batc").
+QUOTA_LOCK_NAMESPACE = 0x66696C65
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
@@ -53,9 +65,43 @@ def _too_large(limit: int) -> APIError:
                     param="file", code="file_too_large")
 
 
-def _chunks(upload: UploadFile) -> Iterator[bytes]:
-    while chunk := upload.file.read(CHUNK_BYTES):
-        yield chunk
+def _over_quota(used: int, quota: int, size: int | None = None) -> APIError:
+    this = "This upload" if size is None else f"This file of {size} bytes"
+    return APIError(413, f"{this} would take your stored files past your storage quota of {quota} bytes "
+                         f"({quota / 2**30:.1f} GiB, REIN_MAX_TENANT_FILE_BYTES): {used} bytes of uploaded "
+                         f"files are stored, so at most {max(quota - used, 0)} more bytes fit. Delete files you "
+                         "no longer need with DELETE /v1/files/{file_id} (GET /v1/files lists them).",
+                    param="file", code="storage_quota_exceeded")
+
+
+def stored_upload_bytes(session: Session, tenant: str) -> int:
+    """The bytes of the tenant's uploaded files: what its storage quota counts."""
+    return session.scalar(select(func.coalesce(func.sum(File.bytes), 0))
+                          .where(File.tenant == tenant, File.purpose.in_(UPLOAD_PURPOSES))) or 0
+
+
+def _used_bytes(sessions: sessionmaker[Session], tenant: str) -> int:
+    with sessions() as session:
+        return stored_upload_bytes(session, tenant)
+
+
+def _insert_within_quota(sessions: sessionmaker[Session], row: File, quota: int) -> File:
+    """Insert the file's row unless it takes the tenant past its quota (APIError 413).
+
+    The upload was already limited to the room left when it began, but a tenant's uploads
+    running at the same time each had that room; they meet here, one at a time under the
+    tenant's advisory lock, and the one that no longer fits is refused. So the stored rows
+    never exceed the quota, while the disk may briefly hold the bytes of concurrent uploads
+    beyond it (each at most REIN_MAX_FILE_BYTES) until their refusal removes them.
+    """
+    with sessions.begin() as session:
+        session.execute(select(func.pg_advisory_xact_lock(cast(QUOTA_LOCK_NAMESPACE, Integer),
+                                                          func.hashtext(row.tenant))))
+        used = stored_upload_bytes(session, row.tenant)
+        if used + row.bytes > quota:
+            raise _over_quota(used, quota, row.bytes)
+        session.add(row)
+    return row
 
 
 @router.post("", response_model=FileObject,
@@ -67,43 +113,48 @@ def _chunks(upload: UploadFile) -> Iterator[bytes]:
 async def upload_file(request: Request, key: BatchKey, sessions: SessionsDep, settings: SettingsDep,
                       store: FileStoreDep) -> FileObject:
     """Upload a JSONL batch input file (multipart fields `file` and `purpose=batch`)."""
-    limit = settings.max_file_bytes
-    declared = request.headers.get("content-length")
-    if declared and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
-        raise _too_large(limit)
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise APIError(400, "Upload the file as multipart/form-data with the fields `file` and `purpose`.",
                        param="file", code="invalid_value")
-    async with request.form(max_files=1, max_fields=8) as form:
-        purpose = form.get("purpose")
-        upload = form.get("file")
-        if not isinstance(purpose, str) or purpose not in UPLOAD_PURPOSES:
+    max_file, quota = settings.max_file_bytes, settings.max_tenant_file_bytes
+    used = await run_in_threadpool(_used_bytes, sessions, key.tenant)
+    if used >= quota:
+        raise _over_quota(used, quota)
+    # This upload's room: the file limit, or what is left of the quota when that is less.
+    limit = min(max_file, quota - used)
+    refusal = _too_large(max_file) if limit == max_file else _over_quota(used, quota)
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
+        raise refusal
+    file_id = new_file_id()
+    try:
+        upload = await receive_upload(request, store, file_id, file_field="file", max_bytes=limit,
+                                      overhead_bytes=MULTIPART_OVERHEAD_BYTES, max_fields=8)
+    except FileTooLargeError:
+        raise refusal from None
+    committed = False
+    try:
+        purpose = upload.fields.get("purpose")
+        if purpose not in UPLOAD_PURPOSES:
             raise APIError(400, f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}: "
                                 "rein stores files for the Batch API", param="purpose", code="invalid_value")
-        if not isinstance(upload, UploadFile):
+        if upload.file is None:
             raise APIError(400, "'file' is a required multipart field holding the file's contents",
                            param="file", code="invalid_value")
         filename = upload.filename or "upload.jsonl"
         problem = text_problem(filename)
         if problem is not None:
             raise APIError(400, f"the file name {problem}", param="file", code="invalid_value")
-        file_id = new_file_id()
-        try:
-            size = await run_in_threadpool(store.save, file_id, _chunks(upload), limit)
-        except FileTooLargeError:
-            raise _too_large(limit) from None
-        row = File(id=file_id, tenant=key.tenant, key_id=key.key_id, purpose=purpose, bytes=size,
+        await run_in_threadpool(upload.file.commit)
+        committed = True
+        row = File(id=file_id, tenant=key.tenant, key_id=key.key_id, purpose=purpose, bytes=upload.size,
                    filename=filename[:255])
-
-    def insert() -> File:
-        with sessions.begin() as session:
-            session.add(row)
-        return row
-
-    try:
-        return file_public(await run_in_threadpool(insert))
+        return file_public(await run_in_threadpool(_insert_within_quota, sessions, row, quota))
     except BaseException:
-        store.delete(file_id)
+        if upload.file is not None:
+            upload.file.discard()
+        if committed:
+            store.delete(file_id)
         raise
 
 
