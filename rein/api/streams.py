@@ -44,8 +44,10 @@ from rein.openai_format import usage_body
 # (STREAM_SOCKET_TIMEOUT): a read that waits its full block must not look like a dead socket.
 BLOCK_MS = 2_000
 STREAM_SOCKET_TIMEOUT = 10.0
-# An idle follower asks Postgres about its job this often (not at every block: a thousand
-# idle streams would read Postgres hundreds of times a second).
+# An idle follower asks Postgres about its job after STORE_MIN_SECONDS of silence, then at
+# doubling intervals up to STORE_CHECK_SECONDS (not at every block: a thousand followers of
+# queued jobs would read Postgres hundreds of times a second).
+STORE_MIN_SECONDS = 2.0
 STORE_CHECK_SECONDS = 15.0
 # Neither Redis nor Postgres answering for this long ends a follower with an error event.
 OUTAGE_SECONDS = 120.0
@@ -147,17 +149,22 @@ async def follow_events(redis: AsyncRedis, keys: RedisKeys, job_id: str, last_se
     last = last_seq
     forwarded_chars = forwarded_tokens = 0      # of the text this call has yielded
     check_store = True
-    idle_since = time.monotonic()
+    first_check = True
+    store_due = 0.0                  # time.monotonic() of the next look at the job in Postgres
+    store_interval = STORE_MIN_SECONDS
     failing_since: float | None = None
     delay = RETRY_MIN_SECONDS
     while True:
         try:
             if check_store:
                 check_store = False
-                stale = time.monotonic() - idle_since >= STORE_CHECK_SECONDS
-                finished = await _finished_job(redis, stream, load_job, stale, last)
-                if stale:
-                    idle_since = time.monotonic()
+                now = time.monotonic()
+                ask_store = now >= store_due
+                finished = await _finished_job(redis, stream, load_job, last, ask_store, first_check)
+                first_check = False
+                if ask_store:   # idle on: look again later and later, up to STORE_CHECK_SECONDS
+                    store_due = now + store_interval
+                    store_interval = min(store_interval * 2, STORE_CHECK_SECONDS)
                 if finished is not None:
                     if finished is not _GONE:
                         event = replay_event(finished, last + 1, forwarded_chars, forwarded_tokens)
@@ -181,7 +188,8 @@ async def follow_events(redis: AsyncRedis, keys: RedisKeys, job_id: str, last_se
             check_store = True
             yield None
             continue
-        idle_since = time.monotonic()
+        store_due = time.monotonic() + STORE_CHECK_SECONDS    # a live stream needs no look for a while
+        store_interval = STORE_MIN_SECONDS
         for entry_id, fields in response[0][1]:
             raw = fields.get(STREAM_FIELD.encode()) or fields.get(STREAM_FIELD)
             data = json.loads(raw)
@@ -203,27 +211,30 @@ async def follow_events(redis: AsyncRedis, keys: RedisKeys, job_id: str, last_se
 _GONE = object()   # _finished_job: nothing more to send (the job is gone, or the client has its end)
 
 
-async def _finished_job(redis: AsyncRedis, stream: str, load_job: JobLoader, stale: bool, last: int) -> Any:
+async def _finished_job(redis: AsyncRedis, stream: str, load_job: JobLoader, last: int, ask_store: bool,
+                        first_check: bool) -> Any:
     """The finished job whose remaining events must come from Postgres, _GONE, or None (keep
     reading the stream).
 
-    Postgres is asked when the stream is missing (never written, expired, or lost with a
-    Redis that restarted empty) or, `stale`, when it has been idle long: an attempt whose
-    worker died leaves a stream that no final event will ever end. A client resuming past
-    the final event (Last-Event-ID at or after it) has everything: nothing more is sent.
+    A client resuming past the final event (Last-Event-ID at or after it) has everything:
+    nothing more is sent (looked at on the first check). Postgres is asked only when
+    `ask_store` (on a backoff, see follow_events): about a job whose stream is missing (not
+    written yet, expired, or lost with a Redis that restarted empty), or idle long (an
+    attempt whose worker died leaves a stream that no final event will ever end).
     """
+    if not (first_check or ask_store):
+        return None
     tail = await _last_entry(redis, stream)
     if tail is not None and tail[1] and tail[0] <= last:
         return _GONE
-    if tail is not None and not stale:
+    if not ask_store:
         return None
     job = await load_job()
     if job is None:
         return _GONE
     if job.status not in FINISHED_JOB_STATUSES:
         return None
-    # A finished job's final event may still be on the stream: read it there if so.
-    tail = await _last_entry(redis, stream)
+    # A finished job's final event may be on the stream still: it is read there then.
     if tail is not None and tail[1]:
         return None if tail[0] > last else _GONE
     return job
