@@ -21,8 +21,10 @@ from rein.core.models import FINISHED_JOB_STATUSES, Job
 # -- the repository: every tenant-scoped query ------------------------------------------------
 
 
-def get_job_for_tenant(session: Session, tenant: str, job_id: str, *, for_update: bool = False) -> Job:
-    """The tenant's job with its result and usage loaded; APIError 404 when it is not theirs."""
+def get_job_for_tenant(session: Session, tenant: str, job_id: str, *, for_update: bool = False,
+                       batch_lines: bool = True) -> Job:
+    """The tenant's job with its result and usage loaded; APIError 404 when it is not theirs,
+    403 when it is a batch line and `batch_lines` is False (the key lacks the `batch` scope)."""
     query = (select(Job).where(Job.id == job_id, Job.tenant == tenant)
              .options(selectinload(Job.result), selectinload(Job.usage)))
     if for_update:
@@ -30,7 +32,14 @@ def get_job_for_tenant(session: Session, tenant: str, job_id: str, *, for_update
     job = session.scalars(query).one_or_none()
     if job is None:
         raise not_found("job", job_id)
+    if job.batch_id is not None and not batch_lines:
+        raise batch_scope_error(f"job {job_id} is a line of batch {job.batch_id}")
     return job
+
+
+def batch_scope_error(what: str) -> APIError:
+    return APIError(403, f"API scope is not declared: batch ({what}; batch lines need a key with the "
+                         f"batch scope)", type="permission_error", code="insufficient_scope")
 
 
 def find_job_by_idempotency_key(session: Session, tenant: str, idempotency_key: str) -> Job | None:
@@ -39,10 +48,16 @@ def find_job_by_idempotency_key(session: Session, tenant: str, idempotency_key: 
 
 
 def list_jobs_for_tenant(session: Session, tenant: str, limit: int, after: str | None = None, *,
-                         status: str | None = None, batch_id: str | None = None) -> tuple[list[Job], bool]:
+                         status: str | None = None, batch_id: str | None = None,
+                         batch_lines: bool = True) -> tuple[list[Job], bool]:
     """The tenant's jobs newest first, `limit` of them after the job `after`, optionally only
-    those of one status and/or one batch; (jobs, has_more)."""
+    those of one status and/or one batch; (jobs, has_more). Without `batch_lines` (a key
+    lacking the `batch` scope) batch lines are left out, and asking for a batch's is a 403."""
     query = select(Job).where(Job.tenant == tenant)
+    if not batch_lines:
+        if batch_id is not None:
+            raise batch_scope_error(f"the lines of batch {batch_id}")
+        query = query.where(Job.batch_id.is_(None))
     if status is not None:
         query = query.where(Job.status == status)
     if batch_id is not None:
@@ -59,14 +74,14 @@ def list_jobs_for_tenant(session: Session, tenant: str, limit: int, after: str |
     return jobs[:limit], len(jobs) > limit
 
 
-def request_job_cancel(session: Session, tenant: str, job_id: str) -> tuple[Job, bool]:
+def request_job_cancel(session: Session, tenant: str, job_id: str, *, batch_lines: bool = True) -> tuple[Job, bool]:
     """Mark the tenant's job as cancel-requested (a queued one becomes cancelled at once).
 
     Returns (job, cancelled_while_queued). A finished job is left as it is. The conditional
     UPDATE on status 'queued' races safely with a worker's claim, which needs
     cancel_requested_at to be NULL: exactly one of the two wins.
     """
-    job = get_job_for_tenant(session, tenant, job_id)
+    job = get_job_for_tenant(session, tenant, job_id, batch_lines=batch_lines)
     if job.status in FINISHED_JOB_STATUSES:
         return job, False
     now = session.scalar(select(func.now()))

@@ -18,6 +18,7 @@ from rein.api.deps import AsyncRedisDep, InferenceKey, RedisDep, SessionDep, Set
 from rein.api.errors import APIError
 from rein.api.intake import MAX_IDEMPOTENCY_KEY_LEN, JobIntake, NewJob
 from rein.api.jobs import (
+    batch_scope_error,
     get_job_for_tenant,
     list_jobs_for_tenant,
     request_job_cancel,
@@ -133,8 +134,9 @@ def list_jobs(session: SessionDep, key: InferenceKey,
                   description="Only the jobs of this batch (one per input line).")] = None,
               ) -> JobList:
     """The caller's jobs, newest first: those sent to POST /v1/jobs or the OpenAI endpoints,
-    and the lines of their batches."""
-    jobs, has_more = list_jobs_for_tenant(session, key.tenant, limit, after, status=status, batch_id=batch_id)
+    and, for a key with the `batch` scope, the lines of their batches."""
+    jobs, has_more = list_jobs_for_tenant(session, key.tenant, limit, after, status=status, batch_id=batch_id,
+                                          batch_lines="batch" in key.scopes)
     return JobList(data=[job_public(job) for job in jobs], first_id=jobs[0].id if jobs else None,
                    last_id=jobs[-1].id if jobs else None, has_more=has_more)
 
@@ -142,14 +144,14 @@ def list_jobs(session: SessionDep, key: InferenceKey,
 @router.get("/{job_id}", response_model=JobPublic, responses=_ERRORS)
 def get_job(job_id: str, session: SessionDep, key: InferenceKey) -> JobPublic:
     """Status, timings, usage and, when it succeeded, the response body."""
-    return job_public(get_job_for_tenant(session, key.tenant, job_id))
+    return job_public(get_job_for_tenant(session, key.tenant, job_id, batch_lines="batch" in key.scopes))
 
 
 @router.post("/{job_id}/cancel", response_model=JobPublic, responses=_ERRORS)
 def cancel_job(job_id: str, session: SessionDep, key: InferenceKey, redis: RedisDep,
                settings: SettingsDep) -> JobPublic:
     """Cancel a job: a queued one is cancelled at once, a running one within an engine step."""
-    job, was_queued = request_job_cancel(session, key.tenant, job_id)
+    job, was_queued = request_job_cancel(session, key.tenant, job_id, batch_lines="batch" in key.scopes)
     if job.status not in ("succeeded", "failed") or was_queued:
         keys = RedisKeys.from_settings(settings)
         request_cancel(redis, keys, job.id, settings.job_timeout_seconds + settings.stream_ttl_seconds)
@@ -178,6 +180,8 @@ async def job_events(job_id: str, request: Request, key: InferenceKey, redis: As
     """The job's token events as Server-Sent Events, from Last-Event-ID on."""
     sessions = request.app.state.sessions
 
+    batch_lines = "batch" in key.scopes
+
     def load() -> Job | None:
         with sessions() as session:
             try:
@@ -185,8 +189,11 @@ async def job_events(job_id: str, request: Request, key: InferenceKey, redis: As
             except APIError:
                 return None
 
-    if await run_in_threadpool(load) is None:
+    job = await run_in_threadpool(load)
+    if job is None:
         raise APIError(404, f"No job found with id '{job_id}'.", code="not_found")
+    if job.batch_id is not None and not batch_lines:
+        raise batch_scope_error(f"job {job_id} is a line of batch {job.batch_id}")
     last = 0
     if last_event_id:
         match = _EVENT_ID.fullmatch(last_event_id.strip())

@@ -76,7 +76,11 @@ def test_get_job_and_list_newest_first_with_cursor(client, make_key, tenant):
     assert [j["id"] for j in client.get("/v1/jobs?status=cancelled", headers=auth(key)).json()["data"]] == [ids[1]]
     response = client.get("/v1/jobs?status=done", headers=auth(key))
     assert response.status_code == 400 and response.json()["error"]["param"] == "status"
-    assert client.get("/v1/jobs?batch_id=batch_nope", headers=auth(key)).json()["data"] == []
+    # Batch lines are for keys with the batch scope.
+    refused = client.get("/v1/jobs?batch_id=batch_nope", headers=auth(key))
+    assert refused.status_code == 403 and "batch" in refused.json()["error"]["message"]
+    batch_key = make_key(tenant, "inference,batch")
+    assert client.get("/v1/jobs?batch_id=batch_nope", headers=auth(batch_key)).json()["data"] == []
 
 
 def test_tenant_isolation_on_every_id_route_and_the_list(client, make_key, tenant):

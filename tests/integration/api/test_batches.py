@@ -278,8 +278,8 @@ def test_tenant_isolation(batch_client, make_key, tenant):
         response = batch_client.request(method, f"/v1/batches/{batch['id']}{path}", headers=auth(theirs))
         assert response.status_code == 404, (path, response.text)
     assert batch_client.get("/v1/batches", headers=auth(theirs)).json()["data"] == []
-    assert batch_client.get(f"/v1/jobs?batch_id={batch['id']}", headers=auth(make_key(f"{tenant}-other"))
-                            ).json()["data"] == []
+    assert batch_client.get(f"/v1/jobs?batch_id={batch['id']}",
+                            headers=auth(make_key(f"{tenant}-other", "inference,batch"))).json()["data"] == []
     assert [b["id"] for b in batch_client.get("/v1/batches", headers=auth(mine)).json()["data"]] == [batch["id"]]
     # Another tenant's file cannot start a batch.
     file_id = upload(batch_client, mine, jsonl(line("a")))
@@ -443,3 +443,19 @@ def test_batch_lines_are_fed_fairly_across_tenants(make_client, make_key, tenant
     redis_client.delete(queue_keys(settings, "tiny")[PRIORITY_BATCH])     # workers took them all
     wait_for(lambda: sent(small) == 3, 10, "the small tenant's half of the window sent")
     assert [sent(b) - n for b, n in zip(big, before, strict=True)] in ([2, 1], [1, 2])   # the other half, split
+
+
+def test_batch_lines_need_the_batch_scope(batch_client, make_key, tenant, db_sessionmaker):
+    """A key of the same tenant with only `inference` cannot read or cancel batch lines
+    through /v1/jobs (403 naming the scope), nor see them listed."""
+    batch = create(batch_client, make_key(tenant, "batch"), jsonl(line("a"), line("b")))
+    wait_status(batch_client, make_key(tenant, "batch"), batch["id"], "in_progress")
+    [job_id, *_] = [j.id for j in batch_jobs(db_sessionmaker, batch["id"])]
+    inference = make_key(tenant, "inference")
+    for method, path in (("GET", f"/v1/jobs/{job_id}"), ("POST", f"/v1/jobs/{job_id}/cancel"),
+                         ("GET", f"/v1/jobs/{job_id}/events"), ("GET", f"/v1/jobs?batch_id={batch['id']}")):
+        response = batch_client.request(method, path, headers=auth(inference))
+        assert response.status_code == 403, (path, response.text)
+        assert "API scope is not declared: batch" in response.json()["error"]["message"]
+    assert batch_client.get("/v1/jobs", headers=auth(inference)).json()["data"] == []
+    assert batch_jobs(db_sessionmaker, batch["id"])[0].cancel_requested_at is None     # nothing was cancelled
