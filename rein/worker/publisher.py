@@ -8,6 +8,11 @@ job's channel. The first event gives the stream an expiry past the longest job (
 job whose worker dies does not leave it forever); the final event shortens it to
 stream_ttl_seconds after the job ended.
 
+Only a job's first event creates its stream (later XADDs use NOMKSTREAM): a stream lost
+with a Redis that restarted empty is not recreated from the middle, which followers would
+read as a gap; the job's next attempt starts it anew, or followers get the result from
+Postgres.
+
 If Redis cannot be reached the events wait in a bounded backlog and go out, in order,
 with a later step (an XADD that already landed is refused by Redis as "equal or smaller"
 and ignored), so a blip costs latency, not gaps. The engine thread is never blocked
@@ -168,8 +173,11 @@ class TokenPublisher:
         for job_id, event in batch:
             stream = self.keys.job_stream(job_id)
             data = event.to_json()
+            # NOMKSTREAM past the first event: a stream that is gone (lost with a Redis that
+            # restarted empty) is not recreated from the middle, which a follower would read
+            # as a gap; the job's result then comes from Postgres (rein.api.streams).
             pipe.xadd(stream, {STREAM_FIELD: data}, id=event_id(event.seq), maxlen=self.stream_maxlen,
-                      approximate=True)
+                      approximate=True, nomkstream=event.seq > 1)
             pipe.publish(self.keys.job_channel(job_id), data)
             if event.final:
                 pipe.expire(stream, self.stream_ttl_seconds)

@@ -298,8 +298,8 @@ def test_secret_check_is_fast():
 
 
 def test_key_input_errors(db_session):
-    with pytest.raises(ValueError, match="unknown scope 'admin'"):
-        keys.create_key(db_session, name="x", scopes="inference,admin")
+    with pytest.raises(ValueError, match="unknown scope 'root'"):
+        keys.create_key(db_session, name="x", scopes="inference,root")
     with pytest.raises(ValueError, match="at least one scope"):
         keys.create_key(db_session, name="x", scopes=" , ")
     with pytest.raises(ValueError, match="must be 1 to 128 letters"):
@@ -351,8 +351,8 @@ def test_keys_cli(settings, tenant, db_sessionmaker, capsys):
 
     assert main([*db, "revoke", "ffffffffffff"]) == 1
     assert "no API key with id 'ffffffffffff'" in capsys.readouterr().err
-    assert main([*db, "create", "--name", "x", "--scopes", "inference,admin"]) == 2
-    assert "unknown scope 'admin'" in capsys.readouterr().err
+    assert main([*db, "create", "--name", "x", "--scopes", "inference,root"]) == 2
+    assert "unknown scope 'root'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*db, "create", "--name", "x", "--scopes", "inference", "--tpm", "0"])
     assert "must be at least 1" in capsys.readouterr().err

@@ -177,6 +177,25 @@ def test_publisher_keeps_events_while_redis_is_away_and_sends_them_in_order(redi
     assert publisher_module.MAX_BACKLOG > 0
 
 
+def test_a_lost_stream_is_not_recreated_from_the_middle(redis_client, keys):
+    """Redis lost the job's stream (restarted empty): later events do not start a new stream
+    at seq 3, which followers would read as a gap; a new attempt's first event does."""
+    from rein.engine.outputs import RequestOutput
+
+    publisher = TokenPublisher(redis_client, keys, stream_maxlen=1000, stream_ttl_seconds=60, job_timeout_seconds=60)
+    job_id = f"job_lost_{secrets.token_hex(4)}"
+    publisher.begin(job_id)
+    publisher.publish_step([RequestOutput(job_id, [4], "a")])
+    publisher.publish_step([RequestOutput(job_id, [5], "b")])
+    redis_client.delete(keys.job_stream(job_id))            # what a restart without data does
+    publisher.publish_step([RequestOutput(job_id, [6], "c")])
+    assert not redis_client.exists(keys.job_stream(job_id))
+    publisher.forget(job_id)
+    publisher.begin(job_id, restart=True)                    # the job's next attempt
+    publisher.publish_step([RequestOutput(job_id, [4], "a")])
+    assert [e.seq for _, e in stream_events(redis_client, keys, job_id)] == [1]
+
+
 # -- the lease and the recorder ------------------------------------------------------------------
 
 

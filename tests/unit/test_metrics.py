@@ -234,6 +234,7 @@ def _api(settings: Settings) -> TestClient:
     """A small app with the real middleware, error handlers and /metrics route (no lifespan)."""
     app = FastAPI()
     install_error_handlers(app)
+    app.state.settings = settings
     app.state.metrics = APIMetrics(settings)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
     app.include_router(metrics_router)
@@ -253,7 +254,7 @@ def _api(settings: Settings) -> TestClient:
 
 
 def test_api_middleware_counts_by_route_template_and_status():
-    client = _api(Settings(models="tiny=/m"))
+    client = _api(Settings(models="tiny=/m", metrics_public=True))   # (no key store here)
     for job_id in ("a", "b", "c"):
         assert client.get(f"/v1/jobs/{job_id}").status_code == 200
     assert client.get("/v1/jobs/limited", headers={"Authorization": f"Bearer {KEY}"}).status_code == 429
