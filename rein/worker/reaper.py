@@ -160,13 +160,18 @@ class Reaper:
 
     def reap(self, take_leases: bool | None = None) -> ReapReport:
         """One pass (see the module docstring). `take_leases` overrides the post-outage wait."""
-        redis_restarted = self._redis_restarted()
+        run_id = self.redis.info("server").get("run_id")
+        # A new run id: Redis restarted, and its data may be gone. Remembered once a pass of
+        # this reaper has run, so a pass that fails or finds the lock taken tries again.
+        redis_restarted = self._redis_run_id is not None and run_id != self._redis_run_id
         now = time.monotonic()
         try:
             with self.sessions() as session, session.begin():
                 if self._db_up_since is None:
                     self._db_up_since = now
                 if not session.scalar(select(func.pg_try_advisory_xact_lock(LOCK_ID))):
+                    if self._redis_run_id is None:
+                        self._redis_run_id = run_id
                     return ReapReport()
                 if take_leases is None:
                     take_leases = now - self._db_up_since >= self.settings.lease_renew_seconds + RENEW_MARGIN_SECONDS
@@ -180,6 +185,7 @@ class Reaper:
         except SQLAlchemyError:
             self._db_up_since = None
             raise
+        self._redis_run_id = run_id
         report = ReapReport(ran=True, requeued=len(requeued), resent=len(lost),
                             cancelled=sum(row.status == "cancelled" for row in reaped),
                             gave_up=sum(row.status == "failed" for row in reaped))
@@ -188,13 +194,6 @@ class Reaper:
                         "%d lost messages sent again%s", report.requeued, report.cancelled, report.gave_up,
                         report.resent, " (Redis restarted)" if redis_restarted else "")
         return report
-
-    def _redis_restarted(self) -> bool:
-        """True once after Redis answers with a new run id (it restarted; its data may be gone)."""
-        run_id = self.redis.info("server").get("run_id")
-        restarted = self._redis_run_id is not None and run_id != self._redis_run_id
-        self._redis_run_id = run_id
-        return restarted
 
     def _expired_leases(self, session: Session) -> list[Any]:
         return session.connection().exec_driver_sql(_REAP_SQL, {
