@@ -42,8 +42,8 @@ from rein.openai_format import usage_body
 
 # XREAD blocks this long, well under the socket timeout of the API's async Redis client
 # (STREAM_SOCKET_TIMEOUT): a read that waits its full block must not look like a dead socket.
-BLOCK_MS = 2_000
-STREAM_SOCKET_TIMEOUT = 10.0
+BLOCK_MS = 5_000
+STREAM_SOCKET_TIMEOUT = 15.0
 # An idle follower asks Postgres about its job after STORE_MIN_SECONDS of silence, then at
 # doubling intervals up to STORE_CHECK_SECONDS (not at every block: a thousand followers of
 # queued jobs would read Postgres hundreds of times a second).
@@ -227,7 +227,7 @@ async def _finished_job(redis: AsyncRedis, stream: str, load_job: JobLoader, las
     tail = await _last_entry(redis, stream)
     if tail is not None and tail[1] and tail[0] <= last:
         return _GONE
-    if not ask_store:
+    if not ask_store or (first_check and tail is not None):   # a stream to follow: no need to ask yet
         return None
     job = await load_job()
     if job is None:
