@@ -41,11 +41,13 @@ from chaos_support import (  # noqa: E402  (the fault tests' helpers)
     PostgresCluster,
     RedisServer,
     Stack,
+    hostname_of,
     running,
     running_on,
     submit_all,
     tally,
     wait_all_ended,
+    wait_ready,
 )
 from intake import ensure_model  # noqa: E402  (bench helpers)
 from service_harness import MODEL, run_service  # noqa: E402
@@ -57,7 +59,7 @@ FAULTS = ("worker", "redis", "postgres", "api")
 def worker_fault(stack: Stack, ids: list[str], args: argparse.Namespace) -> float:
     service = stack.service
     victim = service.workers[-1]
-    name = victim.args[victim.args.index("--hostname") + 1]
+    name = hostname_of(victim)
     _wait(lambda: running_on(stack, ids, name) >= 4, f"{name} to run jobs")
     victim.send_signal(signal.SIGKILL)
     return time.monotonic()
@@ -101,18 +103,6 @@ def _wait(predicate, what: str, timeout: float = 120.0) -> None:
         time.sleep(0.1)
 
 
-def _ready(stack: Stack) -> None:
-    import httpx
-
-    def ok() -> bool:
-        try:
-            return httpx.get(f"{stack.service.base_url}/readyz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    _wait(ok, "/readyz", 180)
-
-
 def _replace_dead_workers(stack: Stack) -> None:
     from rein.core.redis_keys import RedisKeys
 
@@ -126,7 +116,7 @@ def _replace_dead_workers(stack: Stack) -> None:
 
 
 def run_fault(stack: Stack, fault: str, args: argparse.Namespace) -> dict:
-    _ready(stack)
+    wait_ready(stack.service)
     with stack.service.client("a", timeout=60) as client:
         ids = submit_all(client, args.jobs, args.max_tokens)
     at = INJECT[fault](stack, ids, args)

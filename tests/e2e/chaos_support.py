@@ -218,3 +218,19 @@ def texts(stack: Stack, ids: list[str]) -> dict[int, str]:
     with stack.db() as conn:
         found = dict(conn.execute("SELECT job_id, text FROM results WHERE job_id = ANY(%s)", (ids,)).fetchall())
     return {i: found[job_id] for i, job_id in enumerate(ids)}
+
+
+def hostname_of(proc) -> str:
+    """The --hostname a `rein worker` process was started with."""
+    return proc.args[proc.args.index("--hostname") + 1]
+
+
+def wait_ready(service: Service, timeout: float = 180.0) -> None:
+    """Until the API's /readyz answers 200 (after a restart of the API, Redis or Postgres)."""
+    def ready() -> bool:
+        try:
+            return httpx.get(f"{service.base_url}/readyz", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    wait_for(ready, timeout, "/readyz", interval=0.25)

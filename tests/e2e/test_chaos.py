@@ -20,7 +20,6 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import httpx
 import pytest
 from chaos_support import (
     PostgresCluster,
@@ -28,13 +27,15 @@ from chaos_support import (
     Stack,
     body,
     check_exactly_once,
+    hostname_of,
     running,
     running_on,
     submit_all,
     texts,
     wait_all_ended,
+    wait_ready,
 )
-from service_harness import MODEL, STARTUP_TIMEOUT, Service, iter_events, run_service
+from service_harness import MODEL, STARTUP_TIMEOUT, iter_events, run_service
 from support import wait_for
 
 from rein.core.redis_keys import RedisKeys
@@ -126,7 +127,7 @@ def test_a_synchronous_request_and_a_follower_wait_longer_than_ten_seconds(stack
 
 def test_worker_sigkill(stack: Stack, expected: dict[int, str]) -> None:
     service = stack.service
-    victim, victim_name = service.workers[-1], _hostname(service, service.workers[-1])
+    victim, victim_name = service.workers[-1], hostname_of(service.workers[-1])
     with service.client("a") as client:
         ids = submit_all(client)
         # Kill it while it runs jobs and holds reserved messages.
@@ -173,7 +174,7 @@ def test_redis_sigkill_and_restart_empty(stack: Stack, expected: dict[int, str])
     # (the job's next attempt numbers its events from 1 again, and greedy output is the same).
     assert events[-1].get("finish_reason") == "length", events[-1]
     assert "".join(e["text"] for e in events) == expected[3]
-    _wait_ready(service)
+    wait_ready(service)
 
 
 def test_postgres_outage(stack: Stack, expected: dict[int, str]) -> None:
@@ -207,7 +208,7 @@ def test_postgres_outage(stack: Stack, expected: dict[int, str]) -> None:
     assert recovered < 20 + RECOVERY_BOUND
     assert seen and all(code < 500 or code == 503 for code in seen), sorted(set(seen))
     assert 503 in seen
-    _wait_ready(service)
+    wait_ready(service)
 
 
 def test_api_sigkill(stack: Stack, expected: dict[int, str]) -> None:
@@ -218,23 +219,8 @@ def test_api_sigkill(stack: Stack, expected: dict[int, str]) -> None:
     killed = time.monotonic()
     service.api.wait(10)
     service.api = service.spawn("api-again", "api")
-    _wait_ready(service)
+    wait_ready(service)
     recovered = wait_all_ended(stack, ids, killed, RECOVERY_BOUND + 30)
     print(f"\nAPI SIGKILL: {len(ids)} accepted jobs ended {recovered:.1f} s after the kill")
     check_exactly_once(stack, ids, expected)
     assert recovered < RECOVERY_BOUND
-
-
-def _hostname(service: Service, proc) -> str:
-    args = proc.args
-    return args[args.index("--hostname") + 1]
-
-
-def _wait_ready(service: Service) -> None:
-    def ready() -> bool:
-        try:
-            return httpx.get(f"{service.base_url}/readyz", timeout=2).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    wait_for(ready, STARTUP_TIMEOUT, "/readyz")
