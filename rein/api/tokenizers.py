@@ -57,12 +57,15 @@ class ModelRegistry:
 def load_model(model: ServedModel) -> ModelEntry:
     from transformers import AutoTokenizer
 
+    from rein.model_files import resolve_model
+
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model.source)
-    except Exception as exc:  # OSError for a missing dir, hub errors offline, ...
+        directory = resolve_model(model.source, weights=False).directory
+        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+    except Exception as exc:  # a missing path, hub errors offline, no gguf package, ...
         raise ModelLoadError(f"cannot load the tokenizer of model {model.name!r} from {model.source!r}: "
                              f"{exc}") from exc
-    max_model_len = model.max_model_len or _config_max_len(model.source) or _tokenizer_max_len(tokenizer)
+    max_model_len = model.max_model_len or _config_max_len(directory) or _tokenizer_max_len(tokenizer)
     if not max_model_len:
         raise ModelLoadError(f"model {model.name!r}: cannot tell its context length; add @N to its "
                              f"REIN_MODELS entry (e.g. {model.name}={model.source}@4096)")
@@ -70,17 +73,11 @@ def load_model(model: ServedModel) -> ModelEntry:
     return ModelEntry(model.name, model.source, tokenizer, max_model_len)
 
 
-def _config_max_len(source: str) -> int | None:
-    path = Path(source) / "config.json"
-    if path.is_file():
-        config = json.loads(path.read_text())
-    else:
-        try:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(source).to_dict()
-        except Exception:
-            return None
+def _config_max_len(directory: Path) -> int | None:
+    path = directory / "config.json"
+    if not path.is_file():
+        return None
+    config = json.loads(path.read_text())
     config = config.get("text_config", config)
     value = config.get("max_position_embeddings")
     return int(value) if isinstance(value, int) and value > 0 else None

@@ -16,8 +16,8 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
 def add_model_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="DIR",
-                        help="a local Hugging Face model directory or a hub id")
+    parser.add_argument("--model", required=True, metavar="MODEL",
+                        help="a Hugging Face model directory, a GGUF file (needs rein[gguf]) or a hub id")
 
 
 def add_engine_options(parser: argparse.ArgumentParser, seed: bool = True) -> None:

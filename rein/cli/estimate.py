@@ -1,6 +1,6 @@
 """`rein estimate --model DIR --memory 24GiB`: how much KV cache, and how many requests, fit.
 
-Reads config.json only (no weights). The arithmetic is the engine's own
+Reads the config only (config.json, or a GGUF file's metadata), no weights. The arithmetic is the engine's own
 (`rein.engine.capacity`, `EngineConfig`'s dtype rules, the runner's max_model_len rule),
 so the estimate and the pool the engine builds agree. Memory for activations and the CUDA
 context is not counted: leave some headroom.
@@ -20,9 +20,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "estimate", help="KV-cache capacity for a model and a memory size",
         description="Weights size, KV bytes per token, and how many tokens and concurrent requests "
-                    "fit in the memory left for the KV cache. Reads the model's config.json only.")
-    parser.add_argument("--model", required=True, metavar="DIR",
-                        help="a model directory (or hub id) holding config.json")
+                    "fit in the memory left for the KV cache. Reads the model's config (config.json, or a GGUF file's metadata) only.")
+    parser.add_argument("--model", required=True, metavar="MODEL",
+                        help="a model directory, a GGUF file or a hub id")
     parser.add_argument("--memory", required=True, metavar="SIZE",
                         help="device memory for weights + KV cache, e.g. 24GiB")
     parser.add_argument("--max-model-len", type=int, default=None, metavar="N",
@@ -54,10 +54,10 @@ class EstimateError(ValueError):
 
 def _load_spec(model: str):
     from rein.engine.model_spec import ModelSpec
+    from rein.model_files import resolve_model
 
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return ModelSpec.from_dir(path)
+    if Path(model).expanduser().exists():  # a model directory or a GGUF file (its shapes)
+        return resolve_model(model).spec
     try:
         from huggingface_hub import hf_hub_download
 
@@ -101,7 +101,7 @@ def estimate(args: argparse.Namespace) -> str:
         spec = _load_spec(args.model)
         max_model_len = decide_max_model_len(spec, args.max_model_len)
         dtype, cache_dtype = config.torch_dtype, config.cache_torch_dtype
-    except (ValueError, RuntimeError) as exc:  # bad sizes, unsupported model, max_model_len too big
+    except (ValueError, RuntimeError, FileNotFoundError) as exc:  # bad sizes, unsupported or missing model, ...
         raise EstimateError(str(exc)) from exc
 
     params = spec.num_parameters()

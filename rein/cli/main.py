@@ -17,6 +17,7 @@ from rein.core.logging import LogFormat, configure_logging, configured_elsewhere
 
 SUBCOMMANDS = {
     "make-tiny-model": "rein.cli.make_tiny_model",
+    "fetch-model": "rein.cli.fetch_model",
     "run-batch": "rein.cli.run_batch",
     "generate": "rein.cli.generate",
     "estimate": "rein.cli.estimate",

@@ -67,13 +67,13 @@ def run(args: argparse.Namespace) -> int:
         db.dispose()
 
     from rein.engine.config import EngineConfig
-    from rein.engine.loader import resolve_model_dir
+    from rein.model_files import resolve_model
     from rein.worker.app import make_celery
     from rein.worker.bootstep import EngineThreadPool, WorkerSpec, configure_worker
 
     try:
         # The bootstep loads the engine; a model that cannot be found fails here, in one line.
-        resolve_model_dir(served.source)
+        resolve_model(served.source)
         config = EngineConfig(
             model=served.source, device=settings.device, dtype=settings.dtype,
             kv_cache_dtype=settings.kv_cache_dtype, kv_cache_memory=settings.kv_cache_memory,

@@ -212,6 +212,9 @@ class Settings(BaseSettings):
     worker_metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port the worker serves its Prometheus metrics on (/metrics, all interfaces); unset or 0: none."""
 
+    cache_dir: str = "~/.cache/rein"
+    """rein's cache: packaged models (`rein fetch-model`) and the config/tokenizer read from GGUF files."""
+
     # --- operating
     log_format: Literal["auto", "json", "text"] = "auto"
     """Log lines as JSON objects or text; auto: text on a terminal, JSON otherwise (rein.core.logging)."""

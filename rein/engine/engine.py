@@ -15,20 +15,18 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AutoTokenizer
 
 from rein.engine.block_pool import BlockPool
 from rein.engine.config import EngineConfig
 from rein.engine.detokenizer import IncrementalDetokenizer
 from rein.engine.errors import ContextLengthExceeded, EngineRequestError
-from rein.engine.loader import resolve_model_dir
 from rein.engine.model_runner import ModelRunner
-from rein.engine.model_spec import ModelSpec
 from rein.engine.outputs import RequestOutput, TokenLogprob
 from rein.engine.request import Request, RequestStatus
 from rein.engine.sampler import Sampler, SamplingBatch, make_generator
 from rein.engine.sampling_params import SamplingParams
 from rein.engine.scheduler import Scheduler
+from rein.model_files import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +58,11 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model_dir = resolve_model_dir(config.model)
-        self.spec = ModelSpec.from_dir(self.model_dir)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
-        self.runner = ModelRunner(config, self.model_dir, self.spec)
+        self.files = resolve_model(config.model)
+        self.model_dir = self.files.directory
+        self.spec = self.files.spec
+        self.tokenizer = self.files.load_tokenizer()
+        self.runner = ModelRunner(config, self.files, self.spec)
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.capacity.num_blocks, config.block_size,
                               enable_caching=config.enable_prefix_caching)

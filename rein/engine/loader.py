@@ -1,70 +1,69 @@
-"""Find a model's files and load them: a local Hugging Face directory or a hub id.
-
-A hub id is downloaded (config, tokenizer and safetensors only) when the hub is
-reachable; otherwise the error says so and how to point at a local directory instead.
-"""
+"""Load a model's weights into rein's native model: safetensors, or a GGUF file dequantized
+one tensor at a time to the engine's dtype. Finding the files is `rein.model_files`."""
 
 from __future__ import annotations
 
-import logging
-from contextlib import ExitStack
+import json
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from rein.engine.model_spec import ModelSpec
-from rein.engine.models.llama import LlamaFamilyModel
-
-log = logging.getLogger(__name__)
+from rein.model_files import TENSOR_INDEX, ModelFiles, ModelNotFoundError, require_gguf
 
 
-class ModelNotFoundError(FileNotFoundError):
-    pass
+@contextmanager
+def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype) -> Iterator[Callable[[str], torch.Tensor | None]]:
+    """A getter of Hugging Face-named tensors, each dequantized from the GGUF file when asked
+    for, so the whole checkpoint is never held in memory next to the model.
+
+    Names are mapped with gguf's own tensor-name table and the tensors undone the way
+    transformers does (its tensor processors reverse llama.cpp's q/k permutation)."""
+    require_gguf()
+    import numpy as np
+    from gguf import MODEL_ARCH_NAMES, GGMLQuantizationType, dequantize, get_tensor_name_map
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    config = json.loads((directory / "config.json").read_text())
+    index = json.loads((directory / TENSOR_INDEX).read_text())
+    architecture = index["architecture"]
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    if arch is None:
+        raise ModelNotFoundError(f"{gguf_path}: GGUF architecture {architecture!r} is unknown to the gguf package")
+    names = get_tensor_name_map(arch, config["num_hidden_layers"])
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
+    tensors = index["tensors"]
+    mapped = np.memmap(gguf_path, dtype=np.uint8, mode="r")
+
+    def get(hf_name: str) -> torch.Tensor | None:
+        stem, _, suffix = hf_name.rpartition(".")
+        gguf_name = f"{names.get_name(stem)}.{suffix}"
+        entry = tensors.get(gguf_name)
+        if entry is None:
+            return None
+        item = np.dtype(entry["dtype"])
+        count = int(np.prod(entry["shape"]))
+        data = np.frombuffer(mapped, dtype=item, count=count, offset=entry["offset"]).reshape(entry["shape"])
+        weights = dequantize(data, GGMLQuantizationType(entry["type"]))
+        weights = processor.process(weights=weights, name=gguf_name).weights
+        return torch.from_numpy(np.array(weights, copy=True)).to(dtype)
+
+    yield get
 
 
-def resolve_model_dir(model: str | Path) -> Path:
-    """A local directory as is; anything else is tried as a Hugging Face hub id."""
-    path = Path(model).expanduser()
-    if path.is_dir():
-        return path
-    if path.exists():
-        raise ModelNotFoundError(f"{model} is a file; --model takes a model directory or a hub id")
-    looks_local = str(model).startswith((".", "/", "~")) or str(model).count("/") > 1
-    if looks_local:
-        raise ModelNotFoundError(f"model directory {model} does not exist")
-    try:
-        from huggingface_hub import snapshot_download
+@contextmanager
+def safetensors_tensors(directory: Path) -> Iterator[Callable[[str], torch.Tensor | None]]:
+    from safetensors import safe_open
 
-        return Path(snapshot_download(
-            str(model), allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]))
-    except Exception as exc:  # the hub raises many kinds (offline, 404, auth)
-        raise ModelNotFoundError(
-            f"{model} is not a local directory and could not be fetched from the Hugging Face hub "
-            f"({type(exc).__name__}: {exc}). Download it elsewhere and pass its directory to --model, "
-            f"or build a test model with `rein make-tiny-model DIR`."
-        ) from exc
-
-
-def safetensors_files(model_dir: Path) -> list[Path]:
-    files = sorted(model_dir.glob("*.safetensors"))
+    files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise ModelNotFoundError(
-            f"{model_dir} has no *.safetensors weights (rein loads safetensors only)")
-    return files
-
-
-def load_model(model_dir: Path, spec: ModelSpec, max_positions: int, dtype: torch.dtype,
-               device: torch.device) -> LlamaFamilyModel:
-    """Build the native model on `device` in `dtype` and fill it from the safetensors files."""
-    with torch.device("meta"):
-        model = LlamaFamilyModel(spec, max_positions)
-    # Real storage straight on the target device, in the target dtype; no random init.
-    model = model.to_empty(device=device).to(dtype=dtype)
-    model.rope.build_table()  # the rope table stays fp32
+            f"{directory} has no *.safetensors weights (rein loads safetensors and GGUF)")
     with ExitStack() as stack:
         where: dict[str, object] = {}
-        for file in safetensors_files(model_dir):
+        for file in files:
             handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
             for name in handle.keys():
                 where[name] = handle
@@ -73,6 +72,22 @@ def load_model(model_dir: Path, spec: ModelSpec, max_positions: int, dtype: torc
             handle = where.get(name)
             return None if handle is None else handle.get_tensor(name)
 
+        yield get
+
+
+def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: torch.dtype,
+               device: torch.device):
+    """Build the native model on `device` in `dtype` and fill it from the checkpoint."""
+    from rein.engine.models.llama import LlamaFamilyModel
+
+    with torch.device("meta"):
+        model = LlamaFamilyModel(spec, max_positions)
+    # Real storage straight on the target device, in the target dtype; no random init.
+    model = model.to_empty(device=device).to(dtype=dtype)
+    model.rope.build_table()  # the rope table stays fp32
+    weights = gguf_tensors(files.gguf, files.directory, dtype) if files.gguf is not None \
+        else safetensors_tensors(files.directory)
+    with weights as get:
         model.load_hf_weights(get)
     model.eval()
     return model

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -23,6 +22,7 @@ from rein.engine.loader import load_model
 from rein.engine.model_spec import ModelSpec
 from rein.engine.request import Request
 from rein.engine.scheduler import ScheduledRequest
+from rein.model_files import ModelFiles
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ def decide_max_model_len(spec: ModelSpec, requested: int | None) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: Path, spec: ModelSpec) -> None:
+    def __init__(self, config: EngineConfig, files: ModelFiles, spec: ModelSpec) -> None:
         self.config = config
         self.spec = spec
         self.device = config.torch_device
@@ -67,7 +67,7 @@ class ModelRunner:
         self.cache_dtype = config.cache_torch_dtype
         self.block_size = config.block_size
         self.max_model_len = decide_max_model_len(spec, config.max_model_len)
-        self.model = load_model(model_dir, spec, self.max_model_len, self.dtype, self.device)
+        self.model = load_model(files, spec, self.max_model_len, self.dtype, self.device)
         self.capacity = self._size_cache()
         if self.capacity.num_tokens < self.max_model_len:
             raise CapacityError(

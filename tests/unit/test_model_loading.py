@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from rein.engine.config import EngineConfig, parse_bytes
-from rein.engine.loader import ModelNotFoundError, resolve_model_dir
 from rein.engine.model_spec import ModelSpec, UnsupportedModelError
 from rein.engine.models.rope import inverse_frequencies
+from rein.model_files import ModelNotFoundError, resolve_model_dir
 
 
 def test_unsupported_architecture_names_the_supported_ones(tiny_models, tmp_path):

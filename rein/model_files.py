@@ -1,0 +1,198 @@
+"""Find a model's files: a Hugging Face directory, a GGUF file, or a hub id.
+
+No torch here: the API resolves models too. `resolve_model` turns what the user typed after `--model` into `ModelFiles`: a directory
+holding `config.json` and the tokenizer (everything but the weights is read from there),
+and where the weights are (safetensors in that directory, or a GGUF file).
+
+A GGUF file carries its config, tokenizer and chat template in its metadata. transformers
+reads them (slowly: parsing the vocabulary takes seconds), so the first load writes them
+as an ordinary Hugging Face directory into rein's cache (`REIN_CACHE_DIR`, by default
+`~/.cache/rein`), keyed by the file's path, size and modification time; every later load,
+the API's included, reads that directory. The weights are always read from the GGUF
+itself and dequantized, one tensor at a time, to the engine's dtype (`rein.engine.loader`).
+
+A hub id is downloaded (config, tokenizer and safetensors only) when the hub is reachable;
+otherwise the error names the three ways to give a model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rein.engine.model_spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+WAYS_TO_GIVE_A_MODEL = (
+    "give --model a local Hugging Face model directory (config.json, tokenizer, *.safetensors), "
+    "a GGUF file (or a directory holding one), or a hub id such as Qwen/Qwen2.5-0.5B-Instruct "
+    "where huggingface.co is reachable"
+)
+GGUF_EXTRA_HINT = "loading a GGUF file needs the gguf package: pip install 'rein[gguf]'"
+TENSOR_INDEX = "gguf_tensors.json"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    pass
+
+
+class GGUFSupportMissing(ValueError):
+    """A GGUF file was given but the gguf package is not installed (the `rein[gguf]` extra)."""
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """A model on disk. `directory` holds config.json and the tokenizer; the weights are
+    `directory`'s safetensors, or `gguf` when that is set."""
+
+    directory: Path
+    gguf: Path | None = None
+
+    @property
+    def spec(self) -> ModelSpec:
+        from rein.engine.model_spec import ModelSpec
+
+        return ModelSpec.from_dir(self.directory)
+
+    def load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.directory))
+
+
+def cache_root() -> Path:
+    """REIN_CACHE_DIR (default ~/.cache/rein)."""
+    from rein.core.settings import Settings, SettingsError, get_settings
+
+    try:
+        return Path(get_settings().cache_dir).expanduser()
+    except SettingsError:  # a command that needs no service settings still runs; theirs says why
+        return Path(Settings.model_fields["cache_dir"].default).expanduser()
+
+
+def resolve_model(model: str | Path, *, weights: bool = True) -> ModelFiles:
+    """What `--model` names, as files. weights=False (the API) fetches no weights for a hub id."""
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelNotFoundError(f"{model} is a file but not a GGUF file (*.gguf); {WAYS_TO_GIVE_A_MODEL}")
+        return ModelFiles(gguf_view(path), gguf=path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelFiles(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelFiles(gguf_view(ggufs[0]), gguf=ggufs[0])
+        if len(ggufs) > 1:
+            raise ModelNotFoundError(
+                f"{model} holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs)}): "
+                f"give --model the one to load")
+        raise ModelNotFoundError(f"{model} has neither config.json nor a GGUF file; {WAYS_TO_GIVE_A_MODEL}")
+    looks_local = str(model).startswith((".", "/", "~")) or str(model).count("/") > 1 \
+        or str(model).lower().endswith(".gguf")
+    if looks_local:
+        raise ModelNotFoundError(f"{model} does not exist; {WAYS_TO_GIVE_A_MODEL}")
+    return ModelFiles(_download(str(model), weights))
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """The directory holding config.json and the tokenizer (see `resolve_model`)."""
+    return resolve_model(model).directory
+
+
+def _download(hub_id: str, weights: bool) -> Path:
+    patterns = ["*.json", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+    if weights:
+        patterns.append("*.safetensors")
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(hub_id, allow_patterns=patterns))
+    except Exception as exc:  # the hub raises many kinds (offline, 404, auth)
+        raise ModelNotFoundError(
+            f"{hub_id} is not a local path and could not be fetched from the Hugging Face hub "
+            f"({type(exc).__name__}: {exc}); instead, {WAYS_TO_GIVE_A_MODEL} "
+            f"(`rein make-tiny-model DIR` builds a random-weight test model)"
+        ) from exc
+
+
+# -- GGUF -------------------------------------------------------------------------------------
+
+
+def require_gguf() -> None:
+    try:
+        import gguf  # noqa: F401
+    except ImportError as exc:
+        raise GGUFSupportMissing(GGUF_EXTRA_HINT) from exc
+
+
+def gguf_view(gguf_path: Path) -> Path:
+    """The cached Hugging Face directory (config, generation config, tokenizer) of a GGUF file,
+    written on first use."""
+    gguf_path = gguf_path.resolve()
+    stat = gguf_path.stat()
+    key = hashlib.sha256(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    view = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    if (view / "config.json").is_file():
+        return view
+    require_gguf()
+    log.info("reading the config and tokenizer of %s (once; cached in %s)", gguf_path, view)
+    view.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=view.name + ".", dir=view.parent))
+    try:
+        _write_view(gguf_path, staging)
+        try:
+            staging.rename(view)
+        except OSError:  # another process wrote it first: theirs is as good as ours
+            if not (view / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return view
+
+
+def _write_view(gguf_path: Path, out: Path) -> None:
+    from transformers import AutoConfig, AutoTokenizer
+
+    from rein.engine.model_spec import SUPPORTED_ARCHITECTURES
+
+    runnable = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
+    folder, name = str(gguf_path.parent), gguf_path.name
+    config = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+    model_type = config.get("model_type")
+    if not config.get("architectures"):
+        if model_type not in runnable:
+            raise ModelNotFoundError(
+                f"{gguf_path} holds a {model_type!r} model; rein runs "
+                f"{', '.join(sorted(runnable))} (GGUF architectures)")
+        config["architectures"] = [runnable[model_type]]
+    config["rein_gguf_source"] = str(gguf_path)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    tokenizer.save_pretrained(str(out))
+    _write_tensor_index(gguf_path, out)
+
+
+def _write_tensor_index(gguf_path: Path, out: Path) -> None:
+    """Where each tensor lies in the file, so a load need not parse the metadata again
+    (gguf's reader takes seconds over a large vocabulary)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf_path))
+    index = {
+        "architecture": str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8"),
+        "tensors": {t.name: {"type": int(t.tensor_type), "offset": int(t.data_offset),
+                             "dtype": t.data.dtype.str, "shape": list(t.data.shape)}
+                    for t in reader.tensors},
+    }
+    (out / TENSOR_INDEX).write_text(json.dumps(index))
