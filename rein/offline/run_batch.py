@@ -1,12 +1,13 @@
 """The offline batch runner: an OpenAI batch input file in, an output file out.
 
-It drives `LLMEngine.step()` in the calling thread and streams both files: input lines
-are read only as requests can be taken (at most `max_in_flight` requests are in the
-engine at once, so a file of any length is never held in memory), and each output line
-is written and flushed the moment its request finishes. A bad input line (invalid JSON,
-missing fields, a malformed body, a prompt longer than the context) gets an error line
-naming its line number and never stops the run; blank lines are skipped. Every other
-line gets exactly one answer, success or error.
+It drives `LLMEngine.step()` in the calling thread through `rein.offline.driver` (the loop
+`rein.LLM` uses too) and streams both files: input lines are read only as requests can be
+taken (at most `max_in_flight` requests are in the engine at once, so a file of any length
+is never held in memory), and each output line is written and flushed the moment its
+request finishes. A bad input line (invalid JSON, missing fields, a malformed body, a
+prompt longer than the context) gets an error line naming its line number and never stops
+the run; blank lines are skipped. Every other line gets exactly one answer, success or
+error.
 
 Output lines come in the order requests finish, not input order; match them by custom_id,
 as with OpenAI's Batch API.
@@ -19,14 +20,14 @@ import sys
 import time
 import uuid
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from rein.engine.errors import EngineRequestError
-from rein.engine.outputs import RequestOutput, TokenLogprob
+from rein.offline.driver import FinishedRequest, default_max_in_flight, drive
 from rein.openai_format import (
     INVALID_REQUEST,
     ParsedRequest,
@@ -41,8 +42,6 @@ from rein.openai_format import (
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
-
-IN_FLIGHT_PER_SEQ = 4
 
 
 @dataclass
@@ -73,16 +72,13 @@ def format_summary(summary: BatchSummary) -> str:
 
 @dataclass
 class _Pending:
-    """A request in the engine, and what it has produced so far."""
+    """What a request in the engine needs for its answer line."""
 
     custom_id: str
     line_number: int
     endpoint: str
     model_name: str
     parsed: ParsedRequest
-    text: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 def run_batch(
@@ -98,7 +94,7 @@ def run_batch(
     """Answer every non-blank line of `input_path` into `output_path` (errors into `error_path`
     when given, else into the output file too) and return the counts."""
     batch = _BatchRun(engine, model_name or default_model_name(engine),
-                      max_in_flight or IN_FLIGHT_PER_SEQ * engine.config.max_num_seqs)
+                      max_in_flight or default_max_in_flight(engine))
     total = count_requests(input_path)
     with open(input_path, "rb") as source, open(output_path, "w", encoding="utf-8") as out, \
             (open(error_path, "w", encoding="utf-8") if error_path else nullcontext()) as err, \
@@ -125,7 +121,6 @@ class _BatchRun:
         self.engine = engine
         self.model_name = model_name
         self.max_in_flight = max(1, max_in_flight)
-        self.pending: dict[str, _Pending] = {}
         self.seen_ids: set[str] = set()
         self.summary = BatchSummary()
         self.started = time.perf_counter()
@@ -134,46 +129,31 @@ class _BatchRun:
         self.bar: tqdm
 
     def run(self, source: IO[bytes]) -> None:
-        lines = enumerate(source, start=1)
-        exhausted = False
-        while True:
-            while not exhausted and len(self.pending) < self.max_in_flight:
-                item = next(lines, None)
-                if item is None:
-                    exhausted = True
-                else:
-                    self._take(*item)
-            if not self.pending:
-                if exhausted:
-                    break
-                continue
-            if not self.engine.has_unfinished():
-                raise RuntimeError(f"the engine has no unfinished requests but {len(self.pending)} are "
-                                   f"waiting for an answer (engine bug)")
-            for output in self.engine.step():
-                self._collect(output)
+        drive(self.engine, enumerate(source, start=1), self._take, self._finish, self.max_in_flight)
         self.summary.wall_seconds = time.perf_counter() - self.started
 
     # -- input -----------------------------------------------------------------------------
 
-    def _take(self, line_number: int, raw: bytes) -> None:
+    def _take(self, item: tuple[int, bytes]) -> tuple[str, _Pending] | None:
+        """Add one input line's request to the engine, or answer the line with an error."""
+        line_number, raw = item
         if not raw.strip():
-            return
+            return None
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
             self._fail(None, line_number, "invalid_json_line", f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
-            return
+            return None
         try:
             batch_line = parse_batch_line(line, line_number)
         except RequestError as exc:
             self._fail(custom_id_of(line), line_number, exc.code, exc.message)
-            return
+            return None
         custom_id = batch_line.custom_id
         if custom_id in self.seen_ids:
             self._fail(custom_id, line_number, "duplicate_custom_id",
                        f"custom_id {custom_id!r} was already used by an earlier line; each line needs its own")
-            return
+            return None
         self.seen_ids.add(custom_id)
         try:
             parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer, self.engine.max_model_len)
@@ -181,41 +161,31 @@ class _BatchRun:
             self.engine.add_request(request_id, parsed.prompt_token_ids, parsed.params)
         except RequestError as exc:
             self._fail(custom_id, line_number, exc.code, exc.message)
-            return
+            return None
         except EngineRequestError as exc:
             code = INVALID_REQUEST if exc.code == "invalid_request" else exc.code
             self._fail(custom_id, line_number, code, str(exc))
-            return
-        self.pending[request_id] = _Pending(custom_id, line_number, batch_line.url,
-                                            parsed.model or self.model_name, parsed)
+            return None
+        return request_id, _Pending(custom_id, line_number, batch_line.url, parsed.model or self.model_name, parsed)
 
     # -- output ----------------------------------------------------------------------------
 
-    def _collect(self, output: RequestOutput) -> None:
-        pending = self.pending.get(output.request_id)
-        if pending is None:
-            return
-        pending.text.append(output.text_delta)
-        pending.token_ids.extend(output.new_token_ids)
-        if output.logprobs:
-            pending.logprobs.extend(output.logprobs)
-        if not output.finished:
-            return
-        del self.pending[output.request_id]
-        if output.finish_reason == "abort":
+    def _finish(self, done: FinishedRequest[_Pending]) -> None:
+        pending = done.state
+        if done.finish_reason == "abort":
             self._fail(pending.custom_id, pending.line_number, "request_aborted",
                        "the request was aborted before it finished")
             return
         parsed = pending.parsed
         prompt_tokens = len(parsed.prompt_token_ids)
         body = build_response(
-            pending.endpoint, output.request_id, pending.model_name, prompt_tokens, "".join(pending.text),
-            pending.token_ids, output.finish_reason, pending.logprobs if parsed.logprobs_mode is not None else None,
-            self.engine.tokenizer, parsed.logprobs_mode, int(time.time()), cached_tokens=output.num_cached_tokens)
-        self._write(self.out, batch_output_line(pending.custom_id, output.request_id, body))
+            pending.endpoint, done.request_id, pending.model_name, prompt_tokens, done.text,
+            done.token_ids, done.finish_reason, done.logprobs if parsed.logprobs_mode is not None else None,
+            self.engine.tokenizer, parsed.logprobs_mode, int(time.time()), cached_tokens=done.num_cached_tokens)
+        self._write(self.out, batch_output_line(pending.custom_id, done.request_id, body))
         self.summary.requests_ok += 1
         self.summary.prompt_tokens += prompt_tokens
-        self.summary.completion_tokens += len(pending.token_ids)
+        self.summary.completion_tokens += len(done.token_ids)
         self._advance()
 
     def _fail(self, custom_id: str | None, line_number: int, code: str, message: str) -> None:
