@@ -15,7 +15,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    HF_HOME=/models/hf-cache
+    HF_HOME=/models/hf-cache \
+    REIN_CACHE_DIR=/models/rein-cache
 
 WORKDIR /app
 
@@ -24,7 +25,7 @@ RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 
 COPY pyproject.toml README.md ./
 COPY rein/ ./rein/
-RUN pip install .
+RUN pip install '.[gguf]'
 
 # The API and the worker check the schema revision at startup and `rein migrate` applies
 # it: they find migrations/ in the working directory (/app).

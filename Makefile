@@ -17,12 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: install
-	$(BIN)/rein make-tiny-model $(DEMO)/tiny-llama --arch llama
-	$(BIN)/rein run-batch examples/batch.jsonl -o $(DEMO)/batch-output.jsonl --model $(DEMO)/tiny-llama
-	@echo "--- first output line:"; head -n 1 $(DEMO)/batch-output.jsonl
-	@echo "--- streamed generation:"
-	$(BIN)/rein generate --model $(DEMO)/tiny-llama --chat --max-tokens 48 --temperature 0.8 --seed 1 \
-		"Write a Python function that adds two numbers."
+	BIN=$(BIN) DEMO=$(DEMO) bash examples/demo.sh
 
 test: install
 	$(BIN)/pytest -q

@@ -162,18 +162,8 @@ def gguf_view(gguf_path: Path) -> Path:
 def _write_view(gguf_path: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
-    from rein.engine.model_spec import SUPPORTED_ARCHITECTURES
-
-    runnable = {family: arch for arch, family in SUPPORTED_ARCHITECTURES.items()}
     folder, name = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
-    model_type = config.get("model_type")
-    if not config.get("architectures"):
-        if model_type not in runnable:
-            raise ModelNotFoundError(
-                f"{gguf_path} holds a {model_type!r} model; rein runs "
-                f"{', '.join(sorted(runnable))} (GGUF architectures)")
-        config["architectures"] = [runnable[model_type]]
     config["rein_gguf_source"] = str(gguf_path)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}

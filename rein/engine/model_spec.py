@@ -66,6 +66,11 @@ class ModelSpec:
     @classmethod
     def from_config(cls, config: dict[str, Any], generation: dict[str, Any] | None = None) -> ModelSpec:
         architectures = config.get("architectures") or []
+        if not architectures and config.get("model_type"):
+            # As transformers' Auto classes do: no architectures (GGUF-derived and hand-made
+            # configs) means the model_type's causal LM.
+            by_type = {family: name for name, family in SUPPORTED_ARCHITECTURES.items()}
+            architectures = [by_type.get(config["model_type"], f"model_type {config['model_type']!r}")]
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModelError(

@@ -11,7 +11,12 @@ import torch
 from rein.engine.config import EngineConfig, parse_bytes
 from rein.engine.model_spec import ModelSpec, UnsupportedModelError
 from rein.engine.models.rope import inverse_frequencies
-from rein.model_files import ModelNotFoundError, resolve_model_dir
+from rein.model_files import (
+    GGUFSupportMissing,
+    ModelNotFoundError,
+    resolve_model,
+    resolve_model_dir,
+)
 
 
 def test_unsupported_architecture_names_the_supported_ones(tiny_models, tmp_path):
@@ -51,11 +56,86 @@ def test_llama3_rope_scaling_is_read_and_matches_transformers(tiny_models):
 
 
 def test_missing_model_directory_is_a_clear_error(tmp_path):
-    with pytest.raises(ModelNotFoundError, match="does not exist"):
+    with pytest.raises(ModelNotFoundError, match="does not exist") as info:
         resolve_model_dir(str(tmp_path / "nope"))
+    assert "GGUF file" in str(info.value) and "hub id" in str(info.value)
     (tmp_path / "file.bin").write_bytes(b"x")
-    with pytest.raises(ModelNotFoundError, match="is a file"):
+    with pytest.raises(ModelNotFoundError, match="is a file but not a GGUF file"):
         resolve_model_dir(str(tmp_path / "file.bin"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="neither config.json nor a GGUF file"):
+        resolve_model_dir(str(tmp_path / "empty"))
+    (tmp_path / "two").mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / "two" / name).write_bytes(b"GGUF")
+    with pytest.raises(ModelNotFoundError, match=r"holds 2 GGUF files \(a.gguf, b.gguf\)"):
+        resolve_model_dir(str(tmp_path / "two"))
+
+
+def test_unreachable_hub_names_the_three_ways_to_give_a_model(monkeypatch):
+    import huggingface_hub
+
+    def offline(*args, **kwargs):
+        raise OSError("network is unreachable")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ModelNotFoundError) as info:
+        resolve_model_dir("SomeOrg/some-model")
+    message = str(info.value)
+    assert "network is unreachable" in message
+    assert "model directory" in message and "GGUF file" in message and "hub id" in message
+
+
+def test_gguf_without_the_gguf_package_names_the_extra(tmp_path, monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_gguf(name, *args, **kwargs):
+        if name == "gguf" or name.startswith("gguf."):
+            raise ImportError("No module named 'gguf'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_gguf)
+    monkeypatch.setenv("REIN_CACHE_DIR", str(tmp_path / "cache"))
+    from rein.core.settings import get_settings
+
+    get_settings.cache_clear()
+    try:
+        (tmp_path / "m.gguf").write_bytes(b"GGUF")
+        with pytest.raises(GGUFSupportMissing, match=r"pip install 'rein\[gguf\]'"):
+            resolve_model(str(tmp_path / "m.gguf"))
+    finally:
+        get_settings.cache_clear()
+
+
+def test_a_gguf_view_is_read_once_and_again_when_the_file_changes(tmp_path, monkeypatch):
+    """The config/tokenizer view of a GGUF file is cached by path, size and mtime."""
+    from rein import model_files
+    from rein.core.settings import get_settings
+
+    monkeypatch.setenv("REIN_CACHE_DIR", str(tmp_path / "cache"))
+    get_settings.cache_clear()
+    writes = []
+
+    def fake_write(gguf_path, out):
+        writes.append(gguf_path)
+        (out / "config.json").write_text("{}")
+
+    monkeypatch.setattr(model_files, "_write_view", fake_write)
+    monkeypatch.setattr(model_files, "require_gguf", lambda: None)
+    try:
+        model = tmp_path / "m.gguf"
+        model.write_bytes(b"GGUF one")
+        first = resolve_model(str(model))
+        assert first.gguf == model and first.directory.parent == tmp_path / "cache" / "gguf"
+        assert resolve_model(str(tmp_path)).directory == first.directory   # a folder holding one GGUF
+        assert len(writes) == 1
+        model.write_bytes(b"GGUF two, longer")
+        assert resolve_model(str(model)).directory != first.directory
+        assert len(writes) == 2
+    finally:
+        get_settings.cache_clear()
 
 
 def test_config_validation_and_sizes():

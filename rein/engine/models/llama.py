@@ -138,7 +138,11 @@ class LlamaFamilyModel(nn.Module):
                 raise ValueError(f"checkpoint is missing weight {name}")
             return tensor
 
-        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        embed = get("model.embed_tokens.weight")
+        if embed is None and spec.tie_word_embeddings:
+            # Tied weights saved once may be kept under the head's name (safetensors' save_model).
+            embed = get("lm_head.weight")
+        put("embed_tokens.weight", embed if embed is not None else take("model.embed_tokens.weight"))
         put("norm.weight", take("model.norm.weight"))
         if self.lm_head is not None:
             put("lm_head.weight", take("lm_head.weight"))
