@@ -118,7 +118,7 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
                            "stream_options.include_usage")
 
     if chat:
-        prompt = _chat_prompt(body, tokenizer, max_model_len)
+        prompt = chat_prompt(body, tokenizer, max_model_len)
         logprobs_mode = _chat_logprobs(body)
     else:
         prompt = _completion_prompt(body, tokenizer, max_model_len)
@@ -219,7 +219,9 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
             raise RequestError(f"only best_of=1 is supported, got {body.get('best_of')!r}", "best_of")
 
 
-def _chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int) -> list[int]:
+def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int) -> list[int]:
+    """The prompt token ids of a chat body's messages, through the model's chat template (the API,
+    batch files and `rein.LLM.chat` all build chat prompts here)."""
     if "messages" not in body:
         raise RequestError("'messages' is a required property", "messages")
     messages = body["messages"]

@@ -47,7 +47,7 @@ from tqdm import tqdm
 from rein.engine.errors import EngineRequestError
 from rein.engine.sampling_params import SamplingParams
 from rein.offline.driver import FinishedRequest, default_max_in_flight, drive
-from rein.openai_format import RequestError, _chat_prompt
+from rein.openai_format import RequestError, chat_prompt
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
@@ -227,7 +227,7 @@ class LLM:
                 raise ValueError(f"conversation {index}: expected a list of {{'role', 'content'}} dicts, "
                                  f"got {type(conversation).__name__}")
             try:
-                token_ids = _chat_prompt({"messages": list(conversation)}, tokenizer, max_model_len)
+                token_ids = chat_prompt({"messages": list(conversation)}, tokenizer, max_model_len)
             except RequestError as exc:
                 raise ValueError(f"conversation {index}: {exc.message}") from exc
             text = tokenizer.decode(token_ids, skip_special_tokens=False)

@@ -105,9 +105,12 @@ def run_batch(
 
 
 def default_model_name(engine: LLMEngine) -> str:
-    """The model's directory name, or the hub id it was given as."""
+    """The model's directory name, a GGUF file's name without .gguf, or the hub id it was given as."""
     given = str(engine.config.model)
-    return Path(given).name if Path(given).expanduser().is_dir() else given
+    path = Path(given).expanduser()
+    if path.is_file():
+        return path.stem
+    return path.name if path.is_dir() else given
 
 
 def count_requests(path: str | Path) -> int:
