@@ -11,9 +11,10 @@ Where each figure comes from, so that the engine thread pays only a few calls pe
   with the token publisher's hook, see `compose_hooks`). A step without outputs (a prefill
   chunk) is covered by the next hook through the deltas of the engine's running totals;
 * per-request histograms (queue time, time to first token, time per output token,
-  end-to-end latency) are observed by the job task, which knows when the job was queued,
-  claimed, and when its first and last tokens came (`observe_queue_time`,
-  `observe_request`).
+  end-to-end latency, inference time) are observed by the job task, which knows when the
+  job was accepted, claimed, and when its first and last tokens came (`observe_queue_time`,
+  `observe_request`). TTFT and end-to-end latency count from the job's acceptance by the
+  API, as vLLM's count from a request's arrival, so the two compare.
 
 rein/engine knows nothing of Prometheus: this module reads its `EngineStats`,
 `RequestOutput`s and counts, never the other way round.
@@ -94,14 +95,21 @@ class WorkerMetrics:
             "rein:request_queue_time_seconds",
             "Time a job waited in its queue, from its submission to its first claim by a worker.",
             REQUEST_LATENCY_BUCKETS)
+        # As vLLM measures them: from the request's arrival (here the job's acceptance by the
+        # API), so queue time is inside; request_inference_time is the worker's part alone.
         self.time_to_first_token = histogram(
             "rein:time_to_first_token_seconds",
-            "Time from a worker claiming a job to its first token.", TTFT_BUCKETS)
+            "Time from the job's acceptance by the API to its first token (queue time included).",
+            TTFT_BUCKETS)
         self.time_per_output_token = histogram(
             "rein:time_per_output_token_seconds",
             "Mean time between a request's output tokens after the first.", TPOT_BUCKETS)
         self.e2e_request_latency = histogram(
             "rein:e2e_request_latency_seconds",
+            "Time from the job's acceptance by the API to its last token (queue time included).",
+            REQUEST_LATENCY_BUCKETS)
+        self.request_inference_time = histogram(
+            "rein:request_inference_time_seconds",
             "Time from a worker claiming a job to its last token.", REQUEST_LATENCY_BUCKETS)
         self.step_duration = histogram(
             "rein:step_duration_seconds",
@@ -131,6 +139,7 @@ class WorkerMetrics:
         self._ttft = self.time_to_first_token.labels(name)
         self._tpot = self.time_per_output_token.labels(name)
         self._e2e = self.e2e_request_latency.labels(name)
+        self._inference_time = self.request_inference_time.labels(name)
         self._step_duration = self.step_duration.labels(name)
         self._batch_size = self.batch_size.labels(name)
         self._iteration_tokens = self.iteration_tokens.labels(name)
@@ -190,13 +199,15 @@ class WorkerMetrics:
     def observe_queue_time(self, seconds: float) -> None:
         self._queue_time.observe(max(seconds, 0.0))
 
-    def observe_request(self, *, claimed: float, first_token: float | None, finished: float,
+    def observe_request(self, *, accepted: float, claimed: float, first_token: float | None, finished: float,
                         num_output_tokens: int) -> None:
-        """One finished request's latencies; times are time.monotonic() readings."""
-        self._e2e.observe(max(finished - claimed, 0.0))
+        """One finished request's latencies; times are time.monotonic() readings (`accepted`:
+        when the API accepted the job, on this clock)."""
+        self._e2e.observe(max(finished - accepted, 0.0))
+        self._inference_time.observe(max(finished - claimed, 0.0))
         if first_token is None:
             return
-        self._ttft.observe(max(first_token - claimed, 0.0))
+        self._ttft.observe(max(first_token - accepted, 0.0))
         if num_output_tokens > 1:
             self._tpot.observe(max(finished - first_token, 0.0) / (num_output_tokens - 1))
 

@@ -198,7 +198,10 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
     else:
         status, error = "succeeded", None
         if context.metrics is not None:
-            context.metrics.observe_request(claimed=claimed, first_token=collected.first_token_monotonic,
+            # The job was accepted queue_seconds (database clock) before this claim.
+            accepted = claimed - (lease.queue_seconds or 0.0)
+            context.metrics.observe_request(accepted=accepted, claimed=claimed,
+                                            first_token=collected.first_token_monotonic,
                                             finished=time.monotonic(), num_output_tokens=final.num_output_tokens)
     record = JobRecord(
         status=status, text=collected.text, token_ids=collected.token_ids, finish_reason=final.finish_reason,

@@ -28,7 +28,8 @@ WORKER_NAMES = {
     "rein:prompt_tokens": "counter", "rein:generation_tokens": "counter",
     "rein:request_success": "counter", "rein:request_queue_time_seconds": "histogram",
     "rein:time_to_first_token_seconds": "histogram", "rein:time_per_output_token_seconds": "histogram",
-    "rein:e2e_request_latency_seconds": "histogram", "rein:step_duration_seconds": "histogram",
+    "rein:e2e_request_latency_seconds": "histogram", "rein:request_inference_time_seconds": "histogram",
+    "rein:step_duration_seconds": "histogram",
     "rein:batch_size": "histogram", "rein:iteration_tokens_total": "histogram",
     "rein:prefix_cache_queries": "counter", "rein:prefix_cache_hits": "counter",
 }
@@ -157,20 +158,23 @@ def test_steps_without_outputs_are_observed_at_their_mean_by_the_next_hook():
     assert value(metrics, "rein:prompt_tokens_total") == 80
 
 
-def test_request_latencies():
+def test_request_latencies_count_from_acceptance_as_vllm_does():
+    """TTFT and end-to-end latency start when the API accepted the job (vLLM: arrival), so
+    queue time is inside them; inference time is the worker's part alone."""
     metrics = WorkerMetrics("tiny")
     metrics.observe_queue_time(2.0)
-    metrics.observe_request(claimed=10.0, first_token=10.5, finished=12.5, num_output_tokens=5)
-    metrics.observe_request(claimed=20.0, first_token=20.1, finished=20.1, num_output_tokens=1)
-    metrics.observe_request(claimed=30.0, first_token=None, finished=30.2, num_output_tokens=0)
+    metrics.observe_request(accepted=8.0, claimed=10.0, first_token=10.5, finished=12.5, num_output_tokens=5)
+    metrics.observe_request(accepted=20.0, claimed=20.0, first_token=20.1, finished=20.1, num_output_tokens=1)
+    metrics.observe_request(accepted=29.0, claimed=30.0, first_token=None, finished=30.2, num_output_tokens=0)
     assert value(metrics, "rein:request_queue_time_seconds_sum") == 2.0
     assert value(metrics, "rein:time_to_first_token_seconds_count") == 2
-    assert value(metrics, "rein:time_to_first_token_seconds_sum") == pytest.approx(0.6)
+    assert value(metrics, "rein:time_to_first_token_seconds_sum") == pytest.approx(2.5 + 0.1)
     # (12.5 - 10.5) / 4 gaps; a one-token request has no gap to time.
     assert value(metrics, "rein:time_per_output_token_seconds_count") == 1
     assert value(metrics, "rein:time_per_output_token_seconds_sum") == pytest.approx(0.5)
     assert value(metrics, "rein:e2e_request_latency_seconds_count") == 3
-    assert value(metrics, "rein:e2e_request_latency_seconds_sum") == pytest.approx(2.5 + 0.1 + 0.2)
+    assert value(metrics, "rein:e2e_request_latency_seconds_sum") == pytest.approx(4.5 + 0.1 + 1.2)
+    assert value(metrics, "rein:request_inference_time_seconds_sum") == pytest.approx(2.5 + 0.1 + 0.2)
 
 
 def test_composed_hooks_all_run_when_one_fails():
