@@ -39,6 +39,7 @@ from rein.input_checks import BadInput, check_json, text_problem
 
 if TYPE_CHECKING:
     from rein.engine.outputs import TokenLogprob
+    from rein.generation_defaults import GenerationDefaults
 
 CHAT_COMPLETIONS = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -102,8 +103,14 @@ class BatchLine:
 # -- requests ---------------------------------------------------------------------------------
 
 
-def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model_len: int) -> ParsedRequest:
-    """Turn one OpenAI request body into prompt token ids and sampling params."""
+def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model_len: int,
+                  defaults: GenerationDefaults | None = None) -> ParsedRequest:
+    """Turn one OpenAI request body into prompt token ids and sampling params.
+
+    `defaults` (the model's generation_config.json, rein.generation_defaults) fill the
+    sampling fields the body leaves out (or sets to null); without them, rein's built-in ones.
+    """
+    default = defaults.get if defaults is not None else (lambda _name, builtin: builtin)
     if endpoint not in ENDPOINTS:
         raise RequestError(f"unknown endpoint {endpoint!r}: use {' or '.join(ENDPOINTS)}", "url")
     if not isinstance(body, dict):
@@ -128,6 +135,11 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
             raise RequestError(f"logprobs must be between 0 and {MAX_COMPLETION_LOGPROBS}, got {logprobs_mode}",
                                "logprobs")
 
+    if stream and logprobs_mode is not None:
+        # Stream chunks carry text only; refused rather than answered with logprobs: null.
+        raise RequestError("logprobs are not streamed: leave out stream, or logprobs (the job's result at "
+                           "GET /v1/jobs/{id} holds them)", "top_logprobs" if chat and body.get("top_logprobs")
+                           is not None else "logprobs")
     for name in ("max_tokens", "max_completion_tokens"):   # both checked, though one wins
         value = _get(body, name, int)
         if value is not None and value < 1:
@@ -157,7 +169,7 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
     if not all(_is_int(t) for t in stop_token_ids):
         raise RequestError("stop_token_ids must be a list of integers", "stop_token_ids")
     _check_token_ids(stop_token_ids, tokenizer, "stop_token_ids")
-    repetition_penalty = _get(body, "repetition_penalty", float, 1.0)
+    repetition_penalty = _get(body, "repetition_penalty", float, default("repetition_penalty", 1.0))
     if not MIN_REPETITION_PENALTY <= repetition_penalty <= MAX_REPETITION_PENALTY:
         raise RequestError(f"repetition_penalty must be between {MIN_REPETITION_PENALTY} and "
                            f"{MAX_REPETITION_PENALTY} (1 means none), got {repetition_penalty}",
@@ -165,10 +177,10 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
 
     fields = {
         "max_tokens": max_tokens,
-        "temperature": _get(body, "temperature", float, 1.0),
-        "top_p": _get(body, "top_p", float, 1.0),
-        "top_k": _get(body, "top_k", int, 0),
-        "min_p": _get(body, "min_p", float, 0.0),
+        "temperature": _get(body, "temperature", float, default("temperature", 1.0)),
+        "top_p": _get(body, "top_p", float, default("top_p", 1.0)),
+        "top_k": _get(body, "top_k", int, default("top_k", 0)),
+        "min_p": _get(body, "min_p", float, default("min_p", 0.0)),
         "presence_penalty": _get(body, "presence_penalty", float, 0.0),
         "frequency_penalty": _get(body, "frequency_penalty", float, 0.0),
         "repetition_penalty": repetition_penalty,
@@ -201,8 +213,49 @@ def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int
     )
 
 
+# Every field a body may hold. A field outside these is refused, as OpenAI refuses an
+# unrecognized argument: a field rein ignored would change nothing while its sender believes
+# it changed the answer (vLLM's guided_json, a misspelt temperature).
+_SAMPLING_FIELDS = frozenset({
+    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+    "skip_special_tokens", "n", "stream", "stream_options", "logprobs", "logit_bias"})
+_CHAT_FIELDS = _SAMPLING_FIELDS | {
+    "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs", "response_format",
+    "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
+_COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+# OpenAI's bookkeeping fields: accepted, with no effect on the answer.
+_NO_EFFECT_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "prompt_cache_key",
+                               "safety_identifier"})
+# vLLM's extras, accepted when they ask for what rein does anyway (their vLLM defaults).
+_NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "add_generation_prompt": (True,), "continue_final_message": (False,), "echo": (False,),
+    "add_special_tokens": (False,), "spaces_between_special_tokens": (True,),
+    "include_stop_str_in_output": (False,), "use_beam_search": (False,), "min_tokens": (0,),
+    "prompt_logprobs": (None,), "best_of": (None, 1), "suffix": (None, ""),
+    "parallel_tool_calls": (None, True, False), "tool_choice": (None, "none", "auto"),
+}
+_STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
+                             "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")
+
+
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
-    """Fields that would change the answer if silently ignored."""
+    """Refuse the fields rein would otherwise ignore (they would change the answer)."""
+    known = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
+    for name, value in body.items():
+        if name in _NEUTRAL_VALUES:
+            # Same type and value: min_tokens=0 is neutral, min_tokens=False is a mistake.
+            if any(type(value) is type(v) and value == v for v in _NEUTRAL_VALUES[name]):
+                continue
+            raise RequestError(f"{name}={json.dumps(value)} is not supported by rein; leave it out (rein "
+                               f"behaves as {name}={json.dumps(_NEUTRAL_VALUES[name][0])})", name)
+        if name in known or name in _NO_EFFECT_FIELDS:
+            continue
+        if name in _STRUCTURED_OUTPUT_FIELDS:
+            raise RequestError(f"{name} is not supported: rein does not constrain outputs to a grammar yet", name)
+        where = "/v1/chat/completions" if chat else "/v1/completions"
+        raise RequestError(f"Unrecognized request argument supplied: {name} (rein's {where} does not "
+                           f"take it; remove it)", name)
     if body.get("tools") or body.get("functions"):
         raise RequestError("tools and functions are not supported", "tools" if body.get("tools") else "functions")
     response_format = body.get("response_format")
@@ -210,13 +263,8 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
         raise RequestError("response_format other than {\"type\": \"text\"} is not supported", "response_format")
     if body.get("logit_bias"):
         raise RequestError("logit_bias is not supported", "logit_bias")
-    if not chat:
-        if body.get("echo"):
-            raise RequestError("echo is not supported: the response holds the completion only", "echo")
-        if body.get("suffix"):
-            raise RequestError("suffix is not supported", "suffix")
-        if body.get("best_of") not in (None, 1):
-            raise RequestError(f"only best_of=1 is supported, got {body.get('best_of')!r}", "best_of")
+    if body.get("function_call") not in (None, "none", "auto"):
+        raise RequestError("function_call is not supported", "function_call")
 
 
 def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int) -> list[int]:
@@ -234,8 +282,10 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int) -> lis
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions with a prompt",
                            "messages")
+    template_kwargs = _chat_template_kwargs(body)
     try:
-        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False,
+                                            **template_kwargs)
     except Exception as exc:  # the template may raise anything (jinja errors, raise_exception)
         raise RequestError(f"the model's chat template rejected the messages: {exc}", "messages") from exc
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding despite return_dict=False
@@ -244,6 +294,24 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int) -> lis
     if not ids:
         raise RequestError("the messages produced an empty prompt", "messages")
     return ids
+
+
+# apply_chat_template's own arguments: chat_template_kwargs may not set them.
+_TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                "add_generation_prompt", "continue_final_message", "tokenize", "padding",
+                                "truncation", "max_length", "return_tensors", "return_dict",
+                                "return_assistant_tokens_mask", "tokenizer_kwargs"})
+
+
+def _chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    """vLLM's chat_template_kwargs: extra variables for the template (e.g. enable_thinking)."""
+    kwargs = _get(body, "chat_template_kwargs", dict, {})
+    for name in kwargs:
+        if not name.isidentifier() or name in _TEMPLATE_RESERVED:
+            raise RequestError(f"chat_template_kwargs may not set {name!r}: it names the template's variables "
+                               f"(e.g. enable_thinking), not apply_chat_template's own arguments",
+                               f"chat_template_kwargs.{name}")
+    return kwargs
 
 
 def _plain_message(message: Any, index: int) -> dict[str, str]:

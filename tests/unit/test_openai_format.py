@@ -131,6 +131,50 @@ def test_several_prompts_and_echo_say_so(tokenizer):
     assert "not supported" in error_of(COMPLETIONS, {"prompt": "a", "echo": True}, tokenizer).message
 
 
+@pytest.mark.parametrize("endpoint,field,value", [
+    (CHAT_COMPLETIONS, "guided_json", {"type": "object"}),
+    (CHAT_COMPLETIONS, "structured_outputs", {"choice": ["a", "b"]}),
+    (CHAT_COMPLETIONS, "min_tokens", 5),
+    (CHAT_COMPLETIONS, "min_tokens", False),          # same value as 0, not the same thing
+    (CHAT_COMPLETIONS, "use_beam_search", True),
+    (CHAT_COMPLETIONS, "tool_choice", "required"),
+    (CHAT_COMPLETIONS, "temprature", 0),              # a misspelt field is not ignored either
+    (COMPLETIONS, "prompt_logprobs", 1),
+    (COMPLETIONS, "best_of", 3),
+    (COMPLETIONS, "messages", CHAT),                  # a chat field on the completions endpoint
+])
+def test_fields_rein_would_ignore_are_refused_by_name(tokenizer, endpoint, field, value):
+    base = {"messages": CHAT} if endpoint == CHAT_COMPLETIONS else {"prompt": "x"}
+    err = error_of(endpoint, {**base, field: value}, tokenizer)
+    assert err.param == field and field in err.message
+
+
+def test_neutral_and_bookkeeping_fields_are_accepted(tokenizer):
+    parsed = chat(tokenizer, user="u-1", store=False, metadata={"k": "v"}, service_tier="auto",
+                  min_tokens=0, add_generation_prompt=True, include_stop_str_in_output=False,
+                  tool_choice="none", parallel_tool_calls=True, temperature=0)
+    assert parsed.params.temperature == 0
+    assert completion(tokenizer, best_of=1, echo=False, suffix=None).params.max_tokens == 16
+
+
+def test_chat_template_kwargs_reach_the_template(tokenizer):
+    templated = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    templated.chat_template = ("{% if shout %}LOUD {% endif %}{% for m in messages %}{{ m['content'] }}"
+                               "{% endfor %}")
+    plain = parse_request(CHAT_COMPLETIONS, {"messages": CHAT}, templated, MAX_LEN).prompt_token_ids
+    loud = parse_request(CHAT_COMPLETIONS, {"messages": CHAT, "chat_template_kwargs": {"shout": True}},
+                         templated, MAX_LEN).prompt_token_ids
+    assert loud != plain and templated.decode(loud).startswith("LOUD")
+    err = error_of(CHAT_COMPLETIONS, {"messages": CHAT, "chat_template_kwargs": {"tokenize": False}}, templated)
+    assert err.param == "chat_template_kwargs.tokenize"
+
+
+def test_streamed_logprobs_are_refused_not_nulled(tokenizer):
+    err = error_of(CHAT_COMPLETIONS, {"messages": CHAT, "stream": True, "logprobs": True}, tokenizer)
+    assert err.param == "logprobs" and "not streamed" in err.message
+    assert error_of(COMPLETIONS, {"prompt": "x", "stream": True, "logprobs": 2}, tokenizer).param == "logprobs"
+
+
 def test_context_length_in_openai_wording(tokenizer):
     prompt_len = len(chat(tokenizer).prompt_token_ids)
     err = error_of(CHAT_COMPLETIONS, {"messages": CHAT, "max_tokens": MAX_LEN}, tokenizer)
