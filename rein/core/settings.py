@@ -48,7 +48,7 @@ class ServedModel(BaseModel):
     name: str
     """What clients pass as `model` (and what names the model's queue)."""
     source: str
-    """A local model directory or a Hugging Face hub id."""
+    """A model directory, a GGUF file or a Hugging Face hub id."""
     max_model_len: int | None = None
     """Context length cap in tokens; None: the model's own."""
 
@@ -90,7 +90,49 @@ def parse_models(text: str) -> tuple[ServedModel, ...]:
     return tuple(models)
 
 
-class Settings(BaseSettings):
+class EngineSettings(BaseSettings):
+    """The engine options' REIN_* variables (`REIN_MAX_NUM_SEQS`, ...), which the worker, `rein
+    run-batch`, `rein generate` and `rein.LLM` read under their flags and keyword arguments
+    (rein.cli.engine_options). A class of their own so the offline tools read only these:
+    a bad REIN_DATABASE_URL does not stop `rein generate`. The defaults are EngineConfig's
+    (a test checks that they agree)."""
+
+    model_config = SettingsConfigDict(
+        env_prefix="REIN_", env_ignore_empty=True, extra="ignore", frozen=True,
+        use_attribute_docstrings=True,
+    )
+
+    # --- the engine (see rein.engine.config.EngineConfig, which validates them)
+    max_num_seqs: int = Field(64, ge=1)
+    """Sequences batched at once; also the worker's Celery concurrency."""
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    """Token budget of one engine step (prefill chunks + decodes)."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Context length (prompt + completion); unset: the model's. A REIN_MODELS entry's @N wins for its model."""
+    kv_cache_memory: str | None = None
+    """Bytes for the KV cache, e.g. 4GiB; unset: REIN_GPU_MEMORY_UTILIZATION on CUDA (1 GiB on CPU)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """With no REIN_KV_CACHE_MEMORY, on CUDA: the share of the device's free memory (after the weights) the KV cache takes."""
+    device: str = "auto"
+    """auto (cuda when available), cuda, cuda:N or cpu."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Weights dtype; auto: bfloat16 on CUDA, float32 on CPU."""
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = "auto"
+    """KV cache element type; auto: the weights dtype."""
+    block_size: int = Field(16, ge=1)
+    """Tokens per KV block (a power of two)."""
+    enforce_eager: bool = False
+    """On CUDA, launch decode steps kernel by kernel instead of replaying CUDA graphs (for debugging)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of leading tokens other requests computed (automatic prefix caching)."""
+    seed: int = 0
+    """Seeds the random seeds of requests that give none."""
+    generation_config: str = "auto"
+    """Sampling defaults: auto (the model's generation_config.json), vllm (built-in; `none` too), or a
+    folder holding a generation_config.json. The API applies them when it parses a request."""
+
+
+class Settings(EngineSettings):
     """rein's configuration; each field is read from `REIN_<FIELD NAME>`."""
 
     model_config = SettingsConfigDict(
@@ -140,6 +182,26 @@ class Settings(BaseSettings):
     """Requests per minute for a key without its own limit; unset: unlimited."""
     default_tpm: int | None = Field(None, ge=1)
     """Tokens (prompt + max_tokens) per minute for a key without its own limit; unset: unlimited."""
+
+    # --- HTTP conventions and token accounting of the API (rein.api.conventions, rein.api.ratelimit)
+    allowed_origins: Annotated[tuple[str, ...], NoDecode] = ()
+    """REIN_ALLOWED_ORIGINS: origins a browser page may call the API from (CORS), comma
+    separated, or `*`; empty (the default): no CORS headers, so browsers refuse cross-origin calls."""
+    api_root_path: str = ""
+    """The path prefix a proxy serves the API under (uvicorn's root_path), e.g. /rein."""
+    forwarded_allow_ips: str | None = None
+    """Proxies whose X-Forwarded-For/-Proto the API trusts, comma separated or `*`; unset:
+    uvicorn's default (127.0.0.1, or its FORWARDED_ALLOW_IPS)."""
+    tpm_completion_estimate: int = Field(256, ge=0)
+    """Completion tokens charged against a key's TPM for a request without max_tokens (capped by
+    what the context leaves); the charge is settled against the real usage when the job ends."""
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _parse_origins(cls, value: object) -> object:
+        if isinstance(value, str):
+            return tuple(origin.strip() for origin in value.split(",") if origin.strip())
+        return value
 
     # --- clients of a running rein (`rein batch`)
     api_key: SecretStr | None = None
@@ -192,23 +254,6 @@ class Settings(BaseSettings):
     batch_poll_seconds: float = Field(1.0, gt=0)
     """How often the API's batch manager looks for batch work (validation, feeding, finalizing)."""
 
-    # --- the worker's engine (see rein.engine.config.EngineConfig, which validates them)
-    max_num_seqs: int = Field(64, ge=1)
-    """Sequences batched at once; also the worker's Celery concurrency."""
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    """Token budget of one engine step (prefill chunks + decodes)."""
-    kv_cache_memory: str | None = None
-    """Bytes for the KV cache, e.g. 4GiB; unset: a share of free GPU memory (1 GiB on CPU)."""
-    device: str = "auto"
-    """auto (cuda when available), cuda, cuda:N or cpu."""
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    """Weights dtype; auto: bfloat16 on CUDA, float32 on CPU."""
-    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = "auto"
-    """KV cache element type; auto: the weights dtype."""
-    enforce_eager: bool = False
-    """On CUDA, launch decode steps kernel by kernel instead of replaying CUDA graphs (for debugging)."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV blocks of leading tokens other requests computed (automatic prefix caching)."""
     worker_metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port the worker serves its Prometheus metrics on (/metrics, all interfaces); unset or 0: none."""
 
@@ -255,6 +300,14 @@ class Settings(BaseSettings):
         return 2 * self.job_timeout_seconds + 60
 
 
+def load_engine_settings(**overrides: object) -> EngineSettings:
+    """The engine's REIN_* variables alone (the offline tools); SettingsError lists each bad one."""
+    try:
+        return EngineSettings(**overrides)
+    except ValidationError as exc:
+        raise SettingsError(describe_errors(exc)) from None
+
+
 def load_settings(**overrides: object) -> Settings:
     """Settings from the environment (overrides win); SettingsError lists each bad variable."""
     try:
@@ -284,3 +337,12 @@ def share_prometheus_multiproc_dir(path: str) -> None:
     """Set PROMETHEUS_MULTIPROC_DIR for the processes this one starts from now on (`rein api`
     with several workers). Here because this module alone touches the environment."""
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = path
+
+
+def share_settings_overrides(**overrides: object) -> None:
+    """Set `REIN_<FIELD>` for the processes this one starts from now on, so they read the same
+    settings as this one's CLI flags made (`rein api`: uvicorn starts the app from a factory
+    that loads the settings itself). A tuple is written comma separated."""
+    for name, value in overrides.items():
+        text = ",".join(map(str, value)) if isinstance(value, tuple | list) else str(value)
+        os.environ[f"REIN_{name.upper()}"] = text
