@@ -16,12 +16,14 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
+from fastapi.middleware.cors import CORSMiddleware
 from redis import Redis
 from redis.asyncio import BlockingConnectionPool as AsyncBlockingConnectionPool
 from redis.asyncio import Redis as AsyncRedis
 from sqlalchemy.orm import sessionmaker
 
 from rein.api.auth import KeyCache
+from rein.api.conventions import HTTPConventions, cors_options
 from rein.api.errors import install_error_handlers
 from rein.api.intake import JobIntake
 from rein.api.metrics import APIMetrics, MetricsMiddleware
@@ -115,8 +117,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # Prometheus: every response counted and timed by route template; GET /metrics.
     app.state.metrics = APIMetrics(settings)
     app.add_middleware(MetricsMiddleware, metrics=app.state.metrics)
-    # Outermost: a body's size and a key's presence are checked before anything reads the body.
+    # A body's size and a key's presence are checked before anything reads the body.
     app.add_middleware(RequestLimits, max_bytes=settings.max_request_bytes)
+    # x-request-id, x-should-retry and the rate-limit headers, on every response (413s too).
+    app.add_middleware(HTTPConventions)
+    if settings.allowed_origins:
+        # Outermost: a browser's preflight is answered before any check, and every answer,
+        # errors included, carries the CORS headers. Off by default (rein.api.conventions).
+        app.add_middleware(CORSMiddleware, **cors_options(settings.allowed_origins))
     app.include_router(metrics_router)
     app.openapi = lambda: _openapi(app)
     return app

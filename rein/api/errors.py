@@ -114,6 +114,7 @@ def unavailable_response(exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    from rein.api.conventions import headers_for
     from rein.api.request_limits import (  # it builds on error_body
         RequestTooLarge,
         too_large_response,
@@ -158,5 +159,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error on %s %s", request.method, request.url.path)
+        # Starlette answers this outside every middleware: the conventions' headers are added here.
         return JSONResponse(error_body("The server had an error while processing your request.",
-                                       "server_error", None, "internal_error"), status_code=500)
+                                       "server_error", None, "internal_error"), status_code=500,
+                            headers=headers_for(request.scope, 500))

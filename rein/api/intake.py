@@ -40,13 +40,22 @@ from typing import Any
 
 from celery import Celery
 from fastapi.concurrency import run_in_threadpool
+from redis.exceptions import RedisError
 from sqlalchemy import func, update
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.errors import APIError
 from rein.api.jobs import check_metadata, find_job_by_idempotency_key, same_request_or_conflict
-from rein.api.ratelimit import Admission, QueueFull, RateLimiter, RateLimitExceeded, TenantQueueFull
+from rein.api.ratelimit import (
+    Admission,
+    QueueFull,
+    RateLimiter,
+    RateLimitExceeded,
+    RateLimitState,
+    TenantQueueFull,
+    settle_tokens,
+)
 from rein.api.tokenizers import ModelEntry, ModelRegistry
 from rein.core.db import HeldConnections, engine_of
 from rein.core.keys import KeyInfo
@@ -78,7 +87,19 @@ class Prepared:
 
     @property
     def requested_tokens(self) -> int:
+        """Prompt + max_tokens: the most the request may cost."""
         return len(self.parsed.prompt_token_ids) + self.parsed.params.max_tokens
+
+    def charged_tokens(self, completion_estimate: int) -> int:
+        """What the request is charged against its key's TPM when admitted: prompt +
+        max_tokens when the body gives max_tokens (or max_completion_tokens), as OpenAI
+        charges; otherwise prompt + the completion estimate, capped by the default max_tokens
+        (what the context leaves). The worker settles it against the real usage."""
+        explicit = self.body.get("max_tokens") is not None or self.body.get("max_completion_tokens") is not None
+        completion = self.parsed.params.max_tokens
+        if not explicit:
+            completion = min(completion, completion_estimate)
+        return len(self.parsed.prompt_token_ids) + completion
 
 
 def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Prepared:
@@ -124,6 +145,8 @@ class NewJob:
     attempt: int | None = None
     created_at: datetime | None = None
     queued_at: datetime | None = None
+    rate_limit: RateLimitState | None = None
+    """The key's rate-limit counters after this job was admitted (the x-ratelimit-* headers)."""
 
 
 @dataclass
@@ -229,15 +252,18 @@ class JobIntake:
         Redis or Postgres cannot be used at all (then none of them was stored)."""
         outcomes: list[Accepted | Exception | None] = [None] * len(submissions)
         queued = self._tenants_queued(submissions)
-        verdicts = self.limiter.admit_many(
-            [Admission(s.key, s.prepared.requested_tokens, self._queue(s.job.model),
-                       queued.get((s.job.model, s.key.tenant), 0) if queued is not None else None)
+        estimate = self.settings.tpm_completion_estimate
+        verdicts = self.limiter.admit(
+            [Admission(s.key, s.prepared.charged_tokens(estimate), self._queue(s.job.model),
+                       queued.get((s.job.model, s.key.tenant), 0) if queued is not None else None,
+                       job_id=s.job.id)
              for s in submissions],
             max_depth=self.settings.max_queue_depth)
-        admitted = [i for i, refusal in enumerate(verdicts) if refusal is None]
-        for i, refusal in enumerate(verdicts):
-            if refusal is not None:
-                outcomes[i] = _refused(submissions[i].job.model, refusal)
+        admitted = [i for i, verdict in enumerate(verdicts) if verdict.refusal is None]
+        for i, verdict in enumerate(verdicts):
+            submissions[i].job.rate_limit = verdict.state
+            if verdict.refusal is not None:
+                outcomes[i] = _refused(submissions[i].job.model, verdict.refusal)
         stored, refused = self._insert_isolated([submissions[i].job for i in admitted])
         for i in admitted:
             if submissions[i].job.id in refused:
@@ -252,7 +278,19 @@ class JobIntake:
                 503, "The job queue is unavailable; the job was not accepted. Retry later.",
                 type="server_error", code="queue_unavailable",
                 headers={"Retry-After": str(BACKPRESSURE_RETRY_AFTER)})
+        # Admitted (and charged) but not run: not stored, another request's job returned, or
+        # never queued. Their charges are given back.
+        self._refund([submissions[i] for i in admitted if not sent or submissions[i].job.id not in stored])
         return outcomes  # type: ignore[return-value]  # every slot is filled above
+
+    def _refund(self, submissions: Sequence[Submission]) -> None:
+        for submission in submissions:
+            if submission.job.rate_limit is None or submission.job.rate_limit.tpm is None:
+                continue
+            try:
+                settle_tokens(self.limiter.redis, self.limiter.keys, submission.job.id, submission.key.key_id, 0)
+            except RedisError as exc:   # the charge expires with its window
+                log.warning("could not give back the token charge of job %s: %s", submission.job.id, exc)
 
     def _tenants_queued(self, submissions: Sequence[Submission]) -> dict[tuple[str, str], int] | None:
         """(model, tenant) -> the tenant's queued jobs of that model (batch lines aside: the
@@ -362,7 +400,7 @@ def _refused(model: str, refusal: QueueFull | TenantQueueFull | RateLimitExceede
                              f"{refusal.limit}). Retry later.", type="server_error", code="queue_full",
                         headers={"Retry-After": str(BACKPRESSURE_RETRY_AFTER)})
     return APIError(429, refusal.message, type=refusal.kind, code="rate_limit_exceeded",
-                    headers={"Retry-After": str(refusal.retry_after)})
+                    headers=refusal.headers())
 
 
 class GroupCommitter:

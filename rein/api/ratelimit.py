@@ -1,17 +1,24 @@
 """Admission in one Redis round trip: the model's queue depth (backpressure) and the key's
 rate limits (requests per minute and tokens per minute), for one request or many at once.
 
-Tokens are counted as prompt tokens + max_tokens (what a request may cost, known before it
-runs, as OpenAI counts). Counters live in Redis, so every API replica shares them, in
-fixed one-minute windows (`RedisKeys.rate_limit(key_id, kind, window)`, expiring after the
-window). One Lua script takes the requests in order: for each it first sums its model's
-queue lengths (refusing with QueueFull at the limit, before anything is counted), checks
-its tenant's share of that queue (TenantQueueFull: a tenant may hold at most
+Tokens are charged as what a request may cost, known before it runs, as OpenAI counts:
+prompt tokens + max_tokens when the request gives max_tokens, else prompt tokens +
+REIN_TPM_COMPLETION_ESTIMATE (capped by what the context leaves; rein.api.intake). The
+charge is settled against the job's real usage when it ends (`settle_tokens`, called by the
+worker when it records the job, and by the API for a job cancelled while queued): the
+difference is given back to the window that was charged (never below zero), or an overrun
+is charged to the window current then. Counters live in Redis, so every API replica shares
+them, in fixed one-minute windows (`RedisKeys.rate_limit(key_id, kind, window)`, expiring
+after the window). One Lua script takes the requests in order: for each it first sums its
+model's queue lengths (refusing with QueueFull at the limit, before anything is counted),
+checks its tenant's share of that queue (TenantQueueFull: a tenant may hold at most
 REIN_TENANT_QUEUE_SHARE of REIN_MAX_QUEUE_DEPTH, so one key cannot fill the queue for
 everyone; the tenant's queued count comes from Postgres, see rein.api.intake), then
-checks both limits and, only if both admit the request, counts it in both. Atomic, so a
-burst of concurrent requests admits exactly the limit and a refused request costs nothing.
-A rate-limit refusal says when the window ends (Retry-After). Intake is on every request's
+checks both limits and, only if both admit the request, counts it in both and notes the
+job's charge (`tpm_charge_key`) for its settlement. Atomic, so a burst of concurrent
+requests admits exactly the limit and a refused request costs nothing. A rate-limit
+refusal says when the window ends (Retry-After). Each verdict carries the key's counters
+after it (RateLimitState: OpenAI's x-ratelimit-* headers). Intake is on every request's
 path, so this is one round trip, however many requests the API admits together (see
 rein.api.intake: concurrent requests are committed as a group).
 """
@@ -31,26 +38,28 @@ from rein.core.settings import Settings
 
 WINDOW_SECONDS = 60
 
-# KEYS: for request i (1-based) its rpm counter (2i-1) and tpm counter (2i); after the 2n
-# counters, the queues' lists, `steps` per queue. ARGV: ttl, max depth (0: no queue check),
-# n, steps, then per request: rpm, tpm, tokens, queue number (0: none), tenant slot (0: no
-# tenant share check), the tenant's cap; then each tenant slot's queued count. Returns for
-# each request {admitted, refused kind, used or depth}, flattened. A queue's depth (and a
-# tenant's count) includes the requests admitted earlier in the same call: they are about
+# KEYS: for request i (1-based) its rpm counter (3i-2), tpm counter (3i-1) and charge record
+# (3i); after the 3n, the queues' lists, `steps` per queue. ARGV: ttl, max depth (0: no queue
+# check), n, steps, charge ttl, then per request: rpm, tpm, tokens, queue number (0: none),
+# tenant slot (0: no tenant share check), the tenant's cap, record the charge (0/1); then each
+# tenant slot's queued count. Returns for each request {admitted, refused kind, used or
+# depth, requests used, tokens used} (the counters after it), flattened. A queue's depth (and
+# a tenant's count) includes the requests admitted earlier in the same call: they are about
 # to be enqueued.
 _ADMIT = """
-local ttl, max_depth, n, steps = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+local ttl, max_depth, n, steps, charge_ttl = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]),
+  tonumber(ARGV[4]), tonumber(ARGV[5])
 local depths, tenants, out = {}, {}, {}
-local tail = 4 + n * 6
+local tail = 5 + n * 7
 for i = 1, n do
-  local a = 4 + (i - 1) * 6
+  local a = 5 + (i - 1) * 7
   local rpm, tpm, tokens, q = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
-  local ts, tcap = tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6])
-  local rkey, tkey = KEYS[2 * i - 1], KEYS[2 * i]
+  local ts, tcap, charge = tonumber(ARGV[a + 5]), tonumber(ARGV[a + 6]), tonumber(ARGV[a + 7])
+  local rkey, tkey, ckey = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
   local kind, used = '', 0
   if q > 0 and max_depth > 0 then
     if depths[q] == nil then
-      local depth, first = 0, 2 * n + (q - 1) * steps
+      local depth, first = 0, 3 * n + (q - 1) * steps
       for j = first + 1, first + steps do depth = depth + redis.call('LLEN', KEYS[j]) end
       depths[q] = depth
     end
@@ -60,15 +69,19 @@ for i = 1, n do
     if tenants[ts] == nil then tenants[ts] = tonumber(ARGV[tail + ts]) end
     if tenants[ts] >= tcap then kind, used = 'tenant_queue', tenants[ts] end
   end
+  local requests_used, tokens_used = 0, 0
+  if rpm > 0 then requests_used = tonumber(redis.call('GET', rkey) or '0') end
+  if tpm > 0 then tokens_used = tonumber(redis.call('GET', tkey) or '0') end
   if kind == '' then
-    local requests_used = tonumber(redis.call('GET', rkey) or '0')
-    local tokens_used = tonumber(redis.call('GET', tkey) or '0')
     if rpm > 0 and requests_used + 1 > rpm then kind, used = 'requests', requests_used
     elseif tpm > 0 and tokens_used + tokens > tpm then kind, used = 'tokens', tokens_used end
   end
   if kind == '' then
-    if rpm > 0 then redis.call('INCR', rkey); redis.call('EXPIRE', rkey, ttl) end
-    if tpm > 0 then redis.call('INCRBY', tkey, tokens); redis.call('EXPIRE', tkey, ttl) end
+    if rpm > 0 then requests_used = redis.call('INCR', rkey); redis.call('EXPIRE', rkey, ttl) end
+    if tpm > 0 then
+      tokens_used = redis.call('INCRBY', tkey, tokens); redis.call('EXPIRE', tkey, ttl)
+      if charge > 0 then redis.call('SET', ckey, tokens .. '|' .. tkey, 'EX', charge_ttl) end
+    end
     if q > 0 and depths[q] ~= nil then depths[q] = depths[q] + 1 end
     if ts > 0 then tenants[ts] = tenants[ts] + 1 end
     out[#out + 1] = 1
@@ -77,8 +90,34 @@ for i = 1, n do
   end
   out[#out + 1] = kind
   out[#out + 1] = used
+  out[#out + 1] = requests_used
+  out[#out + 1] = tokens_used
 end
 return out
+"""
+
+# KEYS: the job's charge record, the tpm counter of the window current now. ARGV: the tokens
+# the job really used, the counter's ttl. Reads and deletes the record (so a job is settled at
+# most once), then gives back what was charged beyond the use to the charged window's counter
+# (never below zero; nothing when that window is gone) or charges an overrun to the current
+# window. Returns the adjustment made (negative: given back), or false without a record.
+_SETTLE = """
+local record = redis.call('GET', KEYS[1])
+if not record then return false end
+redis.call('DEL', KEYS[1])
+local sep = string.find(record, '|', 1, true)
+local charged, counter = tonumber(string.sub(record, 1, sep - 1)), string.sub(record, sep + 1)
+local actual = tonumber(ARGV[1])
+if actual < charged then
+  local back = math.min(charged - actual, tonumber(redis.call('GET', counter) or '0'))
+  if back > 0 then redis.call('DECRBY', counter, back) end
+  return -back
+end
+if actual > charged then
+  redis.call('INCRBY', KEYS[2], actual - charged)
+  redis.call('EXPIRE', KEYS[2], tonumber(ARGV[2]))
+end
+return actual - charged
 """
 
 
@@ -92,6 +131,41 @@ class Admission:
     tenant_queued: int | None = None
     """The key's tenant's jobs queued for this model now (its queue share is checked when
     set): requests of one tenant and one queue share the count."""
+    job_id: str | None = None
+    """The job this request becomes: its token charge is recorded for `settle_tokens`."""
+
+
+@dataclass(frozen=True)
+class RateLimitState:
+    """A key's counters in the current window, as OpenAI's x-ratelimit-* headers report them."""
+
+    rpm: int | None               # None: no request limit (its headers are left out)
+    tpm: int | None               # None: no token limit
+    requests_used: int
+    tokens_used: int
+    reset_seconds: float          # until the window ends (both counters start again then)
+
+    def headers(self) -> dict[str, str]:
+        reset = reset_duration(self.reset_seconds)
+        headers: dict[str, str] = {}
+        if self.rpm is not None:
+            headers |= {"x-ratelimit-limit-requests": str(self.rpm),
+                        "x-ratelimit-remaining-requests": str(max(self.rpm - self.requests_used, 0)),
+                        "x-ratelimit-reset-requests": reset}
+        if self.tpm is not None:
+            headers |= {"x-ratelimit-limit-tokens": str(self.tpm),
+                        "x-ratelimit-remaining-tokens": str(max(self.tpm - self.tokens_used, 0)),
+                        "x-ratelimit-reset-tokens": reset}
+        return headers
+
+
+def reset_duration(seconds: float) -> str:
+    """OpenAI's reset format (Go durations): '250ms', '12s', '1m0s'."""
+    if seconds < 1:
+        return f"{max(int(seconds * 1000), 1)}ms"
+    whole = math.ceil(seconds)
+    minutes, rest = divmod(whole, 60)
+    return f"{minutes}m{rest}s" if minutes else f"{rest}s"
 
 
 @dataclass(frozen=True)
@@ -115,15 +189,64 @@ class RateLimitExceeded(Exception):
     used: int
     requested: int
     retry_after: int       # seconds until the window ends
+    state: RateLimitState | None = None
+
+    @property
+    def too_large(self) -> bool:
+        """The request alone is over the limit: it can never be admitted (no retry helps)."""
+        return self.requested > self.limit
 
     @property
     def message(self) -> str:
         unit = "requests per min (RPM)" if self.kind == "requests" else "tokens per min (TPM)"
-        if self.requested > self.limit:
-            return (f"Request too large: it needs {self.requested} tokens (prompt + max_tokens) but this "
+        if self.too_large:
+            return (f"Request too large: it needs {self.requested} tokens (prompt + max_tokens, or prompt + "
+                    f"the completion estimate REIN_TPM_COMPLETION_ESTIMATE without max_tokens) but this "
                     f"key's limit is {self.limit} {unit}. Reduce the prompt or max_tokens.")
         return (f"Rate limit reached on {unit}: Limit {self.limit}, Used {self.used}, Requested "
                 f"{self.requested}. Please try again in {self.retry_after}s.")
+
+    def headers(self) -> dict[str, str]:
+        """Retry-After, x-should-retry (false when the request can never fit) and the counters."""
+        return {"Retry-After": str(self.retry_after), "x-should-retry": "false" if self.too_large else "true",
+                **(self.state.headers() if self.state is not None else {})}
+
+
+Refusal = QueueFull | TenantQueueFull | RateLimitExceeded
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One request's admission: refused (and why) or not, and the key's counters after it
+    (None when the key has no limits)."""
+
+    refusal: Refusal | None
+    state: RateLimitState | None
+
+
+def tpm_charge_key(keys: RedisKeys, job_id: str) -> str:
+    """The record of a job's token charge: '<tokens>|<the tpm counter charged>'."""
+    return f"{keys.prefix}:job:{job_id}:tpm"
+
+
+def charge_ttl(settings: Settings) -> int:
+    """How long a charge waits for its settlement: the longest job, and a window of queueing
+    beyond it (the cancel flag's lifetime, rein.worker.cancel). A later settlement finds no
+    record and changes nothing (its window is long over)."""
+    return settings.job_timeout_seconds + settings.stream_ttl_seconds
+
+
+def settle_tokens(redis: Redis, keys: RedisKeys, job_id: str, key_id: str, actual_tokens: int,
+                  now: float | None = None) -> int | None:
+    """Settle a job's token charge against what it really used (prompt + completion tokens;
+    0 for a job that never ran): the adjustment made to the key's TPM counters, or None when
+    the job has no charge to settle (a key without a TPM limit, a batch line, settled
+    already). Idempotent: the record is deleted as it is read."""
+    now = time.time() if now is None else now
+    current = keys.rate_limit(key_id, "tpm", int(now // WINDOW_SECONDS))
+    result = redis.eval(_SETTLE, 2, tpm_charge_key(keys, job_id), current, max(int(actual_tokens), 0),
+                        WINDOW_SECONDS * 2)
+    return None if result is None else int(result)
 
 
 class RateLimiter:
@@ -145,22 +268,29 @@ class RateLimiter:
         return (key.rpm_limit or self.settings.default_rpm, key.tpm_limit or self.settings.default_tpm)
 
     def check(self, key: KeyInfo, tokens: int, *, queue: Sequence[str] = (), max_depth: int = 0,
-              now: float | None = None) -> None:
-        """Admit one request of `tokens` tokens, counting it against the key's limits.
+              now: float | None = None) -> RateLimitState | None:
+        """Admit one request of `tokens` tokens, counting it against the key's limits; the
+        key's counters after it (None: the key has no limits).
 
         With `queue` (the model's Redis lists) and `max_depth`, first refuse with QueueFull
         when the lists hold `max_depth` messages or more. Raises QueueFull or
         RateLimitExceeded with nothing counted.
         """
-        refusal = self.admit_many([Admission(key, tokens, tuple(queue))], max_depth=max_depth, now=now)[0]
-        if refusal is not None:
-            raise refusal
+        verdict = self.admit([Admission(key, tokens, tuple(queue))], max_depth=max_depth, now=now)[0]
+        if verdict.refusal is not None:
+            raise verdict.refusal
+        return verdict.state
 
     def admit_many(self, requests: Sequence[Admission], *, max_depth: int = 0,
-                   now: float | None = None) -> list[QueueFull | TenantQueueFull | RateLimitExceeded | None]:
+                   now: float | None = None) -> list[Refusal | None]:
         """Admit requests in order, in one round trip: for each, None (admitted and counted)
         or the QueueFull / TenantQueueFull / RateLimitExceeded that refused it (nothing counted
         for it)."""
+        return [verdict.refusal for verdict in self.admit(requests, max_depth=max_depth, now=now)]
+
+    def admit(self, requests: Sequence[Admission], *, max_depth: int = 0,
+              now: float | None = None) -> list[Verdict]:
+        """`admit_many`, with each request's counters after it (for the x-ratelimit-* headers)."""
         now = time.time() if now is None else now
         window = int(now // WINDOW_SECONDS)
         counters: list[str] = []
@@ -180,34 +310,45 @@ class RateLimiter:
                 slot = tenant_slots.setdefault((request.key.tenant, request.queue), len(tenant_slots) + 1)
                 if slot > len(tenant_counts):
                     tenant_counts.append(request.tenant_queued)
+            charge = request.job_id is not None and tpm is not None
             counters += (self.keys.rate_limit(request.key.key_id, "rpm", window),
-                         self.keys.rate_limit(request.key.key_id, "tpm", window))
-            args += (rpm or 0, tpm or 0, request.tokens, number, slot, tenant_cap or 0)
+                         self.keys.rate_limit(request.key.key_id, "tpm", window),
+                         tpm_charge_key(self.keys, request.job_id) if charge else counters_placeholder(self.keys))
+            args += (rpm or 0, tpm or 0, request.tokens, number, slot, tenant_cap or 0, int(charge))
         if not queues and not tenant_slots and all(rpm is None and tpm is None for rpm, tpm in limits):
-            return [None] * len(requests)      # nothing to check: no round trip
+            return [Verdict(None, None)] * len(requests)      # nothing to check: no round trip
         steps = len(next(iter(queues))) if queues else 0
         if any(len(queue) != steps for queue in queues):
             raise ValueError("every queue passed to one admit_many call must have as many lists")
         lists = [name for queue in queues for name in queue]
         flat = self._script(keys=[*counters, *lists],
-                            args=[WINDOW_SECONDS * 2, max_depth if queues else 0, len(requests), steps, *args,
-                                  *tenant_counts])
-        verdicts: list[QueueFull | TenantQueueFull | RateLimitExceeded | None] = []
+                            args=[WINDOW_SECONDS * 2, max_depth if queues else 0, len(requests), steps,
+                                  charge_ttl(self.settings), *args, *tenant_counts])
+        reset = (window + 1) * WINDOW_SECONDS - now
+        retry_after = max(1, math.ceil(reset))
+        verdicts: list[Verdict] = []
         for i, request in enumerate(requests):
-            allowed, kind, used = flat[3 * i: 3 * i + 3]
+            allowed, kind, used, requests_used, tokens_used = flat[5 * i: 5 * i + 5]
+            rpm, tpm = limits[i]
+            state = None if rpm is None and tpm is None else RateLimitState(
+                rpm, tpm, int(requests_used), int(tokens_used), reset)
             if int(allowed):
-                verdicts.append(None)
+                verdicts.append(Verdict(None, state))
                 continue
             kind = kind.decode() if isinstance(kind, bytes) else str(kind)
             if kind == "queue":
-                verdicts.append(QueueFull(int(used), max_depth))
+                verdicts.append(Verdict(QueueFull(int(used), max_depth), state))
                 continue
             if kind == "tenant_queue":
-                verdicts.append(TenantQueueFull(int(used), tenant_cap or 0))
+                verdicts.append(Verdict(TenantQueueFull(int(used), tenant_cap or 0), state))
                 continue
-            rpm, tpm = limits[i]
-            retry_after = max(1, math.ceil((window + 1) * WINDOW_SECONDS - now))
             limit = rpm if kind == "requests" else tpm
-            verdicts.append(RateLimitExceeded(kind, int(limit or 0), int(used),
-                                              1 if kind == "requests" else request.tokens, retry_after))
+            verdicts.append(Verdict(RateLimitExceeded(kind, int(limit or 0), int(used),
+                                                      1 if kind == "requests" else request.tokens, retry_after,
+                                                      state), state))
         return verdicts
+
+
+def counters_placeholder(keys: RedisKeys) -> str:
+    """The key passed for a request without a charge record (the script never touches it)."""
+    return f"{keys.prefix}:job:-:tpm"

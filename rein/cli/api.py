@@ -13,14 +13,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    description=__doc__.splitlines()[0])
     parser.add_argument("--host", default=None, help="address to listen on (default: REIN_API_HOST)")
     parser.add_argument("--port", type=int, default=None, help="port to listen on (default: REIN_API_PORT)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="API processes on the port (uvicorn workers; default: REIN_API_WORKERS, 1)")
+    parser.add_argument("--root-path", default=None,
+                        help="path prefix a proxy serves the API under, e.g. /rein (default: REIN_API_ROOT_PATH)")
+    parser.add_argument("--forwarded-allow-ips", default=None,
+                        help="proxies whose X-Forwarded-* headers are trusted, comma separated or '*' "
+                             "(default: REIN_FORWARDED_ALLOW_IPS, else uvicorn's 127.0.0.1)")
+    parser.add_argument("--allowed-origins", default=None,
+                        help="origins browser pages may call the API from (CORS), comma separated or '*' "
+                             "(default: REIN_ALLOWED_ORIGINS, none: no CORS headers)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from rein.core.db import StoreError, check_migrations_current, make_engine
-    from rein.core.settings import SettingsError, load_settings, share_prometheus_multiproc_dir
+    from rein.core.settings import (
+        SettingsError,
+        load_settings,
+        share_prometheus_multiproc_dir,
+        share_settings_overrides,
+    )
 
-    overrides = {k: v for k, v in (("api_host", args.host), ("api_port", args.port)) if v is not None}
+    flags = (("api_host", args.host), ("api_port", args.port), ("api_workers", args.workers),
+             ("api_root_path", args.root_path), ("forwarded_allow_ips", args.forwarded_allow_ips),
+             ("allowed_origins", args.allowed_origins))
+    overrides = {name: value for name, value in flags if value is not None}
     try:
         settings = load_settings(**overrides)
         engine = make_engine(settings.database_url)
@@ -34,30 +52,40 @@ def run(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from rein.api.app import create_app
-
+    # The app's processes (this one too) build their settings from the environment.
+    share_settings_overrides(**overrides)
     # log_config=None: uvicorn's loggers propagate to rein's handler (rein.core.logging)
     # instead of getting uvicorn's own, so its lines come out as JSON like the rest.
-    options = {"host": settings.api_host, "port": settings.api_port, "log_level": "info",
-               "log_config": None, "proxy_headers": True}
+    # Always an import string and an explicit worker count: uvicorn reads WEB_CONCURRENCY when
+    # `workers` is not given, and refuses an app object with more than one worker.
+    options = uvicorn_options(settings)
+    metrics_dir = None
     if settings.api_workers > 1:
-        # Several processes on one socket: uvicorn starts each from the factory below. They
-        # share a directory for their Prometheus values, so /metrics on any reports all.
+        # Several processes on one socket share a directory for their Prometheus values, so
+        # /metrics on any reports all.
         metrics_dir = tempfile.mkdtemp(prefix="rein-api-metrics-")
         share_prometheus_multiproc_dir(metrics_dir)   # inherited by the processes
-        try:
-            uvicorn.run(f"{__name__}:app_for_worker_process", factory=True,
-                        workers=settings.api_workers, **options)
-        finally:
+    try:
+        uvicorn.run(f"{__name__}:app_for_worker_process", factory=True, **options)
+    finally:
+        if metrics_dir is not None:
             shutil.rmtree(metrics_dir, ignore_errors=True)
-    else:
-        uvicorn.run(create_app(settings), **options)
     return 0
 
 
+def uvicorn_options(settings) -> dict:
+    """uvicorn.run's options for these settings (the app itself: `app_for_worker_process`)."""
+    options = {"host": settings.api_host, "port": settings.api_port, "log_level": "info",
+               "log_config": None, "proxy_headers": True, "workers": settings.api_workers,
+               "root_path": settings.api_root_path}
+    if settings.forwarded_allow_ips is not None:
+        options["forwarded_allow_ips"] = settings.forwarded_allow_ips
+    return options
+
+
 def app_for_worker_process():
-    """The app of one of several API processes (REIN_API_WORKERS > 1): uvicorn calls this in
-    each freshly started process, which reads the settings and sets up logging itself."""
+    """The app of an API process: uvicorn calls this in the process that serves it (each of
+    them, with REIN_API_WORKERS > 1), which reads the settings and sets up logging itself."""
     import logging
 
     from rein.api.app import create_app
@@ -65,5 +93,6 @@ def app_for_worker_process():
     from rein.core.settings import load_settings
 
     settings = load_settings()
-    configure_logging(logging.INFO, settings.log_format)
+    if not any(getattr(h, "rein_handler", False) for h in logging.getLogger().handlers):
+        configure_logging(logging.INFO, settings.log_format)   # a fresh process (not `rein api` itself)
     return create_app(settings)

@@ -29,6 +29,7 @@ from celery import shared_task
 from redis.exceptions import RedisError
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
+from rein.api.ratelimit import settle_tokens
 from rein.core.logging import log_context
 from rein.core.messages import JobMessage
 from rein.openai_format import usage_body
@@ -100,6 +101,7 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
         if is_cancel_requested(context.redis, context.keys, job_id):
             if cancel_unstarted_job(context.sessions, job_id):
                 context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_body(0, 0))
+            _settle_tpm(context, job_id, message.key_id, 0)
             return "skipped: cancelled"
         claim = claim_job(context.sessions, job_id, context.worker_name, context.settings.lease_seconds)
     except (RedisError, SQLAlchemyError) as exc:
@@ -107,6 +109,7 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
     if claim.lease is None:
         if claim.outcome is ClaimOutcome.CANCELLED:
             context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_body(0, 0))
+            _settle_tpm(context, job_id, message.key_id, 0)
         elif claim.outcome is ClaimOutcome.GAVE_UP:
             context.publisher.publish_final(job_id, error="the job was started too many times and never finished")
         log.info("job %s not run: %s", job_id, claim.outcome.value)
@@ -245,7 +248,11 @@ def _record(context: WorkerContext, lease: Lease, record: JobRecord) -> bool:
     delay = 0.25
     while True:
         try:
-            return record_job(context.sessions, lease, record)
+            recorded = record_job(context.sessions, lease, record)
+            if recorded:   # the job's token charge meets its usage (none without a usage row)
+                used = (record.prompt_tokens + record.completion_tokens) if record.prompt_tokens is not None else 0
+                _settle_tpm(context, lease.job_id, lease.key_id, used)
+            return recorded
         except (OperationalError, InterfaceError) as exc:
             if time.monotonic() + delay > deadline:
                 raise
@@ -253,6 +260,17 @@ def _record(context: WorkerContext, lease: Lease, record: JobRecord) -> bool:
                         lease.job_id, lease.attempt, type(exc).__name__, delay)
             time.sleep(delay)
             delay = min(delay * 2, RECORD_RETRY_MAX_DELAY)
+
+
+def _settle_tpm(context: WorkerContext, job_id: str, key_id: str | None, used_tokens: int) -> None:
+    """Settle the job's TPM charge against the tokens it used (rein.api.ratelimit.settle_tokens;
+    nothing for a job without a charge). Best effort: a charge left unsettled expires."""
+    if not key_id:
+        return
+    try:
+        settle_tokens(context.redis, context.keys, job_id, key_id, used_tokens)
+    except RedisError as exc:
+        log.warning("job %s: could not settle its token charge (%s)", job_id, exc)
 
 
 def _hand_back(context: WorkerContext, message: JobMessage, lease: Lease) -> str:

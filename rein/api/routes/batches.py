@@ -20,6 +20,7 @@ from fastapi.responses import StreamingResponse
 from sqlalchemy import func, update
 
 from rein.api.checked_route import CheckedRoute
+from rein.api.conventions import set_response_headers
 from rein.api.deps import RedisDep, SessionDep, SessionsDep, SettingsDep
 from rein.api.errors import APIError
 from rein.api.jobs import check_metadata
@@ -67,10 +68,12 @@ def create_batch(payload: BatchCreate, request: Request, session: SessionDep, ke
         raise APIError(400, f"File {file.id} has purpose '{file.purpose}'; a batch needs a file uploaded "
                             "with purpose 'batch'.", param="input_file_id", code="invalid_value")
     try:
-        request.app.state.limiter.check(key, 0)     # one request against RPM, no tokens
+        limits = request.app.state.limiter.check(key, 0)     # one request against RPM, no tokens
     except RateLimitExceeded as exc:
         raise APIError(429, exc.message, type=exc.kind, code="rate_limit_exceeded",
-                       headers={"Retry-After": str(exc.retry_after)}) from None
+                       headers=exc.headers()) from None
+    if limits is not None:
+        set_response_headers(request, limits.headers())
     batch = Batch(tenant=key.tenant, key_id=key.key_id, endpoint=payload.endpoint, input_file_id=file.id,
                   completion_window=payload.completion_window, metadata_=dict(payload.metadata or {}),
                   expires_at=func.now() + timedelta(seconds=settings.batch_completion_window_seconds))

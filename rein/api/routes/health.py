@@ -1,4 +1,4 @@
-"""GET /healthz (the process answers) and GET /readyz (Redis, Postgres, migrations)."""
+"""GET /healthz and its alias /health (the process answers) and GET /readyz (Redis, Postgres, migrations)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ router = APIRouter(tags=["health"], route_class=CheckedRoute)
 
 
 @router.get("/healthz", response_model=Health)
+@router.get("/health", response_model=Health, include_in_schema=False)   # vLLM's name
 def healthz() -> Health:
     return Health()
 

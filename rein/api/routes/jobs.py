@@ -11,9 +11,12 @@ from typing import Annotated, Any
 from fastapi import APIRouter, Header, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
+from redis import Redis
+from sqlalchemy.orm import Session
 from starlette.types import Receive, Scope, Send
 
 from rein.api.checked_route import CheckedRoute
+from rein.api.conventions import set_request_id, set_response_headers
 from rein.api.deps import AsyncRedisDep, InferenceKey, RedisDep, SessionDep, SettingsDep
 from rein.api.errors import APIError
 from rein.api.intake import MAX_IDEMPOTENCY_KEY_LEN, JobIntake, NewJob
@@ -24,6 +27,7 @@ from rein.api.jobs import (
     request_job_cancel,
     seconds_between,
 )
+from rein.api.ratelimit import settle_tokens
 from rein.api.schemas import (
     ErrorResponse,
     JobCreate,
@@ -42,6 +46,7 @@ from rein.core.logging import log_context
 from rein.core.messages import STREAM_FIELD, TokenEvent, event_id
 from rein.core.models import Job
 from rein.core.redis_keys import RedisKeys
+from rein.core.settings import Settings
 from rein.openai_format import usage_body
 from rein.worker.cancel import request_cancel
 from rein.worker.recorder import response_body
@@ -98,7 +103,17 @@ async def create_job(payload: JobCreate, request: Request, key: InferenceKey,
         job, prepared = await intake_of(request).submit(key, payload.endpoint, payload.body, metadata=payload.metadata,
                                             idempotency_key=idempotency_key, body_bytes=body_bytes(request))
         log_job_accepted(job, reused=prepared is None)
+    note_job(request, job)
     return JobCreated(id=job.id, status=job.status)
+
+
+def note_job(request: Request, job: Job | NewJob) -> None:
+    """The response names the job (x-request-id) and the key's rate-limit counters after it
+    was admitted (x-ratelimit-*; none for a job returned again for its Idempotency-Key)."""
+    set_request_id(request, job.id)
+    state = getattr(job, "rate_limit", None)
+    if state is not None:
+        set_response_headers(request, state.headers())
 
 
 def intake_of(request: Request) -> JobIntake:
@@ -151,7 +166,16 @@ def get_job(job_id: str, session: SessionDep, key: InferenceKey) -> JobPublic:
 def cancel_job(job_id: str, session: SessionDep, key: InferenceKey, redis: RedisDep,
                settings: SettingsDep) -> JobPublic:
     """Cancel a job: a queued one is cancelled at once, a running one within an engine step."""
-    job, was_queued = request_job_cancel(session, key.tenant, job_id, batch_lines="batch" in key.scopes)
+    return job_public(cancel_job_of(session, redis, settings, key.tenant, job_id, batch_lines="batch" in key.scopes))
+
+
+def cancel_job_of(session: Session, redis: Redis, settings: Settings, tenant: str, job_id: str, *,
+                  batch_lines: bool = True) -> Job:
+    """The cancel path (POST /v1/jobs/{id}/cancel, and a synchronous request whose client went
+    away): a queued job is cancelled at once, its stream ended and its token charge given
+    back; a running one is aborted by its worker within an engine step (rein.worker.cancel),
+    which records the tokens it used."""
+    job, was_queued = request_job_cancel(session, tenant, job_id, batch_lines=batch_lines)
     if job.status not in ("succeeded", "failed") or was_queued:
         keys = RedisKeys.from_settings(settings)
         request_cancel(redis, keys, job.id, settings.job_timeout_seconds + settings.stream_ttl_seconds)
@@ -165,7 +189,8 @@ def cancel_job(job_id: str, session: SessionDep, key: InferenceKey, redis: Redis
             pipe.publish(keys.job_channel(job.id), final.to_json())
             pipe.expire(stream, settings.stream_ttl_seconds)
             pipe.execute(raise_on_error=False)
-    return job_public(job)
+            settle_tokens(redis, keys, job.id, job.key_id, 0)   # nothing ran: nothing is owed
+    return job
 
 
 @router.get("/{job_id}/events", responses={**_ERRORS, 200: {
@@ -234,17 +259,30 @@ def take_stream_slot(request: Request, key: KeyInfo) -> Callable[[], None]:
 class SlotStreamingResponse(StreamingResponse):
     """A StreamingResponse that holds a stream slot and gives it back when the stream ends, for
     any reason: its last chunk sent, an error, the client gone (the send fails or the task is
-    cancelled), or the response run but its body never started."""
+    cancelled), or the response run but its body never started.
 
-    def __init__(self, content: AsyncIterator[str], release: Callable[[], None], **kwargs: Any) -> None:
-        super().__init__(_releasing(content, release), **kwargs)
+    `on_abandon`, when given, is called (once, synchronously: it must not block) when the
+    response ends before its content did — the client went away mid-stream."""
+
+    def __init__(self, content: AsyncIterator[str], release: Callable[[], None], *,
+                 on_abandon: Callable[[], None] | None = None, **kwargs: Any) -> None:
+        self._completed = False
+        super().__init__(_releasing(self._watch(content), release), **kwargs)
         self._release = release
+        self._on_abandon = on_abandon
+
+    async def _watch(self, content: AsyncIterator[str]) -> AsyncIterator[str]:
+        async for chunk in content:
+            yield chunk
+        self._completed = True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self._release()
+            if not self._completed and self._on_abandon is not None:
+                self._on_abandon()
 
 
 async def _releasing(chunks: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:

@@ -5,11 +5,19 @@ Each request becomes a job like POST /v1/jobs (same validation, limits and queue
 `stream`, the route follows the job's event stream to its final event and returns the
 body stored in Postgres, exactly what GET /v1/jobs/{id} shows as `response.body`. With
 `stream: true` it relays the events as OpenAI chunks.
+
+A client that disconnects before its answer is complete gets its job cancelled through the
+cancel path (rein.api.routes.jobs.cancel_job_of), as vLLM aborts such a request: the worker
+stops it within an engine step and bills the tokens made so far. (A job submitted with POST
+/v1/jobs is meant to outlive its connections: its followers come and go freely.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -25,13 +33,15 @@ from rein.api.deps import (
     RegistryDep,
     SettingsDep,
 )
-from rein.api.errors import APIError, error_body
+from rein.api.errors import INVALID_REQUEST, APIError, error_body
 from rein.api.jobs import get_job_for_tenant
 from rein.api.routes.jobs import (
     SlotStreamingResponse,
     body_bytes,
+    cancel_job_of,
     intake_of,
     log_job_accepted,
+    note_job,
     take_stream_slot,
 )
 from rein.api.schemas import (
@@ -50,6 +60,8 @@ from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.core.redis_keys import RedisKeys
 from rein.openai_format import CHAT_COMPLETIONS, COMPLETIONS, build_response
 from rein.worker.recorder import response_body
+
+log = logging.getLogger(__name__)
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=CheckedRoute)
 
@@ -113,6 +125,7 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
             release()
         raise
     log_job_accepted(job)
+    note_job(request, job)
     sessions = request.app.state.sessions
     keys = RedisKeys.from_settings(settings)
 
@@ -130,17 +143,25 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
             openai_chunk_stream(events, endpoint=endpoint, job_id=job.id, model=job.model,
                                 prompt_tokens=job.prompt_tokens,
                                 include_usage=bool(options.get("include_usage"))),
-            release, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            release, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+            on_abandon=lambda: _abandon_in_background(request, key, job.id))
 
-    final: StreamEvent | None = None
-    text, token_ids = [], []
-    async for event in events:
-        if event is None:
-            continue
-        text.append(event.data.get("text", ""))
-        token_ids.extend(event.data.get("token_ids", []))
-        if event.final:
-            final = event
+    text: list[str] = []
+    token_ids: list[int] = []
+    following = asyncio.ensure_future(_follow(events, text, token_ids))
+    gone = asyncio.ensure_future(_client_gone(request))
+    try:
+        await asyncio.wait((following, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not following.done():
+        # The client went away: nothing will read the answer, so the job stops computing
+        # (the tokens made so far are billed). 499: nginx's "client closed request", for the logs.
+        following.cancel()
+        await run_in_threadpool(_abandon, request, key, job.id)
+        return JSONResponse(error_body("The client closed the connection; the job was cancelled.",
+                                       INVALID_REQUEST, None, "client_disconnected"), status_code=499)
+    final = following.result()
     stored = await _wait_for_record(load)
     if stored is not None:
         return _stored_response(stored)
@@ -153,6 +174,55 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
     return build_response(endpoint, job.id, job.model, job.prompt_tokens, "".join(text), token_ids,
                           final.data.get("finish_reason"), None, entry.tokenizer if entry else None, None,
                           cached_tokens=cached)
+
+
+async def _follow(events: AsyncIterator[StreamEvent | None], text: list[str],
+                  token_ids: list[int]) -> StreamEvent | None:
+    """Read the job's events to the end, gathering its text and token ids; the final event."""
+    final: StreamEvent | None = None
+    async with aclosing(events) as closing:
+        async for event in closing:
+            if event is None:
+                continue
+            text.append(event.data.get("text", ""))
+            token_ids.extend(event.data.get("token_ids", []))
+            if event.final:
+                final = event
+    return final
+
+
+async def _client_gone(request: Request) -> None:
+    """Returns when the client disconnects. The body has been read, so the server's next
+    message is `http.disconnect` (uvicorn sends it when the connection closes)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _abandon(request: Request, key: KeyInfo, job_id: str) -> None:
+    """Cancel a synchronous request's job whose client went away (the cancel route's path)."""
+    state = request.app.state
+    with state.sessions() as session:
+        job = cancel_job_of(session, state.redis, state.settings, key.tenant, job_id)
+    with log_context(job_id=job_id, key_id=key.key_id):
+        log.info("job %s cancelled: its client disconnected (status %s)", job_id, job.status)
+
+
+_BACKGROUND: set[asyncio.Future] = set()
+
+
+def _abandon_in_background(request: Request, key: KeyInfo, job_id: str) -> None:
+    """`_abandon` in a thread, from a streaming response's teardown (which may be cancelled)."""
+    future = asyncio.get_running_loop().run_in_executor(None, _abandon, request, key, job_id)
+    _BACKGROUND.add(future)
+
+    def done(f: asyncio.Future) -> None:
+        _BACKGROUND.discard(f)
+        if not f.cancelled() and f.exception() is not None:
+            log.warning("could not cancel job %s after its client disconnected: %s", job_id, f.exception())
+
+    future.add_done_callback(done)
 
 
 _NOT_YET: Any = object()
@@ -180,8 +250,10 @@ def _stored_response(job: Job) -> Any:
     if job.status == "failed":
         error = job.error or {}
         status = 400 if error.get("type") == "invalid_request_error" else 500
+        # A job past its time limit would run out of time again: no retry (4xx: none either).
+        headers = {"x-should-retry": "false"} if error.get("code") == "timeout" else None
         return JSONResponse(error_body(error.get("message") or "the job failed",
                                        error.get("type") or "server_error", None, error.get("code")),
-                            status_code=status)
+                            status_code=status, headers=headers)
     return JSONResponse(error_body("The request was cancelled before it completed.",
                                    "invalid_request_error", None, "cancelled"), status_code=409)
