@@ -1,8 +1,12 @@
-"""The served models as the API needs them: each one's tokenizer and context length.
+"""The served models as the API needs them: each one's tokenizer, context length and
+sampling defaults.
 
 Loaded once at startup (transformers' AutoTokenizer needs no torch), so a request only
-tokenizes. The context length is REIN_MODELS' `@N` when given, otherwise the model's
-`config.json` `max_position_embeddings` (or the tokenizer's model_max_length).
+tokenizes. The context length is REIN_MODELS' `@N` when given, else REIN_MAX_MODEL_LEN,
+otherwise the model's `config.json` `max_position_embeddings` (or the tokenizer's
+model_max_length). The sampling defaults are the model's generation_config.json under
+REIN_GENERATION_CONFIG (rein.generation_defaults), passed to parse_request, so a job's
+params are fixed, defaults included, when the API accepts it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,11 @@ from pathlib import Path
 from typing import Any
 
 from rein.core.settings import ServedModel, Settings
+from rein.generation_defaults import (
+    GenerationConfigError,
+    GenerationDefaults,
+    load_generation_defaults,
+)
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +37,7 @@ class ModelEntry:
     source: str
     tokenizer: Any
     max_model_len: int
+    generation_defaults: GenerationDefaults = GenerationDefaults()
 
 
 class ModelRegistry:
@@ -38,7 +48,8 @@ class ModelRegistry:
 
     @classmethod
     def load(cls, settings: Settings) -> ModelRegistry:
-        return cls([load_model(model) for model in settings.models])
+        return cls([load_model(model, settings.generation_config, settings.max_model_len)
+                    for model in settings.models])
 
     def get(self, name: str) -> ModelEntry | None:
         return self._entries.get(name)
@@ -54,7 +65,8 @@ class ModelRegistry:
         return next(iter(self._entries.values()), None)
 
 
-def load_model(model: ServedModel) -> ModelEntry:
+def load_model(model: ServedModel, generation_config: str = "auto", max_model_len: int | None = None) -> ModelEntry:
+    """`max_model_len`: REIN_MAX_MODEL_LEN (the entry's @N comes first)."""
     from transformers import AutoTokenizer
 
     from rein.model_files import resolve_model
@@ -65,12 +77,18 @@ def load_model(model: ServedModel) -> ModelEntry:
     except Exception as exc:  # a missing path, hub errors offline, no gguf package, ...
         raise ModelLoadError(f"cannot load the tokenizer of model {model.name!r} from {model.source!r}: "
                              f"{exc}") from exc
-    max_model_len = model.max_model_len or _config_max_len(directory) or _tokenizer_max_len(tokenizer)
+    try:
+        defaults = load_generation_defaults(directory, generation_config)
+    except GenerationConfigError as exc:
+        raise ModelLoadError(f"model {model.name!r}: {exc}") from exc
+    max_model_len = (model.max_model_len or max_model_len or _config_max_len(directory)
+                     or _tokenizer_max_len(tokenizer))
     if not max_model_len:
         raise ModelLoadError(f"model {model.name!r}: cannot tell its context length; add @N to its "
                              f"REIN_MODELS entry (e.g. {model.name}={model.source}@4096)")
     log.info("model %s: tokenizer from %s, max_model_len %d", model.name, model.source, max_model_len)
-    return ModelEntry(model.name, model.source, tokenizer, max_model_len)
+    log.info("generation defaults for model %s: %s", model.name, defaults.describe())
+    return ModelEntry(model.name, model.source, tokenizer, max_model_len, defaults)
 
 
 def _config_max_len(directory: Path) -> int | None:

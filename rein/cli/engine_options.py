@@ -1,4 +1,12 @@
-"""The engine options every engine-running subcommand shares, and their EngineConfig.
+"""The engine options, defined once: flags, REIN_* variables, `rein.LLM` keywords.
+
+Every engine-running entry point takes the same options under vLLM's names: `rein worker`,
+`rein run-batch` and `rein generate` as flags (`--max-num-seqs`), `rein.LLM` as keyword
+arguments (`max_num_seqs=`), and each also reads its `REIN_*` variable (REIN_MAX_NUM_SEQS,
+through rein.core.settings.EngineSettings, the only reader of the environment). Precedence:
+a flag or keyword argument given > the variable > the default. The defaults are
+EngineSettings' (equal to EngineConfig's: a test checks it), so argparse defaults are None
+("not given") and `resolve_engine_values` does the layering.
 
 No torch import at module top: `rein --help` builds every parser.
 """
@@ -6,7 +14,11 @@ No torch import at module top: `rein --help` builds every parser.
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rein.core.settings import EngineSettings, load_engine_settings
 
 if TYPE_CHECKING:
     from rein.engine.config import EngineConfig
@@ -14,68 +26,142 @@ if TYPE_CHECKING:
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")  # as rein.engine.config
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
+WORKER = "worker"
+OFFLINE = ("run-batch", "generate")        # the commands with an engine in the process
+
+
+@dataclass(frozen=True)
+class EngineOption:
+    """One engine option. `name` is the EngineConfig field, the `rein.LLM` keyword, the
+    EngineSettings field (variable REIN_<NAME>) and the argparse dest; the flag is `--name`
+    with dashes. `boolean` options take `--name` / `--no-name`."""
+
+    name: str
+    help: str
+    type: Any = None
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    boolean: bool = False
+    commands: tuple[str, ...] = (WORKER, *OFFLINE)
+    shown_default: str | None = None     # what an unset default means, for --help
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def variable(self) -> str:
+        return "REIN_" + self.name.upper()
+
+    @property
+    def default(self) -> Any:
+        return EngineSettings.model_fields[self.name].default
+
+
+ENGINE_OPTIONS: tuple[EngineOption, ...] = (
+    EngineOption("max_model_len", "context length, prompt + completion (on the worker, a REIN_MODELS entry's @N "
+                 "comes before REIN_MAX_MODEL_LEN)", int, "N", shown_default="the model's"),
+    EngineOption("max_num_seqs", "most requests in one step; the worker's concurrency too", int, "N"),
+    EngineOption("max_num_batched_tokens", "token budget of one step (prefill chunks + decodes)", int, "N"),
+    EngineOption("gpu_memory_utilization", "without --kv-cache-memory, on CUDA: the share of the device's free "
+                 "memory, after the weights, that the KV cache takes", float, "FRACTION"),
+    EngineOption("kv_cache_memory", "memory for the KV cache, e.g. 2GiB; wins over --gpu-memory-utilization",
+                 str, "SIZE", shown_default="--gpu-memory-utilization on CUDA, 1GiB on CPU"),
+    EngineOption("kv_cache_dtype", "KV cache element type (auto: the model dtype)", choices=KV_CACHE_DTYPES),
+    EngineOption("dtype", "weights and activations (auto: bfloat16 on CUDA, float32 on CPU)", choices=DTYPES),
+    EngineOption("device", "auto, cuda, cuda:N or cpu (auto: cuda if available)", str, "DEVICE"),
+    EngineOption("block_size", "tokens per KV block (a power of two)", int, "N"),
+    EngineOption("enable_prefix_caching", "reuse the KV blocks of leading tokens other requests computed "
+                 "(--no-enable-prefix-caching: compute every prompt in full)", boolean=True),
+    EngineOption("enforce_eager", "on CUDA, launch decode steps kernel by kernel instead of replaying CUDA graphs",
+                 boolean=True),
+    EngineOption("seed", "engine seed: seeds the sampling of requests that give no seed", int, "N"),
+    EngineOption("generation_config", "sampling defaults of requests: auto (the model's generation_config.json), "
+                 "vllm (built-in; none is the same), or a folder holding a generation_config.json",
+                 str, "auto|vllm|FOLDER", commands=OFFLINE),
+)
+ENGINE_OPTION_NAMES = tuple(option.name for option in ENGINE_OPTIONS)
+
+
+def options_for(command: str) -> tuple[EngineOption, ...]:
+    return tuple(option for option in ENGINE_OPTIONS if command in option.commands)
+
 
 def add_model_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, metavar="MODEL",
                         help="a Hugging Face model directory, a GGUF file (needs rein[gguf]) or a hub id")
 
 
-def add_engine_options(parser: argparse.ArgumentParser, seed: bool = True) -> None:
-    """seed=False leaves --seed to the command (`rein generate` uses it for the request)."""
-    group = parser.add_argument_group("engine")
-    group.add_argument("--max-num-seqs", type=int, default=64, metavar="N",
-                       help="most requests in one step (default 64)")
-    group.add_argument("--max-num-batched-tokens", type=int, default=2048, metavar="N",
-                       help="token budget of one step (default 2048)")
-    group.add_argument("--max-model-len", type=int, default=None, metavar="N",
-                       help="context length (default: the model's)")
-    group.add_argument("--kv-cache-memory", default=None, metavar="SIZE",
-                       help="memory for the KV cache, e.g. 2GiB (default: 90%% of free GPU memory, 1GiB on CPU)")
-    group.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
-                       help="KV cache element type (default: the model dtype)")
-    group.add_argument("--dtype", choices=DTYPES, default="auto",
-                       help="weights and activations (default: bfloat16 on CUDA, float32 on CPU)")
-    group.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if available)")
-    group.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
-    group.add_argument("--enforce-eager", action="store_true",
-                       help="on CUDA, launch decode steps kernel by kernel instead of replaying CUDA graphs")
+def add_engine_options(parser: argparse.ArgumentParser, command: str) -> None:
+    """The engine options `command` takes, as flags whose argparse default is None (not given)."""
+    group = parser.add_argument_group("engine", "flag > REIN_* variable > default")
+    for option in options_for(command):
+        default = option.default
+        shown = option.shown_default or (str(default).lower() if isinstance(default, bool) else default)
+        help_text = f"{option.help} (default: {shown}; {option.variable})".replace("%", "%%")
+        if option.boolean:
+            group.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction,
+                               default=None, help=help_text)
+        else:
+            group.add_argument(option.flag, dest=option.name, type=option.type, choices=option.choices,
+                               metavar=option.metavar, default=None, help=help_text)
+    # The spelling rein had before vLLM's; hidden.
     group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       help="compute every prompt in full instead of reusing the KV blocks of leading "
-                            "tokens other requests computed")
-    if seed:
-        group.add_argument("--seed", dest="engine_seed", type=int, default=0, metavar="N",
-                           help="engine seed, for requests that give none (default 0)")
+                       default=None, help=argparse.SUPPRESS)
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Raises ValueError (with the engine's message) for an invalid combination."""
+def add_served_model_name_option(parser: argparse.ArgumentParser) -> None:
+    """`rein run-batch` only: the worker's model name is its REIN_MODELS key, `generate` prints text alone."""
+    parser.add_argument("--served-model-name", default=None, metavar="NAME",
+                        help="`model` in responses when a line gives none (default: the model directory name)")
+
+
+def resolve_engine_values(given: Mapping[str, Any], variables: EngineSettings | None = None,
+                          names: tuple[str, ...] = ENGINE_OPTION_NAMES) -> dict[str, Any]:
+    """Each option's value: `given` (flags or keywords; None = not given) > REIN_* > default.
+
+    `variables` are the REIN_* values (EngineSettings, or the worker's Settings); by default
+    they are read now. Raises SettingsError for a bad variable.
+    """
+    variables = variables if variables is not None else load_engine_settings()
+    return {name: given[name] if given.get(name) is not None else getattr(variables, name) for name in names}
+
+
+def engine_config_from_args(args: argparse.Namespace, command: str,
+                            variables: EngineSettings | None = None) -> EngineConfig:
+    """Raises ValueError (with the engine's message) for an invalid combination or variable."""
     from rein.engine.config import EngineConfig
 
-    return EngineConfig(
-        model=args.model,
-        device=args.device,
-        dtype=args.dtype,
-        kv_cache_dtype=args.kv_cache_dtype,
-        block_size=args.block_size,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        seed=getattr(args, "engine_seed", 0),
-        enforce_eager=args.enforce_eager,
-        enable_prefix_caching=args.enable_prefix_caching,
-    )
+    names = tuple(option.name for option in options_for(command))
+    return EngineConfig(model=args.model, **resolve_engine_values(vars(args), variables, names))
 
 
-def build_engine(args: argparse.Namespace):
+def build_engine(args: argparse.Namespace, command: str):
     """The engine for these args; configuration and model errors become `CLIError`."""
     from rein.engine.engine import LLMEngine
 
     try:
-        return LLMEngine(engine_config_from_args(args))
-    except (ValueError, FileNotFoundError) as exc:  # bad sizes, missing model, capacity errors
+        return LLMEngine(engine_config_from_args(args, command))
+    except (ValueError, FileNotFoundError) as exc:  # bad sizes, missing model, capacity errors, SettingsError
         raise CLIError(str(exc)) from exc
+
+
+def generation_defaults_of(engine: Any):
+    """The sampling defaults of the engine's model under its `generation_config`, logged once
+    (CLIError for an unreadable generation_config.json)."""
+    import logging
+
+    from rein.generation_defaults import GenerationConfigError, load_generation_defaults
+
+    try:
+        defaults = load_generation_defaults(engine.model_dir, engine.config.generation_config)
+    except GenerationConfigError as exc:
+        raise CLIError(str(exc)) from exc
+    logging.getLogger("rein.generation_defaults").info(
+        "generation defaults for model %s: %s", engine.config.model, defaults.describe())
+    return defaults
 
 
 class CLIError(Exception):
     """A user error the command reports on one line (exit status 2)."""
+

@@ -11,7 +11,13 @@ import dataclasses
 import sys
 import time
 
-from rein.cli.engine_options import CLIError, add_engine_options, add_model_option, build_engine
+from rein.cli.engine_options import (
+    CLIError,
+    add_engine_options,
+    add_model_option,
+    build_engine,
+    generation_defaults_of,
+)
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -26,17 +32,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--system", default=None, help="with --chat: a system message first")
     parser.add_argument("--max-tokens", type=int, default=None, metavar="N",
                         help=f"default {DEFAULT_MAX_TOKENS}, or what is left of the context if less")
-    parser.add_argument("--temperature", type=float, default=1.0, metavar="T", help="0 is greedy (default 1)")
-    parser.add_argument("--top-p", type=float, default=None, metavar="P")
-    parser.add_argument("--top-k", type=int, default=None, metavar="K")
-    parser.add_argument("--min-p", type=float, default=None, metavar="P")
-    parser.add_argument("--repetition-penalty", type=float, default=None, metavar="R")
+    # Sampling flags left out take the model's defaults (--generation-config), then rein's.
+    parser.add_argument("--temperature", type=float, default=None, metavar="T",
+                        help="0 is greedy (default: the model's generation_config.json, else 1)")
+    parser.add_argument("--top-p", type=float, default=None, metavar="P", help="default: the model's, else 1")
+    parser.add_argument("--top-k", type=int, default=None, metavar="K", help="default: the model's, else none")
+    parser.add_argument("--min-p", type=float, default=None, metavar="P", help="default: the model's, else 0")
+    parser.add_argument("--repetition-penalty", type=float, default=None, metavar="R",
+                        help="default: the model's, else 1")
     parser.add_argument("--stop", action="append", default=None, metavar="TEXT",
                         help="stop before this text (repeatable, up to 4)")
     parser.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence tokens")
-    parser.add_argument("--seed", type=int, default=None, help="sampling seed for this request")
     add_model_option(parser)
-    add_engine_options(parser, seed=False)
+    # --seed (an engine option) also seeds this request when given, as an API request's seed would.
+    add_engine_options(parser, "generate")
     parser.set_defaults(func=run)
 
 
@@ -62,13 +71,14 @@ def run(args: argparse.Namespace) -> int:
     from rein.openai_format import RequestError, parse_request
 
     try:
-        engine = build_engine(args)
+        engine = build_engine(args, "generate")
+        defaults = generation_defaults_of(engine)
     except CLIError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     endpoint, body = request_body(args)
     try:
-        parsed = parse_request(endpoint, body, engine.tokenizer, engine.max_model_len)
+        parsed = parse_request(endpoint, body, engine.tokenizer, engine.max_model_len, defaults)
         if args.max_tokens is None:
             room = engine.max_model_len - len(parsed.prompt_token_ids)
             parsed.params = dataclasses.replace(parsed.params, max_tokens=max(1, min(DEFAULT_MAX_TOKENS, room)))

@@ -6,7 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from rein.cli.engine_options import CLIError, add_engine_options, add_model_option, build_engine
+from rein.cli.engine_options import (
+    CLIError,
+    add_engine_options,
+    add_model_option,
+    add_served_model_name_option,
+    build_engine,
+    generation_defaults_of,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -22,11 +29,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="write error lines here instead of into the output file")
     parser.add_argument("--max-in-flight", type=int, default=None, metavar="N",
                         help="requests read ahead into the engine (default 4 x --max-num-seqs)")
-    parser.add_argument("--served-model-name", default=None, metavar="NAME",
-                        help="`model` in responses when a line gives none (default: the model directory name)")
+    add_served_model_name_option(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_option(parser)
-    add_engine_options(parser)
+    add_engine_options(parser, "run-batch")
     parser.set_defaults(func=run)
 
 
@@ -37,14 +43,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: input file {args.input} does not exist", file=sys.stderr)
         return 2
     try:
-        engine = build_engine(args)
+        engine = build_engine(args, "run-batch")
+        defaults = generation_defaults_of(engine)
     except CLIError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         summary = run_batch(engine, args.input, args.output, model_name=args.served_model_name,
                             error_path=args.errors, max_in_flight=args.max_in_flight,
-                            progress=not args.no_progress)
+                            progress=not args.no_progress, generation_defaults=defaults)
     except KeyboardInterrupt:
         print(f"\ninterrupted: {args.output} holds the answers finished so far", file=sys.stderr)
         return 130

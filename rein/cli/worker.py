@@ -1,18 +1,35 @@
 """`rein worker --model NAME`: a Celery worker serving one model from its queue.
 
 NAME is a served model (REIN_MODELS); without --model, the first one. The worker uses
-the threads pool with one thread per engine sequence (REIN_MAX_NUM_SEQS, or
---concurrency, which sets both), loads the engine once, and refuses to start when the
-database is not migrated. SIGTERM (or Ctrl-C) is a warm shutdown that hands running jobs
-back to the queue and exits within seconds.
+the threads pool with one thread per engine sequence (--max-num-seqs / REIN_MAX_NUM_SEQS,
+or Celery's -c/--concurrency, which sets both), loads the engine once, and refuses to start
+when the database is not migrated. SIGTERM (or Ctrl-C) is a warm shutdown that hands running
+jobs back to the queue and exits within seconds.
+
+Engine flags are rein.cli.engine_options' (flag > REIN_* > default), except
+--generation-config: the API applies a model's sampling defaults when it parses a request
+(REIN_GENERATION_CONFIG), so the worker only logs them. Celery habits: -c, -n (`%h` is
+the host; a value without `@` is the host part, after the model's name), -l (any case),
+and -Q naming the one queue a rein worker consumes, its model's: `-Q llama` (or the full
+queue name) is `--model llama`.
 """
 
 from __future__ import annotations
 
 import argparse
-import socket
+import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from rein.cli.engine_options import add_engine_options, options_for
+
+if TYPE_CHECKING:
+    from rein.core.settings import ServedModel, Settings
+    from rein.engine.config import EngineConfig
+
+log = logging.getLogger("rein.worker")
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical", "fatal")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,37 +37,35 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                    description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, metavar="NAME",
                         help="a model name from REIN_MODELS (default: the first)")
-    parser.add_argument("--concurrency", type=int, default=None, metavar="N",
-                        help="jobs run at once, and the engine's max sequences (default: REIN_MAX_NUM_SEQS)")
-    parser.add_argument("--loglevel", default="info", choices=("debug", "info", "warning", "error"),
-                        help="worker log level (default info)")
-    parser.add_argument("--hostname", default=None, metavar="NAME",
-                        help="worker node name (default MODEL@host)")
+    parser.add_argument("-Q", "--queues", default=None, metavar="QUEUE",
+                        help="the queue to consume: a rein worker consumes its model's queue alone, so this "
+                             "names the model (NAME, or its queue's full name); the same as --model")
+    parser.add_argument("-c", "--concurrency", type=int, default=None, metavar="N",
+                        help="jobs run at once, and the engine's max sequences: --max-num-seqs under Celery's name")
+    parser.add_argument("-l", "--loglevel", default="info", type=str.lower, choices=LOG_LEVELS,
+                        help="worker log level, any case (default info)")
+    parser.add_argument("-n", "--hostname", default=None, metavar="NAME",
+                        help="worker node name NAME@HOST, as Celery's (%%h: this host); a value without @ is "
+                             "the host part: MODEL@value (default MODEL@%%h)")
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve Prometheus metrics on PORT at /metrics; 0: none "
                              "(default: REIN_WORKER_METRICS_PORT, unset: none)")
+    add_engine_options(parser, "worker")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    from rein.cli.engine_options import CLIError
     from rein.core.db import StoreError, check_migrations_current, make_engine
     from rein.core.settings import SettingsError, get_settings
 
     try:
-        settings = get_settings()
-        served = settings.served_model(args.model) if args.model else settings.default_model
-    except SettingsError as exc:
+        environment = get_settings()
+        served = served_model_for(args, environment)
+        settings = worker_settings(args, environment, served)
+    except (SettingsError, CLIError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if served is None:
-        names = ", ".join(m.name for m in settings.models) or "none (REIN_MODELS is empty)"
-        print(f"error: model {args.model!r} is not served; served models: {names}", file=sys.stderr)
-        return 2
-    if args.concurrency is not None:
-        if args.concurrency < 1:
-            print(f"error: --concurrency must be at least 1, got {args.concurrency}", file=sys.stderr)
-            return 2
-        settings = settings.model_copy(update={"max_num_seqs": args.concurrency})
     if args.metrics_port is not None:
         if not 0 <= args.metrics_port <= 65535:
             print(f"error: --metrics-port must be 0 (none) to 65535, got {args.metrics_port}", file=sys.stderr)
@@ -66,31 +81,31 @@ def run(args: argparse.Namespace) -> int:
     finally:
         db.dispose()
 
-    from rein.engine.config import EngineConfig
+    from rein.generation_defaults import load_generation_defaults
     from rein.model_files import resolve_model
     from rein.worker.app import make_celery
     from rein.worker.bootstep import EngineThreadPool, WorkerSpec, configure_worker
 
     try:
         # The bootstep loads the engine; a model that cannot be found fails here, in one line.
-        resolve_model(served.source)
-        config = EngineConfig(
-            model=served.source, device=settings.device, dtype=settings.dtype,
-            kv_cache_dtype=settings.kv_cache_dtype, kv_cache_memory=settings.kv_cache_memory,
-            max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
-            max_model_len=served.max_model_len, enforce_eager=settings.enforce_eager,
-            enable_prefix_caching=settings.enable_prefix_caching)
+        files = resolve_model(served.source)
+        config = worker_engine_config(settings, served)
+        # The API applies these when it parses a request (the job's params are fixed at intake);
+        # logged here too, so a worker's log says what its jobs were sampled with.
+        defaults = load_generation_defaults(files.directory, settings.generation_config)
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-
     app = make_celery(settings)
     _keep_rein_logging(app, args.loglevel)
+    log.info("generation defaults for model %s (applied by the API at intake): %s", served.name,
+             defaults.describe())
+    _warn_if_context_differs(args, environment, served)
     configure_worker(app, WorkerSpec(settings=settings, model_name=served.name, engine_config=config))
     from rein.core.redis_keys import RedisKeys
 
     worker = app.Worker(
-        hostname=args.hostname or f"{served.name}@{socket.gethostname()}",
+        hostname=worker_hostname(args.hostname, served.name),
         queues=[RedisKeys.from_settings(settings).queue(served.name)],
         pool_cls=EngineThreadPool,
         concurrency=settings.max_num_seqs,
@@ -101,6 +116,80 @@ def run(args: argparse.Namespace) -> int:
     )
     worker.start()
     return int(worker.exitcode or 0)
+
+
+def served_model_for(args: argparse.Namespace, settings: Settings) -> ServedModel:
+    """The model --model or -Q names (the first served one without either); CLIError otherwise."""
+    from rein.cli.engine_options import CLIError
+    from rein.core.redis_keys import RedisKeys
+
+    name = args.model
+    if args.queues is not None:
+        queues = [q.strip() for q in args.queues.split(",") if q.strip()]
+        if len(queues) != 1:
+            raise CLIError(f"-Q/--queues {args.queues!r}: a rein worker consumes one queue, its model's; run "
+                           f"one worker per model (e.g. rein worker -Q {queues[0] if queues else 'NAME'})")
+        keys = RedisKeys.from_settings(settings)
+        by_queue = {keys.queue(m.name): m.name for m in settings.models}
+        queue_model = by_queue.get(queues[0], queues[0])
+        if name is not None and name != queue_model:
+            raise CLIError(f"--model {name} and -Q {queues[0]} name different models; a worker serves one")
+        name = queue_model
+    if name is None:
+        return settings.default_model
+    served = settings.served_model(name)
+    if served is None:
+        names = ", ".join(m.name for m in settings.models) or "none (REIN_MODELS is empty)"
+        queues = ", ".join(RedisKeys.from_settings(settings).queue(m.name) for m in settings.models)
+        what = f"queue {args.queues!r}" if args.queues is not None else f"model {name!r}"
+        raise CLIError(f"{what} is not served; served models: {names}" + (f" (queues {queues})" if queues else ""))
+    return served
+
+
+def worker_settings(args: argparse.Namespace, settings: Settings, served: ServedModel) -> Settings:
+    """Settings whose engine fields hold the resolved values: flag > REIN_* > default, with
+    -c/--concurrency as --max-num-seqs and the REIN_MODELS entry's @N before REIN_MAX_MODEL_LEN."""
+    from rein.cli.engine_options import CLIError, resolve_engine_values
+
+    values = resolve_engine_values(vars(args), settings, tuple(o.name for o in options_for("worker")))
+    if args.concurrency is not None:
+        if args.concurrency < 1:
+            raise CLIError(f"-c/--concurrency must be at least 1, got {args.concurrency}")
+        if args.max_num_seqs is not None and args.max_num_seqs != args.concurrency:
+            raise CLIError(f"-c/--concurrency {args.concurrency} and --max-num-seqs {args.max_num_seqs} set the "
+                           f"same thing (jobs at once = engine sequences); give one")
+        values["max_num_seqs"] = args.concurrency
+    if args.max_model_len is None and served.max_model_len is not None:
+        values["max_model_len"] = served.max_model_len
+    return settings.model_copy(update=values)
+
+
+def worker_engine_config(settings: Settings, served: ServedModel) -> EngineConfig:
+    """The engine of `served` from resolved settings (worker_settings); ValueError if invalid."""
+    from rein.engine.config import EngineConfig
+
+    names = (*(o.name for o in options_for("worker")), "generation_config")
+    return EngineConfig(model=served.source, **{name: getattr(settings, name) for name in names})
+
+
+def worker_hostname(given: str | None, model_name: str) -> str:
+    """Celery's node name rules (`%h`, `%n`, `%d` expanded; a value without `@` is the host part),
+    with the model's name where Celery would say `celery`."""
+    from celery.utils.nodenames import host_format
+
+    given = given or "%h"
+    return host_format(given if "@" in given else f"{model_name}@{given}")
+
+
+def _warn_if_context_differs(args: argparse.Namespace, environment: Settings, served: ServedModel) -> None:
+    """The API checks a request's length against @N / REIN_MAX_MODEL_LEN / the model's own,
+    not this worker's flag: a longer request than the flag allows would fail here."""
+    api_len = served.max_model_len or environment.max_model_len
+    if args.max_model_len is not None and args.max_model_len != api_len:
+        log.warning("--max-model-len %d differs from the context length the API checks requests against "
+                    "(%s): a request longer than %d tokens fails on this worker; set it in REIN_MODELS "
+                    "(%s=...@%d) or REIN_MAX_MODEL_LEN instead, which the API reads too", args.max_model_len,
+                    api_len or "the model's own", args.max_model_len, served.name, args.max_model_len)
 
 
 def _keep_rein_logging(app: Any, loglevel: str) -> None:

@@ -27,6 +27,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -90,49 +91,7 @@ def parse_models(text: str) -> tuple[ServedModel, ...]:
     return tuple(models)
 
 
-class EngineSettings(BaseSettings):
-    """The engine options' REIN_* variables (`REIN_MAX_NUM_SEQS`, ...), which the worker, `rein
-    run-batch`, `rein generate` and `rein.LLM` read under their flags and keyword arguments
-    (rein.cli.engine_options). A class of their own so the offline tools read only these:
-    a bad REIN_DATABASE_URL does not stop `rein generate`. The defaults are EngineConfig's
-    (a test checks that they agree)."""
-
-    model_config = SettingsConfigDict(
-        env_prefix="REIN_", env_ignore_empty=True, extra="ignore", frozen=True,
-        use_attribute_docstrings=True,
-    )
-
-    # --- the engine (see rein.engine.config.EngineConfig, which validates them)
-    max_num_seqs: int = Field(64, ge=1)
-    """Sequences batched at once; also the worker's Celery concurrency."""
-    max_num_batched_tokens: int = Field(2048, ge=1)
-    """Token budget of one engine step (prefill chunks + decodes)."""
-    max_model_len: int | None = Field(None, ge=1)
-    """Context length (prompt + completion); unset: the model's. A REIN_MODELS entry's @N wins for its model."""
-    kv_cache_memory: str | None = None
-    """Bytes for the KV cache, e.g. 4GiB; unset: REIN_GPU_MEMORY_UTILIZATION on CUDA (1 GiB on CPU)."""
-    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    """With no REIN_KV_CACHE_MEMORY, on CUDA: the share of the device's free memory (after the weights) the KV cache takes."""
-    device: str = "auto"
-    """auto (cuda when available), cuda, cuda:N or cpu."""
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
-    """Weights dtype; auto: bfloat16 on CUDA, float32 on CPU."""
-    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = "auto"
-    """KV cache element type; auto: the weights dtype."""
-    block_size: int = Field(16, ge=1)
-    """Tokens per KV block (a power of two)."""
-    enforce_eager: bool = False
-    """On CUDA, launch decode steps kernel by kernel instead of replaying CUDA graphs (for debugging)."""
-    enable_prefix_caching: bool = True
-    """Reuse the KV blocks of leading tokens other requests computed (automatic prefix caching)."""
-    seed: int = 0
-    """Seeds the random seeds of requests that give none."""
-    generation_config: str = "auto"
-    """Sampling defaults: auto (the model's generation_config.json), vllm (built-in; `none` too), or a
-    folder holding a generation_config.json. The API applies them when it parses a request."""
-
-
-class Settings(EngineSettings):
+class Settings(BaseSettings):
     """rein's configuration; each field is read from `REIN_<FIELD NAME>`."""
 
     model_config = SettingsConfigDict(
@@ -254,6 +213,34 @@ class Settings(EngineSettings):
     batch_poll_seconds: float = Field(1.0, gt=0)
     """How often the API's batch manager looks for batch work (validation, feeding, finalizing)."""
 
+    # --- the engine (see rein.engine.config.EngineConfig, which validates them; EngineSettings below)
+    max_num_seqs: int = Field(64, ge=1)
+    """Sequences batched at once; also the worker's Celery concurrency."""
+    max_num_batched_tokens: int = Field(2048, ge=1)
+    """Token budget of one engine step (prefill chunks + decodes)."""
+    max_model_len: int | None = Field(None, ge=1)
+    """Context length (prompt + completion); unset: the model's. A REIN_MODELS entry's @N wins for its model."""
+    kv_cache_memory: str | None = None
+    """Bytes for the KV cache, e.g. 4GiB; unset: REIN_GPU_MEMORY_UTILIZATION on CUDA (1 GiB on CPU)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """With no REIN_KV_CACHE_MEMORY, on CUDA: the share of the device's free memory (after the weights) the KV cache takes."""
+    device: str = "auto"
+    """auto (cuda when available), cuda, cuda:N or cpu."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """Weights dtype; auto: bfloat16 on CUDA, float32 on CPU."""
+    kv_cache_dtype: Literal["auto", "float32", "float16", "bfloat16", "int8"] = "auto"
+    """KV cache element type; auto: the weights dtype."""
+    block_size: int = Field(16, ge=1)
+    """Tokens per KV block (a power of two)."""
+    enforce_eager: bool = False
+    """On CUDA, launch decode steps kernel by kernel instead of replaying CUDA graphs (for debugging)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV blocks of leading tokens other requests computed (automatic prefix caching)."""
+    seed: int = 0
+    """Seeds the random seeds of requests that give none."""
+    generation_config: str = "auto"
+    """Sampling defaults: auto (the model's generation_config.json), vllm (built-in; `none` too), or a
+    folder holding a generation_config.json. The API applies them when it parses a request."""
     worker_metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port the worker serves its Prometheus metrics on (/metrics, all interfaces); unset or 0: none."""
 
@@ -298,6 +285,25 @@ class Settings(EngineSettings):
         their leases and the reaper (rein.worker.reaper); the broker's late redelivery is a
         backstop that the claim makes harmless."""
         return 2 * self.job_timeout_seconds + 60
+
+
+# The engine options' variables (rein.cli.engine_options: the worker, `rein run-batch`, `rein
+# generate` and `rein.LLM` read them under their flags and keywords).
+ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
+                 "gpu_memory_utilization", "device", "dtype", "kv_cache_dtype", "block_size", "enforce_eager",
+                 "enable_prefix_caching", "seed", "generation_config")
+
+
+class _EngineSettingsBase(BaseSettings):
+    model_config = SettingsConfigDict(**Settings.model_config)
+
+
+EngineSettings = create_model(
+    "EngineSettings", __base__=_EngineSettingsBase, __module__=__name__,
+    __doc__="Settings' engine fields alone (the same definitions), so the offline tools read only these: "
+            "a bad REIN_DATABASE_URL does not stop `rein generate`.",
+    **{name: (Settings.model_fields[name].annotation, Settings.model_fields[name]) for name in ENGINE_FIELDS},
+)
 
 
 def load_engine_settings(**overrides: object) -> EngineSettings:

@@ -51,6 +51,9 @@ class EngineConfig:
     CUDA graphs captured at start (rein.engine.cuda_graphs); CPU engines always run eagerly.
     enable_prefix_caching: a request whose leading tokens (whole KV blocks) another request
     already computed reuses those blocks instead of computing them (rein.engine.block_pool).
+    generation_config: where the sampling defaults of requests come from (auto: the model's
+    generation_config.json; vllm or none: built-in; or a folder), rein.generation_defaults.
+    The engine itself applies none: they are filled into SamplingParams when a request is parsed.
     """
 
     model: str
@@ -66,8 +69,12 @@ class EngineConfig:
     seed: int = 0
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
+        from rein.generation_defaults import check_generation_config
+
+        check_generation_config(self.generation_config)   # a ValueError naming the choices
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

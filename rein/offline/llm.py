@@ -32,8 +32,10 @@ Choices where rein differs from vLLM:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
+import logging
 import numbers
 import sys
 import time
@@ -57,8 +59,23 @@ if TYPE_CHECKING:
 PromptType = str | Sequence[int] | Mapping[str, Any]
 Conversation = Sequence[Mapping[str, Any]]
 
+log = logging.getLogger(__name__)
+
 # vLLM arguments rein accepts but that change nothing here (rein runs no model code from the hub).
 _IGNORED_ARGS = frozenset({"trust_remote_code", "disable_log_stats"})
+
+
+def _records_given_arguments(init: Callable[..., None]) -> Callable[..., None]:
+    """Keeps the keywords a caller actually gave (as `self._given_arguments`) so that an
+    argument left out can take its REIN_* variable, while the signature still shows vLLM's
+    defaults (an explicit None counts as not given)."""
+
+    @functools.wraps(init)
+    def wrapper(self: LLM, *args: Any, **kwargs: Any) -> None:
+        self._given_arguments = {name: value for name, value in kwargs.items() if value is not None}
+        init(self, *args, **kwargs)
+
+    return wrapper
 
 
 @dataclass
@@ -121,18 +138,23 @@ class _Prompt:
 class LLM:
     """An engine in this process, driven by `generate` and `chat` (as vLLM's `LLM`).
 
-    Engine arguments use vLLM's names: `max_num_seqs`, `max_num_batched_tokens`,
-    `max_model_len` (None: the model's), `dtype` and `kv_cache_dtype` ("auto", "float32",
-    "float16", "bfloat16"; the KV cache also "int8"), `gpu_memory_utilization`,
-    `enforce_eager`, `enable_prefix_caching`, `block_size`, `seed` (for requests that give
-    none). rein's own: `device` ("auto", "cuda", "cuda:N", "cpu"), `kv_cache_memory` (bytes
-    or a size such as "4GiB"; vLLM's `kv_cache_memory_bytes` is accepted for it), and
-    `max_in_flight` (requests in the engine at once; default 4 x max_num_seqs).
+    Engine arguments use vLLM's names, the same options as the `rein run-batch` flags
+    (rein.cli.engine_options): `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`
+    (None: the model's), `dtype` and `kv_cache_dtype` ("auto", "float32", "float16",
+    "bfloat16"; the KV cache also "int8"), `gpu_memory_utilization`, `enforce_eager`,
+    `enable_prefix_caching`, `block_size`, `seed` (for requests that give none),
+    `generation_config` ("auto": the model's generation_config.json gives the sampling
+    defaults, "vllm": built-in ones, or a folder). rein's own: `device` ("auto", "cuda",
+    "cuda:N", "cpu"), `kv_cache_memory` (bytes or a size such as "4GiB"; vLLM's
+    `kv_cache_memory_bytes` is accepted for it), and `max_in_flight` (requests in the engine
+    at once; default 4 x max_num_seqs). An engine argument not given takes its REIN_*
+    variable (REIN_MAX_NUM_SEQS, ...) when set, else the default shown in the signature.
     `tensor_parallel_size` and `pipeline_parallel_size` must be 1; `trust_remote_code` and
     `disable_log_stats` are accepted and change nothing. Any other vLLM argument raises
     TypeError rather than being silently ignored.
     """
 
+    @_records_given_arguments
     def __init__(
         self,
         model: str | Path,
@@ -149,18 +171,22 @@ class LLM:
         seed: int = 0,
         device: str = "auto",
         kv_cache_memory: int | str | None = None,
+        generation_config: str = "auto",
         max_in_flight: int | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
+        from rein.cli.engine_options import ENGINE_OPTION_NAMES, resolve_engine_values
         from rein.engine.config import EngineConfig
         from rein.engine.engine import LLMEngine
+        from rein.generation_defaults import load_generation_defaults
 
+        given = dict(self._given_arguments)   # the keywords the caller wrote (_records_given_arguments)
         if "kv_cache_memory_bytes" in kwargs:
             if kv_cache_memory is not None:
                 raise TypeError("give kv_cache_memory or kv_cache_memory_bytes, not both")
-            kv_cache_memory = kwargs.pop("kv_cache_memory_bytes")
+            kv_cache_memory = given["kv_cache_memory"] = kwargs.pop("kv_cache_memory_bytes")
         unsupported = sorted(set(kwargs) - _IGNORED_ARGS)
         if unsupported:
             raise TypeError(f"LLM() got arguments rein does not support: {', '.join(unsupported)}. "
@@ -171,12 +197,11 @@ class LLM:
                 raise ValueError(f"{name}={value} is not supported: rein runs a model on one device; use 1")
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
-        config = EngineConfig(
-            model=str(model), device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, block_size=block_size,
-            kv_cache_memory=kv_cache_memory, gpu_memory_utilization=gpu_memory_utilization,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
-            seed=seed, enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching)
+        # A keyword given > its REIN_* variable > the default (rein.cli.engine_options).
+        config = EngineConfig(model=str(model), **resolve_engine_values(given, names=ENGINE_OPTION_NAMES))
         self.engine: LLMEngine = LLMEngine(config)
+        self.generation_defaults = load_generation_defaults(self.engine.model_dir, config.generation_config)
+        log.info("generation defaults for model %s: %s", model, self.generation_defaults.describe())
         self.max_in_flight = max_in_flight or default_max_in_flight(self.engine)
         self._request_counter = itertools.count()
 
@@ -187,6 +212,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """SamplingParams holding the model's sampling defaults (`generation_config`), as
+        vLLM's: what `generate` and `chat` use when given no sampling_params."""
+        return self.generation_defaults.sampling_params()
 
     # -- generation ------------------------------------------------------------------------
 
@@ -200,8 +230,10 @@ class LLM:
 
         prompts: a string, a list of token ids (one prompt), a {"prompt": text} or
         {"prompt_token_ids": [...]} dict, or a list of any of these. sampling_params: one
-        SamplingParams for all prompts, a list with one per prompt, or None (the defaults:
-        max_tokens=16, temperature=1). Raises ValueError naming the first bad prompt.
+        SamplingParams for all prompts, a list with one per prompt, or None (the model's
+        defaults, `get_default_sampling_params()`: its generation_config.json's temperature,
+        top_p, top_k, min_p and repetition_penalty, max_tokens=16). As in vLLM, a SamplingParams
+        given is used as it is. Raises ValueError naming the first bad prompt.
         """
         items = _as_prompt_list(prompts)
         prepared = [self._prepare(index, prompt) for index, prompt in enumerate(items)]
@@ -277,7 +309,7 @@ class LLM:
 
     def _params_for(self, prompts: list[_Prompt], sampling_params: Any, what: str) -> list[SamplingParams]:
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(prompts)
         else:

@@ -27,6 +27,7 @@ from typing import IO, TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from rein.engine.errors import EngineRequestError
+from rein.generation_defaults import GenerationDefaults, load_generation_defaults
 from rein.offline.driver import FinishedRequest, default_max_in_flight, drive
 from rein.openai_format import (
     INVALID_REQUEST,
@@ -90,11 +91,16 @@ def run_batch(
     error_path: str | Path | None = None,
     max_in_flight: int | None = None,
     progress: bool = True,
+    generation_defaults: GenerationDefaults | None = None,
 ) -> BatchSummary:
     """Answer every non-blank line of `input_path` into `output_path` (errors into `error_path`
-    when given, else into the output file too) and return the counts."""
+    when given, else into the output file too) and return the counts. Sampling fields a line
+    leaves out take `generation_defaults` (default: the engine's model's, per its generation_config)."""
+    if generation_defaults is None:
+        generation_defaults = load_generation_defaults(engine.model_dir, engine.config.generation_config)
     batch = _BatchRun(engine, model_name or default_model_name(engine),
                       max_in_flight or default_max_in_flight(engine))
+    batch.generation_defaults = generation_defaults
     total = count_requests(input_path)
     with open(input_path, "rb") as source, open(output_path, "w", encoding="utf-8") as out, \
             (open(error_path, "w", encoding="utf-8") if error_path else nullcontext()) as err, \
@@ -125,6 +131,7 @@ class _BatchRun:
         self.model_name = model_name
         self.max_in_flight = max(1, max_in_flight)
         self.seen_ids: set[str] = set()
+        self.generation_defaults: GenerationDefaults | None = None
         self.summary = BatchSummary()
         self.started = time.perf_counter()
         self.out: IO[str]
@@ -159,7 +166,8 @@ class _BatchRun:
             return None
         self.seen_ids.add(custom_id)
         try:
-            parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer, self.engine.max_model_len)
+            parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer, self.engine.max_model_len,
+                                   self.generation_defaults)
             request_id = uuid.uuid4().hex
             self.engine.add_request(request_id, parsed.prompt_token_ids, parsed.params)
         except RequestError as exc:
