@@ -123,7 +123,7 @@ def served_model_for(args: argparse.Namespace, settings: Settings) -> ServedMode
     from rein.cli.engine_options import CLIError
     from rein.core.redis_keys import RedisKeys
 
-    name = args.model
+    name = args.model or None          # compose passes --model '' for "the first"
     if args.queues is not None:
         queues = [q.strip() for q in args.queues.split(",") if q.strip()]
         if len(queues) != 1:

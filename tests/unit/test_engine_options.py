@@ -153,6 +153,7 @@ def test_worker_precedence(settings):
     served = served_model_for(worker_args(), settings)
     resolved = worker_settings(worker_args(), settings, served)
     assert served.name == "llama" and resolved.max_num_seqs == 8 and resolved.max_model_len == 4096  # @N
+    assert served_model_for(worker_args("--model", ""), settings).name == "llama"    # compose's empty WORKER_MODEL
     qwen = served_model_for(worker_args("--model", "qwen"), settings)
     assert worker_settings(worker_args("--model", "qwen"), settings, qwen).max_model_len == 2048   # REIN_*
     args = worker_args("--max-model-len", "1024", "--max-num-seqs", "3", "--gpu-memory-utilization", "0.5",
