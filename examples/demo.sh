@@ -23,4 +23,4 @@ echo "--- an offline batch of $(wc -l < examples/questions.jsonl) questions (rei
 
 echo "--- a streamed chat answer (rein generate --chat):"
 "$BIN/rein" generate --model "$MODEL" --chat --max-tokens 96 --temperature 0 \
-    "Write a short poem about the sea."
+    "Explain why the sky is blue in two sentences."
