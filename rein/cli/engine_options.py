@@ -63,8 +63,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "comes before REIN_MAX_MODEL_LEN)", int, "N", shown_default="the model's"),
     EngineOption("max_num_seqs", "most requests in one step; the worker's concurrency too", int, "N"),
     EngineOption("max_num_batched_tokens", "token budget of one step (prefill chunks + decodes)", int, "N"),
-    EngineOption("gpu_memory_utilization", "without --kv-cache-memory, on CUDA: the share of the device's free "
-                 "memory, after the weights, that the KV cache takes", float, "FRACTION"),
+    EngineOption("gpu_memory_utilization", "without --kv-cache-memory, on CUDA: the share of the device's total "
+                 "memory rein fills; the KV cache gets what is free after the weights less (1 - FRACTION) x total",
+                 float, "FRACTION"),
     EngineOption("kv_cache_memory", "memory for the KV cache, e.g. 2GiB; wins over --gpu-memory-utilization",
                  str, "SIZE", shown_default="--gpu-memory-utilization on CUDA, 1GiB on CPU"),
     EngineOption("kv_cache_dtype", "KV cache element type (auto: the model dtype)", choices=KV_CACHE_DTYPES),

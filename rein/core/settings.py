@@ -223,7 +223,8 @@ class Settings(BaseSettings):
     kv_cache_memory: str | None = None
     """Bytes for the KV cache, e.g. 4GiB; unset: REIN_GPU_MEMORY_UTILIZATION on CUDA (1 GiB on CPU)."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
-    """With no REIN_KV_CACHE_MEMORY, on CUDA: the share of the device's free memory (after the weights) the KV cache takes."""
+    """With no REIN_KV_CACHE_MEMORY, on CUDA: the share of the device's total memory rein fills (the KV
+    cache gets what is free after the weights less (1 - this) x total)."""
     device: str = "auto"
     """auto (cuda when available), cuda, cuda:N or cpu."""
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"

@@ -44,9 +44,10 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 class EngineConfig:
     """How big the engine is and where it runs.
 
-    kv_cache_memory: bytes for the KV block pool (int or '4GiB'); when None,
-    gpu_memory_utilization (a share of the device's free memory after the weights) sizes
-    it on CUDA, and a fixed 1 GiB default is used on CPU.
+    kv_cache_memory: bytes for the KV block pool (int or '4GiB'); when None, on CUDA,
+    gpu_memory_utilization sizes it: the share of the device's total memory rein fills, so the
+    pool gets the memory free after the weights less (1 - gpu_memory_utilization) x total (as
+    vLLM's, memory other processes hold counts against it); on CPU a fixed 1 GiB.
     enforce_eager: on CUDA, run decode-only steps kernel by kernel instead of replaying the
     CUDA graphs captured at start (rein.engine.cuda_graphs); CPU engines always run eagerly.
     enable_prefix_caching: a request whose leading tokens (whole KV blocks) another request
