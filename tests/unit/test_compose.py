@@ -130,7 +130,8 @@ def test_dockerfile():
     copies = [line for line in instructions if line.upper().startswith("COPY ")]
     assert any(re.match(r"COPY\s+migrations/?\s", line) for line in copies), copies
     assert any(re.match(r"COPY\s+rein/?\s", line) for line in copies), copies
-    assert any(re.match(r"RUN\s+pip install(\s+\S+)*\s+\.$", line) for line in instructions)
+    # the project itself, with the GGUF extra: pip install . / '.[gguf]'
+    assert any(re.match(r"RUN\s+pip install(\s+\S+)*\s+'?\.(\[gguf\])?'?$", line) for line in instructions)
     assert re.search(r"^FROM\s+\S*python:3\.11-slim|^ARG BASE_IMAGE=python:3\.11-slim", text, re.M)
     assert re.search(r"^USER\s+(?!root\b|0\b)\S+", text, re.M), "the image must run as a non-root user"
     assert re.search(r'^ENTRYPOINT\s+\["rein"\]\s*$', text, re.M)
