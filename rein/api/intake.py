@@ -117,7 +117,7 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Pre
         served = ", ".join(e.name for e in registry) or "none"
         raise APIError(404, f"The model '{name}' does not exist or you do not have access to it "
                             f"(served: {served}).", param="model", code="model_not_found")
-    parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len)
+    parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults)
     return Prepared(entry, endpoint, body, parsed)
 
 
