@@ -88,6 +88,12 @@ def test_parse_request_as_the_api_uses_it(greedy_model):
     chat = parse_request("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
                          entry.tokenizer, entry.max_model_len, entry.generation_defaults).params
     assert chat.greedy
+    # the API's intake (and batch validation, which prepares lines the same way) applies them
+    from rein.api.intake import prepare
+    from rein.api.tokenizers import ModelRegistry
+
+    prepared = prepare(ModelRegistry([entry]), "/v1/completions", {"prompt": "x"})
+    assert prepared.parsed.params.greedy and prepared.parsed.params.top_p == 0.8
     # no defaults (and `vllm`): rein's built-in ones
     assert params({}, None).temperature == 1.0 and params({}, GenerationDefaults()).top_p == 1.0
     builtin = load_model(ServedModel(name="greedy", source=str(greedy_model)), generation_config="vllm")
