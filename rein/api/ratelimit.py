@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from redis import Redis
+from redis.commands.core import Script
 
 from rein.core.keys import KeyInfo
 from rein.core.redis_keys import RedisKeys
@@ -119,6 +120,7 @@ if actual > charged then
 end
 return actual - charged
 """
+_SETTLE_BYTES = _SETTLE.encode()
 
 
 @dataclass(frozen=True)
@@ -244,8 +246,9 @@ def settle_tokens(redis: Redis, keys: RedisKeys, job_id: str, key_id: str, actua
     already). Idempotent: the record is deleted as it is read."""
     now = time.time() if now is None else now
     current = keys.rate_limit(key_id, "tpm", int(now // WINDOW_SECONDS))
-    result = redis.eval(_SETTLE, 2, tpm_charge_key(keys, job_id), current, max(int(actual_tokens), 0),
-                        WINDOW_SECONDS * 2)
+    # EVALSHA (the script sent once per connection pool's server), one round trip per job.
+    result = Script(redis, _SETTLE_BYTES)(keys=[tpm_charge_key(keys, job_id), current],
+                                          args=[max(int(actual_tokens), 0), WINDOW_SECONDS * 2])
     return None if result is None else int(result)
 
 

@@ -140,7 +140,8 @@ class Settings(BaseSettings):
     default_rpm: int | None = Field(None, ge=1)
     """Requests per minute for a key without its own limit; unset: unlimited."""
     default_tpm: int | None = Field(None, ge=1)
-    """Tokens (prompt + max_tokens) per minute for a key without its own limit; unset: unlimited."""
+    """Tokens per minute for a key without its own limit (a request is charged prompt + max_tokens, or
+    prompt + REIN_TPM_COMPLETION_ESTIMATE without max_tokens, then settled on its usage); unset: unlimited."""
 
     # --- HTTP conventions and token accounting of the API (rein.api.conventions, rein.api.ratelimit)
     allowed_origins: Annotated[tuple[str, ...], NoDecode] = ()

@@ -194,10 +194,13 @@ async def _follow(events: AsyncIterator[StreamEvent | None], text: list[str],
 async def _client_gone(request: Request) -> None:
     """Returns when the client disconnects. The body has been read, so the server's next
     message is `http.disconnect` (uvicorn sends it when the connection closes)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
+    try:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+    except Exception:   # no way to tell any more: never report a disconnect that was not seen
+        await asyncio.Event().wait()
 
 
 def _abandon(request: Request, key: KeyInfo, job_id: str) -> None:
