@@ -217,11 +217,11 @@ def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int
 # unrecognized argument: a field rein ignored would change nothing while its sender believes
 # it changed the answer (vLLM's guided_json, a misspelt temperature).
 _SAMPLING_FIELDS = frozenset({
-    "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
     "skip_special_tokens", "n", "stream", "stream_options", "logprobs", "logit_bias"})
 _CHAT_FIELDS = _SAMPLING_FIELDS | {
-    "messages", "max_completion_tokens", "top_logprobs", "chat_template_kwargs", "response_format",
+    "messages", "top_logprobs", "chat_template_kwargs", "response_format",
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
 _COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix", "best_of"}
 # OpenAI's bookkeeping fields: accepted, with no effect on the answer.
