@@ -134,14 +134,16 @@ def _stop(proc: subprocess.Popen, timeout: float = 15.0) -> None:
 @contextmanager
 def run_service(tmp: Path, model_dir: Path, *, scopes: str = "inference,usage",
                 extra_env: dict[str, str] | None = None, postgres_url: str = POSTGRES_URL,
-                redis_url: str = REDIS_URL, workers: int = 1) -> Iterator[Service]:
+                redis_url: str = REDIS_URL, workers: int = 1, model_name: str = MODEL,
+                max_model_len: int = MAX_MODEL_LEN) -> Iterator[Service]:
     """Migrate a fresh database, start the API and `workers` workers, create keys for tenants
     a and b.
 
     `scopes` are the keys' scopes; `extra_env` adds or overrides REIN_* settings of all the
     processes; `postgres_url` (a server's maintenance database) and `redis_url` choose the
-    servers (the fault tests start their own). Everything is stopped and dropped on exit,
-    pass or fail.
+    servers (the fault tests start their own). `model_dir` is served as `model_name` with
+    `max_model_len` (a directory or a GGUF file; the real-model tier serves a GGUF file).
+    Everything is stopped and dropped on exit, pass or fail.
     """
     import psycopg
     import redis
@@ -170,7 +172,7 @@ def run_service(tmp: Path, model_dir: Path, *, scopes: str = "inference,usage",
         "REIN_DATABASE_URL": server.set(database=dbname).render_as_string(hide_password=False),
         "REIN_REDIS_URL": redis_url,
         "REIN_REDIS_KEY_PREFIX": prefix,
-        "REIN_MODELS": f"{MODEL}={model_dir}@{MAX_MODEL_LEN}",
+        "REIN_MODELS": f"{model_name}={model_dir}@{max_model_len}",
         "REIN_KV_CACHE_MEMORY": "32MiB",
         "REIN_API_HOST": "127.0.0.1",
         "REIN_API_PORT": str(port),
@@ -197,9 +199,9 @@ def run_service(tmp: Path, model_dir: Path, *, scopes: str = "inference,usage",
     try:
         cli("migrate")   # creates the database (it does not exist yet) and upgrades it
         t_migrate = time.monotonic()
-        worker_procs = [spawn("worker", "worker", "--model", MODEL, "--hostname", hostname, "--loglevel", "info")]
+        worker_procs = [spawn("worker", "worker", "--model", model_name, "--hostname", hostname, "--loglevel", "info")]
         for n in range(1, workers):
-            worker_procs.append(spawn(f"worker{n}", "worker", "--model", MODEL, "--hostname",
+            worker_procs.append(spawn(f"worker{n}", "worker", "--model", model_name, "--hostname",
                                       f"e2e-{run_id}-{n}@localhost", "--loglevel", "info"))
         worker = worker_procs[0]
         api = spawn("api", "api")
