@@ -7,6 +7,8 @@ import shutil
 import sys
 import tempfile
 
+from rein.cli.engine_options import API, add_engine_options, options_for
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("api", help="serve the HTTP API (uvicorn)",
@@ -23,6 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--allowed-origins", default=None,
                         help="origins browser pages may call the API from (CORS), comma separated or '*' "
                              "(default: REIN_ALLOWED_ORIGINS, none: no CORS headers)")
+    # The API applies the model's generation defaults and checks the context length itself.
+    add_engine_options(parser, API)
     parser.set_defaults(func=run)
 
 
@@ -37,7 +41,8 @@ def run(args: argparse.Namespace) -> int:
 
     flags = (("api_host", args.host), ("api_port", args.port), ("api_workers", args.workers),
              ("api_root_path", args.root_path), ("forwarded_allow_ips", args.forwarded_allow_ips),
-             ("allowed_origins", args.allowed_origins))
+             ("allowed_origins", args.allowed_origins),
+             *((option.name, getattr(args, option.name)) for option in options_for(API)))
     overrides = {name: value for name, value in flags if value is not None}
     try:
         settings = load_settings(**overrides)

@@ -28,6 +28,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 WORKER = "worker"
 OFFLINE = ("run-batch", "generate")        # the commands with an engine in the process
+API = "api"                                # runs no engine, but checks and completes requests
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,9 @@ class EngineOption:
 
 
 ENGINE_OPTIONS: tuple[EngineOption, ...] = (
-    EngineOption("max_model_len", "context length, prompt + completion (on the worker, a REIN_MODELS entry's @N "
-                 "comes before REIN_MAX_MODEL_LEN)", int, "N", shown_default="the model's"),
+    EngineOption("max_model_len", "context length, prompt + completion (for a served model, its REIN_MODELS "
+                 "entry's @N comes before REIN_MAX_MODEL_LEN)", int, "N", shown_default="the model's",
+                 commands=(WORKER, *OFFLINE, API)),
     EngineOption("max_num_seqs", "most requests in one step; the worker's concurrency too", int, "N"),
     EngineOption("max_num_batched_tokens", "token budget of one step (prefill chunks + decodes)", int, "N"),
     EngineOption("gpu_memory_utilization", "without --kv-cache-memory, on CUDA: the share of the device's total "
@@ -79,13 +81,17 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("seed", "engine seed: seeds the sampling of requests that give no seed", int, "N"),
     EngineOption("generation_config", "sampling defaults of requests: auto (the model's generation_config.json), "
                  "vllm (built-in; none is the same), or a folder holding a generation_config.json",
-                 str, "auto|vllm|FOLDER", commands=OFFLINE),
+                 str, "auto|vllm|FOLDER", commands=(*OFFLINE, API)),
 )
 ENGINE_OPTION_NAMES = tuple(option.name for option in ENGINE_OPTIONS)
 
 
 def options_for(command: str) -> tuple[EngineOption, ...]:
     return tuple(option for option in ENGINE_OPTIONS if command in option.commands)
+
+
+def options_by_name(name: str) -> EngineOption:
+    return next(option for option in ENGINE_OPTIONS if option.name == name)
 
 
 def add_model_option(parser: argparse.ArgumentParser) -> None:
@@ -106,9 +112,10 @@ def add_engine_options(parser: argparse.ArgumentParser, command: str) -> None:
         else:
             group.add_argument(option.flag, dest=option.name, type=option.type, choices=option.choices,
                                metavar=option.metavar, default=None, help=help_text)
-    # The spelling rein had before vLLM's; hidden.
-    group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                       default=None, help=argparse.SUPPRESS)
+    if command in options_by_name("enable_prefix_caching").commands:
+        # The spelling rein had before vLLM's; hidden.
+        group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+                           default=None, help=argparse.SUPPRESS)
 
 
 def add_served_model_name_option(parser: argparse.ArgumentParser) -> None:

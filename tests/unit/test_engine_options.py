@@ -62,7 +62,8 @@ def test_the_commands_share_one_set_of_options(capsys):
             "--kv-cache-memory", "--kv-cache-dtype", "--dtype", "--device", "--block-size", "--enable-prefix-caching",
             "--no-enable-prefix-caching", "--enforce-eager", "--no-enforce-eager", "--seed",
             "--generation-config"} == offline
-    for command in ("worker", "run-batch", "generate"):
+    assert engine_flags("api") == {"--max-model-len", "--generation-config"}   # what intake applies
+    for command in ("worker", "run-batch", "generate", "api"):
         with pytest.raises(SystemExit):
             build_parser().parse_args([command, "--help"])
         shown = capsys.readouterr().out
