@@ -103,11 +103,6 @@ def resolve_model(model: str | Path, *, weights: bool = True) -> ModelFiles:
     return ModelFiles(_download(str(model), weights))
 
 
-def resolve_model_dir(model: str | Path) -> Path:
-    """The directory holding config.json and the tokenizer (see `resolve_model`)."""
-    return resolve_model(model).directory
-
-
 def _download(hub_id: str, weights: bool) -> Path:
     patterns = ["*.json", "tokenizer*", "*.model", "*.txt", "*.jinja"]
     if weights:

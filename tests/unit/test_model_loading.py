@@ -15,7 +15,6 @@ from rein.model_files import (
     GGUFSupportMissing,
     ModelNotFoundError,
     resolve_model,
-    resolve_model_dir,
 )
 
 
@@ -57,19 +56,19 @@ def test_llama3_rope_scaling_is_read_and_matches_transformers(tiny_models):
 
 def test_missing_model_directory_is_a_clear_error(tmp_path):
     with pytest.raises(ModelNotFoundError, match="does not exist") as info:
-        resolve_model_dir(str(tmp_path / "nope"))
+        resolve_model(str(tmp_path / "nope"))
     assert "GGUF file" in str(info.value) and "hub id" in str(info.value)
     (tmp_path / "file.bin").write_bytes(b"x")
     with pytest.raises(ModelNotFoundError, match="is a file but not a GGUF file"):
-        resolve_model_dir(str(tmp_path / "file.bin"))
+        resolve_model(str(tmp_path / "file.bin"))
     (tmp_path / "empty").mkdir()
     with pytest.raises(ModelNotFoundError, match="neither config.json nor a GGUF file"):
-        resolve_model_dir(str(tmp_path / "empty"))
+        resolve_model(str(tmp_path / "empty"))
     (tmp_path / "two").mkdir()
     for name in ("a.gguf", "b.gguf"):
         (tmp_path / "two" / name).write_bytes(b"GGUF")
     with pytest.raises(ModelNotFoundError, match=r"holds 2 GGUF files \(a.gguf, b.gguf\)"):
-        resolve_model_dir(str(tmp_path / "two"))
+        resolve_model(str(tmp_path / "two"))
 
 
 def test_unreachable_hub_names_the_three_ways_to_give_a_model(monkeypatch):
@@ -80,7 +79,7 @@ def test_unreachable_hub_names_the_three_ways_to_give_a_model(monkeypatch):
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     with pytest.raises(ModelNotFoundError) as info:
-        resolve_model_dir("SomeOrg/some-model")
+        resolve_model("SomeOrg/some-model")
     message = str(info.value)
     assert "network is unreachable" in message
     assert "model directory" in message and "GGUF file" in message and "hub id" in message
