@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -27,3 +28,17 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]
         return built[key]
 
     return get
+
+
+@pytest.fixture
+def clean_rein_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No REIN_* variable from the machine leaks into a test; the cached settings are dropped
+    (modules about settings use it for every test: `pytest.mark.usefixtures`)."""
+    from rein.core.settings import get_settings
+
+    for name in list(os.environ):
+        if name.startswith("REIN_"):
+            monkeypatch.delenv(name)
+    get_settings.cache_clear()
+    yield
+    get_settings.cache_clear()

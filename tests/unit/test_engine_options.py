@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import os
 from dataclasses import fields
 
 import pytest
@@ -20,20 +19,11 @@ from rein.cli.engine_options import (
 )
 from rein.cli.main import build_parser
 from rein.cli.worker import served_model_for, worker_engine_config, worker_hostname, worker_settings
-from rein.core.settings import EngineSettings, Settings, get_settings, load_engine_settings
+from rein.core.settings import EngineSettings, Settings, load_engine_settings
 from rein.engine.config import EngineConfig
 from rein.offline.llm import LLM
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    """No REIN_* variable from the machine leaks into a test."""
-    for name in list(os.environ):
-        if name.startswith("REIN_"):
-            monkeypatch.delenv(name)
-    get_settings.cache_clear()
-    yield
-    get_settings.cache_clear()
+pytestmark = pytest.mark.usefixtures("clean_rein_env")
 
 
 def subparser(command: str) -> argparse.ArgumentParser:

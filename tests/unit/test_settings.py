@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 from pathlib import Path
 
@@ -18,16 +17,7 @@ from rein.core.settings import (
     parse_models,
 )
 
-
-@pytest.fixture(autouse=True)
-def clean_env(monkeypatch):
-    """No REIN_* variable from the machine leaks into a test; the cached settings are dropped."""
-    for name in list(os.environ):
-        if name.startswith("REIN_"):
-            monkeypatch.delenv(name)
-    get_settings.cache_clear()
-    yield
-    get_settings.cache_clear()
+pytestmark = pytest.mark.usefixtures("clean_rein_env")
 
 
 def test_defaults():
