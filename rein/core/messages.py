@@ -64,7 +64,11 @@ class JobMessage:
 @dataclass
 class TokenEvent:
     """One step's delta of one job. `seq` counts events from 1 with no gaps; the last event
-    has `finish_reason` and `usage` set. Concatenated `text` equals the final text."""
+    has `finish_reason` and `usage` set. Concatenated `text` equals the final text.
+
+    `index` is the choice a delta belongs to when the request has n > 1; a choice's
+    `choice_finish_reason` ends that choice only (the job ends with the event that has
+    `finish_reason`)."""
 
     seq: int
     text: str
@@ -72,6 +76,8 @@ class TokenEvent:
     finish_reason: str | None = None
     usage: dict[str, Any] | None = None
     error: str | None = None
+    index: int = 0
+    choice_finish_reason: str | None = None
 
     @property
     def final(self) -> bool:
@@ -85,6 +91,10 @@ class TokenEvent:
             data["usage"] = self.usage
         if self.error is not None:
             data["error"] = self.error
+        if self.index:
+            data["index"] = self.index
+        if self.choice_finish_reason is not None:
+            data["choice_finish_reason"] = self.choice_finish_reason
         return json.dumps(data, ensure_ascii=False, separators=(",", ":"))
 
     @classmethod
@@ -92,4 +102,5 @@ class TokenEvent:
         data = json.loads(raw)
         return cls(seq=data["seq"], text=data["text"], token_ids=data.get("token_ids", []),
                    finish_reason=data.get("finish_reason"), usage=data.get("usage"),
-                   error=data.get("error"))
+                   error=data.get("error"), index=data.get("index", 0),
+                   choice_finish_reason=data.get("choice_finish_reason"))

@@ -195,6 +195,10 @@ class Result(Base):
     token_ids: Mapped[list[int]]
     logprobs: Mapped[dict[str, Any] | None]
     """Only when the request asked for logprobs, in the shape the response needs."""
+    response: Mapped[dict[str, Any] | None]
+    """Parts of the response body the worker built, merged over the plain one-choice body:
+    `choices` (n > 1, echo, prompt logprobs, tool calls) or `data` (embeddings). NULL for a
+    plain answer."""
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
     job: Mapped[Job] = relationship(back_populates="result")

@@ -25,3 +25,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0                # prompt tokens taken from the prefix cache
+    index: int = 0                            # the choice (0..n-1) of a request with n > 1
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which
+    # has no context), on the request's first output only.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    # An embedding request's pooled vector (its only, finished, output).
+    embedding: list[float] | None = None

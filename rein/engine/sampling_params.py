@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 MAX_LOGPROBS = 20
+MAX_N = 128                 # OpenAI's limit on choices per request
+MAX_LOGIT_BIAS = 100.0      # OpenAI's range for a logit_bias value: -100..100
+STRUCTURED_TYPES = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 class SamplingParamsError(ValueError):
@@ -26,7 +29,15 @@ class SamplingParams:
 
     temperature == 0 means greedy. top_k == 0 (or -1) disables top-k. `logprobs` is the
     number of top alternatives to return per token (None: no logprobs at all; 0: only the
-    chosen token's logprob).
+    chosen token's logprob); `prompt_logprobs` the same for every prompt token (vLLM's).
+
+    `n` choices share one prefill; choice i samples with seed `seed + i`. `logit_bias`
+    maps token ids to a bias added to their logits (-100 bans, 100 forces); `min_tokens`
+    holds back EOS and the stop token ids until that many tokens are out. `structured`
+    constrains the output to a grammar: {"type": "json_schema", "schema": {...}},
+    {"type": "json_object"}, {"type": "regex", "pattern": str}, {"type": "choice",
+    "choices": [str, ...]} or {"type": "grammar", "grammar": str} (plain JSON, so it
+    travels in the queue message as it is).
     """
 
     max_tokens: int = 16
@@ -43,6 +54,11 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    n: int = 1
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    prompt_logprobs: int | None = None
+    structured: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,6 +82,29 @@ class SamplingParams:
         if self.logprobs is not None:
             self._check(0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
                         f"logprobs must be between 0 and {MAX_LOGPROBS}, got {self.logprobs}")
+        if self.prompt_logprobs is not None:
+            self._check(0 <= self.prompt_logprobs <= MAX_LOGPROBS, "prompt_logprobs",
+                        f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {self.prompt_logprobs}")
+        self._check(1 <= self.n <= MAX_N, "n", f"n must be between 1 and {MAX_N}, got {self.n}")
+        self._check(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+                    f"min_tokens must be between 0 and max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        if self.logit_bias:
+            # JSON object keys are strings: a bias map that went through a queue message
+            # comes back with "123" keys.
+            try:
+                self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+            except (TypeError, ValueError):
+                raise SamplingParamsError("logit_bias", "logit_bias maps token ids to numbers") from None
+            bad = next((v for v in self.logit_bias.values() if not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS), None)
+            self._check(bad is None, "logit_bias",
+                        f"logit_bias values must be between -{MAX_LOGIT_BIAS:g} and {MAX_LOGIT_BIAS:g}, got {bad}")
+        else:
+            self.logit_bias = None
+        if self.structured is not None:
+            kind = self.structured.get("type") if isinstance(self.structured, dict) else None
+            self._check(kind in STRUCTURED_TYPES, "structured",
+                        f"structured must be an object whose type is one of {', '.join(STRUCTURED_TYPES)}, "
+                        f"got {self.structured!r:.80}")
         self._check(len(self.stop) <= 4, "stop", f"at most 4 stop sequences are allowed, got {len(self.stop)}")
         self._check(all(isinstance(s, str) and s for s in self.stop), "stop",
                     "stop sequences must be non-empty strings")
