@@ -248,6 +248,7 @@ class IncrementalDetokenizer:
         "_pieces",
         "_text",
         "_finished",
+        "_unchecked",
     )
 
     def __init__(
@@ -257,6 +258,7 @@ class IncrementalDetokenizer:
         *,
         skip_special_tokens: bool = True,
         stop: Sequence[str] = (),
+        min_tokens: int = 0,
     ) -> None:
         del prompt_token_ids  # see the class docstring
         self.stopped = False
@@ -289,6 +291,10 @@ class IncrementalDetokenizer:
         self._pieces: list[str] = []  # emitted deltas; joined lazily by `text`
         self._text: str | None = ""
         self._finished = False
+        # SamplingParams.min_tokens: the text of the first `min_tokens` tokens is emitted
+        # without looking for stop strings (vLLM's rule), so a stop string cannot end the
+        # request before min_tokens either.
+        self._unchecked = min_tokens if self._stops else 0
 
     @property
     def text(self) -> str:
@@ -303,6 +309,9 @@ class IncrementalDetokenizer:
         if self.stopped or self._finished:
             return ""
         piece = self._stream.push(token_id)
+        if self._unchecked:   # counted per token, whether it completed any text or not
+            self._unchecked -= 1
+            return self._emit(piece)
         if not piece:
             return ""
         if not self._stops:

@@ -5,6 +5,13 @@ forward pass, the sampler picks the next token of every request that finished it
 prompt, the detokenizer turns it into a text delta, and stop conditions end requests
 (their blocks go back to the pool at once). The engine knows nothing of queues,
 databases or Celery; a caller drives `step()` (directly, or through `EngineRunner`).
+
+A request with n > 1 choices is prefilled once, as choice 0; in the step that computes
+its last prompt token it forks (`_fork`): choices 1..n-1 become requests of their own
+that share the prompt's KV blocks, and all n draw their first token from the same
+logits row, each with its own generator (seed + index). Every output names its choice
+(`index`); `finish_reason` ends that choice and `finished` only the last one to end.
+`self.requests` maps a request id to its choice 0, whose `group` lists all choices.
 """
 
 from __future__ import annotations
@@ -22,7 +29,7 @@ from rein.engine.detokenizer import IncrementalDetokenizer
 from rein.engine.errors import ContextLengthExceeded, EngineRequestError
 from rein.engine.model_runner import ModelRunner
 from rein.engine.outputs import RequestOutput, TokenLogprob
-from rein.engine.request import Request, RequestStatus
+from rein.engine.request import ChoiceGroup, Request, RequestStatus
 from rein.engine.sampler import Sampler, SamplingBatch, make_generator
 from rein.engine.sampling_params import SamplingParams
 from rein.engine.scheduler import Scheduler
@@ -73,7 +80,8 @@ class LLMEngine:
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
         self.stats = EngineStats()
         self._seeds = random.Random(config.seed)
-        self._aborted: list[Request] = []
+        self._aborted: list[RequestOutput] = []
+        self._num_unforked = 0   # n > 1 requests not forked yet (the step checks for forks)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -94,6 +102,12 @@ class LLMEngine:
                                      param="prompt")
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceeded(self.max_model_len, len(token_ids), params.max_tokens)
+        if params.logit_bias:
+            bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise EngineRequestError(
+                    f"logit_bias names token id {bad}, outside the vocabulary (0..{vocab - 1}): "
+                    f"use token ids of this model's tokenizer", param="logit_bias")
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
@@ -101,22 +115,61 @@ class LLMEngine:
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             priority=priority,
         )
-        request.detokenizer = IncrementalDetokenizer(
-            self.tokenizer, token_ids, skip_special_tokens=params.skip_special_tokens, stop=params.stop)
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-            request.generator = make_generator(seed, self.runner.device)
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]   # the first prompt token has no context
+        if params.n > 1:
+            request.group = ChoiceGroup(params.n)
+            request.group.choices.append(request)
+            self._num_unforked += 1
+        self._init_choice_state(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
 
+    def _init_choice_state(self, choice: Request) -> None:
+        """Create the per-choice helpers of a new request or of a forked choice: its
+        detokenizer (stop strings) and, when it samples, its generator, seeded `seed +
+        index` (a fresh seed per choice when the request has none), so each choice's tokens
+        depend on neither the batch nor the other choices. Per-choice state added later
+        (a structured-output grammar matcher) is created here too."""
+        params = choice.sampling_params
+        choice.detokenizer = IncrementalDetokenizer(
+            self.tokenizer, choice.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
+            stop=params.stop, min_tokens=params.min_tokens)
+        if not params.greedy:
+            seed = params.seed + choice.index if params.seed is not None else self._seeds.getrandbits(63)
+            choice.generator = make_generator(seed, self.runner.device)
+
     def abort(self, request_id: str) -> bool:
-        """End a request now; its blocks are freed and its last output says `abort`."""
+        """End a request now (all its choices); their blocks are freed and the last output
+        of each unfinished choice says `abort` (the last of them is the finished one)."""
         request = self.requests.get(request_id)
-        if request is None or request.is_finished:
+        if request is None or request.is_finished and request.group is None:
             return False
-        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-        self._aborted.append(request)
+        group = request.group
+        if group is None:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+            self._aborted.append(self._final_output(request, True))
+            return True
+        if group.num_unfinished == 0:
+            return False   # aborted already; its outputs are still to come
+        ending = [c for c in group.choices if not c.is_finished]
+        for choice in ending:
+            self.scheduler.finish(choice, RequestStatus.FINISHED_ABORTED)
+        # Choices not forked yet end too, with nothing generated.
+        missing = range(0)
+        if not group.forked:
+            self._num_unforked -= 1
+            missing = range(len(group.choices), group.n)
+            group.forked = True
+        count = len(ending) + len(missing)
+        for i, choice in enumerate(ending):
+            self._aborted.append(self._final_output(choice, i == count - 1))
+        for j, index in enumerate(missing, start=len(ending)):
+            self._aborted.append(RequestOutput(
+                request_id, [], "", j == count - 1, "abort", num_prompt_tokens=request.num_prompt_tokens,
+                num_cached_tokens=request.num_cached_tokens, index=index))
+        group.num_unfinished = 0
         return True
 
     def has_unfinished(self) -> bool:
@@ -134,10 +187,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        outputs = [self._final_output(r) for r in self._aborted]
-        for request in self._aborted:
-            self.requests.pop(request.request_id, None)
-        self._aborted = []
+        outputs: list[RequestOutput] = []
+        if self._aborted:
+            outputs, self._aborted = self._aborted, []
+            for out in outputs:
+                if out.finished:
+                    self.requests.pop(out.request_id, None)
 
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
@@ -158,6 +213,11 @@ class LLMEngine:
             self.stats.prompt_tokens += max(0, min(s.end, request.num_prompt_tokens) - s.start)
             if caching and s.end // block_size > request.num_registered_blocks:
                 self.scheduler.register_computed_blocks(request)
+        if result.prompt_logprobs:
+            for request, first, entries in result.prompt_logprobs:
+                # A recompute after preemption scores the same tokens again: replace them.
+                del request.prompt_logprobs[first:]
+                request.prompt_logprobs.extend(entries)
         self._record_kv_utilization()
         if result.sampling:
             outputs.extend(self._sample_and_update(result.logits, result.sampling))
@@ -170,11 +230,14 @@ class LLMEngine:
 
     def _sample_and_update(self, logits: torch.Tensor, sampling: list[Request]) -> list[RequestOutput]:
         # The hot loop of the step on CPU (one pass per sampled request), kept lean on purpose.
+        if self._num_unforked:
+            logits, sampling = self._fork(logits, sampling)
         batch = SamplingBatch(
             params=[r.sampling_params for r in sampling],
             generators=[r.generator for r in sampling],
             prompt_token_ids=[r.prompt_token_ids for r in sampling],
             output_token_ids=[r.output_token_ids for r in sampling],
+            eos_token_ids=[r.eos_token_ids for r in sampling],
         )
         sampled = self.sampler(logits, batch)
         now = time.monotonic()
@@ -192,19 +255,62 @@ class LLMEngine:
             detokenizer = request.detokenizer
             delta = detokenizer.add_token(token)
             status = self._stop_status(request, token, len(output_ids))
-            if status is not None:
+            finished = status is not None
+            if finished:
                 if not detokenizer.stopped:
                     delta += detokenizer.finish()  # release text held back for a stop string
                 self.scheduler.finish(request, status)
-                self.requests.pop(request.request_id, None)
-                self.stats.finished += 1
-            append(RequestOutput(
-                request.request_id, [token], delta, status is not None, request.finish_reason,
+                if request.group is not None:   # the request ends with its last choice
+                    request.group.num_unfinished -= 1
+                    finished = request.group.num_unfinished == 0
+                if finished:
+                    self.requests.pop(request.request_id, None)
+                    self.stats.finished += 1
+            output = RequestOutput(
+                request.request_id, [token], delta, finished, request.finish_reason,
                 request.stop_reason, len(request.prompt_token_ids), len(output_ids), logprob,
-                request.num_cached_tokens,
-            ))
+                request.num_cached_tokens, request.index,
+            )
+            if request.prompt_logprobs is not None:   # all gathered: they go with the first token
+                output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
+            append(output)
         self.stats.generation_tokens += len(sampling)
         return outputs
+
+    def _fork(self, logits: torch.Tensor, sampling: list[Request]) -> tuple[torch.Tensor, list[Request]]:
+        """Fork the n > 1 requests among `sampling` that just computed their prompt into
+        their n choices: the new choices join the scheduler's running requests (sharing
+        the prompt's blocks; the partly filled last block is copied for each) and get rows
+        of their own, copies of their parent's, in the logits and the sampling list, so
+        every choice's first token comes from the same prompt logits."""
+        rows: list[int] = []
+        expanded: list[Request] = []
+        copies: list[tuple[int, int]] = []
+        for row, request in enumerate(sampling):
+            rows.append(row)
+            expanded.append(request)
+            group = request.group
+            if group is None or group.forked:
+                continue
+            self._num_unforked -= 1
+            children = []
+            for index in range(1, group.n):
+                child = Request(
+                    request_id=request.request_id, prompt_token_ids=request.prompt_token_ids,
+                    sampling_params=request.sampling_params, eos_token_ids=request.eos_token_ids,
+                    priority=request.priority, arrival_time=request.arrival_time,
+                    arrival_order=request.arrival_order, index=index, group=group,
+                    num_cached_tokens=request.num_cached_tokens)
+                self._init_choice_state(child)
+                children.append(child)
+            group.choices.extend(children)
+            copies.extend(self.scheduler.fork(request, children))
+            rows.extend([row] * len(children))
+            expanded.extend(children)
+        self.runner.copy_blocks(copies)
+        if len(rows) == len(sampling):
+            return logits, sampling
+        return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device)), expanded
 
     def _stop_status(self, request: Request, token: int, num_output: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -220,11 +326,12 @@ class LLMEngine:
             return RequestStatus.FINISHED_LENGTH
         return None
 
-    def _final_output(self, request: Request) -> RequestOutput:
+    def _final_output(self, request: Request, finished: bool) -> RequestOutput:
         return RequestOutput(
-            request_id=request.request_id, new_token_ids=[], text_delta="", finished=True,
+            request_id=request.request_id, new_token_ids=[], text_delta="", finished=finished,
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens)
+            num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens,
+            index=request.index)
 
     def _record_kv_utilization(self) -> None:
         # Tokens whose K/V sit in the cache after this step's forward, against the slots the

@@ -4,7 +4,11 @@ turning a scheduled step into one forward pass.
 The scheduler hands over requests and how many of their tokens to compute; this module
 lays them out (decodes first, then prefill chunks), computes positions and cache slots
 from the block tables, runs the model, and returns logits only for the requests that
-sample a token this step.
+sample a token this step (plus, for requests asking for prompt logprobs, the scores of
+the prompt tokens this step computed: rein.engine.prompt_logprobs).
+
+It also copies KV blocks on request (`copy_blocks`): the choices of an n > 1 request
+each need their own copy of the prompt's partly filled last block.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from rein.engine.config import EngineConfig
 from rein.engine.cuda_graphs import DecodeGraphs
 from rein.engine.loader import load_model
 from rein.engine.model_spec import ModelSpec
+from rein.engine.outputs import TokenLogprob
+from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
 from rein.engine.scheduler import ScheduledRequest
 from rein.model_files import ModelFiles
@@ -40,6 +46,9 @@ class CapacityError(ValueError):
 class StepResult:
     logits: torch.Tensor               # [num_sampling, vocab], float32
     sampling: list[Request]            # the requests those rows belong to, in order
+    # Prompt logprobs computed this step: (request, index of the first prompt token
+    # scored, one entry per token scored from there on); None when no request asked.
+    prompt_logprobs: list[tuple[Request, int, list[TokenLogprob]]] | None = None
 
 
 def decide_max_model_len(spec: ModelSpec, requested: int | None) -> int:
@@ -124,6 +133,7 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sampling: list[Request] = []
+        scoring: list[tuple[Request, int, int, int]] = []   # prompt logprobs: see _score_prompts
         for s in ordered:
             request, start, end = s.request, s.start, s.end
             blocks = request.block_ids
@@ -139,11 +149,14 @@ class ModelRunner:
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(request)
+            if request.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
+                scoring.append((request, start, min(end, request.num_prompt_tokens - 1),
+                                len(input_ids) - (end - start)))
 
         graphs = self.decode_graphs
         if not prefills and graphs is not None and graphs.fits(len(decodes)):
             hidden = graphs.run(input_ids, positions, slots, [s.end for s in decodes], self._block_rows(decodes))
-            return self._logits(hidden, sample_rows, sampling)
+            return self._logits(hidden, sample_rows, sampling, scoring)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             num_decode_tokens=len(decodes),
@@ -156,13 +169,48 @@ class ModelRunner:
         )
         hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
                             self.caches, meta)
-        return self._logits(hidden, sample_rows, sampling)
+        return self._logits(hidden, sample_rows, sampling, scoring)
 
-    def _logits(self, hidden: torch.Tensor, sample_rows: list[int], sampling: list[Request]) -> StepResult:
+    def _logits(self, hidden: torch.Tensor, sample_rows: list[int], sampling: list[Request],
+                scoring: list[tuple[Request, int, int, int]]) -> StepResult:
+        prompt = self._score_prompts(hidden, scoring) if scoring else None
         if not sample_rows:
-            return StepResult(hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32), [])
+            return StepResult(hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32), [], prompt)
         logits = self.model.compute_logits(hidden[self._tensor(sample_rows, torch.int64)])
-        return StepResult(logits.float(), sampling)
+        return StepResult(logits.float(), sampling, prompt)
+
+    def _score_prompts(self, hidden: torch.Tensor,
+                       scoring: list[tuple[Request, int, int, int]]) -> list[tuple[Request, int, list[TokenLogprob]]]:
+        """Prompt logprobs of this step's chunks. Each `scoring` entry is (request, start,
+        stop, row): positions [start, stop) of the request were computed in hidden rows
+        row.. onward, and position p scores prompt token p + 1."""
+        rows: list[int] = []
+        targets: list[int] = []
+        ks: list[int] = []
+        for request, start, stop, row in scoring:
+            rows.extend(range(row, row + stop - start))
+            targets.extend(request.prompt_token_ids[start + 1:stop + 1])
+            ks.extend([request.sampling_params.prompt_logprobs] * (stop - start))
+        entries = score_prompt_tokens(self.model.compute_logits, hidden, rows, targets, ks)
+        out, offset = [], 0
+        for request, start, stop, _ in scoring:
+            out.append((request, start + 1, entries[offset:offset + stop - start]))
+            offset += stop - start
+        return out
+
+    @torch.inference_mode()
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks, source -> destination, in every layer's cache (and the int8
+        scales): one index_copy_ per tensor, on CPU and CUDA alike. The cache tensors keep
+        their addresses, so the CUDA graphs stay valid."""
+        if not pairs:
+            return
+        src = self._tensor([a for a, _ in pairs], torch.int64)
+        dst = self._tensor([b for _, b in pairs], torch.int64)
+        for cache in self.caches:
+            for tensor in (cache.k, cache.v, cache.k_scale, cache.v_scale):
+                if tensor is not None:
+                    tensor.index_copy_(0, dst, tensor.index_select(0, src))
 
     def _decode_groups(self, lengths: list[int]) -> list[tuple[int, int]] | None:
         """Row ranges of similar context length for the CPU attention, or None (one batch) when

@@ -2,6 +2,11 @@
 
 Status is data: an enum where every state past RUNNING is a finished one, each mapped to
 an OpenAI finish reason (`stop | length | abort`).
+
+A request with SamplingParams.n > 1 starts as ONE Request (choice 0) that carries a
+`ChoiceGroup`; when its prompt is computed it forks into n choices (rein.engine.engine:
+`LLMEngine._fork`), each a Request of its own from then on (own output, blocks, generator),
+sharing the prompt's full KV blocks through the pool's reference counts.
 """
 
 from __future__ import annotations
@@ -72,6 +77,12 @@ class Request:
     generator: Any = None
     # Stop strings cut the text; set when one matched.
     stop_reason: str | int | None = None
+    # n > 1: the choice this is (0..n-1) and the group of all the request's choices.
+    index: int = 0
+    group: ChoiceGroup | None = None
+    # SamplingParams.prompt_logprobs: entries gathered chunk by chunk (entry i scores prompt
+    # token i; entry 0 is None), None when not asked for or once handed out.
+    prompt_logprobs: list | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -111,3 +122,24 @@ class Request:
     def sort_key(self) -> tuple[int, int]:
         """Waiting-queue order: lower priority value first, then first come first served."""
         return (self.priority, self.arrival_order)
+
+    @property
+    def num_unforked_choices(self) -> int:
+        """Choices this request will still fork into (n - 1 until its prompt is done, else 0):
+        the scheduler keeps sequence slots for them."""
+        group = self.group
+        return group.n - 1 if group is not None and not group.forked else 0
+
+
+class ChoiceGroup:
+    """The choices of one request with n > 1. `choices` holds choice 0 until the fork, then
+    all n; `num_unfinished` counts down as choices end, and the output of the choice that
+    takes it to 0 is the request's finished one."""
+
+    __slots__ = ("n", "choices", "forked", "num_unfinished")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.choices: list[Request] = []
+        self.forked = False
+        self.num_unfinished = n

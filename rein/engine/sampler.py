@@ -4,20 +4,32 @@ The engine calls `Sampler()(logits, batch)` once per step with a [B, V] logits t
 and one `SamplingBatch` row per request that samples this step. The pipeline follows
 vLLM / OpenAI semantics:
 
-1. Penalties on the raw logits (float32):
+1. Logit processors on the raw logits (float32), for the rows that set them:
+   - ``logit_bias``: each listed token's bias is added to its logit (OpenAI: -100
+     effectively bans a token, +100 all but forces it);
+   - ``min_tokens``: while a row has fewer output tokens than that, its EOS ids (unless
+     ``ignore_eos``) and ``stop_token_ids`` are set to -inf, so it cannot stop.
+2. Penalties (vLLM applies them after the processors too):
    - repetition penalty (HF / vLLM): for every token seen in the prompt OR the output,
      positive logits are divided by the penalty and non-positive ones multiplied by it;
    - presence / frequency penalty (OpenAI): on output tokens only,
      ``logit -= presence * (count > 0) + frequency * count``.
-2. Logprobs, from the *penalized* logits at temperature 1, before temperature and
-   top-k / top-p / min-p. So a token's logprob is the model's own log-probability
-   (identical to ``log_softmax(logits)`` when no penalty is set) and does not change
-   with the request's temperature or filters; -inf only appears where the model (or a
-   penalty) put -inf. This is vLLM v1's "raw" mode except that penalties are included,
-   which keeps the reported logprob of a greedy choice equal to the top logprob.
-3. Greedy rows (temperature 0): argmax of the penalized logits.
-4. Random rows: temperature scaling, then top-k, top-p (on the top-k survivors), then
+3. Logprobs, from the *processed and penalized* logits at temperature 1, before
+   temperature and top-k / top-p / min-p. So a token's logprob is the model's own
+   log-probability (identical to ``log_softmax(logits)`` when no bias, min_tokens or
+   penalty is set) and does not change with the request's temperature or filters; -inf
+   only appears where the model, a ban or the min_tokens mask put it. vLLM v1 reports
+   "raw" logprobs (before all of step 1 and 2) by default; rein reports the distribution
+   the token is actually drawn from (vLLM's "processed" mode, minus temperature), which
+   keeps the logprob of a greedy choice equal to the top logprob, gives a forced token a
+   logprob near 0, and lets a classifier bias its label tokens up and read their relative
+   probabilities among the top logprobs (equal biases keep their ratios).
+4. Greedy rows (temperature 0): argmax of the processed, penalized logits.
+5. Random rows: temperature scaling, then top-k, top-p (on the top-k survivors), then
    min-p, then one draw.
+
+Prompt logprobs (SamplingParams.prompt_logprobs) are not computed here but from the raw
+logits of the prompt positions (rein.engine.prompt_logprobs), as vLLM does.
 
 Batch invariance is the design constraint that shapes the sampling code: a seeded
 request must get the same tokens whatever else shares its batch. Therefore
@@ -31,12 +43,13 @@ request must get the same tokens whatever else shares its batch. Therefore
     which samples from ``softmax(x)`` exactly.
 Everything else is vectorized over the batch; the only per-row Python work is reading
 the params and the generator draws. Work no row needs is skipped; with all rows greedy,
-no logprobs and no penalties the step is a single argmax of the input.
+no logprobs, no bias, no min_tokens and no penalties the step is a single argmax of the
+input.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from itertools import chain
 
@@ -62,14 +75,18 @@ class SamplingBatch:
     device; None is fine for greedy rows. A random row with None draws from torch's
     global RNG instead (still correct, but not reproducible and not batch-invariant).
     `prompt_token_ids[i]` is only read for rows with a repetition penalty and
-    `output_token_ids[i]` only for rows with any penalty, so the engine may pass empty
-    sequences for other rows. Either may be a list or a 1-D integer tensor.
+    `output_token_ids[i]` only for rows with any penalty or an unmet `min_tokens` (its
+    length is the row's output count), so the engine may pass empty sequences for other
+    rows. Either may be a list or a 1-D integer tensor. `eos_token_ids[i]` (the request's
+    EOS ids, empty with ignore_eos) is only read for rows still short of `min_tokens`;
+    None means no EOS ids (only the rows' stop_token_ids are held back).
     """
 
     params: list[SamplingParams]
     generators: list[torch.Generator | None]
     prompt_token_ids: list[Sequence[int]]
     output_token_ids: list[Sequence[int]]
+    eos_token_ids: list[Collection[int]] | None = None
 
 
 @dataclass
@@ -236,12 +253,18 @@ class Sampler:
         greedy = [_is_greedy(p) for p in params]
         want_logprobs = any(p.logprobs is not None for p in params)
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
+        # Rows with a bias or a min_tokens still to reach: min_tokens is almost always 0,
+        # so the length is only looked at for rows that set it.
+        proc_rows = [i for i, p in enumerate(params)
+                     if p.logit_bias or (p.min_tokens and len(batch.output_token_ids[i]) < p.min_tokens)]
 
-        if all(greedy) and not want_logprobs and not pen_rows:
+        if all(greedy) and not want_logprobs and not pen_rows and not proc_rows:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
 
         # float32 view of the input; never written in place (it may alias `logits`).
         x = logits.float()
+        if proc_rows:
+            x = self._process(x, batch, proc_rows)
         if pen_rows:
             x = self._penalize(x, batch, pen_rows)
 
@@ -262,6 +285,39 @@ class Sampler:
             return SamplerOutput(tokens.tolist(), None, None)
         logprobs, top_logprobs = self._logprobs(x, tokens, params)
         return SamplerOutput(tokens.tolist(), logprobs, top_logprobs)
+
+    @staticmethod
+    def _process(x: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
+        """`x` with logit_bias added and the min_tokens mask applied to `rows` (out of place).
+
+        Both become flat indices into the [B, V] logits, so the whole batch takes one
+        index_add and one index_fill whatever mix of rows asked for what. Ids outside the
+        vocabulary are skipped (the engine refuses them in logit_bias; a stop token id
+        past the logits cannot be sampled anyway)."""
+        vocab = x.shape[1]
+        bias_idx: list[int] = []
+        bias_val: list[float] = []
+        mask_idx: list[int] = []
+        for i in rows:
+            p = batch.params[i]
+            base = i * vocab
+            if p.logit_bias:
+                for token, bias in p.logit_bias.items():
+                    if 0 <= token < vocab:
+                        bias_idx.append(base + token)
+                        bias_val.append(bias)
+            if p.min_tokens and len(batch.output_token_ids[i]) < p.min_tokens:
+                eos = batch.eos_token_ids[i] if batch.eos_token_ids is not None else ()
+                mask_idx.extend(base + t for t in set(eos).union(p.stop_token_ids) if 0 <= t < vocab)
+        flat = x.reshape(-1).clone()
+        device = x.device
+        if bias_idx:
+            flat.index_add_(0, torch.tensor(bias_idx, dtype=torch.long, device=device),
+                            torch.tensor(bias_val, dtype=torch.float32, device=device))
+        if mask_idx:
+            # After the bias: a min_tokens mask wins over a positive bias on an EOS id.
+            flat.index_fill_(0, torch.tensor(mask_idx, dtype=torch.long, device=device), float("-inf"))
+        return flat.view_as(x)
 
     @staticmethod
     def _penalize(x: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:

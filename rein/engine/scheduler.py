@@ -6,7 +6,13 @@ it does not fit the budget, a decoding request asks for one token, and a preempt
 request simply starts again from zero computed tokens (recompute).
 
 A waiting request whose leading tokens are in the prefix cache (rein.engine.block_pool)
-takes those blocks and starts computing after them.
+takes those blocks and starts computing after them (except one asking for prompt logprobs:
+cached positions have no logits).
+
+A request with n > 1 choices counts as n sequences against max_num_seqs from its
+admission on (the slots of its future choices are kept while it prefills), and `fork`
+turns it into n running choices once its prompt is computed: they share its full KV
+blocks (reference counts) and each gets a copy of the partly filled last one.
 
 Running requests are served first, oldest first; when the block pool runs dry, the
 newest running request is preempted (its blocks freed, sent back to the waiting queue)
@@ -63,6 +69,8 @@ class Scheduler:
         self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap by (priority, arrival)
         self._num_waiting = 0
         self.num_preemptions = 0
+        # Sequence slots kept for the choices running n > 1 requests will fork into.
+        self._reserved_seqs = 0
 
     # -- queue ---------------------------------------------------------------------------------
 
@@ -88,6 +96,7 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+            self._reserved_seqs -= request.num_unforked_choices
         else:
             # Left in the heap; skipped when it reaches the top.
             self._num_waiting -= 1
@@ -116,14 +125,21 @@ class Scheduler:
 
         # No newcomers in a step that had to preempt: they would be preempted next.
         while (self._waiting and budget > 0 and not out.preempted
-               and len(self.running) < self.max_num_seqs):
+               and len(self.running) + self._reserved_seqs < self.max_num_seqs):
             request = self._waiting[0][1]
             if request.status.finished:
                 heapq.heappop(self._waiting)
                 continue
+            # n > 1: room for all its choices, or an empty engine when n > max_num_seqs
+            # (the choices that do not fit then wait: see `fork`).
+            forks = request.num_unforked_choices
+            if forks and self.running and len(self.running) + self._reserved_seqs + 1 + forks > self.max_num_seqs:
+                break
             # Blocks another request already computed for the same leading tokens; at least
             # the last token is always computed, since its logits give the next token.
-            max_cached = (request.num_tokens - 1) // block_size if self.pool.enable_caching else 0
+            # Prompt logprobs need the logits of every prompt position: no lookup (vLLM's rule).
+            max_cached = (request.num_tokens - 1) // block_size \
+                if self.pool.enable_caching and request.prompt_logprobs is None else 0
             cached = self.pool.find_prefix(request.tokens(0, max_cached * block_size), max_cached) \
                 if max_cached else []
             computed = len(cached) * block_size if cached else request.num_computed_tokens
@@ -141,6 +157,7 @@ class Scheduler:
             request.block_ids.extend(self.pool.allocate(needed))
             request.status = RequestStatus.RUNNING
             self.running.append(request)
+            self._reserved_seqs += forks
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return out
@@ -178,7 +195,47 @@ class Scheduler:
             request.block_ids.extend(self.pool.allocate(needed))
         return True
 
+    def fork(self, parent: Request, children: list[Request]) -> list[tuple[int, int]]:
+        """Start `children` (choices 1..n-1 of the running `parent`, whose prompt was just
+        computed and which each hold their first sampled token) as running requests.
+
+        Each child shares the parent's full blocks (one more reference each) and gets a new
+        block for the parent's partly filled last one, if any: the returned (source,
+        destination) block pairs must be copied in the KV cache before the next forward
+        (copy-on-write, done up front since every choice writes its next token there).
+        A child that finds no free block, or no sequence slot (n > max_num_seqs), waits
+        instead, like a preempted request: it recomputes the prompt and its first token
+        when admitted (finding the prompt's cached blocks, with prefix caching)."""
+        self._reserved_seqs -= parent.num_unforked_choices
+        parent.group.forked = True
+        size = self.pool.block_size
+        computed = parent.num_computed_tokens
+        full = computed // size
+        partial = parent.block_ids[full] if computed % size else None
+        shared = parent.block_ids[:full]
+        copies: list[tuple[int, int]] = []
+        for child in children:
+            if len(self.running) >= self.max_num_seqs or (partial is not None and self.pool.num_free == 0):
+                child.num_preemptions = 1   # its usage numbers are the parent's, counted already
+                child.status = RequestStatus.PREEMPTED
+                heapq.heappush(self._waiting, (child.sort_key, child))
+                self._num_waiting += 1
+                continue
+            self.pool.share(shared)
+            child.block_ids = list(shared)
+            if partial is not None:
+                [block] = self.pool.allocate(1)
+                child.block_ids.append(block)
+                copies.append((partial, block))
+            child.num_computed_tokens = computed
+            child.num_registered_blocks = parent.num_registered_blocks
+            child.cache_parent = parent.cache_parent
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        return copies
+
     def _preempt(self, request: Request) -> None:
+        self._reserved_seqs -= request.num_unforked_choices
         self._release(request)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
