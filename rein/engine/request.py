@@ -119,9 +119,10 @@ class Request:
         return self.status.finish_reason
 
     @property
-    def sort_key(self) -> tuple[int, int]:
-        """Waiting-queue order: lower priority value first, then first come first served."""
-        return (self.priority, self.arrival_order)
+    def sort_key(self) -> tuple[int, int, int]:
+        """Waiting-queue order: lower priority value first, then first come first served
+        (the choices of one request arrived together: by index)."""
+        return (self.priority, self.arrival_order, self.index)
 
     @property
     def num_unforked_choices(self) -> int:

@@ -66,7 +66,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.running: list[Request] = []
-        self._waiting: list[tuple[tuple[int, int], Request]] = []  # heap by (priority, arrival)
+        self._waiting: list[tuple[tuple[int, int, int], Request]] = []  # heap by (priority, arrival)
         self._num_waiting = 0
         self.num_preemptions = 0
         # Sequence slots kept for the choices running n > 1 requests will fork into.
