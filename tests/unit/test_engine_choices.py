@@ -92,15 +92,17 @@ def test_n_choices_share_one_prefill_and_free_every_block(model_dir):
     assert "r" not in engine.requests and not engine.has_unfinished()
 
 
-@pytest.mark.parametrize("length", [32, 37])   # prompt ends on a block boundary, or inside one
-def test_choice_i_equals_a_single_request_seeded_seed_plus_i(model_dir, length):
+# The prompt ends on a block boundary (nothing to copy) or inside one; the int8 cache copies
+# its scales with the block.
+@pytest.mark.parametrize(("length", "kv_cache_dtype"), [(32, "auto"), (37, "auto"), (37, "int8")])
+def test_choice_i_equals_a_single_request_seeded_seed_plus_i(model_dir, length, kv_cache_dtype):
     prompt = prompt_of(length, seed=1)
     params = SamplingParams(n=3, max_tokens=16, temperature=0.9, top_p=0.95, seed=100, ignore_eos=True)
-    engine = make_engine(model_dir)
+    engine = make_engine(model_dir, kv_cache_dtype=kv_cache_dtype)
     engine.add_request("n3", prompt, params)
     together = drain(engine)
     for i in range(3):
-        single = make_engine(model_dir, enable_prefix_caching=False)
+        single = make_engine(model_dir, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
         single.add_request("one", prompt, SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95,
                                                           seed=100 + i, ignore_eos=True))
         assert drain(single)[("one", 0)]["tokens"] == together[("n3", i)]["tokens"]
@@ -314,3 +316,50 @@ def test_randomized_n_add_abort_step_leaves_no_blocks(model_dir):
     for rid in {o.request_id for o in seen}:
         n = max(o.index for o in seen if o.request_id == rid) + 1
         check_request_outputs(seen, rid, n)
+
+
+def run_mixed(engine: LLMEngine) -> tuple[dict, list]:
+    """n > 1 and prompt-logprob requests under a budget of 2 tokens per step: one decoding
+    request plus a prompt advancing one token a step, so most steps are decode-only (the
+    CUDA-graph path) while prompt positions are scored and choices fork."""
+    engine.add_request("lead", prompt_of(6, seed=20), SamplingParams(max_tokens=40, temperature=0, ignore_eos=True))
+    engine.add_request("n3", prompt_of(21, seed=21), SamplingParams(n=3, max_tokens=12, temperature=1.0, seed=8,
+                                                                    ignore_eos=True, prompt_logprobs=2))
+    seen: list = []
+    return drain(engine, seen), seen
+
+
+def test_forks_and_prompt_logprobs_on_the_static_decode_path(model_dir):
+    from rein.engine.cuda_graphs import DecodeGraphs
+
+    expected, expected_seen = run_mixed(make_engine(model_dir, max_num_batched_tokens=2, max_num_seqs=8))
+    engine = make_engine(model_dir, max_num_batched_tokens=2, max_num_seqs=8)
+    runner = engine.runner
+    graphs = DecodeGraphs(runner.model, runner.caches, max_num_seqs=8,
+                          max_blocks_per_seq=-(-runner.max_model_len // runner.block_size),
+                          device=runner.device, capture=False)
+    calls: list[int] = []
+    plain_run = graphs.run
+    graphs.run = lambda input_ids, *args: (calls.append(len(input_ids)), plain_run(input_ids, *args))[1]
+    runner.decode_graphs = graphs
+    got, seen = run_mixed(engine)
+    assert calls, "decode-only steps must have taken the static path"
+    assert got == expected
+    lp = next(o.prompt_logprobs for o in seen if o.prompt_logprobs is not None)
+    lp_expected = next(o.prompt_logprobs for o in expected_seen if o.prompt_logprobs is not None)
+    assert len(lp) == 21 and [e.token_id for e in lp[1:]] == [e.token_id for e in lp_expected[1:]]
+    assert [e.logprob for e in lp[1:]] == pytest.approx([e.logprob for e in lp_expected[1:]], abs=1e-4)
+    assert engine.pool.num_used == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_forks_on_cuda_with_graphs_give_the_eager_tokens(model_dir):
+    eager = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", kv_cache_memory="8MiB",
+                                   max_model_len=256, max_num_batched_tokens=2, max_num_seqs=8, enforce_eager=True))
+    expected, _ = run_mixed(eager)
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", kv_cache_memory="8MiB",
+                                    max_model_len=256, max_num_batched_tokens=2, max_num_seqs=8))
+    assert engine.runner.decode_graphs is not None and engine.runner.decode_graphs.captured
+    got, _ = run_mixed(engine)
+    assert got == expected
+    assert engine.pool.num_used == 0
