@@ -144,7 +144,7 @@ class LLMEngine:
         """End a request now (all its choices); their blocks are freed and the last output
         of each unfinished choice says `abort` (the last of them is the finished one)."""
         request = self.requests.get(request_id)
-        if request is None or request.is_finished and request.group is None:
+        if request is None or (request.is_finished and request.group is None):
             return False
         group = request.group
         if group is None:
