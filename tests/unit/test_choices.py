@@ -19,7 +19,13 @@ from rein.core.messages import JobMessage, TokenEvent
 from rein.core.redis_keys import RedisKeys
 from rein.engine.outputs import RequestOutput, TokenLogprob
 from rein.engine.runner import CollectingStream
-from rein.openai_format import CHAT_COMPLETIONS, COMPLETIONS, RequestError, build_response, parse_request
+from rein.openai_format import (
+    CHAT_COMPLETIONS,
+    COMPLETIONS,
+    RequestError,
+    build_response,
+    parse_request,
+)
 
 MAX_LEN = 256
 CHAT = [{"role": "user", "content": "Hello there"}]
