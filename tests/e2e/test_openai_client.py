@@ -433,6 +433,12 @@ def tokenizer(tiny_models):
     return AutoTokenizer.from_pretrained(str(tiny_models("llama")))
 
 
+def word_token(tokenizer) -> int:
+    """A token that is a whole word (its text repeats cleanly), to force with logit_bias."""
+    return next(i for i in range(100, len(tokenizer))
+                if len(tokenizer.decode([i]).strip()) >= 2 and tokenizer.decode([i]).strip().isalpha())
+
+
 def test_n_choices_share_one_prompt_in_usage(client: openai.OpenAI) -> None:
     one = client.chat.completions.create(**CHAT)
     four = client.chat.completions.create(**{**CHAT, "max_tokens": 8, "temperature": 1.0}, n=4, seed=11,
@@ -462,7 +468,7 @@ def test_n_choices_share_one_prompt_in_usage(client: openai.OpenAI) -> None:
 
 
 def test_logit_bias_forces_a_token(client: openai.OpenAI, tokenizer) -> None:
-    forced = tokenizer.encode(" river", add_special_tokens=False)[0]
+    forced = word_token(tokenizer)
     completion = client.completions.create(**{**COMPLETION, "max_tokens": 6, "temperature": 1.0},
                                            logit_bias={str(forced): 100}, logprobs=0)
     assert completion.choices[0].logprobs.tokens == [tokenizer.decode([forced])] * 6
@@ -494,7 +500,7 @@ def test_echo_with_prompt_logprobs(client: openai.OpenAI, tokenizer) -> None:
 
 
 def test_choices_echo_and_bias_in_a_batch_file(client: openai.OpenAI, tokenizer) -> None:
-    forced = tokenizer.encode(" river", add_special_tokens=False)[0]
+    forced = word_token(tokenizer)
     bodies = {
         "n": {"n": 3, "temperature": 1.0, "seed": 5},
         "bias": {"logit_bias": {str(forced): 100}, "temperature": 1.0},
