@@ -434,3 +434,15 @@ def test_replay_of_several_choices_sends_each_once():
     assert [(e.seq, e.data["index"], e.data["text"]) for e in events] == [(3, 0, "bc"), (4, 1, "xy")]
     assert events[0].data["token_ids"] == [11, 12] and not events[0].final
     assert events[1].final and events[1].data["usage"]["completion_tokens"] == 5
+
+
+def test_tpm_charges_every_generated_choice(tokenizer):
+    from rein.api.intake import Prepared
+    body = {"prompt": "def f(x):", "max_tokens": 10, "n": 3, "best_of": 4}
+    parsed = parse_request(COMPLETIONS, body, tokenizer, MAX_LEN)
+    prepared = Prepared(None, COMPLETIONS, body, parsed)
+    prompt = len(parsed.prompt_token_ids)
+    assert prepared.charged_tokens(500) == prompt + 4 * 10 == prepared.requested_tokens
+    unbounded = {"prompt": "def f(x):", "n": 2}
+    assert Prepared(None, COMPLETIONS, unbounded, parse_request(COMPLETIONS, unbounded, tokenizer, MAX_LEN)
+                    ).charged_tokens(8) == prompt + 2 * 8
