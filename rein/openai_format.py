@@ -21,8 +21,11 @@ Choices made where OpenAI is silent or rein differs:
   writes an error line); if a response is built anyway it says "length": the text was cut
   short from outside, which clients treat as "incomplete", whereas "stop" would claim the
   model ended its answer.
-* Completions `text_offset` counts characters from the start of the returned text (no
-  echo), token by token.
+* Completions `text_offset` counts characters from the start of the returned text, token
+  by token (with `echo`, from the start of the prompt's tokens).
+* n > 1, best_of, echo and vLLM's prompt_logprobs: `_choice_fields` parses them into
+  SamplingParams and a `rein.choices.ResponseShape`; rein.choice_bodies builds their body.
+  Each choice may use max_tokens beside the shared prompt (vLLM's context check).
 """
 
 from __future__ import annotations
