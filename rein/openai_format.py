@@ -21,8 +21,11 @@ Choices made where OpenAI is silent or rein differs:
   writes an error line); if a response is built anyway it says "length": the text was cut
   short from outside, which clients treat as "incomplete", whereas "stop" would claim the
   model ended its answer.
-* Completions `text_offset` counts characters from the start of the returned text (no
-  echo), token by token.
+* Completions `text_offset` counts characters from the start of the returned text, token
+  by token (with `echo`, from the start of the prompt's tokens).
+* n > 1, best_of, echo and vLLM's prompt_logprobs: `_choice_fields` parses them into
+  SamplingParams and a `rein.choices.ResponseShape`; rein.choice_bodies builds their body.
+  Each choice may use max_tokens beside the shared prompt (vLLM's context check).
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ import json
 import re
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rein.engine.sampling_params import SamplingParams, SamplingParamsError
+from rein.choices import ResponseShape
+from rein.engine.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams, SamplingParamsError
 from rein.input_checks import BadInput, check_json, text_problem
 
 if TYPE_CHECKING:
@@ -90,6 +94,8 @@ class ParsedRequest:
     # None: the response carries `logprobs: null`; k >= 0: logprobs with k alternatives per token.
     logprobs_mode: int | None
     stream: bool = False
+    # n > 1, best_of, echo, prompt logprobs: how the choices become the body (rein.choices).
+    shape: ResponseShape = field(default_factory=ResponseShape)
 
 
 @dataclass
@@ -151,9 +157,7 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
     if len(prompt) + max_tokens > max_model_len:
         raise context_length_error(max_model_len, len(prompt), max_tokens, chat)
 
-    n = _get(body, "n", int, 1)
-    if n != 1:
-        raise RequestError(f"only n=1 is supported, got n={n}: send the request {n} times instead", "n")
+    choice_fields, shape = _choice_fields(body, chat, stream, prompt, tokenizer, logprobs_mode)
     stop = _get(body, "stop", (str, list))
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise RequestError("stop must be a string or a list of strings", "stop")
@@ -190,6 +194,7 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
         "stop_token_ids": stop_token_ids,
         "ignore_eos": _get(body, "ignore_eos", bool, False),
         "skip_special_tokens": _get(body, "skip_special_tokens", bool, True),
+        **choice_fields,
     }
     try:
         params = SamplingParams(**fields)
@@ -198,7 +203,7 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
         if chat and exc.param == "logprobs":
             param = "top_logprobs"
         raise RequestError(str(exc), param) from exc
-    return ParsedRequest(prompt, params, model, logprobs_mode, stream)
+    return ParsedRequest(prompt, params, model, logprobs_mode, stream, shape)
 
 
 def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> RequestError:
@@ -213,13 +218,86 @@ def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int
     )
 
 
+MAX_LOGIT_BIAS_TOKENS = 1024   # rein's cap on a logit_bias map: far more tokens than a real request biases
+
+
+def _choice_fields(body: dict[str, Any], chat: bool, stream: bool, prompt: list[int], tokenizer: Any,
+                   logprobs_mode: int | None) -> tuple[dict[str, Any], ResponseShape]:
+    """n, best_of, logit_bias, min_tokens, echo and prompt_logprobs: SamplingParams fields
+    and the response's shape (rein.choices.ResponseShape)."""
+    n = _get(body, "n", int, 1)
+    if not 1 <= n <= MAX_N:
+        raise RequestError(f"n must be between 1 and {MAX_N}, got {n}", "n")
+    generated = n
+    best_of = None if chat else _get(body, "best_of", int)
+    if best_of is not None:
+        if not n <= best_of <= MAX_N:
+            raise RequestError(f"best_of must be between n ({n}) and {MAX_N}, got {best_of}", "best_of")
+        if stream and best_of != n:
+            raise RequestError("best_of cannot be streamed (the choices returned are known only at the end): "
+                               "leave out stream, or best_of", "best_of")
+        generated = best_of
+    fields: dict[str, Any] = {"n": generated}
+    if best_of is not None and best_of > n and logprobs_mode is None:
+        fields["logprobs"] = 0     # best_of ranks choices by cumulative logprob; not returned unasked
+    bias = _get(body, "logit_bias", dict)
+    if bias:
+        fields["logit_bias"] = _logit_bias(bias, tokenizer)
+    min_tokens = _get(body, "min_tokens", int, 0)
+    if min_tokens < 0:
+        raise RequestError(f"min_tokens must be at least 0, got {min_tokens}", "min_tokens")
+    fields["min_tokens"] = min_tokens
+    prompt_logprobs = _get(body, "prompt_logprobs", int)
+    if prompt_logprobs is not None:
+        if not 0 <= prompt_logprobs <= MAX_CHAT_TOP_LOGPROBS:
+            raise RequestError(f"prompt_logprobs must be between 0 and {MAX_CHAT_TOP_LOGPROBS}, got "
+                               f"{prompt_logprobs}", "prompt_logprobs")
+        if stream:
+            raise RequestError("prompt_logprobs are not streamed: leave out stream, or prompt_logprobs",
+                               "prompt_logprobs")
+    echo = None
+    if not chat and _get(body, "echo", bool, False):
+        raw = body["prompt"]
+        raw = raw[0] if isinstance(raw, list) and raw and isinstance(raw[0], (str, list)) else raw
+        echo = raw if isinstance(raw, str) else tokenizer.decode(prompt)
+    # The engine computes prompt logprobs once, with as many alternatives as either use needs.
+    wanted = [k for k in (prompt_logprobs, logprobs_mode if echo is not None else None) if k is not None]
+    if wanted:
+        fields["prompt_logprobs"] = max(wanted)
+    return fields, ResponseShape(n=n, echo=echo, prompt_logprobs=prompt_logprobs, best_of=best_of)
+
+
+def _logit_bias(bias: dict[str, Any], tokenizer: Any) -> dict[int, float]:
+    """OpenAI's logit_bias: token id (a JSON key, so a string) -> a bias between -100 and 100."""
+    if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise RequestError(f"logit_bias holds at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(bias)}", "logit_bias")
+    try:
+        vocab_size: int | None = len(tokenizer)
+    except TypeError:
+        vocab_size = None
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token_id = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() else None
+        if token_id is None or (vocab_size is not None and token_id >= vocab_size):
+            ids = f"0 to {vocab_size - 1}" if vocab_size is not None else "non-negative integers"
+            raise RequestError(f"logit_bias: {json.dumps(key)} is not a token id of this model: token ids run "
+                               f"from {ids} (the keys are token ids as strings, e.g. \"50256\")", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) \
+                or not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias[{json.dumps(key)}] must be a number between -{MAX_LOGIT_BIAS:g} and "
+                               f"{MAX_LOGIT_BIAS:g}, got {json.dumps(value)[:50]}", "logit_bias")
+        out[token_id] = float(value)
+    return out
+
+
 # Every field a body may hold. A field outside these is refused, as OpenAI refuses an
 # unrecognized argument: a field rein ignored would change nothing while its sender believes
 # it changed the answer (vLLM's guided_json, a misspelt temperature).
 _SAMPLING_FIELDS = frozenset({
     "model", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
-    "skip_special_tokens", "n", "stream", "stream_options", "logprobs", "logit_bias"})
+    "skip_special_tokens", "n", "stream", "stream_options", "logprobs", "logit_bias", "min_tokens",
+    "prompt_logprobs"})
 _CHAT_FIELDS = _SAMPLING_FIELDS | {
     "messages", "top_logprobs", "chat_template_kwargs", "response_format",
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
@@ -231,19 +309,23 @@ _NO_EFFECT_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "pro
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "add_generation_prompt": (True,), "continue_final_message": (False,), "echo": (False,),
     "add_special_tokens": (False,), "spaces_between_special_tokens": (True,),
-    "include_stop_str_in_output": (False,), "use_beam_search": (False,), "min_tokens": (0,),
-    "prompt_logprobs": (None,), "best_of": (None, 1), "suffix": (None, ""),
+    "include_stop_str_in_output": (False,), "use_beam_search": (False,), "best_of": (None, 1),
+    "suffix": (None, ""),
     "parallel_tool_calls": (None, True, False), "tool_choice": (None, "none", "auto"),
 }
 _STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                              "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")
 
 
+# Parsed for /v1/completions (rein.openai_format._choice_fields); on chat, neutral values only.
+_COMPLETION_CHOICE_FIELDS = frozenset({"echo", "best_of"})
+
+
 def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     """Refuse the fields rein would otherwise ignore (they would change the answer)."""
     known = _CHAT_FIELDS if chat else _COMPLETION_FIELDS
     for name, value in body.items():
-        if name in _NEUTRAL_VALUES:
+        if name in _NEUTRAL_VALUES and (chat or name not in _COMPLETION_CHOICE_FIELDS):
             # Same type and value: min_tokens=0 is neutral, min_tokens=False is a mistake.
             if any(type(value) is type(v) and value == v for v in _NEUTRAL_VALUES[name]):
                 continue
@@ -261,8 +343,6 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
     response_format = body.get("response_format")
     if response_format not in (None, {"type": "text"}):
         raise RequestError("response_format other than {\"type\": \"text\"} is not supported", "response_format")
-    if body.get("logit_bias"):
-        raise RequestError("logit_bias is not supported", "logit_bias")
     if body.get("function_call") not in (None, "none", "auto"):
         raise RequestError("function_call is not supported", "function_call")
 

@@ -87,8 +87,8 @@ class Prepared:
 
     @property
     def requested_tokens(self) -> int:
-        """Prompt + max_tokens: the most the request may cost."""
-        return len(self.parsed.prompt_token_ids) + self.parsed.params.max_tokens
+        """Prompt + max_tokens per generated choice: the most the request may cost."""
+        return len(self.parsed.prompt_token_ids) + self.parsed.params.n * self.parsed.params.max_tokens
 
     def charged_tokens(self, completion_estimate: int) -> int:
         """What the request is charged against its key's TPM when admitted: prompt +
@@ -99,7 +99,8 @@ class Prepared:
         completion = self.parsed.params.max_tokens
         if not explicit:
             completion = min(completion, completion_estimate)
-        return len(self.parsed.prompt_token_ids) + completion
+        # The prompt is computed once, every generated choice (n, best_of) costs its own completion.
+        return len(self.parsed.prompt_token_ids) + self.parsed.params.n * completion
 
 
 def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Prepared:
@@ -232,14 +233,17 @@ class JobIntake:
         # Shallow: the values are only serialized (asdict's deep copy was a measurable cost).
         sampling = {f.name: getattr(parsed.params, f.name) for f in dataclasses.fields(parsed.params)}
         prompt = list(parsed.prompt_token_ids)
+        params = {"body": body, "sampling": sampling, "logprobs_mode": parsed.logprobs_mode, "stream": parsed.stream}
+        shape = parsed.shape.to_dict()
+        if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.choices); plain jobs store none
+            params["shape"] = shape
         job = NewJob(id=new_job_id(), tenant=key.tenant, key_id=key.key_id, model=model, endpoint=endpoint,
-                     params={"body": body, "sampling": sampling, "logprobs_mode": parsed.logprobs_mode,
-                             "stream": parsed.stream},
+                     params=params,
                      prompt_token_ids=prompt, prompt_tokens=len(prompt), priority=priority,
                      idempotency_key=idempotency_key, metadata_=dict(metadata or {}))
         message = JobMessage(job_id=job.id, model=model, endpoint=endpoint, prompt_token_ids=prompt,
                              sampling=sampling, priority=priority, logprobs_mode=parsed.logprobs_mode,
-                             tenant=key.tenant, key_id=key.key_id)
+                             tenant=key.tenant, key_id=key.key_id, shape=shape)
         return Submission(key, prepared, job, message, metadata)
 
     def _expired(self, job: Job) -> bool:

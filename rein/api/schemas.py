@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rein.engine.sampling_params import MAX_N
 from rein.openai_format import (
     MAX_CHAT_TOP_LOGPROBS,
     MAX_COMPLETION_LOGPROBS,
@@ -89,7 +90,7 @@ class _OpenAIRequest(BaseModel):
     stop_token_ids: list[int] | None = Field(None, json_schema_extra=lambda schema: schema.update(anyOf=[
         {"type": "array", "items": _TOKEN_ID}, {"type": "null"}]))
     ignore_eos: bool | None = None
-    n: int | None = _documented(minimum=1, maximum=1, description="Only 1.")
+    n: int | None = _documented(minimum=1, maximum=MAX_N, description="Choices to generate (they share one prefill).")
     stream: bool | None = False
     stream_options: dict[str, Any] | None = Field(
         None, description='{"include_usage": true} adds a last chunk with the usage.',

@@ -126,6 +126,41 @@ def replay_event(job: Job, seq: int, skip_chars: int = 0, skip_tokens: int = 0) 
     return StreamEvent(seq, data)
 
 
+def replay_events(job: Job, seq: int, forwarded: dict[int, list[int]] | None = None) -> list[StreamEvent]:
+    """`replay_event` for any job: a job with several choices (n > 1) is replayed as one event
+    per choice (its `index`, the text the client has not had yet, `choice_finish_reason`),
+    the last one final. `forwarded`: index -> [characters, token ids] already sent.
+
+    The stored body holds each choice's text but only the first choice's token ids, so the
+    replayed events of the other choices carry text alone."""
+    forwarded = forwarded or {}
+    result = job.result
+    stored = (result.response or {}).get("choices") if result is not None else None
+    if job.status not in FINISHED_JOB_STATUSES or not stored or len(stored) < 2:
+        chars, tokens = forwarded.get(0, (0, 0))
+        event = replay_event(job, seq, chars, tokens)
+        return [event] if event is not None else []
+    final = replay_event(job, seq + len(stored) - 1)
+    assert final is not None
+    echo = (job.params or {}).get("shape", {}).get("echo")
+    events = []
+    for position, choice in enumerate(stored):
+        index = choice.get("index", position)
+        text = (choice["message"].get("content") or "") if "message" in choice else choice.get("text", "")
+        if echo and text.startswith(echo):   # the stream carries the completion; the echo is added to it
+            text = text[len(echo):]
+        chars, tokens = forwarded.get(index, (0, 0))
+        data: dict[str, Any] = {"seq": seq + position, "text": text[chars:], "index": index,
+                                "token_ids": list(result.token_ids[tokens:]) if index == 0 else [],
+                                "choice_finish_reason": choice.get("finish_reason") or "stop"}
+        if position == len(stored) - 1:
+            data.update({k: v for k, v in final.data.items() if k not in ("seq", "text", "token_ids")})
+        else:
+            data["replayed"] = True
+        events.append(StreamEvent(seq + position, data))
+    return events
+
+
 def gap_event(job_id: str, last_seq: int, first_kept: int) -> StreamEvent:
     """The final event when events after `last_seq` were trimmed from the capped stream."""
     missing = (f"event {last_seq + 1}" if first_kept == last_seq + 2
@@ -147,7 +182,7 @@ async def follow_events(redis: AsyncRedis, keys: RedisKeys, job_id: str, last_se
     """
     stream = keys.job_stream(job_id)
     last = last_seq
-    forwarded_chars = forwarded_tokens = 0      # of the text this call has yielded
+    forwarded: dict[int, list[int]] = {}     # choice index -> [characters, token ids] this call has yielded
     check_store = True
     first_check = True
     store_due = 0.0                  # time.monotonic() of the next look at the job in Postgres
@@ -167,8 +202,7 @@ async def follow_events(redis: AsyncRedis, keys: RedisKeys, job_id: str, last_se
                     store_interval = min(store_interval * 2, STORE_CHECK_SECONDS)
                 if finished is not None:
                     if finished is not _GONE:
-                        event = replay_event(finished, last + 1, forwarded_chars, forwarded_tokens)
-                        if event is not None:
+                        for event in replay_events(finished, last + 1, forwarded):
                             yield event
                     return
             response = await redis.xread({stream: event_id(last)}, count=READ_COUNT, block=block_ms)
@@ -200,8 +234,9 @@ async def follow_events(redis: AsyncRedis, keys: RedisKeys, job_id: str, last_se
                 yield gap_event(job_id, last, seq)
                 return
             last = seq
-            forwarded_chars += len(data.get("text") or "")
-            forwarded_tokens += len(data.get("token_ids") or ())
+            sent = forwarded.setdefault(data.get("index", 0), [0, 0])
+            sent[0] += len(data.get("text") or "")
+            sent[1] += len(data.get("token_ids") or ())
             event = StreamEvent(seq, data)
             yield event
             if event.final:
@@ -275,30 +310,39 @@ async def job_event_stream(events: AsyncIterator[StreamEvent | None]) -> AsyncIt
 
 
 async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endpoint: str, job_id: str,
-                              model: str, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
-    """OpenAI's streaming format: chunks, the usage chunk if asked, then [DONE]."""
+                              model: str, prompt_tokens: int, include_usage: bool, n: int = 1,
+                              echo: str | None = None) -> AsyncIterator[str]:
+    """OpenAI's streaming format: chunks, the usage chunk if asked, then [DONE].
+
+    Each chunk holds one choice, by its `index` (n > 1 interleaves them, as OpenAI does);
+    each choice gets its own finish chunk, and a choice the job's end left unfinished (an
+    aborted request) gets the job's. `echo` (completions): the prompt's text, sent ahead of
+    each choice's first text, as vLLM streams an echo."""
     chat = endpoint == "/v1/chat/completions"
     created = int(time.time())
     chunk_id = ("chatcmpl-" if chat else "cmpl-") + job_id
     base = {"id": chunk_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created, "model": model}
 
-    def chunk(text: str | None, finish_reason: str | None, first: bool = False) -> str:
+    def chunk(text: str | None, finish_reason: str | None, first: bool = False, index: int = 0) -> str:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"text": text or "", "index": index, "logprobs": None, "finish_reason": finish_reason}
         body = {**base, "choices": [choice]}
         if include_usage:
             body["usage"] = None
         return sse(json.dumps(body, ensure_ascii=False, separators=(",", ":")))
 
     if chat:
-        yield chunk(None, None, first=True)
+        for index in range(n):
+            yield chunk(None, None, first=True, index=index)
     usage: dict[str, Any] | None = None
+    echoed: set[int] = set()
+    ended: set[int] = set()
     async for event in events:
         if event is None:
             yield KEEPALIVE
@@ -309,11 +353,24 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
                                "code": data.get("code") or "job_failed"}}
             yield sse(json.dumps(error))
             break
+        index = data.get("index", 0)
         finish = data.get("finish_reason")
-        if data.get("text") or finish:
-            yield chunk(data.get("text"), _FINISH_REASONS.get(finish, finish) if finish else None)
+        choice_finish = data.get("choice_finish_reason") or finish
+        text = data.get("text")
+        if echo is not None and index not in echoed:
+            echoed.add(index)
+            text = echo + (text or "")
+        if text or choice_finish:
+            yield chunk(text, _FINISH_REASONS.get(choice_finish, choice_finish) if choice_finish else None,
+                        index=index)
+        if choice_finish:
+            ended.add(index)
         if finish:
             usage = data.get("usage")
+            for other in range(n):   # choices the job's end stopped (an abort) end with it
+                if other not in ended:
+                    text = echo if echo is not None and other not in echoed else None
+                    yield chunk(text, _FINISH_REASONS.get(finish, finish), index=other)
     if include_usage:
         usage = usage or usage_body(prompt_tokens, 0)
         yield sse(json.dumps({**base, "choices": [], "usage": usage}, separators=(",", ":")))

@@ -40,10 +40,14 @@ class ValidLine:
     def job_values(self) -> dict[str, Any]:
         """The jobs-table values this line's request needs (as JobIntake stores a job)."""
         parsed = self.prepared.parsed
+        params = {"body": self.prepared.body, "sampling": dataclasses.asdict(parsed.params),
+                  "logprobs_mode": parsed.logprobs_mode, "stream": False}
+        shape = parsed.shape.to_dict()
+        if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.choices)
+            params["shape"] = shape
         return {
             "model": self.prepared.entry.name, "endpoint": self.prepared.endpoint,
-            "params": {"body": self.prepared.body, "sampling": dataclasses.asdict(parsed.params),
-                       "logprobs_mode": parsed.logprobs_mode, "stream": False},
+            "params": params,
             "prompt_token_ids": list(parsed.prompt_token_ids),
             "prompt_tokens": len(parsed.prompt_token_ids),
             "custom_id": self.custom_id, "batch_line": self.line,

@@ -42,6 +42,8 @@ class JobMessage:
     logprobs_mode: int | None = None
     tenant: str = ""
     key_id: str = ""
+    # rein.choices.ResponseShape.to_dict(): n > 1, best_of, echo, prompt logprobs; None: plain.
+    shape: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies the token ids, a fifth of an enqueue's CPU.
@@ -58,7 +60,7 @@ class JobMessage:
         return cls(job_id=job.id, model=job.model, endpoint=job.endpoint,
                    prompt_token_ids=list(job.prompt_token_ids), sampling=job.params["sampling"],
                    priority=job.priority, logprobs_mode=job.params.get("logprobs_mode"),
-                   tenant=job.tenant, key_id=job.key_id)
+                   tenant=job.tenant, key_id=job.key_id, shape=job.params.get("shape"))
 
 
 @dataclass

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from rein.choices import ChoiceGatherer
 from rein.engine.engine import LLMEngine
 from rein.engine.outputs import RequestOutput, TokenLogprob
 from rein.engine.sampling_params import SamplingParams
@@ -66,18 +67,27 @@ class RequestStream:
 
 @dataclass
 class Collected:
-    """Everything a request produced, gathered on the engine thread (see CollectingStream)."""
+    """Everything a request produced, gathered on the engine thread (see CollectingStream).
 
-    text_parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    `choices` holds every choice of an n > 1 request (rein.choices); `text`, `token_ids`
+    and `logprobs` are choice 0's, the whole answer of a plain request."""
+
+    choices: ChoiceGatherer = field(default_factory=ChoiceGatherer)
     first_token_at: float | None = None          # time.time() when the first token came
     first_token_monotonic: float | None = None   # the same moment on time.monotonic()
     final: RequestOutput | None = None
 
     @property
     def text(self) -> str:
-        return "".join(self.text_parts)
+        return self.choices.choice(0).text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices.choice(0).token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return self.choices.choice(0).logprobs
 
 
 class CollectingStream(RequestStream):
@@ -100,15 +110,10 @@ class CollectingStream(RequestStream):
             self._done.set()
             return
         collected = self.collected
-        if item.new_token_ids:
-            if collected.first_token_at is None:
-                collected.first_token_at = time.time()
-                collected.first_token_monotonic = time.monotonic()
-            collected.token_ids.extend(item.new_token_ids)
-        if item.text_delta:
-            collected.text_parts.append(item.text_delta)
-        if item.logprobs:
-            collected.logprobs.extend(item.logprobs)
+        if item.new_token_ids and collected.first_token_at is None:
+            collected.first_token_at = time.time()
+            collected.first_token_monotonic = time.monotonic()
+        collected.choices.add(item)
         if item.finished:
             collected.final = item
             self._done.set()

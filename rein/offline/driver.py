@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
+from rein.choices import ChoiceGatherer
+
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
     from rein.engine.outputs import RequestOutput, TokenLogprob
@@ -34,26 +36,33 @@ def default_max_in_flight(engine: LLMEngine) -> int:
 
 @dataclass
 class FinishedRequest(Generic[State]):
-    """One request's whole answer, as its step outputs added up."""
+    """One request's whole answer, as its step outputs added up.
+
+    `choices` holds every choice of an n > 1 request (rein.choices), and the prompt
+    logprobs; `text`, `token_ids` and `logprobs` are choice 0's, the whole answer of a
+    plain request. `finish_reason` is the request's (the last choice to end)."""
 
     request_id: str
     state: State                                  # what `admit` returned with the request id
-    text_parts: list[str] = field(default_factory=list)
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
+    choices: ChoiceGatherer = field(default_factory=ChoiceGatherer)
     finish_reason: str | None = None              # stop | length | abort
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
 
     @property
     def text(self) -> str:
-        return "".join(self.text_parts)
+        return self.choices.choice(0).text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices.choice(0).token_ids
+
+    @property
+    def logprobs(self) -> list[TokenLogprob]:
+        return self.choices.choice(0).logprobs
 
     def add(self, output: RequestOutput) -> None:
-        self.text_parts.append(output.text_delta)
-        self.token_ids.extend(output.new_token_ids)
-        if output.logprobs:
-            self.logprobs.extend(output.logprobs)
+        self.choices.add(output)
         if output.finished:
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason

@@ -27,7 +27,11 @@ Choices where rein differs from vLLM:
   rein's API does, rather than having its completion cut short.
 * `Logprob.rank` is the 1-based rank when the token is among the returned top
   alternatives, else None (the engine returns only the top `logprobs` entries).
-* No `n` > 1, beam search, LoRA, prompt logprobs or multimodal inputs.
+* `n` > 1 gives `outputs` with one CompletionOutput per choice, by index (the choices
+  share the prompt's prefill; choice i samples with seed `seed + i`). `prompt_logprobs=k`
+  fills `GenerationOutput.prompt_logprobs` as vLLM's: None for the first prompt token, then
+  {token id: Logprob} with the prompt token and its top k alternatives.
+* No beam search, best_of, LoRA or multimodal inputs.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from rein.choices import Choice
 from rein.engine.errors import EngineRequestError
 from rein.engine.sampling_params import SamplingParams
 from rein.offline.driver import FinishedRequest, default_max_in_flight, drive
@@ -118,7 +123,10 @@ class GenerationOutput:
 
     `prompt` is the text when the prompt was given as text, the rendered chat template
     (decoded) for `chat`, and None for token-id prompts. `outputs` holds one
-    `CompletionOutput`. `num_cached_tokens` counts prompt tokens taken from the prefix cache.
+    `CompletionOutput` per choice (SamplingParams.n), by index. `num_cached_tokens` counts
+    prompt tokens taken from the prefix cache. `prompt_logprobs` (SamplingParams.prompt_logprobs
+    = k): one entry per prompt token, None for the first, else {token id: Logprob} holding
+    the prompt token and the top k alternatives; None when not asked for.
     """
 
     request_id: str
@@ -127,6 +135,7 @@ class GenerationOutput:
     outputs: list[CompletionOutput]
     finished: bool = True
     num_cached_tokens: int = 0
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 @dataclass
@@ -354,11 +363,17 @@ class LLM:
         def finish(done: FinishedRequest[int]) -> None:
             index = done.state
             prompt = prompts[index]
+            prompt_logprobs = None
+            if params[index].prompt_logprobs is not None:
+                entries = done.choices.prompt_logprobs or [None] * len(prompt.token_ids)
+                prompt_logprobs = [None if entry is None else self._logprob_dict(entry, decoded)
+                                   for entry in entries]
             results[index] = GenerationOutput(
                 request_id=done.request_id, prompt=prompt.text, prompt_token_ids=prompt.token_ids,
-                outputs=[self._completion(done, params[index], decoded)], num_cached_tokens=done.num_cached_tokens)
+                outputs=[self._completion(choice, params[index], decoded) for choice in done.choices.ordered()],
+                num_cached_tokens=done.num_cached_tokens, prompt_logprobs=prompt_logprobs)
             totals["in"] += len(prompt.token_ids)
-            totals["out"] += len(done.token_ids)
+            totals["out"] += done.choices.completion_tokens
             elapsed = max(time.perf_counter() - started, 1e-9)
             bar.set_postfix_str(f"est. speed input: {totals['in'] / elapsed:.2f} toks/s, "
                                 f"output: {totals['out'] / elapsed:.2f} toks/s", refresh=False)
@@ -372,14 +387,14 @@ class LLM:
             raise RuntimeError(f"the engine returned no output for {what}s {missing} (engine bug)")
         return results  # type: ignore[return-value]
 
-    def _completion(self, done: FinishedRequest[int], params: SamplingParams,
-                    decoded: dict[int, str]) -> CompletionOutput:
+    def _completion(self, choice: Choice, params: SamplingParams, decoded: dict[int, str]) -> CompletionOutput:
         logprobs = cumulative = None
         if params.logprobs is not None:
-            logprobs = [self._logprob_dict(entry, decoded) for entry in done.logprobs]
-            cumulative = sum(entry.logprob for entry in done.logprobs)
-        return CompletionOutput(index=0, text=done.text, token_ids=done.token_ids, cumulative_logprob=cumulative,
-                                logprobs=logprobs, finish_reason=done.finish_reason, stop_reason=done.stop_reason)
+            logprobs = [self._logprob_dict(entry, decoded) for entry in choice.logprobs]
+            cumulative = choice.cumulative_logprob
+        return CompletionOutput(index=choice.index, text=choice.text, token_ids=choice.token_ids,
+                                cumulative_logprob=cumulative, logprobs=logprobs, finish_reason=choice.finish_reason,
+                                stop_reason=choice.stop_reason)
 
     def _logprob_dict(self, entry: TokenLogprob, decoded: dict[int, str]) -> dict[int, Logprob]:
         def text(token_id: int) -> str:

@@ -26,6 +26,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from rein.choice_bodies import full_response
 from rein.engine.errors import EngineRequestError
 from rein.generation_defaults import GenerationDefaults, load_generation_defaults
 from rein.offline.driver import FinishedRequest, default_max_in_flight, drive
@@ -189,14 +190,19 @@ class _BatchRun:
             return
         parsed = pending.parsed
         prompt_tokens = len(parsed.prompt_token_ids)
-        body = build_response(
-            pending.endpoint, done.request_id, pending.model_name, prompt_tokens, done.text,
-            done.token_ids, done.finish_reason, done.logprobs if parsed.logprobs_mode is not None else None,
-            self.engine.tokenizer, parsed.logprobs_mode, int(time.time()), cached_tokens=done.num_cached_tokens)
+        if parsed.shape.plain:
+            body = build_response(
+                pending.endpoint, done.request_id, pending.model_name, prompt_tokens, done.text,
+                done.token_ids, done.finish_reason, done.logprobs if parsed.logprobs_mode is not None else None,
+                self.engine.tokenizer, parsed.logprobs_mode, int(time.time()), cached_tokens=done.num_cached_tokens)
+        else:   # n > 1, best_of, echo, prompt logprobs (rein.choice_bodies)
+            body = full_response(pending.endpoint, done.request_id, pending.model_name, done.choices,
+                                 parsed.prompt_token_ids, self.engine.tokenizer, parsed.logprobs_mode, parsed.shape,
+                                 int(time.time()))
         self._write(self.out, batch_output_line(pending.custom_id, done.request_id, body))
         self.summary.requests_ok += 1
         self.summary.prompt_tokens += prompt_tokens
-        self.summary.completion_tokens += len(done.token_ids)
+        self.summary.completion_tokens += done.choices.completion_tokens
         self._advance()
 
     def _fail(self, custom_id: str | None, line_number: int, code: str, message: str) -> None:

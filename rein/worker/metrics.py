@@ -168,7 +168,8 @@ class WorkerMetrics:
         for output in outputs:
             new_tokens = len(output.new_token_ids)
             generated += new_tokens
-            if new_tokens and output.num_output_tokens == new_tokens:   # the request's first token
+            # The request's first token (of choice 0: an n > 1 request's prompt counts once).
+            if new_tokens and output.num_output_tokens == new_tokens and output.index == 0:
                 self._prompt_tokens.inc(output.num_prompt_tokens)
             if output.finished:
                 child = self._finished.get(output.finish_reason or "abort")

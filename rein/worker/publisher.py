@@ -18,6 +18,10 @@ with a later step (an XADD that already landed is refused by Redis as "equal or 
 and ignored), so a blip costs latency, not gaps. The engine thread is never blocked
 longer than one attempt per RETRY_SECONDS.
 
+A request with n > 1 choices: every event carries its choice's `index`; the event that
+ends one choice has `choice_finish_reason`, and the job's final event (the last choice to
+end) has both that and `finish_reason`, with `usage` summing every choice's tokens.
+
 How an aborted request's final event reads depends on why it was aborted (see
 `mark_abort`): a cancel ends the stream with finish_reason "abort"; a timeout with an
 error; an interrupted attempt (shutdown, broker connection lost) publishes nothing, as the
@@ -30,7 +34,7 @@ import logging
 import threading
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
@@ -57,6 +61,8 @@ TIMEOUT = "timeout"
 class _JobState:
     seq: int = 0
     abort_reason: str | None = None
+    # n > 1: each choice's output tokens so far, for the usage the final event sums.
+    choice_tokens: dict[int, int] = field(default_factory=dict)
 
 
 class TokenPublisher:
@@ -136,14 +142,21 @@ class TokenPublisher:
         state = self._jobs.get(output.request_id)
         if state is None:
             return None                      # not a job this publisher streams
+        state.choice_tokens[output.index] = output.num_output_tokens
         if not output.finished:
-            if not output.new_token_ids and not output.text_delta:
+            # One choice of several ended (n > 1). Not for an abort: the job's final event says
+            # why it stopped, and an interrupted attempt must publish nothing.
+            choice_end = output.finish_reason if output.finish_reason != "abort" else None
+            if not output.new_token_ids and not output.text_delta and choice_end is None:
                 return None
             state.seq += 1
             return TokenEvent(seq=state.seq, text=storable_text(output.text_delta),
-                              token_ids=list(output.new_token_ids))
+                              token_ids=list(output.new_token_ids), index=output.index,
+                              choice_finish_reason=choice_end)
         del self._jobs[output.request_id]
-        usage = usage_body(output.num_prompt_tokens, output.num_output_tokens, output.num_cached_tokens)
+        several = len(state.choice_tokens) > 1 or output.index > 0
+        completion = sum(state.choice_tokens.values()) if several else output.num_output_tokens
+        usage = usage_body(output.num_prompt_tokens, completion, output.num_cached_tokens)
         error = None
         if output.finish_reason == "abort":
             reason = state.abort_reason or (INTERRUPTED if self._closed else None)
@@ -154,7 +167,8 @@ class TokenPublisher:
         state.seq += 1
         return TokenEvent(seq=state.seq, text=storable_text(output.text_delta),
                           token_ids=list(output.new_token_ids), finish_reason=output.finish_reason,
-                          usage=usage, error=error)
+                          usage=usage, error=error, index=output.index,
+                          choice_finish_reason=output.finish_reason if several else None)
 
     # -- Redis -------------------------------------------------------------------------------
 

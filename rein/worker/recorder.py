@@ -10,6 +10,9 @@ engine's output (text, token ids, the engine's finish reason stop | length | abo
 when the request asked for logprobs, the response's `logprobs` object already in OpenAI's
 shape (it needs the tokenizer, which the worker has and the API need not load).
 `response_body(job, result)` rebuilds exactly the body the synchronous endpoint returns.
+A request with more than one plain choice (n > 1, best_of, echo, prompt logprobs) also
+stores `results.response`: the body's `choices` and `usage` (rein.choice_bodies), merged
+over the plain body; its text, token ids and logprobs columns hold the first returned choice.
 
 Postgres text and jsonb cannot hold U+0000, which a model can emit (a byte-level token
 for 0x00): `storable_text` drops it, here and in the published events alike, so the
@@ -60,6 +63,8 @@ class JobRecord:
     cached_tokens: int = 0
     first_token_at: datetime | None = None
     error: dict[str, Any] | None = None           # {"message", "type", "code"} when failed
+    # Body parts beyond the plain one-choice answer (rein.choice_bodies.response_extra); None: plain.
+    response: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.status not in ("succeeded", "failed", "cancelled"):
@@ -67,6 +72,7 @@ class JobRecord:
         self.text = storable_text(self.text)
         self.logprobs = _storable(self.logprobs)
         self.error = _storable(self.error)
+        self.response = _storable(self.response)
 
 
 def record_job(sessions: sessionmaker[Session], lease: Lease, record: JobRecord) -> bool:
@@ -77,7 +83,7 @@ def record_job(sessions: sessionmaker[Session], lease: Lease, record: JobRecord)
     row = execute_one(engine_of(sessions), _RECORD_SQL, (
         record.status, record.first_token_at, _json(record.error), lease.job_id, lease.attempt,
         record.text, record.finish_reason, "{" + ",".join(map(str, record.token_ids)) + "}",
-        _json(record.logprobs), has_result,
+        _json(record.logprobs), _json(record.response), has_result,
         prompt_tokens, record.completion_tokens, min(record.cached_tokens, prompt_tokens), has_usage))
     return row is not None and row[0] == 1
 
@@ -96,8 +102,8 @@ WITH done AS (
      WHERE id = %s AND attempt = %s AND status = 'running'
     RETURNING id, tenant, key_id, model
 ), result_row AS (
-    INSERT INTO results (job_id, text, finish_reason, token_ids, logprobs)
-    SELECT id, %s, %s, %s::integer[], %s::jsonb FROM done WHERE %s
+    INSERT INTO results (job_id, text, finish_reason, token_ids, logprobs, response)
+    SELECT id, %s, %s, %s::integer[], %s::jsonb, %s::jsonb FROM done WHERE %s
     ON CONFLICT (job_id) DO NOTHING
 ), usage_row AS (
     INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_tokens, cached_tokens)
@@ -119,6 +125,8 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
                           created=int(finished.timestamp()) if finished is not None else None,
                           cached_tokens=cached_tokens)
     body["choices"][0]["logprobs"] = result.logprobs
+    if result.response:   # n > 1, echo, prompt logprobs: the choices and usage the worker built
+        body.update(result.response)
     return body
 
 

@@ -30,6 +30,8 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from rein.api.ratelimit import settle_tokens
+from rein.choice_bodies import response_extra
+from rein.choices import ResponseShape, returned_choices
 from rein.core.logging import log_context
 from rein.core.messages import JobMessage
 from rein.openai_format import usage_body
@@ -46,7 +48,8 @@ from rein.worker.publisher import TIMEOUT
 from rein.worker.recorder import JobRecord, record_job, response_logprobs
 
 if TYPE_CHECKING:
-    from rein.engine.runner import CollectingStream
+    from rein.engine.runner import Collected, CollectingStream
+    from rein.engine.sampling_params import SamplingParams
     from rein.worker.bootstep import WorkerContext
     from rein.worker.claim import Lease
 
@@ -206,17 +209,40 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
             context.metrics.observe_request(accepted=accepted, claimed=claimed,
                                             first_token=collected.first_token_monotonic,
                                             finished=time.monotonic(), num_output_tokens=final.num_output_tokens)
-    record = JobRecord(
-        status=status, text=collected.text, token_ids=collected.token_ids, finish_reason=final.finish_reason,
-        logprobs=response_logprobs(lease.endpoint, collected.logprobs if params.logprobs is not None else None,
-                                   context.engine.tokenizer, message.logprobs_mode),
-        prompt_tokens=final.num_prompt_tokens, completion_tokens=final.num_output_tokens,
-        cached_tokens=final.num_cached_tokens, first_token_at=(datetime.fromtimestamp(collected.first_token_at, UTC)
-                        if collected.first_token_at is not None else None), error=error)
+    record = job_record(message, lease.endpoint, collected, params, context.engine.tokenizer, status, error)
     if not _record(context, lease, record):
         log.warning("job %s attempt %d: lease lost before recording; result dropped", job_id, lease.attempt)
         return "lease lost"
     return status
+
+
+def job_record(message: JobMessage, endpoint: str, collected: Collected, params: SamplingParams,
+               tokenizer: Any, status: str = "succeeded", error: dict[str, Any] | None = None) -> JobRecord:
+    """What a finished attempt records. A plain
+    request records its one choice; one with several choices, an echo or prompt logprobs
+    also the body parts that shows (rein.choice_bodies), and usage summed over its choices."""
+    final = collected.final
+    assert final is not None
+    first_token_at = (datetime.fromtimestamp(collected.first_token_at, UTC)
+                      if collected.first_token_at is not None else None)
+    shape = ResponseShape.from_dict(message.shape)
+    gathered = collected.choices
+    if shape.plain and len(gathered.choices) <= 1:
+        return JobRecord(
+            status=status, error=error, text=collected.text, token_ids=collected.token_ids, finish_reason=final.finish_reason,
+            logprobs=response_logprobs(endpoint, collected.logprobs if params.logprobs is not None else None,
+                                       tokenizer, message.logprobs_mode),
+            prompt_tokens=final.num_prompt_tokens, completion_tokens=final.num_output_tokens,
+            cached_tokens=final.num_cached_tokens, first_token_at=first_token_at)
+    extra = response_extra(endpoint, gathered, message.prompt_token_ids, tokenizer, message.logprobs_mode, shape)
+    first = returned_choices(gathered.ordered(), shape)[0]
+    return JobRecord(
+        status=status, error=error, text=first.text, token_ids=first.token_ids,
+        # An aborted request reads "abort" whatever its first choice had reached.
+        finish_reason="abort" if final.finish_reason == "abort" else first.finish_reason or final.finish_reason,
+        logprobs=extra["choices"][0]["logprobs"] if extra else None,
+        prompt_tokens=final.num_prompt_tokens, completion_tokens=gathered.completion_tokens,
+        cached_tokens=final.num_cached_tokens, first_token_at=first_token_at, response=extra)
 
 
 def _wait(context: WorkerContext, job_id: str, stream: CollectingStream, deadline: float) -> bool:

@@ -421,3 +421,107 @@ def test_batch_cancel_answers_every_line_once(client: openai.OpenAI) -> None:
     assert len(ok) == counts.completed
     cancelled_codes = {(line["error"] or {}).get("code") for line in answered if line not in ok}
     assert cancelled_codes <= {"batch_cancelled"}, cancelled_codes
+
+
+# -- n > 1, logit_bias, echo and prompt logprobs (issue 14) ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_models):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(tiny_models("llama")))
+
+
+def word_token(tokenizer) -> int:
+    """A token that is a whole word (its text repeats cleanly), to force with logit_bias."""
+    return next(i for i in range(100, len(tokenizer))
+                if len(tokenizer.decode([i]).strip()) >= 2 and tokenizer.decode([i]).strip().isalpha())
+
+
+def test_n_choices_share_one_prompt_in_usage(client: openai.OpenAI) -> None:
+    one = client.chat.completions.create(**CHAT)
+    four = client.chat.completions.create(**{**CHAT, "max_tokens": 8, "temperature": 1.0}, n=4, seed=11,
+                                          extra_body={"ignore_eos": True})
+    assert [c.index for c in four.choices] == [0, 1, 2, 3]
+    assert len({c.message.content for c in four.choices}) == 4      # sampled apart (seed + index)
+    assert all(c.finish_reason == "length" for c in four.choices)
+    assert four.usage.prompt_tokens == one.usage.prompt_tokens       # the prompt counts once
+    assert four.usage.completion_tokens == 4 * 8
+    again = client.chat.completions.create(**{**CHAT, "max_tokens": 8, "temperature": 1.0}, n=4, seed=11,
+                                           extra_body={"ignore_eos": True})
+    assert [c.message.content for c in again.choices] == [c.message.content for c in four.choices]
+
+    chunks = list(client.chat.completions.create(**{**CHAT, "max_tokens": 8, "temperature": 1.0}, n=4, seed=11,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True}))
+    texts: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] = texts.get(choice.index, "") + (choice.delta.content or "")
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert texts == {c.index: c.message.content for c in four.choices}
+    assert finishes == {0: "length", 1: "length", 2: "length", 3: "length"}
+    assert chunks[-1].usage.completion_tokens == 32
+
+
+def test_logit_bias_forces_a_token(client: openai.OpenAI, tokenizer) -> None:
+    forced = word_token(tokenizer)
+    completion = client.completions.create(**{**COMPLETION, "max_tokens": 6, "temperature": 1.0},
+                                           logit_bias={str(forced): 100}, logprobs=0)
+    assert completion.choices[0].logprobs.tokens == [tokenizer.decode([forced])] * 6
+    assert completion.choices[0].text == tokenizer.decode([forced] * 6)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(**COMPLETION, logit_bias={str(len(tokenizer)): 5})
+    assert caught.value.param == "logit_bias"
+
+
+def test_echo_with_prompt_logprobs(client: openai.OpenAI, tokenizer) -> None:
+    prompt = tokenizer.encode(COMPLETION["prompt"], add_special_tokens=True)
+    completion = client.completions.create(**{**COMPLETION, "max_tokens": 4}, echo=True, logprobs=1,
+                                           extra_body={"prompt_logprobs": 2})
+    [choice] = completion.choices
+    plain = client.completions.create(**{**COMPLETION, "max_tokens": 4})
+    assert choice.text == COMPLETION["prompt"] + plain.choices[0].text
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt) + completion.usage.completion_tokens
+    assert logprobs.tokens[:len(prompt)] == [tokenizer.decode([t]) for t in prompt]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    assert all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert completion.usage.prompt_tokens == len(prompt)
+    entries = choice.model_extra["prompt_logprobs"]          # vLLM's field
+    assert len(entries) == len(prompt) and entries[0] is None
+    for position, entry in enumerate(entries[1:], start=1):
+        assert str(prompt[position]) in entry and 2 <= len(entry) <= 3
+        # The same logprob as the echoed token's.
+        assert entry[str(prompt[position])]["logprob"] == pytest.approx(logprobs.token_logprobs[position])
+
+
+def test_choices_echo_and_bias_in_a_batch_file(client: openai.OpenAI, tokenizer) -> None:
+    forced = word_token(tokenizer)
+    bodies = {
+        "n": {"n": 3, "temperature": 1.0, "seed": 5},
+        "bias": {"logit_bias": {str(forced): 100}, "temperature": 1.0},
+        "echo": {"echo": True, "logprobs": 1},
+    }
+    content = "".join(json.dumps({"custom_id": name, "method": "POST", "url": "/v1/completions",
+                                  "body": {**COMPLETION, "max_tokens": 4, **body}}) + "\n"
+                      for name, body in bodies.items()).encode()
+    input_file = client.files.create(file=("choices.jsonl", content), purpose="batch")
+    done = wait_batch(client, client.batches.create(input_file_id=input_file.id, endpoint="/v1/completions",
+                                                    completion_window="24h").id)
+    assert done.status == "completed" and done.request_counts.completed == 3, done
+    lines = {line["custom_id"]: line["response"]["body"] for line in file_lines(client, done.output_file_id)}
+    for name, body in bodies.items():
+        # The same body as the synchronous endpoint's (all three are reproducible: seeded or forced).
+        sync = client.completions.create(**{**COMPLETION, "max_tokens": 4, **body})
+        batch = openai.types.Completion.model_validate(lines[name])
+        assert [c.text for c in batch.choices] == [c.text for c in sync.choices], name
+        assert (batch.usage.prompt_tokens, batch.usage.completion_tokens) == (
+            sync.usage.prompt_tokens, sync.usage.completion_tokens)
+    assert len(lines["n"]["choices"]) == 3 and lines["n"]["usage"]["completion_tokens"] >= 3
+    assert lines["bias"]["choices"][0]["text"] == tokenizer.decode([forced] * 4)
+    assert lines["echo"]["choices"][0]["text"].startswith(COMPLETION["prompt"])
+    assert lines["echo"]["choices"][0]["logprobs"]["token_logprobs"][0] is None

@@ -442,6 +442,43 @@ def test_worker_stores_logprobs_in_the_response_shape(worker_app, make_job, db_s
     assert len(logprobs["tokens"]) == 3 and len(logprobs["top_logprobs"]) == 3
 
 
+def test_worker_records_every_choice(worker_app, make_job, db_sessionmaker, redis_client, keys):
+    """n=3: each choice's events carry its index; the record keeps choice 0 in its columns,
+    all three in results.response, and usage sums them (the prompt once)."""
+    message = make_job(max_tokens=6, n=3, temperature=1.0, seed=9)
+    message.shape = {"n": 3}
+    enqueue_job(worker_app, message)
+    job = wait_finished(db_sessionmaker, message.job_id)
+    assert job.status == "succeeded", job.error
+    with db_sessionmaker() as session:
+        result = session.get(Result, message.job_id)
+    body = response_body(job, result)
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["choices"][0]["text"] == result.text and len(result.token_ids) == 6
+    assert body["usage"]["prompt_tokens"] == 4 and body["usage"]["completion_tokens"] == 18
+    [usage] = usage_rows(db_sessionmaker, message.job_id)
+    assert (usage.prompt_tokens, usage.completion_tokens) == (4, 18)
+    events = [e for _, e in stream_events(redis_client, keys, message.job_id)]
+    for index, choice in enumerate(body["choices"]):
+        assert "".join(e.text for e in events if e.index == index) == choice["text"]
+    assert events[-1].final and events[-1].usage["completion_tokens"] == 18
+    assert sum(1 for e in events if e.choice_finish_reason) == 3
+    assert worker_app.rein_context.engine.pool.num_free == worker_app.rein_context.engine.pool.num_blocks
+
+
+def test_worker_echo_stores_the_echoed_body(worker_app, make_job, db_sessionmaker):
+    message = make_job(max_tokens=3)
+    message.shape = {"n": 1, "echo": "ECHO:"}
+    enqueue_job(worker_app, message)
+    job = wait_finished(db_sessionmaker, message.job_id)
+    with db_sessionmaker() as session:
+        result = session.get(Result, message.job_id)
+    assert result.response is not None and not result.text.startswith("ECHO:")
+    body = response_body(job, result)
+    assert body["choices"][0]["text"] == "ECHO:" + result.text
+    assert body["usage"]["completion_tokens"] == 3 and body["usage"]["prompt_tokens"] == 4
+
+
 def test_cancel_mid_generation_frees_the_engine_blocks(worker_app, make_job, db_sessionmaker, redis_client,
                                                         keys):
     engine = worker_app.rein_context.engine

@@ -54,6 +54,8 @@ from rein.api.schemas import (
     ModelPublic,
 )
 from rein.api.streams import StreamEvent, follow_events, openai_chunk_stream
+from rein.choice_bodies import full_response
+from rein.choices import ChoiceGatherer, ResponseShape
 from rein.core.keys import KeyInfo
 from rein.core.logging import log_context
 from rein.core.models import FINISHED_JOB_STATUSES, Job
@@ -137,18 +139,18 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
                 return None
 
     events = follow_events(redis, keys, job.id, 0, lambda: run_in_threadpool(load))
+    shape = ResponseShape.from_dict((job.params or {}).get("shape"))   # n > 1, echo (rein.choices)
     if release is not None:
         options = body.get("stream_options") or {}
         return SlotStreamingResponse(
             openai_chunk_stream(events, endpoint=endpoint, job_id=job.id, model=job.model,
                                 prompt_tokens=job.prompt_tokens,
-                                include_usage=bool(options.get("include_usage"))),
+                                include_usage=bool(options.get("include_usage")), n=shape.n, echo=shape.echo),
             release, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             on_abandon=lambda: _abandon_in_background(request, key, job.id))
 
-    text: list[str] = []
-    token_ids: list[int] = []
-    following = asyncio.ensure_future(_follow(events, text, token_ids))
+    gathered = ChoiceGatherer()
+    following = asyncio.ensure_future(_follow(events, gathered))
     gone = asyncio.ensure_future(_client_gone(request))
     try:
         await asyncio.wait((following, gone), return_when=asyncio.FIRST_COMPLETED)
@@ -171,21 +173,31 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
     # The record did not show in time: the stream holds everything the body needs but logprobs.
     entry = prepared.entry if prepared else None
     cached = ((final.data.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return build_response(endpoint, job.id, job.model, job.prompt_tokens, "".join(text), token_ids,
-                          final.data.get("finish_reason"), None, entry.tokenizer if entry else None, None,
-                          cached_tokens=cached)
+    gathered.num_cached_tokens = cached
+    first = gathered.choice(0)
+    if shape.plain and len(gathered.choices) <= 1:
+        return build_response(endpoint, job.id, job.model, job.prompt_tokens, first.text, first.token_ids,
+                              final.data.get("finish_reason"), None, entry.tokenizer if entry else None, None,
+                              cached_tokens=cached)
+    for choice in gathered.choices.values():
+        choice.finish_reason = choice.finish_reason or final.data.get("finish_reason")
+    return full_response(endpoint, job.id, job.model, gathered, list(job.prompt_token_ids),
+                         entry.tokenizer if entry else None, None, shape)
 
 
-async def _follow(events: AsyncIterator[StreamEvent | None], text: list[str],
-                  token_ids: list[int]) -> StreamEvent | None:
-    """Read the job's events to the end, gathering its text and token ids; the final event."""
+async def _follow(events: AsyncIterator[StreamEvent | None], gathered: ChoiceGatherer) -> StreamEvent | None:
+    """Read the job's events to the end, gathering each choice's text, token ids and finish
+    reason; the final event."""
     final: StreamEvent | None = None
     async with aclosing(events) as closing:
         async for event in closing:
             if event is None:
                 continue
-            text.append(event.data.get("text", ""))
-            token_ids.extend(event.data.get("token_ids", []))
+            choice = gathered.choice(event.data.get("index", 0))
+            choice.text_parts.append(event.data.get("text", ""))
+            choice.token_ids.extend(event.data.get("token_ids", []))
+            if event.data.get("choice_finish_reason"):
+                choice.finish_reason = event.data["choice_finish_reason"]
             if event.final:
                 final = event
     return final

@@ -46,7 +46,7 @@ def test_context_length_exceeded(client, key):
     ({"temperature": 3}, "temperature"),
     ({"top_p": 0}, "top_p"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 2}, "n"),
+    ({"n": 129}, "n"),
     ({"top_logprobs": 3}, "top_logprobs"),
     ({"presence_penalty": -5}, "presence_penalty"),
 ])
