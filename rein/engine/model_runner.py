@@ -10,7 +10,7 @@ sample a token this step.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -20,6 +20,7 @@ from rein.engine.config import EngineConfig
 from rein.engine.cuda_graphs import DecodeGraphs
 from rein.engine.loader import load_model
 from rein.engine.model_spec import ModelSpec
+from rein.engine.pooler import gather
 from rein.engine.request import Request
 from rein.engine.scheduler import ScheduledRequest
 from rein.model_files import ModelFiles
@@ -40,6 +41,9 @@ class CapacityError(ValueError):
 class StepResult:
     logits: torch.Tensor               # [num_sampling, vocab], float32
     sampling: list[Request]            # the requests those rows belong to, in order
+    # Embedding requests whose prompt this step finished, with their pooled float32 vector
+    # (rein.engine.pooler); they have no logits rows.
+    pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
 
 
 def decide_max_model_len(spec: ModelSpec, requested: int | None) -> int:
@@ -124,8 +128,10 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sampling: list[Request] = []
+        pooling: list[tuple[Request, int, int, int, int]] = []   # embedding requests' rows
         for s in ordered:
             request, start, end = s.request, s.start, s.end
+            row_start = len(input_ids)
             blocks = request.block_ids
             if end - start == 1:
                 input_ids.append(request.token_at(start))
@@ -136,14 +142,16 @@ class ModelRunner:
                 span = range(start, end)
                 positions.extend(span)
                 slots.extend(blocks[p // bs] * bs + p % bs for p in span)
-            if s.samples:
+            if request.pooling is not None:
+                pooling.append((request, row_start, len(input_ids), start, end))
+            elif s.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(request)
 
         graphs = self.decode_graphs
         if not prefills and graphs is not None and graphs.fits(len(decodes)):
             hidden = graphs.run(input_ids, positions, slots, [s.end for s in decodes], self._block_rows(decodes))
-            return self._logits(hidden, sample_rows, sampling)
+            return self._logits(hidden, sample_rows, sampling, pooling)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             num_decode_tokens=len(decodes),
@@ -156,13 +164,15 @@ class ModelRunner:
         )
         hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
                             self.caches, meta)
-        return self._logits(hidden, sample_rows, sampling)
+        return self._logits(hidden, sample_rows, sampling, pooling)
 
-    def _logits(self, hidden: torch.Tensor, sample_rows: list[int], sampling: list[Request]) -> StepResult:
+    def _logits(self, hidden: torch.Tensor, sample_rows: list[int], sampling: list[Request],
+                pooling: list[tuple[Request, int, int, int, int]]) -> StepResult:
+        pooled = gather(hidden, pooling) if pooling else []
         if not sample_rows:
-            return StepResult(hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32), [])
+            return StepResult(hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32), [], pooled)
         logits = self.model.compute_logits(hidden[self._tensor(sample_rows, torch.int64)])
-        return StepResult(logits.float(), sampling)
+        return StepResult(logits.float(), sampling, pooled)
 
     def _decode_groups(self, lengths: list[int]) -> list[tuple[int, int]] | None:
         """Row ranges of similar context length for the CPU attention, or None (one batch) when

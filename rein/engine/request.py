@@ -72,6 +72,10 @@ class Request:
     generator: Any = None
     # Stop strings cut the text; set when one matched.
     stop_reason: str | int | None = None
+    # An embedding request's pooling state (rein.engine.pooler.PoolingState); None: it generates.
+    pooling: Any = None
+    # Not looked up in the prefix cache (mean/CLS pooling needs every prompt position computed).
+    skip_prefix_cache: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

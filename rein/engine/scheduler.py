@@ -123,7 +123,8 @@ class Scheduler:
                 continue
             # Blocks another request already computed for the same leading tokens; at least
             # the last token is always computed, since its logits give the next token.
-            max_cached = (request.num_tokens - 1) // block_size if self.pool.enable_caching else 0
+            max_cached = (request.num_tokens - 1) // block_size \
+                if self.pool.enable_caching and not request.skip_prefix_cache else 0
             cached = self.pool.find_prefix(request.tokens(0, max_cached * block_size), max_cached) \
                 if max_cached else []
             computed = len(cached) * block_size if cached else request.num_computed_tokens
