@@ -26,6 +26,7 @@ from typing import Any
 from rein.api.errors import APIError
 from rein.api.intake import Prepared, prepare
 from rein.api.tokenizers import ModelRegistry
+from rein.embeddings_format import ParsedEmbeddings
 from rein.openai_format import RequestError, parse_batch_line
 
 MAX_REPORTED_ERRORS = 1000
@@ -40,10 +41,13 @@ class ValidLine:
     def job_values(self) -> dict[str, Any]:
         """The jobs-table values this line's request needs (as JobIntake stores a job)."""
         parsed = self.prepared.parsed
+        params = {"body": self.prepared.body, "sampling": dataclasses.asdict(parsed.params),
+                  "logprobs_mode": parsed.logprobs_mode, "stream": False}
+        if isinstance(parsed, ParsedEmbeddings):   # an embeddings line's inputs (rein.core.messages)
+            params["input_lengths"] = parsed.input_lengths
         return {
             "model": self.prepared.entry.name, "endpoint": self.prepared.endpoint,
-            "params": {"body": self.prepared.body, "sampling": dataclasses.asdict(parsed.params),
-                       "logprobs_mode": parsed.logprobs_mode, "stream": False},
+            "params": params,
             "prompt_token_ids": list(parsed.prompt_token_ids),
             "prompt_tokens": len(parsed.prompt_token_ids),
             "custom_id": self.custom_id, "batch_line": self.line,

@@ -27,7 +27,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.db import engine_of, execute_one
 from rein.core.models import Job, Result
-from rein.openai_format import build_response
+from rein.embeddings_format import job_embeddings_body
+from rein.openai_format import EMBEDDINGS, build_response
 from rein.worker.claim import Lease
 
 
@@ -60,6 +61,7 @@ class JobRecord:
     cached_tokens: int = 0
     first_token_at: datetime | None = None
     error: dict[str, Any] | None = None           # {"message", "type", "code"} when failed
+    response: dict[str, Any] | None = None        # results.response (an embeddings job's `data`)
 
     def __post_init__(self) -> None:
         if self.status not in ("succeeded", "failed", "cancelled"):
@@ -77,7 +79,7 @@ def record_job(sessions: sessionmaker[Session], lease: Lease, record: JobRecord)
     row = execute_one(engine_of(sessions), _RECORD_SQL, (
         record.status, record.first_token_at, _json(record.error), lease.job_id, lease.attempt,
         record.text, record.finish_reason, "{" + ",".join(map(str, record.token_ids)) + "}",
-        _json(record.logprobs), has_result,
+        _json(record.logprobs), _json(record.response), has_result,
         prompt_tokens, record.completion_tokens, min(record.cached_tokens, prompt_tokens), has_usage))
     return row is not None and row[0] == 1
 
@@ -96,8 +98,8 @@ WITH done AS (
      WHERE id = %s AND attempt = %s AND status = 'running'
     RETURNING id, tenant, key_id, model
 ), result_row AS (
-    INSERT INTO results (job_id, text, finish_reason, token_ids, logprobs)
-    SELECT id, %s, %s, %s::integer[], %s::jsonb FROM done WHERE %s
+    INSERT INTO results (job_id, text, finish_reason, token_ids, logprobs, response)
+    SELECT id, %s, %s, %s::integer[], %s::jsonb, %s::jsonb FROM done WHERE %s
     ON CONFLICT (job_id) DO NOTHING
 ), usage_row AS (
     INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_tokens, cached_tokens)
@@ -113,6 +115,8 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
     `created` is the job's finish time; the id is the job id with OpenAI's prefix;
     `cached_tokens` comes from the job's usage row.
     """
+    if job.endpoint == EMBEDDINGS:
+        return job_embeddings_body(job, result.response)
     finished = job.finished_at or result.created_at
     body = build_response(job.endpoint, job.id, job.model, job.prompt_tokens, result.text,
                           list(result.token_ids), result.finish_reason, None, None, None,
