@@ -18,6 +18,8 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": ("rein.offline.llm", "LLM"),
     "SamplingParams": ("rein.engine.sampling_params", "SamplingParams"),
+    "PoolingParams": ("rein.engine.pooling", "PoolingParams"),
+    "EmbeddingRequestOutput": ("rein.offline.embed", "EmbeddingRequestOutput"),
     "GenerationOutput": ("rein.offline.llm", "GenerationOutput"),
     "RequestOutput": ("rein.offline.llm", "GenerationOutput"),
     "CompletionOutput": ("rein.offline.llm", "CompletionOutput"),

@@ -48,6 +48,9 @@ if TYPE_CHECKING:
 CHAT_COMPLETIONS = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
+EMBEDDINGS = "/v1/embeddings"   # its requests and responses: rein.embeddings_format
+# The urls a batch line (and POST /v1/jobs) may name.
+BATCH_ENDPOINTS = (*ENDPOINTS, EMBEDDINGS)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_CHAT_TOP_LOGPROBS = 20
@@ -674,8 +677,8 @@ def parse_batch_line(line: str, line_number: int) -> BatchLine:
     if method != "POST":
         raise RequestError(f"line {line_number}: method must be \"POST\", got {method!r}", "method")
     url = obj.get("url")
-    if url not in ENDPOINTS:
-        raise RequestError(f"line {line_number}: url must be {' or '.join(ENDPOINTS)}, got {url!r}", "url")
+    if url not in BATCH_ENDPOINTS:
+        raise RequestError(f"line {line_number}: url must be {', '.join(BATCH_ENDPOINTS)}, got {url!r}", "url")
     body = obj.get("body")
     if not isinstance(body, dict):
         raise RequestError(f"line {line_number}: body must be a JSON object, got {_json_type(body)}", "body")

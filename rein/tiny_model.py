@@ -24,8 +24,17 @@ tokenizer_config.json, special_tokens_map.json) that `AutoModelForCausalLM` and
   encode; the ChatML chat template puts `<|begin_of_text|>` and the
   `<|im_start|>`/`<|im_end|>` markers in itself.
 
-Everything is deterministic for given (arch, seed, preset) and Python installation: two
-builds produce byte-identical files.
+`embedding="last" | "mean" | "cls"` writes an embedding model shaped like Qwen3-Embedding
+instead: the same config (architectures still `*ForCausalLM`, plus `is_matryoshka: true`),
+the base model's weights saved as sentence-transformers saves them (no `model.` prefix, no
+lm_head), the sentence-transformers files that say how to pool (`modules.json`,
+`1_Pooling/config.json` with that `pooling_mode_*` flag, a `Normalize` module) and a
+tokenizer that appends the end-of-text token to every encoded text, as Qwen3-Embedding's
+does (the last-token pooling then reads that token's state). With a tied-embedding arch
+(qwen2, qwen3) the model still generates; llama and mistral, untied, then lack an LM head.
+
+Everything is deterministic for given (arch, seed, preset, embedding) and Python
+installation: two builds produce byte-identical files.
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ from pathlib import Path
 from typing import Any
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+# Poolings of `make_tiny_model(embedding=...)` (sentence-transformers' pooling_mode_* flags).
+EMBEDDING_POOLINGS = ("last", "mean", "cls")
 
 VOCAB_SIZE = 2048
 
@@ -142,9 +153,11 @@ _CORPUS_MIN_BYTES = 200_000
 
 
 def make_tiny_model(
-    out_dir: str | Path, arch: str = "llama", seed: int = 0, preset: str = "tiny"
+    out_dir: str | Path, arch: str = "llama", seed: int = 0, preset: str = "tiny",
+    embedding: str | None = None,
 ) -> Path:
-    """Write a random-weight `arch` model with the `preset` shape into `out_dir`.
+    """Write a random-weight `arch` model with the `preset` shape into `out_dir`; with
+    `embedding` (a pooling: last, mean or cls), an embedding model (see the module docstring).
 
     Returns the directory as a Path. Files already in `out_dir` with the same names are
     overwritten; others are left alone.
@@ -153,30 +166,38 @@ def make_tiny_model(
         raise ValueError(f"unknown arch {arch!r}; expected one of {ARCHS}")
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; expected one of {tuple(PRESETS)}")
+    if embedding is not None and embedding not in EMBEDDING_POOLINGS:
+        raise ValueError(f"unknown embedding pooling {embedding!r}; expected one of {EMBEDDING_POOLINGS}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     shape = PRESETS[preset]
 
     tokenizer_json = _train_tokenizer(shape["vocab_size"])
     ids = _special_token_ids(tokenizer_json)
+    if embedding is not None:
+        tokenizer_json = _append_eos(tokenizer_json, ids)
     _write_tokenizer_files(out, tokenizer_json, ids, shape["max_position_embeddings"])
     _write_model_files(out, arch, seed, shape, ids)
+    if embedding is not None:
+        _make_embedding_model(out, embedding, shape)
     return out
 
 
 # What a complete tiny-model directory holds (written last: the weights).
-MODEL_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+MODEL_FILES: tuple[str, ...] = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "model.safetensors")
 
 
-def ensure_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, preset: str = "tiny") -> Path:
+def ensure_tiny_model(out_dir: str | Path, arch: str = "llama", seed: int = 0, preset: str = "tiny",
+                      embedding: str | None = None) -> Path:
     """The tiny model at `out_dir`, built first when any of its files is missing (benchmarks
     and demos reuse one build across runs)."""
     out = Path(out_dir)
-    if all((out / name).is_file() for name in MODEL_FILES):
+    names = MODEL_FILES + (("modules.json",) if embedding is not None else ())
+    if all((out / name).is_file() for name in names):
         return out
     print(f"# building a tiny {arch} ({preset}) into {out} ...", file=sys.stderr, flush=True)
-    return make_tiny_model(out, arch=arch, seed=seed, preset=preset)
+    return make_tiny_model(out, arch=arch, seed=seed, preset=preset, embedding=embedding)
 
 
 def model_summary(model_dir: str | Path) -> dict[str, Any]:
@@ -406,3 +427,61 @@ def _write_model_files(
     # the same permissions as the other files so another user/container can read them.
     weights = out / "model.safetensors"
     weights.chmod((out / "config.json").stat().st_mode & 0o777)
+
+
+# --------------------------------------------------------------------------- embedding models
+
+_POOLING_FLAGS = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens",
+                  "cls": "pooling_mode_cls_token"}
+
+
+def _append_eos(tokenizer_json: str, ids: dict[str, int]) -> str:
+    """tokenizer.json with a post-processor that appends the end-of-text token to every
+    encoded text (with add_special_tokens, the default), as Qwen3-Embedding's tokenizer
+    appends <|endoftext|>: last-token pooling reads that token."""
+    data = json.loads(tokenizer_json)
+    data["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [{"Sequence": {"id": "A", "type_id": 0}}, {"SpecialToken": {"id": EOS_TOKEN, "type_id": 0}}],
+        "pair": [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}},
+                 {"SpecialToken": {"id": EOS_TOKEN, "type_id": 0}}],
+        "special_tokens": {EOS_TOKEN: {"id": EOS_TOKEN, "ids": [ids[EOS_TOKEN]], "tokens": [EOS_TOKEN]}},
+    }
+    return json.dumps(data, indent=2, ensure_ascii=False)
+
+
+def _make_embedding_model(out: Path, pooling: str, shape: dict[str, Any]) -> None:
+    """Turn the causal LM just written into `out` into a sentence-transformers embedding model."""
+    from safetensors.torch import load_file, save_file
+
+    weights = out / "model.safetensors"
+    mode = weights.stat().st_mode & 0o777
+    tensors = load_file(str(weights))
+    # The base model's weights only, under its own names (what AutoModel / sentence-transformers save).
+    base = {name.removeprefix("model."): tensor.contiguous() for name, tensor in tensors.items()
+            if not name.startswith("lm_head.")}
+    save_file(base, str(weights), metadata={"format": "pt"})
+    weights.chmod(mode)
+
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    config["is_matryoshka"] = True   # vLLM's flag: `dimensions` may cut the vector
+    _write_json(out / "config.json", config)
+    _write_json(out / "modules.json", [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ])
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    flags = {flag: name == pooling for name, flag in _POOLING_FLAGS.items()}
+    _write_json(out / "1_Pooling" / "config.json", {
+        "word_embedding_dimension": shape["hidden_size"],
+        "pooling_mode_cls_token": flags["pooling_mode_cls_token"],
+        "pooling_mode_mean_tokens": flags["pooling_mode_mean_tokens"],
+        "pooling_mode_max_tokens": False,
+        "pooling_mode_mean_sqrt_len_tokens": False,
+        "pooling_mode_weightedmean_tokens": False,
+        "pooling_mode_lasttoken": flags["pooling_mode_lasttoken"],
+        "include_prompt": True,
+    })
+    _write_json(out / "sentence_bert_config.json",
+                {"max_seq_length": shape["max_position_embeddings"], "do_lower_case": False})

@@ -11,20 +11,22 @@ import pytest
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`tiny_models(arch="llama", preset="tiny", seed=0)` -> directory of a random-weight model.
+    """`tiny_models(arch="llama", preset="tiny", seed=0, embedding=None)` -> directory of a
+    random-weight model (`embedding="last" | "mean" | "cls"`: an embedding model).
 
     Each (arch, preset, seed) is built once per session (see rein.tiny_model) into a
     session temp dir; the directories are shared, so treat them as read-only.
     """
     from rein.tiny_model import make_tiny_model
 
-    built: dict[tuple[str, str, int], Path] = {}
+    built: dict[tuple[str, str, int, str | None], Path] = {}
 
-    def get(arch: str = "llama", preset: str = "tiny", seed: int = 0) -> Path:
-        key = (arch, preset, seed)
+    def get(arch: str = "llama", preset: str = "tiny", seed: int = 0, embedding: str | None = None) -> Path:
+        key = (arch, preset, seed, embedding)
         if key not in built:
-            out = tmp_path_factory.mktemp(f"tiny-{arch}-{preset}-seed{seed}")
-            built[key] = make_tiny_model(out, arch=arch, seed=seed, preset=preset)
+            kind = f"-embed-{embedding}" if embedding else ""
+            out = tmp_path_factory.mktemp(f"tiny-{arch}-{preset}-seed{seed}{kind}")
+            built[key] = make_tiny_model(out, arch=arch, seed=seed, preset=preset, embedding=embedding)
         return built[key]
 
     return get

@@ -30,7 +30,7 @@ from rein.api.metrics import APIMetrics, MetricsMiddleware
 from rein.api.metrics import router as metrics_router
 from rein.api.ratelimit import RateLimiter
 from rein.api.request_limits import RequestLimits
-from rein.api.routes import batches, files, health, jobs, openai, usage
+from rein.api.routes import batches, embeddings, files, health, jobs, openai, usage
 from rein.api.streams import STREAM_SOCKET_TIMEOUT, StreamSlots
 from rein.api.tokenizers import ModelRegistry
 from rein.batches.manager import BatchManager
@@ -112,7 +112,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    for module in (openai, jobs, files, batches, usage, health):
+    for module in (openai, embeddings, jobs, files, batches, usage, health):
         app.include_router(module.router)
     # Prometheus: every response counted and timed by route template; GET /metrics.
     app.state.metrics = APIMetrics(settings)

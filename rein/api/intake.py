@@ -62,7 +62,8 @@ from rein.core.keys import KeyInfo
 from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
 from rein.core.models import Job, new_job_id
 from rein.core.settings import Settings
-from rein.openai_format import ParsedRequest, RequestError, parse_request
+from rein.embeddings_format import ParsedEmbeddings, model_pooling, parse_embeddings_request
+from rein.openai_format import EMBEDDINGS, ParsedRequest, RequestError, parse_request
 from rein.worker.app import enqueue_jobs, queue_keys
 
 log = logging.getLogger(__name__)
@@ -83,18 +84,24 @@ class Prepared:
     entry: ModelEntry
     endpoint: str
     body: dict[str, Any]
-    parsed: ParsedRequest
+    parsed: ParsedRequest | ParsedEmbeddings
 
     @property
     def requested_tokens(self) -> int:
-        """Prompt + max_tokens per generated choice: the most the request may cost."""
+        """Prompt + max_tokens per generated choice: the most the request may cost (embeddings:
+        their inputs)."""
+        if isinstance(self.parsed, ParsedEmbeddings):
+            return len(self.parsed.prompt_token_ids)
         return len(self.parsed.prompt_token_ids) + self.parsed.params.n * self.parsed.params.max_tokens
 
     def charged_tokens(self, completion_estimate: int) -> int:
         """What the request is charged against its key's TPM when admitted: prompt +
         max_tokens when the body gives max_tokens (or max_completion_tokens), as OpenAI
         charges; otherwise prompt + the completion estimate, capped by the default max_tokens
-        (what the context leaves). The worker settles it against the real usage."""
+        (what the context leaves). The worker settles it against the real usage. Embeddings:
+        their input tokens, all they cost."""
+        if isinstance(self.parsed, ParsedEmbeddings):
+            return len(self.parsed.prompt_token_ids)
         explicit = self.body.get("max_tokens") is not None or self.body.get("max_completion_tokens") is not None
         completion = self.parsed.params.max_tokens
         if not explicit:
@@ -118,7 +125,11 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Pre
         served = ", ".join(e.name for e in registry) or "none"
         raise APIError(404, f"The model '{name}' does not exist or you do not have access to it "
                             f"(served: {served}).", param="model", code="model_not_found")
-    parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults)
+    if endpoint == EMBEDDINGS:
+        parsed: ParsedRequest | ParsedEmbeddings = parse_embeddings_request(
+            body, entry.tokenizer, entry.max_model_len, model_pooling(entry.directory))
+    else:
+        parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults)
     return Prepared(entry, endpoint, body, parsed)
 
 
@@ -244,6 +255,8 @@ class JobIntake:
         message = JobMessage(job_id=job.id, model=model, endpoint=endpoint, prompt_token_ids=prompt,
                              sampling=sampling, priority=priority, logprobs_mode=parsed.logprobs_mode,
                              tenant=key.tenant, key_id=key.key_id, shape=shape)
+        if isinstance(parsed, ParsedEmbeddings):   # its inputs, one after the other in `prompt`
+            job.params["input_lengths"] = message.input_lengths = parsed.input_lengths
         return Submission(key, prepared, job, message, metadata)
 
     def _expired(self, job: Job) -> bool:

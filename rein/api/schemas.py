@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rein.embeddings_format import ENCODING_FORMATS, MAX_INPUTS
 from rein.engine.sampling_params import MAX_N
 from rein.openai_format import (
     MAX_CHAT_TOP_LOGPROBS,
@@ -25,7 +26,7 @@ from rein.openai_format import (
     MIN_REPETITION_PENALTY,
 )
 
-Endpoint = Literal["/v1/chat/completions", "/v1/completions"]
+Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 MAX_METADATA_PAIRS = 16
 
@@ -132,6 +133,28 @@ class CompletionRequest(_OpenAIRequest):
     logprobs: int | None = _documented(minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
 
 
+class EmbeddingRequest(BaseModel):
+    """OpenAI's embeddings request (rein.embeddings_format.parse_embeddings_request checks its
+    meaning: lengths, the context, token ids, what `dimensions` the model allows)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = Field(None, description="A served model (GET /v1/models); default: the first.")
+    input: str | list[str] | list[int] | list[list[int]] = _replaced(
+        {"anyOf": [_NONEMPTY_TEXT,
+                   {"type": "array", "items": _NONEMPTY_TEXT, "minItems": 1, "maxItems": MAX_INPUTS},
+                   {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+                   {"type": "array", "items": {"type": "array", "items": _TOKEN_ID, "minItems": 1},
+                    "minItems": 1, "maxItems": MAX_INPUTS}]},
+        f"A string, a list of up to {MAX_INPUTS} strings, a list of token ids, or a list of lists of token "
+        "ids; each input within the model's context, at most 300,000 tokens in all.")
+    dimensions: int | None = _documented(
+        minimum=1, description="Fewer dimensions (Matryoshka); only for a model that declares support.")
+    encoding_format: str | None = Field(None, json_schema_extra=lambda schema: schema.update(anyOf=[
+        {"enum": list(ENCODING_FORMATS)}, {"type": "null"}]), description="float (default) or base64.")
+    user: str | None = None
+
+
 class ChatMessage(BaseModel):
     role: str
     content: str | None
@@ -181,6 +204,24 @@ class Completion(BaseModel):
     usage: CompletionUsage
 
 
+class Embedding(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str = Field(description="Floats, or base64 of little-endian float32 bytes.")
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingList(BaseModel):
+    object: Literal["list"]
+    data: list[Embedding]
+    model: str
+    usage: EmbeddingUsage
+
+
 class ModelPublic(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -205,7 +246,8 @@ class JobCreate(BaseModel):
     endpoint: Endpoint
     body: dict[str, Any] = _replaced(
         {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"},
-                   {"$ref": "#/components/schemas/CompletionRequest"}]},
+                   {"$ref": "#/components/schemas/CompletionRequest"},
+                   {"$ref": "#/components/schemas/EmbeddingRequest"}]},
         "The request body that endpoint takes.")
     metadata: dict[str, str] | None = Field(None, description="Up to 16 string pairs kept with the job.",
                                             json_schema_extra={"maxProperties": MAX_METADATA_PAIRS})

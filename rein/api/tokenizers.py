@@ -38,6 +38,7 @@ class ModelEntry:
     tokenizer: Any
     max_model_len: int
     generation_defaults: GenerationDefaults = GenerationDefaults()
+    directory: Path | None = None    # its files (the pooling config of /v1/embeddings)
 
 
 class ModelRegistry:
@@ -88,7 +89,7 @@ def load_model(model: ServedModel, generation_config: str = "auto", max_model_le
                              f"REIN_MODELS entry (e.g. {model.name}={model.source}@4096)")
     log.info("model %s: tokenizer from %s, max_model_len %d", model.name, model.source, max_model_len)
     log.info("generation defaults for model %s: %s", model.name, defaults.describe())
-    return ModelEntry(model.name, model.source, tokenizer, max_model_len, defaults)
+    return ModelEntry(model.name, model.source, tokenizer, max_model_len, defaults, directory)
 
 
 def _config_max_len(directory: Path) -> int | None:

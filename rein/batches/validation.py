@@ -26,6 +26,7 @@ from typing import Any
 from rein.api.errors import APIError
 from rein.api.intake import Prepared, prepare
 from rein.api.tokenizers import ModelRegistry
+from rein.embeddings_format import ParsedEmbeddings
 from rein.openai_format import RequestError, parse_batch_line
 
 MAX_REPORTED_ERRORS = 1000
@@ -45,6 +46,8 @@ class ValidLine:
         shape = parsed.shape.to_dict()
         if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.choices)
             params["shape"] = shape
+        if isinstance(parsed, ParsedEmbeddings):   # an embeddings line's inputs (rein.core.messages)
+            params["input_lengths"] = parsed.input_lengths
         return {
             "model": self.prepared.entry.name, "endpoint": self.prepared.endpoint,
             "params": params,

@@ -1,15 +1,18 @@
 """`rein make-tiny-model DIR`: write a random-weight model of a real architecture.
 
 The model (plus a locally trained byte-level BPE tokenizer) loads with transformers'
-Auto classes and with rein; see rein.tiny_model. torch is imported only when the command
+Auto classes and with rein; see rein.tiny_model. `--embedding` writes an embedding model
+shaped like Qwen3-Embedding (sentence-transformers pooling files; `--pooling` picks the
+pooling, last token by default; the arch defaults to qwen3). torch is imported only when the command
 runs, so `rein --help` stays fast.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-from rein.tiny_model import ARCHS, PRESETS
+from rein.tiny_model import ARCHS, EMBEDDING_POOLINGS, PRESETS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,11 +23,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("dir", metavar="DIR", help="output directory (created if missing)")
     parser.add_argument(
-        "--arch", choices=ARCHS, default="llama", help="architecture (default: llama)"
+        "--arch", choices=ARCHS, default=None,
+        help="architecture (default: llama; qwen3 with --embedding)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
     parser.add_argument(
         "--preset", choices=tuple(PRESETS), default="tiny", help="model size (default: tiny)"
+    )
+    parser.add_argument(
+        "--embedding", action="store_true",
+        help="an embedding model for /v1/embeddings (sentence-transformers pooling files)",
+    )
+    parser.add_argument(
+        "--pooling", choices=EMBEDDING_POOLINGS, default=None,
+        help="with --embedding: how the model pools its hidden states (default: last)",
     )
     parser.set_defaults(func=run)
 
@@ -32,11 +44,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from rein.tiny_model import make_tiny_model, model_summary
 
-    out = make_tiny_model(args.dir, arch=args.arch, seed=args.seed, preset=args.preset)
+    if args.pooling is not None and not args.embedding:
+        print("rein make-tiny-model: --pooling needs --embedding", file=sys.stderr)
+        return 2
+    embedding = (args.pooling or "last") if args.embedding else None
+    arch = args.arch or ("qwen3" if args.embedding else "llama")
+    out = make_tiny_model(args.dir, arch=arch, seed=args.seed, preset=args.preset, embedding=embedding)
     info = model_summary(out)
     print(out)
+    kind = f"embedding pooling={embedding} " if embedding else ""
     print(
-        f"arch={info['arch']} preset={args.preset} seed={args.seed} "
+        f"arch={info['arch']} {kind}preset={args.preset} seed={args.seed} "
         f"parameters={info['parameters']:,} vocab={info['vocab_size']} "
         f"hidden={info['hidden_size']} layers={info['num_hidden_layers']} "
         f"tied_embeddings={str(info['tie_word_embeddings']).lower()}"

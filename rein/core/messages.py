@@ -31,6 +31,10 @@ class JobMessage:
 
     `sampling` holds SamplingParams fields by name; `logprobs_mode` and `endpoint` let the
     worker build the same response body the synchronous endpoint returns.
+
+    An embeddings job (/v1/embeddings): `sampling` holds PoolingParams fields, and
+    `prompt_token_ids` all of its inputs one after the other, `input_lengths` long each
+    (rein.embeddings_format.split_inputs).
     """
 
     job_id: str
@@ -44,6 +48,7 @@ class JobMessage:
     key_id: str = ""
     # rein.choices.ResponseShape.to_dict(): n > 1, best_of, echo, prompt logprobs; None: plain.
     shape: dict[str, Any] | None = None
+    input_lengths: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies the token ids, a fifth of an enqueue's CPU.
@@ -60,7 +65,8 @@ class JobMessage:
         return cls(job_id=job.id, model=job.model, endpoint=job.endpoint,
                    prompt_token_ids=list(job.prompt_token_ids), sampling=job.params["sampling"],
                    priority=job.priority, logprobs_mode=job.params.get("logprobs_mode"),
-                   tenant=job.tenant, key_id=job.key_id, shape=job.params.get("shape"))
+                   tenant=job.tenant, key_id=job.key_id, shape=job.params.get("shape"),
+                   input_lengths=job.params.get("input_lengths"))
 
 
 @dataclass

@@ -17,6 +17,7 @@ _EXPORTS = {
     "EngineStats": "rein.engine.engine",
     "EngineStoppedError": "rein.engine.runner",
     "LLMEngine": "rein.engine.engine",
+    "PoolingParams": "rein.engine.pooling",
     "RequestOutput": "rein.engine.outputs",
     "RequestStream": "rein.engine.runner",
     "SamplingParams": "rein.engine.sampling_params",

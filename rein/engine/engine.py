@@ -29,6 +29,8 @@ from rein.engine.detokenizer import IncrementalDetokenizer
 from rein.engine.errors import ContextLengthExceeded, EngineRequestError
 from rein.engine.model_runner import ModelRunner
 from rein.engine.outputs import RequestOutput, TokenLogprob
+from rein.engine.pooler import add_pooling_request, finish_requests
+from rein.engine.pooling import PoolingParams, read_pooling_config
 from rein.engine.request import ChoiceGroup, Request, RequestStatus
 from rein.engine.sampler import Sampler, SamplingBatch, make_generator
 from rein.engine.sampling_params import SamplingParams
@@ -70,6 +72,7 @@ class LLMEngine:
         self.spec = self.files.spec
         self.tokenizer = self.files.load_tokenizer()
         self.runner = ModelRunner(config, self.files, self.spec)
+        self.pooling_config = read_pooling_config(self.model_dir)   # for embedding requests
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.capacity.num_blocks, config.block_size,
                               enable_caching=config.enable_prefix_caching)
@@ -85,9 +88,10 @@ class LLMEngine:
 
     # -- requests --------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: list[int] | str, params: SamplingParams | None = None,
-                    priority: int = 0) -> Request:
-        """Queue a request; raises EngineRequestError (e.g. ContextLengthExceeded) if it cannot run."""
+    def add_request(self, request_id: str, prompt: list[int] | str,
+                    params: SamplingParams | PoolingParams | None = None, priority: int = 0) -> Request:
+        """Queue a request; raises EngineRequestError (e.g. ContextLengthExceeded) if it cannot run.
+        PoolingParams make it an embedding request (rein.engine.pooler)."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise EngineRequestError(f"request id {request_id!r} is already in the engine", param="request_id")
@@ -100,6 +104,11 @@ class LLMEngine:
         if bad is not None:
             raise EngineRequestError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
                                      param="prompt")
+        if isinstance(params, PoolingParams):
+            return add_pooling_request(self, request_id, token_ids, params, priority)
+        if not self.runner.model.can_generate:
+            raise EngineRequestError("this model's checkpoint has no lm_head weights: it computes embeddings "
+                                     "only (/v1/embeddings)", param="model")
         if len(token_ids) + params.max_tokens > self.max_model_len:
             raise ContextLengthExceeded(self.max_model_len, len(token_ids), params.max_tokens)
         if params.logit_bias:
@@ -221,6 +230,8 @@ class LLMEngine:
         self._record_kv_utilization()
         if result.sampling:
             outputs.extend(self._sample_and_update(result.logits, result.sampling))
+        if result.pooled:
+            outputs.extend(finish_requests(self, result.pooled))
 
         elapsed = time.perf_counter() - started
         self.stats.steps += 1

@@ -88,6 +88,20 @@ def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: to
     weights = gguf_tensors(files.gguf, files.directory, dtype) if files.gguf is not None \
         else safetensors_tensors(files.directory)
     with weights as get:
-        model.load_hf_weights(get)
+        model.load_hf_weights(_base_model_names(get))
     model.eval()
     return model
+
+
+def _base_model_names(get: Callable[[str], torch.Tensor | None]) -> Callable[[str], torch.Tensor | None]:
+    """A getter that also finds `model.X` saved as plain `X`: checkpoints saved from the base
+    model (transformers' AutoModel, as sentence-transformers and Qwen3-Embedding ship them)
+    lack the causal LM's `model.` prefix, which transformers itself tolerates."""
+
+    def lookup(name: str) -> torch.Tensor | None:
+        tensor = get(name)
+        if tensor is None and name.startswith("model."):
+            tensor = get(name.removeprefix("model."))
+        return tensor
+
+    return lookup

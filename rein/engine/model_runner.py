@@ -14,7 +14,7 @@ each need their own copy of the prompt's partly filled last block.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +25,7 @@ from rein.engine.cuda_graphs import DecodeGraphs
 from rein.engine.loader import load_model
 from rein.engine.model_spec import ModelSpec
 from rein.engine.outputs import TokenLogprob
+from rein.engine.pooler import gather
 from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
 from rein.engine.scheduler import ScheduledRequest
@@ -49,6 +50,9 @@ class StepResult:
     # Prompt logprobs computed this step: (request, index of the first prompt token
     # scored, one entry per token scored from there on); None when no request asked.
     prompt_logprobs: list[tuple[Request, int, list[TokenLogprob]]] | None = None
+    # Embedding requests whose prompt this step finished, with their pooled float32 vector
+    # (rein.engine.pooler); they have no logits rows.
+    pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
 
 
 def decide_max_model_len(spec: ModelSpec, requested: int | None) -> int:
@@ -134,8 +138,10 @@ class ModelRunner:
         sample_rows: list[int] = []
         sampling: list[Request] = []
         scoring: list[tuple[Request, int, int, int]] = []   # prompt logprobs: see _score_prompts
+        pooling: list[tuple[Request, int, int, int, int]] = []   # embedding requests' rows
         for s in ordered:
             request, start, end = s.request, s.start, s.end
+            row_start = len(input_ids)
             blocks = request.block_ids
             if end - start == 1:
                 input_ids.append(request.token_at(start))
@@ -146,7 +152,9 @@ class ModelRunner:
                 span = range(start, end)
                 positions.extend(span)
                 slots.extend(blocks[p // bs] * bs + p % bs for p in span)
-            if s.samples:
+            if request.pooling is not None:
+                pooling.append((request, row_start, len(input_ids), start, end))
+            elif s.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(request)
             if request.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
@@ -156,7 +164,7 @@ class ModelRunner:
         graphs = self.decode_graphs
         if not prefills and graphs is not None and graphs.fits(len(decodes)):
             hidden = graphs.run(input_ids, positions, slots, [s.end for s in decodes], self._block_rows(decodes))
-            return self._logits(hidden, sample_rows, sampling, scoring)
+            return self._logits(hidden, sample_rows, sampling, scoring, pooling)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
             num_decode_tokens=len(decodes),
@@ -169,15 +177,18 @@ class ModelRunner:
         )
         hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
                             self.caches, meta)
-        return self._logits(hidden, sample_rows, sampling, scoring)
+        return self._logits(hidden, sample_rows, sampling, scoring, pooling)
 
     def _logits(self, hidden: torch.Tensor, sample_rows: list[int], sampling: list[Request],
-                scoring: list[tuple[Request, int, int, int]]) -> StepResult:
+                scoring: list[tuple[Request, int, int, int]],
+                pooling: list[tuple[Request, int, int, int, int]]) -> StepResult:
         prompt = self._score_prompts(hidden, scoring) if scoring else None
+        pooled = gather(hidden, pooling) if pooling else []
         if not sample_rows:
-            return StepResult(hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32), [], prompt)
+            return StepResult(hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32), [], prompt,
+                              pooled)
         logits = self.model.compute_logits(hidden[self._tensor(sample_rows, torch.int64)])
-        return StepResult(logits.float(), sampling, prompt)
+        return StepResult(logits.float(), sampling, prompt, pooled)
 
     def _score_prompts(self, hidden: torch.Tensor,
                        scoring: list[tuple[Request, int, int, int]]) -> list[tuple[Request, int, list[TokenLogprob]]]:

@@ -83,6 +83,10 @@ class Request:
     # SamplingParams.prompt_logprobs: entries gathered chunk by chunk (entry i scores prompt
     # token i; entry 0 is None), None when not asked for or once handed out.
     prompt_logprobs: list | None = None
+    # An embedding request's pooling state (rein.engine.pooler.PoolingState); None: it generates.
+    pooling: Any = None
+    # Not looked up in the prefix cache (mean/CLS pooling needs every prompt position computed).
+    skip_prefix_cache: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:

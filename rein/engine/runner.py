@@ -140,6 +140,7 @@ class _Add:
     stream: RequestStream
     accepted: threading.Event
     error: BaseException | None = None
+    group: str | None = None          # submit_group: aborting the group aborts this request
 
 
 class EngineRunner:
@@ -152,6 +153,9 @@ class EngineRunner:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._failure: BaseException | None = None
         self._stopping = threading.Event()
+        # submit_group's groups (engine thread only): group id -> its unfinished requests.
+        self._groups: dict[str, set[str]] = {}
+        self._group_of: dict[str, str] = {}
 
     def start(self) -> EngineRunner:
         self._thread.start()
@@ -188,8 +192,38 @@ class EngineRunner:
             raise command.error
         return stream
 
+    def submit_group(self, group: str, prompts: list[list[int]], params: Any, priority: int = 0,
+                     ) -> list[CollectingStream]:
+        """Queue one request per prompt, all in one go (not one step each), as collecting
+        streams; request i is `{group}#{i}`. `abort(group)` aborts them all (an embeddings job's
+        inputs are one job to the cancel path). If the engine refuses one, those already
+        queued are aborted and the error raises, with `.index` set to the refused prompt."""
+        if self._failure is not None:
+            raise EngineStoppedError(f"the engine failed: {self._failure!r}") from self._failure
+        if self._stopping.is_set() or not self._thread.is_alive():
+            raise EngineStoppedError("the engine runner is not running")
+        commands = []
+        for index, prompt in enumerate(prompts):
+            request_id = f"{group}#{index}"
+            command = _Add(request_id, prompt, params, priority, CollectingStream(request_id, self),
+                           threading.Event(), group=group)
+            commands.append(command)
+            self._commands.put(command)
+        for command in commands:
+            while not command.accepted.wait(timeout=0.5):
+                if not self._thread.is_alive():
+                    raise EngineStoppedError("the engine thread ended before taking the request")
+        refused = next((i for i, c in enumerate(commands) if c.error is not None), None)
+        if refused is not None:
+            self.abort(group)
+            error = commands[refused].error
+            error.index = refused   # type: ignore[union-attr]
+            raise error   # type: ignore[misc]
+        return [command.stream for command in commands]  # type: ignore[misc]
+
     def abort(self, request_id: str) -> None:
-        """Abort within one step; the stream then gets a final output with finish_reason 'abort'."""
+        """Abort within one step; the stream then gets a final output with finish_reason 'abort'.
+        A submit_group group id aborts every request of the group."""
         self._commands.put(("abort", request_id))
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -239,12 +273,17 @@ class EngineRunner:
                     self.engine.add_request(command.request_id, command.prompt, command.params,
                                             command.priority)
                     self._streams[command.request_id] = command.stream
+                    if command.group is not None:
+                        self._groups.setdefault(command.group, set()).add(command.request_id)
+                        self._group_of[command.request_id] = command.group
                 except Exception as exc:  # validation error: the caller raises it
                     command.error = exc
                 command.accepted.set()
             else:
                 _, request_id = command
                 self.engine.abort(request_id)
+                for member in self._groups.get(request_id, ()):
+                    self.engine.abort(member)
             block = False
 
     def _deliver(self, outputs: list[RequestOutput]) -> None:
@@ -260,3 +299,9 @@ class EngineRunner:
             stream._put(output)
             if output.finished:
                 del self._streams[output.request_id]
+                group = self._group_of.pop(output.request_id, None)
+                if group is not None:
+                    members = self._groups[group]
+                    members.discard(output.request_id)
+                    if not members:
+                        del self._groups[group]

@@ -137,9 +137,11 @@ class Scheduler:
                 break
             # Blocks another request already computed for the same leading tokens; at least
             # the last token is always computed, since its logits give the next token.
-            # Prompt logprobs need the logits of every prompt position: no lookup (vLLM's rule).
+            # Prompt logprobs need the logits of every prompt position, and mean/CLS pooling
+            # every prompt position's hidden state: no lookup for them (vLLM's rule).
             max_cached = (request.num_tokens - 1) // block_size \
-                if self.pool.enable_caching and request.prompt_logprobs is None else 0
+                if self.pool.enable_caching and request.prompt_logprobs is None \
+                and not request.skip_prefix_cache else 0
             cached = self.pool.find_prefix(request.tokens(0, max_cached * block_size), max_cached) \
                 if max_cached else []
             computed = len(cached) * block_size if cached else request.num_computed_tokens

@@ -48,6 +48,8 @@ class FinishedRequest(Generic[State]):
     finish_reason: str | None = None              # stop | length | abort
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
+    num_prompt_tokens: int = 0
+    embedding: list[float] | None = None          # an embedding request's vector
 
     @property
     def text(self) -> str:
@@ -67,19 +69,22 @@ class FinishedRequest(Generic[State]):
             self.finish_reason = output.finish_reason
             self.stop_reason = output.stop_reason
             self.num_cached_tokens = output.num_cached_tokens
+            self.num_prompt_tokens = output.num_prompt_tokens
+            self.embedding = output.embedding
 
 
 def drive(
     engine: LLMEngine,
     items: Iterable[Item],
-    admit: Callable[[Item], tuple[str, State] | None],
+    admit: Callable[[Item], tuple[str, State] | list[tuple[str, State]] | None],
     finish: Callable[[FinishedRequest[State]], None],
     max_in_flight: int,
 ) -> None:
     """Run every item through the engine, at most `max_in_flight` requests at a time.
 
     admit(item) adds the item's request to the engine and returns (request_id, state), or
-    returns None when the item needs no engine work (e.g. it was answered with an error).
+    returns None when the item needs no engine work (e.g. it was answered with an error),
+    or a list of (request_id, state) when it made several requests (an embeddings line's inputs).
     finish(result) is called once per admitted request, when it ends (its finish_reason
     may be "abort"). Outputs of requests this call did not admit are ignored.
     """
@@ -95,8 +100,7 @@ def drive(
                     exhausted = True
                     break
                 admitted = admit(item)
-                if admitted is not None:
-                    request_id, state = admitted
+                for request_id, state in [admitted] if isinstance(admitted, tuple) else admitted or ():
                     in_flight[request_id] = FinishedRequest(request_id, state)
             if not in_flight:
                 if exhausted:

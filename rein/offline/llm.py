@@ -59,6 +59,8 @@ from rein.openai_format import RequestError, chat_prompt
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
     from rein.engine.outputs import TokenLogprob
+    from rein.engine.pooling import PoolingParams
+    from rein.offline.embed import EmbeddingRequestOutput
 
 # One prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
 PromptType = str | Sequence[int] | Mapping[str, Any]
@@ -274,6 +276,25 @@ class LLM:
             text = tokenizer.decode(token_ids, skip_special_tokens=False)
             prepared.append(self._checked(index, _Prompt(text, token_ids), "conversation"))
         return self._run(prepared, sampling_params, use_tqdm, "conversation")
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool | Callable[..., tqdm] = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Embed each prompt (vLLM's `LLM.embed`); one output per prompt, in input order, the
+        vector in `.outputs.embedding`.
+
+        Prompts are given as to `generate` (text is encoded with the tokenizer's special tokens).
+        The model's sentence-transformers files say how it pools (last token, normalized, by
+        default); `pooling_params` (one for all, or one per prompt) may ask for fewer
+        `dimensions` (Matryoshka models) or `normalize=False`. Raises ValueError naming the
+        first bad prompt.
+        """
+        from rein.offline.embed import embed
+
+        return embed(self, prompts, pooling_params, use_tqdm)
 
     # -- prompts ---------------------------------------------------------------------------
 

@@ -30,7 +30,9 @@ from rein.choice_bodies import full_response
 from rein.engine.errors import EngineRequestError
 from rein.generation_defaults import GenerationDefaults, load_generation_defaults
 from rein.offline.driver import FinishedRequest, default_max_in_flight, drive
+from rein.offline.embed import EmbeddingPart, finish_embeddings_part, take_embeddings_line
 from rein.openai_format import (
+    EMBEDDINGS,
     INVALID_REQUEST,
     ParsedRequest,
     RequestError,
@@ -145,7 +147,7 @@ class _BatchRun:
 
     # -- input -----------------------------------------------------------------------------
 
-    def _take(self, item: tuple[int, bytes]) -> tuple[str, _Pending] | None:
+    def _take(self, item: tuple[int, bytes]) -> tuple[str, _Pending] | list[tuple[str, EmbeddingPart]] | None:
         """Add one input line's request to the engine, or answer the line with an error."""
         line_number, raw = item
         if not raw.strip():
@@ -166,6 +168,8 @@ class _BatchRun:
                        f"custom_id {custom_id!r} was already used by an earlier line; each line needs its own")
             return None
         self.seen_ids.add(custom_id)
+        if batch_line.url == EMBEDDINGS:   # one engine request per input (rein.offline.embed)
+            return take_embeddings_line(self, batch_line, line_number)
         try:
             parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer, self.engine.max_model_len,
                                    self.generation_defaults)
@@ -183,6 +187,9 @@ class _BatchRun:
     # -- output ----------------------------------------------------------------------------
 
     def _finish(self, done: FinishedRequest[_Pending]) -> None:
+        if isinstance(done.state, EmbeddingPart):
+            finish_embeddings_part(self, done)
+            return
         pending = done.state
         if done.finish_reason == "abort":
             self._fail(pending.custom_id, pending.line_number, "request_aborted",

@@ -30,7 +30,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.db import engine_of, execute_one
 from rein.core.models import Job, Result
-from rein.openai_format import build_response
+from rein.embeddings_format import job_embeddings_body
+from rein.openai_format import EMBEDDINGS, build_response
 from rein.worker.claim import Lease
 
 
@@ -63,7 +64,8 @@ class JobRecord:
     cached_tokens: int = 0
     first_token_at: datetime | None = None
     error: dict[str, Any] | None = None           # {"message", "type", "code"} when failed
-    # Body parts beyond the plain one-choice answer (rein.choice_bodies.response_extra); None: plain.
+    # Body parts beyond the plain one-choice answer (rein.choice_bodies.response_extra, or an
+    # embeddings job's `data`); None: plain.
     response: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
@@ -119,6 +121,8 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
     `created` is the job's finish time; the id is the job id with OpenAI's prefix;
     `cached_tokens` comes from the job's usage row.
     """
+    if job.endpoint == EMBEDDINGS:
+        return job_embeddings_body(job, result.response)
     finished = job.finished_at or result.created_at
     body = build_response(job.endpoint, job.id, job.model, job.prompt_tokens, result.text,
                           list(result.token_ids), result.finish_reason, None, None, None,

@@ -34,7 +34,7 @@ from rein.choice_bodies import response_extra
 from rein.choices import ResponseShape, returned_choices
 from rein.core.logging import log_context
 from rein.core.messages import JobMessage
-from rein.openai_format import usage_body
+from rein.openai_format import EMBEDDINGS, usage_body
 from rein.worker.app import TASK_NAME, enqueue_job
 from rein.worker.bootstep import worker_context
 from rein.worker.cancel import is_cancel_requested
@@ -44,6 +44,7 @@ from rein.worker.claim import (
     claim_job,
     release_job,
 )
+from rein.worker.embeddings import run_embeddings
 from rein.worker.publisher import TIMEOUT
 from rein.worker.recorder import JobRecord, record_job, response_logprobs
 
@@ -162,6 +163,8 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
     if context.metrics is not None and lease.attempt == 1 and lease.queue_seconds is not None:
         context.metrics.observe_queue_time(lease.queue_seconds)
     context.publisher.begin(job_id, restart=lease.attempt > 1)
+    if message.endpoint == EMBEDDINGS:   # every input through the engine, one result (its own module)
+        return run_embeddings(context, message, lease)
     try:
         params = SamplingParams(**message.sampling)
     except (TypeError, ValueError) as exc:

@@ -556,7 +556,15 @@ def test_process_job_without_a_broker_fails_a_job_past_its_time_limit(make_setti
     settings = make_settings(job_timeout_seconds=1)
     config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
                           max_num_seqs=2)
-    spec = WorkerSpec(settings=settings, model_name=MODEL, engine_factory=lambda: LLMEngine(config))
+
+    def slow_engine() -> LLMEngine:
+        # At least 5 ms a step: 1000 tokens take 5 s, past the 1 s limit however fast the machine.
+        engine = LLMEngine(config)
+        step = engine.step
+        engine.step = lambda: (time.sleep(0.005), step())[1]
+        return engine
+
+    spec = WorkerSpec(settings=settings, model_name=MODEL, engine_factory=slow_engine)
     context = build_context(make_celery(settings), spec, "plain@test")
     try:
         message = make_job(max_tokens=1000)

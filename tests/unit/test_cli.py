@@ -56,7 +56,7 @@ def write_input(path) -> None:
         batch_line("comp-lp", prompt="import os", max_tokens=3, logprobs=1, seed=7),
         '{"custom_id": "broken", "method": ',                                 # 5 bad JSON
         json.dumps({"method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}),  # 6
-        batch_line("wrong-url", "/v1/embeddings", input="x"),                  # 7
+        batch_line("wrong-url", "/v1/rerank", input="x"),                      # 7
         batch_line("chat-ok", prompt="again"),                                 # 8 duplicate
         batch_line("too-long", prompt="x", max_tokens=MAX_LEN),                # 9
         batch_line("bad-param", prompt="x", temperature=5),                    # 10

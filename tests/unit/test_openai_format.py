@@ -272,7 +272,7 @@ def test_parse_batch_line():
     (line(custom_id=None), "custom_id"),
     (line(custom_id=7), "custom_id"),
     (line(method="GET"), "method"),
-    (line(url="/v1/embeddings"), "url"),
+    (line(url="/v1/rerank"), "url"),
     (line(body="x"), "body"),
 ])
 def test_bad_batch_lines_name_line_and_problem(text, words):

@@ -304,7 +304,8 @@ def test_cli_parser_defaults():
     parser = argparse.ArgumentParser()
     cli.register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["make-tiny-model", "out"])
-    assert (args.dir, args.arch, args.seed, args.preset) == ("out", "llama", 0, "tiny")
+    # arch None: llama, or qwen3 with --embedding (decided when the command runs)
+    assert (args.dir, args.arch, args.seed, args.preset, args.embedding) == ("out", None, 0, "tiny", False)
     args = parser.parse_args(
         ["make-tiny-model", "out", "--arch", "qwen3", "--seed", "3", "--preset", "small"]
     )
@@ -323,6 +324,29 @@ def test_cli_main_builds_a_model(tmp_path, capsys):
     assert "arch=qwen3" in printed and f"vocab={VOCAB_SIZE}" in printed
     assert read_config(out)["model_type"] == "qwen3"
     AutoModelForCausalLM.from_pretrained(out)
+
+
+def test_cli_builds_an_embedding_model(tmp_path, capsys):
+    """Shaped like Qwen3-Embedding: a *ForCausalLM config, base-model weights without lm_head,
+    sentence-transformers pooling files, a tokenizer appending the end-of-text token."""
+    from rein.cli.main import main
+    from rein.engine.pooling import read_pooling_config
+
+    out = tmp_path / "embed"
+    assert main(["make-tiny-model", str(out), "--embedding", "--pooling", "mean"]) == 0
+    assert "arch=qwen3 embedding pooling=mean" in capsys.readouterr().out
+    config = read_config(out)
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and config["is_matryoshka"] is True
+    with safe_open(str(out / "model.safetensors"), framework="pt") as weights:
+        names = set(weights.keys())
+    assert "embed_tokens.weight" in names and "norm.weight" in names
+    assert not any(name.startswith(("model.", "lm_head.")) for name in names)
+    pooling = read_pooling_config(out)
+    assert (pooling.pooling_type, pooling.normalize, pooling.hidden_size) == ("mean", True, 64)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    assert tokenizer.encode("hello")[-1] == tokenizer.eos_token_id
+    assert tokenizer.encode("hello", add_special_tokens=False)[-1] != tokenizer.eos_token_id
+    assert main(["make-tiny-model", str(tmp_path / "x"), "--pooling", "mean"]) == 2   # needs --embedding
 
 
 def test_ensure_tiny_model_reuses_a_complete_build_and_rebuilds_a_partial_one(tmp_path):

@@ -60,7 +60,7 @@ from rein.core.keys import KeyInfo
 from rein.core.logging import log_context
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.core.redis_keys import RedisKeys
-from rein.openai_format import CHAT_COMPLETIONS, COMPLETIONS, build_response
+from rein.openai_format import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, build_response
 from rein.worker.recorder import response_body
 
 log = logging.getLogger(__name__)
@@ -170,6 +170,9 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
     if final is None or final.data.get("error"):
         message = (final.data.get("error") if final else None) or "the job ended without a result"
         return JSONResponse(error_body(message, "server_error", None, "job_failed"), status_code=500)
+    if endpoint == EMBEDDINGS:   # its vectors are in the record only
+        return JSONResponse(error_body("the job's result was not recorded in time; read it at GET /v1/jobs/"
+                                       f"{job.id}", "server_error", None, "result_unavailable"), status_code=503)
     # The record did not show in time: the stream holds everything the body needs but logprobs.
     entry = prepared.entry if prepared else None
     cached = ((final.data.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)

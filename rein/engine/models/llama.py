@@ -89,6 +89,10 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaFamilyModel(nn.Module):
+    # False once loaded from a checkpoint without lm_head weights (an embedding model saved
+    # from the base model, as sentence-transformers does): it computes hidden states only.
+    can_generate = True
+
     def __init__(self, spec: ModelSpec, max_positions: int) -> None:
         super().__init__()
         self.spec = spec
@@ -145,7 +149,13 @@ class LlamaFamilyModel(nn.Module):
         put("embed_tokens.weight", embed if embed is not None else take("model.embed_tokens.weight"))
         put("norm.weight", take("model.norm.weight"))
         if self.lm_head is not None:
-            put("lm_head.weight", take("lm_head.weight"))
+            head = get("lm_head.weight")
+            if head is None:
+                self.lm_head = None
+                self.can_generate = False
+                expected.discard("lm_head.weight")
+            else:
+                put("lm_head.weight", head)
         for i in range(spec.num_layers):
             src = f"model.layers.{i}."
             dst = f"layers.{i}."

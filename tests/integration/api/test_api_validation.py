@@ -72,7 +72,7 @@ def test_type_errors_are_400_naming_the_param(client, key, body, param):
 
 
 def test_job_create_schema_errors(client, key):
-    error = _error(client.post("/v1/jobs", json={"endpoint": "/v1/embeddings", "body": {}}, headers=auth(key)), 400)
+    error = _error(client.post("/v1/jobs", json={"endpoint": "/v1/rerank", "body": {}}, headers=auth(key)), 400)
     assert error["param"] == "endpoint"
     error = _error(client.post("/v1/jobs", json={"endpoint": "/v1/completions"}, headers=auth(key)), 400)
     assert error["param"] == "body"

@@ -296,7 +296,7 @@ def test_bad_create_requests(batch_client, make_key, tenant):
         return batch_client.post("/v1/batches", headers=auth(key), json={
             "input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"} | body)
 
-    assert post(endpoint="/v1/embeddings").json()["error"]["param"] == "endpoint"
+    assert post(endpoint="/v1/rerank").json()["error"]["param"] == "endpoint"
     assert post(completion_window="1h").json()["error"]["param"] == "completion_window"
     assert post(metadata={f"k{i}": "v" for i in range(17)}).status_code == 400
     assert post(input_file_id="file-missing").status_code == 404
