@@ -27,6 +27,7 @@ from rein.engine.sampler import Sampler, SamplingBatch, make_generator
 from rein.engine.sampling_params import SamplingParams
 from rein.engine.scheduler import Scheduler
 from rein.model_files import resolve_model
+from rein.structured.decoding import StructuredDecoding
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        # Structured outputs (rein.structured): compiled grammars, requests held until theirs is.
+        self.grammars = StructuredDecoding(self.tokenizer, self.spec.vocab_size, self.eos_token_ids,
+                                           self.runner.device)
         self.stats = EngineStats()
         self._seeds = random.Random(config.seed)
         self._aborted: list[Request] = []
@@ -106,8 +110,10 @@ class LLMEngine:
         if not params.greedy:
             seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
             request.generator = make_generator(seed, self.runner.device)
+        ready = params.structured is None or self.grammars.attach(request)   # raises on a bad spec
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        if ready:
+            self.scheduler.add(request)
         return request
 
     def abort(self, request_id: str) -> bool:
@@ -115,12 +121,15 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None or request.is_finished:
             return False
-        self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
+        if self.grammars.unhold(request):
+            request.status = RequestStatus.FINISHED_ABORTED
+        else:
+            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
         self._aborted.append(request)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self.grammars.has_held
 
     @property
     def num_running(self) -> int:
@@ -138,6 +147,8 @@ class LLMEngine:
         for request in self._aborted:
             self.requests.pop(request.request_id, None)
         self._aborted = []
+        if self.grammars.has_held:
+            outputs.extend(self._release_compiled())
 
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
@@ -176,6 +187,7 @@ class LLMEngine:
             prompt_token_ids=[r.prompt_token_ids for r in sampling],
             output_token_ids=[r.output_token_ids for r in sampling],
         )
+        self.grammars.apply_masks(logits, sampling)
         sampled = self.sampler(logits, batch)
         now = time.monotonic()
         outputs = []
@@ -192,6 +204,8 @@ class LLMEngine:
             detokenizer = request.detokenizer
             delta = detokenizer.add_token(token)
             status = self._stop_status(request, token, len(output_ids))
+            if request.grammar is not None and request.grammar.accept(token):
+                status = RequestStatus.FINISHED_STOPPED   # the grammar is complete: nothing may follow
             if status is not None:
                 if not detokenizer.stopped:
                     delta += detokenizer.finish()  # release text held back for a stop string
@@ -219,6 +233,16 @@ class LLMEngine:
         if num_output >= params.max_tokens or num_output + len(request.prompt_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _release_compiled(self) -> list[RequestOutput]:
+        """Schedule the held requests whose grammar compiled; end those whose compile failed."""
+        ready, failed = self.grammars.release(idle=not self.scheduler.has_unfinished())
+        for request in ready:
+            self.scheduler.add(request)
+        for request, _reason in failed:
+            request.status = RequestStatus.FINISHED_ABORTED
+            self.requests.pop(request.request_id, None)
+        return [self._final_output(request) for request, _reason in failed]
 
     def _final_output(self, request: Request) -> RequestOutput:
         return RequestOutput(
