@@ -58,6 +58,24 @@ log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.05
 
 
+GRAMMAR_WAIT_SECONDS = 60.0
+
+
+def prepare_grammar(engine: Any, params: Any, timeout: float = GRAMMAR_WAIT_SECONDS) -> None:
+    """Check and compile `params.structured` for `engine` (an LLMEngine, or an EngineRunner
+    whose engine it is) on the calling thread's time (the worker's task thread, before it
+    submits the request), so the engine's thread finds it ready. Problems are left for add_request to report (it raises EngineRequestError for a
+    bad spec; a compile still running after `timeout` just holds the request a while)."""
+    spec = getattr(params, "structured", None)
+    if spec is None:
+        return
+    try:
+        check_spec(spec)
+        getattr(engine, "engine", engine).grammars.prefetch(spec).result(timeout)
+    except Exception:  # noqa: BLE001 - reported by add_request, with the request's context
+        return
+
+
 class GrammarNotReady(RuntimeError):
     """new_matcher was asked for a spec whose compile has not finished."""
 

@@ -31,8 +31,10 @@ with one schema checks it once.
 
 from __future__ import annotations
 
-import functools
+import hashlib
 import json
+import threading
+from collections import OrderedDict
 from typing import Any
 
 from rein.openai_format import RequestError
@@ -138,13 +140,33 @@ def check_spec(spec: dict[str, Any], param: str = "structured") -> None:
         raise RequestError(f"{param} cannot be enforced: {problem}", param)
 
 
-@functools.lru_cache(maxsize=4096)
+# Memo of spec_problem: digest of the spec's key -> problem ("" when none). Digests, not the
+# keys themselves, so a thousand large schemas do not stay in memory.
+_CHECKED: OrderedDict[bytes, str] = OrderedDict()
+_CHECKED_MAX = 4096
+_checked_lock = threading.Lock()
+
+
 def spec_problem(key: str) -> str | None:
     """What is wrong with the spec whose spec_key is `key`, in words, or None. Memoized:
     the same spec on many lines is compiled for checking once."""
+    digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    with _checked_lock:
+        known = _CHECKED.get(digest)
+        if known is not None:
+            _CHECKED.move_to_end(digest)
+            return known or None
+    problem = _find_problem(json.loads(key)) or ""
+    with _checked_lock:
+        _CHECKED[digest] = problem
+        if len(_CHECKED) > _CHECKED_MAX:
+            _CHECKED.popitem(last=False)
+    return problem or None
+
+
+def _find_problem(spec: dict[str, Any]) -> str | None:
     from llguidance import LLMatcher
 
-    spec = json.loads(key)
     try:
         grammar = grammar_text(spec)
     except ValueError as exc:
@@ -153,8 +175,9 @@ def spec_problem(key: str) -> str | None:
     if not error:
         return None
     if spec.get("type") in _JSON_KINDS and error.startswith("Unimplemented keys"):
-        return (f"the schema uses JSON-schema keywords rein cannot enforce ({error.removeprefix('Unimplemented keys: ')}); "
-                f"remove them (rein constrains with llguidance, which enforces every keyword it accepts)")
+        return (f"the schema uses JSON-schema keywords rein cannot enforce "
+                f"({error.removeprefix('Unimplemented keys: ')}); remove them (rein constrains with "
+                f"llguidance, which enforces every keyword it accepts)")
     if "oneOf" in error:
         return "oneOf branches that can overlap cannot be enforced; use anyOf, or make the branches disjoint"
     return error.strip()
