@@ -219,7 +219,9 @@ class StructuredDecoding:
         if self._executor is None:
             from llguidance import LLExecutor
 
-            self._executor = LLExecutor()
+            # As many mask threads as torch has compute threads: the masks are filled between
+            # the forward and the sampler, when those threads would otherwise wait.
+            self._executor = LLExecutor(max(1, torch.get_num_threads()))
         return self._executor
 
     def close(self) -> None:
