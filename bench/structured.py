@@ -218,7 +218,7 @@ def section_schemas(engine: LLMEngine, args: argparse.Namespace) -> dict:
             summary = run_batch(engine, source, out, progress=False)
             seconds = time.perf_counter() - started
             stopped = valid = 0
-            for line in out.read_text().splitlines():
+            for line in out.read_text().split("\n")[:-1]:   # not splitlines: outputs may hold U+2028
                 record = json.loads(line)
                 choice = record["response"]["body"]["choices"][0]
                 if choice["finish_reason"] == "stop":

@@ -55,7 +55,7 @@ def test_run_batch_constrains_each_line_and_refuses_bad_ones(model, tmp_path):
     source, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     source.write_text("".join(json.dumps(x) + "\n" for x in lines))
     summary = run_batch(engine, source, out, progress=False)
-    results = {r["custom_id"]: r for r in map(json.loads, out.read_text().splitlines())}
+    results = {r["custom_id"]: r for r in map(json.loads, out.read_text().split("\n")[:-1])}
     assert summary.requests_ok == 5 and summary.requests_failed == 1
     assert results["bad"]["error"]["message"].startswith("line 3:") and "contains" in results["bad"]["error"]["message"]
     assert any(results[f"ok{i}"]["response"]["body"]["choices"][0]["finish_reason"] == "stop" for i in range(4))
