@@ -31,6 +31,9 @@ Library: llguidance, chosen over xgrammar by measurement (SmolLM2-135M's tokeniz
   thread takes a few hundred milliseconds, so it is within the 10% budget:
   bench/structured.py measured 32 requests x 64 tokens constrained by one schema at 140.8
   output tok/s against 139.6 unconstrained (ratio 1.01; mask fill + apply 2.0% of the time).
+  A run-batch of 1,000 lines with 1,000 different schemas: 1,000 compiles, 1.0 s of compile
+  time in the background pool, 152.9 s wall against 163.1 s for the same lines sharing one
+  schema (every finished output validated).
 * Both leave the mask application to the caller's kernel (xgrammar ships CPU/CUDA/Triton
   kernels, llguidance a torch.compile one); rein has its own (rein.structured.kernels).
 
