@@ -198,6 +198,7 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
         "ignore_eos": _get(body, "ignore_eos", bool, False),
         "skip_special_tokens": _get(body, "skip_special_tokens", bool, True),
         **choice_fields,
+        "structured": _structured(body),
     }
     try:
         params = SamplingParams(**fields)
@@ -207,6 +208,13 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
             param = "top_logprobs"
         raise RequestError(str(exc), param) from exc
     return ParsedRequest(prompt, params, model, logprobs_mode, stream, shape)
+
+
+def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
+    # Imported here: rein.structured.request raises this module's RequestError.
+    from rein.structured.request import structured_from_body
+
+    return structured_from_body(body)
 
 
 def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> RequestError:
@@ -304,7 +312,7 @@ _SAMPLING_FIELDS = frozenset({
 _CHAT_FIELDS = _SAMPLING_FIELDS | {
     "messages", "top_logprobs", "chat_template_kwargs", "response_format",
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
-_COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+_COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix", "best_of", "response_format"}
 # OpenAI's bookkeeping fields: accepted, with no effect on the answer.
 _NO_EFFECT_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "prompt_cache_key",
                                "safety_identifier"})
@@ -337,15 +345,12 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
         if name in known or name in _NO_EFFECT_FIELDS:
             continue
         if name in _STRUCTURED_OUTPUT_FIELDS:
-            raise RequestError(f"{name} is not supported: rein does not constrain outputs to a grammar yet", name)
+            continue   # parsed (and checked) by rein.structured.request
         where = "/v1/chat/completions" if chat else "/v1/completions"
         raise RequestError(f"Unrecognized request argument supplied: {name} (rein's {where} does not "
                            f"take it; remove it)", name)
     if body.get("tools") or body.get("functions"):
         raise RequestError("tools and functions are not supported", "tools" if body.get("tools") else "functions")
-    response_format = body.get("response_format")
-    if response_format not in (None, {"type": "text"}):
-        raise RequestError("response_format other than {\"type\": \"text\"} is not supported", "response_format")
     if body.get("function_call") not in (None, "none", "auto"):
         raise RequestError("function_call is not supported", "function_call")
 

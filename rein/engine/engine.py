@@ -36,6 +36,7 @@ from rein.engine.sampler import Sampler, SamplingBatch, make_generator
 from rein.engine.sampling_params import SamplingParams
 from rein.engine.scheduler import Scheduler
 from rein.model_files import resolve_model
+from rein.structured.decoding import StructuredDecoding
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,9 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
+        # Structured outputs (rein.structured): compiled grammars, requests held until theirs is.
+        self.grammars = StructuredDecoding(self.tokenizer, self.spec.vocab_size, self.eos_token_ids,
+                                           self.runner.device)
         self.stats = EngineStats()
         self._seeds = random.Random(config.seed)
         self._aborted: list[RequestOutput] = []
@@ -124,6 +128,7 @@ class LLMEngine:
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             priority=priority,
         )
+        ready = params.structured is None or self.grammars.attach(request)   # raises on a bad spec
         if params.prompt_logprobs is not None:
             request.prompt_logprobs = [None]   # the first prompt token has no context
         if params.n > 1:
@@ -132,15 +137,16 @@ class LLMEngine:
             self._num_unforked += 1
         self._init_choice_state(request)
         self.requests[request_id] = request
-        self.scheduler.add(request)
+        if ready:
+            self.scheduler.add(request)
         return request
 
     def _init_choice_state(self, choice: Request) -> None:
         """Create the per-choice helpers of a new request or of a forked choice: its
         detokenizer (stop strings) and, when it samples, its generator, seeded `seed +
         index` (a fresh seed per choice when the request has none), so each choice's tokens
-        depend on neither the batch nor the other choices. Per-choice state added later
-        (a structured-output grammar matcher) is created here too."""
+        depend on neither the batch nor the other choices. (A forked choice's grammar
+        matcher is a copy of its parent's: see `_fork`.)"""
         params = choice.sampling_params
         choice.detokenizer = IncrementalDetokenizer(
             self.tokenizer, choice.prompt_token_ids, skip_special_tokens=params.skip_special_tokens,
@@ -155,34 +161,13 @@ class LLMEngine:
         request = self.requests.get(request_id)
         if request is None or (request.is_finished and request.group is None):
             return False
-        group = request.group
-        if group is None:
-            self.scheduler.finish(request, RequestStatus.FINISHED_ABORTED)
-            self._aborted.append(self._final_output(request, True))
-            return True
-        if group.num_unfinished == 0:
+        if request.group is not None and request.group.num_unfinished == 0:
             return False   # aborted already; its outputs are still to come
-        ending = [c for c in group.choices if not c.is_finished]
-        for choice in ending:
-            self.scheduler.finish(choice, RequestStatus.FINISHED_ABORTED)
-        # Choices not forked yet end too, with nothing generated.
-        missing = range(0)
-        if not group.forked:
-            self._num_unforked -= 1
-            missing = range(len(group.choices), group.n)
-            group.forked = True
-        count = len(ending) + len(missing)
-        for i, choice in enumerate(ending):
-            self._aborted.append(self._final_output(choice, i == count - 1))
-        for j, index in enumerate(missing, start=len(ending)):
-            self._aborted.append(RequestOutput(
-                request_id, [], "", j == count - 1, "abort", num_prompt_tokens=request.num_prompt_tokens,
-                num_cached_tokens=request.num_cached_tokens, index=index))
-        group.num_unfinished = 0
+        self._aborted.extend(self._end_request(request))
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._aborted)
+        return self.scheduler.has_unfinished() or bool(self._aborted) or self.grammars.has_held
 
     @property
     def num_running(self) -> int:
@@ -202,6 +187,8 @@ class LLMEngine:
             for out in outputs:
                 if out.finished:
                     self.requests.pop(out.request_id, None)
+        if self.grammars.has_held:
+            outputs.extend(self._release_compiled())
 
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
@@ -250,6 +237,7 @@ class LLMEngine:
             output_token_ids=[r.output_token_ids for r in sampling],
             eos_token_ids=[r.eos_token_ids for r in sampling],
         )
+        self.grammars.apply_masks(logits, sampling)
         sampled = self.sampler(logits, batch)
         now = time.monotonic()
         outputs = []
@@ -266,6 +254,8 @@ class LLMEngine:
             detokenizer = request.detokenizer
             delta = detokenizer.add_token(token)
             status = self._stop_status(request, token, len(output_ids))
+            if request.grammar is not None and request.grammar.accept(token):
+                status = RequestStatus.FINISHED_STOPPED   # the grammar is complete: nothing may follow
             finished = status is not None
             if finished:
                 if not detokenizer.stopped:
@@ -313,6 +303,8 @@ class LLMEngine:
                     arrival_order=request.arrival_order, index=index, group=group,
                     num_cached_tokens=request.num_cached_tokens)
                 self._init_choice_state(child)
+                if request.grammar is not None:   # before the first token: the parent's start state
+                    child.grammar = request.grammar.fork()
                 children.append(child)
             group.choices.extend(children)
             copies.extend(self.scheduler.fork(request, children))
@@ -336,6 +328,48 @@ class LLMEngine:
         if num_output >= params.max_tokens or num_output + len(request.prompt_token_ids) >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
+
+    def _end_request(self, request: Request) -> list[RequestOutput]:
+        """Abort every unfinished choice of `request` (held for its grammar, waiting, running
+        or not forked yet): one `abort` output per choice, the last one `finished`."""
+        def end(choice: Request) -> None:
+            if self.grammars.unhold(choice):   # never reached the scheduler
+                choice.status = RequestStatus.FINISHED_ABORTED
+            else:
+                self.scheduler.finish(choice, RequestStatus.FINISHED_ABORTED)
+
+        group = request.group
+        if group is None:
+            end(request)
+            return [self._final_output(request, True)]
+        ending = [c for c in group.choices if not c.is_finished]
+        for choice in ending:
+            end(choice)
+        # Choices not forked yet end too, with nothing generated.
+        missing = range(0)
+        if not group.forked:
+            self._num_unforked -= 1
+            missing = range(len(group.choices), group.n)
+            group.forked = True
+        count = len(ending) + len(missing)
+        outputs = [self._final_output(choice, i == count - 1) for i, choice in enumerate(ending)]
+        outputs.extend(RequestOutput(
+            request.request_id, [], "", j == count - 1, "abort", num_prompt_tokens=request.num_prompt_tokens,
+            num_cached_tokens=request.num_cached_tokens, index=index)
+            for j, index in enumerate(missing, start=len(ending)))
+        group.num_unfinished = 0
+        return outputs
+
+    def _release_compiled(self) -> list[RequestOutput]:
+        """Schedule the held requests whose grammar compiled; end those whose compile failed."""
+        ready, failed = self.grammars.release(idle=not self.scheduler.has_unfinished())
+        for request in ready:
+            self.scheduler.add(request)
+        outputs = []
+        for request, _reason in failed:
+            outputs.extend(self._end_request(request))
+            self.requests.pop(request.request_id, None)
+        return outputs
 
     def _final_output(self, request: Request, finished: bool) -> RequestOutput:
         return RequestOutput(

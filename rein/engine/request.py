@@ -72,9 +72,10 @@ class Request:
     cache_parent: tuple[int, int] = ROOT
     num_preemptions: int = 0
     first_token_time: float | None = None
-    # Engine-owned helpers (detokenizer, generator); opaque to the scheduler.
+    # Engine-owned helpers (detokenizer, generator, structured-output matcher); opaque to the scheduler.
     detokenizer: Any = None
     generator: Any = None
+    grammar: Any = None
     # Stop strings cut the text; set when one matched.
     stop_reason: str | int | None = None
     # n > 1: the choice this is (0..n-1) and the group of all the request's choices.

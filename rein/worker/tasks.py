@@ -157,6 +157,7 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
 def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> str:
     from rein.engine.runner import EngineStoppedError
     from rein.engine.sampling_params import SamplingParams
+    from rein.structured.decoding import prepare_grammar
 
     job_id = message.job_id
     claimed = time.monotonic()
@@ -170,6 +171,7 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
     except (TypeError, ValueError) as exc:
         return _fail(context, lease, f"invalid sampling parameters: {exc}", "invalid_request_error",
                      "invalid_sampling_params")
+    prepare_grammar(context.runner, params)   # structured outputs compile here, off the engine thread
     try:
         stream = context.runner.submit(job_id, message.prompt_token_ids, params, message.priority,
                                        collect=True)

@@ -132,8 +132,9 @@ def test_several_prompts_say_so(tokenizer):
 
 
 @pytest.mark.parametrize("endpoint,field,value", [
-    (CHAT_COMPLETIONS, "guided_json", {"type": "object"}),
-    (CHAT_COMPLETIONS, "structured_outputs", {"choice": ["a", "b"]}),
+    (CHAT_COMPLETIONS, "guided_json", {"type": "object", "not": {}}),   # a keyword llguidance cannot enforce
+    (CHAT_COMPLETIONS, "structured_outputs", {"choice": ["a"], "regex": "b"}),
+    (CHAT_COMPLETIONS, "guided_decoding_backend", "outlines"),
     (CHAT_COMPLETIONS, "min_tokens", False),          # same value as 0, not the same thing
     (CHAT_COMPLETIONS, "echo", True),                 # echo and best_of are the completions endpoint's
     (CHAT_COMPLETIONS, "best_of", 3),
