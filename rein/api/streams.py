@@ -39,6 +39,7 @@ from rein.core.messages import STREAM_FIELD, event_id
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.core.redis_keys import RedisKeys
 from rein.openai_format import usage_body
+from rein.tools import stream_for
 
 # XREAD blocks this long, well under the socket timeout of the API's async Redis client
 # (STREAM_SOCKET_TIMEOUT): a read that waits its full block must not look like a dead socket.
@@ -275,19 +276,24 @@ async def job_event_stream(events: AsyncIterator[StreamEvent | None]) -> AsyncIt
 
 
 async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endpoint: str, job_id: str,
-                              model: str, prompt_tokens: int, include_usage: bool) -> AsyncIterator[str]:
-    """OpenAI's streaming format: chunks, the usage chunk if asked, then [DONE]."""
+                              model: str, prompt_tokens: int, include_usage: bool,
+                              request_body: dict[str, Any] | None = None) -> AsyncIterator[str]:
+    """OpenAI's streaming format: chunks, the usage chunk if asked, then [DONE]. With the request's
+    tools (`request_body`), the text goes through rein.tools.ToolStream: tool_calls deltas."""
     chat = endpoint == "/v1/chat/completions"
     created = int(time.time())
     chunk_id = ("chatcmpl-" if chat else "cmpl-") + job_id
     base = {"id": chunk_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created, "model": model}
 
-    def chunk(text: str | None, finish_reason: str | None, first: bool = False) -> str:
+    def chunk(text: str | None, finish_reason: str | None, first: bool = False,
+              tool_delta: dict[str, Any] | None = None) -> str:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
+            if tool_delta:
+                delta.update(tool_delta)
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"text": text or "", "index": 0, "logprobs": None, "finish_reason": finish_reason}
@@ -298,6 +304,7 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
 
     if chat:
         yield chunk(None, None, first=True)
+    tool_stream = stream_for(request_body, chunk_id) if chat else None
     usage: dict[str, Any] | None = None
     async for event in events:
         if event is None:
@@ -310,7 +317,15 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
             yield sse(json.dumps(error))
             break
         finish = data.get("finish_reason")
-        if data.get("text") or finish:
+        if tool_stream is not None:
+            for tool_delta in tool_stream.feed(data.get("text") or ""):
+                yield chunk(None, None, tool_delta=tool_delta)
+            if finish:
+                tool_deltas, reason = tool_stream.finish(_FINISH_REASONS.get(finish, finish))
+                for tool_delta in tool_deltas:
+                    yield chunk(None, None, tool_delta=tool_delta)
+                yield chunk(None, reason)
+        elif data.get("text") or finish:
             yield chunk(data.get("text"), _FINISH_REASONS.get(finish, finish) if finish else None)
         if finish:
             usage = data.get("usage")

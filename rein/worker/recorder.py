@@ -9,7 +9,8 @@ What is stored, and how the API gets the response body back from it: `results` h
 engine's output (text, token ids, the engine's finish reason stop | length | abort) and,
 when the request asked for logprobs, the response's `logprobs` object already in OpenAI's
 shape (it needs the tokenizer, which the worker has and the API need not load).
-`response_body(job, result)` rebuilds exactly the body the synchronous endpoint returns.
+`response_body(job, result)` rebuilds exactly the body the synchronous endpoint returns
+(tool calls are parsed out of the stored text there, from the job's own request body).
 
 Postgres text and jsonb cannot hold U+0000, which a model can emit (a byte-level token
 for 0x00): `storable_text` drops it, here and in the published events alike, so the
@@ -28,6 +29,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from rein.core.db import engine_of, execute_one
 from rein.core.models import Job, Result
 from rein.openai_format import build_response
+from rein.tools import apply_tool_calls
 from rein.worker.claim import Lease
 
 
@@ -119,7 +121,7 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
                           created=int(finished.timestamp()) if finished is not None else None,
                           cached_tokens=cached_tokens)
     body["choices"][0]["logprobs"] = result.logprobs
-    return body
+    return apply_tool_calls(body, (job.params or {}).get("body"))   # tool calls out of the text (rein.tools)
 
 
 def response_logprobs(endpoint: str, logprobs: list[Any] | None, tokenizer: Any,

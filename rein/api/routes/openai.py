@@ -59,6 +59,7 @@ from rein.core.logging import log_context
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.core.redis_keys import RedisKeys
 from rein.openai_format import CHAT_COMPLETIONS, COMPLETIONS, build_response
+from rein.tools import apply_tool_calls
 from rein.worker.recorder import response_body
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
         return SlotStreamingResponse(
             openai_chunk_stream(events, endpoint=endpoint, job_id=job.id, model=job.model,
                                 prompt_tokens=job.prompt_tokens,
-                                include_usage=bool(options.get("include_usage"))),
+                                include_usage=bool(options.get("include_usage")), request_body=body),
             release, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             on_abandon=lambda: _abandon_in_background(request, key, job.id))
 
@@ -171,9 +172,11 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
     # The record did not show in time: the stream holds everything the body needs but logprobs.
     entry = prepared.entry if prepared else None
     cached = ((final.data.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
-    return build_response(endpoint, job.id, job.model, job.prompt_tokens, "".join(text), token_ids,
-                          final.data.get("finish_reason"), None, entry.tokenizer if entry else None, None,
-                          cached_tokens=cached)
+    # A JSONResponse as the stored answer is: the response model would add `tool_calls: null`.
+    return JSONResponse(apply_tool_calls(
+        build_response(endpoint, job.id, job.model, job.prompt_tokens, "".join(text), token_ids,
+                       final.data.get("finish_reason"), None, entry.tokenizer if entry else None, None,
+                       cached_tokens=cached), body))
 
 
 async def _follow(events: AsyncIterator[StreamEvent | None], text: list[str],
