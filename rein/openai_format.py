@@ -21,6 +21,8 @@ Choices made where OpenAI is silent or rein differs:
   writes an error line); if a response is built anyway it says "length": the text was cut
   short from outside, which clients treat as "incomplete", whereas "stop" would claim the
   model ended its answer.
+* Tools (`tools`, `tool_choice`, tool messages) are read and answered by rein.tools: its
+  docstring says what each tool_choice does and which finish_reason it gives.
 * Completions `text_offset` counts characters from the start of the returned text (no
   echo), token by token.
 """

@@ -28,6 +28,9 @@ Tool call ids are derived from the response id, the choice and the call's positi
 (``call_<24 hex>``), not random: the same job's body is rebuilt from Postgres for every
 GET /v1/jobs/{id}, every batch output view and the streamed chunks, and they must agree.
 
+A function's `strict: true` is accepted: named and required choices are constrained to the
+schema anyway; in auto mode the arguments are the model's own (as in vLLM), not constrained.
+
 `parallel_tool_calls: false` in auto mode adds ``</tool_call>`` to the stop strings: the
 answer ends after its first call (the block is then unclosed, which the parser accepts when
 its JSON is complete, as vLLM's regex does).
@@ -396,8 +399,8 @@ class HermesParser:
     One machine for whole answers and streams, so the streamed content concatenates to the
     non-streamed one: text is content until `<tool_call>` (a partial tag at the end of the text
     so far is held back), a block is held until `</tool_call>` and then becomes a call or, when
-    malformed, content. Whitespace before a block is held until it is known not to precede a
-    parsed call; whitespace after a parsed call is dropped.
+    malformed, content. Whitespace is held back until text follows it: whitespace around parsed
+    calls, before the first text or at the end of an answer with calls is dropped.
     """
 
     def __init__(self, names: frozenset[str], seed: str) -> None:
@@ -408,6 +411,7 @@ class HermesParser:
         self._held = ""            # trailing whitespace of the content so far
         self._in_block = False
         self._after_call = False
+        self._emitted = False      # any content yet
 
     def feed(self, text: str) -> list[dict[str, Any]]:
         """Deltas for `text`: {"content": str} or {"tool_calls": [{index, id, type, function}]}."""
@@ -451,7 +455,12 @@ class HermesParser:
 
     def _content(self, text: str, out: list[dict[str, Any]]) -> None:
         if self._after_call:
-            text = text.lstrip()
+            # Whitespace after a call: dropped before any content, else held like any other
+            # (it separates the text before the call from the text after it).
+            rest = text.lstrip()
+            if self._emitted:
+                self._held += text[:len(text) - len(rest)]
+            text = rest
             if not text:
                 return
             self._after_call = False
@@ -459,6 +468,7 @@ class HermesParser:
         kept = text.rstrip()
         self._held = text[len(kept):]
         if kept:
+            self._emitted = True
             out.append({"content": kept})
 
     def _close(self, body: str, raw: str, out: list[dict[str, Any]]) -> None:

@@ -482,13 +482,13 @@ def test_named_tool_choice_arguments_follow_the_schema(client: openai.OpenAI) ->
     pytest.importorskip("rein.structured", reason="constrained decoding (issue 14's structured outputs)")
     done = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL],
-        tool_choice=NAMED, max_tokens=40, temperature=0.8, seed=3)
+        tool_choice=NAMED, max_tokens=200, temperature=0.8, seed=3)
     [choice] = done.choices
     assert choice.finish_reason == "stop", choice
     assert json.loads(choice.message.tool_calls[0].function.arguments) in ({"unit": "celsius"}, {"unit": "fahrenheit"})
     required = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL],
-        tool_choice="required", max_tokens=60, temperature=0.8, seed=3)
+        tool_choice="required", max_tokens=200, temperature=0.8, seed=3)
     assert required.choices[0].finish_reason == "tool_calls", required
     for call in required.choices[0].message.tool_calls:
         assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"unit"}

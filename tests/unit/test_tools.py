@@ -264,7 +264,7 @@ def test_one_call_becomes_a_tool_call():
 def test_text_around_calls_is_the_content():
     text = f"Let me check.\n{CALL}\n<tool_call>\n{{\"name\": \"get_time\", \"arguments\": {{}}}}\n</tool_call>\nDone."
     content, calls = tools.parse_hermes(text, NAMES, "s")
-    assert content == "Let me check.Done."
+    assert content == "Let me check.\nDone."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert [c["function"]["arguments"] for c in calls] == ['{"city": "Paris"}', "{}"]
     assert len({c["id"] for c in calls}) == 2
@@ -289,6 +289,12 @@ def test_answers_without_calls_come_back_exactly():
         assert tools.parse_hermes(text, NAMES, "s") == (text, [])
 
 
+def test_whitespace_around_calls_is_dropped():
+    assert tools.parse_hermes(f"\n{CALL}\n\n{CALL}\n", NAMES, "s")[0] is None
+    assert tools.parse_hermes(f"{CALL}\n After.\n", NAMES, "s")[0] == "After."
+    assert tools.parse_hermes(f"Before. {CALL} {CALL}  after", NAMES, "s")[0] == "Before.  after"
+
+
 def test_an_unclosed_complete_block_is_a_call():
     """The answer may end at the block's JSON (EOS, or the </tool_call> stop of parallel_tool_calls=false)."""
     content, calls = tools.parse_hermes('Sure.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n', NAMES, "s")
@@ -306,6 +312,8 @@ STREAM_TEXTS = [
     f"<tool_call>oops</tool_call> then {CALL} and after\n",
     "no calls < here <tool_ at all\n",
     f"  {CALL}",
+    f"{CALL}\n After.\n",
+    f"Before. {CALL} {CALL}  after",
     '<tool_call>\n{"name": "get_time", "arguments": {}}',
 ]
 
