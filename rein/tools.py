@@ -106,6 +106,13 @@ class ToolRequest:
             return {"type": "json_schema", "schema": required_schema(self.tools, self.parallel)}
         return None
 
+    def structured_param(self) -> str:
+        """The parameter to name when the structured spec cannot be enforced (rein.structured)."""
+        if self.choice == "named":
+            index = [t["function"]["name"] for t in self.tools].index(self.name)
+            return f"tools[{index}].function.parameters"
+        return "tools"
+
     def extra_stop(self) -> list[str]:
         """Stop strings the choice needs: auto without parallel calls ends after the first call."""
         return [TOOL_CALL_END] if self.choice == "auto" and not self.parallel else []
@@ -269,6 +276,8 @@ def sampling_fields(fields: dict[str, Any], request: ToolRequest) -> None:
             raise _error("tool_choice \"required\" or a named function constrains the output to the tools' "
                          "arguments, which cannot be combined with response_format or structured_outputs (also "
                          "a constraint): leave out one of them", "tool_choice")
+        # MERGE (rein.structured): check_spec(structured, request.structured_param()) here, so a
+        # schema keyword the grammar engine cannot enforce is a 400 naming the tool.
         fields["structured"] = structured
     extra = request.extra_stop()
     if extra:

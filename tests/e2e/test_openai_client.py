@@ -521,3 +521,37 @@ def test_batch_lines_with_tools(client: openai.OpenAI) -> None:
     sync = client.chat.completions.create(**lines[0]["body"])
     assert sync.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
     assert openai.types.chat.ChatCompletion.model_validate(out["tools-history"]).usage.prompt_tokens > 0
+
+
+FORCED_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "celsius"}}\n</tool_call>'
+
+
+def test_auto_tool_calls_are_parsed_synchronous_streamed_and_batched(client: openai.OpenAI) -> None:
+    """Random weights never write a <tool_call> on their own: vLLM's structured_outputs `choice`
+    (needs rein.structured) makes the model write one, which auto mode must parse."""
+    pytest.importorskip("rein.structured", reason="constrained decoding (issue 14's structured outputs)")
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER_TOOL],
+               "tool_choice": "auto", "max_tokens": 100, "temperature": 0.0}
+    forced = {"structured_outputs": {"choice": [FORCED_CALL]}}
+    done = client.chat.completions.create(**request, extra_body=forced)
+    [choice] = done.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"unit": "celsius"}
+
+    parts, finish = [], None
+    for chunk in client.chat.completions.create(**request, extra_body=forced, stream=True):
+        assert not chunk.choices[0].delta.content
+        parts += chunk.choices[0].delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    [part] = parts
+    assert finish == "tool_calls" and part.function.name == "get_weather"
+    assert part.function.arguments == call.function.arguments
+
+    line = {"custom_id": "auto-call", "method": "POST", "url": "/v1/chat/completions", "body": {**request, **forced}}
+    batch = wait_batch(client, submit_batch(client, (json.dumps(line) + "\n").encode()).id)
+    assert batch.status == "completed", batch
+    [out] = file_lines(client, batch.output_file_id)
+    body = openai.types.chat.ChatCompletion.model_validate(out["response"]["body"])
+    assert body.choices[0].finish_reason == "tool_calls"
+    assert body.choices[0].message.tool_calls[0].function.arguments == call.function.arguments

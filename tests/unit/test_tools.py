@@ -110,6 +110,7 @@ def test_choices_and_their_defaults():
     named = tools.parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
                                "parallel_tool_calls": False})
     assert (named.choice, named.name, named.parallel) == ("named", "get_time", False)
+    assert named.structured_param() == "tools[1].function.parameters"
     assert tools.parse_tools({"tools": TOOLS, "parallel_tool_calls": False}).extra_stop() == [tools.TOOL_CALL_END]
 
 
