@@ -18,7 +18,8 @@ Torch-free (the API imports it). What happens to a request, by `tool_choice`:
 * ``"required"``: the output is constrained to a JSON array of at least one
   ``{"name": <a tool's name>, "parameters": <that tool's parameters>}`` object (at most one
   when `parallel_tool_calls` is false) — vLLM's schema for `required`
-  (`_get_json_schema_from_tools`, tool_parsers/utils.py) — and each element becomes a call.
+  (`_get_json_schema_from_tools`, tool_parsers/utils.py), with no other keys in an element —
+  and each element becomes a call.
 
 finish_reason follows OpenAI (as vLLM does since vllm-project/vllm#25054): "tool_calls" for
 auto and required answers that hold calls, "stop" for a named function; an answer cut by
@@ -134,9 +135,11 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[
                                  f"tools' schemas into one, so rename one of them",
                                  f"tools[{index}].function.parameters")
                 defs[def_name] = schema
+        # additionalProperties false (vLLM leaves it open): a call holds its name and parameters
+        # only, and the output cannot run on with keys the answer would drop anyway.
         alternatives.append({"properties": {"name": {"type": "string", "enum": [function["name"]]},
                                             "parameters": parameters},
-                             "required": ["name", "parameters"]})
+                             "required": ["name", "parameters"], "additionalProperties": False})
     schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": alternatives}}
     if not parallel:
         schema["maxItems"] = 1

@@ -126,9 +126,9 @@ def test_required_choice_is_vllms_array_of_name_and_parameters():
     assert spec == {"type": "json_schema", "schema": {
         "type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
             {"properties": {"name": {"type": "string", "enum": ["get_weather"]},
-                            "parameters": WEATHER["function"]["parameters"]}, "required": ["name", "parameters"]},
+                            "parameters": WEATHER["function"]["parameters"]}, "required": ["name", "parameters"], "additionalProperties": False},
             {"properties": {"name": {"type": "string", "enum": ["get_time"]},
-                            "parameters": TIME["function"]["parameters"]}, "required": ["name", "parameters"]},
+                            "parameters": TIME["function"]["parameters"]}, "required": ["name", "parameters"], "additionalProperties": False},
         ]}}}
     single = tools.parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False})
     assert single.structured()["schema"]["maxItems"] == 1
