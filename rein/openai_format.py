@@ -26,6 +26,8 @@ Choices made where OpenAI is silent or rein differs:
 * n > 1, best_of, echo and vLLM's prompt_logprobs: `_choice_fields` parses them into
   SamplingParams and a `rein.choices.ResponseShape`; rein.choice_bodies builds their body.
   Each choice may use max_tokens beside the shared prompt (vLLM's context check).
+* Tools (`tools`, `tool_choice`, tool messages) are read and answered by rein.tools: its
+  docstring says what each tool_choice does and which finish_reason it gives.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from rein import tools
 from rein.choices import ResponseShape
 from rein.engine.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams, SamplingParamsError
 from rein.input_checks import BadInput, check_json, text_problem
@@ -133,8 +136,9 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
         raise RequestError(f"stream_options.include_usage must be a boolean, got {_json_type(include_usage)}",
                            "stream_options.include_usage")
 
+    tool_request = tools.parse_tools(body) if chat else None
     if chat:
-        prompt = chat_prompt(body, tokenizer, max_model_len)
+        prompt = chat_prompt(body, tokenizer, max_model_len, tool_request)
         logprobs_mode = _chat_logprobs(body)
     else:
         prompt = _completion_prompt(body, tokenizer, max_model_len)
@@ -200,6 +204,8 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
         **choice_fields,
         "structured": _structured(body),
     }
+    if tool_request is not None:   # after any response_format's fields["structured"]: the two conflict
+        tools.sampling_fields(fields, tool_request)
     try:
         params = SamplingParams(**fields)
     except SamplingParamsError as exc:
@@ -322,7 +328,6 @@ _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "add_special_tokens": (False,), "spaces_between_special_tokens": (True,),
     "include_stop_str_in_output": (False,), "use_beam_search": (False,), "best_of": (None, 1),
     "suffix": (None, ""),
-    "parallel_tool_calls": (None, True, False), "tool_choice": (None, "none", "auto"),
 }
 _STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar",
                              "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")
@@ -349,15 +354,13 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
         where = "/v1/chat/completions" if chat else "/v1/completions"
         raise RequestError(f"Unrecognized request argument supplied: {name} (rein's {where} does not "
                            f"take it; remove it)", name)
-    if body.get("tools") or body.get("functions"):
-        raise RequestError("tools and functions are not supported", "tools" if body.get("tools") else "functions")
-    if body.get("function_call") not in (None, "none", "auto"):
-        raise RequestError("function_call is not supported", "function_call")
 
 
-def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int) -> list[int]:
+def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int,
+                tool_request: tools.ToolRequest | None = None) -> list[int]:
     """The prompt token ids of a chat body's messages, through the model's chat template (the API,
-    batch files and `rein.LLM.chat` all build chat prompts here)."""
+    batch files and `rein.LLM.chat` all build chat prompts here). The body's tools go to the
+    template (rein.tools; `tool_request`: parse_tools(body) when the caller has it already)."""
     if "messages" not in body:
         raise RequestError("'messages' is a required property", "messages")
     messages = body["messages"]
@@ -365,12 +368,18 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int) -> lis
         raise RequestError("messages must be a non-empty list of {role, content} objects", "messages")
     if len(messages) > MAX_MESSAGES:
         raise RequestError(f"messages holds at most {MAX_MESSAGES} messages, got {len(messages)}", "messages")
+    if tool_request is None:
+        tool_request = tools.parse_tools(body)
     plain = [_plain_message(m, i) for i, m in enumerate(messages)]
-    _check_prompt_chars(sum(len(m["content"]) for m in plain), max_model_len, "messages")
+    _check_prompt_chars(sum(len(m["content"]) for m in plain) + tools.template_chars(plain, tool_request),
+                        max_model_len, "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions with a prompt",
                            "messages")
+    tools.check_template(tokenizer.chat_template, tool_request)
     template_kwargs = _chat_template_kwargs(body)
+    if tool_request is not None and tool_request.template_tools is not None:
+        template_kwargs["tools"] = tool_request.template_tools
     try:
         ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False,
                                             **template_kwargs)
@@ -402,8 +411,9 @@ def _chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return kwargs
 
 
-def _plain_message(message: Any, index: int) -> dict[str, str]:
-    """{role, content} with content as one string (text parts joined)."""
+def _plain_message(message: Any, index: int) -> dict[str, Any]:
+    """{role, content} with content as one string (text parts joined), plus what the template
+    needs of tool calls and tool results (rein.tools.template_message_fields)."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise RequestError(f"{where} must be an object with role and content, got {_json_type(message)}", where)
@@ -429,7 +439,7 @@ def _plain_message(message: Any, index: int) -> dict[str, str]:
     if not isinstance(content, str):
         raise RequestError(f"{where}.content must be a string or a list of text parts, got {_json_type(content)}",
                            f"{where}.content")
-    return {"role": role, "content": content}
+    return {"role": role, "content": content, **tools.template_message_fields(message, role, where)}
 
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:

@@ -99,10 +99,36 @@ PRETOKENIZE_REGEX = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+# ChatML, with Qwen2.5's tool convention (rein.tools parses it): the tools listed in the system
+# turn, calls as <tool_call> JSON blocks, results as <tool_response> in a user turn. Without
+# tools or tool messages it renders plain ChatML.
 CHAT_TEMPLATE = (
     "{{- bos_token }}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}"
+    "{{- '# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if tools and loop.first and message['role'] == 'system' %}"
+    "{%- elif message['role'] == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant\\n' + (message['content'] or '') }}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- set call = tool_call.function if tool_call.function is defined else tool_call %}"
+    "{{- ('\\n' if message['content'] or not loop.first else '') + '<tool_call>\\n{\"name\": \"' + call.name"
+    " + '\", \"arguments\": ' + (call.arguments | tojson) + '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message['content'] + '\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}"
     "{{- '<|im_start|>assistant\\n' }}"

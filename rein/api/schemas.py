@@ -25,6 +25,7 @@ from rein.openai_format import (
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
 )
+from rein.tools import MAX_TOOLS
 
 Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
@@ -103,12 +104,44 @@ class _OpenAIRequest(BaseModel):
 _CONTENT = [_TEXT, {"type": "array", "items": {
     "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": _TEXT}}}]
 # Content is required but for an assistant's message (null or missing: empty).
+_FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
+# An assistant's earlier tool calls (rein.tools.template_message_fields); arguments: a JSON object.
+_TOOL_CALLS = {"anyOf": [{"type": "null"}, {"type": "array", "items": {
+    "type": "object", "required": ["function"],
+    "properties": {"id": _TEXT, "type": {"const": "function"},
+                   "function": {"type": "object", "required": ["name"],
+                                "properties": {"name": _NONEMPTY_TEXT, "arguments": {"type": ["string", "object"]}}}}}}]}
 _MESSAGE = {"anyOf": [
     {"type": "object", "required": ["role", "content"],
-     "properties": {"role": {"enum": ["system", "developer", "user", "tool"]}, "content": {"anyOf": _CONTENT}}},
+     "properties": {"role": {"enum": ["system", "developer", "user"]}, "content": {"anyOf": _CONTENT}}},
+    {"type": "object", "required": ["role", "content", "tool_call_id"],
+     "properties": {"role": {"const": "tool"}, "content": {"anyOf": _CONTENT}, "tool_call_id": _TEXT}},
     {"type": "object", "required": ["role"],
-     "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [*_CONTENT, {"type": "null"}]}}},
+     "properties": {"role": {"const": "assistant"}, "content": {"anyOf": [*_CONTENT, {"type": "null"}]},
+                    "tool_calls": _TOOL_CALLS}},
 ]}
+_TOOL = {"type": "object", "required": ["type", "function"], "additionalProperties": False, "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "additionalProperties": False, "properties": {
+        "name": _FUNCTION_NAME, "description": {"type": ["string", "null"]},
+        "parameters": {"anyOf": [{"type": "object"}, {"type": "null"}],
+                       "description": "A JSON Schema of an object: the function's arguments."},
+        "strict": {"type": ["boolean", "null"]}}}}}
+_TOOL_CHOICE = {"anyOf": [
+    {"enum": ["none", "auto", "required"]},
+    {"type": "object", "required": ["type", "function"],
+     "properties": {"type": {"const": "function"},
+                    "function": {"type": "object", "required": ["name"], "properties": {"name": _TEXT}}}},
+    {"type": "null"}]}
+
+
+def _schema(schema: dict[str, Any], description: str) -> Any:
+    """An optional field documented exactly as `schema` (a shape parse_request checks itself)."""
+    def replace(field_schema: dict[str, Any]) -> None:
+        field_schema.clear()
+        field_schema.update(schema, description=description)
+
+    return Field(None, description=description, json_schema_extra=replace)
 
 
 class ChatCompletionRequest(_OpenAIRequest):
@@ -121,6 +154,12 @@ class ChatCompletionRequest(_OpenAIRequest):
         {"type": "array", "items": _MESSAGE, "minItems": 1}, "[{role, content}, ...]")
     logprobs: bool | None = None
     top_logprobs: int | None = _documented(minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = _schema(
+        {"anyOf": [{"type": "array", "items": _TOOL, "maxItems": MAX_TOOLS}, {"type": "null"}]},
+        "Functions the model may call (rein.tools).")
+    tool_choice: str | dict[str, Any] | None = _schema(
+        _TOOL_CHOICE, 'none | auto (default with tools) | required | {"type": "function", "function": {"name"}}.')
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(_OpenAIRequest):
@@ -155,9 +194,22 @@ class EmbeddingRequest(BaseModel):
     user: str | None = None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str = Field(description="The arguments, a JSON object as a string.")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatMessage(BaseModel):
     role: str
-    content: str | None
+    content: str | None = Field(description="null when the answer is only tool calls.")
+    tool_calls: list[ToolCall] | None = Field(None, description="The calls of a request with tools "
+                                              "(absent otherwise).")
 
 
 class ChatChoice(BaseModel):

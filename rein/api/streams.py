@@ -39,6 +39,7 @@ from rein.core.messages import STREAM_FIELD, event_id
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.core.redis_keys import RedisKeys
 from rein.openai_format import usage_body
+from rein.tools import stream_for
 
 # XREAD blocks this long, well under the socket timeout of the API's async Redis client
 # (STREAM_SOCKET_TIMEOUT): a read that waits its full block must not look like a dead socket.
@@ -311,24 +312,30 @@ async def job_event_stream(events: AsyncIterator[StreamEvent | None]) -> AsyncIt
 
 async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endpoint: str, job_id: str,
                               model: str, prompt_tokens: int, include_usage: bool, n: int = 1,
-                              echo: str | None = None) -> AsyncIterator[str]:
+                              echo: str | None = None,
+                              request_body: dict[str, Any] | None = None) -> AsyncIterator[str]:
     """OpenAI's streaming format: chunks, the usage chunk if asked, then [DONE].
 
     Each chunk holds one choice, by its `index` (n > 1 interleaves them, as OpenAI does);
     each choice gets its own finish chunk, and a choice the job's end left unfinished (an
     aborted request) gets the job's. `echo` (completions): the prompt's text, sent ahead of
-    each choice's first text, as vLLM streams an echo."""
+    each choice's first text, as vLLM streams an echo. With the request's tools
+    (`request_body`), each choice's text goes through its rein.tools.ToolStream: tool_calls
+    deltas."""
     chat = endpoint == "/v1/chat/completions"
     created = int(time.time())
     chunk_id = ("chatcmpl-" if chat else "cmpl-") + job_id
     base = {"id": chunk_id, "object": "chat.completion.chunk" if chat else "text_completion",
             "created": created, "model": model}
 
-    def chunk(text: str | None, finish_reason: str | None, first: bool = False, index: int = 0) -> str:
+    def chunk(text: str | None, finish_reason: str | None, first: bool = False, index: int = 0,
+              tool_delta: dict[str, Any] | None = None) -> str:
         if chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
+            if tool_delta:
+                delta.update(tool_delta)
             choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
             choice = {"text": text or "", "index": index, "logprobs": None, "finish_reason": finish_reason}
@@ -340,6 +347,17 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
     if chat:
         for index in range(n):
             yield chunk(None, None, first=True, index=index)
+    tool_streams = {i: stream_for(request_body, chunk_id, i) for i in range(n)} if chat else {}
+
+    def end_choice(index: int, text: str | None, reason: str | None) -> list[str]:
+        tool_stream = tool_streams.get(index)
+        if tool_stream is None:
+            return [chunk(text, reason, index=index)]
+        deltas = [chunk(None, None, index=index, tool_delta=d) for d in tool_stream.feed(text or "")]
+        tool_deltas, reason = tool_stream.finish(reason)
+        return [*deltas, *(chunk(None, None, index=index, tool_delta=d) for d in tool_deltas),
+                chunk(None, reason, index=index)]
+
     usage: dict[str, Any] | None = None
     echoed: set[int] = set()
     ended: set[int] = set()
@@ -360,17 +378,22 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
         if echo is not None and index not in echoed:
             echoed.add(index)
             text = echo + (text or "")
-        if text or choice_finish:
-            yield chunk(text, _FINISH_REASONS.get(choice_finish, choice_finish) if choice_finish else None,
-                        index=index)
         if choice_finish:
             ended.add(index)
+            for line in end_choice(index, text, _FINISH_REASONS.get(choice_finish, choice_finish)):
+                yield line
+        elif tool_streams.get(index) is not None:
+            for tool_delta in tool_streams[index].feed(text or ""):
+                yield chunk(None, None, index=index, tool_delta=tool_delta)
+        elif text:
+            yield chunk(text, None, index=index)
         if finish:
             usage = data.get("usage")
             for other in range(n):   # choices the job's end stopped (an abort) end with it
                 if other not in ended:
                     text = echo if echo is not None and other not in echoed else None
-                    yield chunk(text, _FINISH_REASONS.get(finish, finish), index=other)
+                    for line in end_choice(other, text, _FINISH_REASONS.get(finish, finish)):
+                        yield line
     if include_usage:
         usage = usage or usage_body(prompt_tokens, 0)
         yield sse(json.dumps({**base, "choices": [], "usage": usage}, separators=(",", ":")))

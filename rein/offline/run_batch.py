@@ -43,6 +43,7 @@ from rein.openai_format import (
     parse_batch_line,
     parse_request,
 )
+from rein.tools import apply_tool_calls
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
@@ -83,6 +84,7 @@ class _Pending:
     endpoint: str
     model_name: str
     parsed: ParsedRequest
+    request_body: dict[str, Any] | None = None     # for tool calls (rein.tools)
 
 
 def run_batch(
@@ -182,7 +184,8 @@ class _BatchRun:
             code = INVALID_REQUEST if exc.code == "invalid_request" else exc.code
             self._fail(custom_id, line_number, code, str(exc))
             return None
-        return request_id, _Pending(custom_id, line_number, batch_line.url, parsed.model or self.model_name, parsed)
+        return request_id, _Pending(custom_id, line_number, batch_line.url, parsed.model or self.model_name, parsed,
+                                    batch_line.body)
 
     # -- output ----------------------------------------------------------------------------
 
@@ -206,6 +209,7 @@ class _BatchRun:
             body = full_response(pending.endpoint, done.request_id, pending.model_name, done.choices,
                                  parsed.prompt_token_ids, self.engine.tokenizer, parsed.logprobs_mode, parsed.shape,
                                  int(time.time()))
+        body = apply_tool_calls(body, pending.request_body)
         self._write(self.out, batch_output_line(pending.custom_id, done.request_id, body))
         self.summary.requests_ok += 1
         self.summary.prompt_tokens += prompt_tokens

@@ -9,7 +9,8 @@ What is stored, and how the API gets the response body back from it: `results` h
 engine's output (text, token ids, the engine's finish reason stop | length | abort) and,
 when the request asked for logprobs, the response's `logprobs` object already in OpenAI's
 shape (it needs the tokenizer, which the worker has and the API need not load).
-`response_body(job, result)` rebuilds exactly the body the synchronous endpoint returns.
+`response_body(job, result)` rebuilds exactly the body the synchronous endpoint returns
+(tool calls are parsed out of the stored text there, from the job's own request body).
 A request with more than one plain choice (n > 1, best_of, echo, prompt logprobs) also
 stores `results.response`: the body's `choices` and `usage` (rein.choice_bodies), merged
 over the plain body; its text, token ids and logprobs columns hold the first returned choice.
@@ -32,6 +33,7 @@ from rein.core.db import engine_of, execute_one
 from rein.core.models import Job, Result
 from rein.embeddings_format import job_embeddings_body
 from rein.openai_format import EMBEDDINGS, build_response
+from rein.tools import apply_tool_calls
 from rein.worker.claim import Lease
 
 
@@ -131,7 +133,7 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
     body["choices"][0]["logprobs"] = result.logprobs
     if result.response:   # n > 1, echo, prompt logprobs: the choices and usage the worker built
         body.update(result.response)
-    return body
+    return apply_tool_calls(body, (job.params or {}).get("body"))   # tool calls out of the text (rein.tools)
 
 
 def response_logprobs(endpoint: str, logprobs: list[Any] | None, tokenizer: Any,

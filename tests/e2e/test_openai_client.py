@@ -527,3 +527,138 @@ def test_choices_echo_and_bias_in_a_batch_file(client: openai.OpenAI, tokenizer)
     assert lines["bias"]["choices"][0]["text"] == tokenizer.decode([forced] * 4)
     assert lines["echo"]["choices"][0]["text"].startswith(COMPLETION["prompt"])
     assert lines["echo"]["choices"][0]["logprobs"]["token_logprobs"][0] is None
+
+
+# -- tools ------------------------------------------------------------------------------------
+
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city.",
+    "parameters": {"type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["unit"], "additionalProperties": False}}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+TOOL_HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"unit": "celsius"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 degrees"},
+]
+TOOL_CHAT = {"model": MODEL, "messages": TOOL_HISTORY, "max_tokens": 6, "temperature": 0.0}
+
+
+def test_tool_results_go_back_through_the_template(client: openai.OpenAI) -> None:
+    """Assistant tool calls and role "tool" results render (the tiny model's template knows
+    Qwen2.5's convention); the tools reach the prompt unless tool_choice is "none"."""
+    plain = client.chat.completions.create(**TOOL_CHAT)
+    with_tools = client.chat.completions.create(**TOOL_CHAT, tools=[WEATHER_TOOL])
+    none = client.chat.completions.create(**TOOL_CHAT, tools=[WEATHER_TOOL], tool_choice="none")
+    assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens == none.usage.prompt_tokens
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    # Random weights write no <tool_call>: a plain answer (rein.tools' unit tests parse real ones).
+    assert with_tools.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_named_tool_choice_answers_with_a_call_and_streams_it(client: openai.OpenAI) -> None:
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}],
+               "tools": [WEATHER_TOOL], "tool_choice": NAMED, "max_tokens": 16, "temperature": 0.0}
+    done = client.chat.completions.create(**request)
+    [choice] = done.choices
+    assert choice.message.content is None and choice.finish_reason in ("stop", "length")  # OpenAI: stop
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+
+    ids, names, arguments, finish = set(), [], [], None
+    for chunk in client.chat.completions.create(**request, stream=True):
+        delta = chunk.choices[0].delta
+        assert not delta.content
+        for part in delta.tool_calls or ():
+            assert part.index == 0
+            if part.id:
+                ids.add(part.id)
+            if part.function.name:
+                names.append(part.function.name)
+            arguments.append(part.function.arguments or "")
+        finish = chunk.choices[0].finish_reason or finish
+    assert len(ids) == 1 and ids.pop().startswith("call_") and names == ["get_weather"]   # another job: another id
+    assert "".join(arguments) == call.function.arguments and finish == choice.finish_reason
+
+
+def test_named_tool_choice_arguments_follow_the_schema(client: openai.OpenAI) -> None:
+    """Needs the grammar engine (rein.structured): the arguments are constrained to the function's
+    parameters, so they parse and validate, and the answer ends (finish_reason "stop")."""
+    pytest.importorskip("rein.structured", reason="constrained decoding (issue 14's structured outputs)")
+    done = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL],
+        tool_choice=NAMED, max_tokens=200, temperature=0.8, seed=3)
+    [choice] = done.choices
+    assert choice.finish_reason == "stop", choice
+    assert json.loads(choice.message.tool_calls[0].function.arguments) in ({"unit": "celsius"}, {"unit": "fahrenheit"})
+    required = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL],
+        tool_choice="required", parallel_tool_calls=False, max_tokens=200, temperature=0.8, seed=3)
+    # One call at most (maxItems 1): random weights would otherwise add calls until max_tokens.
+    assert required.choices[0].finish_reason == "tool_calls", required
+    [call] = required.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and set(json.loads(call.function.arguments)) == {"unit"}
+
+
+def test_bad_tools_are_bad_requests(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**TOOL_CHAT, tools=[WEATHER_TOOL],
+                                       tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert caught.value.param == "tool_choice.function.name" and "get_weather" in caught.value.message
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**TOOL_CHAT, tools=[{"type": "function", "function": {"name": "a b"}}])
+    assert caught.value.param == "tools[0].function.name"
+
+
+def test_batch_lines_with_tools(client: openai.OpenAI) -> None:
+    lines = [{"custom_id": "tools-named", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER_TOOL],
+                       "tool_choice": NAMED, "max_tokens": 16, "temperature": 0.0}},
+             {"custom_id": "tools-history", "method": "POST", "url": "/v1/chat/completions",
+              "body": {**TOOL_CHAT, "tools": [WEATHER_TOOL]}}]
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    done = wait_batch(client, submit_batch(client, content).id)
+    assert done.status == "completed" and done.request_counts.completed == 2, done
+    out = {line["custom_id"]: line["response"]["body"] for line in file_lines(client, done.output_file_id)}
+    named = openai.types.chat.ChatCompletion.model_validate(out["tools-named"])
+    [call] = named.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and named.choices[0].message.content is None
+    # The line's answer is the synchronous one: same arguments (greedy), same kind of id.
+    sync = client.chat.completions.create(**lines[0]["body"])
+    assert sync.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+    assert openai.types.chat.ChatCompletion.model_validate(out["tools-history"]).usage.prompt_tokens > 0
+
+
+FORCED_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "celsius"}}\n</tool_call>'
+
+
+def test_auto_tool_calls_are_parsed_synchronous_streamed_and_batched(client: openai.OpenAI) -> None:
+    """Random weights never write a <tool_call> on their own: vLLM's structured_outputs `choice`
+    (needs rein.structured) makes the model write one, which auto mode must parse."""
+    pytest.importorskip("rein.structured", reason="constrained decoding (issue 14's structured outputs)")
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER_TOOL],
+               "tool_choice": "auto", "max_tokens": 100, "temperature": 0.0}
+    forced = {"structured_outputs": {"choice": [FORCED_CALL]}}
+    done = client.chat.completions.create(**request, extra_body=forced)
+    [choice] = done.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"unit": "celsius"}
+
+    parts, finish = [], None
+    for chunk in client.chat.completions.create(**request, extra_body=forced, stream=True):
+        assert not chunk.choices[0].delta.content
+        parts += chunk.choices[0].delta.tool_calls or []
+        finish = chunk.choices[0].finish_reason or finish
+    [part] = parts
+    assert finish == "tool_calls" and part.function.name == "get_weather"
+    assert part.function.arguments == call.function.arguments
+
+    line = {"custom_id": "auto-call", "method": "POST", "url": "/v1/chat/completions", "body": {**request, **forced}}
+    batch = wait_batch(client, submit_batch(client, (json.dumps(line) + "\n").encode()).id)
+    assert batch.status == "completed", batch
+    [out] = file_lines(client, batch.output_file_id)
+    body = openai.types.chat.ChatCompletion.model_validate(out["response"]["body"])
+    assert body.choices[0].finish_reason == "tool_calls"
+    assert body.choices[0].message.tool_calls[0].function.arguments == call.function.arguments

@@ -109,7 +109,7 @@ def test_completion_prompts_and_defaults(tokenizer):
     (CHAT_COMPLETIONS, {"messages": CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CHAT_COMPLETIONS, {"messages": CHAT, "top_logprobs": 2}, "top_logprobs"),
     (CHAT_COMPLETIONS, {"messages": CHAT, "logprobs": 3}, "logprobs"),
-    (CHAT_COMPLETIONS, {"messages": CHAT, "tools": [{"type": "function"}]}, "tools"),
+    (CHAT_COMPLETIONS, {"messages": CHAT, "tools": [{"type": "function"}]}, "tools[0].function"),
     (COMPLETIONS, {}, "prompt"),
     (COMPLETIONS, {"prompt": 5}, "prompt"),
     (COMPLETIONS, {"prompt": ["one", "two"]}, "prompt"),

@@ -61,6 +61,7 @@ from rein.core.logging import log_context
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.core.redis_keys import RedisKeys
 from rein.openai_format import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, build_response
+from rein.tools import apply_tool_calls
 from rein.worker.recorder import response_body
 
 log = logging.getLogger(__name__)
@@ -145,7 +146,8 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
         return SlotStreamingResponse(
             openai_chunk_stream(events, endpoint=endpoint, job_id=job.id, model=job.model,
                                 prompt_tokens=job.prompt_tokens,
-                                include_usage=bool(options.get("include_usage")), n=shape.n, echo=shape.echo),
+                                include_usage=bool(options.get("include_usage")), n=shape.n, echo=shape.echo,
+                                request_body=body),
             release, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             on_abandon=lambda: _abandon_in_background(request, key, job.id))
 
@@ -178,14 +180,17 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
     cached = ((final.data.get("usage") or {}).get("prompt_tokens_details") or {}).get("cached_tokens", 0)
     gathered.num_cached_tokens = cached
     first = gathered.choice(0)
+    tokenizer = entry.tokenizer if entry else None
     if shape.plain and len(gathered.choices) <= 1:
-        return build_response(endpoint, job.id, job.model, job.prompt_tokens, first.text, first.token_ids,
-                              final.data.get("finish_reason"), None, entry.tokenizer if entry else None, None,
-                              cached_tokens=cached)
-    for choice in gathered.choices.values():
-        choice.finish_reason = choice.finish_reason or final.data.get("finish_reason")
-    return full_response(endpoint, job.id, job.model, gathered, list(job.prompt_token_ids),
-                         entry.tokenizer if entry else None, None, shape)
+        response = build_response(endpoint, job.id, job.model, job.prompt_tokens, first.text, first.token_ids,
+                                  final.data.get("finish_reason"), None, tokenizer, None, cached_tokens=cached)
+    else:
+        for choice in gathered.choices.values():
+            choice.finish_reason = choice.finish_reason or final.data.get("finish_reason")
+        response = full_response(endpoint, job.id, job.model, gathered, list(job.prompt_token_ids), tokenizer,
+                                 None, shape)
+    # A JSONResponse as the stored answer is: the response model would add `tool_calls: null`.
+    return JSONResponse(apply_tool_calls(response, body))
 
 
 async def _follow(events: AsyncIterator[StreamEvent | None], gathered: ChoiceGatherer) -> StreamEvent | None:
