@@ -31,6 +31,7 @@ from typing import Any
 
 from rein.choices import ResponseShape
 from rein.engine.pooling import PoolingConfig, PoolingError, PoolingParams, read_pooling_config
+from rein.input_checks import json_type
 from rein.openai_format import (
     CONTEXT_LENGTH_EXCEEDED,
     EMBEDDINGS,
@@ -38,7 +39,6 @@ from rein.openai_format import (
     RequestError,
     _check_token_ids,
     _is_int,
-    _json_type,
 )
 
 MAX_INPUTS = 2048                # OpenAI's limit on inputs per request
@@ -96,22 +96,22 @@ def parse_embeddings_request(body: dict[str, Any], tokenizer: Any, max_model_len
     """Turn an OpenAI embeddings body into token-id inputs and PoolingParams (see the module
     docstring); `pooling` is the model's (for `dimensions`)."""
     if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {_json_type(body)}")
+        raise RequestError(f"the request body must be a JSON object, got {json_type(body)}")
     for name in body:
         if name not in _FIELDS:
             raise RequestError(f"Unrecognized request argument supplied: {name} (rein's {EMBEDDINGS} takes "
                                f"{', '.join(sorted(_FIELDS))}; remove it)", name)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise RequestError(f"model must be a string, got {_json_type(model)}", "model")
+        raise RequestError(f"model must be a string, got {json_type(model)}", "model")
     user = body.get("user")
     if user is not None and not isinstance(user, str):
-        raise RequestError(f"user must be a string, got {_json_type(user)}", "user")
+        raise RequestError(f"user must be a string, got {json_type(user)}", "user")
     encoding_format = body.get("encoding_format")
     if encoding_format is None:
         encoding_format = "float"
     if encoding_format not in ENCODING_FORMATS:
-        shown = encoding_format if isinstance(encoding_format, str) else _json_type(encoding_format)
+        shown = encoding_format if isinstance(encoding_format, str) else json_type(encoding_format)
         raise RequestError(f"encoding_format must be \"float\" or \"base64\", got {shown!r}", "encoding_format")
     dimensions = body.get("dimensions")
     if dimensions is not None and (not _is_int(dimensions) or dimensions < 1):
@@ -143,7 +143,7 @@ def _inputs(body: dict[str, Any], tokenizer: Any, max_model_len: int) -> list[li
                                "lists of token ids (not a mix)", "input")
     else:
         raise RequestError(f"input must be a string, a list of strings, a list of token ids or a list of lists "
-                           f"of token ids, got {_json_type(given)}", "input")
+                           f"of token ids, got {json_type(given)}", "input")
     if len(items) > MAX_INPUTS:
         raise RequestError(f"input holds {len(items)} inputs; at most {MAX_INPUTS} are allowed per request: "
                            f"split them into several requests", "input")
@@ -178,7 +178,7 @@ def _one_input(item: Any, where: str, tokenizer: Any, max_model_len: int) -> lis
         ids = list(item)
         _check_token_ids(ids, tokenizer, where)
     else:
-        raise RequestError(f"{where} must be a string or a list of token ids, got {_json_type(item)}", "input")
+        raise RequestError(f"{where} must be a string or a list of token ids, got {json_type(item)}", "input")
     if not ids:
         raise RequestError(f"{where} gives no tokens", "input")
     if len(ids) > max_model_len:

@@ -40,6 +40,23 @@ class BadInput(ValueError):
         self.param = param
 
 
+def json_type(value: Any) -> str:
+    """How an error message names a JSON value's type: "a string", "a number", "null", ..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
 def text_problem(text: str) -> str | None:
     """Why `text` cannot be taken (a NUL character or a lone surrogate, and where), or None."""
     if "\x00" not in text:

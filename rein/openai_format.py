@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any
 from rein import tools
 from rein.choices import ResponseShape
 from rein.engine.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams, SamplingParamsError
-from rein.input_checks import BadInput, check_json, text_problem
+from rein.input_checks import BadInput, check_json, json_type, text_problem
 
 if TYPE_CHECKING:
     from rein.engine.outputs import TokenLogprob
@@ -126,14 +126,14 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
     if endpoint not in ENDPOINTS:
         raise RequestError(f"unknown endpoint {endpoint!r}: use {' or '.join(ENDPOINTS)}", "url")
     if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {_json_type(body)}")
+        raise RequestError(f"the request body must be a JSON object, got {json_type(body)}")
     chat = endpoint == CHAT_COMPLETIONS
     _refuse_unsupported(body, chat)
     model = _get(body, "model", str)
     stream = bool(_get(body, "stream", bool, False))
     include_usage = _get(body, "stream_options", dict, {}).get("include_usage")
     if include_usage is not None and not isinstance(include_usage, bool):
-        raise RequestError(f"stream_options.include_usage must be a boolean, got {_json_type(include_usage)}",
+        raise RequestError(f"stream_options.include_usage must be a boolean, got {json_type(include_usage)}",
                            "stream_options.include_usage")
 
     tool_request = tools.parse_tools(body) if chat else None
@@ -416,7 +416,7 @@ def _plain_message(message: Any, index: int) -> dict[str, Any]:
     needs of tool calls and tool results (rein.tools.template_message_fields)."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
-        raise RequestError(f"{where} must be an object with role and content, got {_json_type(message)}", where)
+        raise RequestError(f"{where} must be an object with role and content, got {json_type(message)}", where)
     role = message.get("role")
     if not isinstance(role, str) or role not in ("system", "developer", "user", "assistant", "tool"):
         raise RequestError(f"{where}.role must be one of system, developer, user, assistant, tool; got {role!r}",
@@ -428,16 +428,16 @@ def _plain_message(message: Any, index: int) -> dict[str, Any]:
         texts = []
         for part in content:
             if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else _json_type(part)
+                kind = part.get("type") if isinstance(part, dict) else json_type(part)
                 raise RequestError(f"{where}.content: only text parts are supported, got {kind!r}",
                                    f"{where}.content")
             if not isinstance(part.get("text"), str):
                 raise RequestError(f"{where}.content: a text part needs its text as a string, got "
-                                   f"{_json_type(part.get('text'))}", f"{where}.content")
+                                   f"{json_type(part.get('text'))}", f"{where}.content")
             texts.append(part["text"])
         content = "".join(texts)
     if not isinstance(content, str):
-        raise RequestError(f"{where}.content must be a string or a list of text parts, got {_json_type(content)}",
+        raise RequestError(f"{where}.content must be a string or a list of text parts, got {json_type(content)}",
                            f"{where}.content")
     return {"role": role, "content": content, **tools.template_message_fields(message, role, where)}
 
@@ -525,23 +525,9 @@ def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default
         if k not in (bool, int, float) and isinstance(value, k):
             return value
     wanted = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
-    raise RequestError(f"{name} must be {wanted}, got {_json_type(value)} {json.dumps(value)[:50]}", name)
+    raise RequestError(f"{name} must be {wanted}, got {json_type(value)} {json.dumps(value)[:50]}", name)
 
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "an object"
-    return type(value).__name__
 
 
 # -- responses --------------------------------------------------------------------------------
@@ -680,7 +666,7 @@ def parse_batch_line(line: str, line_number: int) -> BatchLine:
         raise RequestError(f"line {line_number}: not valid JSON ({exc.msg} at column {exc.colno})", None,
                            "invalid_json_line") from exc
     if not isinstance(obj, dict):
-        raise RequestError(f"line {line_number}: must be a JSON object, got {_json_type(obj)}")
+        raise RequestError(f"line {line_number}: must be a JSON object, got {json_type(obj)}")
     try:
         check_json(obj)   # text Postgres and the tokenizer can take, numbers that fit (rein.input_checks)
     except BadInput as exc:
@@ -696,7 +682,7 @@ def parse_batch_line(line: str, line_number: int) -> BatchLine:
         raise RequestError(f"line {line_number}: url must be {', '.join(BATCH_ENDPOINTS)}, got {url!r}", "url")
     body = obj.get("body")
     if not isinstance(body, dict):
-        raise RequestError(f"line {line_number}: body must be a JSON object, got {_json_type(body)}", "body")
+        raise RequestError(f"line {line_number}: body must be a JSON object, got {json_type(body)}", "body")
     return BatchLine(custom_id, method, url, body)
 
 

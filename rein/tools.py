@@ -49,6 +49,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from rein.input_checks import json_type
+
 MAX_TOOLS = 128            # OpenAI's limit on `tools`
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -65,14 +67,6 @@ def _error(message: str, param: str | None) -> Exception:
     return RequestError(message, param)
 
 
-def _kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    return {str: "a string", list: "a list", dict: "an object"}.get(type(value), type(value).__name__)
 
 
 @dataclass(frozen=True)
@@ -166,7 +160,7 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     tools = _parse_tool_list(body.get("tools"))
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise _error(f"parallel_tool_calls must be a boolean, got {_kind(parallel)}", "parallel_tool_calls")
+        raise _error(f"parallel_tool_calls must be a boolean, got {json_type(parallel)}", "parallel_tool_calls")
     choice, name = _parse_choice(body.get("tool_choice"), tools)
     if not tools:
         return None
@@ -178,7 +172,7 @@ def _parse_tool_list(tools: Any) -> list[dict[str, Any]]:
         return []
     if not isinstance(tools, list):
         raise _error(f"tools must be a list of {{\"type\": \"function\", \"function\": {{...}}}} objects, got "
-                     f"{_kind(tools)}", "tools")
+                     f"{json_type(tools)}", "tools")
     if len(tools) > MAX_TOOLS:
         raise _error(f"tools holds at most {MAX_TOOLS} tools, got {len(tools)}: send only the ones this "
                      f"request may need", "tools")
@@ -187,7 +181,7 @@ def _parse_tool_list(tools: Any) -> list[dict[str, Any]]:
         where = f"tools[{index}]"
         if not isinstance(tool, dict):
             raise _error(f"{where} must be an object {{\"type\": \"function\", \"function\": {{...}}}}, got "
-                         f"{_kind(tool)}", where)
+                         f"{json_type(tool)}", where)
         if tool.get("type") != "function":
             raise _error(f"{where}.type must be \"function\" (rein takes function tools only), got "
                          f"{json.dumps(tool.get('type'))}", f"{where}.type")
@@ -198,7 +192,7 @@ def _parse_tool_list(tools: Any) -> list[dict[str, Any]]:
         function = tool.get("function")
         if not isinstance(function, dict):
             raise _error(f"{where}.function must be an object with name, description, parameters and strict, "
-                         f"got {_kind(function)}", f"{where}.function")
+                         f"got {json_type(function)}", f"{where}.function")
         for key in function:
             if key not in _FUNCTION_KEYS:
                 raise _error(f"{where}.function has an unknown field {key!r} (a function has name, "
@@ -213,11 +207,11 @@ def _parse_tool_list(tools: Any) -> list[dict[str, Any]]:
         seen[name] = index
         description = function.get("description")
         if description is not None and not isinstance(description, str):
-            raise _error(f"{where}.function.description must be a string, got {_kind(description)}",
+            raise _error(f"{where}.function.description must be a string, got {json_type(description)}",
                          f"{where}.function.description")
         strict = function.get("strict")
         if strict is not None and not isinstance(strict, bool):
-            raise _error(f"{where}.function.strict must be a boolean, got {_kind(strict)}",
+            raise _error(f"{where}.function.strict must be a boolean, got {json_type(strict)}",
                          f"{where}.function.strict")
         parameters = function.get("parameters")
         if parameters is not None:
@@ -230,7 +224,7 @@ def _check_parameters(schema: Any, where: str) -> None:
     (Whether rein can constrain output to every keyword in it is the grammar compiler's check,
     rein.structured, for the choices that constrain.)"""
     if not isinstance(schema, dict):
-        raise _error(f"{where} must be a JSON Schema object, got {_kind(schema)}", where)
+        raise _error(f"{where} must be a JSON Schema object, got {json_type(schema)}", where)
     kind = schema.get("type")
     if kind is not None and kind != "object":
         raise _error(f"{where} must describe an object (\"type\": \"object\"): a function's arguments are "
@@ -261,7 +255,7 @@ def _parse_choice(choice: Any, tools: list[dict[str, Any]]) -> tuple[str, str | 
                      f"{{\"name\": ...}}}}, got {json.dumps(choice)[:80]}", "tool_choice")
     name = choice["function"].get("name")
     if not isinstance(name, str):
-        raise _error(f"tool_choice.function.name must be a string, got {_kind(name)}", "tool_choice.function.name")
+        raise _error(f"tool_choice.function.name must be a string, got {json_type(name)}", "tool_choice.function.name")
     names = [t["function"]["name"] for t in tools]
     if name not in names:
         among = f"the tools are {', '.join(names)}" if names else "no tools were given"
@@ -313,13 +307,13 @@ def template_message_fields(message: dict[str, Any], role: str, where: str) -> d
     name = message.get("name")
     if name is not None:
         if not isinstance(name, str):
-            raise _error(f"{where}.name must be a string, got {_kind(name)}", f"{where}.name")
+            raise _error(f"{where}.name must be a string, got {json_type(name)}", f"{where}.name")
         fields["name"] = name
     if role == "tool":
         call_id = message.get("tool_call_id")
         if not isinstance(call_id, str):
             raise _error(f"{where}.tool_call_id must be a string (the id of the assistant's tool call this "
-                         f"message answers), got {_kind(call_id)}", f"{where}.tool_call_id")
+                         f"message answers), got {json_type(call_id)}", f"{where}.tool_call_id")
         fields["tool_call_id"] = call_id
     calls = message.get("tool_calls")
     if calls is None or calls == []:
@@ -328,7 +322,7 @@ def template_message_fields(message: dict[str, Any], role: str, where: str) -> d
         raise _error(f"{where}.tool_calls: only assistant messages carry tool calls (this one is {role!r})",
                      f"{where}.tool_calls")
     if not isinstance(calls, list):
-        raise _error(f"{where}.tool_calls must be a list of tool calls, got {_kind(calls)}", f"{where}.tool_calls")
+        raise _error(f"{where}.tool_calls must be a list of tool calls, got {json_type(calls)}", f"{where}.tool_calls")
     fields["tool_calls"] = [_template_call(call, f"{where}.tool_calls[{i}]") for i, call in enumerate(calls)]
     return fields
 
@@ -341,11 +335,11 @@ def _template_call(call: Any, where: str) -> dict[str, Any]:
         raise _error(f"{where}.type must be \"function\", got {json.dumps(call.get('type'))}", f"{where}.type")
     call_id = call.get("id")
     if call_id is not None and not isinstance(call_id, str):
-        raise _error(f"{where}.id must be a string, got {_kind(call_id)}", f"{where}.id")
+        raise _error(f"{where}.id must be a string, got {json_type(call_id)}", f"{where}.id")
     function = call["function"]
     name = function.get("name")
     if not isinstance(name, str) or not name:
-        raise _error(f"{where}.function.name must be a non-empty string, got {_kind(name)}", f"{where}.function.name")
+        raise _error(f"{where}.function.name must be a non-empty string, got {json_type(name)}", f"{where}.function.name")
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
         try:
@@ -355,7 +349,7 @@ def _template_call(call: Any, where: str) -> dict[str, Any]:
                          f"send the arguments the tool call was made with, a JSON object as a string",
                          f"{where}.function.arguments") from None
     if not isinstance(arguments, dict):
-        raise _error(f"{where}.function.arguments must be a JSON object (as a string), got {_kind(arguments)}",
+        raise _error(f"{where}.function.arguments must be a JSON object (as a string), got {json_type(arguments)}",
                      f"{where}.function.arguments")
     out: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
     if call_id is not None:

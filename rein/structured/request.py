@@ -37,6 +37,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
+from rein.input_checks import json_type
 from rein.openai_format import RequestError
 
 # Caps on what a request may hold, far beyond real use; past them compiling could hog a worker.
@@ -189,7 +190,7 @@ def _find_problem(spec: dict[str, Any]) -> str | None:
 def _from_response_format(value: Any) -> dict[str, Any] | None:
     if not isinstance(value, dict):
         raise RequestError(f"response_format must be an object such as {{\"type\": \"json_object\"}}, got "
-                           f"{_json_type(value)}", "response_format")
+                           f"{json_type(value)}", "response_format")
     kind = value.get("type")
     if kind not in _RESPONSE_FORMAT_TYPES:
         raise RequestError(f"response_format.type must be one of {', '.join(_RESPONSE_FORMAT_TYPES)}, got "
@@ -203,7 +204,7 @@ def _from_response_format(value: Any) -> dict[str, Any] | None:
     inner = value.get("json_schema")
     if not isinstance(inner, dict):
         raise RequestError("response_format.json_schema must be an object {\"name\", \"schema\", \"strict\"} "
-                           f"when type is json_schema, got {_json_type(inner)}", "response_format.json_schema")
+                           f"when type is json_schema, got {json_type(inner)}", "response_format.json_schema")
     _refuse_extra(inner, set(_JSON_SCHEMA_KEYS), "response_format.json_schema")
     name = inner.get("name")
     if not isinstance(name, str) or not name:
@@ -211,13 +212,13 @@ def _from_response_format(value: Any) -> dict[str, Any] | None:
                            "response_format.json_schema.name")
     for key, kinds, what in (("strict", (bool,), "a boolean"), ("description", (str,), "a string")):
         if inner.get(key) is not None and not isinstance(inner[key], kinds):
-            raise RequestError(f"response_format.json_schema.{key} must be {what}, got {_json_type(inner[key])}",
+            raise RequestError(f"response_format.json_schema.{key} must be {what}, got {json_type(inner[key])}",
                                f"response_format.json_schema.{key}")
     # `strict` changes nothing here: rein always enforces the whole schema (or refuses it).
     schema = inner.get("schema", {})
     if not isinstance(schema, dict):
         raise RequestError(f"response_format.json_schema.schema must be a JSON schema object, got "
-                           f"{_json_type(schema)}", "response_format.json_schema.schema")
+                           f"{json_type(schema)}", "response_format.json_schema.schema")
     return {"type": "json_schema", "schema": schema}
 
 
@@ -225,7 +226,7 @@ def _from_structured_outputs(value: Any) -> dict[str, Any]:
     where = "structured_outputs"
     if not isinstance(value, dict):
         raise RequestError(f"{where} must be an object such as {{\"choice\": [\"yes\", \"no\"]}}, got "
-                           f"{_json_type(value)}", where)
+                           f"{json_type(value)}", where)
     for name in value:
         if name not in _STRUCTURED_OUTPUTS_KINDS and name not in _STRUCTURED_OUTPUTS_OPTIONS:
             raise RequestError(f"{where}.{name} is not supported by rein (it takes "
@@ -274,7 +275,7 @@ def _from_guided(name: str, value: Any, param: str | None = None) -> dict[str, A
                 raise RequestError(f"{param} is a string but not JSON ({exc.msg} at column {exc.colno}); give the "
                                    "schema as an object or as JSON text", param) from None
         if not isinstance(value, dict):
-            raise RequestError(f"{param} must be a JSON schema object, got {_json_type(value)}", param)
+            raise RequestError(f"{param} must be a JSON schema object, got {json_type(value)}", param)
         return {"type": "json_schema", "schema": value}
     if name == "guided_regex":
         return {"type": "regex", "pattern": _text(value, param, "a regular expression")}
@@ -324,7 +325,7 @@ def _refuse_extra(value: dict[str, Any], allowed: set[str], where: str) -> None:
 
 def _text(value: Any, param: str, what: str) -> str:
     if not isinstance(value, str) or not value:
-        raise RequestError(f"{param} must be {what} as a non-empty string, got {_json_type(value)}", param)
+        raise RequestError(f"{param} must be {what} as a non-empty string, got {json_type(value)}", param)
     return value
 
 
@@ -334,15 +335,3 @@ def _str(value: Any, name: str) -> str:
     return value
 
 
-def _json_type(value: Any) -> str:
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "a boolean"
-    if isinstance(value, (int, float)):
-        return "a number"
-    if isinstance(value, str):
-        return "a string"
-    if isinstance(value, list):
-        return "a list"
-    return "an object" if isinstance(value, dict) else type(value).__name__

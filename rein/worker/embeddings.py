@@ -22,12 +22,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from redis.exceptions import RedisError
-
 from rein.core.messages import JobMessage
 from rein.embeddings_format import split_inputs, stored_response
 from rein.openai_format import usage_body
-from rein.worker.cancel import is_cancel_requested
 from rein.worker.recorder import JobRecord
 
 if TYPE_CHECKING:
@@ -43,7 +40,14 @@ def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease) ->
     """Run a claimed embeddings job (publisher.begin already called); returns its outcome."""
     from rein.engine.pooling import PoolingParams
     from rein.engine.runner import EngineStoppedError
-    from rein.worker.tasks import ABORT_GRACE_SECONDS, _error, _fail, _hand_back, _record
+    from rein.worker.tasks import (
+        ABORT_GRACE_SECONDS,
+        _error,
+        _fail,
+        _hand_back,
+        _record,
+        abort_if_cancelled,
+    )
 
     job_id = message.job_id
     claimed = time.monotonic()
@@ -63,11 +67,7 @@ def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease) ->
         where = f"input[{index}]: " if index is not None and len(inputs) > 1 else ""
         return _fail(context, lease, f"{where}{exc}", "invalid_request_error",
                      getattr(exc, "code", None) or "engine_refused")
-    try:
-        if is_cancel_requested(context.redis, context.keys, job_id):
-            context.runner.abort(job_id)   # the cancel came between the claim and the submit
-    except RedisError:   # the cancel listener checks the flags of its jobs when Redis is back
-        pass
+    abort_if_cancelled(context, job_id)
     deadline = time.monotonic() + context.settings.job_timeout_seconds
     try:
         timed_out = not _wait_all(streams, deadline)

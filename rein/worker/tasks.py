@@ -180,11 +180,7 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
     except Exception as exc:  # the engine refused the request (EngineRequestError, ...)
         return _fail(context, lease, str(exc), "invalid_request_error", getattr(exc, "code", None)
                      or "engine_refused")
-    try:
-        if is_cancel_requested(context.redis, context.keys, job_id):
-            context.runner.abort(job_id)   # the cancel came between the claim and the submit
-    except RedisError:   # the cancel listener checks the flags of its jobs when Redis is back
-        pass
+    abort_if_cancelled(context, job_id)
     deadline = time.monotonic() + context.settings.job_timeout_seconds
     try:
         timed_out = _wait(context, job_id, stream, deadline)
@@ -248,6 +244,15 @@ def job_record(message: JobMessage, endpoint: str, collected: Collected, params:
         logprobs=extra["choices"][0]["logprobs"] if extra else None,
         prompt_tokens=final.num_prompt_tokens, completion_tokens=gathered.completion_tokens,
         cached_tokens=final.num_cached_tokens, first_token_at=first_token_at, response=extra)
+
+
+def abort_if_cancelled(context: WorkerContext, job_id: str) -> None:
+    """Abort a just-submitted job whose cancel came between the claim and the submit."""
+    try:
+        if is_cancel_requested(context.redis, context.keys, job_id):
+            context.runner.abort(job_id)
+    except RedisError:   # the cancel listener checks the flags of its jobs when Redis is back
+        pass
 
 
 def _wait(context: WorkerContext, job_id: str, stream: CollectingStream, deadline: float) -> bool:
