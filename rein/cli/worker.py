@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     from rein.generation_defaults import load_generation_defaults
     from rein.model_files import resolve_model
-    from rein.worker.app import make_celery
+    from rein.worker.app import make_celery, worker_queues
     from rein.worker.bootstep import EngineThreadPool, WorkerSpec, configure_worker
 
     try:
@@ -102,11 +102,9 @@ def run(args: argparse.Namespace) -> int:
              defaults.describe())
     _warn_if_context_differs(args, environment, served)
     configure_worker(app, WorkerSpec(settings=settings, model_name=served.name, engine_config=config))
-    from rein.core.redis_keys import RedisKeys
-
     worker = app.Worker(
         hostname=worker_hostname(args.hostname, served.name),
-        queues=[RedisKeys.from_settings(settings).queue(served.name)],
+        queues=worker_queues(settings, served.name),
         pool_cls=EngineThreadPool,
         concurrency=settings.max_num_seqs,
         loglevel=args.loglevel.upper(),

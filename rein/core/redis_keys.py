@@ -36,8 +36,13 @@ class RedisKeys:
         return f"{self.prefix}:cancel"
 
     def queue(self, model: str) -> str:
-        """The Celery queue of a served model."""
+        """The Celery queue of a served model's interactive jobs (priority below PRIORITY_BATCH)."""
         return f"{self.prefix}.model.{model}"
+
+    def batch_queue(self, model: str) -> str:
+        """The Celery queue of a served model's batch jobs (priority PRIORITY_BATCH and worse): a
+        queue of its own, so that a worker can keep slots for the interactive one."""
+        return f"{self.prefix}.model.{model}.batch"
 
     def rate_limit(self, key_id: str, kind: str, window: int) -> str:
         return f"{self.prefix}:ratelimit:{key_id}:{kind}:{window}"

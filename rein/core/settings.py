@@ -243,6 +243,10 @@ class Settings(BaseSettings):
     generation_config: str = "auto"
     """Sampling defaults: auto (the model's generation_config.json), vllm (built-in; `none` too), or a
     folder holding a generation_config.json. The API applies them when it parses a request."""
+    worker_interactive_slots: int | None = Field(None, ge=0)
+    """Jobs a worker takes from its model's interactive queue beyond max_num_seqs, so that an
+    interactive job is taken (and, by its priority, admitted by the engine) while batch jobs
+    hold every slot; unset: a quarter of max_num_seqs, at least 1; 0: none (rein.worker.bootstep)."""
     worker_metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port the worker serves its Prometheus metrics on (/metrics, all interfaces); unset or 0: none."""
 

@@ -60,6 +60,9 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
+    # The scheduler's step when it first queued the request (-1: not yet): its age for the
+    # priority aging rule (rein.engine.scheduler), kept through preemptions.
+    arrival_step: int = -1
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -122,12 +125,6 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
-
-    @property
-    def sort_key(self) -> tuple[int, int, int]:
-        """Waiting-queue order: lower priority value first, then first come first served
-        (the choices of one request arrived together: by index)."""
-        return (self.priority, self.arrival_order, self.index)
 
     @property
     def num_unforked_choices(self) -> int:

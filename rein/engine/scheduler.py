@@ -14,14 +14,36 @@ admission on (the slots of its future choices are kept while it prefills), and `
 turns it into n running choices once its prompt is computed: they share its full KV
 blocks (reference counts) and each gets a copy of the partly filled last one.
 
-Running requests are served first, oldest first; when the block pool runs dry, the
-newest running request is preempted (its blocks freed, sent back to the waiting queue)
-until the older one fits. Waiting requests join while the budget, `max_num_seqs` and the
-free blocks allow, ordered by priority (lower first) and then arrival.
+Order: every request has a rank, `priority * priority_aging_steps + arrival step` (then
+arrival order and choice index), lower first. Waiting requests are admitted in rank order
+and running requests are kept in rank order: the step serves them best first, and when the
+block pool runs dry the worst-ranked running request is preempted (its blocks freed, sent
+back to the waiting queue) until the better one fits. With one priority this is first come,
+first served.
+
+Priority preemption: when the best waiting request does not fit (max_num_seqs or the free
+blocks) and a running request has both a worse priority value and a worse rank, the worst
+such request is preempted to make room (taken out of this step's batch if it was in it),
+until the waiting one fits; nothing is preempted when even all of them would not make
+room. A preempted request's full blocks stay in the prefix cache when caching is on (they
+were registered as they were computed, and freed blocks are handed out least recently freed
+first), so it resumes by cache hits and recomputes only its last, partly filled block.
+
+No starvation — an aging rule, not a reserved share: the rank counts a priority level as
+`priority_aging_steps` engine steps of waiting. A request with priority 6 ranks as if it had
+arrived 6 x aging steps later than it did, so a stream of priority-0 requests arriving
+more than that many steps after it ranks behind it: it is admitted before them and they
+cannot preempt it any more. Every request's wait is bounded (about priority x aging steps
+beyond first come, first served), and it is still one static key, so the waiting queue
+stays a heap. Aging was chosen over a reserved share of slots for batch work because a
+share keeps slots from interactive requests even when they queue, which is the latency this
+serves, while aging gives interactive requests every slot for a bounded time. Steps, not
+seconds, are the clock so that the order is deterministic (a busy step lasts some 10-50 ms).
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 from dataclasses import dataclass, field
 
@@ -50,6 +72,7 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     prefix_cache_queries: int = 0   # prompt tokens of the requests admitted for the first time
     prefix_cache_hits: int = 0      # of those, tokens taken from the prefix cache
+    priority_preemptions: int = 0   # of `preempted`, those preempted for a better-ranked waiting request
 
     @property
     def num_batched_tokens(self) -> int:
@@ -60,15 +83,25 @@ class SchedulerOutput:
         return not self.scheduled
 
 
+# A priority level counts as this many engine steps of waiting (see the module docstring).
+DEFAULT_PRIORITY_AGING_STEPS = 128
+
+
 class Scheduler:
-    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+                 priority_aging_steps: int = DEFAULT_PRIORITY_AGING_STEPS) -> None:
+        if priority_aging_steps < 1:
+            raise ValueError(f"priority_aging_steps must be at least 1, got {priority_aging_steps}")
         self.pool = block_pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.running: list[Request] = []
-        self._waiting: list[tuple[tuple[int, int, int], Request]] = []  # heap by (priority, arrival)
+        self.priority_aging_steps = priority_aging_steps
+        self.running: list[Request] = []   # by rank, best first
+        self._waiting: list[tuple[tuple[int, int, int], Request]] = []  # heap by rank
         self._num_waiting = 0
         self.num_preemptions = 0
+        self.num_priority_preemptions = 0
+        self.num_steps = 0   # the aging clock: schedule() calls
         # Sequence slots kept for the choices running n > 1 requests will fork into.
         self._reserved_seqs = 0
 
@@ -76,8 +109,24 @@ class Scheduler:
 
     def add(self, request: Request) -> None:
         request.status = RequestStatus.WAITING
-        heapq.heappush(self._waiting, (request.sort_key, request))
+        if request.arrival_step < 0:
+            request.arrival_step = self.num_steps
+        self._push_waiting(request)
+
+    def rank(self, request: Request) -> tuple[int, int, int]:
+        """Lower runs first: priority aged by the steps since arrival (one static key, see
+        the module docstring), then first come first served (the choices of one request
+        arrived together: by index)."""
+        return (request.priority * self.priority_aging_steps + request.arrival_step,
+                request.arrival_order, request.index)
+
+    def _push_waiting(self, request: Request) -> None:
+        heapq.heappush(self._waiting, (self.rank(request), request))
         self._num_waiting += 1
+
+    def _add_running(self, request: Request) -> None:
+        # Kept sorted by rank (ranks never change), so the worst is always last.
+        bisect.insort(self.running, request, key=self.rank)
 
     @property
     def num_waiting(self) -> int:
@@ -106,6 +155,7 @@ class Scheduler:
     # -- the step --------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        self.num_steps += 1
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         index = 0
@@ -123,18 +173,33 @@ class Scheduler:
             budget -= num_new
             index += 1
 
-        # No newcomers in a step that had to preempt: they would be preempted next.
-        while (self._waiting and budget > 0 and not out.preempted
-               and len(self.running) + self._reserved_seqs < self.max_num_seqs):
+        # No newcomers in a step whose running requests outgrew the pool: they would be
+        # preempted next. (Preempting for a better-ranked newcomer is what admits it.)
+        outgrew = bool(out.preempted)
+        while self._waiting and not outgrew:
             request = self._waiting[0][1]
             if request.status.finished:
                 heapq.heappop(self._waiting)
                 continue
+            if request.status == RequestStatus.PREEMPTED and any(p is request for p in out.preempted):
+                break   # preempted in this step to make room: not back before the next one
+            if budget <= 0:
+                # Worse requests' chunks used the budget up: the worst of them skips this step.
+                refund = self._unschedule_worse(request, out)
+                if not refund:
+                    break
+                budget += refund
+                continue
             # n > 1: room for all its choices, or an empty engine when n > max_num_seqs
             # (the choices that do not fit then wait: see `fork`).
             forks = request.num_unforked_choices
-            if forks and self.running and len(self.running) + self._reserved_seqs + 1 + forks > self.max_num_seqs:
-                break
+            seqs = len(self.running) + self._reserved_seqs
+            if seqs >= self.max_num_seqs or (forks and self.running and seqs + 1 + forks > self.max_num_seqs):
+                refund = self._make_room(request, out)
+                if refund is None:
+                    break
+                budget += refund
+                continue
             # Blocks another request already computed for the same leading tokens; at least
             # the last token is always computed, since its logits give the next token.
             # Prompt logprobs need the logits of every prompt position, and mean/CLS pooling
@@ -148,7 +213,11 @@ class Scheduler:
             num_new = min(request.num_tokens - computed, budget)
             needed = self.pool.blocks_for(computed + num_new) - len(request.block_ids) - len(cached)
             if needed + self.pool.num_unheld(cached) > self.pool.num_free:
-                break
+                refund = self._make_room(request, out)
+                if refund is None:
+                    break
+                budget += refund
+                continue
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
             if cached:
@@ -158,11 +227,68 @@ class Scheduler:
                 out.prefix_cache_hits += request.num_cached_tokens
             request.block_ids.extend(self.pool.allocate(needed))
             request.status = RequestStatus.RUNNING
-            self.running.append(request)
+            self._add_running(request)
             self._reserved_seqs += forks
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
         return out
+
+    def _make_room(self, request: Request, out: SchedulerOutput) -> int | None:
+        """Preempt the worst running request that both has a worse priority value and ranks
+        behind the waiting `request`, which does not fit; returns the step budget that frees
+        (its share of this step, if it was scheduled), or None when there is no such request
+        or preempting all of them would still not make room (then nothing is preempted)."""
+        victims = self._worse_running(request)
+        if not victims:
+            return None
+        # Would preempting every candidate make room? Sequences exactly; blocks at most (a
+        # shared block is freed only with its last holder), so this may still be optimistic.
+        # (An n > 1 request may start in an empty engine even when n > max_num_seqs.)
+        seqs_after = len(self.running) + self._reserved_seqs - sum(1 + v.num_unforked_choices for v in victims)
+        if len(self.running) > len(victims) and seqs_after + 1 + request.num_unforked_choices > self.max_num_seqs:
+            return None
+        # Its first chunk, not counting cache hits (which only lower the need).
+        first_chunk_end = min(request.num_tokens, request.num_computed_tokens + self.max_num_batched_tokens)
+        blocks_needed = self.pool.blocks_for(first_chunk_end) - len(request.block_ids)
+        if blocks_needed > self.pool.num_free + sum(len(v.block_ids) for v in victims):
+            return None
+        victim = victims[0]
+        self.running.remove(victim)
+        refund = self._unschedule(victim, out)
+        self._preempt(victim)
+        out.preempted.append(victim)
+        out.priority_preemptions += 1
+        self.num_priority_preemptions += 1
+        return refund
+
+    def _worse_running(self, request: Request) -> list[Request]:
+        """The running requests that rank behind `request` and have a worse priority value:
+        those it may preempt, worst first."""
+        rank = self.rank(request)
+        worse = []
+        for running in reversed(self.running):   # sorted by rank: those behind it are at the end
+            if self.rank(running) <= rank:
+                break
+            if running.priority > request.priority:
+                worse.append(running)
+        return worse
+
+    def _unschedule_worse(self, request: Request, out: SchedulerOutput) -> int:
+        """Take the worst request that `request` may preempt out of this step's batch (it
+        stays running and keeps its blocks); returns the budget that frees, 0 if none."""
+        for victim in self._worse_running(request):
+            refund = self._unschedule(victim, out)
+            if refund:
+                return refund
+        return 0
+
+    @staticmethod
+    def _unschedule(request: Request, out: SchedulerOutput) -> int:
+        scheduled = out.scheduled
+        for i in range(len(scheduled) - 1, -1, -1):
+            if scheduled[i].request is request:
+                return scheduled.pop(i).num_new_tokens
+        return 0
 
     def _take_cached(self, request: Request, blocks: list[int]) -> None:
         self.pool.share(blocks)
@@ -210,6 +336,8 @@ class Scheduler:
         when admitted (finding the prompt's cached blocks, with prefix caching)."""
         self._reserved_seqs -= parent.num_unforked_choices
         parent.group.forked = True
+        for child in children:   # the same age as their parent
+            child.arrival_step = parent.arrival_step
         size = self.pool.block_size
         computed = parent.num_computed_tokens
         full = computed // size
@@ -220,8 +348,7 @@ class Scheduler:
             if len(self.running) >= self.max_num_seqs or (partial is not None and self.pool.num_free == 0):
                 child.num_preemptions = 1   # its usage numbers are the parent's, counted already
                 child.status = RequestStatus.PREEMPTED
-                heapq.heappush(self._waiting, (child.sort_key, child))
-                self._num_waiting += 1
+                self._push_waiting(child)
                 continue
             self.pool.share(shared)
             child.block_ids = list(shared)
@@ -233,7 +360,7 @@ class Scheduler:
             child.num_registered_blocks = parent.num_registered_blocks
             child.cache_parent = parent.cache_parent
             child.status = RequestStatus.RUNNING
-            self.running.append(child)
+            self._add_running(child)
         return copies
 
     def _preempt(self, request: Request) -> None:
@@ -243,8 +370,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         request.status = RequestStatus.PREEMPTED
-        heapq.heappush(self._waiting, (request.sort_key, request))
-        self._num_waiting += 1
+        self._push_waiting(request)
 
     def _release(self, request: Request) -> None:
         if request.block_ids:

@@ -17,10 +17,15 @@ Why each setting:
   running job is interrupted and handed back rather than run on (the threads pool cannot
   kill a thread: rein's pool turns the cancel into an engine abort, see
   rein.worker.bootstep.EngineThreadPool).
-* One queue per served model (`RedisKeys.queue`), chosen by a router from the message's
-  `model`; Redis priorities with ten steps, where lower is taken first, so interactive
-  jobs (PRIORITY_INTERACTIVE = 0) overtake batch jobs (PRIORITY_BATCH = 6) waiting in the
-  same queue.
+* Two queues per served model, chosen by a router from the message's `model` and
+  `priority`: interactive jobs (priority below PRIORITY_BATCH) on `RedisKeys.queue`, batch
+  jobs on `RedisKeys.batch_queue`. Redis priorities with ten steps, where lower is taken
+  first (kombu pops the step-0 lists of every queue a channel consumes before any step-6
+  one), so interactive jobs (PRIORITY_INTERACTIVE = 0) overtake waiting batch jobs
+  (PRIORITY_BATCH = 6). A worker consumes both with its max_num_seqs slots and the
+  interactive queue alone with `interactive_slots` more (rein.worker.bootstep.
+  InteractiveConsumer): batch jobs can never hold every slot, so an interactive job is
+  always taken, and the engine's priority preemption starts it within a step or two.
 * No result backend: results, status and usage go to Postgres.
 * Every broker key lives under `settings.redis_key_prefix` (kombu's `global_keyprefix`),
   like every other key rein names, so deployments and test runs can share one Redis.
@@ -91,7 +96,24 @@ class JobRouter:
         message = args[0] if args else (kwargs or {}).get("message")
         if not isinstance(message, dict) or "model" not in message:
             raise ValueError(f"{TASK_NAME} needs a JobMessage dict with a 'model', got {message!r:.200}")
-        return {"queue": self.keys.queue(message["model"])}
+        return {"queue": queue_for(self.keys, message["model"], message.get("priority", PRIORITY_BATCH))}
+
+
+def queue_for(keys: RedisKeys, model: str, priority: int) -> str:
+    """The queue a job of this priority goes to: its model's interactive or batch queue."""
+    return keys.batch_queue(model) if priority >= PRIORITY_BATCH else keys.queue(model)
+
+
+def worker_queues(settings: Any, model: str) -> list[str]:
+    """The queues a worker of `model` consumes with its max_num_seqs slots (both)."""
+    keys = RedisKeys.from_settings(settings)
+    return [keys.queue(model), keys.batch_queue(model)]
+
+
+def interactive_slots(settings: Any) -> int:
+    """Jobs a worker takes from its interactive queue beyond max_num_seqs (see the module docstring)."""
+    slots = getattr(settings, "worker_interactive_slots", None)
+    return slots if slots is not None else max(1, settings.max_num_seqs // 4)
 
 
 def enqueue_job(app: Celery, message: JobMessage) -> None:
@@ -130,16 +152,22 @@ def enqueue_jobs(app: Celery, messages: Sequence[JobMessage]) -> None:
                                                   argsrepr=f"[{message.job_id}]", kwargsrepr="{}")
             # exchange "": kombu puts the message straight into the queue's list (what
             # send_task does for a direct queue). No retry: the batch is sent once, at its end.
-            producer.publish(body, exchange="", routing_key=keys.queue(message.model), serializer="json",
+            producer.publish(body, exchange="", routing_key=queue_for(keys, message.model, message.priority),
+                             serializer="json",
                              headers=headers, priority=message.priority, retry=False, declare=[],
                              **properties)
 
 
 def queue_keys(settings: Any, model: str) -> list[str]:
-    """The Redis lists holding a model's queued messages, one per priority step, highest first.
+    """The Redis lists holding a model's queued messages, one per priority step, highest first
+    (element i: where messages of priority i wait, in the interactive or the batch queue).
 
     The sum of their LLEN is the queue depth (for backpressure and `rein top`). Kombu puts
     every broker key under settings.redis_key_prefix (its `global_keyprefix`).
     """
-    queue = settings.redis_key_prefix + RedisKeys.from_settings(settings).queue(model)
-    return [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
+    keys = RedisKeys.from_settings(settings)
+    lists = []
+    for step in PRIORITY_STEPS:
+        queue = settings.redis_key_prefix + queue_for(keys, model, step)
+        lists.append(queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}")
+    return lists

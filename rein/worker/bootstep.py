@@ -19,6 +19,16 @@ soon as Celery announces the shutdown (its `worker_shutting_down` signal).
 
 Tasks reach all of this through `worker_context(app)`.
 
+Interactive jobs are never locked out by batch jobs. Celery's consumer takes at most
+max_num_seqs messages at once (prefetch 1 per slot, acks late), from both of the model's
+queues (rein.worker.app), so batch jobs alone could hold every slot while an interactive
+job waits on the queue. `InteractiveConsumer` is a second consumer, on a channel of its own
+with its own prefetch limit, that takes only the interactive queue, for up to
+`interactive_slots` more jobs, run by as many extra threads of the pool. Those jobs reach
+the engine while it is full of batch requests, and the engine's scheduler preempts a batch
+request for them (rein.engine.scheduler). Batch jobs never use the extra slots, so at most
+max_num_seqs of them run; interactive jobs use all max_num_seqs + interactive_slots.
+
 `EngineThreadPool` is Celery's threads pool plus the one thing it lacks: terminating a
 task. Celery terminates tasks on broker connection loss
 (`worker_cancel_long_running_tasks_on_connection_loss`), on cold shutdown and on
@@ -34,6 +44,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -288,7 +299,9 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     runner = EngineRunner(engine, name=f"rein-engine-{spec.model_name}",
                           on_step=compose_hooks(publisher.publish_step, metrics.observe_step))
     # One connection per task thread at most; the claim and the record are short transactions.
-    threads = engine.config.max_num_seqs
+    from rein.worker.app import interactive_slots
+
+    threads = engine.config.max_num_seqs + interactive_slots(settings)
     db = make_engine(settings.database_url, pool_size=min(threads, 16), max_overflow=max(threads - 16, 0) + 4)
     sessions = sessionmaker(db, expire_on_commit=False)
     context = WorkerContext(app=app, settings=settings, model_name=spec.model_name, worker_name=worker_name,
@@ -296,8 +309,9 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
                             metrics=metrics, reaper=Reaper(settings, sessions, redis, app))
     runner.start()
     context.start()
-    log.info("engine ready for %s on %s: %d KV blocks of %d tokens, max %d sequences", spec.model_name,
-             engine.config.device, engine.pool.num_blocks, engine.pool.block_size, threads)
+    log.info("engine ready for %s on %s: %d KV blocks of %d tokens, max %d sequences, %d job slots "
+             "(%d kept for interactive jobs)", spec.model_name, engine.config.device, engine.pool.num_blocks,
+             engine.pool.block_size, engine.config.max_num_seqs, threads, threads - engine.config.max_num_seqs)
     return context
 
 
@@ -338,15 +352,63 @@ class EngineBootstep(bootsteps.StartStopStep):
         self.stop(worker)
 
 
+class InteractiveConsumer(bootsteps.ConsumerStep):
+    """Takes the model's interactive queue on a channel of its own, whose prefetch limit is
+    `interactive_slots`: jobs beyond the main consumer's max_num_seqs, never batch ones (see
+    the module docstring). Messages go through Celery's own task handler, as the main
+    consumer's do, and are acknowledged on this channel when their task ends (acks late)."""
+
+    requires = ("celery.worker.consumer.tasks:Tasks",)   # the task strategies exist then
+
+    def get_consumers(self, channel: Any) -> list[Any]:
+        from kombu import Queue
+
+        from rein.worker.app import interactive_slots
+
+        spec: WorkerSpec | None = getattr(self.app, "rein_worker_spec", None)
+        slots = interactive_slots(spec.settings) if spec is not None else 0
+        if not slots:
+            channel.close()
+            return []
+        name = RedisKeys.from_settings(spec.settings).queue(spec.model_name)
+        consumer = self.app.amqp.TaskConsumer(channel, queues=[Queue(name)],
+                                              on_message=self._consumer.create_task_handler())
+        consumer.qos(prefetch_count=slots)
+        return [consumer]
+
+    def start(self, c: Any) -> None:
+        self.app = c.app
+        self._consumer = c
+        super().start(c)
+
+    def stop(self, c: Any) -> None:
+        # Only stop taking messages, as Celery's own task consumer does on stop: closing the
+        # channel would put the messages of the jobs still running back on the queue (Redis
+        # restores a closed channel's unacknowledged messages). `shutdown` closes it, later.
+        from kombu.common import ignore_errors
+
+        for consumer in self.consumers or []:
+            ignore_errors(c.connection, consumer.cancel)
+
+
 class EngineThreadPool(ThreadTaskPool):
     """The threads pool, where terminating a task interrupts its job in the engine.
 
+    Its size (Celery's concurrency, which sets the main consumer's prefetch) is max_num_seqs;
+    it runs `interactive_slots` more threads for the jobs `InteractiveConsumer` takes.
     Each task gets a unique token as its "pid" (Celery keeps it as the request's
     worker_pid and passes it back to terminate_job).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        from rein.worker.app import interactive_slots
+
+        spec: WorkerSpec | None = getattr(self.app, "rein_worker_spec", None)
+        extra = interactive_slots(spec.settings) if spec is not None else 0
+        if extra:
+            self.executor.shutdown()   # never started a thread
+            self.executor = ThreadPoolExecutor(max_workers=self.limit + extra)
         self._tokens = itertools.count(1)
         self._threads: dict[int, int] = {}
         self._threads_lock = threading.Lock()
@@ -381,6 +443,7 @@ def configure_worker(app: Celery, spec: WorkerSpec) -> None:
     """Make `app` an engine worker for spec.model_name: the bootstep and the pool."""
     app.rein_worker_spec = spec
     app.steps["worker"].add(EngineBootstep)
+    app.steps["consumer"].add(InteractiveConsumer)
     app.conf.worker_pool = f"{EngineThreadPool.__module__}:{EngineThreadPool.__qualname__}"
 
 

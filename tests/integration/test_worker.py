@@ -23,7 +23,7 @@ from rein.core.messages import (
 from rein.core.models import ApiKey, Job, Result, Usage
 from rein.core.redis_keys import RedisKeys
 from rein.openai_format import usage_body
-from rein.worker.app import enqueue_job, make_celery, queue_keys
+from rein.worker.app import enqueue_job, make_celery, queue_keys, worker_queues
 from rein.worker.cancel import CancelListener, is_cancel_requested, request_cancel
 from rein.worker.claim import ClaimOutcome, cancel_unstarted_job, claim_job, release_job
 from rein.worker.publisher import TokenPublisher
@@ -313,24 +313,32 @@ def test_cancel_listener_hears_cancels_and_checks_flags_on_subscribe(redis_clien
 # -- queues and priorities ----------------------------------------------------------------------
 
 
-def test_interactive_jobs_are_taken_before_batch_jobs(settings, make_job):
+def test_interactive_jobs_are_taken_before_batch_jobs(settings, make_job, redis_client):
+    from kombu import Consumer, Queue
+
     app = make_celery(settings)
-    model = f"prio{secrets.token_hex(3)}"                     # a queue no worker consumes
+    model = f"prio{secrets.token_hex(3)}"                     # queues no worker consumes
     batch = [make_job(model=model, priority=PRIORITY_BATCH) for _ in range(2)]
     interactive = make_job(model=model, priority=PRIORITY_INTERACTIVE)
     for message in [*batch, interactive]:
         enqueue_job(app, message)
-    queue = RedisKeys.from_settings(settings).queue(model)
-    taken = []
-    with app.connection_for_read() as conn:
-        channel = conn.default_channel
-        for _ in range(3):
-            message = channel.basic_get(queue, no_ack=True)
-            taken.append(message.decode()[0][0]["job_id"])
-        assert channel.basic_get(queue, no_ack=True) is None
-    assert taken == [interactive.job_id, batch[0].job_id, batch[1].job_id]
+    # Each kind on its model's queue of that kind, at its priority step.
     depth_keys = queue_keys(settings, model)
     assert all(k.startswith(settings.redis_key_prefix) for k in depth_keys)
+    keys = RedisKeys.from_settings(settings)
+    assert depth_keys[PRIORITY_INTERACTIVE] == settings.redis_key_prefix + keys.queue(model)
+    assert depth_keys[PRIORITY_BATCH] == f"{settings.redis_key_prefix}{keys.batch_queue(model)}:{PRIORITY_BATCH}"
+    assert [redis_client.llen(k) for k in depth_keys] == [1, 0, 0, 0, 0, 0, 2, 0, 0, 0]
+    # A consumer of both queues (as a worker's) takes the interactive job first.
+    taken = []
+    with app.connection_for_read() as conn:
+        consumer = Consumer(conn.default_channel, [Queue(q) for q in worker_queues(settings, model)],
+                            callbacks=[lambda body, message: (taken.append(body[0][0]["job_id"]), message.ack())],
+                            accept=["json"])
+        with consumer:
+            while len(taken) < 3:
+                conn.drain_events(timeout=5)
+    assert taken == [interactive.job_id, batch[0].job_id, batch[1].job_id]
 
 
 # -- a worker in this process ------------------------------------------------------------------
@@ -343,7 +351,7 @@ class InProcessWorker:
     as SIGTERM does it, through the process-wide flag.
     """
 
-    def __init__(self, app, queue: str, concurrency: int) -> None:
+    def __init__(self, app, queues: list[str], concurrency: int) -> None:
         from celery.contrib.testing.worker import TestWorkController, setup_app_for_worker
 
         from rein.worker.bootstep import EngineThreadPool
@@ -351,7 +359,7 @@ class InProcessWorker:
         setup_app_for_worker(app, "WARNING", None)
         self.app = app
         self.worker = TestWorkController(app=app, concurrency=concurrency, pool=EngineThreadPool,
-                                         hostname=f"test-{secrets.token_hex(3)}@localhost", queues=[queue],
+                                         hostname=f"test-{secrets.token_hex(3)}@localhost", queues=queues,
                                          without_heartbeat=True, without_mingle=True, without_gossip=True,
                                          loglevel="WARNING", ready_callback=None)
         self.thread = threading.Thread(target=self.worker.start, name="test-worker", daemon=True)
@@ -384,7 +392,7 @@ def worker_app(make_settings, tiny_models) -> Iterator:
     app = make_celery(settings)
     configure_worker(app, WorkerSpec(settings=settings, model_name=MODEL,
                                      engine_factory=lambda: LLMEngine(config)))
-    handle = InProcessWorker(app, RedisKeys.from_settings(settings).queue(MODEL), concurrency=4)
+    handle = InProcessWorker(app, worker_queues(settings, MODEL), concurrency=4)
     app.rein_test_worker = handle
     yield app
     if handle.thread.is_alive():
@@ -660,6 +668,34 @@ def test_a_job_whose_lease_was_lost_is_stopped(plain_context, make_job, db_sessi
     assert outcome == ["lease lost"]
     assert context.engine.num_running == 0
     assert usage_rows(db_sessionmaker, message.job_id) == []
+
+
+def test_an_interactive_job_starts_while_batch_jobs_hold_every_slot(worker_app, make_job, db_sessionmaker,
+                                                                     redis_client, keys):
+    """Batch jobs fill the worker's max_num_seqs slots (and one more waits): the interactive
+    job is still taken, on the slot kept for it, and the engine preempts a batch request
+    for it, so it finishes while every batch job still runs."""
+    context = worker_app.rein_context
+    slots = context.engine.config.max_num_seqs
+    preemptions = context.engine.scheduler.num_priority_preemptions
+    batch = [make_job(max_tokens=900, priority=PRIORITY_BATCH) for _ in range(slots + 1)]
+    for message in batch:
+        enqueue_job(worker_app, message)
+    try:
+        wait_for(lambda: [job_row(db_sessionmaker, m.job_id).status for m in batch].count("running") == slots
+                 and context.engine.num_running == slots, what="batch jobs in every slot")
+        chat = make_job(max_tokens=4)
+        enqueue_job(worker_app, chat)
+        assert wait_finished(db_sessionmaker, chat.job_id).status == "succeeded"
+        statuses = [job_row(db_sessionmaker, m.job_id).status for m in batch]
+        # None finished, and the extra batch job did not take the interactive slot.
+        assert sorted(statuses) == ["queued"] + ["running"] * slots
+        assert context.engine.scheduler.num_priority_preemptions > preemptions
+    finally:
+        for message in batch:
+            request_cancel(redis_client, keys, message.job_id, flag_ttl_seconds=60)
+        for message in batch:
+            wait_finished(db_sessionmaker, message.job_id)
 
 
 # -- shutdown and the CLI --------------------------------------------------------------------------

@@ -1,0 +1,400 @@
+"""Interactive latency under a running batch: one worker busy with an OpenAI batch, and chat
+completions arriving meanwhile, against the same chats on an idle service and the same batch
+alone.
+
+    python bench/priority.py [--preset tiny] [--max-num-seqs 8] [--batch-requests N] [--batch-max-tokens 256]
+                             [--chats 20] [--chat-max-tokens 16] [--chat-interval 0.5] [--threads 1] [--keep DIR]
+
+One service (bench/intake.py's Sandbox: a throwaway database and Redis prefix, dropped at
+the end; `rein api` and one `rein worker` as subprocesses, cpu fp32, --threads torch threads),
+then in order:
+
+1. idle: `--chats` chat completions (/v1/chat/completions, greedy, `--chat-max-tokens`), one at
+   a time, 0.2 s apart: each one's latency is its HTTP round trip;
+2. batch alone: a batch (Files + Batches API, priority 6 jobs) of `--batch-requests` lines
+   (default 12 x max_num_seqs, beyond the 3x the target asks for), prompts of 4-120 random
+   words, `--batch-max-tokens` each (ignore_eos, so every line does the same work);
+3. batch + chats: the same batch again, and once its first jobs run, the chats again, sent
+   on a fixed schedule (open loop, each on its own thread) every `--chat-interval` seconds
+   (less when 60% of the batch-alone time is shorter, so they all arrive while the batch
+   fills the worker; spaced out, so that each meets the batch, not the other chats);
+4. batch alone again (the machine drifts: the two batch-alone runs bracket the mixed one).
+
+Figures: interactive p50 and p99 latency under the batch against idle (targets: p50 <= 1.5x,
+p99 <= 2x), and batch throughput (output tokens over the span from the batch's first job
+start to its last job end, read from the jobs table) with the chats against the mean of the
+two batch-alone runs (target: not lower by more than 10%). The worker's priority
+preemptions and the load average are printed; the last line of stdout is one JSON object.
+Figures from a shared machine are noisy: compare them within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from intake import Sandbox, check_loopback, ensure_model, free_port, pct  # noqa: E402  (bench helpers)
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAME = "tiny"
+MAX_MODEL_LEN = 1024
+STARTUP_TIMEOUT = 180.0
+IDLE_GAP_SECONDS = 0.2
+TARGET_P50, TARGET_P99, TARGET_BATCH = 1.5, 2.0, 0.9
+SEED = 0
+WORDS = ("river queue token batch engine model paged cache worker stream tenant harness rein "
+         "prompt answer block request step budget sample decode prefill latency cloud night "
+         "north mountain garden quiet letter number yellow window bridge music winter story").split()
+QUESTIONS = ["What is a river?", "Name a winter story.", "Why is the night quiet?", "Describe a garden.",
+             "How does a bridge work?", "Say something about music.", "What is a letter for?",
+             "Tell me about mountains."]
+
+
+def write_batch(path: Path, requests: int, max_tokens: int) -> None:
+    rng = random.Random(SEED)
+    with path.open("w") as out:
+        for i in range(requests):
+            body = {"model": MODEL_NAME, "prompt": " ".join(rng.choice(WORDS) for _ in range(rng.randint(4, 120))),
+                    "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+            out.write(json.dumps({"custom_id": f"req-{i:05d}", "method": "POST", "url": "/v1/completions",
+                                  "body": body}) + "\n")
+
+
+class Service:
+    """`rein api` and one `rein worker` on the sandbox; `stop()` ends both."""
+
+    def __init__(self, sandbox: Sandbox, model_dir: Path, log_dir: Path, args: argparse.Namespace) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.hostname = f"bench-priority-{sandbox.tag}@localhost"
+        self.log_dir = log_dir
+        self.env = {k: v for k, v in os.environ.items() if not k.startswith("REIN_")} | {
+            "REIN_DATABASE_URL": sandbox.database_url,
+            "REIN_REDIS_URL": sandbox.redis_url,
+            "REIN_REDIS_KEY_PREFIX": sandbox.prefix,
+            "REIN_MODELS": f"{MODEL_NAME}={model_dir}@{MAX_MODEL_LEN}",
+            "REIN_API_HOST": "127.0.0.1",
+            "REIN_API_PORT": str(self.port),
+            "REIN_MAX_QUEUE_DEPTH": "100000",
+            "REIN_MAX_NUM_SEQS": str(args.max_num_seqs),
+            "REIN_KV_CACHE_MEMORY": args.kv_cache_memory,
+            "REIN_DEVICE": "cpu",
+            "REIN_DTYPE": "float32",
+            "REIN_FILES_DIR": str(log_dir / "files"),
+            "REIN_BATCH_POLL_SECONDS": "0.2",
+            "OMP_NUM_THREADS": str(args.threads),
+        } | ({"REIN_WORKER_INTERACTIVE_SLOTS": str(args.interactive_slots)}
+             if args.interactive_slots is not None else {})
+        self.procs: list[subprocess.Popen] = []
+        self._logs: list = []
+        self.worker = self._spawn("worker", "worker", "--model", MODEL_NAME, "--hostname", self.hostname,
+                                  "--loglevel", "warning")
+        self.api = self._spawn("api", "api")
+
+    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
+        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop)
+        self._logs.append(log)
+        proc = subprocess.Popen([sys.executable, "-m", "rein.cli.main", *args], env=self.env, cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.procs.append(proc)
+        return proc
+
+    def tail(self, name: str, lines: int = 30) -> str:
+        try:
+            return "\n".join((self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def wait_ready(self, heartbeat_key: str) -> None:
+        import httpx
+        import redis
+
+        client = redis.Redis.from_url(self.env["REIN_REDIS_URL"])
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        try:
+            while time.monotonic() < deadline:
+                for name, proc in (("worker", self.worker), ("api", self.api)):
+                    if proc.poll() is not None:
+                        raise RuntimeError(f"rein {name} exited with {proc.returncode}:\n{self.tail(name)}")
+                try:
+                    api_ok = httpx.get(f"{self.base_url}/readyz", timeout=2).status_code == 200
+                except httpx.HTTPError:
+                    api_ok = False
+                if api_ok and client.exists(heartbeat_key):
+                    return
+                time.sleep(0.25)
+        finally:
+            client.close()
+        raise RuntimeError(f"service not ready after {STARTUP_TIMEOUT:.0f} s:\n{self.tail('worker')}")
+
+    def heartbeat(self, key: str) -> dict:
+        import redis
+
+        client = redis.Redis.from_url(self.env["REIN_REDIS_URL"])
+        try:
+            raw = client.get(key)
+        finally:
+            client.close()
+        return json.loads(raw) if raw else {}
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=5)
+        for log in self._logs:
+            log.close()
+
+
+def chat(client, key: str, i: int, max_tokens: int) -> float:
+    body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True}
+    start = time.perf_counter()
+    response = client.post("/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                           timeout=300)
+    elapsed = time.perf_counter() - start
+    if response.status_code != 200:
+        raise RuntimeError(f"chat {i}: HTTP {response.status_code}: {response.text[:500]}")
+    return elapsed
+
+
+def chats_open_loop(base_url: str, key: str, count: int, interval: float, max_tokens: int) -> list[float]:
+    """`count` chats sent every `interval` seconds, each on its own thread; their latencies."""
+    import httpx
+
+    latencies: list[float | None] = [None] * count
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            with httpx.Client(base_url=base_url) as client:
+                latencies[i] = chat(client, key, i, max_tokens)
+        except BaseException as exc:   # reported after the join
+            errors.append(exc)
+
+    threads = []
+    start = time.perf_counter()
+    for i in range(count):
+        time.sleep(max(0.0, start + i * interval - time.perf_counter()))
+        thread = threading.Thread(target=one, args=(i,), daemon=True)
+        thread.start()
+        threads.append(thread)
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return [x for x in latencies if x is not None]
+
+
+def batch_span(database_url: str, batch_id: str) -> tuple[float, int, int]:
+    """(seconds from the batch's first job start to its last job end, jobs, output tokens)."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    engine = create_engine(database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            row = conn.execute(text(
+                "SELECT EXTRACT(EPOCH FROM max(j.finished_at) - min(j.started_at)), count(*), "
+                "coalesce(sum(u.completion_tokens), 0) FROM jobs j LEFT JOIN usage u ON u.job_id = j.id "
+                "WHERE j.batch_id = :b AND j.status = 'succeeded'"), {"b": batch_id}).one()
+    finally:
+        engine.dispose()
+    return float(row[0]), int(row[1]), int(row[2])
+
+
+def jobs_running(database_url: str, batch_id: str) -> int:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.pool import NullPool
+
+    engine = create_engine(database_url, poolclass=NullPool)
+    try:
+        with engine.connect() as conn:
+            return conn.execute(text("SELECT count(*) FROM jobs WHERE batch_id = :b AND status <> 'queued'"),
+                                {"b": batch_id}).scalar_one()
+    finally:
+        engine.dispose()
+
+
+def run_batch(client, sandbox: Sandbox, input_path: Path, during=None) -> dict:
+    """Upload and run one batch to completion; `during(batch_id)` runs once its first job started."""
+    uploaded = client.upload(input_path)
+    batch = client.create_batch(uploaded["id"], "/v1/completions", "24h", None)
+    result = None
+    if during is not None:
+        deadline = time.monotonic() + 120
+        while jobs_running(sandbox.database_url, batch["id"]) == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        result = during(batch["id"])
+    while batch["status"] not in ("completed", "failed", "expired", "cancelled"):
+        time.sleep(0.25)
+        batch = client.batch(batch["id"])
+    if batch["status"] != "completed":
+        raise RuntimeError(f"the batch ended {batch['status']}: {json.dumps(batch)[:1000]}")
+    span, jobs, tokens = batch_span(sandbox.database_url, batch["id"])
+    return {"span_s": round(span, 2), "jobs": jobs, "output_tokens": tokens,
+            "tokens_per_s": round(tokens / span, 1), "during": result}
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 2)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", choices=("tiny", "small"), default="tiny", help="bench model size (tiny)")
+    parser.add_argument("--max-num-seqs", type=int, default=8, help="the worker's engine sequences (8)")
+    parser.add_argument("--interactive-slots", type=int, default=None,
+                        help="REIN_WORKER_INTERACTIVE_SLOTS (default: the setting's, max_num_seqs / 4)")
+    parser.add_argument("--kv-cache-memory", default="256MiB")
+    parser.add_argument("--batch-requests", type=int, default=None, help="batch lines (12 x max_num_seqs)")
+    parser.add_argument("--batch-max-tokens", type=int, default=256)
+    parser.add_argument("--chats", type=int, default=20)
+    parser.add_argument("--chat-max-tokens", type=int, default=16)
+    parser.add_argument("--chat-interval", type=float, default=0.5, help="seconds between two chats (0.5)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of the worker (1)")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--postgres-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+    parser.add_argument("--keep", default=None, metavar="DIR", help="keep the batch file and service logs in DIR")
+    args = parser.parse_args()
+    check_loopback(args.redis_url, "redis")
+    check_loopback(args.postgres_url, "postgres")
+    batch_requests = args.batch_requests or 12 * args.max_num_seqs
+    t_start = time.monotonic()
+
+    def phase(text: str) -> None:
+        print(f"[{time.monotonic() - t_start:6.1f} s] {text}", file=sys.stderr, flush=True)
+
+    import httpx
+    from sqlalchemy.orm import sessionmaker
+    from sqlalchemy.pool import NullPool
+
+    from rein.cli.batch import BatchClient
+    from rein.core.db import make_engine
+    from rein.core.keys import create_key
+    from rein.core.redis_keys import RedisKeys
+
+    work_dir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="rein-bench-priority-"))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    input_path = work_dir / "batch.jsonl"
+    write_batch(input_path, batch_requests, args.batch_max_tokens)
+    model_dir = ensure_model(args.preset)
+    load = {"start": os.getloadavg()[0]}
+    sandbox = Sandbox(args.postgres_url, args.redis_url)
+    service = None
+    try:
+        sandbox.migrate()
+        db = make_engine(sandbox.database_url, poolclass=NullPool)
+        try:
+            with sessionmaker(db).begin() as session:
+                key = create_key(session, name="bench-priority", tenant="bench", scopes="inference,batch").key
+        finally:
+            db.dispose()
+        service = Service(sandbox, model_dir, work_dir, args)
+        heartbeat_key = RedisKeys(sandbox.prefix.rstrip(":")).worker_heartbeat(service.hostname)
+        service.wait_ready(heartbeat_key)
+        phase(f"rein api and rein worker ready ({args.preset} llama, max_num_seqs {args.max_num_seqs})")
+
+        with httpx.Client(base_url=service.base_url) as http:
+            for i in range(3):   # warm up (first requests compile nothing on CPU, but fill caches)
+                chat(http, key, i, args.chat_max_tokens)
+            idle = []
+            for i in range(args.chats):
+                idle.append(chat(http, key, i, args.chat_max_tokens))
+                time.sleep(IDLE_GAP_SECONDS)
+        # The heartbeat's mean step time covers its last 5 s: the idle chats' steps.
+        step_ms = {"idle": _round(service.heartbeat(heartbeat_key).get("step_ms"))}
+        phase(f"idle: p50 {pct(idle, 50):.3f} s, p99 {pct(idle, 99):.3f} s")
+
+        with BatchClient(service.base_url, key) as client:
+            warmup_path = work_dir / "warmup.jsonl"
+            write_batch(warmup_path, 2 * args.max_num_seqs, 16)
+            run_batch(client, sandbox, warmup_path)   # first-use costs of the batch path, not timed
+            alone_1 = run_batch(client, sandbox, input_path)
+            phase(f"batch alone: {alone_1['span_s']} s, {alone_1['tokens_per_s']} tok/s")
+            preempted_before = service.heartbeat(heartbeat_key).get("preemptions", 0)
+            interval = min(args.chat_interval, 0.6 * alone_1["span_s"] / args.chats)
+
+            def send_chats(batch_id: str) -> list[float]:
+                phase(f"batch + chats: first batch job started; {args.chats} chats, one every {interval:.2f} s")
+                latencies = chats_open_loop(service.base_url, key, args.chats, interval, args.chat_max_tokens)
+                step_ms["under the batch"] = _round(service.heartbeat(heartbeat_key).get("step_ms"))
+                return latencies
+
+            mixed = run_batch(client, sandbox, input_path, during=send_chats)
+            time.sleep(6)   # one heartbeat, for the preemption count
+            preemptions = service.heartbeat(heartbeat_key).get("preemptions", 0) - preempted_before
+            busy = mixed.pop("during")
+            phase(f"batch + chats: {mixed['span_s']} s, {mixed['tokens_per_s']} tok/s; chats p50 "
+                  f"{pct(busy, 50):.3f} s, p99 {pct(busy, 99):.3f} s")
+            alone_2 = run_batch(client, sandbox, input_path)
+            phase(f"batch alone again: {alone_2['span_s']} s, {alone_2['tokens_per_s']} tok/s")
+    finally:
+        if service is not None:
+            service.stop()
+        try:
+            sandbox.delete_keys()
+            sandbox.drop_database()
+        except Exception as exc:
+            print(f"warning: cleanup of {sandbox.db_name} failed: {exc}", file=sys.stderr)
+    load["end"] = os.getloadavg()[0]
+
+    alone_tps = (alone_1["tokens_per_s"] + alone_2["tokens_per_s"]) / 2
+    ratios = {"p50": pct(busy, 50) / pct(idle, 50), "p99": pct(busy, 99) / pct(idle, 99),
+              "batch": mixed["tokens_per_s"] / alone_tps,
+              "batch_vs_faster_alone": mixed["tokens_per_s"] / max(alone_1["tokens_per_s"], alone_2["tokens_per_s"])}
+    passed = {"p50": ratios["p50"] <= TARGET_P50, "p99": ratios["p99"] <= TARGET_P99,
+              "batch": ratios["batch"] >= TARGET_BATCH}
+
+    print()
+    print(f"priority: {args.preset} llama, cpu fp32, {args.threads} torch thread(s), max_num_seqs "
+          f"{args.max_num_seqs}; batch {batch_requests} x {args.batch_max_tokens} tokens; {args.chats} chats "
+          f"of {args.chat_max_tokens} tokens")
+    print(f"  {'interactive latency':<34} {'p50 s':>8} {'p99 s':>8} {'max s':>8}")
+    for label, values in (("idle", idle), ("under the batch", busy)):
+        print(f"  {label:<34} {pct(values, 50):>8.3f} {pct(values, 99):>8.3f} {max(values):>8.3f}")
+    print(f"  {'ratio (targets 1.5x / 2x)':<34} {ratios['p50']:>7.2f}x {ratios['p99']:>7.2f}x   "
+          f"{'PASS' if passed['p50'] else 'MISS'} / {'PASS' if passed['p99'] else 'MISS'}")
+    print(f"  {'batch throughput':<34} {'span s':>8} {'tok/s':>8}")
+    for label, run in (("alone", alone_1), ("with the chats", mixed), ("alone again", alone_2)):
+        print(f"  {label:<34} {run['span_s']:>8.2f} {run['tokens_per_s']:>8.1f}")
+    print(f"  {'ratio with chats / alone (>= 0.9)':<34} {ratios['batch']:>16.3f}x  "
+          f"{'PASS' if passed['batch'] else 'MISS'} (mean of the two alone runs; "
+          f"{ratios['batch_vs_faster_alone']:.3f}x against the faster one)")
+    print(f"  engine step, mean of the last heartbeat: idle {step_ms['idle']} ms, under the batch "
+          f"{step_ms.get('under the batch')} ms (a chat takes {args.chat_max_tokens} steps)")
+    print(f"  engine preemptions during the mixed run: {preemptions}")
+    print(f"  1-minute load average: {load['start']:.2f} at start, {load['end']:.2f} at the end "
+          f"({os.cpu_count()} CPUs, shared machine)")
+    result = {
+        "bench": "priority", "preset": args.preset, "max_num_seqs": args.max_num_seqs, "threads": args.threads,
+        "batch_requests": batch_requests, "batch_max_tokens": args.batch_max_tokens, "chats": args.chats,
+        "chat_max_tokens": args.chat_max_tokens, "chat_interval_s": round(interval, 3),
+        "idle_s": {"p50": round(pct(idle, 50), 4), "p99": round(pct(idle, 99), 4)},
+        "busy_s": {"p50": round(pct(busy, 50), 4), "p99": round(pct(busy, 99), 4)},
+        "batch_alone": [alone_1, alone_2], "batch_with_chats": mixed, "preemptions": preemptions,
+        "step_ms": step_ms,
+        "ratios": {k: round(v, 3) for k, v in ratios.items()}, "pass": passed,
+        "loadavg_1m": {k: round(v, 2) for k, v in load.items()}, "cpus": os.cpu_count(),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
