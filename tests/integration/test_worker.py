@@ -634,7 +634,7 @@ def test_redis_failing_mid_job_hands_the_job_back(plain_context, make_job, db_se
 
     context = plain_context()
 
-    def begin(job_id, restart=False):
+    def begin(job_id, restart=False, coalesce=False):
         raise RedisConnectionError("Redis is restarting")
 
     monkeypatch.setattr(context.publisher, "begin", begin)
