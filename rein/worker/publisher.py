@@ -150,7 +150,10 @@ class TokenPublisher:
         self.open_stream_ttl_seconds = job_timeout_seconds + stream_ttl_seconds
         # Seq numbering and queueing (or, without a sender thread, sending) stay in order together.
         self._lock = threading.RLock()
+        # Two conditions on the lock: the engine thread wakes only the sender (`_queued`), and
+        # the sender wakes the tasks waiting in flush() (`_sent`) once per call, not per step.
         self._queued = threading.Condition(self._lock)
+        self._sent = threading.Condition(self._lock)
         self._pending: list[tuple[str, TokenEvent]] = []   # queued for the sender thread
         self._tickets = 0    # batches of events queued so far
         self._handled = 0    # of which sent or kept in the backlog
@@ -218,7 +221,7 @@ class TokenPublisher:
         False after `timeout`. Immediate without a sender thread."""
         with self._lock:
             ticket = self._tickets
-            return self._queued.wait_for(lambda: self._handled >= ticket or self._sender is None, timeout)
+            return self._sent.wait_for(lambda: self._handled >= ticket or self._sender is None, timeout)
 
     def stop(self, timeout: float = 10.0) -> None:
         """Send what is queued and end the sender thread."""
@@ -227,7 +230,7 @@ class TokenPublisher:
             return
         with self._lock:
             self._stopping = True
-            self._queued.notify_all()
+            self._queued.notify()
         if sender is not threading.current_thread():
             sender.join(timeout)
 
@@ -307,7 +310,7 @@ class TokenPublisher:
             return
         self._pending += events
         self._tickets += 1
-        self._queued.notify_all()
+        self._queued.notify()
 
     def _send_loop(self) -> None:
         while True:
@@ -316,7 +319,7 @@ class TokenPublisher:
                                       or (self._backlog and time.monotonic() >= self._retry_at), RETRY_SECONDS)
                 if self._stopping and not self._pending:
                     self._handled = self._tickets
-                    self._queued.notify_all()
+                    self._sent.notify_all()
                     return
                 events, self._pending, ticket = self._pending, [], self._tickets
             try:
@@ -325,7 +328,7 @@ class TokenPublisher:
                 log.exception("token sender failed on %d events", len(events))
             with self._lock:
                 self._handled = ticket
-                self._queued.notify_all()
+                self._sent.notify_all()
 
     def _send(self, events: list[tuple[str, TokenEvent]]) -> None:
         """One round trip for the backlog and these events; a long backlog in pieces of
