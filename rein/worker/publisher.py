@@ -164,7 +164,7 @@ class TokenPublisher:
         self._stale_streams: set[str] = set()   # jobs whose previous attempt's stream must go first
         self._retry_at = 0.0
         self._closed = False
-        self.pipelines_sent = 0
+        self.pipelines_sent = 0   # script calls made (the name is older than the script)
         if background:
             self._sender = threading.Thread(target=self._send_loop, name="rein-token-sender", daemon=True)
             self._sender.start()
@@ -182,7 +182,7 @@ class TokenPublisher:
                 self.redis.delete(self.keys.job_stream(job_id))
             except (RedisConnectionError, RedisTimeoutError) as exc:
                 # Redis is away: drop the old stream ahead of the new attempt's first events,
-                # in the pipeline that sends them (_send).
+                # in the script call that sends them (_send).
                 log.warning("could not drop the old stream of job %s yet: %s", job_id, exc)
                 with self._lock:
                     self._stale_streams.add(job_id)
