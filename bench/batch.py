@@ -3,7 +3,7 @@ beside the same file through `rein run-batch`'s runner in this process.
 
     python bench/batch.py [--requests 2000] [--preset tiny] [--max-num-seqs 64] [--kv-cache-memory 256MiB]
                           [--batch-queue-window N] [--batch-poll-seconds S]
-                          [--profile-worker FILE] [--redis-url URL] [--postgres-url URL] [--keep DIR]
+                          [--profile-worker FILE [--profile-all-threads]] [--redis-url URL] [--postgres-url URL] [--keep DIR]
 
 The workload is generated from a fixed seed: `--requests` /v1/completions lines, prompts of
 4 to 120 random words, max_tokens 16 to 64, greedy with ignore_eos (every request produces
@@ -228,9 +228,14 @@ def run_service(sandbox: Sandbox, model_dir: Path, input_path: Path, output_path
         phase(f"rein api ({service.base_url}) and rein worker ready")
         profiler = None
         if args.profile_worker:
-            # py-spy samples every thread of the worker (engine thread and task threads alike).
+            # py-spy without pausing the worker (--nonblocking: pausing ~70 threads per sample
+            # slowed it several-fold), sampling only the thread that holds the GIL (--gil): the
+            # worker's Python work is serialised on the GIL, so that is where its time goes.
+            # --profile-all-threads samples every thread instead (waits included).
+            mode = [] if args.profile_all_threads else ["--gil"]
             profiler = subprocess.Popen(["py-spy", "record", "--pid", str(service.worker.pid), "--format", "raw",
-                                         "--output", args.profile_worker, "--rate", "100"],
+                                         "--output", args.profile_worker, "--rate", "100", "--nonblocking",
+                                         *mode],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         with BatchClient(service.base_url, key) as client:
             cpu_before = service.cpu_seconds()
@@ -303,6 +308,8 @@ def main() -> int:
                         help="REIN_BATCH_POLL_SECONDS of the service (default: the setting's default)")
     parser.add_argument("--profile-worker", default=None, metavar="FILE",
                         help="sample the worker with py-spy while the batch runs; collapsed stacks to FILE")
+    parser.add_argument("--profile-all-threads", action="store_true",
+                        help="with --profile-worker: sample every thread, not only the GIL holder")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--postgres-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres",
                         help="the Postgres server (its maintenance database); the bench database is made on it")

@@ -28,10 +28,11 @@ until the prefix is deleted.
   rounds, so a burst of load from a neighbour on the machine moves both sides alike.
 * Stream latency: a job created through POST /v1/jobs; an SSE client follows
   GET /v1/jobs/{id}/events while a thread plays the worker with the worker's real code,
-  rein.worker.publisher.TokenPublisher.publish_step (one pipeline: XADD id `<seq>-0` +
-  PUBLISH [+ EXPIRE]) with one RequestOutput per step, `--events` steps `--interval-ms`
+  rein.worker.publisher.TokenPublisher.publish_step (one EVALSHA of its script: XADD id
+  `<seq>-0` + PUBLISH [+ EXPIRE]; sent on the calling thread, as without the worker's sender
+  thread) with one RequestOutput per step, `--events` steps `--interval-ms`
   apart, then the final one. The send time of each seq is taken just before publish_step
-  (so the Redis round trip of the worker's pipeline counts); the receive time when the
+  (so the Redis round trip of the worker's send counts); the receive time when the
   client has read the event's `data:` line. One warm-up event first makes sure the client
   is already blocked in the API's XREAD when the timed events start. Both ends are in this
   process on one monotonic clock.

@@ -71,7 +71,8 @@ class JobMessage:
 
 @dataclass
 class TokenEvent:
-    """One step's delta of one job. `seq` counts events from 1 with no gaps; the last event
+    """One step's delta of one job (a batch job's: its deltas of up to a second of steps,
+    rein.worker.publisher). `seq` counts events from 1 with no gaps; the last event
     has `finish_reason` and `usage` set. Concatenated `text` equals the final text.
 
     `index` is the choice a delta belongs to when the request has n > 1; a choice's

@@ -190,6 +190,7 @@ class WorkerContext:
         if self.listener is not None:
             self.listener.stop()
         self.runner.stop()
+        self.publisher.stop()   # after the engine's last events
         if self.metrics is not None:
             self.metrics.stop()
         if self.reaper is not None:
@@ -294,7 +295,7 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     keys = RedisKeys.from_settings(settings)
     redis = Redis.from_url(settings.redis_url, health_check_interval=30)
     publisher = TokenPublisher(redis, keys, settings.stream_maxlen, settings.stream_ttl_seconds,
-                               settings.job_timeout_seconds)
+                               settings.job_timeout_seconds, background=True)
     metrics.attach(engine)
     runner = EngineRunner(engine, name=f"rein-engine-{spec.model_name}",
                           on_step=compose_hooks(publisher.publish_step, metrics.observe_step))

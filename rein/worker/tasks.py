@@ -33,7 +33,7 @@ from rein.api.ratelimit import settle_tokens
 from rein.choice_bodies import response_extra
 from rein.choices import ResponseShape, returned_choices
 from rein.core.logging import log_context
-from rein.core.messages import JobMessage
+from rein.core.messages import PRIORITY_BATCH, JobMessage
 from rein.openai_format import EMBEDDINGS, usage_body
 from rein.worker.app import TASK_NAME, enqueue_job
 from rein.worker.bootstep import worker_context
@@ -66,6 +66,8 @@ NOT_TAKEN_RETRY_SECONDS = 5
 # job then runs again once its lease expires), and the longest pause between two tries.
 RECORD_RETRY_SECONDS = 600.0
 RECORD_RETRY_MAX_DELAY = 2.0
+# The longest a task waits for its job's last token events to be sent before recording it.
+PUBLISH_FLUSH_SECONDS = 5.0
 
 
 class JobNotTaken(RuntimeError):
@@ -163,7 +165,8 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
     claimed = time.monotonic()
     if context.metrics is not None and lease.attempt == 1 and lease.queue_seconds is not None:
         context.metrics.observe_queue_time(lease.queue_seconds)
-    context.publisher.begin(job_id, restart=lease.attempt > 1)
+    # A batch job's deltas go out coalesced (rein.worker.publisher): nobody watches them live.
+    context.publisher.begin(job_id, restart=lease.attempt > 1, coalesce=message.priority >= PRIORITY_BATCH)
     if message.endpoint == EMBEDDINGS:   # every input through the engine, one result (its own module)
         return run_embeddings(context, message, lease)
     try:
@@ -280,6 +283,9 @@ def _record(context: WorkerContext, lease: Lease, record: JobRecord) -> bool:
     """`record_job`, waiting out a Postgres outage (up to RECORD_RETRY_SECONDS): a computed
     result is kept until it is stored. The job stays tracked meanwhile, so its lease is
     renewed as soon as Postgres answers again, before any reaper may take it."""
+    # The job's last events out first (the publisher's sender thread), so its stream ends
+    # before its result is stored, as followers expect; bounded, as Redis may hang.
+    context.publisher.flush(PUBLISH_FLUSH_SECONDS)
     deadline = time.monotonic() + RECORD_RETRY_SECONDS
     delay = 0.25
     while True:

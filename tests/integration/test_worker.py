@@ -196,6 +196,82 @@ def test_a_lost_stream_is_not_recreated_from_the_middle(redis_client, keys):
     assert [e.seq for _, e in stream_events(redis_client, keys, job_id)] == [1]
 
 
+def test_a_batch_jobs_deltas_are_coalesced_into_fewer_events(redis_client, keys):
+    """coalesce=True holds a choice's deltas until batch_event_seconds have passed (or it ends):
+    fewer events, the same text and token ids, seq without gaps."""
+    from rein.engine.outputs import RequestOutput
+
+    publisher = TokenPublisher(redis_client, keys, stream_maxlen=1000, stream_ttl_seconds=60,
+                               job_timeout_seconds=60, batch_event_seconds=3600)
+    job_id = f"job_coalesce_{secrets.token_hex(4)}"
+    publisher.begin(job_id, coalesce=True)
+    for token, text in ((4, "a"), (5, "b")):
+        publisher.publish_step([RequestOutput(job_id, [token], text)])
+    assert not redis_client.exists(keys.job_stream(job_id))      # held back
+    publisher.batch_event_seconds = 0.0                           # their time has come
+    publisher.publish_step([RequestOutput(job_id, [6], "c")])
+    publisher.batch_event_seconds = 3600
+    publisher.publish_step([RequestOutput(job_id, [7], "d")])
+    publisher.publish_step([RequestOutput(job_id, [8], "e", finished=True, finish_reason="length",
+                                          num_prompt_tokens=2, num_output_tokens=5)])
+    events = [e for _, e in stream_events(redis_client, keys, job_id)]
+    assert [(e.seq, e.text, e.token_ids, e.final) for e in events] == [(1, "abc", [4, 5, 6], False),
+                                                                       (2, "de", [7, 8], True)]
+    assert events[-1].usage == usage_body(2, 5) and 0 < redis_client.ttl(keys.job_stream(job_id)) <= 60
+    # An interactive job's deltas still go out every step.
+    other = f"job_steps_{secrets.token_hex(4)}"
+    publisher.begin(other)
+    publisher.publish_step([RequestOutput(other, [4], "a")])
+    publisher.publish_step([RequestOutput(other, [5], "b", finished=True, finish_reason="stop")])
+    assert [e.text for _, e in stream_events(redis_client, keys, other)] == ["a", "b"]
+
+
+def test_a_coalesced_jobs_held_choices_go_out_before_its_end(redis_client, keys):
+    """n > 1: a choice's end sends what it held; a cancel (abort) sends every choice's held
+    deltas before the final event, so each choice's text is complete."""
+    from rein.engine.outputs import RequestOutput
+
+    publisher = TokenPublisher(redis_client, keys, stream_maxlen=1000, stream_ttl_seconds=60,
+                               job_timeout_seconds=60, batch_event_seconds=3600)
+    job_id = f"job_coalesce_n_{secrets.token_hex(4)}"
+    publisher.begin(job_id, coalesce=True)
+    publisher.publish_step([RequestOutput(job_id, [1], "a", index=0, num_output_tokens=1),
+                            RequestOutput(job_id, [2], "x", index=1, num_output_tokens=1),
+                            RequestOutput(job_id, [3], "y", index=2, num_output_tokens=1)])
+    publisher.publish_step([RequestOutput(job_id, [4], "z", index=2, finish_reason="stop", num_output_tokens=2)])
+    publisher.publish_step([RequestOutput(job_id, [5], "b", index=0, finished=True, finish_reason="abort",
+                                          num_prompt_tokens=3, num_output_tokens=2)])
+    events = [e for _, e in stream_events(redis_client, keys, job_id)]
+    assert [(e.seq, e.index, e.text, e.choice_finish_reason) for e in events] == [
+        (1, 2, "yz", "stop"), (2, 1, "x", None), (3, 0, "ab", "abort")]
+    assert events[-1].finish_reason == "abort" and events[-1].usage["completion_tokens"] == 5
+
+
+def test_the_sender_thread_sends_in_order_and_flush_waits_for_it(redis_client, keys):
+    """background=True: events are queued by the engine thread and sent by the sender thread;
+    flush() returns once everything queued so far is in Redis; after stop() the publisher
+    sends on the caller's thread."""
+    from rein.engine.outputs import RequestOutput
+
+    publisher = TokenPublisher(redis_client, keys, stream_maxlen=1000, stream_ttl_seconds=60,
+                               job_timeout_seconds=60, background=True)
+    jobs = [f"job_bg_{secrets.token_hex(4)}_{i}" for i in range(3)]
+    for job_id in jobs:
+        publisher.begin(job_id)
+    for step in range(20):
+        publisher.publish_step([RequestOutput(job_id, [step], f"{step},") for job_id in jobs])
+    assert publisher.flush(timeout=30)
+    for job_id in jobs:
+        events = [e for _, e in stream_events(redis_client, keys, job_id)]
+        assert [e.seq for e in events] == list(range(1, 21))
+        assert "".join(e.text for e in events) == "".join(f"{step}," for step in range(20))
+    assert publisher.pipelines_sent <= 20        # several steps in one call when the sender lags
+    publisher.stop()
+    assert not publisher._sender.is_alive()
+    publisher.publish_final(jobs[0], error="boom")
+    assert stream_events(redis_client, keys, jobs[0])[-1][1].error == "boom"
+
+
 # -- the lease and the recorder ------------------------------------------------------------------
 
 
@@ -642,7 +718,7 @@ def test_redis_failing_mid_job_hands_the_job_back(plain_context, make_job, db_se
 
     context = plain_context()
 
-    def begin(job_id, restart=False):
+    def begin(job_id, restart=False, coalesce=False):
         raise RedisConnectionError("Redis is restarting")
 
     monkeypatch.setattr(context.publisher, "begin", begin)
