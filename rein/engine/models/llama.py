@@ -29,7 +29,9 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps))
+        if dtype == torch.float32:
+            return x.mul_(self.weight)   # in place: the same products as weight * x, one tensor fewer
         return self.weight * x.to(dtype)
 
 
@@ -50,13 +52,18 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:
+            # Q's and K's heads sit side by side in the fused projection: one rotary call for
+            # both (half the element-wise calls of a layer's attention; same arithmetic).
+            qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            q, k = apply_rotary(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
+        else:
+            q = qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim)
+            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         out = paged_attention(q, k, v, cache, meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
