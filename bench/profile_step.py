@@ -21,7 +21,10 @@ For each scenario it prints
    (the rest of engine.step: outputs, stop checks, bookkeeping);
 2. torch.profiler's per-op self CPU time of the same steps (top --top ops, and the shares of op
    families: matmul, attention, KV gather/store, element-wise, ...); profiler overhead makes
-   these times larger than the phase timings, the shares are what to read;
+   these times larger than the phase timings, the shares are what to read. Caveat: with the
+   profiler on, the large decode gathers of batch 64 page-fault again (29k minor faults a step
+   measured, against none without it, despite rein.engine.cpu_allocator), which inflates
+   index_select there; batch 32's and the prefill's shares were not affected;
 3. with --cprofile, cProfile's top Python functions by own time over the decode steps.
 
 Figures depend on the machine's load: compare runs taken one after the other, and read
