@@ -1,10 +1,11 @@
 """Linear layers whose CPU matmuls go through oneDNN instead of the default BLAS.
 
-PyTorch's CPU wheels run `F.linear` on float32 through MKL's sgemm. MKL picks its kernels by
-CPU vendor: on AMD processors it runs its AVX2 code even where AVX-512 is there, and on the
-machine rein's benchmarks ran on (AMD EPYC, AVX-512) oneDNN's matmul
-(`torch.ops.mkldnn._linear_pointwise`, what inductor emits for CPU linears) took half the time
-of `F.linear` for every step shape from 8 rows up: SmolLM2's four projections of one layer,
+PyTorch's CPU wheels run `F.linear` on float32 through MKL's sgemm. On the machine rein's
+benchmarks ran on (AMD EPYC with AVX-512) that reached about 85 GFLOPS on one core, half of
+oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, what inductor emits for CPU linears),
+which ran near the core's AVX-512 peak -- most likely MKL taking its AVX2 path on a non-Intel
+CPU (MKL_ENABLE_INSTRUCTIONS=AVX512 and MKL_DEBUG_CPU_TYPE=5 changed nothing). oneDNN took half
+the time of `F.linear` for every step shape from 8 rows up: SmolLM2's four projections of one layer,
 1 thread, 32 rows 2.6 -> 1.35 ms, 64 rows 5.0 -> 2.4 ms, 2048 rows 152 -> 70 ms
 (bench/profile_step.py shows the effect on whole steps). Matmuls are most of a CPU step, so
 this is the largest single CPU speed-up. Results are float32 both ways; only the order of the
