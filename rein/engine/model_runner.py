@@ -21,6 +21,7 @@ import torch
 from rein.engine.attention import AttentionMetadata, LayerCache
 from rein.engine.capacity import KVCapacity, kv_capacity
 from rein.engine.config import EngineConfig
+from rein.engine.cpu_allocator import keep_freed_memory
 from rein.engine.cuda_graphs import DecodeGraphs
 from rein.engine.loader import load_model
 from rein.engine.model_spec import ModelSpec
@@ -78,6 +79,8 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.cache_dtype = config.cache_torch_dtype
+        if self.device.type == "cpu":
+            keep_freed_memory()   # large step tensors reuse heap memory (rein.engine.cpu_allocator)
         self.block_size = config.block_size
         self.max_model_len = decide_max_model_len(spec, config.max_model_len)
         self.model = load_model(files, spec, self.max_model_len, self.dtype, self.device)

