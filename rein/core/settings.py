@@ -252,6 +252,9 @@ class Settings(BaseSettings):
 
     cache_dir: str = "~/.cache/rein"
     """rein's cache: packaged models (`rein fetch-model`) and the config/tokenizer read from GGUF files."""
+    cpu_mallopt: bool = True
+    """On CPU, raise glibc malloc's mmap and trim thresholds at engine start so large step tensors
+    reuse heap memory (rein.engine.cpu_allocator); false: leave malloc alone."""
 
     # --- operating
     log_format: Literal["auto", "json", "text"] = "auto"

@@ -20,7 +20,6 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-import os
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +36,7 @@ def keep_freed_memory() -> bool:
     global _done
     if _done:
         return True
-    if os.environ.get("REIN_CPU_MALLOPT", "1") == "0":
+    if not _enabled():
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
@@ -52,3 +51,13 @@ def keep_freed_memory() -> bool:
         _done = True
         log.debug("glibc malloc: mmap threshold and trim threshold set to %d bytes", HEAP_LIMIT)
     return ok
+
+
+def _enabled() -> bool:
+    """REIN_CPU_MALLOPT (rein.core.settings; default on)."""
+    from rein.core.settings import Settings, SettingsError, get_settings
+
+    try:
+        return get_settings().cpu_mallopt
+    except SettingsError:  # settings the engine does not use are broken: their command says so
+        return Settings.model_fields["cpu_mallopt"].default

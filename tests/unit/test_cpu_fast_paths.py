@@ -68,10 +68,14 @@ def test_linear_uses_onednn_from_min_rows(monkeypatch):
 
 
 def test_keep_freed_memory_can_be_disabled(monkeypatch):
+    from rein.core.settings import get_settings
+
     monkeypatch.setattr(cpu_allocator, "_done", False)
     monkeypatch.setenv("REIN_CPU_MALLOPT", "0")
+    get_settings.cache_clear()
     assert cpu_allocator.keep_freed_memory() is False
     monkeypatch.delenv("REIN_CPU_MALLOPT")
+    get_settings.cache_clear()
     applied = cpu_allocator.keep_freed_memory()
     if applied:   # glibc: applied once, then a no-op that still reports success
         assert cpu_allocator.keep_freed_memory() is True
