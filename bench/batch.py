@@ -116,18 +116,20 @@ def process_cpu_seconds(pid: int) -> float | None:
 
 
 class Service:
-    """`rein api` and one `rein worker` on the sandbox; `stop()` ends both."""
+    """`rein api` and one `rein worker` on the sandbox; `stop()` ends both. `env` adds to or
+    overrides the environment they get (bench/priority.py uses this class too)."""
 
-    def __init__(self, sandbox: Sandbox, model_dir: Path, log_dir: Path, args: argparse.Namespace) -> None:
+    def __init__(self, sandbox: Sandbox, model_dir: Path, log_dir: Path, args: argparse.Namespace, *,
+                 name: str = "batch", max_model_len: int = MAX_MODEL_LEN, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.hostname = f"bench-batch-{sandbox.tag}@localhost"
+        self.hostname = f"bench-{name}-{sandbox.tag}@localhost"
         self.log_dir = log_dir
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("REIN_")} | {
             "REIN_DATABASE_URL": sandbox.database_url,
             "REIN_REDIS_URL": sandbox.redis_url,
             "REIN_REDIS_KEY_PREFIX": sandbox.prefix,
-            "REIN_MODELS": f"{MODEL_NAME}={model_dir}@{MAX_MODEL_LEN}",
+            "REIN_MODELS": f"{MODEL_NAME}={model_dir}@{max_model_len}",
             "REIN_API_HOST": "127.0.0.1",
             "REIN_API_PORT": str(self.port),
             "REIN_MAX_QUEUE_DEPTH": "100000",
@@ -138,9 +140,10 @@ class Service:
             "REIN_DTYPE": "float32",
             "REIN_FILES_DIR": str(log_dir / "files"),
             "OMP_NUM_THREADS": "1",
-        } | {f"REIN_{name.upper()}": str(value) for name, value in (
-            ("batch_queue_window", args.batch_queue_window), ("batch_poll_seconds", args.batch_poll_seconds),
-        ) if value is not None}
+        } | {f"REIN_{setting.upper()}": str(value) for setting, value in (
+            ("batch_queue_window", getattr(args, "batch_queue_window", None)),
+            ("batch_poll_seconds", getattr(args, "batch_poll_seconds", None)),
+        ) if value is not None} | (env or {})
         self.procs: list[subprocess.Popen] = []
         self._logs: list = []
         self.worker = self._spawn("worker", "worker", "--model", MODEL_NAME, "--hostname", self.hostname,

@@ -34,8 +34,6 @@ import argparse
 import json
 import os
 import random
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,12 +41,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from intake import Sandbox, check_loopback, ensure_model, free_port, pct  # noqa: E402  (bench helpers)
+from batch import Service as BatchService  # noqa: E402  (bench helpers)
+from intake import Sandbox, check_loopback, ensure_model, pct  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 1024
-STARTUP_TIMEOUT = 180.0
 IDLE_GAP_SECONDS = 0.2
 TARGET_P50, TARGET_P99, TARGET_BATCH = 1.5, 2.0, 0.9
 SEED = 0
@@ -70,72 +67,15 @@ def write_batch(path: Path, requests: int, max_tokens: int) -> None:
                                   "body": body}) + "\n")
 
 
-class Service:
-    """`rein api` and one `rein worker` on the sandbox; `stop()` ends both."""
+class Service(BatchService):
+    """bench/batch.py's service (`rein api` + one `rein worker`), with this bench's settings
+    and the worker's heartbeat readable."""
 
     def __init__(self, sandbox: Sandbox, model_dir: Path, log_dir: Path, args: argparse.Namespace) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.hostname = f"bench-priority-{sandbox.tag}@localhost"
-        self.log_dir = log_dir
-        self.env = {k: v for k, v in os.environ.items() if not k.startswith("REIN_")} | {
-            "REIN_DATABASE_URL": sandbox.database_url,
-            "REIN_REDIS_URL": sandbox.redis_url,
-            "REIN_REDIS_KEY_PREFIX": sandbox.prefix,
-            "REIN_MODELS": f"{MODEL_NAME}={model_dir}@{MAX_MODEL_LEN}",
-            "REIN_API_HOST": "127.0.0.1",
-            "REIN_API_PORT": str(self.port),
-            "REIN_MAX_QUEUE_DEPTH": "100000",
-            "REIN_MAX_NUM_SEQS": str(args.max_num_seqs),
-            "REIN_KV_CACHE_MEMORY": args.kv_cache_memory,
-            "REIN_DEVICE": "cpu",
-            "REIN_DTYPE": "float32",
-            "REIN_FILES_DIR": str(log_dir / "files"),
-            "REIN_BATCH_POLL_SECONDS": "0.2",
-            "OMP_NUM_THREADS": str(args.threads),
-        } | ({"REIN_WORKER_INTERACTIVE_SLOTS": str(args.interactive_slots)}
-             if args.interactive_slots is not None else {})
-        self.procs: list[subprocess.Popen] = []
-        self._logs: list = []
-        self.worker = self._spawn("worker", "worker", "--model", MODEL_NAME, "--hostname", self.hostname,
-                                  "--loglevel", "warning")
-        self.api = self._spawn("api", "api")
-
-    def _spawn(self, name: str, *args: str) -> subprocess.Popen:
-        log = open(self.log_dir / f"{name}.log", "wb")  # noqa: SIM115 (closed in stop)
-        self._logs.append(log)
-        proc = subprocess.Popen([sys.executable, "-m", "rein.cli.main", *args], env=self.env, cwd=ROOT,
-                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        self.procs.append(proc)
-        return proc
-
-    def tail(self, name: str, lines: int = 30) -> str:
-        try:
-            return "\n".join((self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def wait_ready(self, heartbeat_key: str) -> None:
-        import httpx
-        import redis
-
-        client = redis.Redis.from_url(self.env["REIN_REDIS_URL"])
-        deadline = time.monotonic() + STARTUP_TIMEOUT
-        try:
-            while time.monotonic() < deadline:
-                for name, proc in (("worker", self.worker), ("api", self.api)):
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"rein {name} exited with {proc.returncode}:\n{self.tail(name)}")
-                try:
-                    api_ok = httpx.get(f"{self.base_url}/readyz", timeout=2).status_code == 200
-                except httpx.HTTPError:
-                    api_ok = False
-                if api_ok and client.exists(heartbeat_key):
-                    return
-                time.sleep(0.25)
-        finally:
-            client.close()
-        raise RuntimeError(f"service not ready after {STARTUP_TIMEOUT:.0f} s:\n{self.tail('worker')}")
+        env = {"REIN_BATCH_POLL_SECONDS": "0.2", "OMP_NUM_THREADS": str(args.threads)}
+        if args.interactive_slots is not None:
+            env["REIN_WORKER_INTERACTIVE_SLOTS"] = str(args.interactive_slots)
+        super().__init__(sandbox, model_dir, log_dir, args, name="priority", max_model_len=MAX_MODEL_LEN, env=env)
 
     def heartbeat(self, key: str) -> dict:
         import redis
@@ -146,19 +86,6 @@ class Service:
         finally:
             client.close()
         return json.loads(raw) if raw else {}
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=5)
-        for log in self._logs:
-            log.close()
 
 
 def chat(client, key: str, i: int, max_tokens: int) -> float:
