@@ -255,6 +255,10 @@ class Settings(BaseSettings):
     cpu_mallopt: bool = True
     """On CPU, raise glibc malloc's mmap and trim thresholds at engine start so large step tensors
     reuse heap memory (rein.engine.cpu_allocator); false: leave malloc alone."""
+    cpu_kernels: bool = True
+    """On CPU, build rein's C attention kernels with the system compiler at first use (into
+    cache_dir/kernels) and run decode attention on them (rein.kernels.cpu_native); false, or no
+    compiler: torch's reference path."""
 
     # --- operating
     log_format: Literal["auto", "json", "text"] = "auto"

@@ -1,4 +1,5 @@
-"""Attention over the paged KV cache: Triton kernels on CUDA, the torch reference elsewhere.
+"""Attention over the paged KV cache: Triton kernels on CUDA, native C decode attention on the
+CPU where it builds (rein.kernels.cpu_native), the torch reference otherwise.
 
 The engine calls only the three functions exported here; `use_triton` decides once per
 call which implementation runs, by the device of the tensors.
@@ -37,6 +38,12 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
 
         return triton_ops.paged_decode_attention(query, k_cache, v_cache, block_tables,
                                                  context_lens, scale, k_scale, v_scale)
+    if k_scale is None and query.device.type == "cpu":
+        from rein.kernels import cpu_native
+
+        out = cpu_native.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+        if out is not None:
+            return out
     return reference.paged_decode_attention(query, k_cache, v_cache, block_tables,
                                             context_lens, scale, k_scale, v_scale)
 
