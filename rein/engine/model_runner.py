@@ -30,6 +30,7 @@ from rein.engine.pooler import gather
 from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
 from rein.engine.scheduler import ScheduledRequest
+from rein.kernels import cpu_native
 from rein.model_files import ModelFiles
 
 log = logging.getLogger(__name__)
@@ -91,6 +92,9 @@ class ModelRunner:
                 f"{self.max_model_len}: give it more memory (kv_cache_memory / gpu_memory_utilization) "
                 f"or lower max_model_len")
         self.caches = self._allocate_cache(self.capacity.num_blocks)
+        # Float32 decode attention on the CPU runs rein's C kernel when it builds (rein.kernels.cpu_native).
+        self._native_decode = (self.device.type == "cpu" and self.dtype == torch.float32
+                               and self.cache_dtype == torch.float32 and cpu_native.library() is not None)
         log.info("%s", self.capacity.describe())
         # Decode-only steps replay CUDA graphs (rein.engine.cuda_graphs); everything else,
         # and everything on CPU, runs eagerly.
@@ -228,9 +232,10 @@ class ModelRunner:
 
     def _decode_groups(self, lengths: list[int]) -> list[tuple[int, int]] | None:
         """Row ranges of similar context length for the CPU attention, or None (one batch) when
-        grouping saves little padding. The Triton kernel handles ragged lengths itself."""
+        grouping saves little padding. The Triton and native CPU kernels handle ragged lengths
+        themselves (no padding)."""
         count = len(lengths)
-        if self.device.type == "cuda" or count < 4 * DECODE_LENGTH_GROUPS:
+        if self.device.type == "cuda" or count < 4 * DECODE_LENGTH_GROUPS or self._native_decode:
             return None
         size = -(-count // DECODE_LENGTH_GROUPS)
         bounds = [(start, min(start + size, count)) for start in range(0, count, size)]

@@ -1,17 +1,19 @@
-"""Native CPU attention kernels: C compiled on this machine at first use, called through ctypes.
+"""Native CPU kernels: C compiled on this machine at first use, called through ctypes.
 
 torch's CPU path for decode attention gathers every request's K and V into a padded copy and
 runs SDPA over it (rein.kernels.reference): on SmolLM2 at batch 32 that was more than half of
 a decode step. `csrc/paged_attention_cpu.c` reads K and V in place from the cache blocks
 instead, one pass over each, vectorized for this CPU (-march=native) and split over
-(request, kv head) pairs with OpenMP (the libgomp that torch has already loaded).
+requests with OpenMP (the libgomp that torch has already loaded). `csrc/elementwise_cpu.c`
+does a layer's element-wise work (RMSNorm with the residual add, SiLU-and-multiply, rotary in
+place) in one pass each, where torch makes several (vLLM's CPU build has the same fused ops).
 
 No library offers this for a current torch (vLLM keeps its CPU kernels inside vLLM; Intel's
-extension pins older torch releases), so rein carries the ~100 lines of C. The shared object
+extension pins older torch releases), so rein carries the ~200 lines of C. The shared object
 is built with the system C compiler into `REIN_CACHE_DIR/kernels/` (a name hashed from the
 source, the flags and the CPU), once per machine; processes that start together may each
 build it, and the last atomic rename wins. Where there is no compiler, the build fails, the
-tensors are not float32, or REIN_CPU_KERNELS=0, callers get None and use the torch reference.
+tensors are not float32, or REIN_CPU_KERNELS=0, callers get None and use torch.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_attention_cpu.c"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.c", "elementwise_cpu.c"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 _lock = threading.Lock()
@@ -49,7 +51,7 @@ def library() -> ctypes.CDLL | None:
             try:
                 _lib = _load() if _enabled() else None
             except (OSError, subprocess.SubprocessError) as exc:
-                log.warning("native CPU attention kernels unavailable, using torch's (%s)", exc)
+                log.warning("native CPU kernels unavailable, using torch's (%s)", exc)
             _tried = True
     return _lib
 
@@ -71,13 +73,74 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     max_len = int(lens.max())
     threads = torch.get_num_threads()
     out = torch.empty_like(query)
-    scratch = torch.empty(threads * (num_heads // num_kv_heads) * max_len, dtype=torch.float32)
+    scratch = torch.empty(threads * num_heads * max_len, dtype=torch.float32)
     rc = lib.paged_decode_attention_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), max_len,
         batch, num_heads, num_kv_heads, head_dim, block_size, scale, threads,
     )
     return out if rc == 0 else None
+
+
+def _f32_cpu(*tensors: torch.Tensor) -> bool:
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """x [..., hidden] normalized and scaled; None when not applicable (use torch)."""
+    if not (_f32_cpu(x, weight) and x.stride(-1) == 1 and weight.is_contiguous()):
+        return None
+    rows2d = x.reshape(-1, x.shape[-1]) if x.is_contiguous() else (x if x.dim() == 2 else None)
+    lib = library()
+    if lib is None or rows2d is None:
+        return None
+    out = torch.empty(x.shape, dtype=torch.float32)
+    lib.rms_norm_f32(rows2d.data_ptr(), rows2d.stride(0), weight.data_ptr(), eps, out.data_ptr(),
+                     rows2d.shape[0], rows2d.shape[1], torch.get_num_threads())
+    return out
+
+
+def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """residual += x in place, then rms_norm(residual); None (nothing changed) when not applicable."""
+    if not (_f32_cpu(residual, x, weight) and residual.is_contiguous() and x.is_contiguous()
+            and weight.is_contiguous() and residual.shape == x.shape):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty_like(residual)
+    cols = residual.shape[-1]
+    lib.add_rms_norm_f32(residual.data_ptr(), x.data_ptr(), weight.data_ptr(), eps, out.data_ptr(),
+                         residual.numel() // cols, cols, torch.get_num_threads())
+    return out
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gate_up [rows, 2 * inter] -> silu(gate) * up [rows, inter]; None when not applicable."""
+    if not (_f32_cpu(gate_up) and gate_up.dim() == 2 and gate_up.stride(1) == 1):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, inter, dtype=torch.float32)
+    lib.silu_and_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), rows, inter, torch.get_num_threads())
+    return out
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Rotate x [tokens, heads, head_dim] in place (rotate-half layout) with cos, sin
+    [tokens, 1 or absent, head_dim / 2]; False (x untouched) when not applicable."""
+    if not (_f32_cpu(x, cos, sin) and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+            and cos.is_contiguous() and sin.is_contiguous()):
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    tokens, heads, head_dim = x.shape
+    lib.rotary_inplace_f32(x.data_ptr(), x.stride(0), tokens, heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+                           torch.get_num_threads())
+    return True
 
 
 def _enabled() -> bool:
@@ -114,22 +177,29 @@ def _load() -> ctypes.CDLL:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
-    source = SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in SOURCES)
     digest = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_attention_cpu-{digest}.so"
+    target = _cache_dir() / f"rein_cpu_kernels-{digest}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built), "-lm"],
+            proc = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
                 raise OSError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
             os.replace(built, target)
-        log.info("built native CPU attention kernels: %s", target)
+        log.info("built native CPU kernels: %s", target)
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention_f32
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    f32 = ctypes.c_float
+    lib.rms_norm_f32.argtypes = [p, i64, p, f32, p, i64, i64, ctypes.c_int]
+    lib.add_rms_norm_f32.argtypes = [p, p, p, f32, p, i64, i64, ctypes.c_int]
+    lib.silu_and_mul_f32.argtypes = [p, i64, p, i64, i64, ctypes.c_int]
+    lib.rotary_inplace_f32.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_int]
+    for name in ("rms_norm_f32", "add_rms_norm_f32", "silu_and_mul_f32", "rotary_inplace_f32"):
+        getattr(lib, name).restype = None
     return lib

@@ -1,4 +1,5 @@
-"""The native CPU decode attention (rein.kernels.cpu_native) against the torch reference.
+"""The native CPU kernels (rein.kernels.cpu_native) against torch: decode attention against the
+reference, and the fused element-wise ops against the torch code they replace.
 
 The kernel is built with the machine's C compiler on first use; every machine rein's tests
 run on has one (gcc), so a failed build fails these tests rather than skipping them.
@@ -11,6 +12,7 @@ import torch
 
 from rein import kernels
 from rein.core.settings import get_settings
+from rein.engine.models.rope import apply_rotary
 from rein.kernels import cpu_native, reference
 
 
@@ -90,7 +92,7 @@ def test_dispatch_uses_it_and_the_setting_turns_it_off(monkeypatch, tmp_path):
     monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
     kernels.paged_decode_attention(q, k, v, tables, lens, 0.1)
     assert calls and cpu_native._lib is not None
-    assert list((tmp_path / "kernels").glob("paged_attention_cpu-*.so"))
+    assert list((tmp_path / "kernels").glob("rein_cpu_kernels-*.so"))
 
     monkeypatch.setenv("REIN_CPU_KERNELS", "0")
     get_settings.cache_clear()
@@ -108,6 +110,66 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch, caplog):
         assert cpu_native.paged_decode_attention(q, k, v, tables, lens, 0.1) is None
         assert cpu_native.paged_decode_attention(q, k, v, tables, lens, 0.1) is None
     assert [r.message for r in caplog.records if "unavailable" in r.message] == [
-        "native CPU attention kernels unavailable, using torch's (no C compiler (cc or gcc) on PATH)"]
+        "native CPU kernels unavailable, using torch's (no C compiler (cc or gcc) on PATH)"]
     out = kernels.paged_decode_attention(q, k, v, tables, lens, 0.1)
     torch.testing.assert_close(out, reference.paged_decode_attention(q, k, v, tables, lens, 0.1))
+
+
+# -- element-wise --------------------------------------------------------------------------
+
+
+def torch_rms_norm(x, w, eps):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rms_norm(rows, threads, monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 576, generator=g) * 3, torch.randn(576, generator=g)
+    torch.testing.assert_close(cpu_native.rms_norm(x, w, 1e-5), torch_rms_norm(x, w, 1e-5))
+    # a strided 2-D view (every other row) and a 3-D input
+    torch.testing.assert_close(cpu_native.rms_norm(x[::2], w, 1e-6), torch_rms_norm(x[::2], w, 1e-6))
+    x3 = x.view(rows, 9, 64)
+    torch.testing.assert_close(cpu_native.rms_norm(x3, w[:64], 1e-6), torch_rms_norm(x3, w[:64], 1e-6))
+
+
+def test_add_rms_norm_updates_the_residual():
+    g = torch.Generator().manual_seed(1)
+    residual, x, w = torch.randn(33, 96, generator=g), torch.randn(33, 96, generator=g), torch.randn(96, generator=g)
+    total = residual + x
+    out = cpu_native.add_rms_norm(residual, x, w, 1e-5)
+    torch.testing.assert_close(residual, total)
+    torch.testing.assert_close(out, torch_rms_norm(total, w, 1e-5))
+
+
+def test_silu_and_mul():
+    g = torch.Generator().manual_seed(2)
+    gate_up = torch.randn(50, 2 * 1536, generator=g) * 8   # wide range: exp of large magnitudes
+    gate_up[0, :4] = torch.tensor([-100.0, 100.0, 0.0, -0.0])
+    gate, up = gate_up.split(1536, dim=-1)
+    torch.testing.assert_close(cpu_native.silu_and_mul(gate_up), torch.nn.functional.silu(gate) * up)
+    strided = torch.randn(50, 4 * 64, generator=g)[:, :128]    # rows further apart than they are wide
+    gate, up = strided.split(64, dim=-1)
+    torch.testing.assert_close(cpu_native.silu_and_mul(strided), torch.nn.functional.silu(gate) * up)
+
+
+def test_rotary_in_place_on_the_fused_projection():
+    g = torch.Generator().manual_seed(3)
+    qkv = torch.randn(21, (9 + 2 * 3) * 64, generator=g)
+    qk = qkv[:, :12 * 64].view(21, 12, 64)     # Q and K heads of the fused projection, V left alone
+    v_before = qkv[:, 12 * 64:].clone()
+    angles = torch.rand(21, 1, 32, generator=g) * 100
+    want = apply_rotary(qk.clone(), angles.cos(), angles.sin())
+    assert cpu_native.rotary_(qk, angles.cos(), angles.sin())
+    torch.testing.assert_close(qk, want)
+    assert torch.equal(qkv[:, 12 * 64:], v_before)
+
+
+def test_element_wise_decline_what_they_do_not_handle():
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    assert cpu_native.rms_norm(x, torch.ones(64, dtype=torch.bfloat16), 1e-5) is None
+    assert cpu_native.silu_and_mul(x) is None
+    assert cpu_native.rms_norm(torch.randn(8, 4, 64)[:, ::2], torch.ones(64), 1e-5) is None   # strided 3-D
+    assert not cpu_native.rotary_(torch.randn(3, 2, 64).transpose(0, 1), torch.ones(2, 32), torch.ones(2, 32))

@@ -18,6 +18,7 @@ from rein.engine.attention import AttentionMetadata, LayerCache, paged_attention
 from rein.engine.model_spec import ModelSpec
 from rein.engine.models.linear import Linear, linear
 from rein.engine.models.rope import RotaryEmbedding, apply_rotary
+from rein.kernels import cpu_native
 
 
 class RMSNorm(nn.Module):
@@ -27,6 +28,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = cpu_native.rms_norm(x, self.weight, self.eps)   # float32 on CPU: one pass in C
+        if fused is not None:
+            return fused
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(self.eps))
@@ -58,7 +62,9 @@ class Attention(nn.Module):
             # Q's and K's heads sit side by side in the fused projection: one rotary call for
             # both (half the element-wise calls of a layer's attention; same arithmetic).
             qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            q, k = apply_rotary(qk, *rotary).split([self.num_heads, self.num_kv_heads], dim=1)
+            if not cpu_native.rotary_(qk, *rotary):   # float32 on CPU: rotated in place, in C
+                qk = apply_rotary(qk, *rotary)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q = qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
@@ -78,8 +84,12 @@ class MLP(nn.Module):
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        hidden = cpu_native.silu_and_mul(gate_up)   # float32 on CPU: one pass in C
+        if hidden is None:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            hidden = nn.functional.silu(gate) * up
+        return self.down_proj(hidden)
 
 
 class DecoderLayer(nn.Module):
@@ -92,8 +102,15 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rotary, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attended = self.self_attn(self.input_layernorm(x), rotary, cache, meta)
+        norm = self.post_attention_layernorm
+        # float32 on CPU: x += attended and the norm in one pass (x is this layer's own: the
+        # embedding's output or the previous layer's sum).
+        normed = cpu_native.add_rms_norm(x, attended, norm.weight, norm.eps)
+        if normed is None:
+            x = x + attended
+            normed = norm(x)
+        return x + self.mlp(normed)
 
 
 class LlamaFamilyModel(nn.Module):
