@@ -1,4 +1,4 @@
-"""The CPU fast paths of the forward: oneDNN linears (rein.engine.models.linear), the glibc
+"""The CPU fast paths of the forward: oneDNN linears and packed weights (rein.engine.models.linear), the glibc
 allocator settings (rein.engine.cpu_allocator) and the flash-kernel prefill attention of the
 reference kernels, each against the plain computation it replaces."""
 
@@ -65,6 +65,29 @@ def test_linear_uses_onednn_from_min_rows(monkeypatch):
         linear(torch.randn(linear_module.MIN_ROWS - 1, 16), w)
         linear(torch.randn(linear_module.MIN_ROWS, 16), w)
     assert calls == [torch.Size([linear_module.MIN_ROWS, 16])]
+
+
+@pytest.mark.skipif(not linear_module.ONEDNN, reason="oneDNN is not in this torch build")
+def test_packed_weights_give_the_same_outputs():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Linear(96, 160, bias=True), torch.nn.SiLU(), Linear(160, 96, bias=False))
+    dense = [m.weight.detach().clone() for m in (model[0], model[2])]
+    inputs = [torch.randn(rows, 96) for rows in (1, 3, 32, 300)] + [torch.randn(2, 5, 96)]
+    with torch.inference_mode():
+        want = [model(x) for x in inputs]
+        assert linear_module.pack_weights(model) == 2
+        assert linear_module.pack_weights(model) == 0          # already packed
+        got = [model(x) for x in inputs]
+    assert model[0].weight.is_mkldnn and model[0].weight.shape == dense[0].shape
+    assert sum(p.numel() for p in model.parameters()) == sum(w.numel() for w in dense) + 160
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_pack_weights_leaves_other_dtypes_and_plain_linears():
+    model = torch.nn.Sequential(Linear(8, 8).bfloat16(), torch.nn.Linear(8, 8))
+    assert linear_module.pack_weights(model) == 0
+    assert not model[0].weight.is_mkldnn and not model[1].weight.is_mkldnn
 
 
 def test_keep_freed_memory_can_be_disabled(monkeypatch):
