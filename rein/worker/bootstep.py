@@ -41,6 +41,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -65,6 +66,7 @@ from rein.worker.claim import Lease, renew_leases
 from rein.worker.metrics import WorkerMetrics, compose_hooks
 from rein.worker.publisher import INTERRUPTED, TokenPublisher
 from rein.worker.reaper import Reaper
+from rein.worker.recorder import GroupRecorder
 
 if TYPE_CHECKING:
     from rein.engine.config import EngineConfig
@@ -111,6 +113,7 @@ class WorkerContext:
     stopping: threading.Event = field(default_factory=threading.Event)
     interrupted: set[str] = field(default_factory=set)
     reaper: Reaper | None = None
+    recorder: GroupRecorder | None = None   # None: each task records its job alone (record_job)
     _jobs_by_thread: dict[int, Lease] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -277,6 +280,8 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     from rein.engine.runner import EngineRunner
 
     settings = spec.settings
+    if settings.worker_switch_interval_ms is not None:
+        sys.setswitchinterval(settings.worker_switch_interval_ms / 1000)
     metrics = WorkerMetrics(spec.model_name)
     if settings.worker_metrics_port:
         # Before loading the engine: a port already taken fails the start in seconds, not minutes.
@@ -307,7 +312,8 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     sessions = sessionmaker(db, expire_on_commit=False)
     context = WorkerContext(app=app, settings=settings, model_name=spec.model_name, worker_name=worker_name,
                             keys=keys, redis=redis, sessions=sessions, runner=runner, publisher=publisher,
-                            metrics=metrics, reaper=Reaper(settings, sessions, redis, app))
+                            metrics=metrics, reaper=Reaper(settings, sessions, redis, app),
+                            recorder=GroupRecorder(sessions))
     runner.start()
     context.start()
     log.info("engine ready for %s on %s: %d KV blocks of %d tokens, max %d sequences, %d job slots "
