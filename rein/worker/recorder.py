@@ -15,6 +15,10 @@ A request with more than one plain choice (n > 1, best_of, echo, prompt logprobs
 stores `results.response`: the body's `choices` and `usage` (rein.choice_bodies), merged
 over the plain body; its text, token ids and logprobs columns hold the first returned choice.
 
+The worker records through `GroupRecorder`: jobs that end together (a batch's lines end
+in the same engine steps) are written by one statement (`record_jobs`), with the same
+conditions and the same idempotence per job, so one round trip and one commit for the group.
+
 Postgres text and jsonb cannot hold U+0000, which a model can emit (a byte-level token
 for 0x00): `storable_text` drops it, here and in the published events alike, so the
 streamed deltas still concatenate to the stored text.
