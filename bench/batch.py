@@ -2,7 +2,7 @@
 beside the same file through `rein run-batch`'s runner in this process.
 
     python bench/batch.py [--requests 2000] [--preset tiny] [--max-num-seqs 64] [--kv-cache-memory 256MiB]
-                          [--batch-queue-window N] [--batch-poll-seconds S]
+                          [--batch-queue-window N] [--batch-poll-seconds S] [--service-env NAME=VALUE ...]
                           [--profile-worker FILE [--profile-all-threads]] [--redis-url URL] [--postgres-url URL] [--keep DIR]
 
 The workload is generated from a fixed seed: `--requests` /v1/completions lines, prompts of
@@ -224,7 +224,7 @@ def run_service(sandbox: Sandbox, model_dir: Path, input_path: Path, output_path
             key = create_key(session, name="bench-batch", tenant="bench", scopes="batch").key
     finally:
         engine.dispose()
-    service = Service(sandbox, model_dir, log_dir, args)
+    service = Service(sandbox, model_dir, log_dir, args, env=dict(args.service_env or []))
     try:
         keys = RedisKeys(sandbox.prefix.rstrip(":"))
         service.wait_ready(keys.worker_heartbeat(service.hostname))
@@ -309,6 +309,9 @@ def main() -> int:
                         help="REIN_BATCH_QUEUE_WINDOW of the service (default: the setting's default)")
     parser.add_argument("--batch-poll-seconds", type=float, default=None, metavar="S",
                         help="REIN_BATCH_POLL_SECONDS of the service (default: the setting's default)")
+    parser.add_argument("--service-env", action="append", type=lambda text: tuple(text.split("=", 1)),
+                        metavar="NAME=VALUE", help="an environment variable for the api and the worker "
+                        "(e.g. REIN_WORKER_SWITCH_INTERVAL_MS=1; repeatable)")
     parser.add_argument("--profile-worker", default=None, metavar="FILE",
                         help="sample the worker with py-spy while the batch runs; collapsed stacks to FILE")
     parser.add_argument("--profile-all-threads", action="store_true",

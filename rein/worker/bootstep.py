@@ -20,14 +20,16 @@ soon as Celery announces the shutdown (its `worker_shutting_down` signal).
 Tasks reach all of this through `worker_context(app)`.
 
 Interactive jobs are never locked out by batch jobs. Celery's consumer takes at most
-max_num_seqs messages at once (prefetch 1 per slot, acks late), from both of the model's
-queues (rein.worker.app), so batch jobs alone could hold every slot while an interactive
-job waits on the queue. `InteractiveConsumer` is a second consumer, on a channel of its own
+max_num_seqs + queued_slots messages at once (prefetch 1 per slot, acks late; the queued
+slots' jobs wait in the engine for a sequence to end, see rein.worker.app), from both of the
+model's queues, so batch jobs alone could hold every slot while an interactive job waits on
+the queue. `InteractiveConsumer` is a second consumer, on a channel of its own
 with its own prefetch limit, that takes only the interactive queue, for up to
 `interactive_slots` more jobs, run by as many extra threads of the pool. Those jobs reach
 the engine while it is full of batch requests, and the engine's scheduler preempts a batch
-request for them (rein.engine.scheduler). Batch jobs never use the extra slots, so at most
-max_num_seqs of them run; interactive jobs use all max_num_seqs + interactive_slots.
+request for them (rein.engine.scheduler). Batch jobs never use the interactive slots, so
+at most max_num_seqs + queued_slots of them are held (max_num_seqs run); interactive jobs
+use every slot.
 
 `EngineThreadPool` is Celery's threads pool plus the one thing it lacks: terminating a
 task. Celery terminates tasks on broker connection loss
@@ -41,6 +43,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -65,6 +68,7 @@ from rein.worker.claim import Lease, renew_leases
 from rein.worker.metrics import WorkerMetrics, compose_hooks
 from rein.worker.publisher import INTERRUPTED, TokenPublisher
 from rein.worker.reaper import Reaper
+from rein.worker.recorder import GroupRecorder
 
 if TYPE_CHECKING:
     from rein.engine.config import EngineConfig
@@ -111,6 +115,7 @@ class WorkerContext:
     stopping: threading.Event = field(default_factory=threading.Event)
     interrupted: set[str] = field(default_factory=set)
     reaper: Reaper | None = None
+    recorder: GroupRecorder | None = None   # None: each task records its job alone (record_job)
     _jobs_by_thread: dict[int, Lease] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -277,6 +282,8 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     from rein.engine.runner import EngineRunner
 
     settings = spec.settings
+    if settings.worker_switch_interval_ms is not None:
+        sys.setswitchinterval(settings.worker_switch_interval_ms / 1000)
     metrics = WorkerMetrics(spec.model_name)
     if settings.worker_metrics_port:
         # Before loading the engine: a port already taken fails the start in seconds, not minutes.
@@ -300,19 +307,20 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     runner = EngineRunner(engine, name=f"rein-engine-{spec.model_name}",
                           on_step=compose_hooks(publisher.publish_step, metrics.observe_step))
     # One connection per task thread at most; the claim and the record are short transactions.
-    from rein.worker.app import interactive_slots
+    from rein.worker.app import interactive_slots, queued_slots
 
-    threads = engine.config.max_num_seqs + interactive_slots(settings)
+    threads = engine.config.max_num_seqs + queued_slots(settings) + interactive_slots(settings)
     db = make_engine(settings.database_url, pool_size=min(threads, 16), max_overflow=max(threads - 16, 0) + 4)
     sessions = sessionmaker(db, expire_on_commit=False)
     context = WorkerContext(app=app, settings=settings, model_name=spec.model_name, worker_name=worker_name,
                             keys=keys, redis=redis, sessions=sessions, runner=runner, publisher=publisher,
-                            metrics=metrics, reaper=Reaper(settings, sessions, redis, app))
+                            metrics=metrics, reaper=Reaper(settings, sessions, redis, app),
+                            recorder=GroupRecorder(sessions))
     runner.start()
     context.start()
     log.info("engine ready for %s on %s: %d KV blocks of %d tokens, max %d sequences, %d job slots "
              "(%d kept for interactive jobs)", spec.model_name, engine.config.device, engine.pool.num_blocks,
-             engine.pool.block_size, engine.config.max_num_seqs, threads, threads - engine.config.max_num_seqs)
+             engine.pool.block_size, engine.config.max_num_seqs, threads, interactive_slots(settings))
     return context
 
 
@@ -395,7 +403,8 @@ class InteractiveConsumer(bootsteps.ConsumerStep):
 class EngineThreadPool(ThreadTaskPool):
     """The threads pool, where terminating a task interrupts its job in the engine.
 
-    Its size (Celery's concurrency, which sets the main consumer's prefetch) is max_num_seqs;
+    Its size (Celery's concurrency, which sets the main consumer's prefetch) is max_num_seqs +
+    queued_slots;
     it runs `interactive_slots` more threads for the jobs `InteractiveConsumer` takes.
     Each task gets a unique token as its "pid" (Celery keeps it as the request's
     worker_pid and passes it back to terminate_job).

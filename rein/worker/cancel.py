@@ -12,14 +12,24 @@ A cancel has two halves, because a job may be queued or running when it comes:
 The API's cancel route calls `request_cancel` after setting `jobs.cancel_requested_at`
 (and, for a still queued job, `status = 'cancelled'`). Pub/sub delivers only to
 listeners connected at the time, so a listener that reconnects checks the flags of the
-jobs it runs, and a task checks the flag once more right after it handed the job to the
-engine (a cancel that arrived between the claim and the submit).
+jobs it runs.
+
+A cancel that arrives between a task's claim and its submit to the engine finds nothing to
+abort yet, so the task checks once more right after the submit. That check costs no round
+trip while the listener stays subscribed: every path that requests a cancel first writes
+`jobs.cancel_requested_at` (which a claim refuses) and then publishes, so a cancel that the
+claim did not see is published after it, and a listener subscribed since before the claim
+hears it. The listener remembers the cancels it heard (`heard_since`); only when it was not
+subscribed all along does the task read the flag from Redis (rein.worker.tasks).
+A job cancelled while queued needs no check of the flag before its claim: the claim itself
+refuses it (rein.worker.claim).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 from redis import Redis
@@ -29,6 +39,10 @@ from sqlalchemy.orm import Session
 from rein.core.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
+
+# How long the listener remembers a cancel it heard (for `heard_since`), and the most it keeps.
+HEARD_SECONDS = 600.0
+MAX_HEARD = 10_000
 
 
 def request_cancel(redis: Redis, keys: RedisKeys, job_id: str, flag_ttl_seconds: int) -> None:
@@ -58,7 +72,10 @@ class CancelListener:
         self.on_cancel = on_cancel
         self.running_jobs = running_jobs
         self.wait_seconds = wait_seconds
-        self.subscribed = threading.Event()
+        self.subscribed = threading.Event()   # set once Redis confirmed the subscription
+        self._lock = threading.Lock()
+        self._generation = 0                  # subscriptions confirmed so far
+        self._heard: dict[str, float] = {}    # job id -> when its cancel was heard (monotonic), oldest first
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rein-cancel-listener", daemon=True)
 
@@ -71,22 +88,44 @@ class CancelListener:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
+    def mark(self) -> int | None:
+        """Taken before claiming a job, for `heard_since`; None while not subscribed."""
+        with self._lock:
+            return self._generation if self.subscribed.is_set() else None
+
+    def heard_since(self, job_id: str, mark: int | None) -> bool | None:
+        """Whether a cancel of `job_id` was heard; None when one may have been missed since
+        `mark` (the listener was not subscribed all along): then ask Redis for the flag."""
+        with self._lock:
+            if job_id in self._heard:
+                return True
+            if mark is None or mark != self._generation or not self.subscribed.is_set():
+                return None
+            return False
+
     def _run(self) -> None:
         backoff = 0.1
         while not self._stop.is_set():
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            # Subscribe confirmations are read here: subscribed means Redis has the subscription.
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=False)
             try:
                 pubsub.subscribe(self.keys.cancel_channel())
-                self.subscribed.set()
-                self._check_flags()
                 backoff = 0.1
                 while not self._stop.is_set():
                     # Blocks on the socket up to wait_seconds: the bound on how long stop() waits.
                     message = pubsub.get_message(timeout=self.wait_seconds)
-                    if message is not None and message.get("type") == "message":
+                    if message is None:
+                        continue
+                    if message.get("type") == "message":
                         self._cancel(message["data"])
+                    elif message.get("type") == "subscribe":
+                        with self._lock:
+                            self._generation += 1
+                            self.subscribed.set()
+                        self._check_flags()
             except RedisError as exc:
-                self.subscribed.clear()
+                with self._lock:
+                    self.subscribed.clear()
                 log.warning("cancel listener lost Redis (%s); reconnecting in %.1f s", exc, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -99,6 +138,15 @@ class CancelListener:
 
     def _cancel(self, data: bytes | str) -> None:
         job_id = data.decode() if isinstance(data, bytes) else str(data)
+        # Remembered before the abort: a task that submits its job and then finds nothing
+        # here is sure the abort comes after its submit.
+        now = time.monotonic()
+        with self._lock:
+            heard = self._heard
+            heard.pop(job_id, None)
+            heard[job_id] = now
+            while heard and (len(heard) > MAX_HEARD or next(iter(heard.values())) < now - HEARD_SECONDS):
+                del heard[next(iter(heard))]
         try:
             self.on_cancel(job_id)
         except Exception:  # one bad cancel must not end the listener

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease) -> str:
+def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease, cancel_mark: int | None = None) -> str:
     """Run a claimed embeddings job (publisher.begin already called); returns its outcome."""
     from rein.engine.pooling import PoolingParams
     from rein.engine.runner import EngineStoppedError
@@ -67,7 +67,7 @@ def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease) ->
         where = f"input[{index}]: " if index is not None and len(inputs) > 1 else ""
         return _fail(context, lease, f"{where}{exc}", "invalid_request_error",
                      getattr(exc, "code", None) or "engine_refused")
-    abort_if_cancelled(context, job_id)
+    abort_if_cancelled(context, job_id, cancel_mark)
     deadline = time.monotonic() + context.settings.job_timeout_seconds
     try:
         timed_out = not _wait_all(streams, deadline)

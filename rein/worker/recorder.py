@@ -15,6 +15,10 @@ A request with more than one plain choice (n > 1, best_of, echo, prompt logprobs
 stores `results.response`: the body's `choices` and `usage` (rein.choice_bodies), merged
 over the plain body; its text, token ids and logprobs columns hold the first returned choice.
 
+The worker records through `GroupRecorder`: jobs that end together (a batch's lines end
+in the same engine steps) are written by one statement (`record_jobs`), with the same
+conditions and the same idempotence per job, so one round trip and one commit for the group.
+
 Postgres text and jsonb cannot hold U+0000, which a model can emit (a byte-level token
 for 0x00): `storable_text` drops it, here and in the published events alike, so the
 streamed deltas still concatenate to the stored text.
@@ -23,18 +27,23 @@ streamed deltas still concatenate to the stored text.
 from __future__ import annotations
 
 import json
+import logging
+import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.core.db import engine_of, execute_one
+from rein.core.db import engine_of, execute_all, execute_one
 from rein.core.models import Job, Result
 from rein.embeddings_format import job_embeddings_body
 from rein.openai_format import EMBEDDINGS, build_response
 from rein.tools import apply_tool_calls
 from rein.worker.claim import Lease
+
+log = logging.getLogger(__name__)
 
 
 def storable_text(text: str) -> str:
@@ -86,10 +95,125 @@ def record_job(sessions: sessionmaker[Session], lease: Lease, record: JobRecord)
     prompt_tokens = record.prompt_tokens or 0
     row = execute_one(engine_of(sessions), _RECORD_SQL, (
         record.status, record.first_token_at, _json(record.error), lease.job_id, lease.attempt,
-        record.text, record.finish_reason, "{" + ",".join(map(str, record.token_ids)) + "}",
+        record.text, record.finish_reason, _int_array(record.token_ids),
         _json(record.logprobs), _json(record.response), has_result,
         prompt_tokens, record.completion_tokens, min(record.cached_tokens, prompt_tokens), has_usage))
     return row is not None and row[0] == 1
+
+
+def record_jobs(sessions: sessionmaker[Session], records: list[tuple[Lease, JobRecord]]) -> set[str]:
+    """`record_job` for several jobs (distinct ids) in one statement, so one round trip and one
+    transaction; the ids of those recorded (a job whose lease is lost is left out, as
+    record_job's False)."""
+    params: list[object] = []
+    for lease, record in records:
+        prompt_tokens = record.prompt_tokens or 0
+        params += (lease.job_id, lease.attempt, record.status, record.first_token_at, _json(record.error),
+                   record.text, record.finish_reason, _int_array(record.token_ids), _json(record.logprobs),
+                   _json(record.response), record.finish_reason is not None, prompt_tokens,
+                   record.completion_tokens, min(record.cached_tokens, prompt_tokens),
+                   record.prompt_tokens is not None)
+    sql = _RECORD_MANY_SQL.format(values=",".join([_RECORD_MANY_ROW] * len(records)))
+    return {row[0] for row in execute_all(engine_of(sessions), sql, tuple(params))}
+
+
+class GroupRecorder:
+    """`record_job` shared by the task threads, with group commit: while one thread writes,
+    the records that other threads bring meanwhile wait, and the next writer (the first of
+    them) writes them all in one statement (`record_jobs`), up to `max_group` at once.
+
+    A thread alone pays one statement, as before; when jobs end together (a batch's lines,
+    which end in the same engine steps), they share a round trip, a connection checkout and a
+    commit instead of one each. Each caller gets its own answer or error, as from
+    `record_job`: a group that fails for another reason than a lost connection is written
+    again one job at a time, so one bad record fails only its own job.
+    """
+
+    def __init__(self, sessions: sessionmaker[Session], max_group: int = 64) -> None:
+        self.sessions = sessions
+        self.max_group = max_group
+        self._lock = threading.Lock()
+        self._waiting: list[_Pending] = []   # in arrival order; the first is the next writer's
+        self._writing = False
+        self.statements = 0                  # group statements made (for tests and benchmarks)
+
+    def record(self, lease: Lease, record: JobRecord) -> bool:
+        """`record_job`, written with whatever else waits (see the class docstring)."""
+        pending = _Pending(lease, record)
+        with self._lock:
+            self._waiting.append(pending)
+            leading = not self._writing
+            self._writing = True
+        if not leading:
+            pending.ready.wait()
+            if not pending.leading:
+                return pending.answer()
+        with self._lock:   # this thread writes: its own record is the first waiting
+            group, ids, left = [], set(), []
+            for waiting in self._waiting:
+                if len(group) < self.max_group and waiting.lease.job_id not in ids:
+                    group.append(waiting)
+                    ids.add(waiting.lease.job_id)
+                else:
+                    left.append(waiting)
+            self._waiting = left
+        try:
+            self._write(group)
+        finally:
+            with self._lock:
+                following = self._waiting[0] if self._waiting else None
+                self._writing = following is not None
+            for done in group:
+                if done is not pending:
+                    done.ready.set()
+            if following is not None:
+                following.leading = True
+                following.ready.set()
+        return pending.answer()
+
+    def _write(self, group: list[_Pending]) -> None:
+        try:
+            if len(group) == 1:
+                only = group[0]
+                only.recorded = record_job(self.sessions, only.lease, only.record)
+                return
+            self.statements += 1
+            recorded = record_jobs(self.sessions, [(p.lease, p.record) for p in group])
+            for pending in group:
+                pending.recorded = pending.lease.job_id in recorded
+        except (OperationalError, InterfaceError) as exc:   # Postgres away: every caller retries
+            for pending in group:
+                pending.error = exc
+        except Exception as exc:
+            if len(group) == 1:
+                group[0].error = exc
+                return
+            log.warning("recording %d jobs together failed (%s: %s); recording them one by one",
+                        len(group), type(exc).__name__, exc)
+            for pending in group:
+                try:
+                    pending.recorded = record_job(self.sessions, pending.lease, pending.record)
+                except Exception as one:
+                    pending.error = one
+
+
+@dataclass(eq=False)
+class _Pending:
+    lease: Lease
+    record: JobRecord
+    ready: threading.Event = field(default_factory=threading.Event)
+    leading: bool = False           # woken to write the next group, not with an answer
+    recorded: bool = False
+    error: BaseException | None = None
+
+    def answer(self) -> bool:
+        if self.error is not None:
+            raise self.error
+        return self.recorded
+
+
+def _int_array(values: list[int]) -> str:
+    return "{" + ",".join(map(str, values)) + "}"
 
 
 def _json(value: Any) -> str | None:
@@ -115,6 +239,33 @@ WITH done AS (
     ON CONFLICT (job_id) DO NOTHING
 )
 SELECT count(*) FROM done"""
+
+
+# record_jobs: the same writes for several jobs, their values in one VALUES list.
+_RECORD_MANY_ROW = ("(%s::text, %s::integer, %s::text, %s::timestamptz, %s::jsonb, %s::text, %s::text, "
+                    "%s::integer[], %s::jsonb, %s::jsonb, %s::boolean, %s::integer, %s::integer, %s::integer, "
+                    "%s::boolean)")
+_RECORD_MANY_SQL = """
+WITH input (id, attempt, status, first_token_at, error, text, finish_reason, token_ids, logprobs, response,
+            has_result, prompt_tokens, completion_tokens, cached_tokens, has_usage) AS (VALUES {values}
+), done AS (
+    UPDATE jobs SET status = input.status, finished_at = now(), first_token_at = input.first_token_at,
+                    error = input.error, lease_expires_at = NULL
+      FROM input
+     WHERE jobs.id = input.id AND jobs.attempt = input.attempt AND jobs.status = 'running'
+    RETURNING jobs.id, jobs.tenant, jobs.key_id, jobs.model, input.text, input.finish_reason, input.token_ids,
+              input.logprobs, input.response, input.has_result, input.prompt_tokens, input.completion_tokens,
+              input.cached_tokens, input.has_usage
+), result_row AS (
+    INSERT INTO results (job_id, text, finish_reason, token_ids, logprobs, response)
+    SELECT id, text, finish_reason, token_ids, logprobs, response FROM done WHERE has_result
+    ON CONFLICT (job_id) DO NOTHING
+), usage_row AS (
+    INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_tokens, cached_tokens)
+    SELECT id, tenant, key_id, model, prompt_tokens, completion_tokens, cached_tokens FROM done WHERE has_usage
+    ON CONFLICT (job_id) DO NOTHING
+)
+SELECT id FROM done"""
 
 
 def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str, Any]:

@@ -40,7 +40,6 @@ from rein.worker.bootstep import worker_context
 from rein.worker.cancel import is_cancel_requested
 from rein.worker.claim import (
     ClaimOutcome,
-    cancel_unstarted_job,
     claim_job,
     release_job,
 )
@@ -103,12 +102,10 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
     if context.stopping.is_set():
         requeue(context, message)
         return "requeued"
+    # No look at the cancel flag first: the claim refuses a job whose cancel was requested
+    # (rein.worker.cancel). The listener's mark, for the check after the submit (abort_if_cancelled).
+    cancel_mark = context.listener.mark() if context.listener is not None else None
     try:
-        if is_cancel_requested(context.redis, context.keys, job_id):
-            if cancel_unstarted_job(context.sessions, job_id):
-                context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_body(0, 0))
-            _settle_tpm(context, job_id, message.key_id, 0)
-            return "skipped: cancelled"
         claim = claim_job(context.sessions, job_id, context.worker_name, context.settings.lease_seconds)
     except (RedisError, SQLAlchemyError) as exc:
         raise JobNotTaken(str(exc)) from exc
@@ -125,7 +122,7 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
     with context.tracking(claim.lease), log_context(attempt=claim.lease.attempt):
         try:
             started = time.monotonic()
-            outcome = _run_claimed(context, message, claim.lease)
+            outcome = _run_claimed(context, message, claim.lease, cancel_mark)
             log.info("job %s attempt %d ended: %s after %.3f s", job_id, claim.lease.attempt, outcome,
                      time.monotonic() - started)
             return outcome
@@ -156,7 +153,7 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
                 raise
 
 
-def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> str:
+def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, cancel_mark: int | None = None) -> str:
     from rein.engine.runner import EngineStoppedError
     from rein.engine.sampling_params import SamplingParams
     from rein.structured.decoding import prepare_grammar
@@ -168,7 +165,7 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
     # A batch job's deltas go out coalesced (rein.worker.publisher): nobody watches them live.
     context.publisher.begin(job_id, restart=lease.attempt > 1, coalesce=message.priority >= PRIORITY_BATCH)
     if message.endpoint == EMBEDDINGS:   # every input through the engine, one result (its own module)
-        return run_embeddings(context, message, lease)
+        return run_embeddings(context, message, lease, cancel_mark)
     try:
         params = SamplingParams(**message.sampling)
     except (TypeError, ValueError) as exc:
@@ -183,7 +180,7 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
     except Exception as exc:  # the engine refused the request (EngineRequestError, ...)
         return _fail(context, lease, str(exc), "invalid_request_error", getattr(exc, "code", None)
                      or "engine_refused")
-    abort_if_cancelled(context, job_id)
+    abort_if_cancelled(context, job_id, cancel_mark)
     deadline = time.monotonic() + context.settings.job_timeout_seconds
     try:
         timed_out = _wait(context, job_id, stream, deadline)
@@ -214,7 +211,8 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease) -> s
                                             first_token=collected.first_token_monotonic,
                                             finished=time.monotonic(), num_output_tokens=final.num_output_tokens)
     record = job_record(message, lease.endpoint, collected, params, context.engine.tokenizer, status, error)
-    if not _record(context, lease, record):
+    # A batch line was admitted without a TPM charge (rein.batches.manager): nothing to settle.
+    if not _record(context, lease, record, charged=message.priority < PRIORITY_BATCH):
         log.warning("job %s attempt %d: lease lost before recording; result dropped", job_id, lease.attempt)
         return "lease lost"
     return status
@@ -249,8 +247,18 @@ def job_record(message: JobMessage, endpoint: str, collected: Collected, params:
         cached_tokens=final.num_cached_tokens, first_token_at=first_token_at, response=extra)
 
 
-def abort_if_cancelled(context: WorkerContext, job_id: str) -> None:
-    """Abort a just-submitted job whose cancel came between the claim and the submit."""
+def abort_if_cancelled(context: WorkerContext, job_id: str, cancel_mark: int | None = None) -> None:
+    """Abort a just-submitted job whose cancel came between the claim and the submit.
+
+    `cancel_mark`: the cancel listener's mark from before the claim. While the listener has
+    stayed subscribed since then, what it heard is the answer (no round trip); otherwise the
+    job's cancel flag in Redis is (rein.worker.cancel)."""
+    listener = context.listener
+    heard = listener.heard_since(job_id, cancel_mark) if listener is not None else None
+    if heard is not None:
+        if heard:
+            context.runner.abort(job_id)
+        return
     try:
         if is_cancel_requested(context.redis, context.keys, job_id):
             context.runner.abort(job_id)
@@ -279,10 +287,11 @@ def _fail(context: WorkerContext, lease: Lease, message: str, type_: str, code: 
     return "failed"
 
 
-def _record(context: WorkerContext, lease: Lease, record: JobRecord) -> bool:
+def _record(context: WorkerContext, lease: Lease, record: JobRecord, *, charged: bool = True) -> bool:
     """`record_job`, waiting out a Postgres outage (up to RECORD_RETRY_SECONDS): a computed
     result is kept until it is stored. The job stays tracked meanwhile, so its lease is
-    renewed as soon as Postgres answers again, before any reaper may take it."""
+    renewed as soon as Postgres answers again, before any reaper may take it. `charged`:
+    whether the job may hold a TPM charge to settle once recorded (False: no round trip)."""
     # The job's last events out first (the publisher's sender thread), so its stream ends
     # before its result is stored, as followers expect; bounded, as Redis may hang.
     context.publisher.flush(PUBLISH_FLUSH_SECONDS)
@@ -290,8 +299,10 @@ def _record(context: WorkerContext, lease: Lease, record: JobRecord) -> bool:
     delay = 0.25
     while True:
         try:
-            recorded = record_job(context.sessions, lease, record)
-            if recorded:   # the job's token charge meets its usage (none without a usage row)
+            # With the worker's GroupRecorder, jobs that end together share one statement.
+            recorded = (context.recorder.record(lease, record) if context.recorder is not None
+                        else record_job(context.sessions, lease, record))
+            if recorded and charged:   # the job's token charge meets its usage (none without a usage row)
                 used = (record.prompt_tokens + record.completion_tokens) if record.prompt_tokens is not None else 0
                 _settle_tpm(context, lease.job_id, lease.key_id, used)
             return recorded

@@ -295,6 +295,74 @@ def test_claim_is_exclusive_and_a_finished_job_is_never_claimed_again(make_job, 
     assert claim_job(db_sessionmaker, "job_missing", "w1", 600).outcome is ClaimOutcome.MISSING
 
 
+def test_several_jobs_are_recorded_in_one_statement(make_job, db_sessionmaker, tenant):
+    from rein.worker.recorder import record_jobs
+
+    messages = [make_job() for _ in range(3)]
+    leases = [claim_job(db_sessionmaker, m.job_id, "w1", 600).lease for m in messages]
+    lost = leases[2]
+    with db_sessionmaker.begin() as session:   # the third job's lease went to another attempt
+        session.execute(update(Job).where(Job.id == lost.job_id).values(attempt=Job.attempt + 1))
+    records = [JobRecord(status="succeeded", text="hé\x00llo", token_ids=[7, 8, 9], finish_reason="stop",
+                         prompt_tokens=4, completion_tokens=3, cached_tokens=9),
+               JobRecord(status="failed", error={"message": "boom", "type": "server_error", "code": "x"}),
+               JobRecord(status="succeeded", text="z", token_ids=[1], finish_reason="length", prompt_tokens=4,
+                         completion_tokens=1)]
+    recorded = record_jobs(db_sessionmaker, list(zip(leases, records, strict=True)))
+    assert recorded == {leases[0].job_id, leases[1].job_id}
+    assert record_jobs(db_sessionmaker, list(zip(leases, records, strict=True))) == set()   # a retry: nothing
+    with db_sessionmaker() as session:
+        first, second, third = (session.get(Job, lease.job_id) for lease in leases)
+        assert first.status == "succeeded" and first.finished_at is not None and first.lease_expires_at is None
+        assert second.status == "failed" and second.error["message"] == "boom"
+        assert third.status == "running"
+        result = session.get(Result, leases[0].job_id)
+        assert (result.text, result.token_ids, result.finish_reason) == ("héllo", [7, 8, 9], "stop")
+        assert session.get(Result, leases[1].job_id) is None and session.get(Result, lost.job_id) is None
+    [usage] = usage_rows(db_sessionmaker, leases[0].job_id)
+    assert (usage.tenant, usage.prompt_tokens, usage.completion_tokens, usage.cached_tokens) == (tenant, 4, 3, 4)
+    assert usage_rows(db_sessionmaker, leases[1].job_id) == usage_rows(db_sessionmaker, lost.job_id) == []
+
+
+def test_group_recorder_answers_each_thread_and_groups_what_waits(make_job, db_sessionmaker, monkeypatch):
+    import rein.worker.recorder as recorder_module
+    from rein.worker.recorder import GroupRecorder
+
+    recorder = GroupRecorder(db_sessionmaker)
+    messages = [make_job() for _ in range(12)]
+    leases = [claim_job(db_sessionmaker, m.job_id, "w1", 600).lease for m in messages]
+    stale = leases[-1]
+    with db_sessionmaker.begin() as session:
+        session.execute(update(Job).where(Job.id == stale.job_id).values(attempt=Job.attempt + 1))
+    # The first writer is held up, so the other threads' records wait and go as one group.
+    real, release = recorder_module.record_job, threading.Event()
+
+    def slow_record(*args, **kwargs):
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(recorder_module, "record_job", slow_record)
+    answers: dict[str, bool] = {}
+
+    def record(lease):
+        answers[lease.job_id] = recorder.record(lease, JobRecord(status="succeeded", text="x", token_ids=[1],
+                                                                 finish_reason="stop", prompt_tokens=4,
+                                                                 completion_tokens=1))
+
+    threads = [threading.Thread(target=record, args=(lease,)) for lease in leases]
+    threads[0].start()
+    wait_for(lambda: recorder._writing, 10, "the first writer")
+    for thread in threads[1:]:
+        thread.start()
+    wait_for(lambda: len(recorder._waiting) == len(leases) - 1, 10, "the other records to wait")
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert answers == {lease.job_id: lease is not stale for lease in leases}
+    assert recorder.statements == 1 and not recorder._writing and not recorder._waiting
+    assert all(job_row(db_sessionmaker, lease.job_id).status == "succeeded" for lease in leases[:-1])
+
+
 def test_expired_lease_is_reclaimed_and_the_stale_attempt_writes_nothing(make_job, db_sessionmaker):
     message = make_job()
     stale = claim_job(db_sessionmaker, message.job_id, "w1", 600).lease
@@ -384,6 +452,39 @@ def test_cancel_listener_hears_cancels_and_checks_flags_on_subscribe(redis_clien
         listener.stop()
         assert time.monotonic() - started < 2
     assert heard == [flagged, "job_live"]
+
+
+def test_cancel_listener_says_what_it_heard_since_a_mark(redis_url, redis_client, keys):
+    """What a task asks after its submit (rein.worker.tasks.abort_if_cancelled): True for a
+    cancel heard, False while subscribed all along, None (ask Redis) when it may have missed one."""
+    import redis
+
+    heard: list[str] = []
+    name = f"rein-test-listener-{secrets.token_hex(4)}"   # to drop this listener's connection alone
+    own = redis.Redis.from_url(redis_url, client_name=name)
+    listener = CancelListener(own, keys, heard.append, wait_seconds=0.1)
+    assert listener.mark() is None                      # not subscribed yet
+    listener.start()
+    try:
+        assert listener.subscribed.wait(10)
+        mark = listener.mark()
+        assert mark is not None
+        assert listener.heard_since("job_quiet", mark) is False
+        assert listener.heard_since("job_quiet", None) is None
+        request_cancel(redis_client, keys, "job_loud", flag_ttl_seconds=60)
+        wait_for(lambda: "job_loud" in heard, 10, "the published cancel")
+        assert listener.heard_since("job_loud", mark) is True
+        assert listener.heard_since("job_loud", None) is True
+        # A new subscription (after a lost connection) may have missed cancels: ask Redis.
+        for client in redis_client.client_list(_type="pubsub"):
+            if client.get("name") == name:
+                redis_client.client_kill_filter(_id=client["id"])
+        wait_for(lambda: listener.mark() not in (None, mark), 10, "the listener to subscribe again")
+        assert listener.heard_since("job_quiet", mark) is None
+        assert listener.heard_since("job_quiet", listener.mark()) is False
+    finally:
+        listener.stop()
+        own.close()
 
 
 # -- queues and priorities ----------------------------------------------------------------------
@@ -585,7 +686,11 @@ def test_cancel_mid_generation_frees_the_engine_blocks(worker_app, make_job, db_
 
 
 def test_job_cancelled_while_queued_is_skipped(worker_app, make_job, db_sessionmaker, redis_client, keys):
+    # As every cancel path does: the row's cancel_requested_at first, then the flag and the
+    # message (rein.worker.cancel). The claim refuses the job; the worker ends its stream.
     message = make_job()
+    with db_sessionmaker.begin() as session:
+        session.execute(update(Job).where(Job.id == message.job_id).values(cancel_requested_at=func.now()))
     request_cancel(redis_client, keys, message.job_id, flag_ttl_seconds=60)
     enqueue_job(worker_app, message)
     job = wait_finished(db_sessionmaker, message.job_id)
@@ -692,6 +797,7 @@ def plain_context(make_settings, tiny_models):
 def test_a_finished_result_waits_out_a_postgres_outage(plain_context, make_job, db_sessionmaker, monkeypatch):
     from sqlalchemy.exc import OperationalError
 
+    import rein.worker.recorder as recorder
     import rein.worker.tasks as tasks
 
     context = plain_context()
@@ -703,6 +809,9 @@ def test_a_finished_result_waits_out_a_postgres_outage(plain_context, make_job, 
             raise OperationalError("UPDATE jobs ...", {}, ConnectionRefusedError("Postgres is down"))
         return real_record(*args, **kwargs)
 
+    # The worker's GroupRecorder writes a job alone through recorder.record_job.
+    assert context.recorder is not None
+    monkeypatch.setattr(recorder, "record_job", record_while_postgres_is_down)
     monkeypatch.setattr(tasks, "record_job", record_while_postgres_is_down)
     message = make_job(max_tokens=5)
     assert tasks.process_job(context, message) == "succeeded"
