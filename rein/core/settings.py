@@ -247,11 +247,6 @@ class Settings(BaseSettings):
     """Jobs a worker takes from its model's interactive queue beyond max_num_seqs, so that an
     interactive job is taken (and, by its priority, admitted by the engine) while batch jobs
     hold every slot; unset: a quarter of max_num_seqs, at least 1; 0: none (rein.worker.bootstep)."""
-    worker_queued_slots: int | None = Field(None, ge=0)
-    """Jobs a worker takes beyond max_num_seqs from both its model's queues: they wait in the
-    engine, which starts one at the step after a running job ends, instead of after that job's
-    record, ack and the next message's claim; unset: an eighth of max_num_seqs, at least 1; 0: none
-    (rein.worker.app)."""
     worker_switch_interval_ms: float | None = Field(None, gt=0, le=1000)
     """The worker process's GIL switch interval (sys.setswitchinterval), in milliseconds; unset: Python's
     default (5 ms) (rein.worker.bootstep)."""
