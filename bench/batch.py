@@ -311,7 +311,7 @@ def main() -> int:
                         help="REIN_BATCH_POLL_SECONDS of the service (default: the setting's default)")
     parser.add_argument("--service-env", action="append", type=lambda text: tuple(text.split("=", 1)),
                         metavar="NAME=VALUE", help="an environment variable for the api and the worker "
-                        "(e.g. REIN_WORKER_SWITCH_INTERVAL_MS=1; repeatable)")
+                        "(e.g. REIN_WORKER_INTERACTIVE_SLOTS=0; repeatable)")
     parser.add_argument("--profile-worker", default=None, metavar="FILE",
                         help="sample the worker with py-spy while the batch runs; collapsed stacks to FILE")
     parser.add_argument("--profile-all-threads", action="store_true",

@@ -247,9 +247,6 @@ class Settings(BaseSettings):
     """Jobs a worker takes from its model's interactive queue beyond max_num_seqs, so that an
     interactive job is taken (and, by its priority, admitted by the engine) while batch jobs
     hold every slot; unset: a quarter of max_num_seqs, at least 1; 0: none (rein.worker.bootstep)."""
-    worker_switch_interval_ms: float | None = Field(None, gt=0, le=1000)
-    """The worker process's GIL switch interval (sys.setswitchinterval), in milliseconds; unset: Python's
-    default (5 ms) (rein.worker.bootstep)."""
     worker_metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port the worker serves its Prometheus metrics on (/metrics, all interfaces); unset or 0: none."""
 

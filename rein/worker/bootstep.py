@@ -41,7 +41,6 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -280,8 +279,6 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     from rein.engine.runner import EngineRunner
 
     settings = spec.settings
-    if settings.worker_switch_interval_ms is not None:
-        sys.setswitchinterval(settings.worker_switch_interval_ms / 1000)
     metrics = WorkerMetrics(spec.model_name)
     if settings.worker_metrics_port:
         # Before loading the engine: a port already taken fails the start in seconds, not minutes.
