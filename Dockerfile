@@ -20,6 +20,11 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
+# A C compiler: the worker builds rein's CPU kernels on first use (rein.kernels.cpu_native;
+# without one it falls back to torch's slower code).
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
 # torch first, from the chosen index, in its own layer (it is by far the largest).
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 

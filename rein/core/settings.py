@@ -251,7 +251,8 @@ class Settings(BaseSettings):
     """Port the worker serves its Prometheus metrics on (/metrics, all interfaces); unset or 0: none."""
 
     cache_dir: str = "~/.cache/rein"
-    """rein's cache: packaged models (`rein fetch-model`) and the config/tokenizer read from GGUF files."""
+    """rein's cache: packaged models (`rein fetch-model`), the config/tokenizer read from GGUF files
+    and the CPU kernels built on this machine (rein.kernels.cpu_native)."""
     cpu_mallopt: bool = True
     """On CPU, raise glibc malloc's mmap and trim thresholds at engine start so large step tensors
     reuse heap memory (rein.engine.cpu_allocator); false: leave malloc alone."""
