@@ -78,7 +78,6 @@ def safetensors_tensors(directory: Path) -> Iterator[Callable[[str], torch.Tenso
 def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: torch.dtype,
                device: torch.device):
     """Build the native model on `device` in `dtype` and fill it from the checkpoint."""
-    from rein.engine.models.linear import pack_weights
     from rein.engine.models.llama import LlamaFamilyModel
 
     with torch.device("meta"):
@@ -92,7 +91,7 @@ def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: to
         model.load_hf_weights(_base_model_names(get))
     model.eval()
     if device.type == "cpu":
-        pack_weights(model)   # oneDNN's blocked layout, once (rein.engine.models.linear)
+        model.pack_cpu_weights()   # oneDNN's blocked layout, once (rein.engine.models.linear)
     return model
 
 

@@ -84,6 +84,29 @@ def test_packed_weights_give_the_same_outputs():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not linear_module.ONEDNN, reason="oneDNN is not in this torch build")
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])   # tied head, untied head
+def test_loaded_cpu_model_is_packed_and_its_logits_unchanged(tiny_models, arch):
+    from rein.engine.loader import load_model
+    from rein.engine.model_spec import ModelSpec
+    from rein.model_files import resolve_model
+
+    files = resolve_model(tiny_models(arch=arch))
+    spec = ModelSpec.from_dir(files.directory)
+    model = load_model(files, spec, 64, torch.float32, torch.device("cpu"))
+    assert model.layers[0].mlp.down_proj.weight.is_mkldnn
+    hidden = torch.randn(5, spec.hidden_size)
+    dense_head = model.embed_tokens.weight if model.lm_head is None else None
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden)
+    if arch == "qwen2":
+        assert model.lm_head is None and model.packed_tied_head is not None
+        torch.testing.assert_close(logits, hidden @ dense_head.T, rtol=1e-5, atol=1e-5)
+    else:
+        assert model.packed_tied_head is None and model.lm_head.weight.is_mkldnn
+        assert logits.shape == (5, spec.vocab_size)
+
+
 def test_pack_weights_leaves_other_dtypes_and_plain_linears():
     model = torch.nn.Sequential(Linear(8, 8).bfloat16(), torch.nn.Linear(8, 8))
     assert linear_module.pack_weights(model) == 0

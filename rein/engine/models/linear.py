@@ -18,7 +18,8 @@ Measured on the second benchmark machine (Intel Xeon with AVX-512, 1 thread, Smo
 layers with weights streamed from memory, best of 4): 8 rows 63-74 -> 53-58 ms, 32 rows 92-102
 -> 81-84 ms, 64 rows 127-143 -> 122-142 ms, 2048 rows 3164-3225 -> 3022-3030 ms (MKL's sgemm
 there: 2826-2887 ms at 2048 rows but 101-113 at 32; vLLM's CPU build likewise packs for oneDNN).
-Tied embeddings (nn.Embedding, also the lm_head) stay dense. Everything else -- CUDA, other
+The embedding table stays dense (a lookup); a tied head gets a packed copy of it
+(LlamaFamilyModel.pack_cpu_weights). Everything else -- CUDA, other
 dtypes, a single row on a dense weight, autograd -- keeps `F.linear`.
 """
 

@@ -1,0 +1,183 @@
+"""rein's CPU kernels against the torch code they replace, side by side in one process.
+
+    python bench/cpu_kernels.py [--threads 1] [--repeat 5]
+
+SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, hidden 576, intermediate
+1536, 30 layers), float32, random data. Each figure is the best of --repeat timings of
+CPU time (time.process_time: what the thread itself spent, so neighbours on a shared
+machine disturb it less than wall time), and each pair is taken back to back:
+
+* decode attention, one layer: `rein.kernels.cpu_native.paged_decode_attention` (reads K/V
+  in place from the cache blocks) against `rein.kernels.reference.paged_decode_attention`
+  (gathers K/V into a padded copy, then torch SDPA), batch x context, each request's blocks
+  scattered over a cache larger than the CPU's caches, context lengths varied +-25%;
+* a layer's element-wise work at 32 rows (a decode step) and 2048 rows (a prefill step):
+  RMSNorm, rotary on the fused Q/K projection, residual add + RMSNorm, SiLU-and-multiply and
+  the last residual add, as rein.engine.models.llama runs them with and without the kernels;
+* the projections of all 30 layers (weights streamed from memory, not cache): oneDNN on the
+  dense weight (before) against oneDNN on the weight prepacked at load
+  (rein.engine.models.linear.pack_weights), and torch's F.linear (MKL) for reference.
+
+Prints one line per figure and, last, one JSON object with all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from rein.engine.models.rope import apply_rotary  # noqa: E402
+from rein.kernels import cpu_native, reference  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, LAYERS, BLOCK = 9, 3, 64, 576, 1536, 30, 16
+PROJECTIONS = [(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), (HEADS * HEAD_DIM, HIDDEN), (HIDDEN, 2 * INTER),
+               (INTER, HIDDEN)]
+
+
+def best_ms(fn, repeat: int, inner: int = 1) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.process_time()
+        for _ in range(inner):
+            fn()
+        best = min(best, (time.process_time() - start) / inner)
+    return best * 1e3
+
+
+def decode_case(batch: int, ctx: int, gen: torch.Generator):
+    lengths = torch.randint(max(1, ctx * 3 // 4), ctx * 5 // 4 + 1, (batch,), generator=gen, dtype=torch.int32)
+    per = [(int(n) + BLOCK - 1) // BLOCK for n in lengths]
+    num_blocks = max(sum(per) * 2, 4096)   # > the caches: blocks come from memory
+    order = torch.randperm(num_blocks, generator=gen)
+    tables = torch.zeros(batch, max(per), dtype=torch.int32)
+    used = 0
+    for i, n in enumerate(per):
+        tables[i, :n] = order[used:used + n].to(torch.int32)
+        used += n
+    k = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    v = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
+    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen)
+    return q, k, v, tables, lengths
+
+
+def bench_decode(repeat: int, gen: torch.Generator) -> list[dict]:
+    rows = []
+    for batch in (8, 32, 64):
+        for ctx in (128, 512, 1024):
+            q, k, v, tables, lens = decode_case(batch, ctx, gen)
+            torch_ms = best_ms(lambda: reference.paged_decode_attention(q, k, v, tables, lens, 0.125), repeat, 3)
+            native_ms = best_ms(lambda: cpu_native.paged_decode_attention(q, k, v, tables, lens, 0.125), repeat, 3)
+            row = {"batch": batch, "context": ctx, "torch_ms": torch_ms, "native_ms": native_ms,
+                   "speedup": torch_ms / native_ms}
+            print(f"decode attention  batch {batch:3d} context ~{ctx:5d}: torch {torch_ms:7.3f} ms   "
+                  f"native {native_ms:7.3f} ms   {row['speedup']:5.2f}x", flush=True)
+            rows.append(row)
+    return rows
+
+
+def bench_elementwise(repeat: int, gen: torch.Generator) -> list[dict]:
+    rows = []
+    eps = 1e-5
+    for tokens in (32, 2048):
+        x = torch.randn(tokens, HIDDEN, generator=gen)
+        attended = torch.randn(tokens, HIDDEN, generator=gen)
+        mlp_out = torch.randn(tokens, HIDDEN, generator=gen)
+        weight = torch.randn(HIDDEN, generator=gen)
+        qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * HEAD_DIM, generator=gen)
+        gate_up = torch.randn(tokens, 2 * INTER, generator=gen)
+        angles = torch.rand(tokens, 1, HEAD_DIM // 2, generator=gen) * 100
+        cos, sin = angles.cos(), angles.sin()
+
+        def norm(t):
+            return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True).add_(eps)) * weight
+
+        def with_torch():
+            norm(x)
+            apply_rotary(qkv[:, :(HEADS + KV_HEADS) * HEAD_DIM].view(tokens, HEADS + KV_HEADS, HEAD_DIM), cos, sin)
+            residual = x + attended
+            norm(residual)
+            gate, up = gate_up.split(INTER, dim=-1)
+            torch.nn.functional.silu(gate) * up
+            residual + mlp_out
+
+        def with_native():
+            cpu_native.rms_norm(x, weight, eps)
+            cpu_native.rotary_(qkv[:, :(HEADS + KV_HEADS) * HEAD_DIM].view(tokens, HEADS + KV_HEADS, HEAD_DIM),
+                               cos, sin)
+            residual = x.clone()   # the layer's own residual, updated in place
+            cpu_native.add_rms_norm(residual, attended, weight, eps)
+            cpu_native.silu_and_mul(gate_up)
+            residual + mlp_out
+
+        torch_ms = best_ms(with_torch, repeat, 5)
+        native_ms = best_ms(with_native, repeat, 5)
+        row = {"tokens": tokens, "torch_ms": torch_ms, "native_ms": native_ms, "speedup": torch_ms / native_ms}
+        print(f"element-wise of one layer, {tokens:4d} rows: torch {torch_ms:7.3f} ms   native {native_ms:7.3f} ms"
+              f"   {row['speedup']:5.2f}x", flush=True)
+        rows.append(row)
+    return rows
+
+
+def bench_linear(repeat: int, gen: torch.Generator) -> list[dict]:
+    dense = [[torch.randn(n, k, generator=gen) for k, n in PROJECTIONS] for _ in range(LAYERS)]
+    packed = [[torch.ops.mkldnn._reorder_linear_weight(w, 32) for w in layer] for layer in dense]
+    rows = []
+    for tokens in (8, 32, 64, 2048):
+        xs = [torch.randn(tokens, k, generator=gen) for k, _ in PROJECTIONS]
+
+        def run(weights, op):
+            def forward():
+                for layer in weights:
+                    for x, w in zip(xs, layer, strict=True):
+                        op(x, w)
+            return forward
+
+        def onednn(x, w):
+            return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
+        reps = max(2, repeat // 2) if tokens >= 1024 else repeat
+        figures = {
+            "onednn_dense_ms": best_ms(run(dense, onednn), reps),
+            "onednn_packed_ms": best_ms(run(packed, onednn), reps),
+            "mkl_f_linear_ms": best_ms(run(dense, torch.nn.functional.linear), reps),
+        }
+        row = {"tokens": tokens, **figures, "speedup": figures["onednn_dense_ms"] / figures["onednn_packed_ms"]}
+        print(f"projections, {LAYERS} layers, {tokens:4d} rows: oneDNN dense {figures['onednn_dense_ms']:8.1f} ms   "
+              f"packed {figures['onednn_packed_ms']:8.1f} ms ({row['speedup']:.2f}x)   "
+              f"F.linear {figures['mkl_f_linear_ms']:8.1f} ms", flush=True)
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=5)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if cpu_native.library() is None:
+        print("error: the native CPU kernels did not build (see the warning above)", file=sys.stderr)
+        return 1
+    print(f"# cpu kernels bench: torch {torch.__version__}, threads {args.threads}, "
+          f"load {os.getloadavg()[0]:.2f}", flush=True)
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        results = {"decode_attention": bench_decode(args.repeat, gen),
+                   "elementwise": bench_elementwise(args.repeat, gen),
+                   "projections": bench_linear(args.repeat, gen)}
+    print(f"# load at end {os.getloadavg()[0]:.2f}", flush=True)
+    print(json.dumps({"bench": "cpu_kernels", "threads": args.threads, "torch": torch.__version__, **results}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
