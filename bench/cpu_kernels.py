@@ -42,13 +42,13 @@ PROJECTIONS = [(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), (HEADS * HEAD_DIM, H
                (INTER, HIDDEN)]
 
 
-def best_ms(fn, repeat: int, inner: int = 1) -> float:
-    fn()
+def best_ms(fn, repeat: int, inner: int = 1, args: tuple = ()) -> float:
+    fn(*args)
     best = float("inf")
     for _ in range(repeat):
         start = time.process_time()
         for _ in range(inner):
-            fn()
+            fn(*args)
         best = min(best, (time.process_time() - start) / inner)
     return best * 1e3
 
@@ -73,9 +73,9 @@ def bench_decode(repeat: int, gen: torch.Generator) -> list[dict]:
     rows = []
     for batch in (8, 32, 64):
         for ctx in (128, 512, 1024):
-            q, k, v, tables, lens = decode_case(batch, ctx, gen)
-            torch_ms = best_ms(lambda: reference.paged_decode_attention(q, k, v, tables, lens, 0.125), repeat, 3)
-            native_ms = best_ms(lambda: cpu_native.paged_decode_attention(q, k, v, tables, lens, 0.125), repeat, 3)
+            case = (*decode_case(batch, ctx, gen), 0.125)
+            torch_ms = best_ms(reference.paged_decode_attention, repeat, 3, case)
+            native_ms = best_ms(cpu_native.paged_decode_attention, repeat, 3, case)
             row = {"batch": batch, "context": ctx, "torch_ms": torch_ms, "native_ms": native_ms,
                    "speedup": torch_ms / native_ms}
             print(f"decode attention  batch {batch:3d} context ~{ctx:5d}: torch {torch_ms:7.3f} ms   "
@@ -97,10 +97,11 @@ def bench_elementwise(repeat: int, gen: torch.Generator) -> list[dict]:
         angles = torch.rand(tokens, 1, HEAD_DIM // 2, generator=gen) * 100
         cos, sin = angles.cos(), angles.sin()
 
-        def norm(t):
+        def norm(t, weight=weight):
             return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True).add_(eps)) * weight
 
-        def with_torch():
+        def with_torch(x=x, attended=attended, mlp_out=mlp_out, weight=weight, qkv=qkv, gate_up=gate_up,
+                       cos=cos, sin=sin, tokens=tokens, norm=norm):
             norm(x)
             apply_rotary(qkv[:, :(HEADS + KV_HEADS) * HEAD_DIM].view(tokens, HEADS + KV_HEADS, HEAD_DIM), cos, sin)
             residual = x + attended
@@ -109,7 +110,8 @@ def bench_elementwise(repeat: int, gen: torch.Generator) -> list[dict]:
             torch.nn.functional.silu(gate) * up
             residual + mlp_out
 
-        def with_native():
+        def with_native(x=x, attended=attended, mlp_out=mlp_out, weight=weight, qkv=qkv, gate_up=gate_up,
+                        cos=cos, sin=sin, tokens=tokens):
             cpu_native.rms_norm(x, weight, eps)
             cpu_native.rotary_(qkv[:, :(HEADS + KV_HEADS) * HEAD_DIM].view(tokens, HEADS + KV_HEADS, HEAD_DIM),
                                cos, sin)
@@ -134,7 +136,7 @@ def bench_linear(repeat: int, gen: torch.Generator) -> list[dict]:
     for tokens in (8, 32, 64, 2048):
         xs = [torch.randn(tokens, k, generator=gen) for k, _ in PROJECTIONS]
 
-        def run(weights, op):
+        def run(weights, op, xs=xs):
             def forward():
                 for layer in weights:
                     for x, w in zip(xs, layer, strict=True):
