@@ -3,7 +3,8 @@
     python bench/cpu_kernels.py [--threads 1] [--repeat 5]
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, hidden 576, intermediate
-1536, 30 layers), float32, random data. Each figure is the best of --repeat timings of
+1536, 30 layers), float32, random data, glibc malloc set up as the engine sets it
+(rein.engine.cpu_allocator). Each figure is the best of --repeat timings of
 CPU time (time.process_time: what the thread itself spent, so neighbours on a shared
 machine disturb it less than wall time), and each pair is taken back to back:
 
@@ -34,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from rein.engine.cpu_allocator import keep_freed_memory  # noqa: E402
 from rein.engine.models.rope import apply_rotary  # noqa: E402
 from rein.kernels import cpu_native, reference  # noqa: E402
 
@@ -166,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    keep_freed_memory()   # as the engine does on CPU: the reference's large gathers reuse memory
     if cpu_native.library() is None:
         print("error: the native CPU kernels did not build (see the warning above)", file=sys.stderr)
         return 1

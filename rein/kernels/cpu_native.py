@@ -9,7 +9,7 @@ does a layer's element-wise work (RMSNorm with the residual add, SiLU-and-multip
 place) in one pass each, where torch makes several (vLLM's CPU build has the same fused ops).
 
 No library offers this for a current torch (vLLM keeps its CPU kernels inside vLLM; Intel's
-extension pins older torch releases), so rein carries the ~200 lines of C. The shared object
+extension pins older torch releases), so rein carries some 300 lines of C. The shared object
 is built with the system C compiler into `REIN_CACHE_DIR/kernels/` (a name hashed from the
 source, the flags and the CPU), once per machine; processes that start together may each
 build it, and the last atomic rename wins. Where there is no compiler, the build fails, the

@@ -47,8 +47,36 @@ PRIORITY_STEPS = list(range(10))
 PRIORITY_SEP = ":"
 
 
+def _tolerate_channels_of_collected_connections() -> None:
+    """Let closing a channel whose transport is already gone be a no-op, not a crash.
+
+    When the broker connection drops, Celery 5.7's consumer first `collect()`s the
+    connection (which closes its default channel and detaches the transport) and then closes
+    it. If the first channel close failed half-way (Redis refusing connections), the second
+    one finds the transport's client gone and raises AttributeError inside kombu, which
+    Celery treats as unrecoverable: the worker exited instead of reconnecting (seen in
+    tests/e2e/test_chaos.py, Redis killed and restarted). There is nothing left to close on
+    such a channel, so the AttributeError is ignored as kombu ignores connection errors there.
+    """
+    from kombu.connection import Connection
+
+    if getattr(Connection.maybe_close_channel, "_rein_tolerant", False):
+        return
+    original = Connection.maybe_close_channel
+
+    def maybe_close_channel(self: Connection, channel: Any) -> None:
+        try:
+            original(self, channel)
+        except AttributeError:
+            pass
+
+    maybe_close_channel._rein_tolerant = True  # type: ignore[attr-defined]
+    Connection.maybe_close_channel = maybe_close_channel  # type: ignore[method-assign]
+
+
 def make_celery(settings: Any) -> Celery:
     """The Celery app for these settings (broker = settings.redis_url)."""
+    _tolerate_channels_of_collected_connections()
     keys = RedisKeys.from_settings(settings)
     app = Celery("rein", broker=settings.redis_url, set_as_current=False)
     app.conf.update(

@@ -165,3 +165,19 @@ def test_runner_survives_a_failing_hook(engine):
     with EngineRunner(engine, on_step=on_step) as runner:
         outputs = list(runner.submit("x", [5, 6], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
     assert outputs[-1].finished and sum(len(o.new_token_ids) for o in outputs) == 3
+
+
+def test_closing_a_channel_whose_transport_is_gone_does_not_crash_the_worker():
+    """Celery 5.7 collects a dropped broker connection, then closes it; a channel left open by
+    a failed first close must not raise AttributeError the second time (rein.worker.app)."""
+    from kombu import Connection
+
+    from rein.worker.app import _tolerate_channels_of_collected_connections
+
+    class ChannelOfCollectedConnection:
+        def close(self) -> None:
+            raise AttributeError("'NoneType' object has no attribute 'hostname'")
+
+    _tolerate_channels_of_collected_connections()
+    _tolerate_channels_of_collected_connections()   # applied once
+    Connection("memory://").maybe_close_channel(ChannelOfCollectedConnection())
