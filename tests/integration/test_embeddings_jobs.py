@@ -10,6 +10,7 @@ import secrets
 import struct
 
 import pytest
+from support import wait_for
 
 from rein.core.messages import STREAM_FIELD, JobMessage, TokenEvent
 from rein.core.models import ApiKey, Job, Result, Usage
@@ -134,7 +135,10 @@ def test_an_input_the_engine_refuses_fails_the_job_naming_it(context, make_job, 
     assert job.error["type"] == "invalid_request_error" and "input[1]" in job.error["message"]
     assert "maximum context length is 64" in job.error["message"]
     assert result is None and usage == []
-    assert worker.engine.pool.num_free == worker.engine.pool.num_blocks and not worker.engine.requests
+    # The inputs queued before the refused one are aborted by the engine thread, within a step.
+    engine = worker.engine
+    wait_for(lambda: engine.pool.num_free == engine.pool.num_blocks and not engine.requests, 10,
+             "the aborted inputs' blocks to be freed")
 
 
 def test_a_cancel_aborts_every_input(context, make_job, db_sessionmaker, redis_client, settings, monkeypatch):
