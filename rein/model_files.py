@@ -70,12 +70,9 @@ class ModelFiles:
 
 def cache_root() -> Path:
     """REIN_CACHE_DIR (default ~/.cache/rein)."""
-    from rein.core.settings import Settings, SettingsError, get_settings
+    from rein.core.settings import setting_or_default
 
-    try:
-        return Path(get_settings().cache_dir).expanduser()
-    except SettingsError:  # a command that needs no service settings still runs; theirs says why
-        return Path(Settings.model_fields["cache_dir"].default).expanduser()
+    return Path(setting_or_default("cache_dir")).expanduser()
 
 
 def resolve_model(model: str | Path, *, weights: bool = True) -> ModelFiles:

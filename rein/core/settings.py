@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import re
 from functools import lru_cache
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -351,6 +351,16 @@ def describe_errors(exc: ValidationError) -> str:
 def get_settings() -> Settings:
     """The process's settings, read from the environment once (`get_settings.cache_clear()` re-reads)."""
     return load_settings()
+
+
+def setting_or_default(name: str) -> Any:
+    """One setting, or its default when the settings as a whole are invalid: for code that
+    runs under every command (the engine, the model cache), where a broken setting it does
+    not use is the command's to report, not its."""
+    try:
+        return getattr(get_settings(), name)
+    except SettingsError:
+        return Settings.model_fields[name].default
 
 
 def share_prometheus_multiproc_dir(path: str) -> None:

@@ -55,9 +55,6 @@ def keep_freed_memory() -> bool:
 
 def _enabled() -> bool:
     """REIN_CPU_MALLOPT (rein.core.settings; default on)."""
-    from rein.core.settings import Settings, SettingsError, get_settings
+    from rein.core.settings import setting_or_default
 
-    try:
-        return get_settings().cpu_mallopt
-    except SettingsError:  # settings the engine does not use are broken: their command says so
-        return Settings.model_fields["cpu_mallopt"].default
+    return setting_or_default("cpu_mallopt")

@@ -31,9 +31,13 @@ from pathlib import Path
 
 import torch
 
+from rein.model_files import cache_root
+
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.c", "elementwise_cpu.c"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c")
+HEADERS = (CSRC / "fast_exp.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
 _lock = threading.Lock()
@@ -145,22 +149,9 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
 
 def _enabled() -> bool:
     """REIN_CPU_KERNELS (rein.core.settings; default on)."""
-    from rein.core.settings import Settings, SettingsError, get_settings
+    from rein.core.settings import setting_or_default
 
-    try:
-        return get_settings().cpu_kernels
-    except SettingsError:  # settings the engine does not use are broken: their command says so
-        return Settings.model_fields["cpu_kernels"].default
-
-
-def _cache_dir() -> Path:
-    from rein.core.settings import Settings, SettingsError, get_settings
-
-    try:
-        base = get_settings().cache_dir
-    except SettingsError:
-        base = Settings.model_fields["cache_dir"].default
-    return Path(base).expanduser() / "kernels"
+    return setting_or_default("cpu_kernels")
 
 
 def _cpu_signature() -> str:
@@ -177,9 +168,9 @@ def _load() -> ctypes.CDLL:
     compiler = shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
-    source = b"".join(path.read_bytes() for path in SOURCES)
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     digest = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = _cache_dir() / f"rein_cpu_kernels-{digest}.so"
+    target = cache_root() / "kernels" / f"rein_cpu_kernels-{digest}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:

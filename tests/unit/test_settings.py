@@ -15,6 +15,7 @@ from rein.core.settings import (
     get_settings,
     load_settings,
     parse_models,
+    setting_or_default,
 )
 
 pytestmark = pytest.mark.usefixtures("clean_rein_env")
@@ -120,3 +121,15 @@ def test_only_settings_reads_the_environment():
     readers = [str(path.relative_to(root)) for path in root.rglob("*.py")
                if path.name != "settings.py" and pattern.search(path.read_text())]
     assert readers == [], f"only rein/core/settings.py may read the environment: {readers}"
+
+
+def test_setting_or_default_reads_one_setting_even_when_others_are_broken(monkeypatch):
+    monkeypatch.setenv("REIN_CPU_KERNELS", "0")
+    get_settings.cache_clear()
+    try:
+        assert setting_or_default("cpu_kernels") is False
+        monkeypatch.setenv("REIN_API_PORT", "http")   # an unrelated setting breaks the whole set
+        get_settings.cache_clear()
+        assert setting_or_default("cpu_kernels") is True   # the default, not a crash
+    finally:
+        get_settings.cache_clear()

@@ -65,13 +65,8 @@ def pack_weights(model: nn.Module) -> int:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T (+ bias): oneDNN on CPU where it pays, else F.linear."""
-    if weight.is_mkldnn:   # packed by pack_weights: oneDNN for every row count
-        if x.dim() != 2:
-            shape = x.shape
-            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), weight, bias, "none", [], "")
-            return out.view(*shape[:-1], weight.shape[0])
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    if (ONEDNN and x.device.type == "cpu" and x.dtype in _DTYPES and weight.dtype == x.dtype
+    if weight.is_mkldnn or (   # packed by pack_weights: oneDNN for every row count
+            ONEDNN and x.device.type == "cpu" and x.dtype in _DTYPES and weight.dtype == x.dtype
             and x.numel() >= MIN_ROWS * x.shape[-1] and not (torch.is_grad_enabled() and weight.requires_grad)):
         if x.dim() != 2:
             shape = x.shape

@@ -10,27 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* exp(x), vectorizable, for |x| up to ~88: 2^n * p(r), r in [-ln2/2, ln2/2] (as in
- * paged_attention_cpu.c, without the non-positive restriction). */
-static inline float exp_any(float x) {
-    if (x < -87.0f) x = -87.0f;
-    if (x > 88.0f) x = 88.0f;
-    const float log2e = 1.44269504088896341f;
-    const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    float n = rintf(x * log2e);   /* nearest; rintf vectorizes (floorf did not, with gcc 12) */
-    float r = x - n * ln2_hi - n * ln2_lo;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;   /* 2^n as a float's bits */
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);            /* a bit cast the vectorizer understands */
-    return p * two_n;
-}
+#include "fast_exp.h"
 
 /* Rows too few to be worth waking a thread team for. */
 #define PARALLEL_MIN_ELEMENTS 32768
@@ -73,7 +53,7 @@ void silu_and_mul_f32(const float *gate_up, int64_t stride, float *out, int64_t 
         const float *g = gate_up + r * stride, *u = g + inter;
         float *o = out + r * inter;
         #pragma omp simd
-        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + exp_any(-g[i])) * u[i];
+        for (int64_t i = 0; i < inter; i++) o[i] = g[i] / (1.0f + fast_expf(-g[i])) * u[i];
     }
 }
 

@@ -17,31 +17,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "fast_exp.h"
 #include <omp.h>
 
 #define MAX_HEADS 256
 #define MAX_HEAD_DIM 256
-
-/* exp(x) for x <= 0 (scores minus their max), vectorizable: 2^n * p(r), r in [-ln2/2, ln2/2],
- * a degree-6 Taylor polynomial; relative error under 2e-7 (float32 rounding is 6e-8). */
-static inline float exp_nonpositive(float x) {
-    if (x < -87.0f) x = -87.0f;
-    const float log2e = 1.44269504088896341f;
-    const float ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
-    float n = rintf(x * log2e);   /* nearest; rintf vectorizes (floorf did not, with gcc 12) */
-    float r = x - n * ln2_hi - n * ln2_lo;
-    float p = 1.0f / 720.0f;
-    p = p * r + 1.0f / 120.0f;
-    p = p * r + 1.0f / 24.0f;
-    p = p * r + 1.0f / 6.0f;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
-    const int32_t bits = ((int32_t)n + 127) << 23;   /* 2^n as a float's bits */
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);            /* a bit cast the vectorizer understands */
-    return p * two_n;
-}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -179,7 +160,7 @@ int paged_decode_attention_f32(
             float sum = 0.0f;
             #pragma omp simd reduction(+:sum)
             for (int64_t t = 0; t < len; t++) {
-                float e = exp_nonpositive(sh[t] - m);
+                float e = fast_expf(sh[t] - m);
                 sh[t] = e;
                 sum += e;
             }
