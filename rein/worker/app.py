@@ -73,6 +73,20 @@ def _tolerate_channels_of_collected_connections() -> None:
     maybe_close_channel._rein_tolerant = True  # type: ignore[attr-defined]
     Connection.maybe_close_channel = maybe_close_channel  # type: ignore[method-assign]
 
+    # The same collected connection reached by other paths (a task's ack after the drop): a
+    # connection error, which Celery recovers from by reconnecting, instead of AttributeError.
+    from kombu.transport import redis as kombu_redis
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    original_params = kombu_redis.Channel._connparams
+
+    def _connparams(self: Any, asynchronous: bool = False) -> Any:
+        if self.connection.client is None:
+            raise RedisConnectionError("the broker connection was dropped (collected)")
+        return original_params(self, asynchronous=asynchronous)
+
+    kombu_redis.Channel._connparams = _connparams
+
 
 def make_celery(settings: Any) -> Celery:
     """The Celery app for these settings (broker = settings.redis_url)."""
