@@ -1,5 +1,5 @@
-"""Attention over the paged KV cache: Triton kernels on CUDA, native C decode attention on the
-CPU where it builds (rein.kernels.cpu_native), the torch reference otherwise.
+"""Attention over the paged KV cache: Triton kernels on CUDA, native C decode and prefill
+attention on the CPU where they build (rein.kernels.cpu_native), the torch reference otherwise.
 
 The engine calls only the three functions exported here; `use_triton` decides once per
 call which implementation runs, by the device of the tensors.
@@ -56,5 +56,12 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
         return triton_ops.paged_prefill_attention(query, k_cache, v_cache, block_tables,
                                                   cu_seqlens_q, context_lens, scale,
                                                   k_scale, v_scale)
+    if k_scale is None and query.device.type == "cpu":
+        from rein.kernels import cpu_native
+
+        out = cpu_native.paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                                 context_lens, scale)
+        if out is not None:
+            return out
     return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables,
                                              cu_seqlens_q, context_lens, scale, k_scale, v_scale)

@@ -36,7 +36,7 @@ from rein.model_files import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "elementwise_cpu.c")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "prefill_attention_cpu.c", CSRC / "elementwise_cpu.c")
 HEADERS = (CSRC / "fast_exp.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
 
@@ -82,6 +82,33 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), max_len,
         batch, num_heads, num_kv_heads, head_dim, block_size, scale, threads,
+    )
+    return out if rc == 0 else None
+
+
+def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
+                            scale) -> torch.Tensor | None:
+    """Same contract as rein.kernels.reference.paged_prefill_attention, float32 cache only;
+    None when this kernel does not apply (the caller falls back to the reference)."""
+    if not (_f32_cpu(query, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    _, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    query = query.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    starts = cu_seqlens_q.to(torch.int64).contiguous()
+    lens = context_lens.to(torch.int32).contiguous()
+    panel = lib.prefill_attention_f32_nr()
+    keys = (int(lens.max()) + panel - 1) // panel * panel
+    out = torch.empty_like(query)
+    packed_keys = torch.empty(keys * head_dim, dtype=torch.float32)
+    rc = lib.paged_prefill_attention_f32(
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+        starts.data_ptr(), lens.data_ptr(), out.data_ptr(), packed_keys.data_ptr(), lens.shape[0],
+        num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
     )
     return out if rc == 0 else None
 
@@ -186,6 +213,10 @@ def _load() -> ctypes.CDLL:
     p, i64 = ctypes.c_void_p, ctypes.c_int64
     fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
     fn.restype = ctypes.c_int
+    lib.paged_prefill_attention_f32.argtypes = [p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64,
+                                                ctypes.c_float, ctypes.c_int]
+    lib.paged_prefill_attention_f32.restype = ctypes.c_int
+    lib.prefill_attention_f32_nr.restype = ctypes.c_int
     f32 = ctypes.c_float
     lib.rms_norm_f32.argtypes = [p, i64, p, f32, p, i64, i64, ctypes.c_int]
     lib.add_rms_norm_f32.argtypes = [p, p, p, f32, p, i64, i64, ctypes.c_int]

@@ -1,5 +1,5 @@
-"""The native CPU kernels (rein.kernels.cpu_native) against torch: decode attention against the
-reference, and the fused element-wise ops against the torch code they replace.
+"""The native CPU kernels (rein.kernels.cpu_native) against torch: decode and prefill attention
+against the reference, and the fused element-wise ops against the torch code they replace.
 
 The kernel is built with the machine's C compiler on first use; every machine rein's tests
 run on has one (gcc), so a failed build fails these tests rather than skipping them.
@@ -113,6 +113,63 @@ def test_no_compiler_falls_back_with_one_warning(monkeypatch, caplog):
         "native CPU kernels unavailable, using torch's (no C compiler (cc or gcc) on PATH)"]
     out = kernels.paged_decode_attention(q, k, v, tables, lens, 0.1)
     torch.testing.assert_close(out, reference.paged_decode_attention(q, k, v, tables, lens, 0.1))
+
+
+# -- prefill attention ---------------------------------------------------------------------
+
+def make_prefill_case(chunks, contexts, num_heads, num_kv_heads, head_dim, block_size, seed=0):
+    """A paged cache holding `contexts` tokens per request and a query chunk of `chunks` tokens
+    each (the chunk's tokens are the context's last ones)."""
+    _, k, v, tables, lens = make_case(contexts, num_heads, num_kv_heads, head_dim, block_size, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    query = torch.randn(sum(chunks), num_heads, head_dim, generator=g) * 2
+    cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32)
+    return query, k, v, tables, cu, lens
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
+    (9, 3, 64, 16),     # SmolLM2-135M
+    (4, 4, 32, 4),      # no grouping, tiny blocks
+    (14, 2, 64, 16),    # Qwen2.5-0.5B's group of 7
+    (8, 1, 128, 8),     # one kv head, wide heads
+])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, block_size, threads, monkeypatch):
+    """Whole prompts, chunks after a cached prefix, one-token chunks, and lengths off every
+    tile size (12 or 6 query rows, 32 or 16 keys)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    chunks = [1, 5, 37, 13, 70, 1]
+    contexts = [1, 5, 60, 13, 300, 33]
+    args = make_prefill_case(chunks, contexts, num_heads, num_kv_heads, head_dim, block_size)
+    got = cpu_native.paged_prefill_attention(*args, 0.125)
+    assert got is not None, "the native kernel did not build or load"
+    want = reference.paged_prefill_attention(*args, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_prefill_large_scores_and_strided_query():
+    """Scores far apart (the running maximum jumps between key tiles) and a query that is a
+    strided view of the fused projection, as the model passes it."""
+    query, k, v, tables, cu, lens = make_prefill_case([40, 90], [40, 200], 6, 2, 32, 16, seed=7)
+    query = query * 40
+    wide = torch.cat([query, query], dim=-1)[..., :32]
+    got = cpu_native.paged_prefill_attention(wide, k, v, tables, cu, lens, 0.2)
+    want = reference.paged_prefill_attention(query, k, v, tables, cu, lens, 0.2)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_prefill_dispatch_and_what_it_declines(monkeypatch):
+    args = make_prefill_case([10, 20], [10, 50], 4, 2, 32, 16)
+    calls = []
+    real = cpu_native.paged_prefill_attention
+    monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a: calls.append(1) or real(*a))
+    torch.testing.assert_close(kernels.paged_prefill_attention(*args, 0.1),
+                               reference.paged_prefill_attention(*args, 0.1), atol=2e-5, rtol=1e-5)
+    assert calls
+    query, k, v, tables, cu, lens = make_prefill_case([10], [10], 4, 2, 24, 16)   # head_dim off the panel width
+    assert real(query, k, v, tables, cu, lens, 0.1) is None
+    assert real(query.bfloat16(), k.bfloat16(), v.bfloat16(), tables, cu, lens, 0.1) is None
 
 
 # -- element-wise --------------------------------------------------------------------------

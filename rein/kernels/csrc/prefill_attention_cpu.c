@@ -1,0 +1,227 @@
+/* Prefill attention over the paged KV cache on the CPU, float32: each request's chunk of query
+ * tokens attends causally to its cached context (prefix and chunk), flash-attention style.
+ *
+ * torch's CPU flash kernel (the path rein's reference takes) runs its block products through
+ * the BLAS sgemm, which on the AMD benchmark machine took 31% of a long-prompt prefill at about
+ * 43 GFLOPS; this kernel keeps the products in registers instead:
+ *
+ * - for each request and kv head, K is packed once, transposed into panels of NR keys
+ *   ([keys / NR][head_dim][NR]), which every query head of the group then reuses;
+ * - MR query rows at a time (one head, MR consecutive tokens) compute their scores against a
+ *   panel with MR x NR sums in registers (a broadcast q value times a panel row of NR keys),
+ *   fold them into a running max and sum (online softmax), and add P x V to their outputs, V
+ *   read in place from the cache blocks, NR output columns at a time with MR x NR sums in
+ *   registers;
+ * - panels past a block's last query position are skipped (causal).
+ *
+ * GCC's vector extensions, so -march=native picks the instructions (AVX-512: MR 12, NR 32;
+ * otherwise MR 6, NR 16). head_dim must be a multiple of NR; the caller falls back to torch
+ * otherwise. Work is split over (head, query block) pairs with OpenMP.
+ *
+ * Built at first use by rein/kernels/cpu_native.py and called through ctypes.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "fast_exp.h"
+#include <omp.h>
+
+#if defined(__AVX512F__)
+#define VEC 16
+#define MR 12
+#else
+#define VEC 8
+#define MR 6
+#endif
+#define NR (2 * VEC)
+#define MAX_HEAD_DIM 256
+
+typedef float vec __attribute__((vector_size(VEC * sizeof(float)), aligned(4)));
+
+/* Keys per panel: the caller sizes the packed-K scratch by it. */
+int prefill_attention_f32_nr(void) { return NR; }
+
+static inline vec load_vec(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+static inline void store_vec(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+/* K rows 0..len-1 of kv head `g` -> kt [ceil(len / NR)][head_dim][NR], zero past len. */
+static void pack_keys(const float *k_cache, const int32_t *table, int64_t block_size, int64_t row,
+                      int64_t g, int64_t head_dim, int64_t len, float *kt) {
+    const int64_t panels = (len + NR - 1) / NR;
+    memset(kt + (panels - 1) * head_dim * NR, 0, sizeof(float) * head_dim * NR);
+    for (int64_t t = 0; t < len; t++) {
+        const float *k = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row + g * head_dim;
+        float *dst = kt + (t / NR) * head_dim * NR + t % NR;
+        for (int64_t d = 0; d < head_dim; d++) dst[d * NR] = k[d];
+    }
+}
+
+/* s[MR][NR] = scale * q rows . panel (head_dim x NR) */
+static inline void scores(const float *const *q, const float *panel, int64_t head_dim, float scale, float *s) {
+    vec acc[MR][2];
+    for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = (vec){0};
+    for (int64_t d = 0; d < head_dim; d++) {
+        const vec w0 = load_vec(panel + d * NR), w1 = load_vec(panel + d * NR + VEC);
+        #pragma GCC unroll 12
+        for (int r = 0; r < MR; r++) {
+            const float a = q[r][d];
+            acc[r][0] += a * w0;
+            acc[r][1] += a * w1;
+        }
+    }
+    for (int r = 0; r < MR; r++) {
+        store_vec(s + r * NR, acc[r][0] * scale);
+        store_vec(s + r * NR + VEC, acc[r][1] * scale);
+    }
+}
+
+/* o[MR][head_dim] += p[MR][0..n) x V rows (keys key0 .. key0 + n) of kv head g, NR columns at
+ * a time. */
+static inline void add_values(const float *p, int64_t n, const float *v_cache, const int32_t *table,
+                              int64_t block_size, int64_t row, int64_t g, int64_t head_dim, int64_t key0,
+                              float *o) {
+    const float *vrow[NR];
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t t = key0 + j;
+        vrow[j] = v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row + g * head_dim;
+    }
+    for (int64_t c = 0; c < head_dim; c += NR) {
+        vec acc[MR][2];
+        for (int r = 0; r < MR; r++) {
+            acc[r][0] = load_vec(o + r * head_dim + c);
+            acc[r][1] = load_vec(o + r * head_dim + c + VEC);
+        }
+        for (int64_t j = 0; j < n; j++) {
+            const vec v0 = load_vec(vrow[j] + c), v1 = load_vec(vrow[j] + c + VEC);
+            #pragma GCC unroll 12
+            for (int r = 0; r < MR; r++) {
+                const float a = p[r * NR + j];
+                acc[r][0] += a * v0;
+                acc[r][1] += a * v1;
+            }
+        }
+        for (int r = 0; r < MR; r++) {
+            store_vec(o + r * head_dim + c, acc[r][0]);
+            store_vec(o + r * head_dim + c + VEC, acc[r][1]);
+        }
+    }
+}
+
+/* Online softmax of one tile of scores s[MR][NR] (keys key0 .. key0 + n; row r sees keys up to
+ * pos[r]): the running maxima m move up, the outputs o and the per-lane running sums lsum are
+ * rescaled by exp(old max - new max), and s becomes exp(s - max), 0 where masked. Lane sums
+ * (reduced once at the end) keep a horizontal add out of every tile. */
+static inline void softmax_tile(float *s, int64_t key0, int64_t n, const int64_t *pos, float *m, float *lsum,
+                                float *o, int64_t head_dim) {
+    float mx[MR], alpha[MR];
+    int64_t visible[MR];
+    for (int r = 0; r < MR; r++) {
+        const float *sr = s + r * NR;
+        const int64_t v = pos[r] + 1 - key0 < n ? pos[r] + 1 - key0 : n;
+        float x = m[r];
+        if (v == NR) {
+            #pragma omp simd reduction(max:x)
+            for (int64_t j = 0; j < NR; j++) x = sr[j] > x ? sr[j] : x;
+        } else {
+            #pragma omp simd reduction(max:x)
+            for (int64_t j = 0; j < NR; j++) x = j < v && sr[j] > x ? sr[j] : x;
+        }
+        visible[r] = v;
+        mx[r] = x;
+    }
+    #pragma omp simd
+    for (int r = 0; r < MR; r++) alpha[r] = fast_expf(m[r] - mx[r]);   /* m = -inf: ~0, nothing to scale */
+    for (int r = 0; r < MR; r++) {
+        float *sr = s + r * NR, *lr = lsum + r * NR;
+        const float x = mx[r], a = alpha[r];
+        if (visible[r] == NR) {
+            #pragma omp simd
+            for (int64_t j = 0; j < NR; j++) {
+                sr[j] = fast_expf(sr[j] - x);
+                lr[j] = lr[j] * a + sr[j];
+            }
+        } else {
+            const int64_t v = visible[r];
+            #pragma omp simd
+            for (int64_t j = 0; j < NR; j++) {
+                sr[j] = j < v ? fast_expf(sr[j] - x) : 0.0f;
+                lr[j] = lr[j] * a + sr[j];
+            }
+        }
+        if (a != 1.0f) {
+            float *orow = o + r * head_dim;
+            #pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) orow[d] *= a;
+        }
+        m[r] = x;
+    }
+}
+
+/* query [T, Hq, D] (rows of request i: cu_seqlens_q[i] .. cu_seqlens_q[i+1]); caches [num_blocks,
+ * block_size, Hkv, D]; block_tables [B, bt_stride] int32; context_lens [B] int32 (cached tokens,
+ * the chunk included); out [T, Hq, D]. kt_scratch holds ceil(max context / NR) * NR * D floats.
+ * Returns 0, or -1 for shapes this kernel does not handle (nothing written). */
+int paged_prefill_attention_f32(
+    const float *query, const float *k_cache, const float *v_cache,
+    const int32_t *block_tables, int64_t bt_stride, const int64_t *cu_seqlens_q, const int32_t *context_lens,
+    float *out, float *kt_scratch, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t block_size, float scale, int num_threads)
+{
+    const int64_t group = num_heads / num_kv_heads;
+    if (head_dim % NR != 0 || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads)
+        return -1;
+    const int64_t row = num_kv_heads * head_dim;
+    const int64_t qrow = num_heads * head_dim;
+
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t q0 = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q0, ctx = context_lens[b];
+        if (q_len <= 0)
+            continue;
+        const int32_t *table = block_tables + b * bt_stride;
+        const int64_t first_pos = ctx - q_len;   /* position of the chunk's first token */
+        const int64_t blocks = (q_len + MR - 1) / MR;
+        for (int64_t g = 0; g < num_kv_heads; g++) {
+            pack_keys(k_cache, table, block_size, row, g, head_dim, ctx, kt_scratch);
+
+            #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
+            for (int64_t item = 0; item < group * blocks; item++) {
+                const int64_t h = g * group + item / blocks, t0 = (item % blocks) * MR;
+                const int64_t rows = q_len - t0 < MR ? q_len - t0 : MR;
+                const float *q[MR];
+                int64_t pos[MR];
+                for (int r = 0; r < MR; r++) {   /* rows past the chunk repeat its last row */
+                    const int64_t t = t0 + (r < rows ? r : rows - 1);
+                    q[r] = query + (q0 + t) * qrow + h * head_dim;
+                    pos[r] = first_pos + t;
+                }
+                const int64_t last = pos[rows - 1];   /* keys 0..last are visible to some row */
+                float o[MR * MAX_HEAD_DIM], m[MR], lsum[MR * NR], s[MR * NR];
+                memset(o, 0, sizeof(float) * MR * head_dim);
+                memset(lsum, 0, sizeof lsum);
+                for (int r = 0; r < MR; r++) m[r] = -INFINITY;
+
+                for (int64_t key0 = 0; key0 <= last; key0 += NR) {
+                    scores(q, kt_scratch + (key0 / NR) * head_dim * NR, head_dim, scale, s);
+                    const int64_t n = last + 1 - key0 < NR ? last + 1 - key0 : NR;
+                    softmax_tile(s, key0, n, pos, m, lsum, o, head_dim);
+                    add_values(s, n, v_cache, table, block_size, row, g, head_dim, key0, o);
+                }
+                for (int64_t r = 0; r < rows; r++) {
+                    float *dst = out + (q0 + t0 + r) * qrow + h * head_dim;
+                    float l = 0.0f;
+                    for (int64_t j = 0; j < NR; j++) l += lsum[r * NR + j];
+                    const float inv = 1.0f / l;
+                    #pragma omp simd
+                    for (int64_t d = 0; d < head_dim; d++) dst[d] = o[r * head_dim + d] * inv;
+                }
+            }
+        }
+    }
+    return 0;
+}
