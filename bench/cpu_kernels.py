@@ -1,6 +1,6 @@
 """rein's CPU kernels against the torch code they replace, side by side in one process.
 
-    python bench/cpu_kernels.py [--threads 1] [--repeat 5]
+    python bench/cpu_kernels.py [--threads 1] [--repeat 5] [--parts decode,prefill,elementwise,projections]
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, hidden 576, intermediate
 1536, 30 layers), float32, random data, glibc malloc set up as the engine sets it
@@ -8,10 +8,13 @@ SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, hidden 576, inter
 CPU time (time.process_time: what the thread itself spent, so neighbours on a shared
 machine disturb it less than wall time), and each pair is taken back to back:
 
-* decode attention, one layer: `rein.kernels.cpu_native.paged_decode_attention` (reads K/V
+* decode attention, per layer: `rein.kernels.cpu_native.paged_decode_attention` (reads K/V
   in place from the cache blocks) against `rein.kernels.reference.paged_decode_attention`
   (gathers K/V into a padded copy, then torch SDPA), batch x context, each request's blocks
-  scattered over a cache larger than the CPU's caches, context lengths varied +-25%;
+  scattered, context lengths varied +-25%; the timing cycles through several layers' caches
+  (256 MiB or 30 layers) so that, as in a real step, K and V come from memory, not the L3;
+* prefill attention, one layer of a 2048-token step (8 prompts of 256 or 2 of 1024):
+  `cpu_native.paged_prefill_attention` against the reference (torch's flash kernel);
 * a layer's element-wise work at 32 rows (a decode step) and 2048 rows (a prefill step):
   RMSNorm, rotary on the fused Q/K projection, residual add + RMSNorm, SiLU-and-multiply and
   the last residual add, as rein.engine.models.llama runs them with and without the kernels;
@@ -55,34 +58,66 @@ def best_ms(fn, repeat: int, inner: int = 1, args: tuple = ()) -> float:
     return best * 1e3
 
 
-def decode_case(batch: int, ctx: int, gen: torch.Generator):
-    lengths = torch.randint(max(1, ctx * 3 // 4), ctx * 5 // 4 + 1, (batch,), generator=gen, dtype=torch.int32)
+def paged_cache(lengths: list[int], gen: torch.Generator):
+    """K and V caches holding `lengths` tokens per request, each request's blocks scattered."""
     per = [(int(n) + BLOCK - 1) // BLOCK for n in lengths]
-    num_blocks = max(sum(per) * 2, 4096)   # > the caches: blocks come from memory
+    num_blocks = sum(per) + 8
     order = torch.randperm(num_blocks, generator=gen)
-    tables = torch.zeros(batch, max(per), dtype=torch.int32)
+    tables = torch.zeros(len(lengths), max(per), dtype=torch.int32)
     used = 0
     for i, n in enumerate(per):
         tables[i, :n] = order[used:used + n].to(torch.int32)
         used += n
     k = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
     v = torch.randn(num_blocks, BLOCK, KV_HEADS, HEAD_DIM, generator=gen)
-    q = torch.randn(batch, HEADS, HEAD_DIM, generator=gen)
-    return q, k, v, tables, lengths
+    return k, v, tables, torch.tensor(lengths, dtype=torch.int32)
+
+
+# A decode step's K/V of all layers is far larger than the CPU's caches, so each layer's is read
+# from memory: the bench cycles through enough layers' caches (up to LAYERS) to exceed this.
+STREAMED_BYTES = 256 << 20
 
 
 def bench_decode(repeat: int, gen: torch.Generator) -> list[dict]:
     rows = []
     for batch in (8, 32, 64):
         for ctx in (128, 512, 1024):
-            case = (*decode_case(batch, ctx, gen), 0.125)
-            torch_ms = best_ms(reference.paged_decode_attention, repeat, 3, case)
-            native_ms = best_ms(cpu_native.paged_decode_attention, repeat, 3, case)
+            lengths = torch.randint(max(1, ctx * 3 // 4), ctx * 5 // 4 + 1, (batch,), generator=gen).tolist()
+            layer_bytes = sum(lengths) * KV_HEADS * HEAD_DIM * 4 * 2
+            layers = [(torch.randn(batch, HEADS, HEAD_DIM, generator=gen), *paged_cache(lengths, gen))
+                      for _ in range(min(LAYERS, max(2, -(-STREAMED_BYTES // layer_bytes))))]
+
+            def run(attention, layers=layers):
+                for q, k, v, tables, lens in layers:
+                    attention(q, k, v, tables, lens, 0.125)
+
+            torch_ms = best_ms(run, repeat, 1, (reference.paged_decode_attention,)) / len(layers)
+            native_ms = best_ms(run, repeat, 1, (cpu_native.paged_decode_attention,)) / len(layers)
             row = {"batch": batch, "context": ctx, "torch_ms": torch_ms, "native_ms": native_ms,
                    "speedup": torch_ms / native_ms}
             print(f"decode attention  batch {batch:3d} context ~{ctx:5d}: torch {torch_ms:7.3f} ms   "
-                  f"native {native_ms:7.3f} ms   {row['speedup']:5.2f}x", flush=True)
+                  f"native {native_ms:7.3f} ms   {row['speedup']:5.2f}x  (a layer, {len(layers)} layers' caches)",
+                  flush=True)
             rows.append(row)
+    return rows
+
+
+def bench_prefill(repeat: int, gen: torch.Generator) -> list[dict]:
+    """One layer's attention over a 2048-token prefill step: whole prompts of 256 or 1024 tokens."""
+    rows = []
+    for prompt in (256, 1024):
+        lengths = [prompt] * (2048 // prompt)
+        k, v, tables, lens = paged_cache(lengths, gen)
+        query = torch.randn(sum(lengths), HEADS, HEAD_DIM, generator=gen)
+        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+        case = (query, k, v, tables, cu, lens, 0.125)
+        torch_ms = best_ms(reference.paged_prefill_attention, repeat, 1, case)
+        native_ms = best_ms(cpu_native.paged_prefill_attention, repeat, 1, case)
+        row = {"prompt": prompt, "prompts": len(lengths), "torch_ms": torch_ms, "native_ms": native_ms,
+               "speedup": torch_ms / native_ms}
+        print(f"prefill attention {len(lengths):2d} prompts of {prompt:4d}: torch {torch_ms:7.3f} ms   "
+              f"native {native_ms:7.3f} ms   {row['speedup']:5.2f}x  (a layer)", flush=True)
+        rows.append(row)
     return rows
 
 
@@ -162,10 +197,15 @@ def bench_linear(repeat: int, gen: torch.Generator) -> list[dict]:
     return rows
 
 
+PARTS = {"decode": ("decode_attention", bench_decode), "prefill": ("prefill_attention", bench_prefill),
+         "elementwise": ("elementwise", bench_elementwise), "projections": ("projections", bench_linear)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--parts", default=",".join(PARTS), help="which figures, comma-separated")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     keep_freed_memory()   # as the engine does on CPU: the reference's large gathers reuse memory
@@ -175,10 +215,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# cpu kernels bench: torch {torch.__version__}, threads {args.threads}, "
           f"load {os.getloadavg()[0]:.2f}", flush=True)
     gen = torch.Generator().manual_seed(0)
+    parts = args.parts.split(",")
+    if unknown := set(parts) - set(PARTS):
+        ap.error(f"unknown parts {sorted(unknown)}: choose from {', '.join(PARTS)}")
     with torch.inference_mode():
-        results = {"decode_attention": bench_decode(args.repeat, gen),
-                   "elementwise": bench_elementwise(args.repeat, gen),
-                   "projections": bench_linear(args.repeat, gen)}
+        results = {PARTS[name][0]: PARTS[name][1](args.repeat, gen) for name in parts}
     print(f"# load at end {os.getloadavg()[0]:.2f}", flush=True)
     print(json.dumps({"bench": "cpu_kernels", "threads": args.threads, "torch": torch.__version__, **results}))
     return 0
