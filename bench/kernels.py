@@ -1,7 +1,7 @@
 """Micro-benchmarks of rein's Triton paged-attention kernels on one CUDA GPU.
 
     python bench/kernels.py [--peak-gbps GBPS] [--iters N] [--quick] [--no-flush]
-                            [--no-engine] [--models-dir DIR]
+                            [--no-engine] [--models-dir DIR] [--unfused-elementwise]
 
 Measured (each figure printed as it is taken; the last line of stdout is one JSON object
 holding all of them):
@@ -620,7 +620,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-engine", action="store_true", help="skip the end-to-end engine figures")
     parser.add_argument("--models-dir", default=".cache/bench-models",
                         help="where the engine figures' random-weight models are built/reused")
+    parser.add_argument("--unfused-elementwise", action="store_true",
+                        help="run a layer's element-wise work as torch ops instead of rein's Triton kernels "
+                             "(rein.kernels.triton_elementwise): the step time before the fusion, for comparison")
     args = parser.parse_args(argv)
+    if args.unfused_elementwise:
+        from rein.kernels import elementwise
+
+        for op in ("rms_norm", "add_rms_norm", "silu_and_mul"):
+            setattr(elementwise, op, lambda *a: None)
+        elementwise.rotary_ = lambda *a: False
 
     if not torch.cuda.is_available():
         print("bench/kernels.py: no CUDA device; these are GPU kernel benchmarks, nothing to measure.")

@@ -18,7 +18,7 @@ from rein.engine.attention import AttentionMetadata, LayerCache, paged_attention
 from rein.engine.model_spec import ModelSpec
 from rein.engine.models.linear import PACK_ROWS_HINT, Linear, linear, pack_weights
 from rein.engine.models.rope import RotaryEmbedding, apply_rotary
-from rein.kernels import cpu_native
+from rein.kernels import elementwise
 
 
 class RMSNorm(nn.Module):
@@ -28,7 +28,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fused = cpu_native.rms_norm(x, self.weight, self.eps)   # float32 on CPU: one pass in C
+        fused = elementwise.rms_norm(x, self.weight, self.eps)   # one pass: C on CPU (float32), Triton on CUDA
         if fused is not None:
             return fused
         dtype = x.dtype
@@ -62,7 +62,7 @@ class Attention(nn.Module):
             # Q's and K's heads sit side by side in the fused projection: one rotary call for
             # both (half the element-wise calls of a layer's attention; same arithmetic).
             qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            if not cpu_native.rotary_(qk, *rotary):   # float32 on CPU: rotated in place, in C
+            if not elementwise.rotary_(qk, *rotary):   # rotated in place: C on CPU (float32), Triton on CUDA
                 qk = apply_rotary(qk, *rotary)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:
@@ -85,7 +85,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        hidden = cpu_native.silu_and_mul(gate_up)   # float32 on CPU: one pass in C
+        hidden = elementwise.silu_and_mul(gate_up)   # one pass: C on CPU (float32), Triton on CUDA
         if hidden is None:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             hidden = nn.functional.silu(gate) * up
@@ -104,9 +104,9 @@ class DecoderLayer(nn.Module):
                 meta: AttentionMetadata) -> torch.Tensor:
         attended = self.self_attn(self.input_layernorm(x), rotary, cache, meta)
         norm = self.post_attention_layernorm
-        # float32 on CPU: x += attended and the norm in one pass (x is this layer's own: the
-        # embedding's output or the previous layer's sum).
-        normed = cpu_native.add_rms_norm(x, attended, norm.weight, norm.eps)
+        # x += attended and the norm in one pass, in C on CPU (float32) or Triton on CUDA (x is
+        # this layer's own: the embedding's output or the previous layer's sum).
+        normed = elementwise.add_rms_norm(x, attended, norm.weight, norm.eps)
         if normed is None:
             x = x + attended
             normed = norm(x)
