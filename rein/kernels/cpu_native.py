@@ -7,9 +7,11 @@ instead, one pass over each, vectorized for this CPU (-march=native) and split o
 requests with OpenMP (the libgomp that torch has already loaded). `csrc/elementwise_cpu.c`
 does a layer's element-wise work (RMSNorm with the residual add, SiLU-and-multiply, rotary in
 place) in one pass each, where torch makes several (vLLM's CPU build has the same fused ops).
+`csrc/prefill_attention_cpu.c` is flash attention for prefill chunks with its block products
+in registers, where torch's CPU flash kernel goes through the BLAS sgemm.
 
 No library offers this for a current torch (vLLM keeps its CPU kernels inside vLLM; Intel's
-extension pins older torch releases), so rein carries some 300 lines of C. The shared object
+extension pins older torch releases), so rein carries some 550 lines of C. The shared object
 is built with the system C compiler into `REIN_CACHE_DIR/kernels/` (a name hashed from the
 source, the flags and the CPU), once per machine; processes that start together may each
 build it, and the last atomic rename wins. Where there is no compiler, the build fails, the

@@ -26,8 +26,8 @@
 
 /* Cache rows are requested this many tokens ahead of their use, into L2 (prefetcht1): the
  * hardware prefetcher alone kept a step's K/V streaming at about 6 GB/s (each block a short run
- * at a scattered address, each row read a kv head's slice at a time); with these, SmolLM2's 30
- * layers at batch 32, context ~290 took 0.6-0.7x the time (bench in the 2026-12-02 notes). */
+ * at a scattered address, each row read a kv head's slice at a time); with these a layer took
+ * 0.62-0.68x the time (bench/cpu_kernels.py --parts decode, SmolLM2 shapes, K/V from memory). */
 #define PREFETCH_TOKENS 32
 #define PREFETCH_V_TOKENS 16
 
