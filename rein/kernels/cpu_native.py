@@ -65,10 +65,7 @@ def library() -> ctypes.CDLL | None:
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor | None:
     """Same contract as rein.kernels.reference.paged_decode_attention, float32 cache only;
     None when this kernel does not apply (the caller falls back to the reference)."""
-    if (query.dtype != torch.float32 or k_cache.dtype != torch.float32 or v_cache.dtype != torch.float32
-            or not k_cache.is_contiguous() or not v_cache.is_contiguous()):
-        return None
-    lib = library()
+    lib = library() if _attention_applies(query, k_cache, v_cache) else None
     if lib is None:
         return None
     batch, num_heads, head_dim = query.shape
@@ -92,9 +89,7 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
                             scale) -> torch.Tensor | None:
     """Same contract as rein.kernels.reference.paged_prefill_attention, float32 cache only;
     None when this kernel does not apply (the caller falls back to the reference)."""
-    if not (_f32_cpu(query, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()):
-        return None
-    lib = library()
+    lib = library() if _attention_applies(query, k_cache, v_cache) else None
     if lib is None:
         return None
     _, num_heads, head_dim = query.shape
@@ -117,6 +112,11 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
 
 def _f32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+
+
+def _attention_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The attention kernels' inputs: float32 on the CPU, the caches contiguous."""
+    return _f32_cpu(query, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -57,6 +57,8 @@ def _tolerate_channels_of_collected_connections() -> None:
     Celery treats as unrecoverable: the worker exited instead of reconnecting (seen in
     tests/e2e/test_chaos.py, Redis killed and restarted). There is nothing left to close on
     such a channel, so the AttributeError is ignored as kombu ignores connection errors there.
+    Other uses of such a channel (a task's ack after the drop) get a Redis connection error
+    instead, which Celery recovers from by reconnecting.
     """
     from kombu.connection import Connection
 

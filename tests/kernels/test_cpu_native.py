@@ -27,6 +27,14 @@ def _own_cache(tmp_path, monkeypatch):
     get_settings.cache_clear()
 
 
+HEAD_LAYOUTS = [
+    (9, 3, 64, 16),     # SmolLM2-135M
+    (4, 4, 32, 4),      # no grouping, tiny blocks
+    (14, 2, 64, 16),    # Qwen2.5-0.5B's group of 7
+    (8, 1, 128, 8),     # one kv head, wide heads
+]
+
+
 def make_case(lengths, num_heads, num_kv_heads, head_dim, block_size, seed=0):
     """Random query and paged cache; each request's blocks scattered, table padding -1."""
     g = torch.Generator().manual_seed(seed)
@@ -44,12 +52,7 @@ def make_case(lengths, num_heads, num_kv_heads, head_dim, block_size, seed=0):
     return q, k, v, tables, torch.tensor(lengths, dtype=torch.int32)
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16),     # SmolLM2-135M
-    (4, 4, 32, 4),      # no grouping, tiny blocks
-    (14, 2, 64, 16),    # Qwen2.5-0.5B's group of 7
-    (8, 1, 128, 8),     # one kv head, wide heads
-])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", HEAD_LAYOUTS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_matches_reference(num_heads, num_kv_heads, head_dim, block_size, threads, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
@@ -127,12 +130,7 @@ def make_prefill_case(chunks, contexts, num_heads, num_kv_heads, head_dim, block
     return query, k, v, tables, cu, lens
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", [
-    (9, 3, 64, 16),     # SmolLM2-135M
-    (4, 4, 32, 4),      # no grouping, tiny blocks
-    (14, 2, 64, 16),    # Qwen2.5-0.5B's group of 7
-    (8, 1, 128, 8),     # one kv head, wide heads
-])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", HEAD_LAYOUTS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, block_size, threads, monkeypatch):
     """Whole prompts, chunks after a cached prefix, one-token chunks, and lengths off every
