@@ -442,7 +442,10 @@ def test_batch_lines_are_fed_fairly_across_tenants(make_client, make_key, tenant
     time.sleep(0.5)        # a tick that began before it was in_progress has ended
     before = [sent(b) for b in big]    # (stable: the full window leaves no room to feed)
     redis_client.delete(queue_keys(settings, "tiny")[PRIORITY_BATCH])     # workers took them all
-    wait_for(lambda: sent(small) == 3, 60, "the small tenant's half of the window sent")
+    # One tick advances the batches one after another, each in its own transaction: wait for
+    # the whole window to be sent, not just the small tenant's part of it.
+    wait_for(lambda: sent(small) + sum(sent(b) for b in big) - sum(before) == 6, 60, "the window refilled")
+    assert sent(small) == 3                                                 # the small tenant's half
     assert [sent(b) - n for b, n in zip(big, before, strict=True)] in ([2, 1], [1, 2])   # the other half, split
 
 
