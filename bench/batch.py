@@ -107,12 +107,34 @@ def read_output(path: Path) -> tuple[dict[str, str], int, list[str]]:
 # -- the service ------------------------------------------------------------------------------
 
 
-def process_cpu_seconds(pid: int) -> float | None:
+def _stat_fields(pid: int) -> list[str] | None:
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+
+
+def process_cpu_seconds(pid: int, *, children: bool = True) -> float | None:
+    """User + system CPU seconds of `pid` and (`children`) its live descendants: the worker's
+    engine runs in a child process of its own (rein.engine.process_runner)."""
+    fields = _stat_fields(pid)
+    if fields is None:
+        return None
+    total = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")   # utime + stime
+    if children:
+        total += sum(process_cpu_seconds(child, children=True) or 0.0 for child in child_pids(pid))
+    return total
+
+
+def child_pids(pid: int) -> list[int]:
+    """The live processes whose parent is `pid` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat_fields(int(entry.name))
+            if fields is not None and int(fields[1]) == pid:
+                found.append(int(entry.name))
+    return found
 
 
 class Service:
@@ -190,7 +212,8 @@ class Service:
 
     def cpu_seconds(self) -> dict[str, float | None]:
         """User + system CPU seconds each process has used so far (Linux /proc; None elsewhere)."""
-        return {"api": process_cpu_seconds(self.api.pid), "worker": process_cpu_seconds(self.worker.pid)}
+        return {"api": process_cpu_seconds(self.api.pid), "worker": process_cpu_seconds(self.worker.pid),
+                "worker_process": process_cpu_seconds(self.worker.pid, children=False)}
 
     def stop(self) -> None:
         for proc in self.procs:

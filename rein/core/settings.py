@@ -247,6 +247,10 @@ class Settings(BaseSettings):
     """Jobs a worker takes from its model's interactive queue beyond max_num_seqs, so that an
     interactive job is taken (and, by its priority, admitted by the engine) while batch jobs
     hold every slot; unset: a quarter of max_num_seqs, at least 1; 0: none (rein.worker.bootstep)."""
+    worker_engine_process: bool = True
+    """Run the worker's engine in a child process of its own (rein.engine.process_runner), so the
+    step loop does not share the GIL with Celery, the task threads and the publisher; false: on
+    a thread of the worker process."""
     worker_metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port the worker serves its Prometheus metrics on (/metrics, all interfaces); unset or 0: none."""
 

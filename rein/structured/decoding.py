@@ -67,11 +67,12 @@ def prepare_grammar(engine: Any, params: Any, timeout: float = GRAMMAR_WAIT_SECO
     submits the request), so the engine's thread finds it ready. Problems are left for add_request to report (it raises EngineRequestError for a
     bad spec; a compile still running after `timeout` just holds the request a while)."""
     spec = getattr(params, "structured", None)
-    if spec is None:
+    grammars = getattr(getattr(engine, "engine", engine), "grammars", None)
+    if spec is None or grammars is None:   # None: an engine in another process compiles its own
         return
     try:
         check_spec(spec)
-        getattr(engine, "engine", engine).grammars.prefetch(spec).result(timeout)
+        grammars.prefetch(spec).result(timeout)
     except Exception:  # noqa: BLE001 - reported by add_request, with the request's context
         return
 

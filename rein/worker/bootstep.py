@@ -288,19 +288,29 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
             raise RuntimeError(f"cannot serve worker metrics on port {settings.worker_metrics_port}: {exc}; "
                                f"choose a free port with REIN_WORKER_METRICS_PORT or --metrics-port "
                                f"(0 serves none)") from exc
-    if spec.engine_factory is not None:
-        engine = spec.engine_factory()
-    else:
-        from rein.engine.engine import LLMEngine
-
-        engine = LLMEngine(spec.engine_config)
     keys = RedisKeys.from_settings(settings)
     redis = Redis.from_url(settings.redis_url, health_check_interval=30)
     publisher = TokenPublisher(redis, keys, settings.stream_maxlen, settings.stream_ttl_seconds,
                                settings.job_timeout_seconds, background=True)
+    on_step = compose_hooks(publisher.publish_step, metrics.observe_step)
+    name = f"rein-engine-{spec.model_name}"
+    runner: EngineRunner
+    if spec.engine_factory is not None:
+        runner = EngineRunner(spec.engine_factory(), name=name, on_step=on_step)
+    elif settings.worker_engine_process:
+        from rein.core.logging import configured_elsewhere
+        from rein.engine.process_runner import ProcessEngineRunner
+
+        # The child logs as this process does when rein set logging up here.
+        log_format = None if configured_elsewhere() else settings.log_format
+        runner = ProcessEngineRunner(spec.engine_config, name=name, on_step=on_step,
+                                     log_level=logging.getLogger().level, log_format=log_format)
+    else:
+        from rein.engine.engine import LLMEngine
+
+        runner = EngineRunner(LLMEngine(spec.engine_config), name=name, on_step=on_step)
+    engine = runner.engine
     metrics.attach(engine)
-    runner = EngineRunner(engine, name=f"rein-engine-{spec.model_name}",
-                          on_step=compose_hooks(publisher.publish_step, metrics.observe_step))
     # One connection per task thread at most; the claim and the record are short transactions.
     from rein.worker.app import interactive_slots
 
