@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     from rein.generation_defaults import load_generation_defaults
     from rein.model_files import resolve_model
-    from rein.worker.app import make_celery, worker_queues
+    from rein.worker.app import make_celery, queued_slots, worker_queues
     from rein.worker.bootstep import EngineThreadPool, WorkerSpec, configure_worker
 
     try:
@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
         hostname=worker_hostname(args.hostname, served.name),
         queues=worker_queues(settings, served.name),
         pool_cls=EngineThreadPool,
-        concurrency=settings.max_num_seqs,
+        concurrency=settings.max_num_seqs + queued_slots(settings),
         loglevel=args.loglevel.upper(),
         without_gossip=True,
         without_mingle=True,

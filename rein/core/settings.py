@@ -251,6 +251,11 @@ class Settings(BaseSettings):
     """Run the worker's engine in a child process of its own (rein.engine.process_runner), so the
     step loop does not share the GIL with Celery, the task threads and the publisher; false: on
     a thread of the worker process."""
+    worker_queued_slots: int | None = Field(None, ge=0)
+    """Jobs a worker takes beyond max_num_seqs from both its model's queues: they wait in the
+    engine, which starts one at the step after a running job ends, instead of after that job's
+    record, ack and the next message's claim; unset: an eighth of max_num_seqs, at least 1; 0: none
+    (rein.worker.app)."""
     worker_metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port the worker serves its Prometheus metrics on (/metrics, all interfaces); unset or 0: none."""
 

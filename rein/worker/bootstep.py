@@ -20,14 +20,16 @@ soon as Celery announces the shutdown (its `worker_shutting_down` signal).
 Tasks reach all of this through `worker_context(app)`.
 
 Interactive jobs are never locked out by batch jobs. Celery's consumer takes at most
-max_num_seqs messages at once (prefetch 1 per slot, acks late), from both of the model's
-queues (rein.worker.app), so batch jobs alone could hold every slot while an interactive
-job waits on the queue. `InteractiveConsumer` is a second consumer, on a channel of its own
+max_num_seqs + queued_slots messages at once (prefetch 1 per slot, acks late; the queued
+slots' jobs wait in the engine for a sequence to end, see rein.worker.app), from both of the
+model's queues, so batch jobs alone could hold every slot while an interactive job waits on
+the queue. `InteractiveConsumer` is a second consumer, on a channel of its own
 with its own prefetch limit, that takes only the interactive queue, for up to
 `interactive_slots` more jobs, run by as many extra threads of the pool. Those jobs reach
 the engine while it is full of batch requests, and the engine's scheduler preempts a batch
-request for them (rein.engine.scheduler). Batch jobs never use the extra slots, so at most
-max_num_seqs of them run; interactive jobs use all max_num_seqs + interactive_slots.
+request for them (rein.engine.scheduler). Batch jobs never use the interactive slots, so
+at most max_num_seqs + queued_slots of them are held (max_num_seqs run); interactive jobs
+use every slot.
 
 `EngineThreadPool` is Celery's threads pool plus the one thing it lacks: terminating a
 task. Celery terminates tasks on broker connection loss
@@ -312,9 +314,9 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     engine = runner.engine
     metrics.attach(engine)
     # One connection per task thread at most; the claim and the record are short transactions.
-    from rein.worker.app import interactive_slots
+    from rein.worker.app import interactive_slots, queued_slots
 
-    threads = engine.config.max_num_seqs + interactive_slots(settings)
+    threads = engine.config.max_num_seqs + queued_slots(settings) + interactive_slots(settings)
     db = make_engine(settings.database_url, pool_size=min(threads, 16), max_overflow=max(threads - 16, 0) + 4)
     sessions = sessionmaker(db, expire_on_commit=False)
     context = WorkerContext(app=app, settings=settings, model_name=spec.model_name, worker_name=worker_name,
@@ -325,7 +327,7 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     context.start()
     log.info("engine ready for %s on %s: %d KV blocks of %d tokens, max %d sequences, %d job slots "
              "(%d kept for interactive jobs)", spec.model_name, engine.config.device, engine.pool.num_blocks,
-             engine.pool.block_size, engine.config.max_num_seqs, threads, threads - engine.config.max_num_seqs)
+             engine.pool.block_size, engine.config.max_num_seqs, threads, interactive_slots(settings))
     return context
 
 
@@ -408,7 +410,8 @@ class InteractiveConsumer(bootsteps.ConsumerStep):
 class EngineThreadPool(ThreadTaskPool):
     """The threads pool, where terminating a task interrupts its job in the engine.
 
-    Its size (Celery's concurrency, which sets the main consumer's prefetch) is max_num_seqs;
+    Its size (Celery's concurrency, which sets the main consumer's prefetch) is max_num_seqs +
+    queued_slots;
     it runs `interactive_slots` more threads for the jobs `InteractiveConsumer` takes.
     Each task gets a unique token as its "pid" (Celery keeps it as the request's
     worker_pid and passes it back to terminate_job).

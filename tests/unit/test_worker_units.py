@@ -66,7 +66,7 @@ def test_flow_control_settings(app, settings):
     assert conf.task_acks_late is True
     assert conf.task_reject_on_worker_lost is True
     assert conf.worker_prefetch_multiplier == 1
-    assert conf.worker_concurrency == settings.max_num_seqs
+    assert conf.worker_concurrency == settings.max_num_seqs + max(1, settings.max_num_seqs // 8)   # queued_slots
     assert conf.worker_cancel_long_running_tasks_on_connection_loss is True
     assert conf.result_backend is None and conf.task_ignore_result is True
     assert conf.broker_url == settings.redis_url
