@@ -18,8 +18,9 @@ Lifetime: the child is spawned (never forked: the parent has threads), loads the
 says it is ready; the parent's constructor waits for that, so a model that cannot load
 fails the worker's start with the child's error. The child ignores SIGINT and SIGTERM (a
 terminal's Ctrl-C or `kill` of the group reaches both; the parent decides), ends when told
-to stop, and exits at once when the parent dies (the pipe closes, and on Linux the kernel
-sends it SIGKILL through PR_SET_PDEATHSIG): a killed worker never leaves an engine behind.
+to stop, and exits when the parent dies: the pipe closes, which the child sees before its
+next step (or at once when idle), and on Linux, for a runner made on the main thread, the
+kernel also kills it (PR_SET_PDEATHSIG). A killed worker never leaves an engine behind.
 If the child dies, every waiting stream gets EngineStoppedError, as when the engine thread
 fails.
 """
@@ -88,8 +89,12 @@ class ProcessEngineRunner(EngineRunner):
                  start_timeout: float = START_TIMEOUT_SECONDS) -> None:
         self._conn, child_conn = multiprocessing.Pipe(duplex=True)
         context = multiprocessing.get_context("spawn")
+        # PR_SET_PDEATHSIG fires when the creating *thread* ends: ask for it only from the main
+        # thread (a worker's bootstep); elsewhere the closed pipe alone ends the child.
+        death_signal = threading.current_thread() is threading.main_thread()
         self._process = context.Process(target=serve_engine, name=name, daemon=True,
-                                        args=(config, child_conn, os.getpid(), log_level, log_format))
+                                        args=(config, child_conn, os.getpid(), death_signal, log_level,
+                                              log_format))
         self._process.start()
         child_conn.close()
         ready = self._wait_ready(start_timeout)
@@ -301,13 +306,14 @@ def _picklable(value: Any) -> bool:
 # -- the child -----------------------------------------------------------------------------------
 
 
-def serve_engine(config: EngineConfig, conn: Connection, parent_pid: int, log_level: int | None,
-                 log_format: str | None) -> None:
+def serve_engine(config: EngineConfig, conn: Connection, parent_pid: int, death_signal: bool,
+                 log_level: int | None, log_format: str | None) -> None:
     """The child's main: build the engine, say ready, then step it for the parent until told
     to stop or the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _die_with_parent(parent_pid)
+    if death_signal:
+        _die_with_parent(parent_pid)
     if log_format is not None:
         from rein.core.logging import configure_logging
 

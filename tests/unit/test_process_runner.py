@@ -127,14 +127,28 @@ def test_stop_ends_the_child_and_its_open_streams(model_dir):
         runner.submit("y", [1, 2], GREEDY)
 
 
-def test_the_child_dies_with_a_killed_parent(model_dir):
-    """A SIGKILLed worker leaves no engine process behind (PR_SET_PDEATHSIG, the closed pipe)."""
+@pytest.mark.parametrize("made_on", ["main thread", "short-lived thread"])
+def test_the_child_dies_with_a_killed_parent(model_dir, made_on):
+    """A SIGKILLed worker leaves no engine process behind: PR_SET_PDEATHSIG for a runner made
+    on the main thread, the closed pipe alone otherwise (and the thread's end is no death)."""
     script = textwrap.dedent(f"""
-        import time
+        import threading, time
         from rein.engine.config import EngineConfig
         from rein.engine.process_runner import ProcessEngineRunner
+        from rein.engine.sampling_params import SamplingParams
         if __name__ == "__main__":
-            runner = ProcessEngineRunner(EngineConfig(model={str(model_dir)!r}, device="cpu")).start()
+            made = []
+            make = lambda: made.append(ProcessEngineRunner(EngineConfig(model={str(model_dir)!r}, device="cpu")))
+            if {made_on == "main thread"}:
+                make()
+            else:
+                thread = threading.Thread(target=make)
+                thread.start()
+                thread.join()
+            runner = made[0].start()
+            time.sleep(0.5)
+            stream = runner.submit("x", [1, 2], SamplingParams(max_tokens=4), collect=True)
+            assert stream.wait(30)
             print(runner.pid, flush=True)
             time.sleep(120)
     """)
