@@ -3,7 +3,8 @@ completions arriving meanwhile, against the same chats on an idle service and th
 alone.
 
     python bench/priority.py [--preset tiny] [--max-num-seqs 8] [--batch-requests N] [--batch-max-tokens 256]
-                             [--chats 20] [--chat-max-tokens 16] [--chat-interval 0.5] [--threads 1] [--keep DIR]
+                             [--chats 20] [--chat-max-tokens 16] [--chat-interval 0.5] [--threads 1]
+                             [--service-env NAME=VALUE ...] [--keep DIR]
 
 One service (bench/intake.py's Sandbox: a throwaway database and Redis prefix, dropped at
 the end; `rein api` and one `rein worker` as subprocesses, cpu fp32, --threads torch threads),
@@ -75,6 +76,7 @@ class Service(BatchService):
         env = {"REIN_BATCH_POLL_SECONDS": "0.2", "OMP_NUM_THREADS": str(args.threads)}
         if args.interactive_slots is not None:
             env["REIN_WORKER_INTERACTIVE_SLOTS"] = str(args.interactive_slots)
+        env |= dict(args.service_env or [])
         super().__init__(sandbox, model_dir, log_dir, args, name="priority", max_model_len=MAX_MODEL_LEN, env=env)
 
     def heartbeat(self, key: str) -> dict:
@@ -195,6 +197,9 @@ def main() -> int:
     parser.add_argument("--chat-max-tokens", type=int, default=16)
     parser.add_argument("--chat-interval", type=float, default=0.5, help="seconds between two chats (0.5)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of the worker (1)")
+    parser.add_argument("--service-env", action="append", type=lambda text: tuple(text.split("=", 1)),
+                        metavar="NAME=VALUE", help="an environment variable for the api and the worker "
+                        "(e.g. REIN_WORKER_ENGINE_PROCESS=false; repeatable)")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--postgres-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--keep", default=None, metavar="DIR", help="keep the batch file and service logs in DIR")
