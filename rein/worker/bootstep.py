@@ -63,7 +63,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from rein.core.logging import log_context
 from rein.core.redis_keys import RedisKeys
 from rein.worker.cancel import CancelListener
-from rein.worker.claim import Lease, renew_leases
+from rein.worker.claim import GroupClaimer, Lease, renew_leases
 from rein.worker.metrics import WorkerMetrics, compose_hooks
 from rein.worker.publisher import INTERRUPTED, TokenPublisher
 from rein.worker.reaper import Reaper
@@ -115,6 +115,7 @@ class WorkerContext:
     interrupted: set[str] = field(default_factory=set)
     reaper: Reaper | None = None
     recorder: GroupRecorder | None = None   # None: each task records its job alone (record_job)
+    claimer: GroupClaimer | None = None     # None: each task claims its job alone (claim_job)
     _jobs_by_thread: dict[int, Lease] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -322,7 +323,8 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     context = WorkerContext(app=app, settings=settings, model_name=spec.model_name, worker_name=worker_name,
                             keys=keys, redis=redis, sessions=sessions, runner=runner, publisher=publisher,
                             metrics=metrics, reaper=Reaper(settings, sessions, redis, app),
-                            recorder=GroupRecorder(sessions))
+                            recorder=GroupRecorder(sessions),
+                            claimer=GroupClaimer(sessions, worker_name, settings.lease_seconds))
     runner.start()
     context.start()
     log.info("engine ready for %s on %s: %d KV blocks of %d tokens, max %d sequences, %d job slots "

@@ -26,6 +26,9 @@ Lease semantics:
 * A job whose attempts keep ending without a result (its workers lost, or a failure that
   kills the task) is not tried for ever: after MAX_ATTEMPTS starts the next claim (or the
   reaper) marks it failed (code `too_many_attempts`).
+* The worker claims through `GroupClaimer`: jobs whose messages arrive together are claimed
+  by one statement (`claim_jobs`), under the same conditions, each caller told its own
+  outcome (rein.worker.grouping).
 * `release_job` hands a job back (`queued`) when its run was interrupted rather than
   finished (warm shutdown, broker connection lost); the next claim runs it again as a new
   attempt.
@@ -35,12 +38,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.db import engine_of, execute_all, execute_one
 from rein.core.models import FINISHED_JOB_STATUSES, Job
+from rein.worker.grouping import GroupCommit
 
 MAX_ATTEMPTS = 3
 
@@ -99,14 +104,78 @@ UPDATE jobs SET status = 'running', attempt = attempt + 1, worker = %s, started_
 RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, started_at"""
 
 
+# claim_jobs: the same claim for several jobs in one statement. The rows are locked in id
+# order first, so two workers claiming overlapping groups (duplicate messages) cannot deadlock.
+_CLAIM_MANY_SQL = f"""
+WITH target AS (
+    SELECT id FROM jobs
+     WHERE id = ANY(%s) AND cancel_requested_at IS NULL AND attempt < %s AND {_CLAIMABLE_SQL}
+     ORDER BY id FOR UPDATE
+)
+UPDATE jobs SET status = 'running', attempt = attempt + 1, worker = %s, started_at = now(),
+       first_token_at = NULL, finished_at = NULL, error = NULL,
+       lease_expires_at = now() + make_interval(secs => %s)
+  FROM target
+ WHERE jobs.id = target.id AND jobs.cancel_requested_at IS NULL AND jobs.attempt < %s
+   AND (jobs.status = 'queued' OR (jobs.status = 'running'
+        AND (jobs.lease_expires_at IS NULL OR jobs.lease_expires_at < now())))
+RETURNING jobs.id, jobs.attempt, jobs.tenant, jobs.key_id, jobs.model, jobs.endpoint, jobs.prompt_tokens,
+          jobs.queued_at, jobs.started_at"""
+
+
 def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_for_seconds: float,
               max_attempts: int = MAX_ATTEMPTS) -> Claim:
     """Take the job for a new attempt, or say why not (see the module docstring)."""
     row = execute_one(engine_of(sessions), _CLAIM_SQL, (worker, lease_for_seconds, job_id, max_attempts))
     if row is not None:
-        queue_seconds = (row.started_at - row.queued_at).total_seconds() if row.queued_at else None
-        return Claim(ClaimOutcome.CLAIMED, Lease(job_id, row.attempt, worker, row.tenant, row.key_id,
-                                                 row.model, row.endpoint, row.prompt_tokens, queue_seconds))
+        return Claim(ClaimOutcome.CLAIMED, _lease(job_id, worker, row))
+    return not_claimed(sessions, job_id, max_attempts)
+
+
+def claim_jobs(sessions: sessionmaker[Session], job_ids: list[str], worker: str, lease_for_seconds: float,
+               max_attempts: int = MAX_ATTEMPTS) -> list[Claim | Exception]:
+    """`claim_job` for several distinct jobs: one statement claims every claimable one; each of
+    the others is told why not as claim_job would (a statement of its own: the rare case).
+    Once the claims are committed, a failure to tell one of the others why is that job's
+    alone: in its place in the answer, the exception."""
+    rows = execute_all(engine_of(sessions), _CLAIM_MANY_SQL,
+                       (job_ids, max_attempts, worker, lease_for_seconds, max_attempts))
+    claimed = {row.id: row for row in rows}
+    answers: list[Claim | Exception] = []
+    for job_id in job_ids:
+        if job_id in claimed:
+            answers.append(Claim(ClaimOutcome.CLAIMED, _lease(job_id, worker, claimed[job_id])))
+            continue
+        try:
+            answers.append(not_claimed(sessions, job_id, max_attempts))
+        except Exception as exc:   # noqa: BLE001 - raised to that job's caller (rein.worker.grouping)
+            answers.append(exc)
+    return answers
+
+
+class GroupClaimer(GroupCommit[str, Claim]):
+    """`claim_job` shared by a worker's task threads, with group commit (rein.worker.grouping):
+    jobs whose messages arrive together (a batch's lines) are claimed by one statement."""
+
+    def __init__(self, sessions: sessionmaker[Session], worker: str, lease_for_seconds: float,
+                 max_group: int = 64) -> None:
+        super().__init__(write_one=lambda job_id: claim_job(sessions, job_id, worker, lease_for_seconds),
+                         write_many=lambda job_ids: claim_jobs(sessions, job_ids, worker, lease_for_seconds),
+                         key=lambda job_id: job_id, max_group=max_group, what="job claims")
+
+    def claim(self, job_id: str) -> Claim:
+        return self.call(job_id)
+
+
+def _lease(job_id: str, worker: str, row: Any) -> Lease:
+    queue_seconds = (row.started_at - row.queued_at).total_seconds() if row.queued_at else None
+    return Lease(job_id, row.attempt, worker, row.tenant, row.key_id, row.model, row.endpoint, row.prompt_tokens,
+                 queue_seconds)
+
+
+def not_claimed(sessions: sessionmaker[Session], job_id: str, max_attempts: int = MAX_ATTEMPTS) -> Claim:
+    """Why a job the claim did not take is not claimable (and, for a cancel or too many
+    attempts, settle it)."""
     with sessions() as session:
         current = session.execute(
             select(Job.status, Job.cancel_requested_at, Job.attempt).where(Job.id == job_id)).one_or_none()

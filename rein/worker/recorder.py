@@ -27,13 +27,10 @@ streamed deltas still concatenate to the stored text.
 from __future__ import annotations
 
 import json
-import logging
-import threading
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.db import engine_of, execute_all, execute_one
@@ -42,8 +39,7 @@ from rein.embeddings_format import job_embeddings_body
 from rein.openai_format import EMBEDDINGS, build_response
 from rein.tools import apply_tool_calls
 from rein.worker.claim import Lease
-
-log = logging.getLogger(__name__)
+from rein.worker.grouping import GroupCommit
 
 
 def storable_text(text: str) -> str:
@@ -117,99 +113,23 @@ def record_jobs(sessions: sessionmaker[Session], records: list[tuple[Lease, JobR
     return {row[0] for row in execute_all(engine_of(sessions), sql, tuple(params))}
 
 
-class GroupRecorder:
-    """`record_job` shared by the task threads, with group commit: while one thread writes,
-    the records that other threads bring meanwhile wait, and the next writer (the first of
-    them) writes them all in one statement (`record_jobs`), up to `max_group` at once.
-
-    A thread alone pays one statement, as before; when jobs end together (a batch's lines,
-    which end in the same engine steps), they share a round trip, a connection checkout and a
-    commit instead of one each. Each caller gets its own answer or error, as from
-    `record_job`: a group that fails for another reason than a lost connection is written
-    again one job at a time, so one bad record fails only its own job.
-    """
+class GroupRecorder(GroupCommit[tuple[Lease, JobRecord], bool]):
+    """`record_job` shared by the task threads, with group commit (rein.worker.grouping): jobs
+    that end together (a batch's lines, which end in the same engine steps) are written by one
+    `record_jobs` statement; each caller gets its own answer or error, as from `record_job`."""
 
     def __init__(self, sessions: sessionmaker[Session], max_group: int = 64) -> None:
-        self.sessions = sessions
-        self.max_group = max_group
-        self._lock = threading.Lock()
-        self._waiting: list[_Pending] = []   # in arrival order; the first is the next writer's
-        self._writing = False
-        self.statements = 0                  # group statements made (for tests and benchmarks)
+        super().__init__(write_one=lambda item: record_job(sessions, *item),
+                         write_many=lambda items: _recorded(record_jobs(sessions, items), items),
+                         key=lambda item: item[0].job_id, max_group=max_group, what="job records")
 
     def record(self, lease: Lease, record: JobRecord) -> bool:
-        """`record_job`, written with whatever else waits (see the class docstring)."""
-        pending = _Pending(lease, record)
-        with self._lock:
-            self._waiting.append(pending)
-            leading = not self._writing
-            self._writing = True
-        if not leading:
-            pending.ready.wait()
-            if not pending.leading:
-                return pending.answer()
-        with self._lock:   # this thread writes: its own record is the first waiting
-            group, ids, left = [], set(), []
-            for waiting in self._waiting:
-                if len(group) < self.max_group and waiting.lease.job_id not in ids:
-                    group.append(waiting)
-                    ids.add(waiting.lease.job_id)
-                else:
-                    left.append(waiting)
-            self._waiting = left
-        try:
-            self._write(group)
-        finally:
-            with self._lock:
-                following = self._waiting[0] if self._waiting else None
-                self._writing = following is not None
-            for done in group:
-                if done is not pending:
-                    done.ready.set()
-            if following is not None:
-                following.leading = True
-                following.ready.set()
-        return pending.answer()
-
-    def _write(self, group: list[_Pending]) -> None:
-        try:
-            if len(group) == 1:
-                only = group[0]
-                only.recorded = record_job(self.sessions, only.lease, only.record)
-                return
-            self.statements += 1
-            recorded = record_jobs(self.sessions, [(p.lease, p.record) for p in group])
-            for pending in group:
-                pending.recorded = pending.lease.job_id in recorded
-        except (OperationalError, InterfaceError) as exc:   # Postgres away: every caller retries
-            for pending in group:
-                pending.error = exc
-        except Exception as exc:
-            if len(group) == 1:
-                group[0].error = exc
-                return
-            log.warning("recording %d jobs together failed (%s: %s); recording them one by one",
-                        len(group), type(exc).__name__, exc)
-            for pending in group:
-                try:
-                    pending.recorded = record_job(self.sessions, pending.lease, pending.record)
-                except Exception as one:
-                    pending.error = one
+        """`record_job`, written with whatever else waits."""
+        return self.call((lease, record))
 
 
-@dataclass(eq=False)
-class _Pending:
-    lease: Lease
-    record: JobRecord
-    ready: threading.Event = field(default_factory=threading.Event)
-    leading: bool = False           # woken to write the next group, not with an answer
-    recorded: bool = False
-    error: BaseException | None = None
-
-    def answer(self) -> bool:
-        if self.error is not None:
-            raise self.error
-        return self.recorded
+def _recorded(recorded: set[str], items: list[tuple[Lease, JobRecord]]) -> list[bool]:
+    return [lease.job_id in recorded for lease, _ in items]
 
 
 def _int_array(values: list[int]) -> str:

@@ -106,7 +106,9 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
     # (rein.worker.cancel). The listener's mark, for the check after the submit (abort_if_cancelled).
     cancel_mark = context.listener.mark() if context.listener is not None else None
     try:
-        claim = claim_job(context.sessions, job_id, context.worker_name, context.settings.lease_seconds)
+        # With the worker's GroupClaimer, jobs whose messages arrive together share one statement.
+        claim = (context.claimer.claim(job_id) if context.claimer is not None
+                 else claim_job(context.sessions, job_id, context.worker_name, context.settings.lease_seconds))
     except (RedisError, SQLAlchemyError) as exc:
         raise JobNotTaken(str(exc)) from exc
     if claim.lease is None:

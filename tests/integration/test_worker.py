@@ -295,6 +295,68 @@ def test_claim_is_exclusive_and_a_finished_job_is_never_claimed_again(make_job, 
     assert claim_job(db_sessionmaker, "job_missing", "w1", 600).outcome is ClaimOutcome.MISSING
 
 
+def test_several_jobs_are_claimed_in_one_statement_each_told_its_outcome(make_job, db_sessionmaker):
+    from datetime import timedelta
+
+    from rein.worker.claim import claim_jobs
+
+    queued, finished, cancelled, held, expired = (make_job().job_id for _ in range(5))
+    done = claim_job(db_sessionmaker, finished, "w0", 600).lease
+    record_job(db_sessionmaker, done, JobRecord(status="succeeded", text="x", token_ids=[1], finish_reason="stop",
+                                               prompt_tokens=4, completion_tokens=1))
+    claim_job(db_sessionmaker, held, "w0", 600)
+    claim_job(db_sessionmaker, expired, "w0", 600)
+    with db_sessionmaker.begin() as session:
+        session.execute(update(Job).where(Job.id == cancelled).values(cancel_requested_at=func.now()))
+        session.execute(update(Job).where(Job.id == expired)
+                        .values(lease_expires_at=func.now() - timedelta(seconds=1)))
+    ids = [queued, finished, cancelled, "job_missing", held, expired]
+    claims = claim_jobs(db_sessionmaker, ids, "w1", 600)
+    assert [c.outcome for c in claims] == [ClaimOutcome.CLAIMED, ClaimOutcome.FINISHED, ClaimOutcome.CANCELLED,
+                                           ClaimOutcome.MISSING, ClaimOutcome.HELD_ELSEWHERE, ClaimOutcome.CLAIMED]
+    assert (claims[0].lease.attempt, claims[5].lease.attempt) == (1, 2)     # the expired lease: a new attempt
+    assert claims[0].lease.queue_seconds is not None and claims[0].lease.worker == "w1"
+    assert {job_row(db_sessionmaker, i).worker for i in (queued, expired)} == {"w1"}
+    assert job_row(db_sessionmaker, held).worker == "w0" and job_row(db_sessionmaker, cancelled).status == "cancelled"
+
+
+def test_group_claimer_groups_what_waits_and_never_claims_a_job_twice(make_job, db_sessionmaker, monkeypatch):
+    """Claims that wait for the writer go as one statement; two messages of one job (a
+    duplicate) never share it: one claims, the other finds the job held."""
+    import rein.worker.claim as claim_module
+    from rein.worker.claim import GroupClaimer
+
+    claimer = GroupClaimer(db_sessionmaker, "w1", 600)
+    jobs = [make_job().job_id for _ in range(6)]
+    requests = jobs + [jobs[1]]                        # the last: a duplicate message of jobs[1]
+    real, release = claim_module.claim_job, threading.Event()
+
+    def slow_claim(*args, **kwargs):
+        release.wait(10)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(claim_module, "claim_job", slow_claim)
+    outcomes: list[tuple[str, ClaimOutcome]] = []
+
+    def claim(job_id):
+        outcomes.append((job_id, claimer.claim(job_id).outcome))
+
+    threads = [threading.Thread(target=claim, args=(job_id,)) for job_id in requests]
+    threads[0].start()
+    wait_for(lambda: claimer._writing, 10, "the first writer")
+    for thread in threads[1:]:
+        thread.start()
+    wait_for(lambda: len(claimer._waiting) == len(requests) - 1, 10, "the other claims to wait")
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert sorted(outcome for job_id, outcome in outcomes if job_id == jobs[1]) == sorted(
+        [ClaimOutcome.CLAIMED, ClaimOutcome.HELD_ELSEWHERE])
+    assert all(outcome is ClaimOutcome.CLAIMED for job_id, outcome in outcomes if job_id != jobs[1])
+    assert claimer.statements == 1 and not claimer._writing and not claimer._waiting
+    assert {job_row(db_sessionmaker, job_id).attempt for job_id in jobs} == {1}
+
+
 def test_several_jobs_are_recorded_in_one_statement(make_job, db_sessionmaker, tenant):
     from rein.worker.recorder import record_jobs
 
