@@ -1,7 +1,7 @@
 """Batch throughput: one OpenAI batch file through the service (Files + Batches API, one worker)
 beside the same file through `rein run-batch`'s runner in this process.
 
-    python bench/batch.py [--requests 2000] [--preset tiny] [--max-num-seqs 64] [--kv-cache-memory 256MiB]
+    python bench/batch.py [--requests 2000] [--rounds 3] [--preset tiny] [--max-num-seqs 64] [--kv-cache-memory 256MiB]
                           [--batch-queue-window N] [--batch-poll-seconds S] [--service-env NAME=VALUE ...]
                           [--profile-worker FILE [--profile-all-threads]] [--redis-url URL] [--postgres-url URL] [--keep DIR]
 
@@ -24,13 +24,15 @@ OMP_NUM_THREADS=1; this process calls torch.set_num_threads(1)).
   load not timed), the same input file, written to a file like `rein run-batch -o`.
 
 Figures: requests/s and output tokens/s of each (tokens counted from each output file's
-usage), and their ratio service / offline (target ≥ 0.8). Greedy outputs are compared by
-custom_id as a check that both answered the same requests (fp32 sums depend on which
-requests share a step, so a near-tie can go either way: a few differ). The service and the
-offline run happen one after the other on a shared machine: the 1-minute load average is
-printed, and the CPU seconds each side used while timed (the API and worker processes, read
-from /proc; this process for offline), whose ratio depends less on the neighbours than wall
-time does. `--profile-worker` samples the worker with py-spy (it slows the worker: use it to
+usage), and their ratio service / offline (targets: ≥ 0.8 tiny, ≥ 0.95 small). `--rounds`
+runs both sides that many times, alternating which goes first (each service round on a fresh
+sandbox and processes), and reports the median ratio: on a shared machine one side's speed
+drifts by a quarter between runs. Greedy outputs are compared by custom_id as a check that
+both answered the same requests (fp32 sums depend on which requests share a step, so a
+near-tie can go either way: a few differ). Per round: the 1-minute load average, the CPU
+seconds each side used while timed (the API and worker processes and the worker's engine
+process, read from /proc; this process for offline), and the engine's steps and output
+tokens per step (the worker's heartbeat; the offline engine's stats). `--profile-worker` samples the worker with py-spy (it slows the worker: use it to
 see where time goes, not for figures). The last line of stdout is one JSON object with
 every figure.
 """
@@ -60,7 +62,7 @@ MAX_NUM_BATCHED_TOKENS = 2048
 POLL_SECONDS = 0.5
 HEARTBEAT_WAIT_SECONDS = 5.5    # rein.worker.bootstep.HEARTBEAT_SECONDS, and a little
 STARTUP_TIMEOUT = 180.0
-TARGET_RATIO = 0.8
+TARGET_RATIO = {"tiny": 0.8, "small": 0.95}   # service / offline, by preset (the issue's targets)
 SEED = 0
 WORDS = ("river queue token batch engine model paged cache worker stream tenant harness rein "
          "prompt answer block request step budget sample decode prefill latency cloud night "
@@ -462,8 +464,9 @@ def report(args: argparse.Namespace, rounds: list[dict], max_tokens: dict[str, i
               f"{max(service['load_1m'] + offline['load_1m']):>9.2f}")
     ratios = sorted(one["ratio"] for one in rounds)
     median = statistics.median(ratios)
+    target = TARGET_RATIO[args.preset]
     print(f"  ratio service / offline (output tokens/s): median {median:.3f}x [{ratios[0]:.3f}-{ratios[-1]:.3f}] "
-          f"(target >= {TARGET_RATIO}x): {'PASS' if median >= TARGET_RATIO else 'MISS'}")
+          f"(target >= {target}x): {'PASS' if median >= target else 'MISS'}")
     last = rounds[-1]["service"]
     print(f"  checks (last round): service answered {last['answered']}/{args.requests} ({last['failed']} failed); "
           f"output tokens {last['output_tokens']} / {rounds[-1]['offline']['output_tokens']} (expected "
@@ -476,7 +479,7 @@ def report(args: argparse.Namespace, rounds: list[dict], max_tokens: dict[str, i
         "expected_output_tokens": expected_tokens, "max_num_seqs": args.max_num_seqs,
         "kv_cache_memory": args.kv_cache_memory, "cpus": os.cpu_count(), "rounds": rounds,
         "ratio_median": round(median, 4), "ratio_range": [round(ratios[0], 4), round(ratios[-1], 4)],
-        "target": {"ratio_min": TARGET_RATIO, "pass": median >= TARGET_RATIO},
+        "target": {"ratio_min": target, "pass": median >= target},
     }))
 
 
