@@ -1,5 +1,9 @@
-"""The worker's long-lived half: the engine, its runner thread, the token publisher, the
+"""The worker's long-lived half: the engine and its runner, the token publisher, the
 cancel listener, a heartbeat, the lease keeper and a reaper, owned by one Celery bootstep.
+
+The engine steps in a child process of its own (rein.engine.process_runner, unless
+`Settings.worker_engine_process` is off or a test hands in an engine factory): the runner
+here keeps the request streams, and the heartbeat and metrics read its view of the engine.
 
 The lease keeper renews the leases of the jobs this worker runs, all in one statement every
 `Settings.lease_renew_seconds` (rein.worker.claim); a job whose lease it finds lost (the
