@@ -41,7 +41,7 @@ from typing import Any
 from rein.engine.config import EngineConfig
 from rein.engine.engine import EngineStats
 from rein.engine.outputs import RequestOutput
-from rein.engine.runner import EngineRunner, EngineStoppedError, RequestStream, _Add
+from rein.engine.runner import EngineRunner, EngineStoppedError, _Add
 
 log = logging.getLogger(__name__)
 
@@ -137,12 +137,6 @@ class ProcessEngineRunner(EngineRunner):
         except (OSError, ValueError) as exc:   # the child is gone (ValueError: pipe closed here)
             raise EngineStoppedError(f"the engine process is not running ({exc})") from exc
 
-    def _check_running(self) -> None:
-        if self._failure is not None:
-            raise EngineStoppedError(f"the engine failed: {self._failure!r}") from self._failure
-        if self._stopping.is_set() or not self.alive:
-            raise EngineStoppedError("the engine runner is not running")
-
     def _queue_add(self, command: _Add) -> None:
         with self._groups_lock:
             self._pending[command.request_id] = command
@@ -157,38 +151,6 @@ class ProcessEngineRunner(EngineRunner):
         while not command.accepted.wait(timeout=0.5):
             if not self.alive:
                 raise EngineStoppedError("the engine process ended before taking the request")
-
-    def submit(self, request_id: str, prompt: list[int] | str, params: Any = None, priority: int = 0, *,
-               collect: bool = False) -> RequestStream:
-        from rein.engine.runner import CollectingStream
-        from rein.engine.sampling_params import SamplingParams
-
-        self._check_running()
-        stream = CollectingStream(request_id, self) if collect else RequestStream(request_id, self)
-        command = _Add(request_id, prompt, params or SamplingParams(), priority, stream, threading.Event())
-        self._queue_add(command)
-        self._wait_accepted(command)
-        if command.error is not None:
-            raise command.error
-        return stream
-
-    def submit_group(self, group: str, prompts: list[list[int]], params: Any, priority: int = 0) -> list:
-        from rein.engine.runner import CollectingStream
-
-        self._check_running()
-        commands = [_Add(f"{group}#{i}", prompt, params, priority, CollectingStream(f"{group}#{i}", self),
-                         threading.Event(), group=group) for i, prompt in enumerate(prompts)]
-        for command in commands:
-            self._queue_add(command)
-        for command in commands:
-            self._wait_accepted(command)
-        refused = next((i for i, c in enumerate(commands) if c.error is not None), None)
-        if refused is not None:
-            self.abort(group)
-            error = commands[refused].error
-            error.index = refused   # type: ignore[union-attr]
-            raise error   # type: ignore[misc]
-        return [command.stream for command in commands]
 
     def abort(self, request_id: str) -> None:
         """Abort within a step; a submit_group group id aborts every request of the group."""

@@ -178,16 +178,11 @@ class EngineRunner:
         `collect=True` returns a CollectingStream: the outputs are gathered and handed over
         at the end rather than one by one.
         """
-        if self._failure is not None:
-            raise EngineStoppedError(f"the engine failed: {self._failure!r}") from self._failure
-        if self._stopping.is_set() or not self._thread.is_alive():
-            raise EngineStoppedError("the engine runner is not running")
+        self._check_running()
         stream = CollectingStream(request_id, self) if collect else RequestStream(request_id, self)
         command = _Add(request_id, prompt, params or SamplingParams(), priority, stream, threading.Event())
-        self._commands.put(command)
-        while not command.accepted.wait(timeout=0.5):
-            if not self._thread.is_alive():
-                raise EngineStoppedError("the engine thread ended before taking the request")
+        self._queue_add(command)
+        self._wait_accepted(command)
         if command.error is not None:
             raise command.error
         return stream
@@ -198,21 +193,13 @@ class EngineRunner:
         streams; request i is `{group}#{i}`. `abort(group)` aborts them all (an embeddings job's
         inputs are one job to the cancel path). If the engine refuses one, those already
         queued are aborted and the error raises, with `.index` set to the refused prompt."""
-        if self._failure is not None:
-            raise EngineStoppedError(f"the engine failed: {self._failure!r}") from self._failure
-        if self._stopping.is_set() or not self._thread.is_alive():
-            raise EngineStoppedError("the engine runner is not running")
-        commands = []
-        for index, prompt in enumerate(prompts):
-            request_id = f"{group}#{index}"
-            command = _Add(request_id, prompt, params, priority, CollectingStream(request_id, self),
-                           threading.Event(), group=group)
-            commands.append(command)
-            self._commands.put(command)
+        self._check_running()
+        commands = [_Add(f"{group}#{i}", prompt, params, priority, CollectingStream(f"{group}#{i}", self),
+                         threading.Event(), group=group) for i, prompt in enumerate(prompts)]
         for command in commands:
-            while not command.accepted.wait(timeout=0.5):
-                if not self._thread.is_alive():
-                    raise EngineStoppedError("the engine thread ended before taking the request")
+            self._queue_add(command)
+        for command in commands:
+            self._wait_accepted(command)
         refused = next((i for i, c in enumerate(commands) if c.error is not None), None)
         if refused is not None:
             self.abort(group)
@@ -220,6 +207,22 @@ class EngineRunner:
             error.index = refused   # type: ignore[union-attr]
             raise error   # type: ignore[misc]
         return [command.stream for command in commands]  # type: ignore[misc]
+
+    # How a request reaches the engine (ProcessEngineRunner sends it to another process instead).
+
+    def _check_running(self) -> None:
+        if self._failure is not None:
+            raise EngineStoppedError(f"the engine failed: {self._failure!r}") from self._failure
+        if self._stopping.is_set() or not self.alive:
+            raise EngineStoppedError("the engine runner is not running")
+
+    def _queue_add(self, command: _Add) -> None:
+        self._commands.put(command)
+
+    def _wait_accepted(self, command: _Add) -> None:
+        while not command.accepted.wait(timeout=0.5):
+            if not self.alive:
+                raise EngineStoppedError("the engine thread ended before taking the request")
 
     def abort(self, request_id: str) -> None:
         """Abort within one step; the stream then gets a final output with finish_reason 'abort'.

@@ -295,6 +295,20 @@ def test_claim_is_exclusive_and_a_finished_job_is_never_claimed_again(make_job, 
     assert claim_job(db_sessionmaker, "job_missing", "w1", 600).outcome is ClaimOutcome.MISSING
 
 
+def call_while_the_first_writes(group, call, items, release: threading.Event) -> None:
+    """`call(item)` on a thread per item against a GroupCommit (rein.worker.grouping) whose
+    first writer is held up (until `release`): the other items all wait, then go as a group."""
+    threads = [threading.Thread(target=call, args=(item,)) for item in items]
+    threads[0].start()
+    wait_for(lambda: group._writing, 10, "the first writer")
+    for thread in threads[1:]:
+        thread.start()
+    wait_for(lambda: len(group._waiting) == len(items) - 1, 10, "the other calls to wait")
+    release.set()
+    for thread in threads:
+        thread.join(10)
+
+
 def test_several_jobs_are_claimed_in_one_statement_each_told_its_outcome(make_job, db_sessionmaker):
     from datetime import timedelta
 
@@ -341,15 +355,7 @@ def test_group_claimer_groups_what_waits_and_never_claims_a_job_twice(make_job, 
     def claim(job_id):
         outcomes.append((job_id, claimer.claim(job_id).outcome))
 
-    threads = [threading.Thread(target=claim, args=(job_id,)) for job_id in requests]
-    threads[0].start()
-    wait_for(lambda: claimer._writing, 10, "the first writer")
-    for thread in threads[1:]:
-        thread.start()
-    wait_for(lambda: len(claimer._waiting) == len(requests) - 1, 10, "the other claims to wait")
-    release.set()
-    for thread in threads:
-        thread.join(10)
+    call_while_the_first_writes(claimer, claim, requests, release)
     assert sorted(outcome for job_id, outcome in outcomes if job_id == jobs[1]) == sorted(
         [ClaimOutcome.CLAIMED, ClaimOutcome.HELD_ELSEWHERE])
     assert all(outcome is ClaimOutcome.CLAIMED for job_id, outcome in outcomes if job_id != jobs[1])
@@ -411,15 +417,7 @@ def test_group_recorder_answers_each_thread_and_groups_what_waits(make_job, db_s
                                                                  finish_reason="stop", prompt_tokens=4,
                                                                  completion_tokens=1))
 
-    threads = [threading.Thread(target=record, args=(lease,)) for lease in leases]
-    threads[0].start()
-    wait_for(lambda: recorder._writing, 10, "the first writer")
-    for thread in threads[1:]:
-        thread.start()
-    wait_for(lambda: len(recorder._waiting) == len(leases) - 1, 10, "the other records to wait")
-    release.set()
-    for thread in threads:
-        thread.join(10)
+    call_while_the_first_writes(recorder, record, leases, release)
     assert answers == {lease.job_id: lease is not stale for lease in leases}
     assert recorder.statements == 1 and not recorder._writing and not recorder._waiting
     assert all(job_row(db_sessionmaker, lease.job_id).status == "succeeded" for lease in leases[:-1])
