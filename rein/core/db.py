@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import lru_cache
+from types import SimpleNamespace
 from typing import Any
 
 from sqlalchemy import Connection, Engine, Row, create_engine
@@ -71,15 +72,25 @@ class HeldConnections:
     checks the connection first as it always does; one that broke (invalidated) is replaced.
     """
 
-    def __init__(self, engine: Engine, idle_seconds: float = 1.0) -> None:
+    def __init__(self, engine: Engine, idle_seconds: float = 1.0, *, shared: bool = False) -> None:
+        """`shared`: one connection for every thread, used by one statement at a time (for
+        writers that take turns anyway, as a group commit's: rein.worker.grouping)."""
         self.engine = engine
         self.idle_seconds = idle_seconds
-        self._local = threading.local()
+        self._local: Any = SimpleNamespace() if shared else threading.local()
+        self._turn = threading.Lock() if shared else None
         self._held: set[Connection] = set()
         self._lock = threading.Lock()
 
     def execute_all(self, sql: str, params: tuple[Any, ...]) -> list[Row[Any]]:
-        return self._connection().exec_driver_sql(sql, params).all()
+        if self._turn is None:
+            return self._connection().exec_driver_sql(sql, params).all()
+        with self._turn:
+            return self._connection().exec_driver_sql(sql, params).all()
+
+    def execute_one(self, sql: str, params: tuple[Any, ...]) -> Row[Any] | None:
+        rows = self.execute_all(sql, params)
+        return rows[0] if rows else None
 
     def _connection(self) -> Connection:
         local = self._local

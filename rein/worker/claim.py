@@ -43,7 +43,7 @@ from typing import Any
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.core.db import engine_of, execute_all, execute_one
+from rein.core.db import HeldConnections, engine_of, execute_all, execute_one
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.worker.grouping import GroupCommit
 
@@ -124,22 +124,26 @@ RETURNING jobs.id, jobs.attempt, jobs.tenant, jobs.key_id, jobs.model, jobs.endp
 
 
 def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_for_seconds: float,
-              max_attempts: int = MAX_ATTEMPTS) -> Claim:
-    """Take the job for a new attempt, or say why not (see the module docstring)."""
-    row = execute_one(engine_of(sessions), _CLAIM_SQL, (worker, lease_for_seconds, job_id, max_attempts))
+              max_attempts: int = MAX_ATTEMPTS, *, db: HeldConnections | None = None) -> Claim:
+    """Take the job for a new attempt, or say why not (see the module docstring). `db`: a
+    held connection for the claim's statement (else one from the pool)."""
+    params = (worker, lease_for_seconds, job_id, max_attempts)
+    row = (db.execute_one(_CLAIM_SQL, params) if db is not None
+           else execute_one(engine_of(sessions), _CLAIM_SQL, params))
     if row is not None:
         return Claim(ClaimOutcome.CLAIMED, _lease(job_id, worker, row))
     return not_claimed(sessions, job_id, max_attempts)
 
 
 def claim_jobs(sessions: sessionmaker[Session], job_ids: list[str], worker: str, lease_for_seconds: float,
-               max_attempts: int = MAX_ATTEMPTS) -> list[Claim | Exception]:
+               max_attempts: int = MAX_ATTEMPTS, *, db: HeldConnections | None = None) -> list[Claim | Exception]:
     """`claim_job` for several distinct jobs: one statement claims every claimable one; each of
     the others is told why not as claim_job would (a statement of its own: the rare case).
     Once the claims are committed, a failure to tell one of the others why is that job's
     alone: in its place in the answer, the exception."""
-    rows = execute_all(engine_of(sessions), _CLAIM_MANY_SQL,
-                       (job_ids, max_attempts, worker, lease_for_seconds, max_attempts))
+    params = (job_ids, max_attempts, worker, lease_for_seconds, max_attempts)
+    rows = (db.execute_all(_CLAIM_MANY_SQL, params) if db is not None
+            else execute_all(engine_of(sessions), _CLAIM_MANY_SQL, params))
     claimed = {row.id: row for row in rows}
     answers: list[Claim | Exception] = []
     for job_id in job_ids:
@@ -159,8 +163,10 @@ class GroupClaimer(GroupCommit[str, Claim]):
 
     def __init__(self, sessions: sessionmaker[Session], worker: str, lease_for_seconds: float,
                  max_group: int = 64) -> None:
-        super().__init__(write_one=lambda job_id: claim_job(sessions, job_id, worker, lease_for_seconds),
-                         write_many=lambda job_ids: claim_jobs(sessions, job_ids, worker, lease_for_seconds),
+        # The writers take turns: one held connection serves them all (no checkout, no pre-ping).
+        db = HeldConnections(engine_of(sessions), shared=True)
+        super().__init__(write_one=lambda job_id: claim_job(sessions, job_id, worker, lease_for_seconds, db=db),
+                         write_many=lambda ids: claim_jobs(sessions, ids, worker, lease_for_seconds, db=db),
                          key=lambda job_id: job_id, max_group=max_group, what="job claims")
 
     def claim(self, job_id: str) -> Claim:

@@ -29,11 +29,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.core.db import engine_of, execute_all, execute_one
+from rein.core.db import HeldConnections, engine_of, execute_all, execute_one
 from rein.core.models import Job, Result
 from rein.embeddings_format import job_embeddings_body
 from rein.openai_format import EMBEDDINGS, build_response
@@ -84,12 +85,15 @@ class JobRecord:
         self.response = _storable(self.response)
 
 
-def record_job(sessions: sessionmaker[Session], lease: Lease, record: JobRecord) -> bool:
-    """Write the attempt's outcome; False (and nothing written) if the lease is no longer held."""
+def record_job(sessions: sessionmaker[Session], lease: Lease, record: JobRecord, *,
+               db: HeldConnections | None = None) -> bool:
+    """Write the attempt's outcome; False (and nothing written) if the lease is no longer held.
+    `db`: a held connection for the statement (else one from the pool)."""
     has_result = record.finish_reason is not None
     has_usage = record.prompt_tokens is not None
     prompt_tokens = record.prompt_tokens or 0
-    row = execute_one(engine_of(sessions), _RECORD_SQL, (
+    run = db.execute_one if db is not None else partial(execute_one, engine_of(sessions))
+    row = run(_RECORD_SQL, (
         record.status, record.first_token_at, _json(record.error), lease.job_id, lease.attempt,
         record.text, record.finish_reason, _int_array(record.token_ids),
         _json(record.logprobs), _json(record.response), has_result,
@@ -97,7 +101,8 @@ def record_job(sessions: sessionmaker[Session], lease: Lease, record: JobRecord)
     return row is not None and row[0] == 1
 
 
-def record_jobs(sessions: sessionmaker[Session], records: list[tuple[Lease, JobRecord]]) -> set[str]:
+def record_jobs(sessions: sessionmaker[Session], records: list[tuple[Lease, JobRecord]], *,
+                db: HeldConnections | None = None) -> set[str]:
     """`record_job` for several jobs (distinct ids) in one statement, so one round trip and one
     transaction; the ids of those recorded (a job whose lease is lost is left out, as
     record_job's False)."""
@@ -110,7 +115,8 @@ def record_jobs(sessions: sessionmaker[Session], records: list[tuple[Lease, JobR
                    record.completion_tokens, min(record.cached_tokens, prompt_tokens),
                    record.prompt_tokens is not None)
     sql = _RECORD_MANY_SQL.format(values=",".join([_RECORD_MANY_ROW] * len(records)))
-    return {row[0] for row in execute_all(engine_of(sessions), sql, tuple(params))}
+    run = db.execute_all if db is not None else partial(execute_all, engine_of(sessions))
+    return {row[0] for row in run(sql, tuple(params))}
 
 
 class GroupRecorder(GroupCommit[tuple[Lease, JobRecord], bool]):
@@ -119,8 +125,10 @@ class GroupRecorder(GroupCommit[tuple[Lease, JobRecord], bool]):
     `record_jobs` statement; each caller gets its own answer or error, as from `record_job`."""
 
     def __init__(self, sessions: sessionmaker[Session], max_group: int = 64) -> None:
-        super().__init__(write_one=lambda item: record_job(sessions, *item),
-                         write_many=lambda items: _recorded(record_jobs(sessions, items), items),
+        # The writers take turns: one held connection serves them all (no checkout, no pre-ping).
+        db = HeldConnections(engine_of(sessions), shared=True)
+        super().__init__(write_one=lambda item: record_job(sessions, *item, db=db),
+                         write_many=lambda items: _recorded(record_jobs(sessions, items, db=db), items),
                          key=lambda item: item[0].job_id, max_group=max_group, what="job records")
 
     def record(self, lease: Lease, record: JobRecord) -> bool:
