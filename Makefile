@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO := demo
 
-.PHONY: demo test install lint bench clean
+.PHONY: demo test test-fallback install lint bench clean
 
 install: $(VENV)/.installed
 
@@ -21,6 +21,10 @@ demo: install
 
 test: install
 	$(BIN)/pytest -q
+
+# The engine's tiers on torch's code alone, as on a CPU that runs none of rein's fast paths.
+test-fallback: install
+	REIN_CPU_FAST_PATHS=0 $(BIN)/pytest -q tests/unit tests/kernels tests/real
 
 lint: install
 	$(BIN)/ruff check rein tests bench

@@ -44,3 +44,31 @@ def clean_rein_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     get_settings.cache_clear()
     yield
     get_settings.cache_clear()
+
+
+def _set_cpu_fast_paths(monkeypatch: pytest.MonkeyPatch, on: bool) -> Iterator[None]:
+    from rein.core.settings import get_settings
+    from rein.kernels import cpu_native, cpu_paths
+
+    monkeypatch.setenv("REIN_CPU_FAST_PATHS", "1" if on else "0")
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    get_settings.cache_clear()
+    cpu_paths.reset()
+    yield
+    get_settings.cache_clear()
+    cpu_paths.reset()
+
+
+@pytest.fixture
+def cpu_fast_paths_off(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """REIN_CPU_FAST_PATHS=0 for one test: torch's code alone, as on a CPU that can run none
+    of rein's fast paths (rein.kernels.cpu_paths); the probes are forgotten before and after."""
+    yield from _set_cpu_fast_paths(monkeypatch, on=False)
+
+
+@pytest.fixture
+def cpu_fast_paths_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """REIN_CPU_FAST_PATHS=1 for one test, whatever the suite runs with (`make test-fallback`
+    runs it with 0): the fast paths this CPU can run."""
+    yield from _set_cpu_fast_paths(monkeypatch, on=True)

@@ -262,6 +262,10 @@ class Settings(BaseSettings):
     cache_dir: str = "~/.cache/rein"
     """rein's cache: packaged models (`rein fetch-model`), the config/tokenizer read from GGUF files
     and the CPU kernels built on this machine (rein.kernels.cpu_native)."""
+    cpu_fast_paths: bool = True
+    """On CPU, use the fast paths this CPU can run (probed once per process, named in the load
+    log: oneDNN linears per dtype, rein's C kernels, malloc thresholds; rein.kernels.cpu_paths);
+    false: torch's code alone, on any CPU."""
     cpu_mallopt: bool = True
     """On CPU, raise glibc malloc's mmap and trim thresholds at engine start so large step tensors
     reuse heap memory (rein.engine.cpu_allocator); false: leave malloc alone."""

@@ -12,7 +12,7 @@ before and 1.8 ms after (median, 1 thread).
 
 The cost is memory held after a peak rather than returned to the system; the engine reaches
 the same peak again on its next large step anyway. Not glibc (musl, macOS) or disabled with
-REIN_CPU_MALLOPT=0: nothing changes.
+REIN_CPU_MALLOPT=0 or REIN_CPU_FAST_PATHS=0: nothing changes.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def keep_freed_memory() -> bool:
 
 
 def _enabled() -> bool:
-    """REIN_CPU_MALLOPT (rein.core.settings; default on)."""
+    """REIN_CPU_MALLOPT and REIN_CPU_FAST_PATHS (rein.core.settings; both default on)."""
     from rein.core.settings import setting_or_default
 
-    return setting_or_default("cpu_mallopt")
+    return setting_or_default("cpu_mallopt") and setting_or_default("cpu_fast_paths")

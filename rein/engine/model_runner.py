@@ -30,7 +30,7 @@ from rein.engine.pooler import gather
 from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
 from rein.engine.scheduler import ScheduledRequest
-from rein.kernels import cpu_native
+from rein.kernels import cpu_native, cpu_paths
 from rein.model_files import ModelFiles
 
 log = logging.getLogger(__name__)
@@ -80,10 +80,13 @@ class ModelRunner:
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.cache_dtype = config.cache_torch_dtype
-        if self.device.type == "cpu":
-            keep_freed_memory()   # large step tensors reuse heap memory (rein.engine.cpu_allocator)
         self.block_size = config.block_size
         self.max_model_len = decide_max_model_len(spec, config.max_model_len)
+        if self.device.type == "cpu":
+            # Large step tensors reuse heap memory (rein.engine.cpu_allocator); the log names
+            # every fast path this CPU takes (rein.kernels.cpu_paths).
+            malloc = "heap reuse" if keep_freed_memory() else "glibc defaults"
+            log.info("%s; malloc: %s", cpu_paths.describe(self.dtype), malloc)
         self.model = load_model(files, spec, self.max_model_len, self.dtype, self.device)
         self.capacity = self._size_cache()
         if self.capacity.num_tokens < self.max_model_len:

@@ -14,8 +14,11 @@ No library offers this for a current torch (vLLM keeps its CPU kernels inside vL
 extension pins older torch releases), so rein carries some 550 lines of C. The shared object
 is built with the system C compiler into `REIN_CACHE_DIR/kernels/` (a name hashed from the
 source, the flags and the CPU), once per machine; processes that start together may each
-build it, and the last atomic rename wins. Where there is no compiler, the build fails, the
-tensors are not float32, or REIN_CPU_KERNELS=0, callers get None and use torch.
+build it, and the last atomic rename wins. -march=native makes the build this CPU's: AVX-512
+or AVX2+FMA code where it has them, plain loops (vectorized by the compiler as far as the CPU
+allows) elsewhere, so every x86-64 CPU runs them. Where there is no compiler, the build fails,
+the tensors are not float32, or REIN_CPU_KERNELS=0 or REIN_CPU_FAST_PATHS=0, callers get None
+and use torch.
 """
 
 from __future__ import annotations
@@ -38,28 +41,48 @@ from rein.model_files import cache_root
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
-SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "prefill_attention_cpu.c", CSRC / "elementwise_cpu.c")
+SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "prefill_attention_cpu.c", CSRC / "elementwise_cpu.c",
+           CSRC / "instruction_set.c")
 HEADERS = (CSRC / "fast_exp.h",)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared")
+# The target CPU: this one. The sources pick AVX-512, AVX2+FMA or plain loops by what it has
+# (instruction_set.c); the tests also build for the x86-64 baseline to run the plain loops.
+MARCH = "native"
+FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared")
+INSTRUCTION_SETS = {2: "avx512f+avx2+fma", 1: "avx2+fma", 0: "portable C"}
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
+_why_not = ""
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded kernels, built first if needed; None when disabled or unavailable (logged once)."""
-    global _lib, _tried
+    global _lib, _tried, _why_not
     if _tried:
         return _lib
     with _lock:
         if not _tried:
+            _why_not = _disabled_by()
             try:
-                _lib = _load() if _enabled() else None
+                _lib = None if _why_not else _load()
             except (OSError, subprocess.SubprocessError) as exc:
+                _why_not = f"C kernels unavailable: {exc}"
                 log.warning("native CPU kernels unavailable, using torch's (%s)", exc)
             _tried = True
     return _lib
+
+
+def instruction_set() -> str | None:
+    """The vector code the loaded kernels run (`avx2+fma`, ...); None when they are unavailable."""
+    lib = library()
+    return None if lib is None else INSTRUCTION_SETS.get(lib.rein_instruction_set(), "portable C")
+
+
+def why_unavailable() -> str:
+    """Why `library()` is None, in a few words ("" when it is loaded)."""
+    library()
+    return _why_not
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor | None:
@@ -176,11 +199,15 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return True
 
 
-def _enabled() -> bool:
-    """REIN_CPU_KERNELS (rein.core.settings; default on)."""
+def _disabled_by() -> str:
+    """The setting that turns the kernels off, or "": REIN_CPU_KERNELS, REIN_CPU_FAST_PATHS
+    (rein.core.settings; both default on)."""
     from rein.core.settings import setting_or_default
 
-    return setting_or_default("cpu_kernels")
+    for name in ("cpu_fast_paths", "cpu_kernels"):
+        if not setting_or_default(name):
+            return f"REIN_{name.upper()}=0"
+    return ""
 
 
 def _cpu_signature() -> str:
@@ -198,13 +225,14 @@ def _load() -> ctypes.CDLL:
     if compiler is None:
         raise OSError("no C compiler (cc or gcc) on PATH")
     source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    flags = (*FLAGS, f"-march={MARCH}")
+    digest = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"rein_cpu_kernels-{digest}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
             built = Path(tmp) / target.name
-            proc = subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built), "-lm"],
+            proc = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"],
                                   capture_output=True, text=True, timeout=120)
             if proc.returncode != 0:
                 raise OSError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
@@ -226,4 +254,6 @@ def _load() -> ctypes.CDLL:
     lib.rotary_inplace_f32.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_int]
     for name in ("rms_norm_f32", "add_rms_norm_f32", "silu_and_mul_f32", "rotary_inplace_f32"):
         getattr(lib, name).restype = None
+    lib.rein_instruction_set.restype = ctypes.c_int
+    log.info("native CPU kernels: %s (%s)", target.name, INSTRUCTION_SETS.get(lib.rein_instruction_set()))
     return lib

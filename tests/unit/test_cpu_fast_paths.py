@@ -1,6 +1,9 @@
-"""The CPU fast paths of the forward: oneDNN linears and packed weights (rein.engine.models.linear), the glibc
-allocator settings (rein.engine.cpu_allocator) and the flash-kernel prefill attention of the
-reference kernels, each against the plain computation it replaces."""
+"""The CPU fast paths of the forward: oneDNN linears and packed weights (rein.engine.models.linear)
+as probed per dtype (rein.kernels.cpu_paths), the glibc allocator settings
+(rein.engine.cpu_allocator) and the flash-kernel prefill attention of the reference kernels,
+each against the plain computation it replaces. The tests hold on every x86-64 CPU: they check
+the path this one can run, and the fallback (REIN_CPU_FAST_PATHS=0, or a oneDNN that refuses)
+on every machine."""
 
 from __future__ import annotations
 
@@ -12,12 +15,49 @@ import torch
 from rein.engine import cpu_allocator
 from rein.engine.models import linear as linear_module
 from rein.engine.models.linear import Linear, linear
-from rein.kernels import reference
+from rein.kernels import cpu_paths, reference
+
+FLOAT32_ON_ONEDNN = cpu_paths.probe_onednn(torch.float32) is None
+needs_onednn_float32 = pytest.mark.skipif(not FLOAT32_ON_ONEDNN, reason="float32 does not run on oneDNN here")
+
+
+@pytest.fixture(autouse=True)
+def fast_paths_on(cpu_fast_paths_on):
+    """The fast paths on, whatever the suite runs with; a test that takes them off does so after."""
+
+
+@pytest.fixture(params=["fast", "torch"])
+def fast_paths(request):
+    """Each test twice: with the paths this CPU can run, and with REIN_CPU_FAST_PATHS=0."""
+    if request.param == "torch":
+        request.getfixturevalue("cpu_fast_paths_off")
+    return request.param
+
+
+class OneDNNSpy:
+    """Stands in for torch.ops.mkldnn, recording the row counts `_linear_pointwise` is called on."""
+
+    def __init__(self, fail: bool = False):
+        self.calls: list[torch.Size] = []
+        self.fail = fail
+        self.original = torch.ops.mkldnn
+
+    def __getattr__(self, name):
+        if name != "_linear_pointwise":
+            return getattr(self.original, name)
+
+        def op(*args):
+            self.calls.append(args[0].shape)
+            if self.fail:   # what oneDNN says on a CPU without the primitive
+                raise RuntimeError("could not create a primitive descriptor for the inner product "
+                                   "forward propagation primitive")
+            return self.original._linear_pointwise(*args)
+        return op
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 37])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_equals_f_linear(rows, bias):
+def test_linear_equals_f_linear(rows, bias, fast_paths):
     torch.manual_seed(rows)
     x = torch.randn(rows, 96)
     w = torch.randn(160, 96)
@@ -27,13 +67,70 @@ def test_linear_equals_f_linear(rows, bias):
     torch.testing.assert_close(got, torch.nn.functional.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_linear_keeps_leading_dims_and_bfloat16():
-    x = torch.randn(2, 5, 64, dtype=torch.bfloat16)
-    w = torch.randn(48, 64, dtype=torch.bfloat16)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_linear_keeps_leading_dims_in_low_precision(dtype, fast_paths):
+    """On every CPU: oneDNN where this CPU has the primitive, F.linear where not (an AVX2-only
+    CPU has none for bfloat16; there it used to raise)."""
+    x = torch.randn(2, 5, 64, dtype=dtype)
+    w = torch.randn(48, 64, dtype=dtype)
     with torch.inference_mode():
         got = linear(x, w)
-    assert got.shape == (2, 5, 48) and got.dtype == torch.bfloat16
+    assert got.shape == (2, 5, 48) and got.dtype == dtype
     torch.testing.assert_close(got.float(), torch.nn.functional.linear(x, w).float(), rtol=2e-2, atol=2e-1)
+
+
+@pytest.mark.parametrize("dtype", cpu_paths.ONEDNN_DTYPES)
+def test_probe_agrees_with_the_primitive(dtype):
+    """A dtype is sent to oneDNN exactly when oneDNN's linear runs in it on this CPU."""
+    x, w = torch.randn(8, 16).to(dtype), torch.randn(4, 16).to(dtype)
+    try:
+        torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+        runs = True
+    except RuntimeError:
+        runs = False
+    assert (dtype in cpu_paths.onednn_dtypes()) == runs
+
+
+def test_a_cpu_without_the_primitive_falls_back(monkeypatch):
+    """As on an AVX2-only CPU, whatever this one has: the probe sees oneDNN refuse, no linear
+    is sent to it afterwards, and the load log says why."""
+    spy = OneDNNSpy(fail=True)
+    monkeypatch.setattr(linear_module.torch.ops, "mkldnn", spy)
+    cpu_paths.reset()
+    try:
+        assert cpu_paths.onednn_dtypes() == frozenset()
+        assert "linear: torch (bfloat16: no primitive on this CPU)" in cpu_paths.describe(torch.bfloat16)
+        probes = len(spy.calls)
+        x, w = torch.randn(2, 5, 64, dtype=torch.bfloat16), torch.randn(48, 64, dtype=torch.bfloat16)
+        with torch.inference_mode():
+            got = linear(x, w)
+            assert linear_module.pack_weights(torch.nn.Sequential(Linear(8, 8))) == 0
+        assert len(spy.calls) == probes
+        torch.testing.assert_close(got, torch.nn.functional.linear(x, w))
+    finally:
+        monkeypatch.undo()
+        cpu_paths.reset()
+
+
+def test_setting_turns_every_fast_path_off(cpu_fast_paths_off, monkeypatch):
+    spy = OneDNNSpy()
+    monkeypatch.setattr(linear_module.torch.ops, "mkldnn", spy)
+    model = torch.nn.Sequential(Linear(16, 8))
+    with torch.inference_mode():
+        assert linear_module.pack_weights(model) == 0
+        model(torch.randn(32, 16))
+    assert spy.calls == [] and cpu_paths.onednn_dtypes() == frozenset()
+    assert cpu_paths.describe(torch.float32).endswith(
+        "linear: torch (float32: REIN_CPU_FAST_PATHS=0); attention, element-wise: torch (REIN_CPU_FAST_PATHS=0)")
+    assert cpu_allocator._enabled() is False
+
+
+def test_describe_names_the_paths_taken():
+    text = cpu_paths.describe(torch.float32)
+    assert ("linear: oneDNN packed (float32)" in text) == FLOAT32_ON_ONEDNN
+    assert "attention, element-wise: rein C kernels (" in text   # gcc is on every machine rein tests on
+    assert "attention, element-wise: torch (the C kernels take float32 only)" in cpu_paths.describe(torch.float16)
+    assert "linear: torch (float16: oneDNN is used for float32 and bfloat16 only)" in cpu_paths.describe(torch.float16)
 
 
 def test_linear_module_trains_through_f_linear():
@@ -45,29 +142,19 @@ def test_linear_module_trains_through_f_linear():
     assert layer.weight.grad is not None and layer.weight.grad.shape == (16, 32)
 
 
-@pytest.mark.skipif(not linear_module.ONEDNN, reason="this torch build has no oneDNN")
+@needs_onednn_float32
 def test_linear_uses_onednn_from_min_rows(monkeypatch):
-    calls = []
-    original = torch.ops.mkldnn._linear_pointwise
-
-    class Spy:
-        def __getattr__(self, name):
-            if name == "_linear_pointwise":
-                def op(*args):
-                    calls.append(args[0].shape)
-                    return original(*args)
-                return op
-            return getattr(torch.ops.mkldnn, name)
-
-    monkeypatch.setattr(linear_module.torch.ops, "mkldnn", Spy())
+    cpu_paths.onednn_dtypes()   # the probe's own calls, before the spy
+    spy = OneDNNSpy()
+    monkeypatch.setattr(linear_module.torch.ops, "mkldnn", spy)
     w = torch.randn(8, 16)
     with torch.inference_mode():
         linear(torch.randn(linear_module.MIN_ROWS - 1, 16), w)
         linear(torch.randn(linear_module.MIN_ROWS, 16), w)
-    assert calls == [torch.Size([linear_module.MIN_ROWS, 16])]
+    assert spy.calls == [torch.Size([linear_module.MIN_ROWS, 16])]
 
 
-@pytest.mark.skipif(not linear_module.ONEDNN, reason="oneDNN is not in this torch build")
+@needs_onednn_float32
 def test_packed_weights_give_the_same_outputs():
     torch.manual_seed(0)
     model = torch.nn.Sequential(Linear(96, 160, bias=True), torch.nn.SiLU(), Linear(160, 96, bias=False))
@@ -84,9 +171,10 @@ def test_packed_weights_give_the_same_outputs():
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.skipif(not linear_module.ONEDNN, reason="oneDNN is not in this torch build")
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])   # tied head, untied head
-def test_loaded_cpu_model_is_packed_and_its_logits_unchanged(tiny_models, arch):
+def test_loaded_cpu_model_logits_equal_on_both_paths(tiny_models, arch, fast_paths):
+    """Packed for oneDNN where float32 runs there, dense otherwise; the logits are the plain
+    product with the head either way."""
     from rein.engine.loader import load_model
     from rein.engine.model_spec import ModelSpec
     from rein.model_files import resolve_model
@@ -94,16 +182,17 @@ def test_loaded_cpu_model_is_packed_and_its_logits_unchanged(tiny_models, arch):
     files = resolve_model(tiny_models(arch=arch))
     spec = ModelSpec.from_dir(files.directory)
     model = load_model(files, spec, 64, torch.float32, torch.device("cpu"))
-    assert model.layers[0].mlp.down_proj.weight.is_mkldnn
+    packed = fast_paths == "fast" and FLOAT32_ON_ONEDNN
+    assert model.layers[0].mlp.down_proj.weight.is_mkldnn == packed
     hidden = torch.randn(5, spec.hidden_size)
     dense_head = model.embed_tokens.weight if model.lm_head is None else None
     with torch.inference_mode():
         logits = model.compute_logits(hidden)
     if arch == "qwen2":
-        assert model.lm_head is None and model.packed_tied_head is not None
+        assert model.lm_head is None and (model.packed_tied_head is not None) == packed
         torch.testing.assert_close(logits, hidden @ dense_head.T, rtol=1e-5, atol=1e-5)
     else:
-        assert model.packed_tied_head is None and model.lm_head.weight.is_mkldnn
+        assert model.packed_tied_head is None and model.lm_head.weight.is_mkldnn == packed
         assert logits.shape == (5, spec.vocab_size)
 
 

@@ -19,8 +19,10 @@ layers with weights streamed from memory, best of 4): 8 rows 63-74 -> 53-58 ms, 
 -> 81-84 ms, 64 rows 127-143 -> 122-142 ms, 2048 rows 3164-3225 -> 3022-3030 ms (MKL's sgemm
 there: 2826-2887 ms at 2048 rows but 101-113 at 32; vLLM's CPU build likewise packs for oneDNN).
 The embedding table stays dense (a lookup); a tied head gets a packed copy of it
-(LlamaFamilyModel.pack_cpu_weights). Everything else -- CUDA, other
-dtypes, a single row on a dense weight, autograd -- keeps `F.linear`.
+(LlamaFamilyModel.pack_cpu_weights). Everything else -- CUDA, float16, a dtype oneDNN has no
+primitive for on this CPU (bfloat16 without AVX-512-BF16 or AMX: rein.kernels.cpu_paths
+probes each dtype once), a single row on a dense weight, autograd, REIN_CPU_FAST_PATHS=0 --
+keeps `F.linear`.
 """
 
 from __future__ import annotations
@@ -28,19 +30,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rein.kernels.cpu_paths import onednn_dtypes
+
 # Below this many rows F.linear is as fast (a decode step of one or two requests).
 MIN_ROWS = 4
-_DTYPES = (torch.float32, torch.bfloat16)
-
-
-def _onednn_available() -> bool:
-    try:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    except (AttributeError, RuntimeError):
-        return False
-
-
-ONEDNN = _onednn_available()
 
 
 # Row count oneDNN tunes a packed layout for; any count runs on it (a decode step's size).
@@ -49,8 +42,9 @@ PACK_ROWS_HINT = 32
 
 def pack_weights(model: nn.Module) -> int:
     """Replace every float32 CPU `Linear` weight of `model` by oneDNN's packed copy; returns
-    how many were packed (0 without oneDNN). For inference only: packed weights take no grad."""
-    if not ONEDNN:
+    how many were packed (0 where float32 does not run on oneDNN here). For inference only:
+    packed weights take no grad."""
+    if torch.float32 not in onednn_dtypes():
         return 0
     count = 0
     for module in model.modules():
@@ -66,7 +60,7 @@ def pack_weights(model: nn.Module) -> int:
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T (+ bias): oneDNN on CPU where it pays, else F.linear."""
     if weight.is_mkldnn or (   # packed by pack_weights: oneDNN for every row count
-            ONEDNN and x.device.type == "cpu" and x.dtype in _DTYPES and weight.dtype == x.dtype
+            x.device.type == "cpu" and weight.dtype == x.dtype and x.dtype in onednn_dtypes()
             and x.numel() >= MIN_ROWS * x.shape[-1] and not (torch.is_grad_enabled() and weight.requires_grad)):
         if x.dim() != 2:
             shape = x.shape
