@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rein.core.db import DatabaseUnavailableError
 from rein.openai_format import RequestError
+from rein.structured.validator import ValidatorUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,15 @@ def install_error_handlers(app: FastAPI) -> None:
             message, code = str(exc.detail), None
         return JSONResponse(error_body(message, INVALID_REQUEST, None, code),
                             status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ValidatorUnavailable)
+    async def _no_validator(request: Request, exc: ValidatorUnavailable) -> JSONResponse:
+        log.warning("structured-output validation unavailable: %s", exc)
+        return JSONResponse(
+            error_body(f"The structured-output constraint could not be checked right now ({exc}); nothing "
+                       f"was accepted. Retry after {UNAVAILABLE_RETRY_AFTER} s.", "server_error", None,
+                       "validator_unavailable"),
+            status_code=503, headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)})
 
     @app.exception_handler(RequestTooLarge)
     async def _too_large(request: Request, exc: RequestTooLarge) -> JSONResponse:

@@ -64,6 +64,7 @@ from rein.core.models import Job, new_job_id
 from rein.core.settings import Settings
 from rein.embeddings_format import ParsedEmbeddings, model_pooling, parse_embeddings_request
 from rein.openai_format import EMBEDDINGS, ParsedRequest, RequestError, parse_request
+from rein.structured.request import BODY_FIELDS as STRUCTURED_BODY_FIELDS
 from rein.worker.app import enqueue_jobs, queue_keys
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,10 @@ MAX_GROUP = 256
 # them); a larger one goes to the thread pool, so one long prompt cannot stall the loop,
 # and with it every other request of the process.
 INLINE_VALIDATE_MAX_BYTES = 16 * 1024
+# Bodies with a structured-output constraint (or tools, whose schemas are constraints) are
+# validated in the thread pool whatever their size: a small schema can take seconds to
+# compile (rein.structured.validator waits for it, up to its deadline).
+CONSTRAINT_FIELDS = frozenset({*STRUCTURED_BODY_FIELDS, "tools", "tool_choice"})
 
 
 @dataclass
@@ -211,7 +216,8 @@ class JobIntake:
         if self._committer is None:
             raise RuntimeError("JobIntake.start() was not called")
         args = (key, endpoint, body, metadata, idempotency_key, priority)
-        if idempotency_key is None and body_bytes is not None and body_bytes <= INLINE_VALIDATE_MAX_BYTES:
+        if (idempotency_key is None and body_bytes is not None and body_bytes <= INLINE_VALIDATE_MAX_BYTES
+                and not CONSTRAINT_FIELDS.intersection(body)):
             checked = self.validate(*args)
         else:
             checked = await run_in_threadpool(self.validate, *args)

@@ -69,6 +69,7 @@ from rein.core.messages import PRIORITY_BATCH, JobMessage
 from rein.core.models import JOB_MESSAGE_COLUMNS, Batch, File, Job, new_job_id
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
+from rein.structured.validator import ValidatorUnavailable
 from rein.worker.app import enqueue_jobs, queue_keys
 from rein.worker.cancel import request_cancel
 
@@ -254,7 +255,8 @@ class BatchManager:
             with source, copy_jobs(session) as write_job:
                 result = validate_lines(source, batch.endpoint, self.registry, self.settings.batch_max_requests,
                                         on_valid=store)
-        except (_Superseded, _ValidationFailed, OperationalError, InterfaceError, RedisError):
+        except (_Superseded, _ValidationFailed, OperationalError, InterfaceError, RedisError,
+                ValidatorUnavailable):
             raise                        # a stop, a verdict, or an outage (retried next tick)
         except Exception as exc:
             # Anything else is this file's doing, not the service's: fail this batch alone,

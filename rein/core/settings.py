@@ -262,6 +262,13 @@ class Settings(BaseSettings):
     cache_dir: str = "~/.cache/rein"
     """rein's cache: packaged models (`rein fetch-model`), the config/tokenizer read from GGUF files
     and the CPU kernels built on this machine (rein.kernels.cpu_native)."""
+    structured_validators: int = Field(2, ge=0, le=64)
+    """Child processes per process (API, batch validator, worker, run-batch) that check
+    structured-output specs with llguidance, so a spec that crashes or stalls the native
+    compiler costs only its request (rein.structured.validator); 0: check in-process."""
+    structured_validate_seconds: float = Field(10.0, gt=0)
+    """How long a spec may take to check (waiting for a free validator included) before it
+    is refused as too slow to compile."""
     cpu_fast_paths: bool = True
     """On CPU, use the fast paths this CPU can run (probed once per process, named in the load
     log: oneDNN linears per dtype, rein's C kernels, malloc thresholds; rein.kernels.cpu_paths);

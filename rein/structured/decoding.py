@@ -48,6 +48,7 @@ from rein.openai_format import RequestError
 from rein.structured.cache import CompiledGrammar, GrammarCache, GrammarError
 from rein.structured.kernels import apply_token_bitmask
 from rein.structured.request import check_spec
+from rein.structured.validator import ValidatorUnavailable
 
 if TYPE_CHECKING:
     from rein.engine.request import Request
@@ -153,9 +154,12 @@ class StructuredDecoding:
         """Give `request` its matcher now (True), or hold it until its grammar compiles (False)."""
         spec = request.sampling_params.structured
         try:
-            check_spec(spec, "structured")
+            check_spec(spec, "structured")   # in a validator process: a spec that would crash the compile stops here
         except RequestError as exc:
             raise EngineRequestError(exc.message, param="structured") from None
+        except ValidatorUnavailable as exc:
+            raise EngineRequestError(f"the structured-output constraint could not be checked: {exc}",
+                                     param="structured") from None
         future = self.cache.prefetch(spec)
         if future.done():
             request.grammar = self._matcher(future, spec)

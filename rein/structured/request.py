@@ -39,10 +39,8 @@ from typing import Any
 
 from rein.input_checks import json_type
 from rein.openai_format import RequestError
+from rein.structured.limits import MAX_CHOICES, MAX_SPEC_CHARS, limits_problem
 
-# Caps on what a request may hold, far beyond real use; past them compiling could hog a worker.
-MAX_SPEC_CHARS = 100_000          # the spec as JSON (a schema, a regex, a grammar, the choices)
-MAX_CHOICES = 1024
 # vLLM's guided_decoding_backend values that mean "whatever the server uses" or rein's own library.
 ACCEPTED_BACKENDS = ("auto", "guidance", "llguidance")
 # The separators of json.dumps' default format (see the module docstring).
@@ -131,11 +129,16 @@ def grammar_text(spec: dict[str, Any]) -> str:
 
 
 def check_spec(spec: dict[str, Any], param: str = "structured") -> None:
-    """Refuse (RequestError naming `param`) a spec llguidance cannot compile or enforce."""
+    """Refuse (RequestError naming `param`) a spec past rein's caps (rein.structured.limits) or
+    one llguidance cannot compile or enforce (checked in a validator process,
+    rein.structured.validator). ValidatorUnavailable when no validator could answer."""
     key = spec_key(spec)
     if len(key) > MAX_SPEC_CHARS:
         raise RequestError(f"{param} is {len(key)} characters as JSON; rein takes at most {MAX_SPEC_CHARS}. "
                            f"Make it smaller.", param)
+    problem = limits_problem(spec)
+    if problem:
+        raise RequestError(f"{param} is too large: {problem}", param)
     problem = spec_problem(key)
     if problem:
         raise RequestError(f"{param} cannot be enforced: {problem}", param)
@@ -157,7 +160,10 @@ def spec_problem(key: str) -> str | None:
         if known is not None:
             _CHECKED.move_to_end(digest)
             return known or None
-    problem = _find_problem(json.loads(key)) or ""
+    from rein.structured.validator import pool
+
+    validators = pool()
+    problem = (validators.problem(key) if validators else find_problem(json.loads(key))) or ""
     with _checked_lock:
         _CHECKED[digest] = problem
         if len(_CHECKED) > _CHECKED_MAX:
@@ -165,7 +171,8 @@ def spec_problem(key: str) -> str | None:
     return problem or None
 
 
-def _find_problem(spec: dict[str, Any]) -> str | None:
+def find_problem(spec: dict[str, Any]) -> str | None:
+    """What llguidance finds wrong with the spec, or None: run in a validator process."""
     from llguidance import LLMatcher
 
     try:

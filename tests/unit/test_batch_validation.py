@@ -58,3 +58,14 @@ def test_sampling_and_context_errors_name_the_body_field(registry):
 def test_reported_errors_are_capped(registry):
     result = validate_lines(raw(*["{"] * (MAX_REPORTED_ERRORS + 5)), "/v1/chat/completions", registry, 10**6)
     assert len(result.errors) == MAX_REPORTED_ERRORS and result.requests == MAX_REPORTED_ERRORS + 5
+
+
+def test_a_grammar_that_crashes_the_compiler_fails_its_line_only(registry, monkeypatch):
+    from rein.structured import limits
+
+    monkeypatch.setattr(limits, "MAX_GRAMMAR_RULES", 10_000)   # past the cap, into a validator process
+    bomb = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(3500)) + 'r3500: "a"\n'
+    result = validate_lines(raw(chat("a"), chat("bomb", guided_grammar=bomb), chat("c")),
+                            "/v1/chat/completions", registry, 10, on_valid=lambda line: None)
+    assert [(e["line"], e["param"]) for e in result.errors] == [(2, "body.guided_grammar")]
+    assert "crashed rein's grammar compiler" in result.errors[0]["message"]

@@ -86,3 +86,22 @@ def test_unknown_route_and_method_use_the_error_shape(client, key):
     error = _error(client.get("/v1/nothing", headers=auth(key)), 404)
     assert set(error) == {"message", "type", "param", "code"}
     assert _error(client.delete("/v1/models", headers=auth(key)), 405)["code"] == "method_not_allowed"
+
+
+def _rule_chain(rules: int) -> str:
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(rules)) + f'r{rules}: "a"\n'
+
+
+def test_grammar_bomb_is_a_400_and_the_api_lives_on(client, key, monkeypatch):
+    """A Lark chain of 3,500 rules crashed llguidance (and with it the API process): the rule
+    cap refuses it; past the cap, the crash happens in a validator process and is a 400."""
+    bomb = chat_body(guided_grammar=_rule_chain(3500))
+    error = _error(client.post("/v1/chat/completions", json=bomb, headers=auth(key)), 400)
+    assert error["param"] == "guided_grammar" and "rein takes at most 1000" in error["message"]
+
+    from rein.structured import limits
+    monkeypatch.setattr(limits, "MAX_GRAMMAR_RULES", 10_000)
+    error = _error(_post_job(client, key, bomb), 400)
+    assert error["param"] == "guided_grammar" and "crashed rein's grammar compiler" in error["message"]
+    assert client.get("/v1/models", headers=auth(key)).status_code == 200
+    assert _post_job(client, key, chat_body(guided_regex="(yes|no)")).status_code == 202

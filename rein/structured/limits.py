@@ -1,0 +1,106 @@
+"""Caps on what a structured-output spec may hold, checked in Python before any compiler sees it.
+
+llguidance is native code, and some inputs within the size cap break it: a Lark chain of
+3,500 rules (`start: r0`, `r0: r1`, ..., 47 KB) overflowed its stack and took the process
+down (2,500 passed); a schema of nested `allOf`/`anyOf` compiles for seconds. The caps here
+are far above what real schemas, regexes and grammars hold (an OpenAI function schema: a few
+levels, tens of properties; a hand-written grammar: tens of rules), and each refusal names
+the cap and what to change. What still gets through is compiled in a child process with a
+deadline (rein.structured.validator), so a crash or a stall costs that request alone.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+MAX_SPEC_CHARS = 100_000     # the spec as JSON (a schema, a regex, a grammar, the choices)
+MAX_CHOICES = 1024
+MAX_GRAMMAR_RULES = 1000     # rule definitions in a Lark or GBNF grammar
+MAX_NESTING = 64             # brackets in a grammar or regex; objects and arrays in a schema
+MAX_SCHEMA_NODES = 20_000    # every value in a schema, at any depth
+MAX_ALTERNATIVES = 256       # branches of one anyOf / oneOf / allOf, values of one enum
+MAX_REPEAT = 10_000          # a counted repetition's bound, {n} or {n,m}, in a regex
+
+# A rule definition at the start of a line: Lark `name:` / `?name:` / `name.2:`, GBNF `name ::=`.
+_RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*[ \t]*(?:::=|:)", re.MULTILINE)
+_REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")
+_ALTERNATIVE_KEYS = ("anyOf", "oneOf", "allOf", "enum", "prefixItems")
+
+
+def limits_problem(spec: dict[str, Any]) -> str | None:
+    """What in the spec passes a cap, naming the cap and what to change; None when it fits."""
+    kind = spec.get("type")
+    if kind == "grammar" and isinstance(spec.get("grammar"), str):
+        return _grammar_problem(spec["grammar"])
+    if kind == "regex" and isinstance(spec.get("pattern"), str):
+        return _regex_problem(spec["pattern"], "the regex")
+    if kind == "choice" and isinstance(spec.get("choices"), list) and len(spec["choices"]) > MAX_CHOICES:
+        return f"{len(spec['choices'])} choices; rein takes at most {MAX_CHOICES}"
+    if kind == "json_schema":
+        return _schema_problem(spec.get("schema"))
+    return None
+
+
+def _grammar_problem(grammar: str) -> str | None:
+    rules = len(_RULE.findall(grammar))
+    if rules > MAX_GRAMMAR_RULES:
+        return (f"the grammar defines {rules} rules; rein takes at most {MAX_GRAMMAR_RULES}: "
+                f"merge rules (a chain of single-use rules can be one rule)")
+    return _nesting_problem(_without_literals(grammar), "the grammar")
+
+
+def _regex_problem(pattern: str, what: str) -> str | None:
+    for match in _REPEAT.finditer(pattern):
+        bound = max(int(n) for n in match.groups() if n)
+        if bound > MAX_REPEAT:
+            return (f"{what} repeats {bound} times ({match.group(0)}); rein takes counts up to {MAX_REPEAT}: "
+                    f"use * or + for long runs")
+    return _nesting_problem(re.sub(r"\\.", "", pattern), what)
+
+
+def _nesting_problem(text: str, what: str) -> str | None:
+    depth = deepest = 0
+    for char in text:
+        if char in "([{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in ")]}":
+            depth = max(depth - 1, 0)
+    if deepest > MAX_NESTING:
+        return f"{what} nests brackets {deepest} deep; rein takes at most {MAX_NESTING}: flatten it"
+    return None
+
+
+def _without_literals(grammar: str) -> str:
+    """The grammar with its string and regex literals and comments taken out (brackets inside
+    them do not nest)."""
+    grammar = re.sub(r'"(?:[^"\\\n]|\\.)*"', '""', grammar)
+    grammar = re.sub(r"/(?:[^/\\\n]|\\.)+/", "//", grammar)
+    return re.sub(r"(?m)(//|#).*$", "", grammar)
+
+
+def _schema_problem(schema: Any) -> str | None:
+    """Walked without recursion: the depth is what is being checked."""
+    nodes = 0
+    stack: list[tuple[Any, int, str]] = [(schema, 1, "schema")]
+    while stack:
+        value, depth, path = stack.pop()
+        nodes += 1
+        if nodes > MAX_SCHEMA_NODES:
+            return f"the schema holds more than {MAX_SCHEMA_NODES} values; make it smaller"
+        if depth > MAX_NESTING:
+            return f"the schema nests {depth} levels deep at {path}; rein takes at most {MAX_NESTING}"
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if key in _ALTERNATIVE_KEYS and isinstance(item, list) and len(item) > MAX_ALTERNATIVES:
+                    return (f"{path}.{key} has {len(item)} entries; rein takes at most {MAX_ALTERNATIVES} "
+                            f"in one {key}")
+                if key == "pattern" and isinstance(item, str):
+                    problem = _regex_problem(item, f"{path}.pattern")
+                    if problem:
+                        return problem
+                stack.append((item, depth + 1, f"{path}.{key}"))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1, f"{path}[{i}]") for i, item in enumerate(value))
+    return None

@@ -1,0 +1,76 @@
+"""Hostile structured-output specs: the caps refuse them before any compiler (rein.structured.limits),
+and what gets past the caps is compiled in a validator process, where a crash or a stall costs
+only that spec (rein.structured.validator). The crash here is real: llguidance's stack overflows
+on a chain of 3,500 Lark rules, so if isolation broke, this test process would die."""
+
+from __future__ import annotations
+
+import pytest
+
+from rein.openai_format import RequestError
+from rein.structured import limits, validator
+from rein.structured.request import check_spec, spec_key
+
+
+def rule_chain(rules: int) -> str:
+    """`start: r0`, `r0: r1`, ..., `rN: "a"`: a grammar bomb (3,500 rules crashed llguidance)."""
+    return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(rules)) + f'r{rules}: "a"\n'
+
+
+BOMB = {"type": "grammar", "grammar": rule_chain(3500)}
+
+
+@pytest.mark.parametrize("spec, words", [
+    (BOMB, "3502 rules; rein takes at most 1000"),
+    ({"type": "grammar", "grammar": "start: " + "(" * 70 + '"a"' + ")" * 70}, "nests brackets 70 deep"),
+    ({"type": "regex", "pattern": "(" * 80 + "a" + ")" * 80}, "nests brackets 80 deep"),
+    ({"type": "regex", "pattern": "a{100000}"}, "repeats 100000 times"),
+    ({"type": "json_schema", "schema": {"enum": list(range(300))}}, "schema.enum has 300 entries"),
+    ({"type": "json_schema", "schema": {"anyOf": [{"type": "string", "pattern": "x{20000}"}]}},
+     "schema.anyOf[0].pattern repeats 20000 times"),
+])
+def test_caps_refuse_before_any_compiler(spec, words, monkeypatch):
+    monkeypatch.setattr(validator, "pool", lambda: pytest.fail("the spec reached a compiler"))
+    with pytest.raises(RequestError) as caught:
+        check_spec(spec, "guided_grammar")
+    assert caught.value.param == "guided_grammar"
+    assert words in caught.value.message and "too large" in caught.value.message
+
+
+def test_deep_schema_is_refused_without_recursion():
+    schema: dict = {"type": "string"}
+    for _ in range(5000):   # deeper than Python's recursion limit
+        schema = {"type": "array", "items": schema}
+    assert "levels deep" in limits.limits_problem({"type": "json_schema", "schema": schema})
+
+
+def test_real_specs_fit_the_caps():
+    grammar = "start: item+\n" + "".join(f'item{i}: "x{i}" ("," item{i})?\n' for i in range(200))
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "object", "properties": {
+        "a": {"type": "array", "items": {"enum": ["x", "y", "z"]}}, "b": {"type": "string", "pattern": "^[a-z]{1,32}$"}}}
+        for i in range(50)}}
+    for spec in ({"type": "grammar", "grammar": grammar}, {"type": "json_schema", "schema": schema},
+                 {"type": "regex", "pattern": r"\(\d{3}\) \d{3}-\d{4}"}):
+        assert limits.limits_problem(spec) is None
+
+
+def test_a_crash_in_the_compiler_costs_only_that_spec():
+    pool = validator.ValidatorPool(size=1, timeout=30)
+    problem = pool.problem(spec_key(BOMB))      # past the caps: straight to a validator process
+    assert problem is not None and "crashed rein's grammar compiler" in problem
+    assert pool.problem(spec_key({"type": "grammar", "grammar": 'start: "a" | "b"'})) is None
+    assert "unclosed character class" in pool.problem(spec_key({"type": "regex", "pattern": "[a-"}))
+
+
+def test_a_compile_past_the_deadline_is_refused():
+    pool = validator.ValidatorPool(size=1, timeout=0.001)   # less than a process takes to start
+    assert "took longer than 0.001 s" in pool.problem(spec_key({"type": "regex", "pattern": "a+"}))
+
+
+def test_no_validator_process_is_unavailable_not_invalid(monkeypatch):
+    def cannot_start():
+        raise OSError("no more processes")
+
+    monkeypatch.setattr(validator, "_Child", cannot_start)
+    with pytest.raises(validator.ValidatorUnavailable, match="no more processes"):
+        validator.ValidatorPool(size=1, timeout=5).problem(spec_key({"type": "regex", "pattern": "b+"}))
