@@ -66,19 +66,29 @@ RegistryDep = Annotated["ModelRegistry", Depends(get_registry)]
 
 
 async def authenticate_request(request: Request, credentials: HTTPAuthorizationCredentials | None) -> KeyInfo:
-    """The key of the request's bearer credentials (401 when missing, unknown or revoked)."""
+    """The key of the request's bearer credentials (401 when missing, unknown or revoked).
+    The route checked it before reading the body (rein.api.checked_route); this finds it there."""
+    known = getattr(request.state, "key_info", None)
+    if known is not None:
+        return known
     if credentials is None or not credentials.credentials:
         raise unauthorized("You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
     cache: KeyCache = request.app.state.key_cache
     digest = key_digest(credentials.credentials)
     info = cache.get(digest)   # on the event loop: a remembered key costs no thread hop
     if info is not None:
+        request.state.key_info = info
         return info
+    refused = cache.refusal(digest)
+    if refused is not None:
+        raise unauthorized(f"Incorrect API key provided: {refused}")
     try:
-        return await run_in_threadpool(authenticate_and_remember, request.app.state.sessions, cache, digest,
+        info = await run_in_threadpool(authenticate_and_remember, request.app.state.sessions, cache, digest,
                                        credentials.credentials)
     except InvalidKeyError as exc:
         raise unauthorized(f"Incorrect API key provided: {exc}") from None
+    request.state.key_info = info
+    return info
 
 
 BearerDep = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]

@@ -273,3 +273,29 @@ def test_batch_lines_with_nul_or_surrogates_are_reported_by_line(files_client, k
     assert errors[6]["param"] == "body.prompt" and "not a token id of this model" in errors[6]["message"]
     assert errors[7]["param"] == "body.seed" and "64-bit integer range" in errors[7]["message"]
     assert all(error["message"].startswith(f"line {n}: ") for n, error in errors.items())
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(client, make_key, tenant, monkeypatch):
+    import asyncio
+
+    from rein.api import checked_route
+
+    threads = []
+    real = checked_route._parse_and_check
+
+    def spy(raw):
+        try:
+            asyncio.get_running_loop()
+            threads.append("event loop")
+        except RuntimeError:
+            threads.append("thread pool")
+        return real(raw)
+
+    monkeypatch.setattr(checked_route, "_parse_and_check", spy)
+    key = make_key(tenant)
+    small = {"endpoint": "/v1/completions", "body": {"model": "tiny", "prompt": "hi", "max_tokens": 1}}
+    large = {**small, "metadata": {"note": "x" * 500}, "padding": ["y" * 1000] * 100}
+    client.post("/v1/jobs", json=small, headers={"Authorization": f"Bearer {key}"})
+    assert threads == []
+    client.post("/v1/jobs", json=large, headers={"Authorization": f"Bearer {key}"})
+    assert threads == ["thread pool"]
