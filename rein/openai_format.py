@@ -377,7 +377,7 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int,
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions with a prompt",
                            "messages")
     tools.check_template(tokenizer.chat_template, tool_request)
-    template_kwargs = _chat_template_kwargs(body)
+    template_kwargs = _chat_template_kwargs(body, tokenizer)
     if tool_request is not None and tool_request.template_tools is not None:
         template_kwargs["tools"] = tool_request.template_tools
     try:
@@ -398,15 +398,25 @@ _TEMPLATE_RESERVED = frozenset({"conversation", "messages", "tools", "documents"
                                 "add_generation_prompt", "continue_final_message", "tokenize", "padding",
                                 "truncation", "max_length", "return_tensors", "return_dict",
                                 "return_assistant_tokens_mask", "tokenizer_kwargs"})
+# What a template reads but a request may not change: the special tokens (transformers passes
+# them as variables, and a request's variables would win: eos_token overridden could make the
+# prompt end a turn the model never sees end) and the helpers transformers provides.
+_TEMPLATE_PROTECTED = frozenset({"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                                 "mask_token", "additional_special_tokens", "raise_exception", "strftime_now"})
 
 
-def _chat_template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+def _chat_template_kwargs(body: dict[str, Any], tokenizer: Any = None) -> dict[str, Any]:
     """vLLM's chat_template_kwargs: extra variables for the template (e.g. enable_thinking)."""
     kwargs = _get(body, "chat_template_kwargs", dict, {})
+    special = set(getattr(tokenizer, "special_tokens_map", None) or {})
     for name in kwargs:
         if not name.isidentifier() or name in _TEMPLATE_RESERVED:
             raise RequestError(f"chat_template_kwargs may not set {name!r}: it names the template's variables "
                                f"(e.g. enable_thinking), not apply_chat_template's own arguments",
+                               f"chat_template_kwargs.{name}")
+        if name in _TEMPLATE_PROTECTED or name in special or name.startswith("_"):
+            raise RequestError(f"chat_template_kwargs may not set {name!r}: the template takes it from the "
+                               f"model (its special tokens and helpers), not from a request",
                                f"chat_template_kwargs.{name}")
     return kwargs
 

@@ -384,9 +384,11 @@ def _arguments_json(value: Any) -> str:
 
 def parse_call_block(body: str, names: frozenset[str]) -> tuple[str, str] | None:
     """(name, arguments JSON) of one Hermes block's JSON; None if it is not a call of a known tool."""
+    # Any failure means "not a call" (the block stays content): a model's output nested deeper
+    # than Python's recursion limit raises RecursionError, not a JSON error.
     try:
         obj = json.loads(body)
-    except json.JSONDecodeError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(obj, dict) or obj.get("name") not in names:
         return None
@@ -394,11 +396,14 @@ def parse_call_block(body: str, names: frozenset[str]) -> tuple[str, str] | None
     if isinstance(arguments, str):    # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             return None
     if not isinstance(arguments, dict):
         return None
-    return obj["name"], _arguments_json(arguments)
+    try:
+        return obj["name"], _arguments_json(arguments)
+    except RecursionError:
+        return None
 
 
 class HermesParser:
@@ -525,7 +530,7 @@ def parse_required(text: str, names: frozenset[str], seed: str) -> list[dict[str
                 break
             try:
                 item, i = decoder.raw_decode(text, i)
-            except ValueError:
+            except (ValueError, RecursionError):   # RecursionError: output nested past Python's limit
                 break
             items.append(item)
             i = _skip_space(text, i)
@@ -535,7 +540,11 @@ def parse_required(text: str, names: frozenset[str], seed: str) -> list[dict[str
     calls = []
     for item in items:
         if isinstance(item, dict) and item.get("name") in names and isinstance(item.get("parameters"), dict):
-            calls.append(_call(seed, len(calls), item["name"], _arguments_json(item["parameters"])))
+            try:
+                arguments = _arguments_json(item["parameters"])
+            except RecursionError:
+                break
+            calls.append(_call(seed, len(calls), item["name"], arguments))
     return calls
 
 

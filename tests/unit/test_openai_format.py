@@ -292,3 +292,12 @@ def test_batch_output_and_error_lines():
     assert err["id"].startswith("batch_req_") and err["custom_id"] is None and err["response"] is None
     assert err["error"] == {"code": "invalid_json_line", "message": "line 7: not valid JSON"}
     assert batch_error_line("c", 7, "x", "line 7: said already")["error"]["message"] == "line 7: said already"
+
+
+@pytest.mark.parametrize("name", ["eos_token", "bos_token", "raise_exception", "_private"])
+def test_chat_template_kwargs_cannot_set_what_the_template_takes_from_the_model(tokenizer, name):
+    with pytest.raises(RequestError) as caught:
+        chat(tokenizer, chat_template_kwargs={name: "x"})
+    assert caught.value.param == f"chat_template_kwargs.{name}"
+    assert "from the model" in caught.value.message or "apply_chat_template" in caught.value.message
+    chat(tokenizer, chat_template_kwargs={"enable_thinking": False})   # a template's own variable is fine

@@ -575,3 +575,15 @@ def test_each_choice_of_an_n_stream_has_its_own_tool_stream():
     assert [(tc["id"], tc["function"]["name"]) for tc in calls] == [
         (tools.call_id("chatcmpl-job_n:1", 0), "get_weather")]
     assert [c["finish_reason"] for c in by_index[1] if c["finish_reason"]] == ["tool_calls"]
+
+
+def test_output_nested_past_the_recursion_limit_stays_content():
+    """A model's 'call' nested 100,000 deep raised RecursionError (a 500 on GET, a batch stuck
+    in finalizing); it is text that is not a call, like any other malformed block."""
+    deep = "[" * 100_000 + "]" * 100_000
+    block = '<tool_call>{"name": "get_weather", "arguments": {"city": ' + deep + "}}</tool_call>"
+    assert tools.parse_hermes(block, NAMES, "s") == (block, [])
+    content, calls = tools.parse_hermes(f"{block}\n{CALL}", NAMES, "s")
+    assert content == block and len(calls) == 1
+    required = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": ' + deep + "}]"
+    assert [c["function"]["name"] for c in tools.parse_required(required, NAMES, "s")] == ["get_time"]
