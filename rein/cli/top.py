@@ -16,6 +16,7 @@ Where the figures come from (nothing here talks to a worker or to Postgres):
 
   UP      beat within the last 2 heartbeat intervals (10 s);
   STALE   its key is alive but the last beat is older than that (a beat was missed);
+  DOWN    it beats, but its engine died and a new one is starting (it takes no jobs);
   LOST    its key expired (no beat for 15 s) without a clean stop: the process died or
           cannot reach Redis; its jobs come back (see README, "Jobs stuck");
   STOPPED it stopped cleanly (warm shutdown handed its jobs back).
@@ -44,7 +45,7 @@ DEFAULT_INTERVAL_SECONDS = 1.0
 # Heartbeat period assumed for a beat that does not say (rein.worker.bootstep.HEARTBEAT_SECONDS).
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 
-UP, STALE, LOST, STOPPED = "UP", "STALE", "LOST", "STOPPED"
+UP, STALE, LOST, STOPPED, DOWN = "UP", "STALE", "LOST", "STOPPED", "DOWN"
 _CLEAR = "\x1b[H\x1b[2J"
 
 MODEL_COLUMNS = ("MODEL", "QUEUED", "INTERACTIVE", "BATCH", "WORKERS", "RUN", "WAIT")
@@ -99,6 +100,8 @@ def worker_view(beat: dict[str, Any], ttl_ms: int, now: float) -> WorkerView:
         # The key is set with a TTL of 3 intervals at each beat: what is left dates the beat.
         age = max(0.0, 3 * interval - ttl_ms / 1000)
         state = UP if age <= 2 * interval else STALE
+        if beat.get("state") == "down":   # the worker lives, its engine died: a new one is starting
+            state = DOWN
     else:
         age = max(0.0, now - float(beat.get("time") or 0.0))
         state = STOPPED if beat.get("state") == "stopped" else LOST

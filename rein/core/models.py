@@ -132,7 +132,12 @@ class Job(Base):
     """The Celery priority the job was queued with (Redis transport: lower is taken first)."""
     status: Mapped[str] = mapped_column(server_default=text("'queued'"))
     attempt: Mapped[int] = mapped_column(server_default=text("0"))
-    """How many times a worker has claimed the job."""
+    """How many times a worker has claimed the job (the lease's fencing token: never goes down)."""
+    attempts_refunded: Mapped[int] = mapped_column(server_default=text("0"))
+    """Attempts handed back for the infrastructure's fault (the worker's engine died, a warm
+    shutdown, Redis or Postgres away), which do not count against the job's limit."""
+    engine_deaths: Mapped[int] = mapped_column(server_default=text("0"))
+    """Engine deaths the job was running at: such a job runs alone next time (rein.worker.claim)."""
     worker: Mapped[str | None]
     """The worker holding (or last holding) the job."""
     lease_expires_at: Mapped[datetime | None]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import select
 import subprocess
 import sys
@@ -36,9 +35,10 @@ class ValidatorUnavailable(RuntimeError):
 class _Child:
     def __init__(self) -> None:
         # stderr to the parent's: a crash's message lands in the log of the process that asked.
+        # The child flushes each answer itself; it inherits this process's environment.
         self.process = subprocess.Popen(
             [sys.executable, "-m", "rein.structured.validator"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, text=True, encoding="utf-8", errors="surrogatepass")
+            text=True, encoding="utf-8", errors="surrogatepass")
 
     def ask(self, key: str, deadline: float) -> tuple[str, str | None]:
         """("ok", problem) | ("crashed", None) | ("timeout", None)."""

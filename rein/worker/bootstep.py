@@ -68,6 +68,7 @@ from rein.core.logging import log_context
 from rein.core.redis_keys import RedisKeys
 from rein.worker.cancel import CancelListener
 from rein.worker.claim import GroupClaimer, Lease, renew_leases
+from rein.worker.engine_keeper import EngineKeeper, SoloLock
 from rein.worker.metrics import WorkerMetrics, compose_hooks
 from rein.worker.publisher import INTERRUPTED, TokenPublisher
 from rein.worker.reaper import Reaper
@@ -120,6 +121,9 @@ class WorkerContext:
     reaper: Reaper | None = None
     recorder: GroupRecorder | None = None   # None: each task records its job alone (record_job)
     claimer: GroupClaimer | None = None     # None: each task claims its job alone (claim_job)
+    keeper: EngineKeeper | None = None      # replaces a dead engine (rein.worker.engine_keeper)
+    engine_ready: threading.Event = field(default_factory=threading.Event)   # clear while the engine is down
+    solo: SoloLock = field(default_factory=SoloLock)   # a job its engine died under runs alone
     _jobs_by_thread: dict[int, Lease] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -174,14 +178,28 @@ class WorkerContext:
                 log.warning("interrupting job %s: Celery terminated its task", job_id)
             self.interrupt(job_id)
 
+    def wait_for_engine(self, timeout: float) -> bool:
+        """Wait until the engine is up (True) or `timeout` passes (False). An engine seen dead
+        here is marked down at once, before the keeper's next look."""
+        if not self.runner.alive:
+            self.engine_ready.clear()
+        return self.engine_ready.wait(timeout)
+
+    def abort(self, job_id: str) -> None:
+        """Abort in whichever engine runs now (the keeper may have replaced it)."""
+        self.runner.abort(job_id)
+
     def start(self) -> None:
-        self.listener = CancelListener(self.redis, self.keys, self.runner.abort, self.running_jobs).start()
+        self.engine_ready.set()
+        self.listener = CancelListener(self.redis, self.keys, self.abort, self.running_jobs).start()
         self._heartbeat = threading.Thread(target=self._beat, name="rein-heartbeat", daemon=True)
         self._heartbeat.start()
         self._lease_keeper = threading.Thread(target=self._keep_leases, name="rein-lease-keeper", daemon=True)
         self._lease_keeper.start()
         if self.reaper is not None:
             self.reaper.start()
+        if self.keeper is not None:
+            self.keeper.start()
 
     def stop(self) -> None:
         """Abort what runs (its tasks hand their jobs back) and end every thread.
@@ -198,6 +216,9 @@ class WorkerContext:
         self.publisher.close()
         if self.listener is not None:
             self.listener.stop()
+        self.engine_ready.set()   # tasks waiting for a new engine go on, see `stopping`, and requeue
+        if self.keeper is not None:
+            self.keeper.join(HEARTBEAT_SECONDS)
         self.runner.stop()
         self.publisher.stop()   # after the engine's last events
         if self.metrics is not None:
@@ -217,8 +238,12 @@ class WorkerContext:
         """What `rein top` shows of this worker (rein.cli.top reads these fields).
 
         `tokens_per_second` and `step_ms` (mean step duration) cover the time since the
-        previous heartbeat; `step_ms` is None when no step ran in it.
+        previous heartbeat; `step_ms` is None when no step ran in it. While the engine is down
+        (dead, a new one starting) the state is `down` and there are no engine figures.
         """
+        if not self.engine_ready.is_set():
+            return {"worker": self.worker_name, "model": self.model_name, "time": time.time(), "state": "down",
+                    "started": self.started_at, "interval": HEARTBEAT_SECONDS}
         engine, stats, now = self.engine, self.engine.stats, time.time()
         totals = (now, stats.generation_tokens, stats.steps, stats.step_seconds)
         previous = self._previous_beat or (self.started_at, 0, 0, 0.0)
@@ -301,21 +326,26 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
                                settings.job_timeout_seconds, background=True)
     on_step = compose_hooks(publisher.publish_step, metrics.observe_step)
     name = f"rein-engine-{spec.model_name}"
-    runner: EngineRunner
-    if spec.engine_factory is not None:
-        runner = EngineRunner(spec.engine_factory(), name=name, on_step=on_step)
-    elif settings.worker_engine_process:
-        from rein.core.logging import configured_elsewhere
-        from rein.engine.process_runner import ProcessEngineRunner
 
-        # The child logs as this process does when rein set logging up here.
-        log_format = None if configured_elsewhere() else settings.log_format
-        runner = ProcessEngineRunner(spec.engine_config, name=name, on_step=on_step,
-                                     log_level=logging.getLogger().level, log_format=log_format)
-    else:
-        from rein.engine.engine import LLMEngine
+    def make_runner() -> EngineRunner:
+        runner: EngineRunner
+        if spec.engine_factory is not None:
+            runner = EngineRunner(spec.engine_factory(), name=name, on_step=on_step)
+        elif settings.worker_engine_process:
+            from rein.core.logging import configured_elsewhere
+            from rein.engine.process_runner import ProcessEngineRunner
 
-        runner = EngineRunner(LLMEngine(spec.engine_config), name=name, on_step=on_step)
+            # The child logs as this process does when rein set logging up here.
+            log_format = None if configured_elsewhere() else settings.log_format
+            runner = ProcessEngineRunner(spec.engine_config, name=name, on_step=on_step,
+                                         log_level=logging.getLogger().level, log_format=log_format)
+        else:
+            from rein.engine.engine import LLMEngine
+
+            runner = EngineRunner(LLMEngine(spec.engine_config), name=name, on_step=on_step)
+        return runner.start()
+
+    runner = make_runner()
     engine = runner.engine
     metrics.attach(engine)
     # One connection per task thread at most; the claim and the record are short transactions.
@@ -329,7 +359,7 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
                             metrics=metrics, reaper=Reaper(settings, sessions, redis, app),
                             recorder=GroupRecorder(sessions),
                             claimer=GroupClaimer(sessions, worker_name, settings.lease_seconds))
-    runner.start()
+    context.keeper = EngineKeeper(context, make_runner)
     context.start()
     log.info("engine ready for %s on %s: %d KV blocks of %d tokens, max %d sequences, %d job slots "
              "(%d kept for interactive jobs)", spec.model_name, engine.config.device, engine.pool.num_blocks,

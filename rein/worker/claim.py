@@ -25,13 +25,20 @@ Lease semantics:
   are harmless.
 * A job whose attempts keep ending without a result (its workers lost, or a failure that
   kills the task) is not tried for ever: after MAX_ATTEMPTS starts the next claim (or the
-  reaper) marks it failed (code `too_many_attempts`).
+  reaper) marks it failed (code `too_many_attempts`). Attempts the infrastructure spent
+  are refunded (`attempts_refunded`): an attempt handed back because the worker's engine
+  died, the worker shut down, or Redis or Postgres went away does not count, up to
+  MAX_STARTS starts in all.
+* A job running when its worker's engine died is suspect (`engine_deaths`): its next attempt
+  runs alone in its engine (rein.worker.bootstep), so a request that kills engines is found
+  out without charging the jobs beside it; one present at MAX_ENGINE_DEATHS deaths is failed
+  (code `engine_crashed`).
 * The worker claims through `GroupClaimer`: jobs whose messages arrive together are claimed
   by one statement (`claim_jobs`), under the same conditions, each caller told its own
   outcome (rein.worker.grouping).
-* `release_job` hands a job back (`queued`) when its run was interrupted rather than
-  finished (warm shutdown, broker connection lost); the next claim runs it again as a new
-  attempt.
+* `release_job` hands a job back (`queued`, the attempt refunded) when its run was
+  interrupted rather than finished (warm shutdown, broker connection lost, engine died); the
+  next claim runs it again as a new attempt.
 """
 
 from __future__ import annotations
@@ -47,7 +54,11 @@ from rein.core.db import HeldConnections, engine_of, execute_all, execute_one
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.worker.grouping import GroupCommit
 
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 3          # attempts a job may spend (refunded ones not counted)
+MAX_STARTS = 20           # claims in all, refunded or not: a bound for a job that is always handed back
+MAX_ENGINE_DEATHS = 3     # engine deaths a job may be present at
+# The attempts a job has spent, in SQL: refunded ones do not count.
+SPENT_SQL = "(attempt - attempts_refunded)"
 
 
 class ClaimOutcome(StrEnum):
@@ -72,6 +83,7 @@ class Lease:
     endpoint: str
     prompt_tokens: int
     queue_seconds: float | None = None   # from the job's submission to this claim (database clock)
+    engine_deaths: int = 0               # engine deaths the job was present at before this attempt
 
 
 @dataclass(frozen=True)
@@ -96,12 +108,13 @@ def _claimable():
 
 # The claim: one conditional UPDATE, its own transaction (rein.core.db.execute_one; every job
 # runs it, so it is SQL text), for a claimable job with no cancel requested and attempts left.
+_ATTEMPTS_LEFT_SQL = f"{SPENT_SQL} < %s AND attempt < {MAX_STARTS}"
 _CLAIM_SQL = f"""
 UPDATE jobs SET status = 'running', attempt = attempt + 1, worker = %s, started_at = now(),
        first_token_at = NULL, finished_at = NULL, error = NULL,
        lease_expires_at = now() + make_interval(secs => %s)
- WHERE id = %s AND cancel_requested_at IS NULL AND attempt < %s AND {_CLAIMABLE_SQL}
-RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, started_at"""
+ WHERE id = %s AND cancel_requested_at IS NULL AND {_ATTEMPTS_LEFT_SQL} AND {_CLAIMABLE_SQL}
+RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, started_at, engine_deaths"""
 
 
 # claim_jobs: the same claim for several jobs in one statement. The rows are locked in id
@@ -109,18 +122,19 @@ RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, st
 _CLAIM_MANY_SQL = f"""
 WITH target AS (
     SELECT id FROM jobs
-     WHERE id = ANY(%s) AND cancel_requested_at IS NULL AND attempt < %s AND {_CLAIMABLE_SQL}
+     WHERE id = ANY(%s) AND cancel_requested_at IS NULL AND {_ATTEMPTS_LEFT_SQL} AND {_CLAIMABLE_SQL}
      ORDER BY id FOR UPDATE
 )
 UPDATE jobs SET status = 'running', attempt = attempt + 1, worker = %s, started_at = now(),
        first_token_at = NULL, finished_at = NULL, error = NULL,
        lease_expires_at = now() + make_interval(secs => %s)
   FROM target
- WHERE jobs.id = target.id AND jobs.cancel_requested_at IS NULL AND jobs.attempt < %s
+ WHERE jobs.id = target.id AND jobs.cancel_requested_at IS NULL
+   AND jobs.attempt - jobs.attempts_refunded < %s AND jobs.attempt < {MAX_STARTS}
    AND (jobs.status = 'queued' OR (jobs.status = 'running'
         AND (jobs.lease_expires_at IS NULL OR jobs.lease_expires_at < now())))
 RETURNING jobs.id, jobs.attempt, jobs.tenant, jobs.key_id, jobs.model, jobs.endpoint, jobs.prompt_tokens,
-          jobs.queued_at, jobs.started_at"""
+          jobs.queued_at, jobs.started_at, jobs.engine_deaths"""
 
 
 def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_for_seconds: float,
@@ -176,7 +190,7 @@ class GroupClaimer(GroupCommit[str, Claim]):
 def _lease(job_id: str, worker: str, row: Any) -> Lease:
     queue_seconds = (row.started_at - row.queued_at).total_seconds() if row.queued_at else None
     return Lease(job_id, row.attempt, worker, row.tenant, row.key_id, row.model, row.endpoint, row.prompt_tokens,
-                 queue_seconds)
+                 queue_seconds, row.engine_deaths)
 
 
 def not_claimed(sessions: sessionmaker[Session], job_id: str, max_attempts: int = MAX_ATTEMPTS) -> Claim:
@@ -184,14 +198,16 @@ def not_claimed(sessions: sessionmaker[Session], job_id: str, max_attempts: int 
     attempts, settle it)."""
     with sessions() as session:
         current = session.execute(
-            select(Job.status, Job.cancel_requested_at, Job.attempt).where(Job.id == job_id)).one_or_none()
+            select(Job.status, Job.cancel_requested_at, Job.attempt, Job.attempts_refunded)
+            .where(Job.id == job_id)).one_or_none()
     if current is None:
         return Claim(ClaimOutcome.MISSING)
     if current.status in FINISHED_JOB_STATUSES:
         return Claim(ClaimOutcome.FINISHED)
     if current.cancel_requested_at is not None and cancel_unstarted_job(sessions, job_id):
         return Claim(ClaimOutcome.CANCELLED)
-    if current.attempt >= max_attempts and _give_up(sessions, job_id, current.attempt):
+    spent = current.attempt - current.attempts_refunded
+    if (spent >= max_attempts or current.attempt >= MAX_STARTS) and _give_up(sessions, job_id, current.attempt):
         return Claim(ClaimOutcome.GAVE_UP)
     return Claim(ClaimOutcome.HELD_ELSEWHERE)
 
@@ -233,15 +249,17 @@ def cancel_unstarted_job(sessions: sessionmaker[Session], job_id: str) -> bool:
     return row is not None
 
 
-def release_job(sessions: sessionmaker[Session], lease: Lease) -> bool:
+def release_job(sessions: sessionmaker[Session], lease: Lease, *, engine_died: bool = False) -> bool:
     """Hand an interrupted attempt back (status queued, about to be sent again: `sent_at` is
-    now); False when the lease was already lost."""
+    now), the attempt refunded; `engine_died`: it was running when its engine died (see the
+    module docstring). False when the lease was already lost."""
     with sessions.begin() as session:
         row = session.execute(
             update(Job)
             .where(Job.id == lease.job_id, Job.attempt == lease.attempt, Job.status == "running")
             .values(status="queued", worker=None, lease_expires_at=None, started_at=None,
-                    first_token_at=None, sent_at=func.now())
+                    first_token_at=None, sent_at=func.now(), attempts_refunded=Job.attempts_refunded + 1,
+                    engine_deaths=Job.engine_deaths + int(engine_died))
             .returning(Job.id)
             .execution_options(synchronize_session=False)
         ).one_or_none()

@@ -60,7 +60,7 @@ def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease, ca
                      "invalid_pooling_params")
     try:
         streams = context.runner.submit_group(job_id, inputs, params, message.priority)
-    except EngineStoppedError:
+    except EngineStoppedError:   # the engine died before the job reached it: not a suspect
         return _hand_back(context, message, lease)
     except Exception as exc:  # the engine refused an input (EngineRequestError, ...)
         index = getattr(exc, "index", None)
@@ -74,10 +74,8 @@ def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease, ca
         if timed_out:
             context.runner.abort(job_id)
             _wait_all(streams, time.monotonic() + ABORT_GRACE_SECONDS)
-    except EngineStoppedError as exc:
-        if context.is_interrupted(job_id):
-            return _hand_back(context, message, lease)
-        return _fail(context, lease, f"the engine failed: {exc}", "server_error", "engine_failed")
+    except EngineStoppedError:
+        return _hand_back(context, message, lease, engine_died=not context.is_interrupted(job_id))
     finals: list[RequestOutput | None] = [stream.collected.final for stream in streams]
     if any(final is None for final in finals):   # the engine never confirmed the abort
         return _fail(context, lease, "the job ran past its time limit and the engine did not stop it",

@@ -51,7 +51,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from rein.core.messages import JobMessage
 from rein.core.models import JOB_MESSAGE_COLUMNS
 from rein.worker.app import enqueue_jobs, queue_keys
-from rein.worker.claim import MAX_ATTEMPTS, too_many_attempts_error
+from rein.worker.claim import MAX_ATTEMPTS, MAX_STARTS, SPENT_SQL, too_many_attempts_error
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +84,11 @@ class ReapReport:
 _REAP_SQL = f"""
 UPDATE jobs SET
     status = CASE WHEN cancel_requested_at IS NOT NULL THEN 'cancelled'
-                  WHEN attempt >= %(max_attempts)s THEN 'failed' ELSE 'queued' END,
-    finished_at = CASE WHEN cancel_requested_at IS NOT NULL OR attempt >= %(max_attempts)s
-                       THEN now() END,
-    error = CASE WHEN cancel_requested_at IS NULL AND attempt >= %(max_attempts)s
+                  WHEN {SPENT_SQL} >= %(max_attempts)s OR attempt >= {MAX_STARTS} THEN 'failed'
+                  ELSE 'queued' END,
+    finished_at = CASE WHEN cancel_requested_at IS NOT NULL OR {SPENT_SQL} >= %(max_attempts)s
+                            OR attempt >= {MAX_STARTS} THEN now() END,
+    error = CASE WHEN cancel_requested_at IS NULL AND ({SPENT_SQL} >= %(max_attempts)s OR attempt >= {MAX_STARTS})
                  THEN %(gave_up_error)s::jsonb END,
     sent_at = now(), worker = NULL, lease_expires_at = NULL, started_at = NULL, first_token_at = NULL
  WHERE id IN (SELECT id FROM jobs WHERE status = 'running' AND lease_expires_at < now()

@@ -7,10 +7,16 @@ How an attempt ends:
 * stop / length — `succeeded`: result, usage and timings in one transaction;
 * aborted by a cancel — `cancelled`, with the partial result and the tokens it used;
 * past the job time limit — `failed` (code `timeout`), tokens used billed;
-* refused by the engine (a prompt it cannot take) or engine failure — `failed`;
-* interrupted (warm shutdown, broker connection lost, lease lost) — handed back: the job
-  row returns to `queued` and a fresh message is queued for it (or, when the lease was
-  lost, nothing: another attempt has the job).
+* refused by the engine (a prompt it cannot take) — `failed`;
+* interrupted (warm shutdown, broker connection lost, Redis or Postgres away, lease lost,
+  the engine died) — handed back, the attempt refunded: the job row returns to `queued` and
+  a fresh message is queued for it (or, when the lease was lost, nothing: another attempt has
+  the job). A job the engine died under runs alone next time (WorkerContext.solo), and
+  one present at MAX_ENGINE_DEATHS deaths is failed (`engine_crashed`).
+
+While the engine is down (its process died and a new one is starting) a task waits for it
+before claiming: nothing is claimed that cannot run, and the worker takes no more messages
+than its slots hold meanwhile.
 
 A result that cannot be recorded because Postgres is away is kept, and recorded when
 Postgres answers again (`_record`).
@@ -39,6 +45,7 @@ from rein.worker.app import TASK_NAME, enqueue_job
 from rein.worker.bootstep import worker_context
 from rein.worker.cancel import is_cancel_requested
 from rein.worker.claim import (
+    MAX_ENGINE_DEATHS,
     ClaimOutcome,
     claim_job,
     release_job,
@@ -59,6 +66,9 @@ log = logging.getLogger(__name__)
 ABORT_GRACE_SECONDS = 30.0
 
 
+# How long a task waits for its worker's engine to come back (a new engine process starting)
+# before it sends its message back to the queue, for another worker or a later try.
+ENGINE_DOWN_WAIT_SECONDS = 60.0
 # A job that could not even be claimed (Postgres or Redis unreachable) is retried this often.
 NOT_TAKEN_RETRY_SECONDS = 5
 # How long a finished job's result waits for Postgres to come back before it is given up (the
@@ -99,6 +109,11 @@ def process_job(context: WorkerContext, message: JobMessage) -> str:
 
 def _process_job(context: WorkerContext, message: JobMessage) -> str:
     job_id = message.job_id
+    if not context.stopping.is_set() and not context.wait_for_engine(ENGINE_DOWN_WAIT_SECONDS):
+        log.warning("job %s not taken: this worker's engine has been down for %.0f s; sent back to the queue",
+                    job_id, ENGINE_DOWN_WAIT_SECONDS)
+        requeue(context, message)
+        return "requeued"
     if context.stopping.is_set():
         requeue(context, message)
         return "requeued"
@@ -124,7 +139,14 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
     with context.tracking(claim.lease), log_context(attempt=claim.lease.attempt):
         try:
             started = time.monotonic()
-            outcome = _run_claimed(context, message, claim.lease, cancel_mark)
+            if claim.lease.engine_deaths >= MAX_ENGINE_DEATHS:
+                return _fail(context, claim.lease, f"the engine died {claim.lease.engine_deaths} times while "
+                             f"running this job (alone the last times): the request likely crashes it, and "
+                             f"it will not be tried again", "server_error", "engine_crashed")
+            # A job its engine died under runs alone (the others wait), so a request that
+            # kills engines is found out without charging the jobs beside it.
+            with context.solo.exclusive() if claim.lease.engine_deaths else context.solo.shared():
+                outcome = _run_claimed(context, message, claim.lease, cancel_mark)
             log.info("job %s attempt %d ended: %s after %.3f s", job_id, claim.lease.attempt, outcome,
                      time.monotonic() - started)
             return outcome
@@ -177,7 +199,7 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
     try:
         stream = context.runner.submit(job_id, message.prompt_token_ids, params, message.priority,
                                        collect=True)
-    except EngineStoppedError:
+    except EngineStoppedError:   # the engine died before the job reached it: not a suspect
         return _hand_back(context, message, lease)
     except Exception as exc:  # the engine refused the request (EngineRequestError, ...)
         return _fail(context, lease, str(exc), "invalid_request_error", getattr(exc, "code", None)
@@ -186,10 +208,8 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
     deadline = time.monotonic() + context.settings.job_timeout_seconds
     try:
         timed_out = _wait(context, job_id, stream, deadline)
-    except EngineStoppedError as exc:
-        if context.is_interrupted(job_id):
-            return _hand_back(context, message, lease)
-        return _fail(context, lease, f"the engine failed: {exc}", "server_error", "engine_failed")
+    except EngineStoppedError:
+        return _hand_back(context, message, lease, engine_died=not context.is_interrupted(job_id))
     collected = stream.collected
     final = collected.final
     if final is None:   # the engine never confirmed the abort of a timed-out job
@@ -328,12 +348,14 @@ def _settle_tpm(context: WorkerContext, job_id: str, key_id: str | None, used_to
         log.warning("job %s: could not settle its token charge (%s)", job_id, exc)
 
 
-def _hand_back(context: WorkerContext, message: JobMessage, lease: Lease) -> str:
-    """The attempt was interrupted, not finished: back to queued, with a new message."""
+def _hand_back(context: WorkerContext, message: JobMessage, lease: Lease, *, engine_died: bool = False) -> str:
+    """The attempt was interrupted, not finished: back to queued (the attempt refunded), with a
+    new message. `engine_died`: the job was running when its engine died."""
     context.publisher.forget(message.job_id)
-    if release_job(context.sessions, lease):
+    if release_job(context.sessions, lease, engine_died=engine_died):
         requeue(context, message)
-        log.info("job %s attempt %d interrupted: handed back to the queue", message.job_id, lease.attempt)
+        log.info("job %s attempt %d interrupted%s: handed back to the queue", message.job_id, lease.attempt,
+                 " by its engine's death" if engine_died else "")
         return "requeued"
     return "lease lost"
 

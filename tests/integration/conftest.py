@@ -32,6 +32,8 @@ from rein.core.settings import Settings, get_settings
 if TYPE_CHECKING:
     import redis
 
+    from rein.core.messages import JobMessage
+
 RUN_ID = secrets.token_hex(4)
 POSTGRES_URL = os.environ.get("REIN_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
@@ -198,3 +200,29 @@ def redis_client(redis_url: str, redis_prefix: str) -> Iterator[redis.Redis]:
 def tenant() -> str:
     """A tenant name no other test uses."""
     return f"t-{secrets.token_hex(4)}"
+
+
+@pytest.fixture
+def make_job(db_sessionmaker, tenant) -> Callable[..., JobMessage]:
+    """Insert a queued job (and its tenant's key) and return its queue message."""
+    from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
+    from rein.core.models import ApiKey, Job
+
+    key_id = f"k{secrets.token_hex(6)}"
+    with db_sessionmaker.begin() as session:
+        session.add(ApiKey(key_id=key_id, name="test", tenant=tenant, secret_hash=b"x" * 32,
+                           scopes=["inference"]))
+
+    def make(prompt: list[int] | None = None, max_tokens: int = 6, endpoint: str = "/v1/completions",
+             priority: int = PRIORITY_INTERACTIVE, model: str = "tiny", **sampling: object) -> JobMessage:
+        prompt = prompt or [5, 6, 7, 8]
+        sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **sampling}
+        job = Job(tenant=tenant, key_id=key_id, model=model, endpoint=endpoint,
+                  params={"body": {}, "sampling": sampling}, prompt_token_ids=prompt, prompt_tokens=len(prompt),
+                  priority=priority)
+        with db_sessionmaker.begin() as session:
+            session.add(job)
+        return JobMessage(job_id=job.id, model=model, endpoint=endpoint, prompt_token_ids=prompt,
+                          sampling=sampling, priority=priority, tenant=tenant, key_id=key_id)
+
+    return make

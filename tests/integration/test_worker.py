@@ -20,7 +20,7 @@ from rein.core.messages import (
     JobMessage,
     TokenEvent,
 )
-from rein.core.models import ApiKey, Job, Result, Usage
+from rein.core.models import Job, Result, Usage
 from rein.core.redis_keys import RedisKeys
 from rein.openai_format import usage_body
 from rein.worker.app import enqueue_job, make_celery, queue_keys, worker_queues
@@ -40,29 +40,6 @@ def wait_for(predicate: Callable[[], object], timeout: float = WAIT, what: str =
 @pytest.fixture(scope="module")
 def keys(settings) -> RedisKeys:
     return RedisKeys.from_settings(settings)
-
-
-@pytest.fixture
-def make_job(db_sessionmaker, tenant) -> Callable[..., JobMessage]:
-    """Insert a queued job (and its tenant's key) and return its queue message."""
-    key_id = f"k{secrets.token_hex(6)}"
-    with db_sessionmaker.begin() as session:
-        session.add(ApiKey(key_id=key_id, name="test", tenant=tenant, secret_hash=b"x" * 32,
-                           scopes=["inference"]))
-
-    def make(prompt: list[int] | None = None, max_tokens: int = 6, endpoint: str = "/v1/completions",
-             priority: int = PRIORITY_INTERACTIVE, model: str = MODEL, **sampling: object) -> JobMessage:
-        prompt = prompt or [5, 6, 7, 8]
-        sampling = {"max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True, **sampling}
-        job = Job(tenant=tenant, key_id=key_id, model=model, endpoint=endpoint,
-                  params={"body": {}, "sampling": sampling}, prompt_token_ids=prompt, prompt_tokens=len(prompt),
-                  priority=priority)
-        with db_sessionmaker.begin() as session:
-            session.add(job)
-        return JobMessage(job_id=job.id, model=model, endpoint=endpoint, prompt_token_ids=prompt,
-                          sampling=sampling, priority=priority, tenant=tenant, key_id=key_id)
-
-    return make
 
 
 def job_row(sessions, job_id: str) -> Job:

@@ -1,0 +1,133 @@
+"""A worker's engine, kept alive: a dead engine is noticed and replaced, and a job it died
+under runs alone next time.
+
+The engine runs in a child process (rein.engine.process_runner). The kernel's OOM killer, a
+crash in native code or a request that breaks it can end that process while the worker lives
+on. Before this module, such a worker went on taking jobs and handing each back from a
+dead engine until every job it saw had spent its attempts. Now:
+
+* `EngineKeeper` looks at the runner twice a second. When it has died, the keeper clears
+  `WorkerContext.engine_ready` (tasks wait for it before claiming, so nothing is claimed that
+  cannot run; the heartbeat says `down`), then builds a new runner, retrying with a backoff
+  (1 s doubling to 60 s) while the model cannot load, and sets `engine_ready` again.
+  Replacing the engine in place, rather than exiting for a supervisor to restart the worker,
+  keeps the worker's Celery connection, its threads and their messages, and works the same
+  under compose, systemd or a bare `rein worker`.
+* The jobs that were running get EngineStoppedError and are handed back with their attempt
+  refunded and their `engine_deaths` counted (rein.worker.claim). Such a job's next attempt
+  holds `SoloLock.exclusive()`: it starts once the jobs running beside it are done and runs
+  alone, so a request that kills the engine keeps doing so alone, and is failed after
+  MAX_ENGINE_DEATHS deaths without costing anyone else an attempt.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rein.engine.runner import EngineRunner
+    from rein.worker.bootstep import WorkerContext
+
+log = logging.getLogger(__name__)
+
+CHECK_SECONDS = 0.5
+FIRST_RETRY_SECONDS = 1.0
+MAX_RETRY_SECONDS = 60.0
+
+
+class SoloLock:
+    """Shared for ordinary jobs, exclusive for a job that must run alone. An exclusive waiter
+    stops new shared holders (so it is not starved) and waits for the current ones to end."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._exclusive = False
+        self._exclusive_waiting = 0
+
+    @contextmanager
+    def shared(self) -> Iterator[None]:
+        with self._cond:
+            while self._exclusive or self._exclusive_waiting:
+                self._cond.wait()
+            self._shared += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._shared -= 1
+                self._cond.notify_all()
+
+    @contextmanager
+    def exclusive(self) -> Iterator[None]:
+        with self._cond:
+            self._exclusive_waiting += 1
+            try:
+                while self._exclusive or self._shared:
+                    self._cond.wait()
+            finally:
+                self._exclusive_waiting -= 1
+            self._exclusive = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._exclusive = False
+                self._cond.notify_all()
+
+
+class EngineKeeper:
+    """Replaces the context's runner when it dies (see the module docstring). `make_runner`
+    builds and starts a new runner (raising when the engine cannot load)."""
+
+    def __init__(self, context: WorkerContext, make_runner: Callable[[], EngineRunner]) -> None:
+        self.context = context
+        self.make_runner = make_runner
+        self.replacements = 0
+        self._thread = threading.Thread(target=self._watch, name="rein-engine-keeper", daemon=True)
+
+    def start(self) -> EngineKeeper:
+        self._thread.start()
+        return self
+
+    def join(self, timeout: float) -> None:
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def _watch(self) -> None:
+        stopping = self.context.stopping
+        while not stopping.wait(CHECK_SECONDS):
+            if not self.context.runner.alive and not stopping.is_set():
+                self._replace()
+            elif not self.context.engine_ready.is_set() and not stopping.is_set():
+                self.context.engine_ready.set()   # a task saw the runner dead in its last moments
+
+    def _replace(self) -> None:
+        context = self.context
+        context.engine_ready.clear()
+        log.error("the engine of %s died; its running jobs go back to the queue (attempts refunded) and a "
+                  "new engine is starting", context.model_name)
+        delay = FIRST_RETRY_SECONDS
+        while not context.stopping.is_set():
+            try:
+                runner = self.make_runner()
+            except Exception as exc:  # noqa: BLE001 - any failure to load: retry later
+                log.error("a new engine for %s did not start (%s); retrying in %.0f s", context.model_name,
+                          exc, delay)
+                context.stopping.wait(delay)
+                delay = min(delay * 2, MAX_RETRY_SECONDS)
+                continue
+            context.runner = runner
+            if context.stopping.is_set():   # context.stop() may have stopped the old one meanwhile
+                runner.stop()
+                return
+            if context.metrics is not None:
+                context.metrics.attach(runner.engine)
+            self.replacements += 1
+            context.engine_ready.set()
+            log.info("a new engine for %s is ready (replacement %d)", context.model_name, self.replacements)
+            return

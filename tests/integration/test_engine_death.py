@@ -1,0 +1,142 @@
+"""A worker whose engine process dies (SIGKILL, as the OOM killer would): the jobs it ran go
+back with their attempts refunded, the worker says `down` and takes nothing meanwhile, a new
+engine starts, and the jobs succeed; a job present at every death is failed alone.
+
+Real Redis and Postgres, a real engine child process; the task is `process_job` called on
+this test's threads, a message "redelivered" by calling it again."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import signal
+import threading
+from dataclasses import replace
+
+import pytest
+import support
+
+from rein.worker.app import make_celery
+from rein.worker.claim import MAX_ENGINE_DEATHS
+from rein.worker.engine_keeper import SoloLock
+
+WAIT = 120.0
+MODEL = "tiny"
+
+
+def job_row(sessions, job_id: str):
+    from rein.core.models import Job
+
+    with sessions() as session:
+        return session.get(Job, job_id)
+
+
+@pytest.fixture
+def process_context(make_settings, tiny_models):
+    """A worker context (no Celery consumer) whose engine runs in a child process."""
+    from rein.engine import EngineConfig
+    from rein.worker.bootstep import WorkerSpec, build_context
+
+    settings = make_settings(worker_engine_process=True)
+    config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
+                          max_num_seqs=4)
+    context = build_context(make_celery(settings), WorkerSpec(settings=settings, model_name=MODEL,
+                                                              engine_config=config), f"dying-{secrets.token_hex(3)}@test")
+    yield context
+    context.stop()
+
+
+def run_all(context, messages) -> list[str]:
+    from rein.worker.tasks import process_job
+
+    outcomes: list[str | None] = [None] * len(messages)
+
+    def run(i: int) -> None:
+        outcomes[i] = process_job(context, messages[i])
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(messages))]
+    for thread in threads:
+        thread.start()
+    return threads, outcomes
+
+
+def test_a_killed_engine_is_replaced_and_its_jobs_spend_no_attempt(process_context, make_job, db_sessionmaker):
+    context = process_context
+    # A model no Celery worker of this run consumes: the requeued messages stay for this test.
+    model = f"m{secrets.token_hex(3)}"
+    messages = [make_job(max_tokens=900, ignore_eos=True, model=model, prompt=[5, 6, 7 + i]) for i in range(3)]
+    threads, outcomes = run_all(context, messages)
+    support.wait_for(lambda: context.engine.num_running == 3, WAIT, "the three jobs running")
+    old_pid = context.runner.pid
+    os.kill(old_pid, signal.SIGKILL)
+    for thread in threads:
+        thread.join(WAIT)
+    assert outcomes == ["requeued"] * 3
+    for message in messages:
+        row = job_row(db_sessionmaker, message.job_id)
+        assert (row.status, row.attempt, row.attempts_refunded, row.engine_deaths) == ("queued", 1, 1, 1)
+    # A job that arrives while the engine is down waits for the new one, spending nothing.
+    [fresh], fresh_outcome = run_all(context, [make_job(max_tokens=4, model=model)])
+    assert context.heartbeat()["state"] == "down" or context.keeper.replacements == 1
+    support.wait_for(lambda: context.keeper.replacements == 1 and context.engine_ready.is_set(), WAIT,
+                     "a new engine")
+    assert context.runner.pid != old_pid
+    assert context.heartbeat()["state"] == "up"
+    fresh.join(WAIT)
+    assert fresh_outcome == ["succeeded"]
+
+    # Redelivered: each runs alone (it was there when the engine died) and succeeds.
+    threads, outcomes = run_all(context, [replace(m, sampling={**m.sampling, "max_tokens": 8}) for m in messages])
+    for thread in threads:
+        thread.join(WAIT)
+    assert outcomes == ["succeeded"] * 3
+    for message in messages:
+        row = job_row(db_sessionmaker, message.job_id)
+        assert (row.status, row.attempt - row.attempts_refunded) == ("succeeded", 1)
+
+
+def test_a_job_present_at_every_engine_death_is_failed_as_the_cause(process_context, make_job, db_sessionmaker):
+    from sqlalchemy import update
+
+    from rein.core.models import Job
+    from rein.worker.tasks import process_job
+
+    message = make_job(max_tokens=4)
+    with db_sessionmaker.begin() as session:
+        session.execute(update(Job).where(Job.id == message.job_id).values(engine_deaths=MAX_ENGINE_DEATHS,
+                                                                          attempt=3, attempts_refunded=3))
+    assert process_job(process_context, message) == "failed"
+    row = job_row(db_sessionmaker, message.job_id)
+    assert row.error["code"] == "engine_crashed" and "likely crashes it" in row.error["message"]
+
+
+def test_solo_lock_runs_an_exclusive_holder_alone():
+    lock, events = SoloLock(), []
+    first_in = threading.Event()
+    release_first = threading.Event()
+
+    def shared(name, hold=None):
+        with lock.shared():
+            events.append(f"{name} in")
+            if hold is not None:
+                first_in.set()
+                hold.wait(10)
+            events.append(f"{name} out")
+
+    def exclusive():
+        with lock.exclusive():
+            events.append("solo in")
+            events.append("solo out")
+
+    a = threading.Thread(target=shared, args=("a", release_first))
+    a.start()
+    first_in.wait(10)
+    solo = threading.Thread(target=exclusive)
+    solo.start()
+    support.wait_for(lambda: lock._exclusive_waiting == 1, 10, "the exclusive waiter")
+    b = threading.Thread(target=shared, args=("b",))   # arrives after the exclusive waiter: waits for it
+    b.start()
+    release_first.set()
+    for thread in (a, solo, b):
+        thread.join(10)
+    assert events == ["a in", "a out", "solo in", "solo out", "b in", "b out"]
