@@ -165,6 +165,8 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
         raise context_length_error(max_model_len, len(prompt), max_tokens, chat)
 
     choice_fields, shape = _choice_fields(body, chat, stream, prompt, tokenizer, logprobs_mode)
+    _check_response_size(shape, len(prompt), max_tokens, logprobs_mode, choice_fields.get("prompt_logprobs"),
+                         max_tokens_param, chat)
     stop = _get(body, "stop", (str, list))
     if isinstance(stop, list) and not all(isinstance(s, str) for s in stop):
         raise RequestError("stop must be a string or a list of strings", "stop")
@@ -233,6 +235,35 @@ def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int
         "messages" if chat else "prompt",
         CONTEXT_LENGTH_EXCEEDED,
     )
+
+
+# What one response may repeat: every returned choice carries the echoed prompt and its logprobs,
+# and its own token logprobs with their alternatives (a 1,024-token prompt, n=4 and
+# prompt_logprobs=20 made 6.7 MB of JSON; n=128 on an 8K prompt would be gigabytes). Counted
+# in entries (a token with its logprob, or one alternative), about 80 bytes of JSON each.
+MAX_ECHOED_PROMPT_ENTRIES = 262_144
+MAX_LOGPROB_ENTRIES = 1_048_576
+
+
+def _check_response_size(shape: ResponseShape, prompt_tokens: int, max_tokens: int, logprobs: int | None,
+                         prompt_alternatives: int | None, max_tokens_param: str, chat: bool) -> None:
+    """Refuse, up front, a request whose response would repeat more than the caps above."""
+    if shape.echo is not None or shape.prompt_logprobs is not None:
+        entries = shape.n * prompt_tokens * (1 + (prompt_alternatives or 0))
+        if entries > MAX_ECHOED_PROMPT_ENTRIES:
+            param = "prompt_logprobs" if shape.prompt_logprobs is not None else "echo"
+            raise RequestError(
+                f"the response would repeat the prompt's {prompt_tokens} tokens in each of {shape.n} choices with "
+                f"{prompt_alternatives or 0} alternatives each: {entries} entries, past rein's cap of "
+                f"{MAX_ECHOED_PROMPT_ENTRIES}; lower n or prompt_logprobs, or shorten the prompt", param)
+    if logprobs is not None:
+        entries = shape.n * max_tokens * (1 + logprobs)
+        if entries > MAX_LOGPROB_ENTRIES:
+            name = "top_logprobs" if chat else "logprobs"
+            raise RequestError(
+                f"the response could hold {entries} logprob entries ({shape.n} choices x {max_tokens} tokens x "
+                f"{1 + logprobs}), past rein's cap of {MAX_LOGPROB_ENTRIES}; lower n, {max_tokens_param} or "
+                f"{name}", name)
 
 
 MAX_LOGIT_BIAS_TOKENS = 1024   # rein's cap on a logit_bias map: far more tokens than a real request biases

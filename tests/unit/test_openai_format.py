@@ -301,3 +301,21 @@ def test_chat_template_kwargs_cannot_set_what_the_template_takes_from_the_model(
     assert caught.value.param == f"chat_template_kwargs.{name}"
     assert "from the model" in caught.value.message or "apply_chat_template" in caught.value.message
     chat(tokenizer, chat_template_kwargs={"enable_thinking": False})   # a template's own variable is fine
+
+
+def test_responses_that_would_repeat_the_prompt_too_often_are_refused(tokenizer):
+    def request(endpoint, **fields):
+        base = {"messages": CHAT} if endpoint == CHAT_COMPLETIONS else {"prompt": list(range(10, 1034))}
+        return parse_request(endpoint, {**base, **fields}, tokenizer, 8192)
+
+    # The shape that made 6.7 MB of JSON (n=4, 1,024 tokens, prompt_logprobs=20) is within the cap; 16x it is not.
+    request(COMPLETIONS, n=4, prompt_logprobs=20, max_tokens=4)
+    with pytest.raises(RequestError) as caught:
+        request(COMPLETIONS, n=64, prompt_logprobs=20, max_tokens=4)
+    assert caught.value.param == "prompt_logprobs" and "cap of 262144" in caught.value.message
+    with pytest.raises(RequestError) as caught:
+        request(COMPLETIONS, n=128, echo=True, logprobs=5, max_tokens=4)
+    assert caught.value.param == "echo"
+    with pytest.raises(RequestError) as caught:
+        request(CHAT_COMPLETIONS, n=128, logprobs=True, top_logprobs=20, max_tokens=1000)
+    assert caught.value.param == "top_logprobs" and "lower n, max_tokens or top_logprobs" in caught.value.message
