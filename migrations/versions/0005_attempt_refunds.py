@@ -1,10 +1,10 @@
-"""jobs.attempts_refunded and jobs.engine_deaths: attempts the infrastructure spent, not the job.
+"""jobs.attempts_refunded and jobs.deaths_seen: attempts the infrastructure spent, not the job.
 
 An attempt handed back because its worker, its engine, Redis or Postgres failed (not because
 the job did) is refunded: `attempt` still counts every claim (it is the lease's fencing
 token, so it never goes down), and a job may start again while `attempt - attempts_refunded`
-is under the limit. `engine_deaths` counts the engine deaths a job was present at: such a job
-runs alone next time, and one present at several is failed as the likely cause.
+is under the limit. `deaths_seen` counts the deaths of its engine or worker a job was present
+at: such a job runs alone next time, and one present at several is failed as the likely cause.
 
 Revision ID: 0005
 Revises: 0004
@@ -26,9 +26,9 @@ depends_on: str | Sequence[str] | None = None
 
 def upgrade() -> None:
     op.add_column("jobs", sa.Column("attempts_refunded", sa.Integer(), server_default=sa.text("0"), nullable=False))
-    op.add_column("jobs", sa.Column("engine_deaths", sa.Integer(), server_default=sa.text("0"), nullable=False))
+    op.add_column("jobs", sa.Column("deaths_seen", sa.Integer(), server_default=sa.text("0"), nullable=False))
 
 
 def downgrade() -> None:
-    op.drop_column("jobs", "engine_deaths")
+    op.drop_column("jobs", "deaths_seen")
     op.drop_column("jobs", "attempts_refunded")

@@ -136,8 +136,9 @@ class Job(Base):
     attempts_refunded: Mapped[int] = mapped_column(server_default=text("0"))
     """Attempts handed back for the infrastructure's fault (the worker's engine died, a warm
     shutdown, Redis or Postgres away), which do not count against the job's limit."""
-    engine_deaths: Mapped[int] = mapped_column(server_default=text("0"))
-    """Engine deaths the job was running at: such a job runs alone next time (rein.worker.claim)."""
+    deaths_seen: Mapped[int] = mapped_column(server_default=text("0"))
+    """Deaths of its engine or worker the job was running at: such a job runs alone next time
+    (rein.worker.claim)."""
     worker: Mapped[str | None]
     """The worker holding (or last holding) the job."""
     lease_expires_at: Mapped[datetime | None]

@@ -29,10 +29,11 @@ Lease semantics:
   are refunded (`attempts_refunded`): an attempt handed back because the worker's engine
   died, the worker shut down, or Redis or Postgres went away does not count, up to
   MAX_STARTS starts in all.
-* A job running when its worker's engine died is suspect (`engine_deaths`): its next attempt
-  runs alone in its engine (rein.worker.bootstep), so a request that kills engines is found
-  out without charging the jobs beside it; one present at MAX_ENGINE_DEATHS deaths is failed
-  (code `engine_crashed`).
+* A job running when its worker's engine died, or its worker (its lease expired: the reaper
+  requeues it, the attempt refunded), is suspect (`deaths_seen`): its next attempt runs alone
+  in its engine (rein.worker.engine_keeper), so a request that kills engines or workers is
+  found out without charging the jobs beside it; one present at MAX_DEATHS_SEEN deaths is
+  failed (code `crashes_its_worker`).
 * The worker claims through `GroupClaimer`: jobs whose messages arrive together are claimed
   by one statement (`claim_jobs`), under the same conditions, each caller told its own
   outcome (rein.worker.grouping).
@@ -56,7 +57,7 @@ from rein.worker.grouping import GroupCommit
 
 MAX_ATTEMPTS = 3          # attempts a job may spend (refunded ones not counted)
 MAX_STARTS = 20           # claims in all, refunded or not: a bound for a job that is always handed back
-MAX_ENGINE_DEATHS = 3     # engine deaths a job may be present at
+MAX_DEATHS_SEEN = 3       # deaths of its engine or worker a job may be present at
 # The attempts a job has spent, in SQL: refunded ones do not count.
 SPENT_SQL = "(attempt - attempts_refunded)"
 
@@ -83,7 +84,7 @@ class Lease:
     endpoint: str
     prompt_tokens: int
     queue_seconds: float | None = None   # from the job's submission to this claim (database clock)
-    engine_deaths: int = 0               # engine deaths the job was present at before this attempt
+    deaths_seen: int = 0                 # deaths of its engine or worker the job was present at
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ UPDATE jobs SET status = 'running', attempt = attempt + 1, worker = %s, started_
        first_token_at = NULL, finished_at = NULL, error = NULL,
        lease_expires_at = now() + make_interval(secs => %s)
  WHERE id = %s AND cancel_requested_at IS NULL AND {_ATTEMPTS_LEFT_SQL} AND {_CLAIMABLE_SQL}
-RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, started_at, engine_deaths"""
+RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, started_at, deaths_seen"""
 
 
 # claim_jobs: the same claim for several jobs in one statement. The rows are locked in id
@@ -134,7 +135,7 @@ UPDATE jobs SET status = 'running', attempt = attempt + 1, worker = %s, started_
    AND (jobs.status = 'queued' OR (jobs.status = 'running'
         AND (jobs.lease_expires_at IS NULL OR jobs.lease_expires_at < now())))
 RETURNING jobs.id, jobs.attempt, jobs.tenant, jobs.key_id, jobs.model, jobs.endpoint, jobs.prompt_tokens,
-          jobs.queued_at, jobs.started_at, jobs.engine_deaths"""
+          jobs.queued_at, jobs.started_at, jobs.deaths_seen"""
 
 
 def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_for_seconds: float,
@@ -190,7 +191,7 @@ class GroupClaimer(GroupCommit[str, Claim]):
 def _lease(job_id: str, worker: str, row: Any) -> Lease:
     queue_seconds = (row.started_at - row.queued_at).total_seconds() if row.queued_at else None
     return Lease(job_id, row.attempt, worker, row.tenant, row.key_id, row.model, row.endpoint, row.prompt_tokens,
-                 queue_seconds, row.engine_deaths)
+                 queue_seconds, row.deaths_seen)
 
 
 def not_claimed(sessions: sessionmaker[Session], job_id: str, max_attempts: int = MAX_ATTEMPTS) -> Claim:
@@ -259,7 +260,7 @@ def release_job(sessions: sessionmaker[Session], lease: Lease, *, engine_died: b
             .where(Job.id == lease.job_id, Job.attempt == lease.attempt, Job.status == "running")
             .values(status="queued", worker=None, lease_expires_at=None, started_at=None,
                     first_token_at=None, sent_at=func.now(), attempts_refunded=Job.attempts_refunded + 1,
-                    engine_deaths=Job.engine_deaths + int(engine_died))
+                    deaths_seen=Job.deaths_seen + int(engine_died))
             .returning(Job.id)
             .execution_options(synchronize_session=False)
         ).one_or_none()

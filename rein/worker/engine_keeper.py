@@ -14,10 +14,10 @@ dead engine until every job it saw had spent its attempts. Now:
   keeps the worker's Celery connection, its threads and their messages, and works the same
   under compose, systemd or a bare `rein worker`.
 * The jobs that were running get EngineStoppedError and are handed back with their attempt
-  refunded and their `engine_deaths` counted (rein.worker.claim). Such a job's next attempt
+  refunded and their `deaths_seen` counted (rein.worker.claim). Such a job's next attempt
   holds `SoloLock.exclusive()`: it starts once the jobs running beside it are done and runs
   alone, so a request that kills the engine keeps doing so alone, and is failed after
-  MAX_ENGINE_DEATHS deaths without costing anyone else an attempt.
+  MAX_DEATHS_SEEN deaths without costing anyone else an attempt.
 """
 
 from __future__ import annotations

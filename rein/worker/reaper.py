@@ -6,9 +6,11 @@ FLUSHALL). The job row in Postgres outlives both, so one pass of the reaper, eve
 `Settings.reaper_interval_seconds`, puts things right:
 
 1. **Expired leases.** A `running` job whose lease ran out (its worker stopped renewing it,
-   see rein.worker.claim) goes back to `queued` with a new message; one whose cancel was
-   requested ends `cancelled`; one already started MAX_ATTEMPTS times ends `failed`
-   (`too_many_attempts`).
+   see rein.worker.claim) goes back to `queued` with a new message, its attempt refunded (the
+   worker died, not the job) and the death counted in `deaths_seen`: its next attempt runs
+   alone, and one present at MAX_DEATHS_SEEN deaths is failed by its next claim as the likely
+   cause. One whose cancel was requested ends `cancelled`; one started MAX_STARTS times ends
+   `failed` (`too_many_attempts`).
 2. **Lost messages** (the outbox). A `queued` job that was sent (`sent_at`) over
    `Settings.requeue_unclaimed_seconds` ago, and whose message is not among those waiting on
    its queue, gets a new message. Which messages wait is read from the queue itself: its
@@ -51,7 +53,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from rein.core.messages import JobMessage
 from rein.core.models import JOB_MESSAGE_COLUMNS
 from rein.worker.app import enqueue_jobs, queue_keys
-from rein.worker.claim import MAX_ATTEMPTS, MAX_STARTS, SPENT_SQL, too_many_attempts_error
+from rein.worker.claim import MAX_STARTS, too_many_attempts_error
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +86,11 @@ class ReapReport:
 _REAP_SQL = f"""
 UPDATE jobs SET
     status = CASE WHEN cancel_requested_at IS NOT NULL THEN 'cancelled'
-                  WHEN {SPENT_SQL} >= %(max_attempts)s OR attempt >= {MAX_STARTS} THEN 'failed'
-                  ELSE 'queued' END,
-    finished_at = CASE WHEN cancel_requested_at IS NOT NULL OR {SPENT_SQL} >= %(max_attempts)s
-                            OR attempt >= {MAX_STARTS} THEN now() END,
-    error = CASE WHEN cancel_requested_at IS NULL AND ({SPENT_SQL} >= %(max_attempts)s OR attempt >= {MAX_STARTS})
+                  WHEN attempt >= {MAX_STARTS} THEN 'failed' ELSE 'queued' END,
+    finished_at = CASE WHEN cancel_requested_at IS NOT NULL OR attempt >= {MAX_STARTS} THEN now() END,
+    error = CASE WHEN cancel_requested_at IS NULL AND attempt >= {MAX_STARTS}
                  THEN %(gave_up_error)s::jsonb END,
+    attempts_refunded = attempts_refunded + 1, deaths_seen = deaths_seen + 1,
     sent_at = now(), worker = NULL, lease_expires_at = NULL, started_at = NULL, first_token_at = NULL
  WHERE id IN (SELECT id FROM jobs WHERE status = 'running' AND lease_expires_at < now()
                ORDER BY lease_expires_at LIMIT {MAX_RESEND} FOR UPDATE SKIP LOCKED)
@@ -198,8 +199,7 @@ class Reaper:
 
     def _expired_leases(self, session: Session) -> list[Any]:
         return session.connection().exec_driver_sql(_REAP_SQL, {
-            "max_attempts": MAX_ATTEMPTS,
-            "gave_up_error": json.dumps(too_many_attempts_error(MAX_ATTEMPTS))}).all()
+            "gave_up_error": json.dumps(too_many_attempts_error(MAX_STARTS))}).all()
 
     def _lost_messages(self, session: Session, bound_seconds: float) -> list[Any]:
         sql = session.connection().exec_driver_sql

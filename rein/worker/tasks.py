@@ -11,8 +11,8 @@ How an attempt ends:
 * interrupted (warm shutdown, broker connection lost, Redis or Postgres away, lease lost,
   the engine died) — handed back, the attempt refunded: the job row returns to `queued` and
   a fresh message is queued for it (or, when the lease was lost, nothing: another attempt has
-  the job). A job the engine died under runs alone next time (WorkerContext.solo), and
-  one present at MAX_ENGINE_DEATHS deaths is failed (`engine_crashed`).
+  the job). A job its engine or worker died under runs alone next time (WorkerContext.solo),
+  and one present at MAX_DEATHS_SEEN deaths is failed (`crashes_its_worker`).
 
 While the engine is down (its process died and a new one is starting) a task waits for it
 before claiming: nothing is claimed that cannot run, and the worker takes no more messages
@@ -45,7 +45,7 @@ from rein.worker.app import TASK_NAME, enqueue_job
 from rein.worker.bootstep import worker_context
 from rein.worker.cancel import is_cancel_requested
 from rein.worker.claim import (
-    MAX_ENGINE_DEATHS,
+    MAX_DEATHS_SEEN,
     ClaimOutcome,
     claim_job,
     release_job,
@@ -139,13 +139,14 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
     with context.tracking(claim.lease), log_context(attempt=claim.lease.attempt):
         try:
             started = time.monotonic()
-            if claim.lease.engine_deaths >= MAX_ENGINE_DEATHS:
-                return _fail(context, claim.lease, f"the engine died {claim.lease.engine_deaths} times while "
-                             f"running this job (alone the last times): the request likely crashes it, and "
-                             f"it will not be tried again", "server_error", "engine_crashed")
-            # A job its engine died under runs alone (the others wait), so a request that
+            if claim.lease.deaths_seen >= MAX_DEATHS_SEEN:
+                return _fail(context, claim.lease, f"the engine or worker running this job died "
+                             f"{claim.lease.deaths_seen} times (with the job alone after the first): the request "
+                             f"likely crashes it, and it will not be tried again", "server_error",
+                             "crashes_its_worker")
+            # A job its engine or worker died under runs alone (the others wait), so a request that
             # kills engines is found out without charging the jobs beside it.
-            with context.solo.exclusive() if claim.lease.engine_deaths else context.solo.shared():
+            with context.solo.exclusive() if claim.lease.deaths_seen else context.solo.shared():
                 outcome = _run_claimed(context, message, claim.lease, cancel_mark)
             log.info("job %s attempt %d ended: %s after %.3f s", job_id, claim.lease.attempt, outcome,
                      time.monotonic() - started)

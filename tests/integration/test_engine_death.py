@@ -17,7 +17,7 @@ import pytest
 import support
 
 from rein.worker.app import make_celery
-from rein.worker.claim import MAX_ENGINE_DEATHS
+from rein.worker.claim import MAX_DEATHS_SEEN
 from rein.worker.engine_keeper import SoloLock
 
 WAIT = 120.0
@@ -74,7 +74,7 @@ def test_a_killed_engine_is_replaced_and_its_jobs_spend_no_attempt(process_conte
     assert outcomes == ["requeued"] * 3
     for message in messages:
         row = job_row(db_sessionmaker, message.job_id)
-        assert (row.status, row.attempt, row.attempts_refunded, row.engine_deaths) == ("queued", 1, 1, 1)
+        assert (row.status, row.attempt, row.attempts_refunded, row.deaths_seen) == ("queued", 1, 1, 1)
     # A job that arrives while the engine is down waits for the new one, spending nothing.
     [fresh], fresh_outcome = run_all(context, [make_job(max_tokens=4, model=model)])
     assert context.heartbeat()["state"] == "down" or context.keeper.replacements == 1
@@ -103,11 +103,11 @@ def test_a_job_present_at_every_engine_death_is_failed_as_the_cause(process_cont
 
     message = make_job(max_tokens=4)
     with db_sessionmaker.begin() as session:
-        session.execute(update(Job).where(Job.id == message.job_id).values(engine_deaths=MAX_ENGINE_DEATHS,
+        session.execute(update(Job).where(Job.id == message.job_id).values(deaths_seen=MAX_DEATHS_SEEN,
                                                                           attempt=3, attempts_refunded=3))
     assert process_job(process_context, message) == "failed"
     row = job_row(db_sessionmaker, message.job_id)
-    assert row.error["code"] == "engine_crashed" and "likely crashes it" in row.error["message"]
+    assert row.error["code"] == "crashes_its_worker" and "likely crashes it" in row.error["message"]
 
 
 def test_solo_lock_runs_an_exclusive_holder_alone():

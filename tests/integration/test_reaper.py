@@ -14,7 +14,7 @@ from support import queued_job_ids
 from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.models import ApiKey, Job
 from rein.worker.app import make_celery, queue_keys
-from rein.worker.claim import MAX_ATTEMPTS, claim_job, renew_leases
+from rein.worker.claim import MAX_STARTS, claim_job, renew_leases
 from rein.worker.reaper import Reaper
 
 
@@ -95,7 +95,7 @@ def test_expired_leases_are_queued_again_cancelled_or_given_up(make_job, reaper,
         claim_job(db_sessionmaker, job_id, "dead-worker", 300)
     with db_sessionmaker.begin() as session:
         session.execute(update(Job).where(Job.id == cancelled).values(cancel_requested_at=func.now()))
-        session.execute(update(Job).where(Job.id == exhausted).values(attempt=MAX_ATTEMPTS))
+        session.execute(update(Job).where(Job.id == exhausted).values(attempt=MAX_STARTS))
     for job_id in (lost, cancelled, exhausted):
         expire_lease(db_sessionmaker, job_id)
 
@@ -104,6 +104,8 @@ def test_expired_leases_are_queued_again_cancelled_or_given_up(make_job, reaper,
 
     requeued = row(db_sessionmaker, lost)
     assert requeued.status == "queued" and requeued.worker is None and requeued.lease_expires_at is None
+    # Its worker died, not the job: the attempt is refunded and the death counted (it runs alone next).
+    assert (requeued.attempt, requeued.attempts_refunded, requeued.deaths_seen) == (1, 1, 1)
     assert queued_messages(redis_client, settings, model) == [lost]       # one new message
     assert row(db_sessionmaker, cancelled).status == "cancelled"
     gave_up = row(db_sessionmaker, exhausted)
@@ -111,7 +113,8 @@ def test_expired_leases_are_queued_again_cancelled_or_given_up(make_job, reaper,
     assert row(db_sessionmaker, live).status == "running"                 # its lease still runs
 
     # The new attempt runs it; the dead worker's late redelivery finds it held and does nothing.
-    assert claim_job(db_sessionmaker, lost, "w2", 30).lease.attempt == 2
+    lease = claim_job(db_sessionmaker, lost, "w2", 30).lease
+    assert (lease.attempt, lease.deaths_seen) == (2, 1)
     assert claim_job(db_sessionmaker, lost, "dead-worker", 30).lease is None
 
 
