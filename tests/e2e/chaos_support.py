@@ -3,8 +3,9 @@ PostgreSQL cluster of their own, on free ports in a temp dir, so that killing th
 nothing else (never the machine's own services); the load (greedy completions of a fixed
 length) and the checks that every accepted job ended exactly once.
 
-`RedisServer` keeps nothing on disk: a restart comes back empty, as a Redis without AOF
-does after a crash or a failover. `PostgresCluster` is made with initdb (as the `postgres`
+`RedisServer` keeps nothing on disk unless asked (`aof=True`: an append-only file, fsynced
+every second, that a restart reloads): without it a restart comes back empty, as a Redis
+without AOF does after a crash or a failover. `PostgresCluster` is made with initdb (as the `postgres`
 user when the tests run as root, which initdb refuses) and started and stopped with pg_ctl.
 """
 
@@ -38,9 +39,10 @@ def _need(tool: str) -> str:
 
 
 class RedisServer:
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, aof: bool = False) -> None:
         self.binary = _need("redis-server")
         self.directory = directory
+        self.aof = aof
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -52,7 +54,8 @@ class RedisServer:
         self.directory.mkdir(parents=True, exist_ok=True)
         log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 (the server keeps it)
         self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+             "--appendonly", "yes" if self.aof else "no", "--appendfsync", "everysec",
              "--dir", str(self.directory)], stdout=log, stderr=subprocess.STDOUT)
         wait_for(self._answers, 20, f"redis-server on port {self.port}", interval=0.05)
 

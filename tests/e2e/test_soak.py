@@ -1,0 +1,24 @@
+"""A 2-minute soak (bench/soak.py): async jobs, streamed chats and a batch while a seeded fault
+strikes every 20 s (worker, engine, API, Redis with and without its AOF, Postgres); every
+accepted job and batch line must end `succeeded`, nothing lost or billed twice, no 500."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from soak import parse_args, passed, soak  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_short_soak_ends_every_job_succeeded(tiny_models):
+    report = soak(parse_args(["--minutes", "2", "--fault-every", "20", "--seed", "1"]), tiny_models("llama"),
+                  log=print)
+    print(report)
+    assert len(report["faults"]) >= 5
+    assert passed(report), report
