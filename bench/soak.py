@@ -117,22 +117,26 @@ class Soak:
             body = {"model": MODEL, "messages": [{"role": "user", "content": f"Chat {i}"}], "max_tokens": 24,
                     "temperature": 0.0, "stream": True}
             started = time.monotonic()
-            outcome = "cut"
+            outcome = "refused"   # until the response's headers arrive: a refused connection is retried
             try:
                 with self.client(timeout=120) as client, client.stream("POST", "/v1/chat/completions",
                                                                         json=body) as response:
                     self._count(response)
                     if response.status_code != 200:
-                        self.figures.refused += 1
-                        self.stop.wait(0.5)
-                        continue
-                    for line in response.iter_lines():
-                        if line.strip() == "data: [DONE]":
-                            outcome = "done"
-                        elif line.startswith("data:") and '"error"' in line:
-                            outcome = "error"
+                        outcome = "refused"
+                    else:
+                        outcome = "cut"
+                        for line in response.iter_lines():
+                            if line.strip() == "data: [DONE]":
+                                outcome = "done"
+                            elif line.startswith("data:") and '"error"' in line:
+                                outcome = "error"
             except httpx.HTTPError:
-                outcome = "cut"
+                pass
+            if outcome == "refused":
+                self.figures.refused += 1
+                self.stop.wait(0.5)
+                continue
             with self.figures.lock:
                 if outcome == "done":
                     self.figures.streams_done += 1
@@ -262,15 +266,18 @@ class Soak:
             failed = conn.execute("SELECT count(*) FROM jobs WHERE id = ANY(%s) AND status = 'failed'",
                                   (self.figures.accepted,)).fetchone()[0]
             failures = conn.execute("SELECT error->>'code', count(*) FROM jobs WHERE (id = ANY(%s) OR batch_id = %s) "
-                                    "AND status = 'failed' GROUP BY 1", (self.figures.accepted, self.batch_id)).all()
-            batch = conn.execute("SELECT status, request_total, request_completed, request_failed FROM batches "
-                                 "WHERE id = %s", (self.batch_id,)).fetchone()
+                                    "AND status = 'failed' GROUP BY 1", (self.figures.accepted, self.batch_id)).fetchall()
+            batch_status, lines = conn.execute("SELECT status, request_total FROM batches WHERE id = %s",
+                                               (self.batch_id,)).fetchone()
+            by_status = dict(conn.execute("SELECT status, count(*) FROM jobs WHERE batch_id = %s GROUP BY status",
+                                          (self.batch_id,)).fetchall())
         f = self.figures
         return {"minutes": self.args.minutes, "fault_every": self.args.fault_every, "seed": self.args.seed,
                 "faults": f.faults, "accepted": counts["accepted"], "succeeded": counts["succeeded"], "failed": failed,
                 "lost": counts["accepted"] - counts["ended"], "billed_twice": counts["billed_twice"],
-                "failure_codes": dict(failures), "batch_status": batch[0], "batch_lines": batch[1],
-                "batch_lines_succeeded": batch[2], "batch_lines_failed": batch[3], "http_500": f.http_500,
+                "failure_codes": dict(failures), "batch_status": batch_status, "batch_lines": lines,
+                "batch_lines_succeeded": by_status.get("succeeded", 0),
+                "batch_lines_failed": lines - by_status.get("succeeded", 0), "http_500": f.http_500,
                 "refused_and_retried": f.refused, "streams_done": f.streams_done,
                 "streams_error_event": f.streams_error_event, "streams_cut_by_api_kill": f.streams_cut_by_api_kill,
                 "streams_cut_otherwise": f.streams_cut_otherwise,

@@ -78,6 +78,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             settings.redis_url, max_connections=settings.max_event_streams + STREAM_POOL_SPARE,
             timeout=STREAM_POOL_WAIT_SECONDS, socket_timeout=STREAM_SOCKET_TIMEOUT))
         state.stream_slots = StreamSlots(settings.max_streams_per_key)
+        state.download_slots = StreamSlots(settings.max_downloads_per_key)
         state.celery = make_celery(settings)
         state.key_cache = KeyCache(settings.auth_cache_seconds)
         state.limiter = RateLimiter(state.redis, RedisKeys.from_settings(settings), settings)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
@@ -61,29 +62,33 @@ _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
 
 
 class StreamSlots:
-    """How many event streams each key holds open in this API process, capped: a follower
-    holds a Redis connection (XREAD BLOCK) for as long as it follows, so one key must not
-    take them all (REIN_MAX_STREAMS_PER_KEY; beyond it, 429 with Retry-After)."""
+    """How many event streams (or downloads) each key holds open in this API process, capped: a
+    follower holds a Redis connection (XREAD BLOCK) for as long as it follows, a download a
+    thread of the pool, so one key must not take them all (REIN_MAX_STREAMS_PER_KEY,
+    REIN_MAX_DOWNLOADS_PER_KEY; beyond them, 429 with Retry-After). Thread-safe: downloads
+    end on the thread pool."""
 
     def __init__(self, per_key: int) -> None:
         self.per_key = per_key
         self._open: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def acquire(self, key_id: str) -> bool:
-        """Take a slot for the key; False when it holds per_key already. (The event loop is
-        one thread: no lock needed.)"""
-        held = self._open.get(key_id, 0)
-        if held >= self.per_key:
-            return False
-        self._open[key_id] = held + 1
-        return True
+        """Take a slot for the key; False when it holds per_key already."""
+        with self._lock:
+            held = self._open.get(key_id, 0)
+            if held >= self.per_key:
+                return False
+            self._open[key_id] = held + 1
+            return True
 
     def release(self, key_id: str) -> None:
-        held = self._open.get(key_id, 0) - 1
-        if held > 0:
-            self._open[key_id] = held
-        else:
-            self._open.pop(key_id, None)
+        with self._lock:
+            held = self._open.get(key_id, 0) - 1
+            if held > 0:
+                self._open[key_id] = held
+            else:
+                self._open.pop(key_id, None)
 
     def held(self, key_id: str) -> int:
         return self._open.get(key_id, 0)

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
 
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.filestore import FileStore
 from rein.core.models import Batch, File, Job, Result, Usage
@@ -53,16 +53,24 @@ def _status_code(error: dict[str, Any]) -> int:
 
 def batch_lines(session: Session, batch: Batch, kind: Kind) -> Iterator[str]:
     """The batch's output or error lines so far, in input order (JSONL text, one per line)."""
+    for _, line in numbered_lines(session, batch, kind):
+        yield line
+
+
+def numbered_lines(session: Session, batch: Batch, kind: Kind, after: int = 0,
+                   limit: int | None = None) -> Iterator[tuple[int, str]]:
+    """(input line number, JSONL text) of the batch's output or error lines past line `after`,
+    in input order, at most `limit` of them (a page: see batch_line_pages)."""
     if kind == "output":
-        rows = session.execute(
-            select(Job, Result, Usage.cached_tokens).join(Result, Result.job_id == Job.id)
-            .outerjoin(Usage, Usage.job_id == Job.id)
-            .where(Job.batch_id == batch.id, Job.status == "succeeded")
-            .order_by(Job.batch_line).execution_options(yield_per=FETCH_ROWS))
-        for job, result, cached_tokens in rows:
-            yield _dump({"id": line_id(job.id), "custom_id": job.custom_id,
-                         "response": {"status_code": 200, "request_id": job.id,
-                                      "body": response_body(job, result, cached_tokens or 0)}, "error": None})
+        query = (select(Job, Result, Usage.cached_tokens).join(Result, Result.job_id == Job.id)
+                 .outerjoin(Usage, Usage.job_id == Job.id)
+                 .where(Job.batch_id == batch.id, Job.status == "succeeded", Job.batch_line > after)
+                 .order_by(Job.batch_line).limit(limit).execution_options(yield_per=FETCH_ROWS))
+        for job, result, cached_tokens in session.execute(query):
+            yield job.batch_line, _dump({"id": line_id(job.id), "custom_id": job.custom_id,
+                                         "response": {"status_code": 200, "request_id": job.id,
+                                                      "body": response_body(job, result, cached_tokens or 0)},
+                                         "error": None})
         return
     if batch.expired_at is not None:
         dropped, reason = "batch_expired", "the batch's completion window closed before this request finished"
@@ -71,10 +79,10 @@ def batch_lines(session: Session, batch: Batch, kind: Kind) -> Iterator[str]:
     else:
         dropped, reason = "request_cancelled", "the request was cancelled (POST /v1/jobs/{id}/cancel)"
     rows = session.execute(
-        select(Job.id, Job.custom_id, Job.status, Job.error)
-        .where(Job.batch_id == batch.id, Job.status.in_(("failed", "cancelled")))
-        .order_by(Job.batch_line).execution_options(yield_per=FETCH_ROWS))
-    for job_id, custom_id, status, error in rows:
+        select(Job.id, Job.custom_id, Job.status, Job.error, Job.batch_line)
+        .where(Job.batch_id == batch.id, Job.status.in_(("failed", "cancelled")), Job.batch_line > after)
+        .order_by(Job.batch_line).limit(limit).execution_options(yield_per=FETCH_ROWS))
+    for job_id, custom_id, status, error, number in rows:
         if status == "failed":
             error = {"message": "the request failed", "type": "server_error", "code": None} | (error or {})
             line = {"id": line_id(job_id), "custom_id": custom_id,
@@ -84,7 +92,24 @@ def batch_lines(session: Session, batch: Batch, kind: Kind) -> Iterator[str]:
         else:
             line = {"id": line_id(job_id), "custom_id": custom_id, "response": None,
                     "error": {"code": dropped, "message": reason}}
-        yield _dump(line)
+        yield number, _dump(line)
+
+
+def batch_line_pages(sessions: sessionmaker[Session], load_batch: Callable[[Session], Batch], kind: Kind,
+                     page_rows: int | None = None) -> Iterator[str]:
+    """The same lines as batch_lines, read a page at a time, each page in a short session of its
+    own: a client that reads slowly holds no database connection between pages (a download
+    can take minutes; forty slow readers once emptied a process's pool)."""
+    page_rows = page_rows or FETCH_ROWS
+    after = 0
+    while True:
+        with sessions() as session:
+            page = list(numbered_lines(session, load_batch(session), kind, after, page_rows))
+        for _, line in page:
+            yield line
+        if len(page) < page_rows:
+            return
+        after = page[-1][0]
 
 
 def write_result_files(session: Session, store: FileStore, batch: Batch) -> tuple[str | None, str | None]:

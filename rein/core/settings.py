@@ -188,6 +188,9 @@ class Settings(BaseSettings):
     Redis connection pool for them holds this many, and a stream beyond it waits for one."""
     max_streams_per_key: int = Field(200, ge=1)
     """Event streams one key may hold open on one API process (429 with Retry-After beyond)."""
+    max_downloads_per_key: int = Field(8, ge=1)
+    """Downloads (a file's content, a batch's output or errors) one key may have in progress on one
+    API process (429 with Retry-After beyond)."""
     stream_maxlen: int = Field(10_000, ge=1)
     """Events kept per job stream (approximate cap); a longer job replays its start from Postgres."""
     stream_ttl_seconds: int = Field(3600, ge=1)

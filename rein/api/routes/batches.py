@@ -25,10 +25,10 @@ from rein.api.deps import RedisDep, SessionDep, SessionsDep, SettingsDep
 from rein.api.errors import APIError
 from rein.api.jobs import check_metadata
 from rein.api.ratelimit import RateLimitExceeded
-from rein.api.routes.files import BatchKey
+from rein.api.routes.files import BatchKey, download_response
 from rein.api.schemas import ErrorResponse
 from rein.batches.manager import drop_batch_jobs, lock_batch_waiting
-from rein.batches.output import Kind, batch_lines
+from rein.batches.output import Kind, batch_line_pages
 from rein.batches.repository import (
     batch_public,
     batches_public,
@@ -41,6 +41,7 @@ from rein.batches.schemas import (
     BatchList,
     BatchObject,
 )
+from rein.core.keys import KeyInfo
 from rein.core.models import Batch
 from rein.core.redis_keys import RedisKeys
 
@@ -125,26 +126,26 @@ def cancel_batch(batch_id: str, request: Request, session: SessionDep, key: Batc
     return batch_public(session, get_batch_for_tenant(session, key.tenant, batch_id))
 
 
-def _lines_response(sessions: Any, tenant: str, batch_id: str, kind: Kind) -> StreamingResponse:
+def _lines_response(request: Request, sessions: Any, key: KeyInfo, batch_id: str, kind: Kind) -> StreamingResponse:
     with sessions() as session:
-        get_batch_for_tenant(session, tenant, batch_id)
+        get_batch_for_tenant(session, key.tenant, batch_id)
 
     def stream() -> Iterator[bytes]:
-        with sessions() as session:
-            batch = get_batch_for_tenant(session, tenant, batch_id)
-            for line in batch_lines(session, batch, kind):
-                yield line.encode()
+        # A page of rows at a time, each in its own short session (rein.batches.output).
+        for line in batch_line_pages(sessions, lambda session: get_batch_for_tenant(session, key.tenant, batch_id),
+                                     kind):
+            yield line.encode()
 
-    return StreamingResponse(stream(), media_type="application/jsonl")
+    return download_response(request, key, stream())
 
 
 @router.get("/{batch_id}/output", responses={**_ERRORS, 200: {"content": {"application/jsonl": {}}}})
-def batch_output(batch_id: str, sessions: SessionsDep, key: BatchKey) -> StreamingResponse:
+def batch_output(batch_id: str, request: Request, sessions: SessionsDep, key: BatchKey) -> StreamingResponse:
     """The output lines of the requests that succeeded so far, in input order (rein only)."""
-    return _lines_response(sessions, key.tenant, batch_id, "output")
+    return _lines_response(request, sessions, key, batch_id, "output")
 
 
 @router.get("/{batch_id}/errors", responses={**_ERRORS, 200: {"content": {"application/jsonl": {}}}})
-def batch_errors(batch_id: str, sessions: SessionsDep, key: BatchKey) -> StreamingResponse:
+def batch_errors(batch_id: str, request: Request, sessions: SessionsDep, key: BatchKey) -> StreamingResponse:
     """The error lines of the requests that failed so far, in input order (rein only)."""
-    return _lines_response(sessions, key.tenant, batch_id, "errors")
+    return _lines_response(request, sessions, key, batch_id, "errors")

@@ -16,7 +16,7 @@ batches generate, so a batch can always write its results.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, Query, Request
@@ -177,10 +177,12 @@ def get_file(file_id: str, session: SessionDep, key: BatchKey) -> FileObject:
 
 
 @router.get("/{file_id}/content", responses={**_ERRORS, 200: {"content": {"application/jsonl": {}}}})
-def get_file_content(file_id: str, session: SessionDep, key: BatchKey, store: FileStoreDep
+def get_file_content(file_id: str, request: Request, sessions: SessionsDep, key: BatchKey, store: FileStoreDep
                      ) -> StreamingResponse:
-    """The file's bytes, streamed."""
-    get_file_for_tenant(session, key.tenant, file_id)
+    """The file's bytes, streamed. The file row is read in a session closed before the first byte
+    goes out: a slow reader holds no database connection."""
+    with sessions() as session:
+        get_file_for_tenant(session, key.tenant, file_id)
     try:
         source = store.open(file_id)
     except FileNotFoundError:
@@ -192,7 +194,33 @@ def get_file_content(file_id: str, session: SessionDep, key: BatchKey, store: Fi
             while chunk := source.read(CHUNK_BYTES):
                 yield chunk
 
-    return StreamingResponse(stream(), media_type="application/jsonl")
+    return download_response(request, key, stream(), on_refused=source.close)
+
+
+# How long a client is told to wait when its key holds all its download slots.
+DOWNLOAD_RETRY_AFTER = 5
+
+
+def download_response(request: Request, key: KeyInfo, chunks: Iterator[bytes],
+                      on_refused: Callable[[], object] | None = None) -> StreamingResponse:
+    """A JSONL download holding one of the key's download slots until it ends (or 429
+    `too_many_downloads` with Retry-After when the key holds REIN_MAX_DOWNLOADS_PER_KEY)."""
+    slots = request.app.state.download_slots
+    if not slots.acquire(key.key_id):
+        if on_refused is not None:
+            on_refused()
+        raise APIError(429, f"This key already has {slots.per_key} downloads in progress on this server, its "
+                            f"limit (REIN_MAX_DOWNLOADS_PER_KEY). Wait for one to finish, or retry after "
+                            f"{DOWNLOAD_RETRY_AFTER} s.", type="requests", code="too_many_downloads",
+                       headers={"Retry-After": str(DOWNLOAD_RETRY_AFTER)})
+
+    def held() -> Iterator[bytes]:
+        try:
+            yield from chunks
+        finally:
+            slots.release(key.key_id)
+
+    return StreamingResponse(held(), media_type="application/jsonl")
 
 
 @router.delete("/{file_id}", response_model=FileDeleted, responses=_ERRORS)

@@ -463,3 +463,59 @@ def test_batch_lines_need_the_batch_scope(batch_client, make_key, tenant, db_ses
         assert "API scope is not declared: batch" in response.json()["error"]["message"]
     assert batch_client.get("/v1/jobs", headers=auth(inference)).json()["data"] == []
     assert batch_jobs(db_sessionmaker, batch["id"])[0].cancel_requested_at is None     # nothing was cancelled
+
+
+def test_output_is_read_a_page_at_a_time_holding_no_session_between_pages(batch_client, make_key, tenant,
+                                                                          db_sessionmaker, fake_worker):
+    """A slow reader of a batch's output holds no database connection while it reads: the rows
+    come a page at a time, each page in a session closed before its lines go out."""
+    from rein.batches.output import batch_line_pages
+    from rein.batches.repository import get_batch_for_tenant
+
+    key = make_key(tenant, "batch,inference")
+    batch = create(batch_client, key, jsonl(*(line(f"c{i}", f"p{i}") for i in range(5))))
+    wait_status(batch_client, key, batch["id"], "in_progress")
+    jobs = wait_for(lambda: (js := batch_jobs(db_sessionmaker, batch["id"])) and len(js) == 5 and js, 10, "jobs")
+    for i, job in enumerate(jobs):
+        fake_worker.record(job.id, f"done {i}", [5])
+
+    open_sessions = []
+
+    class CountingSessions:
+        def __call__(self):
+            session = db_sessionmaker()
+            open_sessions.append(session)
+            real_close = session.close
+
+            def close():
+                open_sessions.remove(session)
+                real_close()
+
+            session.close = close
+            return session
+
+    pages = batch_line_pages(CountingSessions(), lambda s: get_batch_for_tenant(s, tenant, batch["id"]), "output",
+                             page_rows=2)
+    read = []
+    for text in pages:
+        assert open_sessions == []          # between lines handed out: no session open
+        read.append(json.loads(text)["custom_id"])
+    assert read == [f"c{i}" for i in range(5)]
+    streamed = jsonl_lines(batch_client.get(f"/v1/batches/{batch['id']}/output", headers=auth(key)))
+    assert [x["custom_id"] for x in streamed] == read
+
+
+def test_downloads_per_key_are_capped(make_client, make_key, tenant, tmp_path):
+    from rein.core.keys import parse_key
+
+    client = make_client(files_dir=str(tmp_path / "files"), max_downloads_per_key=1)
+    key = make_key(tenant, "batch,inference")
+    file_id = upload(client, key, jsonl(line("a")))
+    slots = client.app.state.download_slots
+    assert slots.acquire(parse_key(key)[0])          # a download in progress elsewhere
+    refused = client.get(f"/v1/files/{file_id}/content", headers=auth(key))
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "5"
+    assert refused.json()["error"]["code"] == "too_many_downloads"
+    slots.release(parse_key(key)[0])
+    assert client.get(f"/v1/files/{file_id}/content", headers=auth(key)).status_code == 200
+    assert slots.held(parse_key(key)[0]) == 0       # released when the download ended
