@@ -12,7 +12,7 @@ tiny random-weight llama. For `--minutes`, three loads run side by side:
 * streamed chats: one after another, `stream: true` on /v1/chat/completions;
 * one batch of 120 completion lines, created at the start.
 
-Every `--fault-every` seconds one fault, drawn with `--seed`:
+Every `--fault-every` seconds one fault, each kind once per round in an order drawn with `--seed`:
 
 * worker: SIGKILL one worker (a new one is started, as a supervisor would);
 * engine: SIGKILL the engine process of one worker (the worker replaces it);
@@ -165,8 +165,11 @@ class Soak:
 
     def inject_faults(self) -> None:
         faults = [f.strip() for f in self.args.faults.split(",") if f.strip()]
+        deck: list[str] = []
         while not self.stop.wait(self.args.fault_every):
-            fault = self.random.choice(faults)
+            if not deck:   # every kind once, in a seeded order, before any comes again
+                deck = self.random.sample(faults, len(faults))
+            fault = deck.pop()
             at = time.monotonic()
             try:
                 getattr(self, "_" + fault.replace("-", "_"))()

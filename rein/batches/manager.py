@@ -242,19 +242,21 @@ class BatchManager:
         fixed = {"tenant": batch.tenant, "key_id": batch.key_id, "batch_id": batch.id, "priority": PRIORITY_BATCH}
         last_line = 0
 
-        def store(line: ValidLine) -> None:
-            nonlocal last_line
+        def check(number: int) -> None:   # before every line, valid or not
             if self._stop.is_set():      # shutting down: roll back, the next manager starts over
                 raise _Superseded(batch.id)
             if time.monotonic() - started > deadline_seconds:
                 raise _ValidationFailed(batch.id, [_timeout_error(deadline_seconds)])
+
+        def store(line: ValidLine) -> None:
+            nonlocal last_line
             write_job(line.job_values() | fixed)
             last_line = line.line
 
         try:
             with source, copy_jobs(session) as write_job:
                 result = validate_lines(source, batch.endpoint, self.registry, self.settings.batch_max_requests,
-                                        on_valid=store)
+                                        on_valid=store, before_line=check)
         except (_Superseded, _ValidationFailed, OperationalError, InterfaceError, RedisError,
                 ValidatorUnavailable):
             raise                        # a stop, a verdict, or an outage (retried next tick)

@@ -76,11 +76,15 @@ class Validation:
 
 
 def validate_lines(raw_lines: Iterable[bytes], endpoint: str, registry: ModelRegistry, max_requests: int,
-                   on_valid: Callable[[ValidLine], None] = lambda line: None) -> Validation:
-    """Check every line of a batch input file (see the module docstring)."""
+                   on_valid: Callable[[ValidLine], None] = lambda line: None,
+                   before_line: Callable[[int], None] = lambda number: None) -> Validation:
+    """Check every line of a batch input file (see the module docstring). `before_line(number)`
+    runs before each line, valid or not: the batch manager's deadline and stop checks raise from
+    it, so a file whose first line is bad cannot run for hours checking the rest."""
     result = Validation()
     seen: set[str] = set()
     for number, raw in enumerate(raw_lines, start=1):
+        before_line(number)
         if not raw.strip():
             continue
         result.requests += 1

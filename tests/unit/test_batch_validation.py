@@ -69,3 +69,22 @@ def test_a_grammar_that_crashes_the_compiler_fails_its_line_only(registry, monke
                             "/v1/chat/completions", registry, 10, on_valid=lambda line: None)
     assert [(e["line"], e["param"]) for e in result.errors] == [(2, "body.guided_grammar")]
     assert "crashed rein's grammar compiler" in result.errors[0]["message"]
+
+
+def test_before_line_runs_for_every_line_and_can_stop_it(registry):
+    """The manager's deadline check runs before each line, after a bad one too (it used to run
+    only when a valid line was stored, so a file whose first line was bad ran to its end)."""
+    seen = []
+
+    class Deadline(Exception):
+        pass
+
+    def before_line(number):
+        seen.append(number)
+        if number == 4:
+            raise Deadline
+
+    lines = raw(chat("a", model="nope"), *(chat(f"x{i}") for i in range(10)))
+    with pytest.raises(Deadline):
+        validate_lines(lines, "/v1/chat/completions", registry, 100, before_line=before_line)
+    assert seen == [1, 2, 3, 4]
