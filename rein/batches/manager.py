@@ -29,10 +29,12 @@ replica is handling is skipped, not waited for), does the next step in one trans
 * finalizing: once nothing runs, write the output and error files (rein.batches.output)
   and set the final status, in one transaction.
 
-Isolation: validations run on a thread of their own, one batch at a time, so a large file
-never stalls the other batches' steps; an unexpected error while validating fails that
-batch alone (code `validation_error`, naming the line), and a batch still validating
-REIN_BATCH_VALIDATION_TIMEOUT_SECONDS after its creation fails (`validation_timeout`).
+Isolation: validations run on threads of their own (REIN_BATCH_VALIDATOR_THREADS), so a large
+file never stalls the other batches' steps, and one tenant's batches take at most half of them
+(at least one), so another tenant's batch validates beside a tenant's 50,000-line file. An
+unexpected error while validating fails that batch alone (code `validation_error`, naming the
+line), and a batch still validating REIN_BATCH_VALIDATION_TIMEOUT_SECONDS after its creation
+fails (`validation_timeout`), checked before every line.
 Feeding is fair: each tick splits a model's queue room evenly between the tenants with
 running batches, then between each tenant's batches, and visits batches round-robin across
 tenants, so one tenant's 50,000-line batches cannot starve another tenant's.
@@ -110,8 +112,10 @@ class BatchManager:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rein-batch-manager", daemon=True)
-        self._validator = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rein-batch-validator")
-        self._validating: set[str] = set()
+        threads = settings.batch_validator_threads
+        self._validator = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rein-batch-validator")
+        self._tenant_share = max(1, threads // 2)   # validations one tenant may have in flight
+        self._validating: dict[str, str] = {}        # batch id -> tenant, submitted and not done
         self._validating_lock = threading.Lock()
 
     # -- the loop ---------------------------------------------------------------------------
@@ -142,8 +146,8 @@ class BatchManager:
     def tick(self) -> None:
         """One pass over every unfinished batch.
 
-        Validations run on their own thread (`_validator`), one batch at a time, so a large or
-        slow file never holds up feeding and finishing the others. Batch lines are fed to
+        Validations run on their own threads (`_validator`), each tenant's share at a time, so a
+        large or slow file never holds up feeding and finishing the others. Batch lines are fed to
         each model's queue in shares: the room on the queue is split evenly between the
         tenants with running batches, then between each tenant's batches (`feeding_shares`),
         and the batches are visited round-robin across tenants.
@@ -157,7 +161,7 @@ class BatchManager:
             if self._stop.is_set():
                 return
             if row.status == "validating":
-                self._validate_in_background(row.id)
+                self._validate_in_background(row.id, row.tenant)
                 continue
             try:
                 self.advance(row.id, shares)
@@ -176,11 +180,15 @@ class BatchManager:
             shares |= feeding_shares(room, [(row.tenant, row.id) for row in batches])
         return shares
 
-    def _validate_in_background(self, batch_id: str) -> None:
+    def _validate_in_background(self, batch_id: str, tenant: str) -> None:
+        """Validate on a validator thread, unless the batch is already there or its tenant holds
+        its share of them (then a later tick tries again)."""
         with self._validating_lock:
             if batch_id in self._validating:
                 return
-            self._validating.add(batch_id)
+            if sum(t == tenant for t in self._validating.values()) >= self._tenant_share:
+                return
+            self._validating[batch_id] = tenant
 
         def run() -> None:
             try:
@@ -189,7 +197,7 @@ class BatchManager:
                 log.exception("batch %s: validation step failed; retrying next tick", batch_id)
             finally:
                 with self._validating_lock:
-                    self._validating.discard(batch_id)
+                    self._validating.pop(batch_id, None)
                 self.wake()
 
         self._validator.submit(run)

@@ -214,6 +214,9 @@ class Settings(BaseSettings):
     """Batch messages kept waiting on a model's queue; the batch manager tops it up as workers drain it."""
     batch_validation_timeout_seconds: float = Field(3600, gt=0)
     """A batch still `validating` this long after its creation fails (`validation_timeout`)."""
+    batch_validator_threads: int = Field(2, ge=1, le=64)
+    """Threads per API process that validate batch files; one tenant's batches take at most half
+    of them (at least one), so another tenant's batch starts validating beside a large file."""
     batch_poll_seconds: float = Field(1.0, gt=0)
     """How often the API's batch manager looks for batch work (validation, feeding, finalizing)."""
 
