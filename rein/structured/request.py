@@ -160,10 +160,13 @@ def spec_problem(key: str) -> str | None:
         if known is not None:
             _CHECKED.move_to_end(digest)
             return known or None
-    from rein.structured.validator import pool
+    from rein.structured.validator import CompileTimeout, pool
 
     validators = pool()
-    problem = (validators.problem(key) if validators else find_problem(json.loads(key))) or ""
+    try:
+        problem = (validators.problem(key) if validators else find_problem(json.loads(key))) or ""
+    except CompileTimeout as exc:
+        return str(exc)   # not remembered: a busy machine's verdict
     with _checked_lock:
         _CHECKED[digest] = problem
         if len(_CHECKED) > _CHECKED_MAX:

@@ -32,6 +32,11 @@ class ValidatorUnavailable(RuntimeError):
     """No validator process could be started or had room within the deadline."""
 
 
+class CompileTimeout(Exception):
+    """The spec did not compile within the deadline; the message says so. Not a verdict to
+    remember: on a less busy machine the same spec may make it."""
+
+
 class _Child:
     def __init__(self) -> None:
         # stderr to the parent's: a crash's message lands in the log of the process that asked.
@@ -86,8 +91,8 @@ class ValidatorPool:
             return ("the grammar crashed rein's grammar compiler (llguidance); make it smaller or "
                     "simpler (fewer rules, less nesting)")
         if outcome == "timeout":
-            return (f"compiling it took longer than {self.timeout:g} s; make it simpler (fewer alternatives "
-                    f"or nested anyOf/allOf)")
+            raise CompileTimeout(f"compiling it took longer than {self.timeout:g} s; make it simpler (fewer "
+                                 f"alternatives or nested anyOf/allOf)")
         return problem
 
     def _take(self, deadline: float) -> _Child:

@@ -62,9 +62,17 @@ def test_a_crash_in_the_compiler_costs_only_that_spec():
     assert "unclosed character class" in pool.problem(spec_key({"type": "regex", "pattern": "[a-"}))
 
 
-def test_a_compile_past_the_deadline_is_refused():
-    pool = validator.ValidatorPool(size=1, timeout=0.001)   # less than a process takes to start
-    assert "took longer than 0.001 s" in pool.problem(spec_key({"type": "regex", "pattern": "a+"}))
+def test_a_compile_past_the_deadline_is_refused_and_not_remembered(monkeypatch):
+    from rein.structured import request
+
+    slow = validator.ValidatorPool(size=1, timeout=0.001)   # less than a process takes to start
+    with pytest.raises(validator.CompileTimeout, match="took longer than 0.001 s"):
+        slow.problem(spec_key({"type": "regex", "pattern": "a+"}))
+    monkeypatch.setattr(validator, "pool", lambda: slow)
+    key = spec_key({"type": "regex", "pattern": "c+d"})
+    assert "took longer" in request.spec_problem(key)
+    monkeypatch.setattr(validator, "pool", lambda: validator.ValidatorPool(size=1, timeout=30))
+    assert request.spec_problem(key) is None        # asked again, not answered from the memo
 
 
 def test_no_validator_process_is_unavailable_not_invalid(monkeypatch):
