@@ -38,6 +38,7 @@ EOS that is the only thing the grammar allows); the request then ends there, log
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +61,10 @@ IDLE_WAIT_SECONDS = 0.05
 
 
 GRAMMAR_WAIT_SECONDS = 60.0
+# A request held for its grammar this long is ended: a compile that passed the validator's
+# deadline (rein.structured.validator) may still be slower here, where it builds the lexer for
+# the model's tokenizer.
+COMPILE_DEADLINE_SECONDS = 120.0
 
 
 def prepare_grammar(engine: Any, params: Any, timeout: float = GRAMMAR_WAIT_SECONDS) -> None:
@@ -120,7 +125,7 @@ class StructuredDecoding:
         kwargs = {} if max_entries is None else {"max_entries": max_entries}
         self.cache = GrammarCache(tokenizer, vocab_size, sorted(eos_token_ids), **kwargs)
         self.words = (vocab_size + 31) // 32
-        self._held: dict[str, tuple[Request, Future[CompiledGrammar]]] = {}
+        self._held: dict[str, tuple[Request, Future[CompiledGrammar], float]] = {}
         self._bitmask = torch.empty((0, self.words), dtype=torch.int32)
         self._executor: Any = None
 
@@ -164,7 +169,7 @@ class StructuredDecoding:
         if future.done():
             request.grammar = self._matcher(future, spec)
             return True
-        self._held[request.request_id] = (request, future)
+        self._held[request.request_id] = (request, future, time.monotonic())
         return False
 
     @property
@@ -174,11 +179,19 @@ class StructuredDecoding:
     def release(self, idle: bool = False) -> tuple[list[Request], list[tuple[Request, str]]]:
         """Held requests whose compile is done: (ready ones, now holding their matcher;
         failed ones with the reason). `idle`: wait up to IDLE_WAIT_SECONDS for one."""
-        if idle and not any(f.done() for _, f in self._held.values()):
-            self.cache.wait_any([f for _, f in self._held.values()], IDLE_WAIT_SECONDS)
+        if idle and not any(f.done() for _, f, _ in self._held.values()):
+            self.cache.wait_any([f for _, f, _ in self._held.values()], IDLE_WAIT_SECONDS)
         ready, failed = [], []
-        for request_id, (request, future) in list(self._held.items()):
+        now = time.monotonic()
+        for request_id, (request, future, held_at) in list(self._held.items()):
             if not future.done():
+                if now - held_at > COMPILE_DEADLINE_SECONDS:
+                    # The compile thread cannot be stopped; the request need not wait for it.
+                    del self._held[request_id]
+                    reason = (f"its structured-output grammar did not compile within {COMPILE_DEADLINE_SECONDS:g} s; "
+                              f"make it simpler")
+                    log.error("request %s: %s", request_id, reason)
+                    failed.append((request, reason))
                 continue
             del self._held[request_id]
             try:

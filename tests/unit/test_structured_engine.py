@@ -378,3 +378,23 @@ def test_cache_is_bounded_and_remembers_failures(engine):
         cache.wait(bad, 10)
     assert cache.compiles == 3
     cache.close()
+
+
+def test_a_grammar_that_never_compiles_ends_its_request_after_the_deadline(model_dir, monkeypatch):
+    from rein.structured import decoding
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="8MiB", max_model_len=512))
+    gate = threading.Event()
+    compile_for_real = engine.grammars.cache._compile
+    engine.grammars.cache._compile = lambda key, spec: (gate.wait(30), compile_for_real(key, spec))[1]
+    monkeypatch.setattr(decoding, "COMPILE_DEADLINE_SECONDS", 0.2)
+    engine.add_request("stuck", PROMPT, sampled({"type": "regex", "pattern": "[xy]{3}"}, 1))
+    assert engine.grammars.has_held
+    outputs = []
+    for _ in range(50):
+        outputs += engine.step()
+        if not engine.has_unfinished():
+            break
+    gate.set()
+    assert [o.finished for o in outputs] == [True] and not engine.grammars.has_held
+    assert "stuck" not in engine.requests
