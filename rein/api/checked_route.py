@@ -109,18 +109,12 @@ async def check_json_body(request: Request) -> None:
     raw = await request.body()
     if not raw or not _is_json(request.headers.get("content-type")):
         return
-    if len(raw) <= INLINE_PARSE_MAX_BYTES:
-        try:
-            body = await request.json()   # kept on the request: FastAPI's own parse reuses it
-        except Exception:  # invalid JSON: FastAPI reports it as a 400 in its own words
-            return
-        check_json(body)
-        return
     try:
-        body = await run_in_threadpool(_parse_and_check, raw)
+        body = (_parse_and_check(raw) if len(raw) <= INLINE_PARSE_MAX_BYTES
+                else await run_in_threadpool(_parse_and_check, raw))
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        return   # not JSON that can be read: FastAPI reports it in its own words
-    request._json = body   # Starlette's cache of request.json(), which FastAPI's parse reads
+        return   # not JSON that can be read: FastAPI reports it as a 400 in its own words
+    request._json = body   # Starlette's cache of request.json(): FastAPI's own parse reuses it
 
 
 def _parse_and_check(raw: bytes) -> Any:

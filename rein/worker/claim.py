@@ -107,33 +107,36 @@ def _claimable():
     return text(_CLAIMABLE_SQL)
 
 
+# A claimable `running` row is one whose lease expired: its worker died. Whoever takes it
+# first, the reaper (rein.worker.reaper) or a claim, refunds that attempt and counts the death.
+_LEASE_DIED_SQL = "CASE WHEN status = 'running' THEN 1 ELSE 0 END"
+# Attempts left, counting the expired attempt as refunded.
+_ATTEMPTS_LEFT_SQL = f"{SPENT_SQL} - {_LEASE_DIED_SQL} < %s AND attempt < {MAX_STARTS}"
+_CLAIM_SET_SQL = f"""status = 'running', attempt = attempt + 1, worker = %s, started_at = now(),
+       first_token_at = NULL, finished_at = NULL, error = NULL,
+       attempts_refunded = attempts_refunded + {_LEASE_DIED_SQL}, deaths_seen = deaths_seen + {_LEASE_DIED_SQL},
+       lease_expires_at = now() + make_interval(secs => %s)"""
+
 # The claim: one conditional UPDATE, its own transaction (rein.core.db.execute_one; every job
 # runs it, so it is SQL text), for a claimable job with no cancel requested and attempts left.
-_ATTEMPTS_LEFT_SQL = f"{SPENT_SQL} < %s AND attempt < {MAX_STARTS}"
 _CLAIM_SQL = f"""
-UPDATE jobs SET status = 'running', attempt = attempt + 1, worker = %s, started_at = now(),
-       first_token_at = NULL, finished_at = NULL, error = NULL,
-       lease_expires_at = now() + make_interval(secs => %s)
+UPDATE jobs SET {_CLAIM_SET_SQL}
  WHERE id = %s AND cancel_requested_at IS NULL AND {_ATTEMPTS_LEFT_SQL} AND {_CLAIMABLE_SQL}
 RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, started_at, deaths_seen"""
 
 
 # claim_jobs: the same claim for several jobs in one statement. The rows are locked in id
 # order first, so two workers claiming overlapping groups (duplicate messages) cannot deadlock.
+# (`target` has only `id`: the other column names below are the jobs row's.)
 _CLAIM_MANY_SQL = f"""
 WITH target AS (
     SELECT id FROM jobs
      WHERE id = ANY(%s) AND cancel_requested_at IS NULL AND {_ATTEMPTS_LEFT_SQL} AND {_CLAIMABLE_SQL}
      ORDER BY id FOR UPDATE
 )
-UPDATE jobs SET status = 'running', attempt = attempt + 1, worker = %s, started_at = now(),
-       first_token_at = NULL, finished_at = NULL, error = NULL,
-       lease_expires_at = now() + make_interval(secs => %s)
+UPDATE jobs SET {_CLAIM_SET_SQL}
   FROM target
- WHERE jobs.id = target.id AND jobs.cancel_requested_at IS NULL
-   AND jobs.attempt - jobs.attempts_refunded < %s AND jobs.attempt < {MAX_STARTS}
-   AND (jobs.status = 'queued' OR (jobs.status = 'running'
-        AND (jobs.lease_expires_at IS NULL OR jobs.lease_expires_at < now())))
+ WHERE jobs.id = target.id AND cancel_requested_at IS NULL AND {_ATTEMPTS_LEFT_SQL} AND {_CLAIMABLE_SQL}
 RETURNING jobs.id, jobs.attempt, jobs.tenant, jobs.key_id, jobs.model, jobs.endpoint, jobs.prompt_tokens,
           jobs.queued_at, jobs.started_at, jobs.deaths_seen"""
 
@@ -207,7 +210,8 @@ def not_claimed(sessions: sessionmaker[Session], job_id: str, max_attempts: int 
         return Claim(ClaimOutcome.FINISHED)
     if current.cancel_requested_at is not None and cancel_unstarted_job(sessions, job_id):
         return Claim(ClaimOutcome.CANCELLED)
-    spent = current.attempt - current.attempts_refunded
+    # A running row here has an expired lease (or another live one): its attempt counts as refunded.
+    spent = current.attempt - current.attempts_refunded - (current.status == "running")
     if (spent >= max_attempts or current.attempt >= MAX_STARTS) and _give_up(sessions, job_id, current.attempt):
         return Claim(ClaimOutcome.GAVE_UP)
     return Claim(ClaimOutcome.HELD_ELSEWHERE)

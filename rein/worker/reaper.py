@@ -90,7 +90,7 @@ UPDATE jobs SET
     finished_at = CASE WHEN cancel_requested_at IS NOT NULL OR attempt >= {MAX_STARTS} THEN now() END,
     error = CASE WHEN cancel_requested_at IS NULL AND attempt >= {MAX_STARTS}
                  THEN %(gave_up_error)s::jsonb END,
-    attempts_refunded = attempts_refunded + 1, deaths_seen = deaths_seen + 1,
+    attempts_refunded = attempts_refunded + 1, deaths_seen = deaths_seen + 1,   -- as a claim would (rein.worker.claim)
     sent_at = now(), worker = NULL, lease_expires_at = NULL, started_at = NULL, first_token_at = NULL
  WHERE id IN (SELECT id FROM jobs WHERE status = 'running' AND lease_expires_at < now()
                ORDER BY lease_expires_at LIMIT {MAX_RESEND} FOR UPDATE SKIP LOCKED)
