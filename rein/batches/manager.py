@@ -5,11 +5,15 @@ restart, carries on where another stopped. Each tick looks at every unfinished b
 holding a per-batch advisory transaction lock (`pg_try_advisory_xact_lock`: a batch another
 replica is handling is skipped, not waited for), does the next step in one transaction:
 
-* validating: read the input file and check every line (rein.batches.validation); each
-  good line is COPYed into the jobs table as it is checked (unique on (batch_id,
-  custom_id)), and when all are good the batch becomes `in_progress` in the same
-  transaction: all the jobs exist or none do. A bad line: the transaction is rolled back
-  and the batch is `failed`, with the bad lines listed.
+* validating: read the input file and check every line (rein.batches.validation) with no
+  transaction open: the batch's advisory lock is held at session level on a connection of
+  its own (in autocommit), and each good line is spooled to a temporary file as it is
+  checked. When all are good, one short transaction COPYs the spooled lines into the jobs
+  table (unique on (batch_id, custom_id)) and moves the batch to `in_progress`: all the
+  jobs exist or none do. A bad line: nothing is written and the batch is `failed`, with
+  the bad lines listed. So a 50,000-line file holds no snapshot, row lock or `idle in
+  transaction` connection for the minutes its check takes, and a cancel or a shutdown is
+  noticed between lines.
 * in_progress: feed the model's queue. Batch jobs are not all sent at once: the manager
   keeps at most REIN_BATCH_QUEUE_WINDOW batch messages waiting on the model's queue (the
   priority-6 list), sending the next lines as workers drain it and stamping `sent_at`.
@@ -34,7 +38,8 @@ file never stalls the other batches' steps, and one tenant's batches take at mos
 (at least one), so another tenant's batch validates beside a tenant's 50,000-line file. An
 unexpected error while validating fails that batch alone (code `validation_error`, naming the
 line), and a batch still validating REIN_BATCH_VALIDATION_TIMEOUT_SECONDS after its creation
-fails (`validation_timeout`), checked before every line.
+fails (`validation_timeout`), checked before every line (the status, for a cancel, every
+STATUS_CHECK_SECONDS).
 Feeding is fair: each tick splits a model's queue room evenly between the tenants with
 running batches, then between each tenant's batches, and visits batches round-robin across
 tenants, so one tenant's 50,000-line batches cannot starve another tenant's.
@@ -48,19 +53,22 @@ is woken at once when this process creates or cancels a batch.
 from __future__ import annotations
 
 import logging
+import pickle
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import Any
+from typing import IO, Any
 
 from celery import Celery
 from redis import Redis
 from redis.exceptions import RedisError
 from sqlalchemy import Integer, cast, func, select, text, update
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.tokenizers import ModelRegistry
@@ -82,6 +90,7 @@ OPEN_JOB_STATUSES = ("queued", "running")
 # Namespace of the per-batch advisory locks ("batc"), beside rein migrate's lock.
 LOCK_NAMESPACE = 0x62617463
 ABORT_GRACE_SECONDS = 60
+STATUS_CHECK_SECONDS = 2.0     # how often a validation looks whether its batch was cancelled
 COPY_COLUMNS = ("id", "tenant", "key_id", "model", "endpoint", "params", "prompt_token_ids",
                 "prompt_tokens", "priority", "batch_id", "custom_id", "batch_line")
 
@@ -91,7 +100,7 @@ class _Superseded(Exception):
 
 
 class _ValidationFailed(Exception):
-    """Some line is bad: roll back the jobs copied so far, then record the errors."""
+    """Some line is bad (or the file is gone, or the deadline passed): record the errors."""
 
     def __init__(self, batch_id: str, errors: list[dict[str, Any]]) -> None:
         super().__init__(batch_id)
@@ -212,9 +221,6 @@ class BatchManager:
             self._advance(batch_id, shares)
         except _Superseded:
             pass
-        except _ValidationFailed as failed:
-            with self.sessions() as session, session.begin():
-                self._fail(session, failed.batch_id, failed.errors)
 
     def _advance(self, batch_id: str, shares: dict[str, int] | None) -> None:
         with self.sessions() as session, session.begin():
@@ -222,71 +228,103 @@ class BatchManager:
                 return
             batch = session.scalars(select(Batch).where(Batch.id == batch_id)
                                     .execution_options(populate_existing=True)).one()
-            if batch.status == "validating":
-                self._validate(session, batch)
-            elif batch.status == "in_progress":
+            status = batch.status
+            if status == "in_progress":
                 self._progress(session, batch, shares)
-            elif batch.status in ("finalizing", "cancelling"):
+            elif status in ("finalizing", "cancelling"):
                 self._finish(session, batch)
+        if status == "validating":      # long: outside any transaction (the module docstring)
+            self._validate(batch_id)
 
     # -- steps ------------------------------------------------------------------------------
 
-    def _validate(self, session: Session, batch: Batch) -> None:
-        file = session.scalars(select(File).where(File.id == batch.input_file_id,
-                                                  File.tenant == batch.tenant)).one_or_none()
+    def _validate(self, batch_id: str) -> None:
+        with hold_batch_lock(self.sessions, batch_id) as lock:
+            if lock is None:             # another manager is validating it
+                return
+            try:
+                self._validate_locked(lock, batch_id)
+            except _ValidationFailed as failed:
+                with self.sessions() as session, session.begin():
+                    self._fail(session, failed.batch_id, failed.errors)
+
+    def _validate_locked(self, lock: Connection, batch_id: str) -> None:
+        with self.sessions() as session:
+            batch = session.get(Batch, batch_id)
+            if batch is None or batch.status != "validating":
+                return
+            file = session.scalars(select(File).where(File.id == batch.input_file_id,
+                                                      File.tenant == batch.tenant)).one_or_none()
+            past_deadline = session.scalar(select(func.now() > batch.created_at + timedelta(
+                seconds=self.settings.batch_validation_timeout_seconds)))
+        # (closing the session ended its transaction: nothing stays open while the lines are checked)
         try:
             source = self.store.open(batch.input_file_id) if file is not None else None
         except FileNotFoundError:
             source = None
         if source is None:
-            self._fail(session, batch.id, [{"code": "file_not_found", "line": None, "param": "input_file_id",
-                                         "message": f"the input file {batch.input_file_id} was deleted "
-                                                    "before the batch was validated"}])
-            return
+            raise _ValidationFailed(batch.id, [{
+                "code": "file_not_found", "line": None, "param": "input_file_id",
+                "message": f"the input file {batch.input_file_id} was deleted before the batch was validated"}])
         deadline_seconds = self.settings.batch_validation_timeout_seconds
-        if session.scalar(select(func.now() > batch.created_at + timedelta(seconds=deadline_seconds))):
+        if past_deadline:
+            source.close()
             raise _ValidationFailed(batch.id, [_timeout_error(deadline_seconds)])
         started = time.monotonic()
+        status_checked = started
         fixed = {"tenant": batch.tenant, "key_id": batch.key_id, "batch_id": batch.id, "priority": PRIORITY_BATCH}
         last_line = 0
 
         def check(number: int) -> None:   # before every line, valid or not
-            if self._stop.is_set():      # shutting down: roll back, the next manager starts over
+            nonlocal status_checked
+            if self._stop.is_set():      # shutting down: nothing was written, the next manager starts over
                 raise _Superseded(batch.id)
-            if time.monotonic() - started > deadline_seconds:
+            now = time.monotonic()
+            if now - started > deadline_seconds:
                 raise _ValidationFailed(batch.id, [_timeout_error(deadline_seconds)])
+            if now - status_checked > STATUS_CHECK_SECONDS:
+                status_checked = now
+                if lock.scalar(select(Batch.status).where(Batch.id == batch.id)) != "validating":
+                    raise _Superseded(batch.id)     # cancelled meanwhile
 
         def store(line: ValidLine) -> None:
             nonlocal last_line
-            write_job(line.job_values() | fixed)
+            pickle.dump(line.job_values() | fixed, spool, protocol=pickle.HIGHEST_PROTOCOL)
             last_line = line.line
 
-        try:
-            with source, copy_jobs(session) as write_job:
-                result = validate_lines(source, batch.endpoint, self.registry, self.settings.batch_max_requests,
-                                        on_valid=store, before_line=check)
-        except (_Superseded, _ValidationFailed, OperationalError, InterfaceError, RedisError,
-                ValidatorUnavailable):
-            raise                        # a stop, a verdict, or an outage (retried next tick)
-        except Exception as exc:
-            # Anything else is this file's doing, not the service's: fail this batch alone,
-            # rather than retry it every tick for ever.
-            log.exception("batch %s: validation broke near line %d", batch.id, last_line + 1)
-            raise _ValidationFailed(batch.id, [{
-                "code": "validation_error", "line": last_line + 1, "param": None,
-                "message": f"validating line {last_line + 1} failed unexpectedly ({type(exc).__name__}); "
-                           f"lines 1 to {last_line} were fine. Check that line, or split the file to "
-                           f"find the request that causes it."}]) from exc
-        if not result.ok:    # roll back the jobs already copied, then record the errors
-            raise _ValidationFailed(batch.id, result.errors)
-        moved = session.execute(
-            update(Batch).where(Batch.id == batch.id, Batch.status == "validating")
-            .values(status="in_progress", in_progress_at=func.now(), model=result.model,
-                    request_total=result.valid).returning(Batch.id)).one_or_none()
-        if moved is None:    # cancelled meanwhile: the jobs go with the rolled-back transaction
-            raise _Superseded(batch.id)
-        log.info("batch %s: %d requests validated and stored in %.1f s", batch.id, result.valid,
-                 time.monotonic() - started)
+        with tempfile.TemporaryFile(prefix="rein-batch-") as spool:
+            try:
+                with source:
+                    result = validate_lines(source, batch.endpoint, self.registry,
+                                            self.settings.batch_max_requests, on_valid=store, before_line=check)
+            except (_Superseded, _ValidationFailed, OperationalError, InterfaceError, RedisError,
+                    ValidatorUnavailable):
+                raise                    # a stop, a verdict, or an outage (retried next tick)
+            except Exception as exc:
+                # Anything else is this file's doing, not the service's: fail this batch alone,
+                # rather than retry it every tick for ever.
+                log.exception("batch %s: validation broke near line %d", batch.id, last_line + 1)
+                raise _ValidationFailed(batch.id, [{
+                    "code": "validation_error", "line": last_line + 1, "param": None,
+                    "message": f"validating line {last_line + 1} failed unexpectedly ({type(exc).__name__}); "
+                               f"lines 1 to {last_line} were fine. Check that line, or split the file to "
+                               f"find the request that causes it."}]) from exc
+            if not result.ok:
+                raise _ValidationFailed(batch.id, result.errors)
+            checked = time.monotonic() - started
+            spool.seek(0)
+            with self.sessions() as session, session.begin():
+                with copy_jobs(session) as write_job:
+                    for row in _spooled(spool):
+                        write_job(row)
+                moved = session.execute(
+                    update(Batch).where(Batch.id == batch.id, Batch.status == "validating")
+                    .values(status="in_progress", in_progress_at=func.now(), model=result.model,
+                            request_total=result.valid).returning(Batch.id)).one_or_none()
+                if moved is None:        # cancelled meanwhile: the jobs go with the rolled-back transaction
+                    raise _Superseded(batch.id)
+        log.info("batch %s: %d requests validated in %.1f s and stored in %.1f s", batch.id, result.valid,
+                 checked, time.monotonic() - started - checked)
         self.wake()          # feed it at once rather than next tick
 
     def _fail(self, session: Session, batch_id: str, errors: list[dict[str, Any]]) -> None:
@@ -406,6 +444,36 @@ def lock_batch_waiting(session: Session, batch_id: str, seconds: float) -> bool:
         session.rollback()
         return False
     return True
+
+
+@contextmanager
+def hold_batch_lock(sessions: sessionmaker[Session], batch_id: str) -> Iterator[Connection | None]:
+    """The batch's advisory lock at session level, on a connection of its own in autocommit:
+    held for as long as a validation takes without holding a transaction open. Yields that
+    connection (for short reads), or None when another manager holds the lock. The same key
+    as `try_lock_batch`, so the other steps skip the batch meanwhile; a process that dies
+    drops its connection and with it the lock."""
+    key = (cast(LOCK_NAMESPACE, Integer), func.hashtext(batch_id))
+    with sessions.kw["bind"].connect() as connection:
+        connection.execution_options(isolation_level="AUTOCOMMIT")
+        if not connection.scalar(select(func.pg_try_advisory_lock(*key))):
+            yield None
+            return
+        try:
+            yield connection
+        finally:
+            try:
+                connection.scalar(select(func.pg_advisory_unlock(*key)))
+            except SQLAlchemyError:      # never hand a pooled connection back still holding it
+                connection.invalidate()
+
+
+def _spooled(spool: IO[bytes]) -> Iterator[dict[str, Any]]:
+    while True:
+        try:
+            yield pickle.load(spool)
+        except EOFError:
+            return
 
 
 @contextmanager

@@ -519,3 +519,79 @@ def test_downloads_per_key_are_capped(make_client, make_key, tenant, tmp_path):
     slots.release(parse_key(key)[0])
     assert client.get(f"/v1/files/{file_id}/content", headers=auth(key)).status_code == 200
     assert slots.held(parse_key(key)[0]) == 0       # released when the download ended
+
+
+def test_validation_holds_no_transaction_open(batch_client, make_key, tenant, db_sessionmaker, monkeypatch):
+    """While a file's lines are checked, no transaction of the run's database stays open and
+    no job row exists; the batch's advisory lock is held (so another manager
+    skips it); the jobs appear in one short transaction once every line passed."""
+    import threading
+
+    import rein.batches.manager as manager
+    from sqlalchemy import text
+
+    real = manager.validate_lines
+    reached, release = threading.Event(), threading.Event()
+
+    def slow(source, *args, before_line, **kwargs):
+        def check(number):
+            before_line(number)
+            if number == 3:
+                reached.set()
+                assert release.wait(30)
+
+        return real(source, *args, before_line=check, **kwargs)
+
+    monkeypatch.setattr(manager, "validate_lines", slow)
+    key = make_key(tenant, "batch")
+    batch = create(batch_client, key, jsonl(*(line(f"r{i}") for i in range(5))))
+    assert reached.wait(30)
+    time.sleep(1.5)
+    try:
+        with db_sessionmaker() as session:
+            open_transactions = session.scalar(text(   # (the app's other transactions are short)
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND now() - xact_start > interval '1 second' AND pid <> pg_backend_pid()"))
+            held = session.scalar(text(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = :ns "
+                "AND objid = hashtext(:id)::oid AND granted"), {"ns": manager.LOCK_NAMESPACE, "id": batch["id"]})
+            assert manager.try_lock_batch(session, batch["id"]) is False   # another manager would skip it
+        assert open_transactions == 0
+        assert held == 1
+        assert batch_jobs(db_sessionmaker, batch["id"]) == []
+        assert get(batch_client, key, batch["id"])["status"] == "validating"
+    finally:
+        release.set()
+    assert wait_status(batch_client, key, batch["id"], "in_progress")
+    assert [j.custom_id for j in batch_jobs(db_sessionmaker, batch["id"])] == [f"r{i}" for i in range(5)]
+
+
+def test_a_cancel_stops_a_validation_between_lines(batch_client, make_key, tenant, db_sessionmaker, monkeypatch):
+    import threading
+
+    import rein.batches.manager as manager
+
+    monkeypatch.setattr(manager, "STATUS_CHECK_SECONDS", 0.0)
+    real = manager.validate_lines
+    reached, release = threading.Event(), threading.Event()
+    lines_seen = []
+
+    def slow(source, *args, before_line, **kwargs):
+        def check(number):
+            lines_seen.append(number)
+            if number == 2:
+                reached.set()
+                assert release.wait(30)
+            before_line(number)
+
+        return real(source, *args, before_line=check, **kwargs)
+
+    monkeypatch.setattr(manager, "validate_lines", slow)
+    key = make_key(tenant, "batch")
+    batch = create(batch_client, key, jsonl(*(line(f"r{i}") for i in range(50))))
+    assert reached.wait(30)
+    assert batch_client.post(f"/v1/batches/{batch['id']}/cancel", headers=auth(key)).json()["status"] == "cancelling"
+    release.set()
+    assert wait_status(batch_client, key, batch["id"], "cancelled")
+    assert max(lines_seen) == 2            # the line after the cancel was not checked
+    assert batch_jobs(db_sessionmaker, batch["id"]) == []
