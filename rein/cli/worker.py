@@ -71,6 +71,13 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: --metrics-port must be 0 (none) to 65535, got {args.metrics_port}", file=sys.stderr)
             return 2
         settings = settings.model_copy(update={"worker_metrics_port": args.metrics_port})
+    # A GPU it cannot use would fail deep in the engine's load, without saying why (and under
+    # a restart policy, again and again): refuse before connecting to anything.
+    from rein.worker.device_check import device_problem
+
+    if (problem := device_problem(settings.device)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
 
     db = make_engine(settings.database_url)
     try:
