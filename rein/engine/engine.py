@@ -366,8 +366,11 @@ class LLMEngine:
         for request in ready:
             self.scheduler.add(request)
         outputs = []
-        for request, _reason in failed:
-            outputs.extend(self._end_request(request))
+        for request, reason in failed:
+            ended = self._end_request(request)
+            for output in ended:
+                output.error = reason
+            outputs.extend(ended)
             self.requests.pop(request.request_id, None)
         return outputs
 

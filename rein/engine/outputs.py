@@ -31,3 +31,6 @@ class RequestOutput:
     prompt_logprobs: list[TokenLogprob | None] | None = None
     # An embedding request's pooled vector (its only, finished, output).
     embedding: list[float] | None = None
+    # Why the engine ended the request itself, for the request's own fault (its grammar did
+    # not compile, or not in time): finish_reason is then "abort", and the job fails with this.
+    error: str | None = None

@@ -178,7 +178,9 @@ class StructuredDecoding:
 
     def release(self, idle: bool = False) -> tuple[list[Request], list[tuple[Request, str]]]:
         """Held requests whose compile is done: (ready ones, now holding their matcher;
-        failed ones with the reason). `idle`: wait up to IDLE_WAIT_SECONDS for one."""
+        failed ones with the reason). `idle`: wait up to IDLE_WAIT_SECONDS for one.
+        A failed request stays held until the caller ends it (`unhold`): it never reached
+        the scheduler, so the scheduler must not be asked to end it."""
         if idle and not any(f.done() for _, f, _ in self._held.values()):
             self.cache.wait_any([f for _, f, _ in self._held.values()], IDLE_WAIT_SECONDS)
         ready, failed = [], []
@@ -187,19 +189,18 @@ class StructuredDecoding:
             if not future.done():
                 if now - held_at > COMPILE_DEADLINE_SECONDS:
                     # The compile thread cannot be stopped; the request need not wait for it.
-                    del self._held[request_id]
                     reason = (f"its structured-output grammar did not compile within {COMPILE_DEADLINE_SECONDS:g} s; "
                               f"make it simpler")
                     log.error("request %s: %s", request_id, reason)
                     failed.append((request, reason))
                 continue
-            del self._held[request_id]
             try:
                 request.grammar = self._matcher(future, request.sampling_params.structured)
             except EngineRequestError as exc:
                 log.error("request %s: %s", request_id, exc)
                 failed.append((request, str(exc)))
                 continue
+            del self._held[request_id]
             ready.append(request)
         return ready, failed
 

@@ -277,8 +277,8 @@ class TokenPublisher:
         several = len(state.choice_tokens) > 1 or output.index > 0
         completion = sum(state.choice_tokens.values()) if several else output.num_output_tokens
         usage = usage_body(output.num_prompt_tokens, completion, output.num_cached_tokens)
-        error = None
-        if output.finish_reason == "abort":
+        error = output.error
+        if output.finish_reason == "abort" and error is None:
             reason = state.abort_reason or (INTERRUPTED if self._closed else None)
             if reason == INTERRUPTED:
                 return                           # the next attempt restarts the stream

@@ -216,10 +216,11 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
     if final is None:   # the engine never confirmed the abort of a timed-out job
         return _fail(context, lease, "the job ran past its time limit and the engine did not stop it",
                      "server_error", "timeout")
-    if final.finish_reason == "abort" and not timed_out and context.is_interrupted(job_id):
+    if final.error is not None:      # the engine ended it for its own fault (its grammar)
+        status, error = "failed", _error(final.error, "invalid_request_error", "invalid_request")
+    elif final.finish_reason == "abort" and not timed_out and context.is_interrupted(job_id):
         return _hand_back(context, message, lease)
-
-    if timed_out:
+    elif timed_out:
         status, error = "failed", _error(
             f"the job ran past its time limit of {context.settings.job_timeout_seconds} s", "server_error",
             "timeout")

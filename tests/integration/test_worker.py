@@ -750,6 +750,29 @@ def test_job_the_engine_refuses_fails_with_its_reason(worker_app, make_job, db_s
     assert usage_rows(db_sessionmaker, message.job_id) == []
 
 
+def test_a_grammar_the_engine_cannot_compile_fails_its_job_with_the_reason(worker_app, make_job, db_sessionmaker,
+                                                                          redis_client, keys, monkeypatch):
+    """Not `cancelled`: the job failed for its own fault, and its stream and record say why."""
+    from rein.structured import decoding
+    from rein.structured.cache import GrammarError
+
+    cache = worker_app.rein_context.engine.grammars.cache
+
+    def refuses(key, spec):   # slowly: the request is held, then ended when the compile fails
+        time.sleep(0.5)
+        raise GrammarError("the grammar's rule r7 is left recursive")
+
+    monkeypatch.setattr(cache, "_compile", refuses)
+    monkeypatch.setattr(decoding, "check_spec", lambda spec, param: None)
+    message = make_job(structured={"type": "regex", "pattern": "[ab]{4}-never-compiled"})
+    enqueue_job(worker_app, message)
+    job = wait_finished(db_sessionmaker, message.job_id)
+    assert job.status == "failed", job.status
+    assert job.error["code"] == "invalid_request" and "left recursive" in job.error["message"]
+    [(_, event)] = stream_events(redis_client, keys, message.job_id)
+    assert event.error and "left recursive" in event.error
+
+
 def test_interrupted_job_is_handed_back_to_the_queue(worker_app, make_job, db_sessionmaker, redis_client, keys):
     """What a broker connection loss does: Celery terminates the task; the job goes back."""
     context = worker_app.rein_context
@@ -999,3 +1022,4 @@ def test_a_batched_send_makes_the_same_celery_message_as_a_single_one(settings, 
         assert comparable(envelope) == comparable(single)
     assert comparable(single)["body"][0] == [message.to_dict()]
     assert comparable(single)["headers"]["argsrepr"] == "[job_same]"   # no token ids in Celery's logs
+

@@ -398,3 +398,14 @@ def test_a_grammar_that_never_compiles_ends_its_request_after_the_deadline(model
     gate.set()
     assert [o.finished for o in outputs] == [True] and not engine.grammars.has_held
     assert "stuck" not in engine.requests
+    # The job fails with the reason (rein.worker.tasks), rather than reading as cancelled.
+    assert outputs[0].finish_reason == "abort" and "did not compile within 0.2 s" in outputs[0].error
+    # The scheduler never saw it, and still counts right: the next request runs to its end.
+    engine.add_request("next", PROMPT, SamplingParams(max_tokens=3, ignore_eos=True))
+    assert engine.has_unfinished() and engine.num_waiting == 1    # (a runner would sleep otherwise)
+    finished = []
+    for _ in range(50):
+        finished += [o for o in engine.step() if o.finished]
+        if not engine.has_unfinished():
+            break
+    assert [(o.request_id, o.finish_reason) for o in finished] == [("next", "length")]

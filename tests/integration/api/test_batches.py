@@ -527,8 +527,9 @@ def test_validation_holds_no_transaction_open(batch_client, make_key, tenant, db
     skips it); the jobs appear in one short transaction once every line passed."""
     import threading
 
-    import rein.batches.manager as manager
     from sqlalchemy import text
+
+    import rein.batches.manager as manager
 
     real = manager.validate_lines
     reached, release = threading.Event(), threading.Event()
