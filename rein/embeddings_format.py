@@ -43,11 +43,15 @@ from rein.openai_format import (
 
 MAX_INPUTS = 2048                # OpenAI's limit on inputs per request
 MAX_TOTAL_TOKENS = 300_000       # OpenAI's limit on the tokens of all inputs of a request
+# rein's cap on inputs x vector width: a response (and the stored result) of at most ~4M
+# floats, about 80 MB of JSON (2,048 inputs of a 4,096-wide model would be ~170 MB from a
+# ~10 KB request). 2,048 inputs of a 2,048-wide model, or 1,024 of a 4,096-wide one, fit.
+MAX_EMBEDDING_VALUES = 4_194_304
 ENCODING_FORMATS = ("float", "base64")
 _FIELDS = frozenset({"model", "input", "dimensions", "encoding_format", "user"})
 
-__all__ = ["EMBEDDINGS", "ENCODING_FORMATS", "MAX_INPUTS", "MAX_TOTAL_TOKENS", "ParsedEmbeddings",
-           "embeddings_body", "encode_vector", "job_embeddings_body", "model_pooling",
+__all__ = ["EMBEDDINGS", "ENCODING_FORMATS", "MAX_EMBEDDING_VALUES", "MAX_INPUTS", "MAX_TOTAL_TOKENS",
+           "ParsedEmbeddings", "embeddings_body", "encode_vector", "job_embeddings_body", "model_pooling",
            "parse_embeddings_request", "split_inputs", "stored_response"]
 
 
@@ -122,6 +126,14 @@ def parse_embeddings_request(body: dict[str, Any], tokenizer: Any, max_model_len
     except PoolingError as exc:
         raise RequestError(str(exc), exc.param) from None
     inputs = _inputs(body, tokenizer, max_model_len)
+    width = dimensions or (pooling.hidden_size if pooling is not None else None)
+    if width is not None and len(inputs) * width > MAX_EMBEDDING_VALUES:
+        raise RequestError(
+            f"the response would hold {len(inputs)} inputs x {width} dimensions = {len(inputs) * width} values, "
+            f"past rein's cap of {MAX_EMBEDDING_VALUES} per request; send at most "
+            f"{MAX_EMBEDDING_VALUES // width} inputs per request"
+            + ("" if dimensions or pooling is None or not pooling.is_matryoshka else ", or ask for fewer dimensions"),
+            "input")
     return ParsedEmbeddings(inputs, params, model, encoding_format)
 
 

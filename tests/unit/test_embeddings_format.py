@@ -12,6 +12,7 @@ import torch
 
 from rein.core.messages import JobMessage
 from rein.embeddings_format import (
+    MAX_EMBEDDING_VALUES,
     MAX_INPUTS,
     MAX_TOTAL_TOKENS,
     embeddings_body,
@@ -98,6 +99,18 @@ def test_limits():
     many = [[1] * 160] * (MAX_TOTAL_TOKENS // 160 + 1)   # within the input count, past the total
     error = refused({"input": many}, max_model_len=200)
     assert f"more than {MAX_TOTAL_TOKENS} tokens" in error.message
+
+
+def test_inputs_times_dimensions_are_capped():
+    """2,048 inputs of a 4,096-wide model would store ~170 MB of JSON: refused up front, with
+    how many inputs fit; `dimensions` counts rather than the model's width."""
+    wide = PoolingConfig(hidden_size=4096, is_matryoshka=True)
+    error = refused({"input": ["a"] * 2048}, pooling=wide)
+    assert error.param == "input" and f"cap of {MAX_EMBEDDING_VALUES}" in error.message
+    assert "at most 1024 inputs" in error.message and "fewer dimensions" in error.message
+    assert len(parse({"input": ["a"] * 1024}, pooling=wide).inputs) == 1024
+    assert len(parse({"input": ["a"] * 2048, "dimensions": 256}, pooling=wide).inputs) == 2048
+    assert len(parse({"input": ["a"] * 2048}, pooling=PoolingConfig()).inputs) == 2048   # width unknown
 
 
 def test_dimensions_need_a_matryoshka_model():
