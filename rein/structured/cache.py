@@ -25,6 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
+from rein.structured.limits import parser_limits
 from rein.structured.request import grammar_text, spec_key
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class GrammarCache:
             grammar = grammar_text(spec)
         except ValueError as exc:
             raise GrammarError(f"the structured spec cannot be compiled: {exc}") from None
-        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        matcher = LLMatcher(tokenizer, grammar, log_level=0, limits=parser_limits())
         if matcher.is_error():
             raise GrammarError(f"the structured spec cannot be compiled: {matcher.get_error()}")
         # llguidance builds its lexer lazily; the first mask is the costly one, so it is

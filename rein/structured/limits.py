@@ -22,6 +22,29 @@ MAX_SCHEMA_NODES = 20_000    # every value in a schema, at any depth
 MAX_ALTERNATIVES = 256       # branches of one anyOf / oneOf / allOf, values of one enum
 MAX_REPEAT = 10_000          # a counted repetition's bound, {n} or {n,m}, in a regex
 
+# llguidance's own budgets (its LLParserLimits), passed wherever rein builds a matcher or
+# validates a grammar, so they hold whatever llguidance's defaults become. The per-step ones
+# bound the work of one token's mask, which the engine computes inside its step for every
+# constrained request: a mask past them puts that request's matcher in error, and the
+# request ends (rein.structured.decoding) rather than stalling the batch. At llguidance's
+# quoted speeds: ~7 ms of lexer work and ~1 ms of Earley items per mask at most.
+PARSER_LIMITS = {
+    "max_items_in_row": 2_000,         # branching of one production row
+    "initial_lexer_fuel": 1_000_000,   # building the regex ASTs (~20 ms)
+    "step_lexer_fuel": 100_000,        # lexer work per mask
+    "step_max_items": 20_000,          # Earley items per mask
+    "max_lexer_states": 100_000,       # ~1-2 kB each
+    "max_grammar_size": 200_000,       # symbols in all productions
+}
+
+
+def parser_limits() -> Any:
+    """PARSER_LIMITS as llguidance's LLParserLimits."""
+    from llguidance import LLParserLimits
+
+    return LLParserLimits(**PARSER_LIMITS)
+
+
 # A rule definition at the start of a line: Lark `name:` / `?name:` / `name.2:`, GBNF `name ::=`.
 _RULE = re.compile(r"^[ \t]*[?!]?[A-Za-z_][\w.-]*[ \t]*(?:::=|:)", re.MULTILINE)
 _REPEAT = re.compile(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}")

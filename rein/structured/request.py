@@ -39,7 +39,7 @@ from typing import Any
 
 from rein.input_checks import json_type
 from rein.openai_format import RequestError
-from rein.structured.limits import MAX_CHOICES, MAX_SPEC_CHARS, limits_problem
+from rein.structured.limits import MAX_CHOICES, MAX_SPEC_CHARS, limits_problem, parser_limits
 
 # vLLM's guided_decoding_backend values that mean "whatever the server uses" or rein's own library.
 ACCEPTED_BACKENDS = ("auto", "guidance", "llguidance")
@@ -182,7 +182,7 @@ def find_problem(spec: dict[str, Any]) -> str | None:
         grammar = grammar_text(spec)
     except ValueError as exc:
         return str(exc)
-    error = LLMatcher.validate_grammar(grammar, None)
+    error = LLMatcher.validate_grammar(grammar, None, limits=parser_limits())
     if not error:
         return None
     if spec.get("type") in _JSON_KINDS and error.startswith("Unimplemented keys"):

@@ -409,3 +409,15 @@ def test_a_grammar_that_never_compiles_ends_its_request_after_the_deadline(model
         if not engine.has_unfinished():
             break
     assert [(o.request_id, o.finish_reason) for o in finished] == [("next", "length")]
+
+
+def test_the_worker_compiles_under_rein_parser_limits(engine, monkeypatch):
+    from rein.structured import limits
+
+    monkeypatch.setitem(limits.PARSER_LIMITS, "max_grammar_size", 10)
+    cache = GrammarCache(engine.tokenizer, engine.spec.vocab_size, sorted(engine.eos_token_ids))
+    spec = {"type": "json_schema", "schema": {"type": "object", "properties": {
+        f"field_{i}": {"type": "string"} for i in range(20)}}}
+    with pytest.raises(ValueError, match="cannot be compiled"):
+        cache.wait(spec, 10)
+    cache.close()

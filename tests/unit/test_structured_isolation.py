@@ -82,3 +82,16 @@ def test_no_validator_process_is_unavailable_not_invalid(monkeypatch):
     monkeypatch.setattr(validator, "_Child", cannot_start)
     with pytest.raises(validator.ValidatorUnavailable, match="no more processes"):
         validator.ValidatorPool(size=1, timeout=5).problem(spec_key({"type": "regex", "pattern": "b+"}))
+
+
+def test_llguidance_gets_rein_parser_limits(monkeypatch):
+    """The validator runs llguidance under PARSER_LIMITS: shrunk here, a plain schema no longer
+    fits them (the worker's compile: tests/unit/test_structured_engine.py)."""
+    from rein.structured.request import find_problem
+
+    spec = {"type": "json_schema", "schema": {"type": "object", "properties": {
+        f"field_{i}": {"type": "string"} for i in range(20)}}}
+    assert find_problem(spec) is None
+    monkeypatch.setitem(limits.PARSER_LIMITS, "max_grammar_size", 10)
+    problem = find_problem(spec)
+    assert problem and "grammar" in problem.lower(), problem
