@@ -46,7 +46,6 @@ def main() -> None:
     from sqlalchemy.engine import make_url
     from sqlalchemy.orm import sessionmaker
 
-    from rein.api.tokenizers import ModelRegistry
     from rein.batches.manager import BatchManager
     from rein.core.db import make_engine, psycopg_conninfo
     from rein.core.filestore import LocalFileStore
@@ -54,8 +53,9 @@ def main() -> None:
     from rein.core.migrate import upgrade
     from rein.core.models import Batch, File, Job
     from rein.core.settings import Settings
+    from rein.jobs.queues import make_celery
+    from rein.jobs.registry import ModelRegistry
     from rein.tiny_model import ensure_tiny_model
-    from rein.worker.app import make_celery
 
     model = ensure_tiny_model(MODEL_DIR, arch="llama", seed=0, preset="tiny")
     run = secrets.token_hex(4)

@@ -22,7 +22,7 @@ until the prefix is deleted.
   Celery's `send_task` (apply_async by name) to the model's queue at the job's priority, one
   message per call, the message built from the same body with the same parser, from
   `--concurrency` threads, on the same Redis. The API sends the same Celery messages
-  (a test compares them) but a group at a time (rein.worker.app.enqueue_jobs).
+  (a test compares them) but a group at a time (rein.jobs.queues.enqueue_jobs).
   Printed as msgs/s, with per-call latency, and the ratio API jobs/s ÷ raw msgs/s.
   Rounds alternate API and raw (after a warm-up of each); the figures are the medians of the
   rounds, so a burst of load from a neighbour on the machine moves both sides alike.
@@ -344,7 +344,7 @@ async def post_jobs(base_url: str, key: str, n: int, concurrency: int) -> tuple[
 
 def raw_sends(app, message_for, n: int, concurrency: int) -> Run:
     """n enqueue_job calls (Celery send_task, one message each) from `concurrency` threads."""
-    from rein.worker.app import enqueue_job
+    from rein.jobs.queues import enqueue_job
 
     latencies: list[float] = []
     lock = threading.Lock()
@@ -372,10 +372,10 @@ def raw_sends(app, message_for, n: int, concurrency: int) -> Run:
 
 def raw_message_factory(model_dir: Path, tenant: str, key_id: str):
     """Builds the JobMessage the API would send for BODY (same parser, same tokenizer)."""
-    from rein.api.tokenizers import load_model
     from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
     from rein.core.models import new_job_id
     from rein.core.settings import ServedModel
+    from rein.jobs.registry import load_model
     from rein.openai_format import parse_request
 
     entry = load_model(ServedModel(name=MODEL_NAME, source=str(model_dir), max_model_len=MAX_MODEL_LEN))
@@ -505,7 +505,7 @@ def main() -> int:
         from rein.core.db import make_engine
         from rein.core.keys import create_key
         from rein.core.settings import Settings
-        from rein.worker.app import make_celery, queue_keys
+        from rein.jobs.queues import make_celery, queue_keys
 
         report = sandbox.migrate()
         phase(f"database {sandbox.db_name}: migrated to {report.after}; redis prefix {sandbox.prefix!r}")

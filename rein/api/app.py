@@ -4,7 +4,7 @@ At startup (the lifespan) the app refuses an unmigrated database with the migrat
 check's message (`rein migrate` fixes it), loads each served model's tokenizer once,
 opens its Redis clients (sync for intake, asyncio for streams) and the Celery producer, and
 starts its background threads: the intake's group committer, the batch manager and a
-reaper (rein.worker.reaper).
+reaper (rein.jobs.reaper).
 """
 
 from __future__ import annotations
@@ -28,17 +28,17 @@ from rein.api.errors import install_error_handlers
 from rein.api.intake import JobIntake
 from rein.api.metrics import APIMetrics, MetricsMiddleware
 from rein.api.metrics import router as metrics_router
-from rein.api.ratelimit import RateLimiter
 from rein.api.request_limits import RequestLimits
 from rein.api.routes import batches, embeddings, files, health, jobs, openai, usage
 from rein.api.streams import STREAM_SOCKET_TIMEOUT, StreamSlots
-from rein.api.tokenizers import ModelRegistry
 from rein.batches.manager import BatchManager
 from rein.core.db import check_migrations_current, make_engine
 from rein.core.filestore import LocalFileStore
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings, get_settings
-from rein.worker.reaper import Reaper
+from rein.jobs.ratelimit import RateLimiter
+from rein.jobs.reaper import Reaper
+from rein.jobs.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except BaseException:
             engine.dispose()
             raise
-        from rein.worker.app import make_celery
+        from rein.jobs.queues import make_celery
 
         state = app.state
         state.settings = settings
@@ -89,7 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Validates, feeds, expires and finalizes batches (all state in Postgres, see its docstring).
         state.batch_manager = BatchManager(settings, state.sessions, state.redis, state.celery, registry,
                                            state.filestore).start()
-        # Takes back expired leases and sends lost messages again (rein.worker.reaper); the
+        # Takes back expired leases and sends lost messages again (rein.jobs.reaper); the
         # workers run one too, and one pass at a time runs in the deployment.
         state.reaper = Reaper(settings, state.sessions, state.redis, state.celery, name="rein-api-reaper").start()
         state.started_at = int(time.time())

@@ -39,8 +39,8 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials
 
 from rein.api.deps import authenticate_request
-from rein.api.errors import APIError, unauthorized
 from rein.input_checks import BadInput, check_json, check_text, text_problem
+from rein.jobs.errors import APIError, unauthorized
 
 API_PREFIX = "/v1/"
 # Bodies up to this size are parsed on the event loop (well under a millisecond).

@@ -12,7 +12,7 @@ pure ASGI middleware (`HTTPConventions`, outermost but for CORS):
   other 4xx (a retry of a 409 — a cancelled job — would submit the job again), nothing on
   2xx/3xx and on 500 (the SDK's own rule: retry).
 * Headers a route adds for the response it has not built yet (`set_response_headers`):
-  the OpenAI rate-limit headers (rein.api.ratelimit.RateLimitState.headers).
+  the OpenAI rate-limit headers (rein.jobs.ratelimit.RateLimitState.headers).
 
 CORS is Starlette's CORSMiddleware (`cors_options`), off unless REIN_ALLOWED_ORIGINS names
 origins.

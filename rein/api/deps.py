@@ -22,12 +22,12 @@ from redis.asyncio import Redis as AsyncRedis
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.auth import KeyCache, authenticate_and_remember, key_digest
-from rein.api.errors import APIError, unauthorized
 from rein.core.keys import InvalidKeyError, KeyInfo
 from rein.core.settings import Settings
+from rein.jobs.errors import APIError, unauthorized
 
 if TYPE_CHECKING:
-    from rein.api.tokenizers import ModelRegistry
+    from rein.jobs.registry import ModelRegistry
 
 _bearer = HTTPBearer(auto_error=False, description="An API key: `Authorization: Bearer rein_<id>_<secret>`")
 

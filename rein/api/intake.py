@@ -7,7 +7,7 @@ endpoints and POST /v1/jobs alike.
    it again (409 `idempotency_key_reused` when it was a different request).
 2. `JobIntake.commit` (for several submissions at once): admit them in one Redis round trip
    (503 when the model's queue is full, before anything is counted; 429 when the tenant
-   holds its share of that queue, or over the key's limits; rein.api.ratelimit), INSERT the admitted ones as queued in one multi-row
+   holds its share of that queue, or over the key's limits; rein.jobs.ratelimit), INSERT the admitted ones as queued in one multi-row
    autocommitted statement, then publish their Celery messages in one Redis pipeline
    (kombu's `Producer.batch`). A job whose message could not be published is marked
    failed, so no worker runs it, and its request gets a 503.
@@ -45,9 +45,17 @@ from sqlalchemy import func, update
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.api.errors import APIError
 from rein.api.jobs import check_metadata, find_job_by_idempotency_key, same_request_or_conflict
-from rein.api.ratelimit import (
+from rein.core.db import HeldConnections, engine_of
+from rein.core.keys import KeyInfo
+from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
+from rein.core.models import Job, new_job_id
+from rein.core.settings import Settings
+from rein.embeddings_format import ParsedEmbeddings
+from rein.jobs.errors import APIError
+from rein.jobs.prepare import Prepared, prepare
+from rein.jobs.queues import enqueue_jobs, queue_keys
+from rein.jobs.ratelimit import (
     Admission,
     QueueFull,
     RateLimiter,
@@ -56,16 +64,8 @@ from rein.api.ratelimit import (
     TenantQueueFull,
     settle_tokens,
 )
-from rein.api.tokenizers import ModelEntry, ModelRegistry
-from rein.core.db import HeldConnections, engine_of
-from rein.core.keys import KeyInfo
-from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
-from rein.core.models import Job, new_job_id
-from rein.core.settings import Settings
-from rein.embeddings_format import ParsedEmbeddings, model_pooling, parse_embeddings_request
-from rein.openai_format import EMBEDDINGS, ParsedRequest, RequestError, parse_request
+from rein.jobs.registry import ModelRegistry
 from rein.structured.request import BODY_FIELDS as STRUCTURED_BODY_FIELDS
-from rein.worker.app import enqueue_jobs, queue_keys
 
 log = logging.getLogger(__name__)
 
@@ -84,58 +84,8 @@ INLINE_VALIDATE_MAX_BYTES = 16 * 1024
 CONSTRAINT_FIELDS = frozenset({*STRUCTURED_BODY_FIELDS, "tools", "tool_choice"})
 
 
-@dataclass
-class Prepared:
-    entry: ModelEntry
-    endpoint: str
-    body: dict[str, Any]
-    parsed: ParsedRequest | ParsedEmbeddings
-
-    @property
-    def requested_tokens(self) -> int:
-        """Prompt + max_tokens per generated choice: the most the request may cost (embeddings:
-        their inputs)."""
-        if isinstance(self.parsed, ParsedEmbeddings):
-            return len(self.parsed.prompt_token_ids)
-        return len(self.parsed.prompt_token_ids) + self.parsed.params.n * self.parsed.params.max_tokens
-
-    def charged_tokens(self, completion_estimate: int) -> int:
-        """What the request is charged against its key's TPM when admitted: prompt +
-        max_tokens when the body gives max_tokens (or max_completion_tokens), as OpenAI
-        charges; otherwise prompt + the completion estimate, capped by the default max_tokens
-        (what the context leaves). The worker settles it against the real usage. Embeddings:
-        their input tokens, all they cost."""
-        if isinstance(self.parsed, ParsedEmbeddings):
-            return len(self.parsed.prompt_token_ids)
-        explicit = self.body.get("max_tokens") is not None or self.body.get("max_completion_tokens") is not None
-        completion = self.parsed.params.max_tokens
-        if not explicit:
-            completion = min(completion, completion_estimate)
-        # The prompt is computed once, every generated choice (n, best_of) costs its own completion.
-        return len(self.parsed.prompt_token_ids) + self.parsed.params.n * completion
 
 
-def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Prepared:
-    """Resolve the model and tokenize + validate the body (APIError 404 / RequestError 400)."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", "body")
-    name = body.get("model")
-    if name is not None and not isinstance(name, str):
-        raise RequestError("model must be a string", "model")
-    entry = registry.get(name) if name is not None else registry.default
-    if entry is None:
-        if name is None:
-            raise APIError(404, "No model is served by this deployment.", param="model",
-                           code="model_not_found")
-        served = ", ".join(e.name for e in registry) or "none"
-        raise APIError(404, f"The model '{name}' does not exist or you do not have access to it "
-                            f"(served: {served}).", param="model", code="model_not_found")
-    if endpoint == EMBEDDINGS:
-        parsed: ParsedRequest | ParsedEmbeddings = parse_embeddings_request(
-            body, entry.tokenizer, entry.max_model_len, model_pooling(entry.directory))
-    else:
-        parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults)
-    return Prepared(entry, endpoint, body, parsed)
 
 
 @dataclass(slots=True)
@@ -510,7 +460,7 @@ _CASTS = {"params": "::jsonb", "prompt_token_ids": "::integer[]", "metadata": ":
 if not set(_INSERT_COLUMNS) <= set(Job.__table__.c.keys()):
     raise RuntimeError(f"the intake INSERT names columns jobs lacks: {set(_INSERT_COLUMNS) - set(Job.__table__.c.keys())}")
 # sent_at: the message is published right after the INSERT (the reaper sends it again if it
-# never reaches the queue, see rein.worker.reaper).
+# never reaches the queue, see rein.jobs.reaper).
 _INSERT_ROW = "(" + ", ".join("%s" + _CASTS.get(c, "") for c in _INSERT_COLUMNS) + ", now())"
 
 

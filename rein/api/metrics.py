@@ -44,7 +44,7 @@ from rein.api.deps import BearerDep, require_scope
 from rein.core.keys import parse_key
 from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.settings import Settings
-from rein.worker.app import PRIORITY_STEPS, queue_keys
+from rein.jobs.queues import PRIORITY_STEPS, queue_keys
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rein.api.errors import error_body
+from rein.jobs.errors import error_body
 
 UPLOAD_PATH = "/v1/files"
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from rein.embeddings_format import ENCODING_FORMATS, MAX_INPUTS
 from rein.engine.sampling_params import MAX_N
+from rein.jobs.fields import MAX_METADATA_PAIRS, Endpoint
 from rein.openai_format import (
     MAX_CHAT_TOP_LOGPROBS,
     MAX_COMPLETION_LOGPROBS,
@@ -27,9 +28,7 @@ from rein.openai_format import (
 )
 from rein.tools import MAX_TOOLS
 
-Endpoint = Literal["/v1/chat/completions", "/v1/completions", "/v1/embeddings"]
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-MAX_METADATA_PAIRS = 16
 
 
 # -- errors -----------------------------------------------------------------------------------

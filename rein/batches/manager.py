@@ -18,7 +18,7 @@ replica is handling is skipped, not waited for), does the next step in one trans
   keeps at most REIN_BATCH_QUEUE_WINDOW batch messages waiting on the model's queue (the
   priority-6 list), sending the next lines as workers drain it and stamping `sent_at`.
   A sent line whose message was lost (Redis restarted without its data, a dead worker's
-  reserved messages) is sent again by the reaper (rein.worker.reaper), as any job is.
+  reserved messages) is sent again by the reaper (rein.jobs.reaper), as any job is.
   So 50,000 lines never fill the queue that backpressure measures, interactive jobs
   (priority 0) are always taken first, and a cancel has few messages to skip. A message
   is sent before its `sent_at` commits: after a crash in between it is sent again, which
@@ -71,7 +71,6 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.api.tokenizers import ModelRegistry
 from rein.batches.output import write_result_files
 from rein.batches.validation import ValidLine, validate_lines
 from rein.core.filestore import FileStore
@@ -79,9 +78,10 @@ from rein.core.messages import PRIORITY_BATCH, JobMessage
 from rein.core.models import JOB_MESSAGE_COLUMNS, Batch, File, Job, new_job_id
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
+from rein.jobs.cancel import request_cancel
+from rein.jobs.queues import enqueue_jobs, queue_keys
+from rein.jobs.registry import ModelRegistry
 from rein.structured.validator import ValidatorUnavailable
-from rein.worker.app import enqueue_jobs, queue_keys
-from rein.worker.cancel import request_cancel
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.filestore import FileStore
 from rein.core.models import Batch, File, Job, Result, Usage
-from rein.worker.recorder import response_body
+from rein.jobs.results import response_body
 
 Kind = Literal["output", "errors"]
 FETCH_ROWS = 500

@@ -15,7 +15,6 @@ from typing import Any, TypeVar
 from sqlalchemy import func, select, tuple_
 from sqlalchemy.orm import Session
 
-from rein.api.errors import APIError, not_found
 from rein.batches.schemas import (
     BatchErrors,
     BatchObject,
@@ -26,6 +25,7 @@ from rein.batches.schemas import (
     OutputTokensDetails,
 )
 from rein.core.models import Batch, File, Job, Usage
+from rein.jobs.errors import APIError, not_found
 
 Row = TypeVar("Row", File, Batch)
 

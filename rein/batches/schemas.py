@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rein.api.schemas import MAX_METADATA_PAIRS, Endpoint
+from rein.jobs.fields import MAX_METADATA_PAIRS, Endpoint
 
 # Checked by POST /v1/batches (rein.api.routes.batches), as OpenAI limits them.
 MAX_METADATA_KEY_LEN = 64

@@ -23,10 +23,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rein.api.errors import APIError
-from rein.api.intake import Prepared, prepare
-from rein.api.tokenizers import ModelRegistry
 from rein.embeddings_format import ParsedEmbeddings
+from rein.jobs.errors import APIError
+from rein.jobs.prepare import Prepared, prepare
+from rein.jobs.registry import ModelRegistry
 from rein.openai_format import RequestError, parse_batch_line
 
 MAX_REPORTED_ERRORS = 1000

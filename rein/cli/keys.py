@@ -157,7 +157,7 @@ def _cancel_work(session, args: argparse.Namespace, key_id: str) -> tuple[int, i
 
     from rein.core.redis_keys import RedisKeys
     from rein.core.settings import load_settings
-    from rein.worker.cancel import cancel_work_of_key
+    from rein.jobs.cancel import cancel_work_of_key
 
     settings = load_settings(**({"database_url": args.database_url} if args.database_url else {}))
     redis = Redis.from_url(settings.redis_url)

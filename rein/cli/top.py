@@ -8,7 +8,7 @@ otherwise); `--once` prints one snapshot and exits, `--json` prints snapshots as
 
 Where the figures come from (nothing here talks to a worker or to Postgres):
 
-* queue depth: the LLEN of the model's Celery priority lists (rein.worker.app.queue_keys);
+* queue depth: the LLEN of the model's Celery priority lists (rein.jobs.queues.queue_keys);
 * workers: the registry hash RedisKeys.workers() (worker name -> its last heartbeat JSON,
   written every HEARTBEAT_SECONDS by rein.worker.bootstep), and whether the worker's own
   heartbeat key still exists. That key expires 3 heartbeats after the last one, on the
@@ -116,7 +116,7 @@ def read_snapshot(redis: Redis, settings: Settings, now: float | None = None) ->
     """Queues and workers as Redis holds them now (two round trips, plus a cleanup if due)."""
     from rein.core.messages import PRIORITY_BATCH
     from rein.core.redis_keys import RedisKeys
-    from rein.worker.app import queue_keys
+    from rein.jobs.queues import queue_keys
 
     keys = RedisKeys.from_settings(settings)
     now = time.time() if now is None else now

@@ -89,8 +89,9 @@ def run(args: argparse.Namespace) -> int:
         db.dispose()
 
     from rein.generation_defaults import load_generation_defaults
+    from rein.jobs.queues import queued_slots, worker_queues
     from rein.model_files import resolve_model
-    from rein.worker.app import make_celery, queued_slots, worker_queues
+    from rein.worker.app import make_worker_celery
     from rein.worker.bootstep import EngineThreadPool, WorkerSpec, configure_worker
 
     try:
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    app = make_celery(settings)
+    app = make_worker_celery(settings)
     _keep_rein_logging(app, args.loglevel)
     log.info("generation defaults for model %s (applied by the API at intake): %s", served.name,
              defaults.describe())

@@ -138,7 +138,7 @@ class Job(Base):
     shutdown, Redis or Postgres away), which do not count against the job's limit."""
     deaths_seen: Mapped[int] = mapped_column(server_default=text("0"))
     """Deaths of its engine or worker the job was running at: such a job runs alone next time
-    (rein.worker.claim)."""
+    (rein.jobs.claim)."""
     worker: Mapped[str | None]
     """The worker holding (or last holding) the job."""
     lease_expires_at: Mapped[datetime | None]
@@ -177,7 +177,7 @@ class Job(Base):
         UniqueConstraint("batch_id", "custom_id"),
         # A batch's request_counts and the manager's "what is left" are GROUP BYs on this.
         Index("ix_jobs_batch_id_status", "batch_id", "status"),
-        # The reaper's two questions (rein.worker.reaper): which leases ran out, which queued
+        # The reaper's two questions (rein.jobs.reaper): which leases ran out, which queued
         # jobs were sent long ago; small partial indexes, since few jobs are open at a time.
         Index("ix_jobs_running_lease", "lease_expires_at", postgresql_where=text("status = 'running'")),
         Index("ix_jobs_queued_sent", "model", "priority", "sent_at", postgresql_where=text("status = 'queued'")),

@@ -143,7 +143,7 @@ class Settings(BaseSettings):
     """Tokens per minute for a key without its own limit (a request is charged prompt + max_tokens, or
     prompt + REIN_TPM_COMPLETION_ESTIMATE without max_tokens, then settled on its usage); unset: unlimited."""
 
-    # --- HTTP conventions and token accounting of the API (rein.api.conventions, rein.api.ratelimit)
+    # --- HTTP conventions and token accounting of the API (rein.api.conventions, rein.jobs.ratelimit)
     allowed_origins: Annotated[tuple[str, ...], NoDecode] = ()
     """REIN_ALLOWED_ORIGINS: origins a browser page may call the API from (CORS), comma
     separated, or `*`; empty (the default): no CORS headers, so browsers refuse cross-origin calls."""
@@ -261,7 +261,7 @@ class Settings(BaseSettings):
     """Jobs a worker takes beyond max_num_seqs from both its model's queues: they wait in the
     engine, which starts one at the step after a running job ends, instead of after that job's
     record, ack and the next message's claim; unset: an eighth of max_num_seqs, at least 1; 0: none
-    (rein.worker.app)."""
+    (rein.jobs.queues)."""
     worker_metrics_port: int | None = Field(None, ge=0, le=65535)
     """Port the worker serves its Prometheus metrics on (/metrics, all interfaces); unset or 0: none."""
 
@@ -322,7 +322,7 @@ class Settings(BaseSettings):
     def visibility_timeout_seconds(self) -> int:
         """Broker visibility timeout: past the longest job, so the broker never redelivers the
         message of a job that may still run. A dead worker's jobs come back much sooner through
-        their leases and the reaper (rein.worker.reaper); the broker's late redelivery is a
+        their leases and the reaper (rein.jobs.reaper); the broker's late redelivery is a
         backstop that the claim makes harmless."""
         return 2 * self.job_timeout_seconds + 60
 
@@ -387,6 +387,12 @@ def setting_or_default(name: str) -> Any:
         return getattr(get_settings(), name)
     except SettingsError:
         return Settings.model_fields[name].default
+
+
+def cuda_visible_devices() -> str | None:
+    """CUDA_VISIBLE_DEVICES, when set (CUDA's own variable, read here as this module alone
+    reads the environment)."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
 
 
 def share_prometheus_multiproc_dir(path: str) -> None:

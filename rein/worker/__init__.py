@@ -3,5 +3,5 @@
 publisher (publisher), the result writer (recorder) and cancellation (cancel).
 
 Nothing here imports torch at module level except where an engine is built, so the API
-can import `rein.worker.app` to enqueue jobs.
+can import `rein.jobs.queues` to enqueue jobs.
 """

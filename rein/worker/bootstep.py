@@ -6,17 +6,17 @@ The engine steps in a child process of its own (rein.engine.process_runner, unle
 here keeps the request streams, and the heartbeat and metrics read its view of the engine.
 
 The lease keeper renews the leases of the jobs this worker runs, all in one statement every
-`Settings.lease_renew_seconds` (rein.worker.claim); a job whose lease it finds lost (the
+`Settings.lease_renew_seconds` (rein.jobs.claim); a job whose lease it finds lost (the
 reaper gave it to another attempt after this worker could not renew in time) is aborted
 here, since whatever it computes can no longer be recorded. The reaper
-(rein.worker.reaper) runs in every worker, so a deployment recovers a dead worker's jobs as
+(rein.jobs.reaper) runs in every worker, so a deployment recovers a dead worker's jobs as
 long as one worker lives.
 
 The bootstep starts after the pool and before the consumer, so the engine is loaded
 before the first message is taken; it stops after the consumer has stopped taking
 messages and before the pool waits for its threads. Stopping closes the publisher,
 stops the runner (aborting whatever the engine still runs) and so ends every task
-promptly: each hands its job back for another worker (rein.worker.claim.release_job)
+promptly: each hands its job back for another worker (rein.jobs.claim.release_job)
 instead of keeping the warm shutdown waiting for the longest job. So that this does not
 wait for the consumer to close its broker connection first, the same stop also starts as
 soon as Celery announces the shutdown (its `worker_shutting_down` signal).
@@ -25,7 +25,7 @@ Tasks reach all of this through `worker_context(app)`.
 
 Interactive jobs are never locked out by batch jobs. Celery's consumer takes at most
 max_num_seqs + queued_slots messages at once (prefetch 1 per slot, acks late; the queued
-slots' jobs wait in the engine for a sequence to end, see rein.worker.app), from both of the
+slots' jobs wait in the engine for a sequence to end, see rein.jobs.queues), from both of the
 model's queues, so batch jobs alone could hold every slot while an interactive job waits on
 the queue. `InteractiveConsumer` is a second consumer, on a channel of its own
 with its own prefetch limit, that takes only the interactive queue, for up to
@@ -66,12 +66,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.logging import log_context
 from rein.core.redis_keys import RedisKeys
+from rein.jobs.claim import GroupClaimer, Lease, renew_leases
+from rein.jobs.reaper import Reaper
 from rein.worker.cancel import CancelListener
-from rein.worker.claim import GroupClaimer, Lease, renew_leases
 from rein.worker.engine_keeper import EngineKeeper, SoloLock
 from rein.worker.metrics import WorkerMetrics, compose_hooks
 from rein.worker.publisher import INTERRUPTED, TokenPublisher
-from rein.worker.reaper import Reaper
 from rein.worker.recorder import GroupRecorder
 
 if TYPE_CHECKING:
@@ -349,7 +349,7 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     engine = runner.engine
     metrics.attach(engine)
     # One connection per task thread at most; the claim and the record are short transactions.
-    from rein.worker.app import interactive_slots, queued_slots
+    from rein.jobs.queues import interactive_slots, queued_slots
 
     threads = engine.config.max_num_seqs + queued_slots(settings) + interactive_slots(settings)
     db = make_engine(settings.database_url, pool_size=min(threads, 16), max_overflow=max(threads - 16, 0) + 4)
@@ -415,7 +415,7 @@ class InteractiveConsumer(bootsteps.ConsumerStep):
     def get_consumers(self, channel: Any) -> list[Any]:
         from kombu import Queue
 
-        from rein.worker.app import interactive_slots
+        from rein.jobs.queues import interactive_slots
 
         spec: WorkerSpec | None = getattr(self.app, "rein_worker_spec", None)
         slots = interactive_slots(spec.settings) if spec is not None else 0
@@ -455,7 +455,7 @@ class EngineThreadPool(ThreadTaskPool):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from rein.worker.app import interactive_slots
+        from rein.jobs.queues import interactive_slots
 
         spec: WorkerSpec | None = getattr(self.app, "rein_worker_spec", None)
         extra = interactive_slots(spec.settings) if spec is not None else 0

@@ -13,8 +13,9 @@ when no GPU is usable (rein.engine.config), and `cpu` needs nothing.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
+
+from rein.core.settings import cuda_visible_devices
 
 # Where a CUDA build of torch comes from; the image's TORCH_INDEX_URL build argument (compose.gpu.yaml).
 CUDA_TORCH_INDEX = "https://download.pytorch.org/whl/cu128"
@@ -38,7 +39,7 @@ def cuda_facts() -> CudaFacts:
     cuda = torch.version.cuda
     return CudaFacts(torch_version=torch.__version__, cuda_version=cuda,
                      device_count=torch.cuda.device_count() if cuda else 0,
-                     visible_devices=os.environ.get("CUDA_VISIBLE_DEVICES"))
+                     visible_devices=cuda_visible_devices())
 
 
 def device_problem(device: str, facts: CudaFacts | None = None) -> str | None:

@@ -30,8 +30,8 @@ from rein.worker.recorder import JobRecord
 if TYPE_CHECKING:
     from rein.engine.outputs import RequestOutput
     from rein.engine.runner import CollectingStream
+    from rein.jobs.claim import Lease
     from rein.worker.bootstep import WorkerContext
-    from rein.worker.claim import Lease
 
 log = logging.getLogger(__name__)
 

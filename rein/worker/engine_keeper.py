@@ -14,7 +14,7 @@ dead engine until every job it saw had spent its attempts. Now:
   keeps the worker's Celery connection, its threads and their messages, and works the same
   under compose, systemd or a bare `rein worker`.
 * The jobs that were running get EngineStoppedError and are handed back with their attempt
-  refunded and their `deaths_seen` counted (rein.worker.claim). Such a job's next attempt
+  refunded and their `deaths_seen` counted (rein.jobs.claim). Such a job's next attempt
   holds `SoloLock.exclusive()`: it starts once the jobs running beside it are done and runs
   alone, so a request that kills the engine keeps doing so alone, and is failed after
   MAX_DEATHS_SEEN deaths without costing anyone else an attempt.

@@ -35,12 +35,8 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.db import HeldConnections, engine_of, execute_all, execute_one
-from rein.core.models import Job, Result
-from rein.embeddings_format import job_embeddings_body
-from rein.openai_format import EMBEDDINGS, build_response
-from rein.tools import apply_tool_calls
-from rein.worker.claim import Lease
-from rein.worker.grouping import GroupCommit
+from rein.jobs.claim import Lease
+from rein.jobs.grouping import GroupCommit
 
 
 def storable_text(text: str) -> str:
@@ -120,7 +116,7 @@ def record_jobs(sessions: sessionmaker[Session], records: list[tuple[Lease, JobR
 
 
 class GroupRecorder(GroupCommit[tuple[Lease, JobRecord], bool]):
-    """`record_job` shared by the task threads, with group commit (rein.worker.grouping): jobs
+    """`record_job` shared by the task threads, with group commit (rein.jobs.grouping): jobs
     that end together (a batch's lines, which end in the same engine steps) are written by one
     `record_jobs` statement; each caller gets its own answer or error, as from `record_job`."""
 
@@ -196,31 +192,5 @@ WITH input (id, attempt, status, first_token_at, error, text, finish_reason, tok
 SELECT id FROM done"""
 
 
-def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str, Any]:
-    """The OpenAI body of a finished job, exactly as the synchronous endpoint returns it.
-
-    `created` is the job's finish time; the id is the job id with OpenAI's prefix;
-    `cached_tokens` comes from the job's usage row.
-    """
-    if job.endpoint == EMBEDDINGS:
-        return job_embeddings_body(job, result.response)
-    finished = job.finished_at or result.created_at
-    body = build_response(job.endpoint, job.id, job.model, job.prompt_tokens, result.text,
-                          list(result.token_ids), result.finish_reason, None, None, None,
-                          created=int(finished.timestamp()) if finished is not None else None,
-                          cached_tokens=cached_tokens)
-    body["choices"][0]["logprobs"] = result.logprobs
-    if result.response:   # n > 1, echo, prompt logprobs: the choices and usage the worker built
-        body.update(result.response)
-    return apply_tool_calls(body, (job.params or {}).get("body"))   # tool calls out of the text (rein.tools)
 
 
-def response_logprobs(endpoint: str, logprobs: list[Any] | None, tokenizer: Any,
-                      logprobs_mode: int | None) -> dict[str, Any] | None:
-    """The response's `logprobs` object for the engine's per-token logprobs (None if not asked)."""
-    if logprobs_mode is None or logprobs is None:
-        return None
-    token_ids = [lp.token_id for lp in logprobs]
-    body = build_response(endpoint, "", "", 0, "", token_ids, None, logprobs, tokenizer, logprobs_mode,
-                          created=0)
-    return body["choices"][0]["logprobs"]

@@ -35,30 +35,31 @@ from celery import shared_task
 from redis.exceptions import RedisError
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
-from rein.api.ratelimit import settle_tokens
 from rein.choice_bodies import response_extra
 from rein.choices import ResponseShape, returned_choices
 from rein.core.logging import log_context
 from rein.core.messages import PRIORITY_BATCH, JobMessage
-from rein.openai_format import EMBEDDINGS, usage_body
-from rein.worker.app import TASK_NAME, enqueue_job
-from rein.worker.bootstep import worker_context
-from rein.worker.cancel import is_cancel_requested
-from rein.worker.claim import (
+from rein.jobs.cancel import is_cancel_requested
+from rein.jobs.claim import (
     MAX_DEATHS_SEEN,
     ClaimOutcome,
     claim_job,
     release_job,
 )
+from rein.jobs.queues import TASK_NAME, enqueue_job
+from rein.jobs.ratelimit import settle_tokens
+from rein.jobs.results import response_logprobs
+from rein.openai_format import EMBEDDINGS, usage_body
+from rein.worker.bootstep import worker_context
 from rein.worker.embeddings import run_embeddings
 from rein.worker.publisher import TIMEOUT
-from rein.worker.recorder import JobRecord, record_job, response_logprobs
+from rein.worker.recorder import JobRecord, record_job
 
 if TYPE_CHECKING:
     from rein.engine.runner import Collected, CollectingStream
     from rein.engine.sampling_params import SamplingParams
+    from rein.jobs.claim import Lease
     from rein.worker.bootstep import WorkerContext
-    from rein.worker.claim import Lease
 
 log = logging.getLogger(__name__)
 
@@ -340,7 +341,7 @@ def _record(context: WorkerContext, lease: Lease, record: JobRecord, *, charged:
 
 
 def _settle_tpm(context: WorkerContext, job_id: str, key_id: str | None, used_tokens: int) -> None:
-    """Settle the job's TPM charge against the tokens it used (rein.api.ratelimit.settle_tokens;
+    """Settle the job's TPM charge against the tokens it used (rein.jobs.ratelimit.settle_tokens;
     nothing for a job without a charge). Best effort: a charge left unsettled expires."""
     if not key_id:
         return

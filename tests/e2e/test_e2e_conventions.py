@@ -19,8 +19,8 @@ import pytest
 from service_harness import MAX_MODEL_LEN, MODEL, REIN, REPO, Service, run_service
 from support import wait_for
 
-from rein.api.ratelimit import tpm_charge_key
 from rein.core.redis_keys import RedisKeys
+from rein.jobs.ratelimit import tpm_charge_key
 
 pytestmark = pytest.mark.slow
 

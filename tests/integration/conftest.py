@@ -127,7 +127,7 @@ def make_settings(database_url: str, redis_url: str) -> Iterator[Callable[..., S
     Overrides are validated like the environment (models="tiny=/path@512" parses).
     """
     def make(**overrides: object) -> Settings:
-        # No background reaper pass (rein.worker.reaper) unless a test asks for one: the tests
+        # No background reaper pass (rein.jobs.reaper) unless a test asks for one: the tests
         # share one database, and a pass would send other tests' queued jobs again.
         values: dict[str, object] = {"database_url": database_url, "redis_url": redis_url,
                                      "redis_key_prefix": REDIS_PREFIX, "models": (),

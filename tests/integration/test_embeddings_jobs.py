@@ -17,8 +17,8 @@ from rein.core.models import ApiKey, Job, Result, Usage
 from rein.core.redis_keys import RedisKeys
 from rein.embeddings_format import parse_embeddings_request
 from rein.engine.pooling import PoolingConfig
-from rein.worker.app import make_celery
-from rein.worker.recorder import response_body
+from rein.jobs.results import response_body
+from rein.worker.app import make_worker_celery
 
 MODEL = "tiny-embed"
 
@@ -36,7 +36,7 @@ def context(make_settings, tiny_models):
         config = EngineConfig(model=str(tiny_models("qwen3", embedding=pooling)),
                               **({"kv_cache_memory": "16MiB", "max_model_len": 256, "max_num_seqs": 8} | engine))
         spec = WorkerSpec(settings=settings, model_name=MODEL, engine_factory=lambda: LLMEngine(config))
-        built.append(build_context(make_celery(settings), spec, f"embed-{secrets.token_hex(3)}@test"))
+        built.append(build_context(make_worker_celery(settings), spec, f"embed-{secrets.token_hex(3)}@test"))
         return built[-1]
 
     yield make
@@ -143,7 +143,7 @@ def test_an_input_the_engine_refuses_fails_the_job_naming_it(context, make_job, 
 
 def test_a_cancel_aborts_every_input(context, make_job, db_sessionmaker, redis_client, settings, monkeypatch):
     """The cancel path aborts the job id; that aborts all of its engine requests."""
-    from rein.worker.cancel import request_cancel
+    from rein.jobs.cancel import request_cancel
     from rein.worker.tasks import process_job
 
     # Mean pooling in 16-token chunks: each input takes many steps, so the cancel lands mid-way.

@@ -16,8 +16,8 @@ from dataclasses import replace
 import pytest
 import support
 
-from rein.worker.app import make_celery
-from rein.worker.claim import MAX_DEATHS_SEEN
+from rein.jobs.claim import MAX_DEATHS_SEEN
+from rein.worker.app import make_worker_celery
 from rein.worker.engine_keeper import SoloLock
 
 WAIT = 120.0
@@ -40,7 +40,7 @@ def process_context(make_settings, tiny_models):
     settings = make_settings(worker_engine_process=True)
     config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
                           max_num_seqs=4)
-    context = build_context(make_celery(settings), WorkerSpec(settings=settings, model_name=MODEL,
+    context = build_context(make_worker_celery(settings), WorkerSpec(settings=settings, model_name=MODEL,
                                                               engine_config=config), f"dying-{secrets.token_hex(3)}@test")
     yield context
     context.stop()

@@ -13,9 +13,10 @@ from support import queued_job_ids
 
 from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.models import ApiKey, Job
-from rein.worker.app import make_celery, queue_keys
-from rein.worker.claim import MAX_STARTS, claim_job, renew_leases
-from rein.worker.reaper import Reaper
+from rein.jobs.claim import MAX_STARTS, claim_job, renew_leases
+from rein.jobs.queues import queue_keys
+from rein.jobs.reaper import Reaper
+from rein.worker.app import make_worker_celery
 
 
 @pytest.fixture
@@ -26,7 +27,7 @@ def model() -> str:
 
 @pytest.fixture
 def celery(settings):
-    app = make_celery(settings)
+    app = make_worker_celery(settings)
     yield app
     app.close()
 
@@ -133,7 +134,7 @@ def test_after_a_postgres_outage_leases_are_not_taken_before_workers_could_renew
 def test_lost_messages_are_sent_again_but_the_queue_is_not_flooded(make_job, reaper, db_sessionmaker,
                                                                    redis_client, settings, model, celery):
     from rein.core.messages import JobMessage
-    from rein.worker.app import enqueue_job
+    from rein.jobs.queues import enqueue_job
 
     oldest, older, waiting = make_job(sent_ago=90), make_job(sent_ago=60), make_job(sent_ago=30)
     fresh = make_job(sent_ago=1)            # sent a moment ago: within the bound, left alone
@@ -169,7 +170,7 @@ def test_after_redis_restarts_every_queued_job_is_sent_at_once(make_job, reaper,
 
 
 def test_one_reaper_pass_at_a_time(make_job, reaper, redis_client, settings, model, db_engine):
-    from rein.worker.reaper import LOCK_ID
+    from rein.jobs.reaper import LOCK_ID
 
     job_id = make_job(sent_ago=60)           # its message is lost: a pass would send it again
     with db_engine.connect() as other, other.begin():

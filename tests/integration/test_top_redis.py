@@ -14,7 +14,8 @@ from rein.cli.main import main
 from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import get_settings
-from rein.worker.app import make_celery, queue_keys
+from rein.jobs.queues import queue_keys
+from rein.worker.app import make_worker_celery
 
 
 @pytest.fixture
@@ -94,7 +95,7 @@ def test_a_real_workers_heartbeat_shows_up_then_stopped(top_env, make_settings, 
     settings = make_settings(max_num_seqs=2)
     config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="8MiB", max_model_len=256,
                           max_num_seqs=2)
-    context = build_context(make_celery(settings), WorkerSpec(settings=settings, model_name="tiny",
+    context = build_context(make_worker_celery(settings), WorkerSpec(settings=settings, model_name="tiny",
                                                               engine_factory=lambda: LLMEngine(config)),
                             "tiny@top-test")
     try:

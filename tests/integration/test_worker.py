@@ -22,12 +22,15 @@ from rein.core.messages import (
 )
 from rein.core.models import Job, Result, Usage
 from rein.core.redis_keys import RedisKeys
+from rein.jobs.cancel import is_cancel_requested, request_cancel
+from rein.jobs.claim import ClaimOutcome, cancel_unstarted_job, claim_job, release_job
+from rein.jobs.queues import enqueue_job, queue_keys, worker_queues
+from rein.jobs.results import response_body
 from rein.openai_format import usage_body
-from rein.worker.app import enqueue_job, make_celery, queue_keys, worker_queues
-from rein.worker.cancel import CancelListener, is_cancel_requested, request_cancel
-from rein.worker.claim import ClaimOutcome, cancel_unstarted_job, claim_job, release_job
+from rein.worker.app import make_worker_celery
+from rein.worker.cancel import CancelListener
 from rein.worker.publisher import TokenPublisher
-from rein.worker.recorder import JobRecord, record_job, response_body
+from rein.worker.recorder import JobRecord, record_job
 
 MODEL = "tiny"
 WAIT = 60.0   # generous: the CI machine may be busy
@@ -273,7 +276,7 @@ def test_claim_is_exclusive_and_a_finished_job_is_never_claimed_again(make_job, 
 
 
 def call_while_the_first_writes(group, call, items, release: threading.Event) -> None:
-    """`call(item)` on a thread per item against a GroupCommit (rein.worker.grouping) whose
+    """`call(item)` on a thread per item against a GroupCommit (rein.jobs.grouping) whose
     first writer is held up (until `release`): the other items all wait, then go as a group."""
     threads = [threading.Thread(target=call, args=(item,)) for item in items]
     threads[0].start()
@@ -289,7 +292,7 @@ def call_while_the_first_writes(group, call, items, release: threading.Event) ->
 def test_several_jobs_are_claimed_in_one_statement_each_told_its_outcome(make_job, db_sessionmaker):
     from datetime import timedelta
 
-    from rein.worker.claim import claim_jobs
+    from rein.jobs.claim import claim_jobs
 
     queued, finished, cancelled, held, expired = (make_job().job_id for _ in range(5))
     done = claim_job(db_sessionmaker, finished, "w0", 600).lease
@@ -314,8 +317,8 @@ def test_several_jobs_are_claimed_in_one_statement_each_told_its_outcome(make_jo
 def test_group_claimer_groups_what_waits_and_never_claims_a_job_twice(make_job, db_sessionmaker, monkeypatch):
     """Claims that wait for the writer go as one statement; two messages of one job (a
     duplicate) never share it: one claims, the other finds the job held."""
-    import rein.worker.claim as claim_module
-    from rein.worker.claim import GroupClaimer
+    import rein.jobs.claim as claim_module
+    from rein.jobs.claim import GroupClaimer
 
     claimer = GroupClaimer(db_sessionmaker, "w1", 600)
     jobs = [make_job().job_id for _ in range(6)]
@@ -533,7 +536,7 @@ def test_cancel_listener_says_what_it_heard_since_a_mark(redis_url, redis_client
 def test_interactive_jobs_are_taken_before_batch_jobs(settings, make_job, redis_client):
     from kombu import Consumer, Queue
 
-    app = make_celery(settings)
+    app = make_worker_celery(settings)
     model = f"prio{secrets.token_hex(3)}"                     # queues no worker consumes
     batch = [make_job(model=model, priority=PRIORITY_BATCH) for _ in range(2)]
     interactive = make_job(model=model, priority=PRIORITY_INTERACTIVE)
@@ -606,7 +609,7 @@ def worker_app(make_settings, tiny_models) -> Iterator:
     settings = make_settings(job_timeout_seconds=60, max_num_seqs=4, stream_ttl_seconds=300)
     config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
                           max_num_seqs=4)
-    app = make_celery(settings)
+    app = make_worker_celery(settings)
     configure_worker(app, WorkerSpec(settings=settings, model_name=MODEL,
                                      engine_factory=lambda: LLMEngine(config)))
     handle = InProcessWorker(app, worker_queues(settings, MODEL), concurrency=4)
@@ -817,7 +820,7 @@ def test_process_job_without_a_broker_fails_a_job_past_its_time_limit(make_setti
         return engine
 
     spec = WorkerSpec(settings=settings, model_name=MODEL, engine_factory=slow_engine)
-    context = build_context(make_celery(settings), spec, "plain@test")
+    context = build_context(make_worker_celery(settings), spec, "plain@test")
     try:
         message = make_job(max_tokens=1000)
         assert process_job(context, message) == "failed"
@@ -849,7 +852,7 @@ def plain_context(make_settings, tiny_models):
         config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
                               max_num_seqs=2)
         spec = WorkerSpec(settings=settings, model_name=MODEL, engine_factory=lambda: LLMEngine(config))
-        built.append(build_context(make_celery(settings), spec, f"plain-{secrets.token_hex(3)}@test"))
+        built.append(build_context(make_worker_celery(settings), spec, f"plain-{secrets.token_hex(3)}@test"))
         return built[-1]
 
     yield make
@@ -988,9 +991,9 @@ def test_a_batched_send_makes_the_same_celery_message_as_a_single_one(settings, 
     import base64
     import json
 
-    from rein.worker.app import enqueue_jobs
+    from rein.jobs.queues import enqueue_jobs
 
-    app = make_celery(settings)
+    app = make_worker_celery(settings)
     model = f"m{secrets.token_hex(3)}"
     message = JobMessage(job_id="job_same", model=model, endpoint="/v1/completions",
                          prompt_token_ids=[5, 6, 7], sampling={"max_tokens": 3}, priority=PRIORITY_BATCH,

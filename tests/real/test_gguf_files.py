@@ -46,8 +46,8 @@ def test_estimate_reads_the_shapes_of_a_gguf_file(gguf_path: Path):
 
 
 def test_the_api_serves_a_gguf_model(gguf_path: Path):
-    from rein.api.tokenizers import load_model
     from rein.core.settings import ServedModel
+    from rein.jobs.registry import load_model
 
     entry = load_model(ServedModel(name="smollm2", source=str(gguf_path)))
     assert entry.max_model_len == 8192

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from rein.api.tokenizers import ModelRegistry
 from rein.batches.validation import MAX_REPORTED_ERRORS, validate_lines
 from rein.core.settings import Settings
+from rein.jobs.registry import ModelRegistry
 
 
 @pytest.fixture(scope="module")

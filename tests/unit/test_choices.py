@@ -271,7 +271,7 @@ def test_vllm_prompt_logprobs_shape(tokenizer):
 def test_recorder_merges_the_stored_choices(tokenizer):
     from datetime import UTC, datetime
 
-    from rein.worker.recorder import response_body
+    from rein.jobs.results import response_body
     gathered = gathered_of(two_choices())
     extra = response_extra(COMPLETIONS, gathered, [1, 2, 3, 4, 5], tokenizer, None, ResponseShape(n=2))
     job = SimpleNamespace(endpoint=COMPLETIONS, id="job_1", model="tiny", prompt_tokens=5, params={},
@@ -442,7 +442,7 @@ def test_replay_of_several_choices_sends_each_once():
 
 
 def test_tpm_charges_every_generated_choice(tokenizer):
-    from rein.api.intake import Prepared
+    from rein.jobs.prepare import Prepared
     body = {"prompt": "def f(x):", "max_tokens": 10, "n": 3, "best_of": 4}
     parsed = parse_request(COMPLETIONS, body, tokenizer, MAX_LEN)
     prepared = Prepared(None, COMPLETIONS, body, parsed)

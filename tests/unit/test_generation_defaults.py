@@ -12,7 +12,6 @@ import shutil
 import pytest
 
 from rein import LLM, SamplingParams
-from rein.api.tokenizers import ModelLoadError, load_model
 from rein.cli.main import main
 from rein.core.settings import ServedModel
 from rein.generation_defaults import (
@@ -21,6 +20,7 @@ from rein.generation_defaults import (
     check_generation_config,
     load_generation_defaults,
 )
+from rein.jobs.registry import ModelLoadError, load_model
 from rein.openai_format import parse_request
 
 MAX_LEN = 128
@@ -89,8 +89,8 @@ def test_parse_request_as_the_api_uses_it(greedy_model):
                          entry.tokenizer, entry.max_model_len, entry.generation_defaults).params
     assert chat.greedy
     # the API's intake (and batch validation, which prepares lines the same way) applies them
-    from rein.api.intake import prepare
-    from rein.api.tokenizers import ModelRegistry
+    from rein.jobs.prepare import prepare
+    from rein.jobs.registry import ModelRegistry
 
     prepared = prepare(ModelRegistry([entry]), "/v1/completions", {"prompt": "x"})
     assert prepared.parsed.params.greedy and prepared.parsed.params.top_p == 0.8

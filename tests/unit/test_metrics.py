@@ -14,12 +14,13 @@ from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from support import free_port
 
-from rein.api.errors import APIError, install_error_handlers
+from rein.api.errors import install_error_handlers
 from rein.api.metrics import APIMetrics, MetricsMiddleware
 from rein.api.metrics import router as metrics_router
 from rein.core.settings import Settings
 from rein.engine.engine import EngineStats
 from rein.engine.outputs import RequestOutput
+from rein.jobs.errors import APIError
 from rein.worker.metrics import WorkerMetrics, compose_hooks
 
 WORKER_NAMES = {

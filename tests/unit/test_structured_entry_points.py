@@ -7,10 +7,10 @@ import json
 import jsonschema
 import pytest
 
-from rein.api.tokenizers import ModelRegistry
 from rein.batches.validation import validate_lines
 from rein.core.settings import Settings
 from rein.engine import EngineConfig, LLMEngine
+from rein.jobs.registry import ModelRegistry
 from rein.offline.run_batch import run_batch
 
 SCHEMA = {"type": "object", "properties": {"label": {"enum": ["spam", "ham"]}, "score": {"type": "integer",

@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from rein import tools
 from rein.api.streams import StreamEvent, openai_chunk_stream
 from rein.core.models import Job, Result
+from rein.jobs.results import response_body
 from rein.openai_format import (
     CHAT_COMPLETIONS,
     RequestError,
@@ -22,7 +23,6 @@ from rein.openai_format import (
     chat_prompt,
     parse_request,
 )
-from rein.worker.recorder import response_body
 
 MAX_LEN = 2048
 WEATHER = {"type": "function", "function": {

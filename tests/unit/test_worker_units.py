@@ -18,8 +18,8 @@ from rein.core.messages import (
 )
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
+from rein.jobs.queues import PRIORITY_STEPS, TASK_NAME, JobRouter, make_celery, queue_keys
 from rein.openai_format import usage_body
-from rein.worker.app import PRIORITY_STEPS, TASK_NAME, JobRouter, make_celery, queue_keys
 from rein.worker.recorder import JobRecord
 
 
@@ -116,7 +116,7 @@ def test_importing_the_app_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys; from rein.worker.app import make_celery; from rein.core.settings import Settings; "
+    code = ("import sys; from rein.jobs.queues import make_celery; from rein.core.settings import Settings; "
             "make_celery(Settings()); print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -169,10 +169,10 @@ def test_runner_survives_a_failing_hook(engine):
 
 def test_closing_a_channel_whose_transport_is_gone_does_not_crash_the_worker():
     """Celery 5.7 collects a dropped broker connection, then closes it; a channel left open by
-    a failed first close must not raise AttributeError the second time (rein.worker.app)."""
+    a failed first close must not raise AttributeError the second time (rein.jobs.queues)."""
     from kombu import Connection
 
-    from rein.worker.app import _tolerate_channels_of_collected_connections
+    from rein.jobs.queues import _tolerate_channels_of_collected_connections
 
     class ChannelOfCollectedConnection:
         def close(self) -> None:

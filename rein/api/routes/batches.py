@@ -22,9 +22,7 @@ from sqlalchemy import func, update
 from rein.api.checked_route import CheckedRoute
 from rein.api.conventions import set_response_headers
 from rein.api.deps import RedisDep, SessionDep, SessionsDep, SettingsDep
-from rein.api.errors import APIError
 from rein.api.jobs import check_metadata
-from rein.api.ratelimit import RateLimitExceeded
 from rein.api.routes.files import BatchKey, download_response
 from rein.api.schemas import ErrorResponse
 from rein.batches.manager import drop_batch_jobs, lock_batch_waiting
@@ -44,6 +42,8 @@ from rein.batches.schemas import (
 from rein.core.keys import KeyInfo
 from rein.core.models import Batch
 from rein.core.redis_keys import RedisKeys
+from rein.jobs.errors import APIError
+from rein.jobs.ratelimit import RateLimitExceeded
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], route_class=CheckedRoute)
 

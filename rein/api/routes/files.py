@@ -27,7 +27,6 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.checked_route import CheckedRoute
 from rein.api.deps import SessionDep, SessionsDep, SettingsDep, require_scope
-from rein.api.errors import APIError
 from rein.api.multipart_upload import receive_upload
 from rein.api.schemas import ErrorResponse
 from rein.batches.repository import file_public, get_file_for_tenant, list_for_tenant
@@ -36,6 +35,7 @@ from rein.core.filestore import FileStore, FileTooLargeError
 from rein.core.keys import KeyInfo
 from rein.core.models import File, new_file_id
 from rein.input_checks import text_problem
+from rein.jobs.errors import APIError
 
 router = APIRouter(prefix="/v1/files", tags=["files"], route_class=CheckedRoute)
 

@@ -18,7 +18,6 @@ from starlette.types import Receive, Scope, Send
 from rein.api.checked_route import CheckedRoute
 from rein.api.conventions import set_request_id, set_response_headers
 from rein.api.deps import AsyncRedisDep, InferenceKey, RedisDep, SessionDep, SettingsDep
-from rein.api.errors import APIError
 from rein.api.intake import MAX_IDEMPOTENCY_KEY_LEN, JobIntake, NewJob
 from rein.api.jobs import (
     batch_scope_error,
@@ -27,7 +26,6 @@ from rein.api.jobs import (
     request_job_cancel,
     seconds_between,
 )
-from rein.api.ratelimit import settle_tokens
 from rein.api.schemas import (
     ErrorResponse,
     JobCreate,
@@ -47,9 +45,11 @@ from rein.core.messages import STREAM_FIELD, TokenEvent, event_id
 from rein.core.models import Job
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
+from rein.jobs.cancel import request_cancel
+from rein.jobs.errors import APIError
+from rein.jobs.ratelimit import settle_tokens
+from rein.jobs.results import response_body
 from rein.openai_format import usage_body
-from rein.worker.cancel import request_cancel
-from rein.worker.recorder import response_body
 
 log = logging.getLogger(__name__)
 

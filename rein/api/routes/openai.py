@@ -33,7 +33,6 @@ from rein.api.deps import (
     RegistryDep,
     SettingsDep,
 )
-from rein.api.errors import INVALID_REQUEST, APIError, error_body
 from rein.api.jobs import get_job_for_tenant
 from rein.api.routes.jobs import (
     SlotStreamingResponse,
@@ -60,9 +59,10 @@ from rein.core.keys import KeyInfo
 from rein.core.logging import log_context
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.core.redis_keys import RedisKeys
+from rein.jobs.errors import INVALID_REQUEST, APIError, error_body
+from rein.jobs.results import response_body
 from rein.openai_format import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, build_response
 from rein.tools import apply_tool_calls
-from rein.worker.recorder import response_body
 
 log = logging.getLogger(__name__)
 

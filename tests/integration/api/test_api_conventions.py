@@ -15,9 +15,9 @@ import pytest
 from api_helpers import auth, chat_body
 from sqlalchemy import select
 
-from rein.api.ratelimit import reset_duration, settle_tokens
 from rein.core.models import Job
 from rein.core.redis_keys import RedisKeys
+from rein.jobs.ratelimit import reset_duration, settle_tokens
 
 RESET = re.compile(r"^(\d+ms|\d+s|1m0s)$")
 

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 
 from rein.core.models import Job
 from rein.core.redis_keys import RedisKeys
-from rein.worker.app import queue_keys
+from rein.jobs.queues import queue_keys
 
 
 def _create(client, key, body=None, headers=None, endpoint="/v1/chat/completions"):

@@ -19,7 +19,8 @@ from support import wait_for
 
 from rein.core.logging import configure_logging, remove_handler
 from rein.core.messages import JobMessage
-from rein.worker.app import make_celery, queue_keys
+from rein.jobs.queues import queue_keys
+from rein.worker.app import make_worker_celery
 
 WORKER = "logs@test"
 
@@ -59,7 +60,7 @@ def test_a_jobs_lines_carry_its_ids_and_no_secret_or_prompt(make_client, make_ke
     client = make_client(models=f"{model}={model_dir}@512")
     settings = client.app.state.settings
     config = EngineConfig(model=model_dir, kv_cache_memory="8MiB", max_model_len=512, max_num_seqs=2)
-    context = build_context(make_celery(settings), WorkerSpec(settings=settings, model_name=model,
+    context = build_context(make_worker_celery(settings), WorkerSpec(settings=settings, model_name=model,
                                                               engine_factory=lambda: LLMEngine(config)), WORKER)
     stop = threading.Event()
     worker = threading.Thread(target=run_queue, args=(context, settings, model, stop), daemon=True)

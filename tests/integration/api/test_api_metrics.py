@@ -12,7 +12,7 @@ from api_helpers import auth, chat_body
 from prometheus_client.parser import text_string_to_metric_families
 
 from rein.core.messages import PRIORITY_BATCH, JobMessage
-from rein.worker.app import enqueue_job
+from rein.jobs.queues import enqueue_job
 
 
 @pytest.fixture(autouse=True)

@@ -9,9 +9,9 @@ import pytest
 import redis
 from api_helpers import auth, chat_body
 
-from rein.api.ratelimit import RateLimiter, RateLimitExceeded
 from rein.core.keys import KeyInfo
 from rein.core.redis_keys import RedisKeys
+from rein.jobs.ratelimit import RateLimiter, RateLimitExceeded
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,7 @@ from support import queued_job_ids, wait_for
 
 from rein.core.messages import PRIORITY_BATCH
 from rein.core.models import Job
-from rein.worker.app import queue_keys
+from rein.jobs.queues import queue_keys
 
 FAST = {"batch_poll_seconds": 0.05}
 
@@ -344,7 +344,7 @@ def test_custom_ids_and_prompts_survive_the_bulk_copy(batch_client, make_key, te
 
 def test_lost_messages_are_sent_again(make_client, tmp_path, make_key, tenant, db_sessionmaker, redis_client,
                                       settings):
-    # The API's reaper (rein.worker.reaper) sends batch lines whose messages were lost again,
+    # The API's reaper (rein.jobs.reaper) sends batch lines whose messages were lost again,
     # as it does any job's: here within a second of the loss.
     batch_client = make_client(files_dir=str(tmp_path / "files"), reaper_interval_seconds=0.2,
                                requeue_unclaimed_seconds=0.5, **FAST)

@@ -18,11 +18,11 @@ import pytest
 from api_helpers import auth, chat_body
 from sqlalchemy import select
 
-from rein.api.errors import APIError
 from rein.api.intake import GroupCommitter
 from rein.core.keys import authenticate
 from rein.core.models import Job
-from rein.worker.app import make_celery, queue_keys
+from rein.jobs.errors import APIError
+from rein.jobs.queues import make_celery, queue_keys
 
 
 @pytest.fixture(autouse=True)

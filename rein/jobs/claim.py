@@ -13,7 +13,7 @@ Lease semantics:
 * The lease is short and renewed: the worker renews the leases of all the jobs it runs in
   one statement every `Settings.lease_renew_seconds` (`renew_leases`). A worker that is
   killed, hangs or loses Postgres stops renewing, and within a lease its jobs are taken
-  back by the reaper (rein.worker.reaper) and queued again. The job time limit is separate:
+  back by the reaper (rein.jobs.reaper) and queued again. The job time limit is separate:
   the worker that runs the job enforces it.
 * Every later write names the attempt it belongs to (`WHERE attempt = :attempt AND
   status = 'running'`): a worker that lost its lease writes nothing, so one attempt at
@@ -36,7 +36,7 @@ Lease semantics:
   failed (code `crashes_its_worker`).
 * The worker claims through `GroupClaimer`: jobs whose messages arrive together are claimed
   by one statement (`claim_jobs`), under the same conditions, each caller told its own
-  outcome (rein.worker.grouping).
+  outcome (rein.jobs.grouping).
 * `release_job` hands a job back (`queued`, the attempt refunded) when its run was
   interrupted rather than finished (warm shutdown, broker connection lost, engine died); the
   next claim runs it again as a new attempt.
@@ -53,7 +53,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.db import HeldConnections, engine_of, execute_all, execute_one
 from rein.core.models import FINISHED_JOB_STATUSES, Job
-from rein.worker.grouping import GroupCommit
+from rein.jobs.grouping import GroupCommit
 
 MAX_ATTEMPTS = 3          # attempts a job may spend (refunded ones not counted)
 MAX_STARTS = 20           # claims in all, refunded or not: a bound for a job that is always handed back
@@ -108,7 +108,7 @@ def _claimable():
 
 
 # A claimable `running` row is one whose lease expired: its worker died. Whoever takes it
-# first, the reaper (rein.worker.reaper) or a claim, refunds that attempt and counts the death.
+# first, the reaper (rein.jobs.reaper) or a claim, refunds that attempt and counts the death.
 _LEASE_DIED_SQL = "CASE WHEN status = 'running' THEN 1 ELSE 0 END"
 # Attempts left, counting the expired attempt as refunded.
 _ATTEMPTS_LEFT_SQL = f"{SPENT_SQL} - {_LEASE_DIED_SQL} < %s AND attempt < {MAX_STARTS}"
@@ -170,13 +170,13 @@ def claim_jobs(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
             continue
         try:
             answers.append(not_claimed(sessions, job_id, max_attempts))
-        except Exception as exc:   # noqa: BLE001 - raised to that job's caller (rein.worker.grouping)
+        except Exception as exc:   # noqa: BLE001 - raised to that job's caller (rein.jobs.grouping)
             answers.append(exc)
     return answers
 
 
 class GroupClaimer(GroupCommit[str, Claim]):
-    """`claim_job` shared by a worker's task threads, with group commit (rein.worker.grouping):
+    """`claim_job` shared by a worker's task threads, with group commit (rein.jobs.grouping):
     jobs whose messages arrive together (a batch's lines) are claimed by one statement."""
 
     def __init__(self, sessions: sessionmaker[Session], worker: str, lease_for_seconds: float,

@@ -6,7 +6,7 @@ FLUSHALL). The job row in Postgres outlives both, so one pass of the reaper, eve
 `Settings.reaper_interval_seconds`, puts things right:
 
 1. **Expired leases.** A `running` job whose lease ran out (its worker stopped renewing it,
-   see rein.worker.claim) goes back to `queued` with a new message, its attempt refunded (the
+   see rein.jobs.claim) goes back to `queued` with a new message, its attempt refunded (the
    worker died, not the job) and the death counted in `deaths_seen`: its next attempt runs
    alone, and one present at MAX_DEATHS_SEEN deaths is failed by its next claim as the likely
    cause. One whose cancel was requested ends `cancelled`; one started MAX_STARTS times ends
@@ -52,8 +52,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.messages import JobMessage
 from rein.core.models import JOB_MESSAGE_COLUMNS
-from rein.worker.app import enqueue_jobs, queue_keys
-from rein.worker.claim import MAX_STARTS, too_many_attempts_error
+from rein.jobs.claim import MAX_STARTS, too_many_attempts_error
+from rein.jobs.queues import enqueue_jobs, queue_keys
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ UPDATE jobs SET
     finished_at = CASE WHEN cancel_requested_at IS NOT NULL OR attempt >= {MAX_STARTS} THEN now() END,
     error = CASE WHEN cancel_requested_at IS NULL AND attempt >= {MAX_STARTS}
                  THEN %(gave_up_error)s::jsonb END,
-    attempts_refunded = attempts_refunded + 1, deaths_seen = deaths_seen + 1,   -- as a claim would (rein.worker.claim)
+    attempts_refunded = attempts_refunded + 1, deaths_seen = deaths_seen + 1,   -- as a claim would (rein.jobs.claim)
     sent_at = now(), worker = NULL, lease_expires_at = NULL, started_at = NULL, first_token_at = NULL
  WHERE id IN (SELECT id FROM jobs WHERE status = 'running' AND lease_expires_at < now()
                ORDER BY lease_expires_at LIMIT {MAX_RESEND} FOR UPDATE SKIP LOCKED)

@@ -1,0 +1,65 @@
+"""Request preparation: resolve the served model, tokenize and check the body (the API's intake and batch validation)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rein.embeddings_format import ParsedEmbeddings, model_pooling, parse_embeddings_request
+from rein.jobs.errors import APIError
+from rein.jobs.registry import ModelEntry, ModelRegistry
+from rein.openai_format import EMBEDDINGS, ParsedRequest, RequestError, parse_request
+
+
+@dataclass
+class Prepared:
+    entry: ModelEntry
+    endpoint: str
+    body: dict[str, Any]
+    parsed: ParsedRequest | ParsedEmbeddings
+
+    @property
+    def requested_tokens(self) -> int:
+        """Prompt + max_tokens per generated choice: the most the request may cost (embeddings:
+        their inputs)."""
+        if isinstance(self.parsed, ParsedEmbeddings):
+            return len(self.parsed.prompt_token_ids)
+        return len(self.parsed.prompt_token_ids) + self.parsed.params.n * self.parsed.params.max_tokens
+
+    def charged_tokens(self, completion_estimate: int) -> int:
+        """What the request is charged against its key's TPM when admitted: prompt +
+        max_tokens when the body gives max_tokens (or max_completion_tokens), as OpenAI
+        charges; otherwise prompt + the completion estimate, capped by the default max_tokens
+        (what the context leaves). The worker settles it against the real usage. Embeddings:
+        their input tokens, all they cost."""
+        if isinstance(self.parsed, ParsedEmbeddings):
+            return len(self.parsed.prompt_token_ids)
+        explicit = self.body.get("max_tokens") is not None or self.body.get("max_completion_tokens") is not None
+        completion = self.parsed.params.max_tokens
+        if not explicit:
+            completion = min(completion, completion_estimate)
+        # The prompt is computed once, every generated choice (n, best_of) costs its own completion.
+        return len(self.parsed.prompt_token_ids) + self.parsed.params.n * completion
+
+
+def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Prepared:
+    """Resolve the model and tokenize + validate the body (APIError 404 / RequestError 400)."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", "body")
+    name = body.get("model")
+    if name is not None and not isinstance(name, str):
+        raise RequestError("model must be a string", "model")
+    entry = registry.get(name) if name is not None else registry.default
+    if entry is None:
+        if name is None:
+            raise APIError(404, "No model is served by this deployment.", param="model",
+                           code="model_not_found")
+        served = ", ".join(e.name for e in registry) or "none"
+        raise APIError(404, f"The model '{name}' does not exist or you do not have access to it "
+                            f"(served: {served}).", param="model", code="model_not_found")
+    if endpoint == EMBEDDINGS:
+        parsed: ParsedRequest | ParsedEmbeddings = parse_embeddings_request(
+            body, entry.tokenizer, entry.max_model_len, model_pooling(entry.directory))
+    else:
+        parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults)
+    return Prepared(entry, endpoint, body, parsed)

@@ -1,0 +1,40 @@
+"""A finished job's response body, from its row and its stored result: what the API, the batch output and the worker share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rein.core.models import Job, Result
+from rein.embeddings_format import job_embeddings_body
+from rein.openai_format import EMBEDDINGS, build_response
+from rein.tools import apply_tool_calls
+
+
+def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str, Any]:
+    """The OpenAI body of a finished job, exactly as the synchronous endpoint returns it.
+
+    `created` is the job's finish time; the id is the job id with OpenAI's prefix;
+    `cached_tokens` comes from the job's usage row.
+    """
+    if job.endpoint == EMBEDDINGS:
+        return job_embeddings_body(job, result.response)
+    finished = job.finished_at or result.created_at
+    body = build_response(job.endpoint, job.id, job.model, job.prompt_tokens, result.text,
+                          list(result.token_ids), result.finish_reason, None, None, None,
+                          created=int(finished.timestamp()) if finished is not None else None,
+                          cached_tokens=cached_tokens)
+    body["choices"][0]["logprobs"] = result.logprobs
+    if result.response:   # n > 1, echo, prompt logprobs: the choices and usage the worker built
+        body.update(result.response)
+    return apply_tool_calls(body, (job.params or {}).get("body"))   # tool calls out of the text (rein.tools)
+
+
+def response_logprobs(endpoint: str, logprobs: list[Any] | None, tokenizer: Any,
+                      logprobs_mode: int | None) -> dict[str, Any] | None:
+    """The response's `logprobs` object for the engine's per-token logprobs (None if not asked)."""
+    if logprobs_mode is None or logprobs is None:
+        return None
+    token_ids = [lp.token_id for lp in logprobs]
+    body = build_response(endpoint, "", "", 0, "", token_ids, None, logprobs, tokenizer, logprobs_mode,
+                          created=0)
+    return body["choices"][0]["logprobs"]
