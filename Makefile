@@ -26,6 +26,12 @@ test: install
 test-fallback: install
 	REIN_CPU_FAST_PATHS=0 $(BIN)/pytest -q tests/unit tests/kernels tests/real
 
+# compose.yaml for real: local images, an offline image build, SmolLM2 answering, a batch
+# across a worker restart (tests/deploy/run.sh; needs root or sudo for docker and apt).
+.PHONY: test-deploy
+test-deploy: install
+	bash tests/deploy/run.sh
+
 lint: install
 	$(BIN)/ruff check rein tests bench
 
