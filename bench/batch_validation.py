@@ -53,9 +53,9 @@ def main() -> None:
     from rein.core.migrate import upgrade
     from rein.core.models import Batch, File, Job
     from rein.core.settings import Settings
+    from rein.engine.tiny_model import ensure_tiny_model
     from rein.jobs.queues import make_celery
     from rein.jobs.registry import ModelRegistry
-    from rein.tiny_model import ensure_tiny_model
 
     model = ensure_tiny_model(MODEL_DIR, arch="llama", seed=0, preset="tiny")
     run = secrets.token_hex(4)

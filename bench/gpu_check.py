@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from rein.engine import EngineConfig, LLMEngine, SamplingParams
-from rein.tiny_model import make_tiny_model
+from rein.engine.tiny_model import make_tiny_model
 
 MAX_TOKENS = 12
 

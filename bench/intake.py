@@ -10,7 +10,7 @@ servers with anything else safely. No worker runs: accepted jobs just wait in th
 until the prefix is deleted.
 
 * API intake: `rein api` (uvicorn, as deployed) in a subprocess on a free port, serving the
-  tiny llama (.cache/bench-models/llama-tiny, built with rein.tiny_model.make_tiny_model if
+  tiny llama (.cache/bench-models/llama-tiny, built with rein.engine.tiny_model.make_tiny_model if
   missing) for its tokenizer, REIN_MAX_QUEUE_DEPTH=100000 so backpressure never answers.
   `--jobs` POST /v1/jobs (a small /v1/completions body) over `--concurrency` keep-alive
   connections at once (a minimal asyncio HTTP/1.1 client, see post_jobs): jobs/s = jobs /
@@ -99,7 +99,7 @@ def free_port() -> int:
 
 def ensure_model(preset: str = "tiny") -> Path:
     """The bench's random-weight llama of this preset (built once under .cache/bench-models)."""
-    from rein.tiny_model import ensure_tiny_model
+    from rein.engine.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(MODEL_DIR.with_name(f"llama-{preset}"), arch="llama", seed=0, preset=preset)
 
@@ -376,7 +376,7 @@ def raw_message_factory(model_dir: Path, tenant: str, key_id: str):
     from rein.core.models import new_job_id
     from rein.core.settings import ServedModel
     from rein.jobs.registry import load_model
-    from rein.openai_format import parse_request
+    from rein.openai.request import parse_request
 
     entry = load_model(ServedModel(name=MODEL_NAME, source=str(model_dir), max_model_len=MAX_MODEL_LEN))
     parsed = parse_request(ENDPOINT, dict(BODY), entry.tokenizer, entry.max_model_len)

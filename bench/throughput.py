@@ -4,7 +4,7 @@
                                [--out-dir DIR] [--profile MODEL:WORKLOAD]
 
 Everything runs in one process, on the same random-weight llama models (built once with
-`rein.tiny_model.make_tiny_model` into --out-dir), on the same seeded workloads, one system
+`rein.engine.tiny_model.make_tiny_model` into --out-dir), on the same seeded workloads, one system
 after the other for each (model, workload):
 
 * rein: LLMEngine, every request added up front, `step()` until done; greedy, ignore_eos,
@@ -48,7 +48,7 @@ import torch
 from rein.engine.config import EngineConfig
 from rein.engine.engine import EngineStats, LLMEngine
 from rein.engine.sampling_params import SamplingParams
-from rein.tiny_model import ensure_tiny_model
+from rein.engine.tiny_model import ensure_tiny_model
 
 SEED = 0
 MAX_NUM_SEQS = 64

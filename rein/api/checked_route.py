@@ -6,11 +6,11 @@ a byte of the body is read; rein.api.auth remembers answers for a second), then:
 
 - every query parameter (declared or not) and every path parameter, and the header
   parameters the route declares (Idempotency-Key, Last-Event-ID): no NUL character, no
-  lone surrogate (rein.input_checks);
+  lone surrogate (rein.core.input_checks);
 - the declared scalar query parameters, strictly as the schema types them: an integer is
   digits (pydantic alone would take "1.0" or " 1"), a number is finite, a date is
   YYYY-MM-DD (pydantic alone would take "0", a Unix time, or a datetime at midnight);
-- the JSON body, every key and value at any depth (rein.input_checks.check_json): text
+- the JSON body, every key and value at any depth (rein.core.input_checks.check_json): text
   Postgres and the tokenizer can take, finite numbers, integers within 64 bits.
 
 A failure is a 400 in OpenAI's shape whose `param` names the parameter or the JSON path
@@ -39,7 +39,7 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials
 
 from rein.api.deps import authenticate_request
-from rein.input_checks import BadInput, check_json, check_text, text_problem
+from rein.core.input_checks import BadInput, check_json, check_text, text_problem
 from rein.jobs.errors import APIError, unauthorized
 
 API_PREFIX = "/v1/"

@@ -1,6 +1,6 @@
 """Every error the API returns, in OpenAI's shape: {"error": {message, type, param, code}}.
 
-Routes raise `APIError` (or a `RequestError` from rein.openai_format); the handlers
+Routes raise `APIError` (or a `RequestError` from rein.openai.request); the handlers
 installed by `install_error_handlers` turn those, FastAPI's validation errors (400 naming
 the offending parameter), unknown routes (404), an unreachable Postgres or Redis (503 with
 Retry-After) and unexpected failures (500) into that shape, so a client parses one error
@@ -21,9 +21,9 @@ from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rein.core.db import DatabaseUnavailableError
+from rein.engine.structured.validator import ValidatorUnavailable
 from rein.jobs.errors import INVALID_REQUEST, APIError, error_body
-from rein.openai_format import RequestError
-from rein.structured.validator import ValidatorUnavailable
+from rein.openai.errors import RequestError
 
 log = logging.getLogger(__name__)
 

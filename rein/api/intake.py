@@ -51,7 +51,7 @@ from rein.core.keys import KeyInfo
 from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
 from rein.core.models import Job, new_job_id
 from rein.core.settings import Settings
-from rein.embeddings_format import ParsedEmbeddings
+from rein.engine.structured.request import BODY_FIELDS as STRUCTURED_BODY_FIELDS
 from rein.jobs.errors import APIError
 from rein.jobs.prepare import Prepared, prepare
 from rein.jobs.queues import enqueue_jobs, queue_keys
@@ -65,7 +65,7 @@ from rein.jobs.ratelimit import (
     settle_tokens,
 )
 from rein.jobs.registry import ModelRegistry
-from rein.structured.request import BODY_FIELDS as STRUCTURED_BODY_FIELDS
+from rein.openai.embeddings import ParsedEmbeddings
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ MAX_GROUP = 256
 INLINE_VALIDATE_MAX_BYTES = 16 * 1024
 # Bodies with a structured-output constraint (or tools, whose schemas are constraints) are
 # validated in the thread pool whatever their size: a small schema can take seconds to
-# compile (rein.structured.validator waits for it, up to its deadline).
+# compile (rein.engine.structured.validator waits for it, up to its deadline).
 CONSTRAINT_FIELDS = frozenset({*STRUCTURED_BODY_FIELDS, "tools", "tool_choice"})
 
 
@@ -202,7 +202,7 @@ class JobIntake:
         prompt = list(parsed.prompt_token_ids)
         params = {"body": body, "sampling": sampling, "logprobs_mode": parsed.logprobs_mode, "stream": parsed.stream}
         shape = parsed.shape.to_dict()
-        if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.choices); plain jobs store none
+        if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.choices); plain jobs store none
             params["shape"] = shape
         job = NewJob(id=new_job_id(), tenant=key.tenant, key_id=key.key_id, model=model, endpoint=endpoint,
                      params=params,

@@ -1,7 +1,7 @@
 """Request and response schemas of the API: separate create and public views, never a row.
 
 Request models for the OpenAI endpoints document the common fields and keep unknown ones
-(`extra="allow"`): rein.openai_format.parse_request is the one validator of a request's
+(`extra="allow"`): rein.openai.request.parse_request is the one validator of a request's
 meaning (ranges, context length, unsupported fields); these models only reject wrong JSON
 types early, naming the parameter. Strict mode keeps "5" from silently becoming 5. The
 ranges parse_request enforces are written into the OpenAPI schema (`_documented`) but not
@@ -17,16 +17,16 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from rein.embeddings_format import ENCODING_FORMATS, MAX_INPUTS
 from rein.engine.sampling_params import MAX_N
 from rein.jobs.fields import MAX_METADATA_PAIRS, Endpoint
-from rein.openai_format import (
+from rein.openai.embeddings import ENCODING_FORMATS, MAX_INPUTS
+from rein.openai.request import (
     MAX_CHAT_TOP_LOGPROBS,
     MAX_COMPLETION_LOGPROBS,
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
 )
-from rein.tools import MAX_TOOLS
+from rein.openai.tools import MAX_TOOLS
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
@@ -84,7 +84,7 @@ class _OpenAIRequest(BaseModel):
     presence_penalty: float | None = _documented(minimum=-2, maximum=2)
     frequency_penalty: float | None = _documented(minimum=-2, maximum=2)
     repetition_penalty: float | None = _documented(minimum=MIN_REPETITION_PENALTY, maximum=MAX_REPETITION_PENALTY)
-    # int64 (rein.input_checks): a format, since OpenAPI numbers would round the exact bounds.
+    # int64 (rein.core.input_checks): a format, since OpenAPI numbers would round the exact bounds.
     seed: int | None = _documented(format="int64")
     stop: str | list[str] | None = Field(None, json_schema_extra=lambda schema: schema.update(anyOf=[
         _TEXT, {"type": "array", "items": _STOP, "maxItems": 4}, {"type": "null"}]))   # "": none
@@ -104,7 +104,7 @@ _CONTENT = [_TEXT, {"type": "array", "items": {
     "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": _TEXT}}}]
 # Content is required but for an assistant's message (null or missing: empty).
 _FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
-# An assistant's earlier tool calls (rein.tools.template_message_fields); arguments: a JSON object.
+# An assistant's earlier tool calls (rein.openai.tools.template_message_fields); arguments: a JSON object.
 _TOOL_CALLS = {"anyOf": [{"type": "null"}, {"type": "array", "items": {
     "type": "object", "required": ["function"],
     "properties": {"id": _TEXT, "type": {"const": "function"},
@@ -155,7 +155,7 @@ class ChatCompletionRequest(_OpenAIRequest):
     top_logprobs: int | None = _documented(minimum=0, maximum=MAX_CHAT_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = _schema(
         {"anyOf": [{"type": "array", "items": _TOOL, "maxItems": MAX_TOOLS}, {"type": "null"}]},
-        "Functions the model may call (rein.tools).")
+        "Functions the model may call (rein.openai.tools).")
     tool_choice: str | dict[str, Any] | None = _schema(
         _TOOL_CHOICE, 'none | auto (default with tools) | required | {"type": "function", "function": {"name"}}.')
     parallel_tool_calls: bool | None = None
@@ -172,7 +172,7 @@ class CompletionRequest(_OpenAIRequest):
 
 
 class EmbeddingRequest(BaseModel):
-    """OpenAI's embeddings request (rein.embeddings_format.parse_embeddings_request checks its
+    """OpenAI's embeddings request (rein.openai.embeddings.parse_embeddings_request checks its
     meaning: lengths, the context, token ids, what `dimensions` the model allows)."""
 
     model_config = ConfigDict(extra="allow", strict=True)

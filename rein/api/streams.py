@@ -39,8 +39,8 @@ from sqlalchemy.exc import SQLAlchemyError
 from rein.core.messages import STREAM_FIELD, event_id
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.core.redis_keys import RedisKeys
-from rein.openai_format import usage_body
-from rein.tools import stream_for
+from rein.openai.response import usage_body
+from rein.openai.tools import stream_for
 
 # XREAD blocks this long, well under the socket timeout of the API's async Redis client
 # (STREAM_SOCKET_TIMEOUT): a read that waits its full block must not look like a dead socket.
@@ -325,7 +325,7 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
     each choice gets its own finish chunk, and a choice the job's end left unfinished (an
     aborted request) gets the job's. `echo` (completions): the prompt's text, sent ahead of
     each choice's first text, as vLLM streams an echo. With the request's tools
-    (`request_body`), each choice's text goes through its rein.tools.ToolStream: tool_calls
+    (`request_body`), each choice's text goes through its rein.openai.tools.ToolStream: tool_calls
     deltas."""
     chat = endpoint == "/v1/chat/completions"
     created = int(time.time())

@@ -78,10 +78,10 @@ from rein.core.messages import PRIORITY_BATCH, JobMessage
 from rein.core.models import JOB_MESSAGE_COLUMNS, Batch, File, Job, new_job_id
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
+from rein.engine.structured.validator import ValidatorUnavailable
 from rein.jobs.cancel import request_cancel
 from rein.jobs.queues import enqueue_jobs, queue_keys
 from rein.jobs.registry import ModelRegistry
-from rein.structured.validator import ValidatorUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -23,11 +23,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rein.embeddings_format import ParsedEmbeddings
 from rein.jobs.errors import APIError
 from rein.jobs.prepare import Prepared, prepare
 from rein.jobs.registry import ModelRegistry
-from rein.openai_format import RequestError, parse_batch_line
+from rein.openai.batch_lines import parse_batch_line
+from rein.openai.embeddings import ParsedEmbeddings
+from rein.openai.errors import RequestError
 
 MAX_REPORTED_ERRORS = 1000
 
@@ -44,7 +45,7 @@ class ValidLine:
         params = {"body": self.prepared.body, "sampling": dataclasses.asdict(parsed.params),
                   "logprobs_mode": parsed.logprobs_mode, "stream": False}
         shape = parsed.shape.to_dict()
-        if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.choices)
+        if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.choices)
             params["shape"] = shape
         if isinstance(parsed, ParsedEmbeddings):   # an embeddings line's inputs (rein.core.messages)
             params["input_lengths"] = parsed.input_lengths

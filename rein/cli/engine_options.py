@@ -159,13 +159,13 @@ def generation_defaults_of(engine: Any):
     (CLIError for an unreadable generation_config.json)."""
     import logging
 
-    from rein.generation_defaults import GenerationConfigError, load_generation_defaults
+    from rein.engine.generation_defaults import GenerationConfigError, load_generation_defaults
 
     try:
         defaults = load_generation_defaults(engine.model_dir, engine.config.generation_config)
     except GenerationConfigError as exc:
         raise CLIError(str(exc)) from exc
-    logging.getLogger("rein.generation_defaults").info(
+    logging.getLogger("rein.engine.generation_defaults").info(
         "generation defaults for model %s: %s", engine.config.model, defaults.describe())
     return defaults
 

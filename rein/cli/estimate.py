@@ -53,8 +53,8 @@ class EstimateError(ValueError):
 
 
 def _load_spec(model: str):
+    from rein.engine.model_files import resolve_model
     from rein.engine.model_spec import ModelSpec
-    from rein.model_files import resolve_model
 
     if Path(model).expanduser().exists():  # a model directory or a GGUF file (its shapes)
         return resolve_model(model).spec

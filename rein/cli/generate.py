@@ -68,7 +68,8 @@ def request_body(args: argparse.Namespace) -> tuple[str, dict]:
 
 def run(args: argparse.Namespace) -> int:
     from rein.engine.errors import EngineRequestError
-    from rein.openai_format import RequestError, parse_request
+    from rein.openai.errors import RequestError
+    from rein.openai.request import parse_request
 
     try:
         engine = build_engine(args, "generate")

@@ -1,7 +1,7 @@
 """`rein make-tiny-model DIR`: write a random-weight model of a real architecture.
 
 The model (plus a locally trained byte-level BPE tokenizer) loads with transformers'
-Auto classes and with rein; see rein.tiny_model. `--embedding` writes an embedding model
+Auto classes and with rein; see rein.engine.tiny_model. `--embedding` writes an embedding model
 shaped like Qwen3-Embedding (sentence-transformers pooling files; `--pooling` picks the
 pooling, last token by default; the arch defaults to qwen3). torch is imported only when the command
 runs, so `rein --help` stays fast.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rein.tiny_model import ARCHS, EMBEDDING_POOLINGS, PRESETS
+from rein.engine.tiny_model import ARCHS, EMBEDDING_POOLINGS, PRESETS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rein.tiny_model import make_tiny_model, model_summary
+    from rein.engine.tiny_model import make_tiny_model, model_summary
 
     if args.pooling is not None and not args.embedding:
         print("rein make-tiny-model: --pooling needs --embedding", file=sys.stderr)

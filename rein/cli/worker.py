@@ -88,9 +88,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         db.dispose()
 
-    from rein.generation_defaults import load_generation_defaults
+    from rein.engine.generation_defaults import load_generation_defaults
+    from rein.engine.model_files import resolve_model
     from rein.jobs.queues import queued_slots, worker_queues
-    from rein.model_files import resolve_model
     from rein.worker.app import make_worker_celery
     from rein.worker.bootstep import EngineThreadPool, WorkerSpec, configure_worker
 

@@ -34,7 +34,7 @@ class JobMessage:
 
     An embeddings job (/v1/embeddings): `sampling` holds PoolingParams fields, and
     `prompt_token_ids` all of its inputs one after the other, `input_lengths` long each
-    (rein.embeddings_format.split_inputs).
+    (rein.openai.embeddings.split_inputs).
     """
 
     job_id: str
@@ -46,7 +46,7 @@ class JobMessage:
     logprobs_mode: int | None = None
     tenant: str = ""
     key_id: str = ""
-    # rein.choices.ResponseShape.to_dict(): n > 1, best_of, echo, prompt logprobs; None: plain.
+    # rein.openai.choices.ResponseShape.to_dict(): n > 1, best_of, echo, prompt logprobs; None: plain.
     shape: dict[str, Any] | None = None
     input_lengths: list[int] | None = None
 

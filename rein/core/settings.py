@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 from functools import lru_cache
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -271,7 +272,7 @@ class Settings(BaseSettings):
     structured_validators: int = Field(2, ge=0, le=64)
     """Child processes per process (API, batch validator, worker, run-batch) that check
     structured-output specs with llguidance, so a spec that crashes or stalls the native
-    compiler costs only its request (rein.structured.validator); 0: check in-process."""
+    compiler costs only its request (rein.engine.structured.validator); 0: check in-process."""
     structured_validate_seconds: float = Field(10.0, gt=0)
     """How long a spec may take to check (waiting for a free validator included) before it
     is refused as too slow to compile."""
@@ -387,6 +388,11 @@ def setting_or_default(name: str) -> Any:
         return getattr(get_settings(), name)
     except SettingsError:
         return Settings.model_fields[name].default
+
+
+def cache_root() -> Path:
+    """REIN_CACHE_DIR (default ~/.cache/rein): models, GGUF views, built CPU kernels."""
+    return Path(setting_or_default("cache_dir")).expanduser()
 
 
 def cuda_visible_devices() -> str | None:

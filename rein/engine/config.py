@@ -53,7 +53,7 @@ class EngineConfig:
     enable_prefix_caching: a request whose leading tokens (whole KV blocks) another request
     already computed reuses those blocks instead of computing them (rein.engine.block_pool).
     generation_config: where the sampling defaults of requests come from (auto: the model's
-    generation_config.json; vllm or none: built-in; or a folder), rein.generation_defaults.
+    generation_config.json; vllm or none: built-in; or a folder), rein.engine.generation_defaults.
     The engine itself applies none: they are filled into SamplingParams when a request is parsed.
     """
 
@@ -73,7 +73,7 @@ class EngineConfig:
     generation_config: str = "auto"
 
     def __post_init__(self) -> None:
-        from rein.generation_defaults import check_generation_config
+        from rein.engine.generation_defaults import check_generation_config
 
         check_generation_config(self.generation_config)   # a ValueError naming the choices
         if self.device == "auto":

@@ -27,6 +27,7 @@ from rein.engine.block_pool import BlockPool
 from rein.engine.config import EngineConfig
 from rein.engine.detokenizer import IncrementalDetokenizer
 from rein.engine.errors import ContextLengthExceeded, EngineRequestError
+from rein.engine.model_files import resolve_model
 from rein.engine.model_runner import ModelRunner
 from rein.engine.outputs import RequestOutput, TokenLogprob
 from rein.engine.pooler import add_pooling_request, finish_requests
@@ -35,8 +36,7 @@ from rein.engine.request import ChoiceGroup, Request, RequestStatus
 from rein.engine.sampler import Sampler, SamplingBatch, make_generator
 from rein.engine.sampling_params import SamplingParams
 from rein.engine.scheduler import Scheduler
-from rein.model_files import resolve_model
-from rein.structured.decoding import StructuredDecoding
+from rein.engine.structured.decoding import StructuredDecoding
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (
             {self.tokenizer.eos_token_id} if self.tokenizer.eos_token_id is not None else set())
-        # Structured outputs (rein.structured): compiled grammars, requests held until theirs is.
+        # Structured outputs (rein.engine.structured): compiled grammars, requests held until theirs is.
         self.grammars = StructuredDecoding(self.tokenizer, self.spec.vocab_size, self.eos_token_ids,
                                            self.runner.device)
         self.stats = EngineStats()

@@ -1,5 +1,5 @@
 """Load a model's weights into rein's native model: safetensors, or a GGUF file dequantized
-one tensor at a time to the engine's dtype. Finding the files is `rein.model_files`."""
+one tensor at a time to the engine's dtype. Finding the files is `rein.engine.model_files`."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import torch
 
+from rein.engine.model_files import TENSOR_INDEX, ModelFiles, ModelNotFoundError, require_gguf
 from rein.engine.model_spec import ModelSpec
-from rein.model_files import TENSOR_INDEX, ModelFiles, ModelNotFoundError, require_gguf
 
 
 @contextmanager

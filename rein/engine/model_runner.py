@@ -24,6 +24,7 @@ from rein.engine.config import EngineConfig
 from rein.engine.cpu_allocator import keep_freed_memory
 from rein.engine.cuda_graphs import DecodeGraphs
 from rein.engine.loader import load_model
+from rein.engine.model_files import ModelFiles
 from rein.engine.model_spec import ModelSpec
 from rein.engine.outputs import TokenLogprob
 from rein.engine.pooler import gather
@@ -31,7 +32,6 @@ from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
 from rein.engine.scheduler import ScheduledRequest
 from rein.kernels import cpu_native, cpu_paths
-from rein.model_files import ModelFiles
 
 log = logging.getLogger(__name__)
 

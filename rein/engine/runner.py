@@ -22,10 +22,10 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from rein.choices import ChoiceGatherer
 from rein.engine.engine import LLMEngine
 from rein.engine.outputs import RequestOutput, TokenLogprob
 from rein.engine.sampling_params import SamplingParams
+from rein.openai.choices import ChoiceGatherer
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +69,7 @@ class RequestStream:
 class Collected:
     """Everything a request produced, gathered on the engine thread (see CollectingStream).
 
-    `choices` holds every choice of an n > 1 request (rein.choices); `text`, `token_ids`
+    `choices` holds every choice of an n > 1 request (rein.openai.choices); `text`, `token_ids`
     and `logprobs` are choice 0's, the whole answer of a plain request."""
 
     choices: ChoiceGatherer = field(default_factory=ChoiceGatherer)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from rein.embeddings_format import ParsedEmbeddings, model_pooling, parse_embeddings_request
 from rein.jobs.errors import APIError
 from rein.jobs.registry import ModelEntry, ModelRegistry
-from rein.openai_format import EMBEDDINGS, ParsedRequest, RequestError, parse_request
+from rein.openai.embeddings import ParsedEmbeddings, model_pooling, parse_embeddings_request
+from rein.openai.endpoints import EMBEDDINGS
+from rein.openai.errors import RequestError
+from rein.openai.request import ParsedRequest, parse_request
 
 
 @dataclass

@@ -5,7 +5,7 @@ Loaded once at startup (transformers' AutoTokenizer needs no torch), so a reques
 tokenizes. The context length is REIN_MODELS' `@N` when given, else REIN_MAX_MODEL_LEN,
 otherwise the model's `config.json` `max_position_embeddings` (or the tokenizer's
 model_max_length). The sampling defaults are the model's generation_config.json under
-REIN_GENERATION_CONFIG (rein.generation_defaults), passed to parse_request, so a job's
+REIN_GENERATION_CONFIG (rein.engine.generation_defaults), passed to parse_request, so a job's
 params are fixed, defaults included, when the API accepts it.
 """
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rein.core.settings import ServedModel, Settings
-from rein.generation_defaults import (
+from rein.engine.generation_defaults import (
     GenerationConfigError,
     GenerationDefaults,
     load_generation_defaults,
@@ -70,7 +70,7 @@ def load_model(model: ServedModel, generation_config: str = "auto", max_model_le
     """`max_model_len`: REIN_MAX_MODEL_LEN (the entry's @N comes first)."""
     from transformers import AutoTokenizer
 
-    from rein.model_files import resolve_model
+    from rein.engine.model_files import resolve_model
 
     try:
         directory = resolve_model(model.source, weights=False).directory

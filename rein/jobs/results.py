@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from rein.core.models import Job, Result
-from rein.embeddings_format import job_embeddings_body
-from rein.openai_format import EMBEDDINGS, build_response
-from rein.tools import apply_tool_calls
+from rein.openai.embeddings import job_embeddings_body
+from rein.openai.endpoints import EMBEDDINGS
+from rein.openai.response import build_response
+from rein.openai.tools import apply_tool_calls
 
 
 def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str, Any]:
@@ -26,7 +27,7 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
     body["choices"][0]["logprobs"] = result.logprobs
     if result.response:   # n > 1, echo, prompt logprobs: the choices and usage the worker built
         body.update(result.response)
-    return apply_tool_calls(body, (job.params or {}).get("body"))   # tool calls out of the text (rein.tools)
+    return apply_tool_calls(body, (job.params or {}).get("body"))   # tool calls out of the text (rein.openai.tools)
 
 
 def response_logprobs(endpoint: str, logprobs: list[Any] | None, tokenizer: Any,

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from rein.model_files import cache_root
+from rein.core.settings import cache_root
 
 log = logging.getLogger(__name__)
 

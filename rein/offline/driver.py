@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Generic, TypeVar
 
-from rein.choices import ChoiceGatherer
+from rein.openai.choices import ChoiceGatherer
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
@@ -38,7 +38,7 @@ def default_max_in_flight(engine: LLMEngine) -> int:
 class FinishedRequest(Generic[State]):
     """One request's whole answer, as its step outputs added up.
 
-    `choices` holds every choice of an n > 1 request (rein.choices), and the prompt
+    `choices` holds every choice of an n > 1 request (rein.openai.choices), and the prompt
     logprobs; `text`, `token_ids` and `logprobs` are choice 0's, the whole answer of a
     plain request. `finish_reason` is the request's (the last choice to end)."""
 

@@ -4,7 +4,7 @@ Both drive the engine through `rein.offline.driver` like generation does, so emb
 requests and generation requests of one batch file share its steps. An embeddings batch
 line with several inputs makes one engine request per input (`<line id>#<i>`); its output
 line is written once every input is done, with OpenAI's embeddings body
-(rein.embeddings_format). `LLM.embed(prompts)` returns vLLM's shape: one
+(rein.openai.embeddings). `LLM.embed(prompts)` returns vLLM's shape: one
 `EmbeddingRequestOutput` per prompt, the vector in `.outputs.embedding`.
 """
 
@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from rein.embeddings_format import ParsedEmbeddings, embeddings_body, parse_embeddings_request
 from rein.engine.errors import EngineRequestError
 from rein.engine.pooling import PoolingError, PoolingParams
 from rein.offline.driver import FinishedRequest, drive
-from rein.openai_format import INVALID_REQUEST, BatchLine, RequestError, batch_output_line
+from rein.openai.batch_lines import BatchLine, batch_output_line
+from rein.openai.embeddings import ParsedEmbeddings, embeddings_body, parse_embeddings_request
+from rein.openai.errors import INVALID_REQUEST, RequestError
 
 if TYPE_CHECKING:
     from rein.offline.llm import LLM

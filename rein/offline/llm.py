@@ -22,7 +22,7 @@ Choices where rein differs from vLLM:
 
 * Text prompts are encoded with the tokenizer's special tokens (BOS), as vLLM and rein's
   /v1/completions do; chat prompts come from the chat template alone, built by the same
-  code as rein's /v1/chat/completions (`rein.openai_format`).
+  code as rein's /v1/chat/completions (`rein.openai.request`).
 * A prompt whose length plus `max_tokens` exceeds the context is refused (ValueError), as
   rein's API does, rather than having its completion cut short.
 * `Logprob.rank` is the 1-based rank when the token is among the returned top
@@ -50,11 +50,12 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from rein.choices import Choice
 from rein.engine.errors import EngineRequestError
 from rein.engine.sampling_params import SamplingParams
 from rein.offline.driver import FinishedRequest, default_max_in_flight, drive
-from rein.openai_format import RequestError, chat_prompt
+from rein.openai.choices import Choice
+from rein.openai.errors import RequestError
+from rein.openai.request import chat_prompt
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
@@ -191,7 +192,7 @@ class LLM:
         from rein.cli.engine_options import ENGINE_OPTION_NAMES, resolve_engine_values
         from rein.engine.config import EngineConfig
         from rein.engine.engine import LLMEngine
-        from rein.generation_defaults import load_generation_defaults
+        from rein.engine.generation_defaults import load_generation_defaults
 
         given = dict(self._given_arguments)   # the keywords the caller wrote (_records_given_arguments)
         if "kv_cache_memory_bytes" in kwargs:

@@ -26,24 +26,22 @@ from typing import IO, TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from rein.choice_bodies import full_response
 from rein.engine.errors import EngineRequestError
-from rein.generation_defaults import GenerationDefaults, load_generation_defaults
+from rein.engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from rein.offline.driver import FinishedRequest, default_max_in_flight, drive
 from rein.offline.embed import EmbeddingPart, finish_embeddings_part, take_embeddings_line
-from rein.openai_format import (
-    EMBEDDINGS,
-    INVALID_REQUEST,
-    ParsedRequest,
-    RequestError,
+from rein.openai.batch_lines import (
     batch_error_line,
     batch_output_line,
-    build_response,
     custom_id_of,
     parse_batch_line,
-    parse_request,
 )
-from rein.tools import apply_tool_calls
+from rein.openai.choice_bodies import full_response
+from rein.openai.endpoints import EMBEDDINGS
+from rein.openai.errors import INVALID_REQUEST, RequestError
+from rein.openai.request import ParsedRequest, parse_request
+from rein.openai.response import build_response
+from rein.openai.tools import apply_tool_calls
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
@@ -84,7 +82,7 @@ class _Pending:
     endpoint: str
     model_name: str
     parsed: ParsedRequest
-    request_body: dict[str, Any] | None = None     # for tool calls (rein.tools)
+    request_body: dict[str, Any] | None = None     # for tool calls (rein.openai.tools)
 
 
 def run_batch(
@@ -205,7 +203,7 @@ class _BatchRun:
                 pending.endpoint, done.request_id, pending.model_name, prompt_tokens, done.text,
                 done.token_ids, done.finish_reason, done.logprobs if parsed.logprobs_mode is not None else None,
                 self.engine.tokenizer, parsed.logprobs_mode, int(time.time()), cached_tokens=done.num_cached_tokens)
-        else:   # n > 1, best_of, echo, prompt logprobs (rein.choice_bodies)
+        else:   # n > 1, best_of, echo, prompt logprobs (rein.openai.choice_bodies)
             body = full_response(pending.endpoint, done.request_id, pending.model_name, done.choices,
                                  parsed.prompt_token_ids, self.engine.tokenizer, parsed.logprobs_mode, parsed.shape,
                                  int(time.time()))

@@ -23,8 +23,8 @@ import time
 from typing import TYPE_CHECKING
 
 from rein.core.messages import JobMessage
-from rein.embeddings_format import split_inputs, stored_response
-from rein.openai_format import usage_body
+from rein.openai.embeddings import split_inputs, stored_response
+from rein.openai.response import usage_body
 from rein.worker.recorder import JobRecord
 
 if TYPE_CHECKING:

@@ -66,7 +66,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from rein.core.messages import STREAM_FIELD, TokenEvent
 from rein.core.redis_keys import RedisKeys
 from rein.engine.outputs import RequestOutput
-from rein.openai_format import usage_body
+from rein.openai.response import usage_body
 from rein.worker.recorder import storable_text
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ shape (it needs the tokenizer, which the worker has and the API need not load).
 `response_body(job, result)` rebuilds exactly the body the synchronous endpoint returns
 (tool calls are parsed out of the stored text there, from the job's own request body).
 A request with more than one plain choice (n > 1, best_of, echo, prompt logprobs) also
-stores `results.response`: the body's `choices` and `usage` (rein.choice_bodies), merged
+stores `results.response`: the body's `choices` and `usage` (rein.openai.choice_bodies), merged
 over the plain body; its text, token ids and logprobs columns hold the first returned choice.
 
 The worker records through `GroupRecorder`: jobs that end together (a batch's lines end
@@ -68,7 +68,7 @@ class JobRecord:
     cached_tokens: int = 0
     first_token_at: datetime | None = None
     error: dict[str, Any] | None = None           # {"message", "type", "code"} when failed
-    # Body parts beyond the plain one-choice answer (rein.choice_bodies.response_extra, or an
+    # Body parts beyond the plain one-choice answer (rein.openai.choice_bodies.response_extra, or an
     # embeddings job's `data`); None: plain.
     response: dict[str, Any] | None = None
 

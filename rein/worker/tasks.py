@@ -35,8 +35,6 @@ from celery import shared_task
 from redis.exceptions import RedisError
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
-from rein.choice_bodies import response_extra
-from rein.choices import ResponseShape, returned_choices
 from rein.core.logging import log_context
 from rein.core.messages import PRIORITY_BATCH, JobMessage
 from rein.jobs.cancel import is_cancel_requested
@@ -49,7 +47,10 @@ from rein.jobs.claim import (
 from rein.jobs.queues import TASK_NAME, enqueue_job
 from rein.jobs.ratelimit import settle_tokens
 from rein.jobs.results import response_logprobs
-from rein.openai_format import EMBEDDINGS, usage_body
+from rein.openai.choice_bodies import response_extra
+from rein.openai.choices import ResponseShape, returned_choices
+from rein.openai.endpoints import EMBEDDINGS
+from rein.openai.response import usage_body
 from rein.worker.bootstep import worker_context
 from rein.worker.embeddings import run_embeddings
 from rein.worker.publisher import TIMEOUT
@@ -182,7 +183,7 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
 def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, cancel_mark: int | None = None) -> str:
     from rein.engine.runner import EngineStoppedError
     from rein.engine.sampling_params import SamplingParams
-    from rein.structured.decoding import prepare_grammar
+    from rein.engine.structured.decoding import prepare_grammar
 
     job_id = message.job_id
     claimed = time.monotonic()
@@ -247,7 +248,7 @@ def job_record(message: JobMessage, endpoint: str, collected: Collected, params:
                tokenizer: Any, status: str = "succeeded", error: dict[str, Any] | None = None) -> JobRecord:
     """What a finished attempt records. A plain
     request records its one choice; one with several choices, an echo or prompt logprobs
-    also the body parts that shows (rein.choice_bodies), and usage summed over its choices."""
+    also the body parts that shows (rein.openai.choice_bodies), and usage summed over its choices."""
     final = collected.final
     assert final is not None
     first_token_at = (datetime.fromtimestamp(collected.first_token_at, UTC)

@@ -556,7 +556,7 @@ def test_tool_results_go_back_through_the_template(client: openai.OpenAI) -> Non
     none = client.chat.completions.create(**TOOL_CHAT, tools=[WEATHER_TOOL], tool_choice="none")
     assert with_tools.usage.prompt_tokens > plain.usage.prompt_tokens == none.usage.prompt_tokens
     assert none.choices[0].message.content == plain.choices[0].message.content
-    # Random weights write no <tool_call>: a plain answer (rein.tools' unit tests parse real ones).
+    # Random weights write no <tool_call>: a plain answer (rein.openai.tools' unit tests parse real ones).
     assert with_tools.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
@@ -586,9 +586,9 @@ def test_named_tool_choice_answers_with_a_call_and_streams_it(client: openai.Ope
 
 
 def test_named_tool_choice_arguments_follow_the_schema(client: openai.OpenAI) -> None:
-    """Needs the grammar engine (rein.structured): the arguments are constrained to the function's
+    """Needs the grammar engine (rein.engine.structured): the arguments are constrained to the function's
     parameters, so they parse and validate, and the answer ends (finish_reason "stop")."""
-    pytest.importorskip("rein.structured", reason="constrained decoding (issue 14's structured outputs)")
+    pytest.importorskip("rein.engine.structured", reason="constrained decoding (issue 14's structured outputs)")
     done = client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER_TOOL],
         tool_choice=NAMED, max_tokens=200, temperature=0.8, seed=3)
@@ -638,8 +638,8 @@ FORCED_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"unit": "celsi
 
 def test_auto_tool_calls_are_parsed_synchronous_streamed_and_batched(client: openai.OpenAI) -> None:
     """Random weights never write a <tool_call> on their own: vLLM's structured_outputs `choice`
-    (needs rein.structured) makes the model write one, which auto mode must parse."""
-    pytest.importorskip("rein.structured", reason="constrained decoding (issue 14's structured outputs)")
+    (needs rein.engine.structured) makes the model write one, which auto mode must parse."""
+    pytest.importorskip("rein.engine.structured", reason="constrained decoding (issue 14's structured outputs)")
     request = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER_TOOL],
                "tool_choice": "auto", "max_tokens": 100, "temperature": 0.0}
     forced = {"structured_outputs": {"choice": [FORCED_CALL]}}

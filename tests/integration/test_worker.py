@@ -26,7 +26,7 @@ from rein.jobs.cancel import is_cancel_requested, request_cancel
 from rein.jobs.claim import ClaimOutcome, cancel_unstarted_job, claim_job, release_job
 from rein.jobs.queues import enqueue_job, queue_keys, worker_queues
 from rein.jobs.results import response_body
-from rein.openai_format import usage_body
+from rein.openai.response import usage_body
 from rein.worker.app import make_worker_celery
 from rein.worker.cancel import CancelListener
 from rein.worker.publisher import TokenPublisher
@@ -756,8 +756,8 @@ def test_job_the_engine_refuses_fails_with_its_reason(worker_app, make_job, db_s
 def test_a_grammar_the_engine_cannot_compile_fails_its_job_with_the_reason(worker_app, make_job, db_sessionmaker,
                                                                           redis_client, keys, monkeypatch):
     """Not `cancelled`: the job failed for its own fault, and its stream and record say why."""
-    from rein.structured import decoding
-    from rein.structured.cache import GrammarError
+    from rein.engine.structured import decoding
+    from rein.engine.structured.cache import GrammarError
 
     cache = worker_app.rein_context.engine.grammars.cache
 

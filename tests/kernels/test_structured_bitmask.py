@@ -1,4 +1,4 @@
-"""Token bitmask application (rein.structured.kernels): the torch implementation against a
+"""Token bitmask application (rein.engine.structured.kernels): the torch implementation against a
 plain loop, and the Triton kernel against the torch one.
 
 Without a GPU the Triton kernel runs under the interpreter on CPU tensors (TRITON_INTERPRET
@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from rein.structured.kernels import apply_token_bitmask, apply_token_bitmask_torch  # noqa: E402
+from rein.engine.structured.kernels import apply_token_bitmask, apply_token_bitmask_torch  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cpu" if INTERPRET else "cuda"
@@ -76,7 +76,7 @@ def test_rows_and_mask_must_agree():
 ])
 def test_triton_matches_torch(batch, vocab, mask_rows, words, dtype):
     pytest.importorskip("triton")
-    from rein.structured.triton_bitmask import apply_token_bitmask_triton
+    from rein.engine.structured.triton_bitmask import apply_token_bitmask_triton
 
     logits, bitmask, rows = random_case(batch, vocab, mask_rows, words, seed=batch * vocab)
     logits = logits.to(dtype)

@@ -25,7 +25,7 @@ MODEL = "smollm2"
 @pytest.fixture(scope="module")
 def service(tmp_path_factory, gguf_path, references):
     """One stack for the module. `references` first, so HF's work is done before it starts."""
-    from rein.model_files import cache_root
+    from rein.core.settings import cache_root
 
     env = {"REIN_KV_CACHE_MEMORY": KV_CACHE_MEMORY, "REIN_DTYPE": "float32",
            # the harness drops the caller's REIN_* settings; the GGUF's config view is cached here

@@ -61,7 +61,7 @@ def test_reported_errors_are_capped(registry):
 
 
 def test_a_grammar_that_crashes_the_compiler_fails_its_line_only(registry, monkeypatch):
-    from rein.structured import limits
+    from rein.engine.structured import limits
 
     monkeypatch.setattr(limits, "MAX_GRAMMAR_RULES", 10_000)   # past the cap, into a validator process
     bomb = "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(3500)) + 'r3500: "a"\n'

@@ -1,7 +1,7 @@
 """n > 1, best_of, echo, prompt logprobs, logit_bias and min_tokens through the service's
-pieces, fed hand-built engine outputs: request parsing (rein.openai_format), gathering per
-choice (rein.choices, the runner's CollectingStream, the offline driver), response bodies
-(rein.choice_bodies, the recorder's merge), the publisher's token events and the OpenAI
+pieces, fed hand-built engine outputs: request parsing (rein.openai.request), gathering per
+choice (rein.openai.choices, the runner's CollectingStream, the offline driver), response bodies
+(rein.openai.choice_bodies, the recorder's merge), the publisher's token events and the OpenAI
 chunk stream (rein.api.streams)."""
 
 from __future__ import annotations
@@ -13,19 +13,16 @@ from types import SimpleNamespace
 import pytest
 from transformers import AutoTokenizer
 
-from rein.choice_bodies import full_response, response_extra
-from rein.choices import ChoiceGatherer, ResponseShape, returned_choices
 from rein.core.messages import JobMessage, TokenEvent
 from rein.core.redis_keys import RedisKeys
 from rein.engine.outputs import RequestOutput, TokenLogprob
 from rein.engine.runner import CollectingStream
-from rein.openai_format import (
-    CHAT_COMPLETIONS,
-    COMPLETIONS,
-    RequestError,
-    build_response,
-    parse_request,
-)
+from rein.openai.choice_bodies import full_response, response_extra
+from rein.openai.choices import ChoiceGatherer, ResponseShape, returned_choices
+from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS
+from rein.openai.errors import RequestError
+from rein.openai.request import parse_request
+from rein.openai.response import build_response
 
 MAX_LEN = 256
 CHAT = [{"role": "user", "content": "Hello there"}]

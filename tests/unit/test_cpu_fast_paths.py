@@ -176,8 +176,8 @@ def test_loaded_cpu_model_logits_equal_on_both_paths(tiny_models, arch, fast_pat
     """Packed for oneDNN where float32 runs there, dense otherwise; the logits are the plain
     product with the head either way."""
     from rein.engine.loader import load_model
+    from rein.engine.model_files import resolve_model
     from rein.engine.model_spec import ModelSpec
-    from rein.model_files import resolve_model
 
     files = resolve_model(tiny_models(arch=arch))
     spec = ModelSpec.from_dir(files.directory)

@@ -1,4 +1,4 @@
-"""/v1/embeddings requests and responses (rein.embeddings_format), the pooling config read
+"""/v1/embeddings requests and responses (rein.openai.embeddings), the pooling config read
 from a model's files (rein.engine.pooling) and the pooling math (rein.engine.pooler)."""
 
 from __future__ import annotations
@@ -11,7 +11,10 @@ import pytest
 import torch
 
 from rein.core.messages import JobMessage
-from rein.embeddings_format import (
+from rein.engine.pooler import finish_vector, gather
+from rein.engine.pooling import PoolingConfig, PoolingError, PoolingParams, read_pooling_config
+from rein.openai.batch_lines import parse_batch_line
+from rein.openai.embeddings import (
     MAX_EMBEDDING_VALUES,
     MAX_INPUTS,
     MAX_TOTAL_TOKENS,
@@ -22,9 +25,7 @@ from rein.embeddings_format import (
     split_inputs,
     stored_response,
 )
-from rein.engine.pooler import finish_vector, gather
-from rein.engine.pooling import PoolingConfig, PoolingError, PoolingParams, read_pooling_config
-from rein.openai_format import RequestError, parse_batch_line
+from rein.openai.errors import RequestError
 
 MATRYOSHKA = PoolingConfig(hidden_size=64, is_matryoshka=True)
 

@@ -14,14 +14,14 @@ import pytest
 from rein import LLM, SamplingParams
 from rein.cli.main import main
 from rein.core.settings import ServedModel
-from rein.generation_defaults import (
+from rein.engine.generation_defaults import (
     GenerationConfigError,
     GenerationDefaults,
     check_generation_config,
     load_generation_defaults,
 )
 from rein.jobs.registry import ModelLoadError, load_model
-from rein.openai_format import parse_request
+from rein.openai.request import parse_request
 
 MAX_LEN = 128
 KV = "16MiB"

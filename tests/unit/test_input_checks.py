@@ -1,5 +1,5 @@
-"""What rein cannot take (rein.input_checks), and how the OpenAI parsing uses it for batch
-lines and the values that reach the engine (rein.openai_format)."""
+"""What rein cannot take (rein.core.input_checks), and how the OpenAI parsing uses it for batch
+lines and the values that reach the engine (rein.openai.request)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from rein.input_checks import (
+from rein.core.input_checks import (
     INT64_MAX,
     INT64_MIN,
     MAX_JSON_DEPTH,
@@ -16,13 +16,10 @@ from rein.input_checks import (
     check_json,
     text_problem,
 )
-from rein.openai_format import (
-    COMPLETIONS,
-    RequestError,
-    custom_id_of,
-    parse_batch_line,
-    parse_request,
-)
+from rein.openai.batch_lines import custom_id_of, parse_batch_line
+from rein.openai.endpoints import COMPLETIONS
+from rein.openai.errors import RequestError
+from rein.openai.request import parse_request
 
 
 def bad(value, root=None) -> BadInput:

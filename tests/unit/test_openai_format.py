@@ -1,4 +1,4 @@
-"""OpenAI request parsing, response shapes and batch lines (rein.openai_format)."""
+"""OpenAI request parsing, response shapes and batch lines (rein.openai.request)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,11 @@ import pytest
 from transformers import AutoTokenizer
 
 from rein.engine.outputs import TokenLogprob
-from rein.openai_format import (
-    CHAT_COMPLETIONS,
-    COMPLETIONS,
-    RequestError,
-    batch_error_line,
-    batch_output_line,
-    build_response,
-    parse_batch_line,
-    parse_request,
-)
+from rein.openai.batch_lines import batch_error_line, batch_output_line, parse_batch_line
+from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS
+from rein.openai.errors import RequestError
+from rein.openai.request import parse_request
+from rein.openai.response import build_response
 
 MAX_LEN = 256
 CHAT = [{"role": "user", "content": "Hello there"}]

@@ -1,4 +1,4 @@
-"""Structured outputs in the engine (rein.structured + the LLMEngine hook), on a tiny
+"""Structured outputs in the engine (rein.engine.structured + the LLMEngine hook), on a tiny
 random-weight model: its free text is garbage, so every constrained output that validates
 shows the constraint did the work.
 
@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rein.engine import EngineConfig, EngineRequestError, LLMEngine, SamplingParams
-from rein.structured.cache import GrammarCache
-from rein.structured.decoding import StructuredDecoding, prepare_grammar
+from rein.engine.structured.cache import GrammarCache
+from rein.engine.structured.decoding import StructuredDecoding, prepare_grammar
 
 PERSON = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 12},
@@ -381,7 +381,7 @@ def test_cache_is_bounded_and_remembers_failures(engine):
 
 
 def test_a_grammar_that_never_compiles_ends_its_request_after_the_deadline(model_dir, monkeypatch):
-    from rein.structured import decoding
+    from rein.engine.structured import decoding
 
     engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="8MiB", max_model_len=512))
     gate = threading.Event()
@@ -412,7 +412,7 @@ def test_a_grammar_that_never_compiles_ends_its_request_after_the_deadline(model
 
 
 def test_the_worker_compiles_under_rein_parser_limits(engine, monkeypatch):
-    from rein.structured import limits
+    from rein.engine.structured import limits
 
     monkeypatch.setitem(limits.PARSER_LIMITS, "max_grammar_size", 10)
     cache = GrammarCache(engine.tokenizer, engine.spec.vocab_size, sorted(engine.eos_token_ids))

@@ -1,15 +1,15 @@
-"""Hostile structured-output specs: the caps refuse them before any compiler (rein.structured.limits),
+"""Hostile structured-output specs: the caps refuse them before any compiler (rein.engine.structured.limits),
 and what gets past the caps is compiled in a validator process, where a crash or a stall costs
-only that spec (rein.structured.validator). The crash here is real: llguidance's stack overflows
+only that spec (rein.engine.structured.validator). The crash here is real: llguidance's stack overflows
 on a chain of 3,500 Lark rules, so if isolation broke, this test process would die."""
 
 from __future__ import annotations
 
 import pytest
 
-from rein.openai_format import RequestError
-from rein.structured import limits, validator
-from rein.structured.request import check_spec, spec_key
+from rein.engine.structured import limits, validator
+from rein.engine.structured.request import check_spec, spec_key
+from rein.openai.errors import RequestError
 
 
 def rule_chain(rules: int) -> str:
@@ -63,7 +63,7 @@ def test_a_crash_in_the_compiler_costs_only_that_spec():
 
 
 def test_a_compile_past_the_deadline_is_refused_and_not_remembered(monkeypatch):
-    from rein.structured import request
+    from rein.engine.structured import request
 
     slow = validator.ValidatorPool(size=1, timeout=0.001)   # less than a process takes to start
     with pytest.raises(validator.CompileTimeout, match="took longer than 0.001 s"):
@@ -87,7 +87,7 @@ def test_no_validator_process_is_unavailable_not_invalid(monkeypatch):
 def test_llguidance_gets_rein_parser_limits(monkeypatch):
     """The validator runs llguidance under PARSER_LIMITS: shrunk here, a plain schema no longer
     fits them (the worker's compile: tests/unit/test_structured_engine.py)."""
-    from rein.structured.request import find_problem
+    from rein.engine.structured.request import find_problem
 
     spec = {"type": "json_schema", "schema": {"type": "object", "properties": {
         f"field_{i}": {"type": "string"} for i in range(20)}}}

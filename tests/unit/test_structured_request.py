@@ -1,5 +1,5 @@
-"""Structured-output fields of request bodies (rein.structured.request, through
-rein.openai_format.parse_request): the spec each spelling gives, and 400s naming the parameter."""
+"""Structured-output fields of request bodies (rein.engine.structured.request, through
+rein.openai.request.parse_request): the spec each spelling gives, and 400s naming the parameter."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import sys
 import pytest
 from transformers import AutoTokenizer
 
-from rein.openai_format import CHAT_COMPLETIONS, COMPLETIONS, RequestError, parse_request
-from rein.structured.request import MAX_CHOICES, check_spec, spec_key, spec_problem
+from rein.engine.structured.request import MAX_CHOICES, check_spec, spec_key, spec_problem
+from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS
+from rein.openai.errors import RequestError
+from rein.openai.request import parse_request
 
 MAX_LEN = 256
 CHAT = [{"role": "user", "content": "Give me JSON"}]
@@ -147,7 +149,7 @@ def test_key_keeps_property_order():
 
 def test_parsing_stays_torch_free():
     # The API process parses and checks bodies; it must not import torch (nor xgrammar, which would).
-    code = ("import sys, rein.openai_format as f, rein.structured.request as r;"
+    code = ("import sys, rein.openai.request as f, rein.engine.structured.request as r;"
             "r.check_spec({'type': 'json_schema', 'schema': {'type': 'object'}});"
             "print('torch' in sys.modules, 'xgrammar' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

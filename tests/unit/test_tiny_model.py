@@ -1,4 +1,4 @@
-"""rein.tiny_model and `rein make-tiny-model`: random-weight models of real architectures."""
+"""rein.engine.tiny_model and `rein make-tiny-model`: random-weight models of real architectures."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rein.tiny_model import ARCHS, PRESETS, VOCAB_SIZE, make_tiny_model, model_summary
+from rein.engine.tiny_model import ARCHS, PRESETS, VOCAB_SIZE, make_tiny_model, model_summary
 
 EXPECTED_FILES = (
     "config.json",
@@ -174,7 +174,7 @@ def test_deterministic_for_a_seed_and_different_for_another(tiny_models, tmp_pat
 
 
 def test_tokenizer_trains_deterministically():
-    from rein.tiny_model import _train_tokenizer
+    from rein.engine.tiny_model import _train_tokenizer
 
     cached = _train_tokenizer(VOCAB_SIZE)
     _train_tokenizer.cache_clear()
@@ -350,7 +350,7 @@ def test_cli_builds_an_embedding_model(tmp_path, capsys):
 
 
 def test_ensure_tiny_model_reuses_a_complete_build_and_rebuilds_a_partial_one(tmp_path):
-    from rein.tiny_model import MODEL_FILES, ensure_tiny_model
+    from rein.engine.tiny_model import MODEL_FILES, ensure_tiny_model
 
     out = ensure_tiny_model(tmp_path / "m")
     weights = out / "model.safetensors"

@@ -1,4 +1,4 @@
-"""Tool calling (rein.tools): request validation, the constrained choices' specs, Hermes parsing
+"""Tool calling (rein.openai.tools): request validation, the constrained choices' specs, Hermes parsing
 of auto answers, tool messages through the chat template, and the response bodies and stream
 chunks built with the request's tools."""
 
@@ -12,17 +12,14 @@ from datetime import UTC, datetime
 import pytest
 from transformers import AutoTokenizer
 
-from rein import tools
 from rein.api.streams import StreamEvent, openai_chunk_stream
 from rein.core.models import Job, Result
 from rein.jobs.results import response_body
-from rein.openai_format import (
-    CHAT_COMPLETIONS,
-    RequestError,
-    build_response,
-    chat_prompt,
-    parse_request,
-)
+from rein.openai import tools
+from rein.openai.endpoints import CHAT_COMPLETIONS
+from rein.openai.errors import RequestError
+from rein.openai.request import chat_prompt, parse_request
+from rein.openai.response import build_response
 
 MAX_LEN = 2048
 WEATHER = {"type": "function", "function": {
@@ -494,9 +491,9 @@ def test_stream_without_tools_is_unchanged():
 
 # -- rein run-batch ---------------------------------------------------------------------------
 
-# The grammar engine (rein.structured) makes named/required answers valid JSON; without it
+# The grammar engine (rein.engine.structured) makes named/required answers valid JSON; without it
 # (this branch alone) they are the model's free text, wrapped all the same.
-STRUCTURED = importlib.util.find_spec("rein.structured") is not None
+STRUCTURED = importlib.util.find_spec("rein.engine.structured") is not None
 
 
 @pytest.fixture(scope="module")

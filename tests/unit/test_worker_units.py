@@ -19,7 +19,7 @@ from rein.core.messages import (
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
 from rein.jobs.queues import PRIORITY_STEPS, TASK_NAME, JobRouter, make_celery, queue_keys
-from rein.openai_format import usage_body
+from rein.openai.response import usage_body
 from rein.worker.recorder import JobRecord
 
 

@@ -18,7 +18,7 @@ from rein.api.checked_route import CheckedRoute
 from rein.api.deps import AsyncRedisDep, InferenceKey, SettingsDep
 from rein.api.routes.openai import _complete as complete  # the synchronous endpoints' common path
 from rein.api.schemas import EmbeddingList, EmbeddingRequest, ErrorResponse
-from rein.openai_format import EMBEDDINGS
+from rein.openai.endpoints import EMBEDDINGS
 
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=CheckedRoute)
 

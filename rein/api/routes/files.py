@@ -32,9 +32,9 @@ from rein.api.schemas import ErrorResponse
 from rein.batches.repository import file_public, get_file_for_tenant, list_for_tenant
 from rein.batches.schemas import FileDeleted, FileList, FileObject
 from rein.core.filestore import FileStore, FileTooLargeError
+from rein.core.input_checks import text_problem
 from rein.core.keys import KeyInfo
 from rein.core.models import File, new_file_id
-from rein.input_checks import text_problem
 from rein.jobs.errors import APIError
 
 router = APIRouter(prefix="/v1/files", tags=["files"], route_class=CheckedRoute)

@@ -49,7 +49,7 @@ from rein.jobs.cancel import request_cancel
 from rein.jobs.errors import APIError
 from rein.jobs.ratelimit import settle_tokens
 from rein.jobs.results import response_body
-from rein.openai_format import usage_body
+from rein.openai.response import usage_body
 
 log = logging.getLogger(__name__)
 

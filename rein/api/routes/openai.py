@@ -53,16 +53,17 @@ from rein.api.schemas import (
     ModelPublic,
 )
 from rein.api.streams import StreamEvent, follow_events, openai_chunk_stream
-from rein.choice_bodies import full_response
-from rein.choices import ChoiceGatherer, ResponseShape
 from rein.core.keys import KeyInfo
 from rein.core.logging import log_context
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.core.redis_keys import RedisKeys
 from rein.jobs.errors import INVALID_REQUEST, APIError, error_body
 from rein.jobs.results import response_body
-from rein.openai_format import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, build_response
-from rein.tools import apply_tool_calls
+from rein.openai.choice_bodies import full_response
+from rein.openai.choices import ChoiceGatherer, ResponseShape
+from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
+from rein.openai.response import build_response
+from rein.openai.tools import apply_tool_calls
 
 log = logging.getLogger(__name__)
 
@@ -140,7 +141,7 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
                 return None
 
     events = follow_events(redis, keys, job.id, 0, lambda: run_in_threadpool(load))
-    shape = ResponseShape.from_dict((job.params or {}).get("shape"))   # n > 1, echo (rein.choices)
+    shape = ResponseShape.from_dict((job.params or {}).get("shape"))   # n > 1, echo (rein.openai.choices)
     if release is not None:
         options = body.get("stream_options") or {}
         return SlotStreamingResponse(

@@ -17,8 +17,8 @@ from sqlalchemy import select, update
 
 from rein.core.messages import JobMessage, TokenEvent
 from rein.core.models import Job, Result, Usage
-from rein.embeddings_format import split_inputs, stored_response
-from rein.openai_format import usage_body
+from rein.openai.embeddings import split_inputs, stored_response
+from rein.openai.response import usage_body
 
 VECTORS = [[0.6, 0.8, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]
 

@@ -1,5 +1,5 @@
 """Input no part of rein can take is refused up front, on every route, with a 400 naming it
-(rein.api.checked_route, rein.input_checks): NUL characters and lone surrogates anywhere in
+(rein.api.checked_route, rein.core.input_checks): NUL characters and lone surrogates anywhere in
 JSON (keys and values), query, path and header parameters; numbers past 64 bits or past
 float64; token ids outside the vocabulary; query parameters not written as their schema
 types them. Batch input lines with such values are reported by line."""

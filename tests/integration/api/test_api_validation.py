@@ -99,7 +99,7 @@ def test_grammar_bomb_is_a_400_and_the_api_lives_on(client, key, monkeypatch):
     error = _error(client.post("/v1/chat/completions", json=bomb, headers=auth(key)), 400)
     assert error["param"] == "guided_grammar" and "rein takes at most 1000" in error["message"]
 
-    from rein.structured import limits
+    from rein.engine.structured import limits
     monkeypatch.setattr(limits, "MAX_GRAMMAR_RULES", 10_000)
     error = _error(_post_job(client, key, bomb), 400)
     assert error["param"] == "guided_grammar" and "crashed rein's grammar compiler" in error["message"]

@@ -47,7 +47,7 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[
     if bitmask.device != logits.device:
         bitmask = bitmask.to(logits.device, non_blocking=True)
     if logits.is_cuda and _triton_available():
-        from rein.structured.triton_bitmask import apply_token_bitmask_triton
+        from rein.engine.structured.triton_bitmask import apply_token_bitmask_triton
 
         apply_token_bitmask_triton(logits, bitmask, rows)
         return

@@ -29,17 +29,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from rein.choices import ResponseShape
+from rein.core.input_checks import json_type
 from rein.engine.pooling import PoolingConfig, PoolingError, PoolingParams, read_pooling_config
-from rein.input_checks import json_type
-from rein.openai_format import (
-    CONTEXT_LENGTH_EXCEEDED,
-    EMBEDDINGS,
-    MAX_CHARS_PER_TOKEN,
-    RequestError,
-    _check_token_ids,
-    _is_int,
-)
+from rein.openai.choices import ResponseShape
+from rein.openai.endpoints import EMBEDDINGS
+from rein.openai.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
+from rein.openai.request import MAX_CHARS_PER_TOKEN, _check_token_ids, _is_int
 
 MAX_INPUTS = 2048                # OpenAI's limit on inputs per request
 MAX_TOTAL_TOKENS = 300_000       # OpenAI's limit on the tokens of all inputs of a request

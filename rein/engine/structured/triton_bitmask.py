@@ -1,4 +1,4 @@
-"""The Triton kernel that applies token bitmasks on CUDA (see rein.structured.kernels).
+"""The Triton kernel that applies token bitmasks on CUDA (see rein.engine.structured.kernels).
 
 One program per (constrained row, block of TRITON_BLOCK tokens): it reads the block's
 int32 words of the row's bitmask, extracts each token's bit, and stores -inf into the
@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from rein.structured.kernels import TRITON_BLOCK
+from rein.engine.structured.kernels import TRITON_BLOCK
 
 
 @triton.jit

@@ -4,7 +4,7 @@ requests, and the token masks of every step.
 The engine calls, in order of a request's life:
 
 * `attach(request)` in add_request: checks the spec (the memoized torch-free check of
-  rein.structured.request; a bad one raises EngineRequestError naming `structured`),
+  rein.engine.structured.request; a bad one raises EngineRequestError naming `structured`),
   starts its compile if no one has, and gives the request its own matcher when the
   grammar is already compiled (True). Otherwise (False) the request is *held* here, out of
   the scheduler, so no step ever samples it without its mask.
@@ -14,7 +14,7 @@ The engine calls, in order of a request's life:
   instead of letting the engine spin.
 * `apply_masks(logits, sampling)` between the forward and the sampler: fills the bitmask
   of every constrained row (llguidance, in parallel when several) and applies it to those
-  rows only (rein.structured.kernels).
+  rows only (rein.engine.structured.kernels).
 * `request.grammar.accept(token)` after sampling: advances the matcher; True means the
   request must end now, with finish_reason "stop": the grammar is complete (an EOS token,
   or a document after which nothing may follow), or the token was refused (see below).
@@ -45,11 +45,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rein.engine.errors import EngineRequestError
-from rein.openai_format import RequestError
-from rein.structured.cache import CompiledGrammar, GrammarCache, GrammarError
-from rein.structured.kernels import apply_token_bitmask
-from rein.structured.request import check_spec
-from rein.structured.validator import ValidatorUnavailable
+from rein.engine.structured.cache import CompiledGrammar, GrammarCache, GrammarError
+from rein.engine.structured.kernels import apply_token_bitmask
+from rein.engine.structured.request import check_spec
+from rein.engine.structured.validator import ValidatorUnavailable
+from rein.openai.errors import RequestError
 
 if TYPE_CHECKING:
     from rein.engine.request import Request
@@ -62,7 +62,7 @@ IDLE_WAIT_SECONDS = 0.05
 
 GRAMMAR_WAIT_SECONDS = 60.0
 # A request held for its grammar this long is ended: a compile that passed the validator's
-# deadline (rein.structured.validator) may still be slower here, where it builds the lexer for
+# deadline (rein.engine.structured.validator) may still be slower here, where it builds the lexer for
 # the model's tokenizer.
 COMPILE_DEADLINE_SECONDS = 120.0
 

@@ -6,7 +6,7 @@ down (2,500 passed); a schema of nested `allOf`/`anyOf` compiles for seconds. Th
 are far above what real schemas, regexes and grammars hold (an OpenAI function schema: a few
 levels, tens of properties; a hand-written grammar: tens of rules), and each refusal names
 the cap and what to change. What still gets through is compiled in a child process with a
-deadline (rein.structured.validator), so a crash or a stall costs that request alone.
+deadline (rein.engine.structured.validator), so a crash or a stall costs that request alone.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ MAX_REPEAT = 10_000          # a counted repetition's bound, {n} or {n,m}, in a 
 # validates a grammar, so they hold whatever llguidance's defaults become. The per-step ones
 # bound the work of one token's mask, which the engine computes inside its step for every
 # constrained request: a mask past them puts that request's matcher in error, and the
-# request ends (rein.structured.decoding) rather than stalling the batch. At llguidance's
+# request ends (rein.engine.structured.decoding) rather than stalling the batch. At llguidance's
 # quoted speeds: ~7 ms of lexer work and ~1 ms of Earley items per mask at most.
 PARSER_LIMITS = {
     "max_items_in_row": 2_000,         # branching of one production row

@@ -1,8 +1,8 @@
 """Structured-output specs checked in child processes, so native code cannot take a process down.
 
-llguidance compiles in native code. The caps of rein.structured.limits keep out the inputs
+llguidance compiles in native code. The caps of rein.engine.structured.limits keep out the inputs
 known to break it, but not every input that might: so the check (build the grammar, validate
-it) runs in a small pool of child processes (`python -m rein.structured.validator`), one JSON
+it) runs in a small pool of child processes (`python -m rein.engine.structured.validator`), one JSON
 line in and one out. A child that dies on a spec (a crash in native code) makes that spec's
 answer "the validator crashed on it", a 400 for its sender; a child that has not answered
 within the deadline is killed, and the spec is refused as too slow to compile. Either way the
@@ -10,7 +10,7 @@ child is replaced and the calling process (the API, a batch validator, the worke
 When no child can be started at all, ValidatorUnavailable says so (a 503 at the API).
 
 The pool starts its children on first use; a child is plain Python with llguidance (no torch),
-some 40 MB and 0.2 s to start. Callers memoize answers per spec (rein.structured.request), so a
+some 40 MB and 0.2 s to start. Callers memoize answers per spec (rein.engine.structured.request), so a
 batch of 10,000 lines with one schema sends it here once. REIN_STRUCTURED_VALIDATORS=0 checks
 in the calling process instead (no isolation).
 """
@@ -42,7 +42,7 @@ class _Child:
         # stderr to the parent's: a crash's message lands in the log of the process that asked.
         # The child flushes each answer itself; it inherits this process's environment.
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rein.structured.validator"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-m", "rein.engine.structured.validator"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             text=True, encoding="utf-8", errors="surrogatepass")
 
     def ask(self, key: str, deadline: float) -> tuple[str, str | None]:
@@ -78,7 +78,7 @@ class ValidatorPool:
         self._cond = threading.Condition()
 
     def problem(self, key: str) -> str | None:
-        """What is wrong with the spec whose spec_key is `key` (rein.structured.request), or None."""
+        """What is wrong with the spec whose spec_key is `key` (rein.engine.structured.request), or None."""
         deadline = time.monotonic() + self.timeout
         child = self._take(deadline)
         outcome = "crashed"
@@ -144,7 +144,7 @@ def pool() -> ValidatorPool | None:
 
 def _serve() -> None:
     """The child: one spec key a line in, {"problem": str | null} a line out, until stdin ends."""
-    from rein.structured.request import find_problem
+    from rein.engine.structured.request import find_problem
 
     for line in sys.stdin:
         try:

@@ -7,7 +7,7 @@ them here, per choice, in a `ChoiceGatherer`. `ResponseShape` says what the answ
 like beyond the sampling params: how many choices are returned (best_of generates more and
 keeps the likeliest), whether a completion echoes its prompt, and whether vLLM's
 `prompt_logprobs` field is wanted. It travels with a job (JobMessage.shape) so the worker
-builds the same body the offline runner does (rein.choice_bodies).
+builds the same body the offline runner does (rein.openai.choice_bodies).
 
 No web framework and no torch here: the API, the worker and the offline runner import it.
 """

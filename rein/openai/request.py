@@ -24,36 +24,35 @@ Choices made where OpenAI is silent or rein differs:
 * Completions `text_offset` counts characters from the start of the returned text, token
   by token (with `echo`, from the start of the prompt's tokens).
 * n > 1, best_of, echo and vLLM's prompt_logprobs: `_choice_fields` parses them into
-  SamplingParams and a `rein.choices.ResponseShape`; rein.choice_bodies builds their body.
+  SamplingParams and a `rein.openai.choices.ResponseShape`; rein.openai.choice_bodies builds their body.
   Each choice may use max_tokens beside the shared prompt (vLLM's context check).
-* Tools (`tools`, `tool_choice`, tool messages) are read and answered by rein.tools: its
+* Tools (`tools`, `tool_choice`, tool messages) are read and answered by rein.openai.tools: its
   docstring says what each tool_choice does and which finish_reason it gives.
 """
 
 from __future__ import annotations
 
 import json
-import re
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from rein import tools
-from rein.choices import ResponseShape
+from rein.core.input_checks import json_type
 from rein.engine.sampling_params import MAX_LOGIT_BIAS, MAX_N, SamplingParams, SamplingParamsError
-from rein.input_checks import BadInput, check_json, json_type, text_problem
+from rein.openai import tools
+from rein.openai.choices import ResponseShape
+from rein.openai.endpoints import (
+    CHAT_COMPLETIONS,
+    ENDPOINTS,
+)
+from rein.openai.errors import (
+    CONTEXT_LENGTH_EXCEEDED,
+    RequestError,
+    context_length_error,
+)
 
 if TYPE_CHECKING:
-    from rein.engine.outputs import TokenLogprob
-    from rein.generation_defaults import GenerationDefaults
+    from rein.engine.generation_defaults import GenerationDefaults
 
-CHAT_COMPLETIONS = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-ENDPOINTS = (CHAT_COMPLETIONS, COMPLETIONS)
-EMBEDDINGS = "/v1/embeddings"   # its requests and responses: rein.embeddings_format
-# The urls a batch line (and POST /v1/jobs) may name.
-BATCH_ENDPOINTS = (*ENDPOINTS, EMBEDDINGS)
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 MAX_CHAT_TOP_LOGPROBS = 20
@@ -69,27 +68,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 256
 
-INVALID_REQUEST = "invalid_request_error"
-CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
-
-_FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
 
 
-class RequestError(ValueError):
-    """A request the API refuses (HTTP 400); `param` and `code` go into OpenAI's error object."""
 
-    type = INVALID_REQUEST
-
-    def __init__(self, message: str, param: str | None = None, code: str = INVALID_REQUEST) -> None:
-        super().__init__(message)
-        self.message = message
-        self.param = param
-        self.code = code
-
-    def to_dict(self) -> dict[str, Any]:
-        """OpenAI's error body: {"error": {message, type, param, code}}."""
-        return {"error": {"message": self.message, "type": self.type, "param": self.param,
-                          "code": self.code}}
 
 
 @dataclass
@@ -100,16 +81,10 @@ class ParsedRequest:
     # None: the response carries `logprobs: null`; k >= 0: logprobs with k alternatives per token.
     logprobs_mode: int | None
     stream: bool = False
-    # n > 1, best_of, echo, prompt logprobs: how the choices become the body (rein.choices).
+    # n > 1, best_of, echo, prompt logprobs: how the choices become the body (rein.openai.choices).
     shape: ResponseShape = field(default_factory=ResponseShape)
 
 
-@dataclass
-class BatchLine:
-    custom_id: str
-    method: str
-    url: str
-    body: dict[str, Any]
 
 
 # -- requests ---------------------------------------------------------------------------------
@@ -119,7 +94,7 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
                   defaults: GenerationDefaults | None = None) -> ParsedRequest:
     """Turn one OpenAI request body into prompt token ids and sampling params.
 
-    `defaults` (the model's generation_config.json, rein.generation_defaults) fill the
+    `defaults` (the model's generation_config.json, rein.engine.generation_defaults) fill the
     sampling fields the body leaves out (or sets to null); without them, rein's built-in ones.
     """
     default = defaults.get if defaults is not None else (lambda _name, builtin: builtin)
@@ -219,22 +194,12 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
 
 
 def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
-    # Imported here: rein.structured.request raises this module's RequestError.
-    from rein.structured.request import structured_from_body
+    # Imported here: rein.engine.structured.request raises this module's RequestError.
+    from rein.engine.structured.request import structured_from_body
 
     return structured_from_body(body)
 
 
-def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> RequestError:
-    """OpenAI's wording for prompt + completion longer than the context."""
-    where, what = ("in the messages", "messages") if chat else ("in your prompt", "prompt")
-    return RequestError(
-        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} {where}, {max_tokens} in the completion). "
-        f"Please reduce the length of the {what} or completion.",
-        "messages" if chat else "prompt",
-        CONTEXT_LENGTH_EXCEEDED,
-    )
 
 
 # What one response may repeat: every returned choice carries the echoed prompt and its logprobs,
@@ -272,7 +237,7 @@ MAX_LOGIT_BIAS_TOKENS = 1024   # rein's cap on a logit_bias map: far more tokens
 def _choice_fields(body: dict[str, Any], chat: bool, stream: bool, prompt: list[int], tokenizer: Any,
                    logprobs_mode: int | None) -> tuple[dict[str, Any], ResponseShape]:
     """n, best_of, logit_bias, min_tokens, echo and prompt_logprobs: SamplingParams fields
-    and the response's shape (rein.choices.ResponseShape)."""
+    and the response's shape (rein.openai.choices.ResponseShape)."""
     n = _get(body, "n", int, 1)
     if not 1 <= n <= MAX_N:
         raise RequestError(f"n must be between 1 and {MAX_N}, got {n}", "n")
@@ -364,7 +329,7 @@ _STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "gu
                              "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")
 
 
-# Parsed for /v1/completions (rein.openai_format._choice_fields); on chat, neutral values only.
+# Parsed for /v1/completions (rein.openai.request._choice_fields); on chat, neutral values only.
 _COMPLETION_CHOICE_FIELDS = frozenset({"echo", "best_of"})
 
 
@@ -381,7 +346,7 @@ def _refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
         if name in known or name in _NO_EFFECT_FIELDS:
             continue
         if name in _STRUCTURED_OUTPUT_FIELDS:
-            continue   # parsed (and checked) by rein.structured.request
+            continue   # parsed (and checked) by rein.engine.structured.request
         where = "/v1/chat/completions" if chat else "/v1/completions"
         raise RequestError(f"Unrecognized request argument supplied: {name} (rein's {where} does not "
                            f"take it; remove it)", name)
@@ -391,7 +356,7 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int,
                 tool_request: tools.ToolRequest | None = None) -> list[int]:
     """The prompt token ids of a chat body's messages, through the model's chat template (the API,
     batch files and `rein.LLM.chat` all build chat prompts here). The body's tools go to the
-    template (rein.tools; `tool_request`: parse_tools(body) when the caller has it already)."""
+    template (rein.openai.tools; `tool_request`: parse_tools(body) when the caller has it already)."""
     if "messages" not in body:
         raise RequestError("'messages' is a required property", "messages")
     messages = body["messages"]
@@ -454,7 +419,7 @@ def _chat_template_kwargs(body: dict[str, Any], tokenizer: Any = None) -> dict[s
 
 def _plain_message(message: Any, index: int) -> dict[str, Any]:
     """{role, content} with content as one string (text parts joined), plus what the template
-    needs of tool calls and tool results (rein.tools.template_message_fields)."""
+    needs of tool calls and tool results (rein.openai.tools.template_message_fields)."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise RequestError(f"{where} must be an object with role and content, got {json_type(message)}", where)
@@ -574,177 +539,32 @@ def _get(body: dict[str, Any], name: str, kind: type | tuple[type, ...], default
 # -- responses --------------------------------------------------------------------------------
 
 
-def usage_body(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-    """OpenAI's `usage` object; `cached_tokens`: prompt tokens served from the prefix cache."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
-def build_response(endpoint: str, request_id: str, model_name: str, prompt_tokens: int, text: str,
-                   token_ids: list[int], finish_reason: str | None, logprobs: list[TokenLogprob] | None,
-                   tokenizer: Any, logprobs_mode: int | None, created: int | None = None,
-                   cached_tokens: int = 0) -> dict[str, Any]:
-    """The body OpenAI returns for a finished, non-streamed request."""
-    created = int(time.time()) if created is None else created
-    finish = _FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
-    usage = usage_body(prompt_tokens, len(token_ids), cached_tokens)
-    want_logprobs = logprobs_mode is not None and logprobs is not None
-    if endpoint == CHAT_COMPLETIONS:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": _chat_logprobs_body(logprobs, tokenizer) if want_logprobs else None,
-            "finish_reason": finish,
-        }
-        return {"id": _with_prefix("chatcmpl-", request_id), "object": "chat.completion", "created": created,
-                "model": model_name, "choices": [choice], "usage": usage}
-    if endpoint == COMPLETIONS:
-        choice = {
-            "text": text,
-            "index": 0,
-            "logprobs": _completion_logprobs_body(logprobs, tokenizer) if want_logprobs else None,
-            "finish_reason": finish,
-        }
-        return {"id": _with_prefix("cmpl-", request_id), "object": "text_completion", "created": created,
-                "model": model_name, "choices": [choice], "usage": usage}
-    raise ValueError(f"unknown endpoint {endpoint!r}")
 
 
-def _with_prefix(prefix: str, request_id: str) -> str:
-    return request_id if request_id.startswith(prefix) else prefix + request_id
 
 
-def _chat_logprobs_body(logprobs: list[TokenLogprob], tokenizer: Any) -> dict[str, Any]:
-    texts = _TokenTexts(tokenizer)
-
-    def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        return {"token": texts.text(token_id), "logprob": logprob, "bytes": list(texts.bytes(token_id))}
-
-    return {"content": [
-        {**entry(lp.token_id, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-        for lp in logprobs
-    ]}
 
 
-def _completion_logprobs_body(logprobs: list[TokenLogprob], tokenizer: Any) -> dict[str, Any]:
-    texts = _TokenTexts(tokenizer)
-    tokens, token_logprobs, top_logprobs, offsets = [], [], [], []
-    offset = 0
-    for lp in logprobs:
-        token = texts.text(lp.token_id)
-        tokens.append(token)
-        token_logprobs.append(lp.logprob)
-        # OpenAI: the chosen token is always among the top logprobs, so up to logprobs + 1.
-        top = {texts.text(t): v for t, v in lp.top}
-        top.setdefault(token, lp.logprob)
-        top_logprobs.append(top)
-        offsets.append(offset)
-        offset += len(token)
-    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
-            "text_offset": offsets}
 
 
-_SENTENCEPIECE_BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
-def _byte_level_table() -> dict[str, int]:
-    """GPT-2's byte-to-unicode map, inverted: the byte each byte-level vocabulary character means."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {chr(b): b for b in printable}
-    others = [b for b in range(256) if b not in set(printable)]
-    table.update({chr(256 + i): b for i, b in enumerate(others)})
-    return table
 
 
-_BYTE_LEVEL = _byte_level_table()
 
 
-class _TokenTexts:
-    """Token id -> its text and its exact bytes, cached for one response."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._text: dict[int, str] = {}
-
-    def text(self, token_id: int) -> str:
-        if token_id not in self._text:
-            self._text[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
-        return self._text[token_id]
-
-    def bytes(self, token_id: int) -> bytes:
-        text = self.text(token_id)
-        if "\ufffd" not in text:
-            return text.encode("utf-8")
-        # Part of a multi-byte character: the decoded text lost the bytes, the vocabulary has them.
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if isinstance(piece, str):
-            match = _SENTENCEPIECE_BYTE.fullmatch(piece)
-            if match:
-                return bytes([int(match.group(1), 16)])
-            if _is_byte_level(self.tokenizer) and all(c in _BYTE_LEVEL for c in piece):
-                return bytes(_BYTE_LEVEL[c] for c in piece)
-        return text.encode("utf-8")
 
 
-def _is_byte_level(tokenizer: Any) -> bool:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    decoder = getattr(backend, "decoder", None)
-    return type(decoder).__name__ == "ByteLevel"
 
 
 # -- batch lines ------------------------------------------------------------------------------
 
 
-def parse_batch_line(line: str, line_number: int) -> BatchLine:
-    """One line of an OpenAI batch input file; errors name the line and what is wrong."""
-    problem = text_problem(line)   # a raw NUL byte: JSON's own error would only say "control character"
-    if problem is not None:
-        raise RequestError(f"line {line_number}: the line {problem}", None, "invalid_json_line")
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise RequestError(f"line {line_number}: not valid JSON ({exc.msg} at column {exc.colno})", None,
-                           "invalid_json_line") from exc
-    if not isinstance(obj, dict):
-        raise RequestError(f"line {line_number}: must be a JSON object, got {json_type(obj)}")
-    try:
-        check_json(obj)   # text Postgres and the tokenizer can take, numbers that fit (rein.input_checks)
-    except BadInput as exc:
-        raise RequestError(f"line {line_number}: {exc.message}", exc.param, "invalid_value") from None
-    custom_id = obj.get("custom_id")
-    if not isinstance(custom_id, str) or not custom_id:
-        raise RequestError(f"line {line_number}: custom_id is missing or not a non-empty string", "custom_id")
-    method = obj.get("method")
-    if method != "POST":
-        raise RequestError(f"line {line_number}: method must be \"POST\", got {method!r}", "method")
-    url = obj.get("url")
-    if url not in BATCH_ENDPOINTS:
-        raise RequestError(f"line {line_number}: url must be {', '.join(BATCH_ENDPOINTS)}, got {url!r}", "url")
-    body = obj.get("body")
-    if not isinstance(body, dict):
-        raise RequestError(f"line {line_number}: body must be a JSON object, got {json_type(body)}", "body")
-    return BatchLine(custom_id, method, url, body)
 
 
-def custom_id_of(line: str) -> str | None:
-    """The custom_id of a line that failed to parse, when it can still be read."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError:
-        return None
-    custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
-    # One that cannot be written back (a NUL, a lone surrogate) is as good as missing.
-    return custom_id if isinstance(custom_id, str) and text_problem(custom_id) is None else None
 
 
-def batch_output_line(custom_id: str, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
-            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
 
 
-def batch_error_line(custom_id: str | None, line_number: int, code: str, message: str) -> dict[str, Any]:
-    if not message.startswith(f"line {line_number}:"):
-        message = f"line {line_number}: {message}"
-    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message}}

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rein.core.settings import cache_root
+
 if TYPE_CHECKING:
     from rein.engine.model_spec import ModelSpec
 
@@ -66,13 +68,6 @@ class ModelFiles:
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.directory))
-
-
-def cache_root() -> Path:
-    """REIN_CACHE_DIR (default ~/.cache/rein)."""
-    from rein.core.settings import setting_or_default
-
-    return Path(setting_or_default("cache_dir")).expanduser()
 
 
 def resolve_model(model: str | Path, *, weights: bool = True) -> ModelFiles:

@@ -20,7 +20,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from rein.model_files import cache_root
+from rein.core.settings import cache_root
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The response body of a request with several choices, an echo or prompt logprobs.
 
-`response_extra` builds what the plain one-choice body (rein.openai_format.build_response)
+`response_extra` builds what the plain one-choice body (rein.openai.request.build_response)
 lacks: `choices` (one per returned choice, by index, each exactly as build_response
 shapes a choice), `usage` (the prompt counted once, completion tokens summed over every
 generated choice, as OpenAI bills n and best_of), and for chat vLLM's top-level
@@ -29,15 +29,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from rein.choices import Choice, ChoiceGatherer, ResponseShape, returned_choices
-from rein.openai_format import (
-    CHAT_COMPLETIONS,
-    COMPLETIONS,
-    _completion_logprobs_body,
-    _TokenTexts,
-    build_response,
-    usage_body,
-)
+from rein.openai.choices import Choice, ChoiceGatherer, ResponseShape, returned_choices
+from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS
+from rein.openai.response import _completion_logprobs_body, _TokenTexts, build_response, usage_body
 
 if TYPE_CHECKING:
     from rein.engine.outputs import TokenLogprob

@@ -7,7 +7,7 @@ fail on it; JSON numbers that Python reads as infinity (`1e400`) or as integers 
 64 bits fit no column and no engine parameter. Rather than guard each place one of them
 could land, every request is checked once, up front: the API's route class
 (rein.api.checked_route) checks every JSON body, query, path and header parameter, and
-rein.openai_format checks every batch input line. Framework-free, so the offline batch
+rein.openai.request checks every batch input line. Framework-free, so the offline batch
 runner uses the same rules.
 
 A check raises `BadInput`, whose `param` is the JSON path of the bad value

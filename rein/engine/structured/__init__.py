@@ -2,12 +2,12 @@
 list of choices or a grammar.
 
 A request asks for it through OpenAI's `response_format`, vLLM's `structured_outputs` or
-vLLM's older `guided_*` fields; `rein.structured.request` turns those into one plain-JSON
+vLLM's older `guided_*` fields; `rein.engine.structured.request` turns those into one plain-JSON
 `structured` spec (SamplingParams.structured) and refuses what cannot be enforced with a
-400 naming the parameter. The engine keeps a `rein.structured.decoding.StructuredDecoding`
+400 naming the parameter. The engine keeps a `rein.engine.structured.decoding.StructuredDecoding`
 (`engine.grammars`): a cache of compiled grammars (compiled once per distinct spec, in a
 background thread, never on the step loop) and, every step, the token masks of the
-constrained rows applied to their logits (`rein.structured.kernels`: torch on CPU, a
+constrained rows applied to their logits (`rein.engine.structured.kernels`: torch on CPU, a
 Triton kernel on CUDA).
 
 Library: llguidance, chosen over xgrammar by measurement (SmolLM2-135M's tokenizer,
@@ -35,8 +35,8 @@ Library: llguidance, chosen over xgrammar by measurement (SmolLM2-135M's tokeniz
   time in the background pool, 152.9 s wall against 163.1 s for the same lines sharing one
   schema (every finished output validated).
 * Both leave the mask application to the caller's kernel (xgrammar ships CPU/CUDA/Triton
-  kernels, llguidance a torch.compile one); rein has its own (rein.structured.kernels).
+  kernels, llguidance a torch.compile one); rein has its own (rein.engine.structured.kernels).
 
-This package's `__init__` imports nothing: `rein.structured.request` is imported by the
+This package's `__init__` imports nothing: `rein.engine.structured.request` is imported by the
 torch-free API process.
 """

@@ -37,9 +37,9 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from rein.input_checks import json_type
-from rein.openai_format import RequestError
-from rein.structured.limits import MAX_CHOICES, MAX_SPEC_CHARS, limits_problem, parser_limits
+from rein.core.input_checks import json_type
+from rein.engine.structured.limits import MAX_CHOICES, MAX_SPEC_CHARS, limits_problem, parser_limits
+from rein.openai.errors import RequestError
 
 # vLLM's guided_decoding_backend values that mean "whatever the server uses" or rein's own library.
 ACCEPTED_BACKENDS = ("auto", "guidance", "llguidance")
@@ -129,9 +129,9 @@ def grammar_text(spec: dict[str, Any]) -> str:
 
 
 def check_spec(spec: dict[str, Any], param: str = "structured") -> None:
-    """Refuse (RequestError naming `param`) a spec past rein's caps (rein.structured.limits) or
+    """Refuse (RequestError naming `param`) a spec past rein's caps (rein.engine.structured.limits) or
     one llguidance cannot compile or enforce (checked in a validator process,
-    rein.structured.validator). ValidatorUnavailable when no validator could answer."""
+    rein.engine.structured.validator). ValidatorUnavailable when no validator could answer."""
     key = spec_key(spec)
     if len(key) > MAX_SPEC_CHARS:
         raise RequestError(f"{param} is {len(key)} characters as JSON; rein takes at most {MAX_SPEC_CHARS}. "
@@ -160,7 +160,7 @@ def spec_problem(key: str) -> str | None:
         if known is not None:
             _CHECKED.move_to_end(digest)
             return known or None
-    from rein.structured.validator import CompileTimeout, pool
+    from rein.engine.structured.validator import CompileTimeout, pool
 
     validators = pool()
     try:

@@ -13,7 +13,7 @@ Torch-free (the API imports it). What happens to a request, by `tool_choice`:
   malformed answer as content too). Whitespace next to a parsed block is dropped (the
   template's formatting); an answer without parsed blocks is returned exactly as written.
 * A named function (``{"type": "function", "function": {"name": ...}}``): the output is
-  constrained (rein.structured, `SamplingParams.structured`) to that function's `parameters`
+  constrained (rein.engine.structured, `SamplingParams.structured`) to that function's `parameters`
   schema, and the answer is one tool call whose `arguments` is the generated text.
 * ``"required"``: the output is constrained to a JSON array of at least one
   ``{"name": <a tool's name>, "parameters": <that tool's parameters>}`` object (at most one
@@ -49,7 +49,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from rein.input_checks import json_type
+from rein.core.input_checks import json_type
 
 MAX_TOOLS = 128            # OpenAI's limit on `tools`
 TOOL_CALL_START = "<tool_call>"
@@ -62,8 +62,8 @@ _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 
 def _error(message: str, param: str | None) -> Exception:
-    # Imported here: rein.openai_format imports this module.
-    from rein.openai_format import RequestError
+    # Imported here: rein.openai.request imports this module.
+    from rein.openai.errors import RequestError
     return RequestError(message, param)
 
 
@@ -102,7 +102,7 @@ class ToolRequest:
         return None
 
     def structured_param(self) -> str:
-        """The parameter to name when the structured spec cannot be enforced (rein.structured)."""
+        """The parameter to name when the structured spec cannot be enforced (rein.engine.structured)."""
         if self.choice == "named":
             index = [t["function"]["name"] for t in self.tools].index(self.name)
             return f"tools[{index}].function.parameters"
@@ -222,7 +222,7 @@ def _parse_tool_list(tools: Any) -> list[dict[str, Any]]:
 def _check_parameters(schema: Any, where: str) -> None:
     """The shape OpenAI asks of a function's parameters: a JSON Schema object describing an object.
     (Whether rein can constrain output to every keyword in it is the grammar compiler's check,
-    rein.structured, for the choices that constrain.)"""
+    rein.engine.structured, for the choices that constrain.)"""
     if not isinstance(schema, dict):
         raise _error(f"{where} must be a JSON Schema object, got {json_type(schema)}", where)
     kind = schema.get("type")
@@ -273,8 +273,8 @@ def sampling_fields(fields: dict[str, Any], request: ToolRequest) -> None:
             raise _error("tool_choice \"required\" or a named function constrains the output to the tools' "
                          "arguments, which cannot be combined with response_format or structured_outputs (also "
                          "a constraint): leave out one of them", "tool_choice")
-        # Imported here: rein.structured.request imports rein.openai_format, which imports this.
-        from rein.structured.request import check_spec
+        # Imported here: rein.engine.structured.request imports rein.openai.request, which imports this.
+        from rein.engine.structured.request import check_spec
 
         check_spec(structured, request.structured_param())   # a keyword llguidance cannot enforce: 400
         fields["structured"] = structured

@@ -1,0 +1,77 @@
+"""Lines of OpenAI Batch files: one request per input line, one result or error per output line.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from rein.core.input_checks import BadInput, check_json, json_type, text_problem
+from rein.openai.endpoints import BATCH_ENDPOINTS
+from rein.openai.errors import (
+    RequestError,
+)
+
+
+@dataclass
+class BatchLine:
+    custom_id: str
+    method: str
+    url: str
+    body: dict[str, Any]
+
+
+def parse_batch_line(line: str, line_number: int) -> BatchLine:
+    """One line of an OpenAI batch input file; errors name the line and what is wrong."""
+    problem = text_problem(line)   # a raw NUL byte: JSON's own error would only say "control character"
+    if problem is not None:
+        raise RequestError(f"line {line_number}: the line {problem}", None, "invalid_json_line")
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"line {line_number}: not valid JSON ({exc.msg} at column {exc.colno})", None,
+                           "invalid_json_line") from exc
+    if not isinstance(obj, dict):
+        raise RequestError(f"line {line_number}: must be a JSON object, got {json_type(obj)}")
+    try:
+        check_json(obj)   # text Postgres and the tokenizer can take, numbers that fit (rein.core.input_checks)
+    except BadInput as exc:
+        raise RequestError(f"line {line_number}: {exc.message}", exc.param, "invalid_value") from None
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        raise RequestError(f"line {line_number}: custom_id is missing or not a non-empty string", "custom_id")
+    method = obj.get("method")
+    if method != "POST":
+        raise RequestError(f"line {line_number}: method must be \"POST\", got {method!r}", "method")
+    url = obj.get("url")
+    if url not in BATCH_ENDPOINTS:
+        raise RequestError(f"line {line_number}: url must be {', '.join(BATCH_ENDPOINTS)}, got {url!r}", "url")
+    body = obj.get("body")
+    if not isinstance(body, dict):
+        raise RequestError(f"line {line_number}: body must be a JSON object, got {json_type(body)}", "body")
+    return BatchLine(custom_id, method, url, body)
+
+
+def custom_id_of(line: str) -> str | None:
+    """The custom_id of a line that failed to parse, when it can still be read."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
+    # One that cannot be written back (a NUL, a lone surrogate) is as good as missing.
+    return custom_id if isinstance(custom_id, str) and text_problem(custom_id) is None else None
+
+
+def batch_output_line(custom_id: str, request_id: str, body: dict[str, Any]) -> dict[str, Any]:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+def batch_error_line(custom_id: str | None, line_number: int, code: str, message: str) -> dict[str, Any]:
+    if not message.startswith(f"line {line_number}:"):
+        message = f"line {line_number}: {message}"
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": None,
+            "error": {"code": code, "message": message}}

@@ -1,0 +1,42 @@
+"""The client-error type of the wire format, and the one context-length message: a leaf (it imports
+nothing from rein), so the engine and the structured-output checks raise the same error the
+API answers with.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+INVALID_REQUEST = "invalid_request_error"
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+
+
+class RequestError(ValueError):
+    """A request the API refuses (HTTP 400); `param` and `code` go into OpenAI's error object."""
+
+    type = INVALID_REQUEST
+
+    def __init__(self, message: str, param: str | None = None, code: str = INVALID_REQUEST) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, Any]:
+        """OpenAI's error body: {"error": {message, type, param, code}}."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> RequestError:
+    """OpenAI's wording for prompt + completion longer than the context."""
+    where, what = ("in the messages", "messages") if chat else ("in your prompt", "prompt")
+    return RequestError(
+        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} {where}, {max_tokens} in the completion). "
+        f"Please reduce the length of the {what} or completion.",
+        "messages" if chat else "prompt",
+        CONTEXT_LENGTH_EXCEEDED,
+    )
