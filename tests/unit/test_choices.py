@@ -11,7 +11,6 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from transformers import AutoTokenizer
 
 from rein.core.messages import JobMessage, TokenEvent
 from rein.core.redis_keys import RedisKeys
@@ -26,11 +25,6 @@ from rein.openai.response import build_response
 
 MAX_LEN = 256
 CHAT = [{"role": "user", "content": "Hello there"}]
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_models):
-    return AutoTokenizer.from_pretrained(str(tiny_models("llama")))
 
 
 def parse(tokenizer, endpoint=COMPLETIONS, **fields):

@@ -20,11 +20,6 @@ MAX_LEN = 512
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_models):
-    return tiny_models("llama")
-
-
-@pytest.fixture(scope="module")
 def engine(model_dir):
     return LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory=KV, max_num_seqs=4, max_model_len=MAX_LEN))
 

@@ -18,11 +18,6 @@ from rein.engine import (
 )
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_models):
-    return tiny_models("llama")
-
-
 @pytest.fixture()
 def engine(model_dir):
     return LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="8MiB", max_model_len=512))

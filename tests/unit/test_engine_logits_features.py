@@ -12,11 +12,6 @@ from transformers import AutoModelForCausalLM
 from rein.engine import EngineConfig, EngineRequestError, LLMEngine, SamplingParams
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_models):
-    return tiny_models("llama")
-
-
 def make_engine(model_dir, **config) -> LLMEngine:
     config.setdefault("kv_cache_memory", "8MiB")
     config.setdefault("max_model_len", 256)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import AutoTokenizer
 
 from rein.core.input_checks import (
     INT64_MAX,
@@ -104,11 +103,6 @@ def test_custom_id_of_a_bad_line_is_only_kept_when_it_can_be_written():
     assert custom_id_of(_line(custom_id="fine", body=5)) == "fine"
     assert custom_id_of(_line(custom_id="x\x00", body=5)) is None
     assert custom_id_of(_line(custom_id="x\ud800", body=5)) is None
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_models):
-    return AutoTokenizer.from_pretrained(str(tiny_models("llama")))
 
 
 @pytest.mark.parametrize("body, param", [

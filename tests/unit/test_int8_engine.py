@@ -32,11 +32,6 @@ MAX_NUM_BATCHED_TOKENS = 32
 MARGIN = 0.25
 
 
-@pytest.fixture(scope="module")
-def model_dir(tiny_models):
-    return tiny_models("llama")
-
-
 def make_engine(model_dir, kv_cache_dtype: str) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), kv_cache_dtype=kv_cache_dtype,
                                   kv_cache_memory=KV_MEMORY, max_model_len=256,

@@ -18,11 +18,6 @@ MAX_LEN = 256
 CHAT = [{"role": "user", "content": "Hello there"}]
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_models):
-    return AutoTokenizer.from_pretrained(str(tiny_models("llama")))
-
-
 def chat(tokenizer, **fields):
     return parse_request(CHAT_COMPLETIONS, {"messages": CHAT, **fields}, tokenizer, MAX_LEN)
 

@@ -29,11 +29,6 @@ def config(model_dir) -> EngineConfig:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_models):
-    return tiny_models("llama")
-
-
-@pytest.fixture(scope="module")
 def runner(model_dir):
     runner = ProcessEngineRunner(config(model_dir), name="test-engine").start()
     yield runner

@@ -34,11 +34,6 @@ PROMPT = [11, 22, 33, 44]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_models):
-    return tiny_models("llama")
-
-
-@pytest.fixture(scope="module")
 def engine(model_dir):
     return LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="8MiB", max_model_len=512))
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-from transformers import AutoTokenizer
 
 from rein.engine.structured.request import MAX_CHOICES, check_spec, spec_key, spec_problem
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS
@@ -18,11 +17,6 @@ MAX_LEN = 256
 CHAT = [{"role": "user", "content": "Give me JSON"}]
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
           "required": ["name", "age"], "additionalProperties": False}
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_models):
-    return AutoTokenizer.from_pretrained(str(tiny_models("llama")))
 
 
 def spec_of(tokenizer, endpoint=CHAT_COMPLETIONS, **fields):

@@ -51,11 +51,6 @@ def file_hashes(model_dir: Path) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_models):
-    return AutoTokenizer.from_pretrained(tiny_models("llama"))
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_builds_and_loads_with_transformers(tiny_models, arch):
     model_dir = tiny_models(arch)

@@ -34,11 +34,6 @@ USER = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
 
 
-@pytest.fixture(scope="module")
-def tokenizer(tiny_models):
-    return AutoTokenizer.from_pretrained(str(tiny_models("llama")))
-
-
 def parse(tokenizer, **body):
     return parse_request(CHAT_COMPLETIONS, {"messages": USER, **body}, tokenizer, MAX_LEN)
 
