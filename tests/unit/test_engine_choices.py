@@ -7,21 +7,11 @@ import random
 
 import pytest
 import torch
+from unit_support import make_engine, prompt_of
 
 from rein.engine import EngineConfig, LLMEngine, SamplingParams
 
 BLOCK = 16
-
-
-def make_engine(model_dir, **config) -> LLMEngine:
-    config.setdefault("kv_cache_memory", "8MiB")
-    config.setdefault("max_model_len", 256)
-    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **config))
-
-
-def prompt_of(length: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 2000) for _ in range(length)]
 
 
 def drain(engine: LLMEngine, outputs_seen: list | None = None) -> dict[tuple[str, int], dict]:

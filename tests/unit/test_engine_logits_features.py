@@ -3,29 +3,17 @@ prompt logprobs checked against a Hugging Face forward of the prompt)."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from unit_support import make_engine, prompt_of
 
-from rein.engine import EngineConfig, EngineRequestError, LLMEngine, SamplingParams
-
-
-def make_engine(model_dir, **config) -> LLMEngine:
-    config.setdefault("kv_cache_memory", "8MiB")
-    config.setdefault("max_model_len", 256)
-    return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **config))
+from rein.engine import EngineRequestError, LLMEngine, SamplingParams
 
 
 @pytest.fixture()
 def engine(model_dir):
     return make_engine(model_dir)
-
-
-def prompt_of(length: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 2000) for _ in range(length)]
 
 
 def run(engine: LLMEngine) -> dict[str, dict]:

@@ -5,9 +5,8 @@ generate when nothing preempts them, n > 1 choices included."""
 
 from __future__ import annotations
 
-import random
-
 import pytest
+from unit_support import prompt_of
 
 from rein.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -20,11 +19,6 @@ def make_engine(model_dir, **config) -> LLMEngine:
     config.setdefault("max_model_len", 256)
     config.setdefault("max_num_seqs", 4)
     return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **config))
-
-
-def prompt_of(length: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 2000) for _ in range(length)]
 
 
 def record_plans(engine: LLMEngine) -> list:
