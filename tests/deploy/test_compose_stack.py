@@ -7,7 +7,9 @@ built with no index and no registry. The stack runs as its own compose project
 (REIN_DEPLOY_PROJECT, default rein-deploy-test) with its own image tag, a random Postgres
 password, and the API on 127.0.0.1 at a free port, so it collides with nothing on the host
 (whose own Postgres and Redis hold 5432 and 6379). Leftovers of an interrupted run are removed
-first; `down -v` runs at the end whatever happened, after the services' logs when a test failed.
+first; `down -v` runs at the end whatever happened, after the services' logs are written to
+REIN_DEPLOY_LOGS (a file; run.sh names one in its cache folder) and, when a test failed,
+their last lines printed.
 
 What it checks: the default model is SmolLM2-135M-Instruct (it knows the capital of France,
 streamed and not), a key made with the documented one-liner works, and a 20-line batch
@@ -100,7 +102,7 @@ def wait_healthy(stack: Stack, services: tuple[str, ...], timeout: float) -> Non
 
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest):
-    env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "REIN_IMAGE": f"{PROJECT}:latest",
+    env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "APP_IMAGE": f"{PROJECT}:latest",
            "API_BIND": "127.0.0.1", "POSTGRES_PASSWORD": secrets.token_hex(16)}
     for name in ("REIN_MODELS", "WORKER_MODEL", "REIN_KV_CACHE_MEMORY", "REIN_MAX_NUM_SEQS"):
         env.pop(name, None)   # the compose defaults are what is tested
@@ -127,9 +129,11 @@ def stack(request: pytest.FixtureRequest):
         assert stack.key and " " not in stack.key, created.stdout
         yield stack
     finally:
-        failed = request.session.testsfailed > 0 or request.node.session.shouldfail
-        if failed or os.environ.get("REIN_DEPLOY_LOGS"):
-            print(stack.compose("logs", "--no-color", "--tail", "150", check=False).stdout[-20000:])
+        logs = stack.compose("logs", "--no-color", "--timestamps", check=False).stdout
+        if os.environ.get("REIN_DEPLOY_LOGS"):   # every service's whole log, for a later look
+            Path(os.environ["REIN_DEPLOY_LOGS"]).write_text(logs)
+        if request.session.testsfailed:
+            print("\n".join(line[:400] for line in logs.splitlines()[-150:]))
         started = time.monotonic()
         stack.compose("down", "-v", "--remove-orphans", check=False)
         say(f"down -v in {time.monotonic() - started:.1f} s")
@@ -155,6 +159,19 @@ def test_a_streamed_answer(stack: Stack) -> None:
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     say(f"streamed answer in {time.monotonic() - started:.2f} s, {len(chunks)} chunks: {text!r}")
     assert len(chunks) > 2 and "Paris" in text
+
+
+def test_a_worker_told_to_use_cuda_without_one_exits_at_once(stack: Stack) -> None:
+    """This image's torch has no CUDA: the worker refuses at start-up (exit 2) naming the fix,
+    which compose.gpu.yaml's bounded `on-failure:3` then cannot turn into a loop."""
+    started = time.monotonic()
+    result = stack.compose("run", "--rm", "--no-deps", "-T", "-e", "REIN_DEVICE=cuda", "worker", check=False,
+                           timeout=120)
+    elapsed = time.monotonic() - started
+    error = next((line for line in (result.stderr + result.stdout).splitlines() if "error: device" in line), "")
+    say(f"worker with REIN_DEVICE=cuda exited {result.returncode} after {elapsed:.1f} s: {error[:120]}...")
+    assert result.returncode == 2 and "built without CUDA" in error and "compose.gpu.yaml" in error
+    assert elapsed < 60
 
 
 COUNTRIES = ["France", "Japan", "Italy", "Spain", "Germany", "Egypt", "Canada", "Brazil", "India", "Kenya",
