@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from service_harness import MODEL, Service
+from e2e_support import MODEL, Service
 from sqlalchemy.engine import make_url
 from support import connect_postgres, free_port, wait_for
 

@@ -1,5 +1,5 @@
 """End to end: one tenant cannot hurt another (`rein api` + `rein worker` on a tiny model, see
-service_harness; one stack for the module).
+e2e_support; one stack for the module).
 
 - Tenant A's requests with token ids outside the vocabulary (even past int4, where Postgres
   would refuse the row) each get a 400 naming the parameter, while tenant B's requests sent
@@ -44,7 +44,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from service_harness import MODEL, Service, result_text, run_service, submit
+from e2e_support import MODEL, Service, result_text, run_service, submit
 from support import wait_for
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """End to end: `rein batch submit|status|cancel` (a subprocess, as a user runs it) against
-`rein api` and `rein worker` subprocesses on a tiny model (see service_harness).
+`rein api` and `rein worker` subprocesses on a tiny model (see e2e_support).
 
 The CLI finds the API through REIN_API_HOST/REIN_API_PORT (the harness's environment) and
 its key through REIN_API_KEY or --api-key; the tests check both, and that each way of
@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from service_harness import MODEL, REIN, REPO, Service, run_service
+from e2e_support import MODEL, REIN, REPO, Service, run_service
 from support import free_port, wait_for
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
 """End to end for the Batches API: `rein api` (with its batch manager) and `rein worker` as
-subprocesses on the tiny model (see service_harness), everything through HTTP.
+subprocesses on the tiny model (see e2e_support), everything through HTTP.
 
 Covers: a batch runs to completion with every custom_id answered once and billed once;
 interactive jobs overtake a large running batch (their queue time stays small) and a cancel
@@ -19,7 +19,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from service_harness import MODEL, STARTUP_TIMEOUT, Service, run_service, submit
+from e2e_support import MODEL, STARTUP_TIMEOUT, Service, run_service, submit
 from support import wait_for
 
 pytestmark = pytest.mark.slow

@@ -35,7 +35,7 @@ from chaos_support import (
     wait_all_ended,
     wait_ready,
 )
-from service_harness import MODEL, STARTUP_TIMEOUT, iter_events, run_service
+from e2e_support import MODEL, STARTUP_TIMEOUT, iter_events, run_service
 from support import wait_for
 
 from rein.core.redis_keys import RedisKeys

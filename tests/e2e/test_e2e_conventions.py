@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import httpx
 import pytest
-from service_harness import MAX_MODEL_LEN, MODEL, REIN, REPO, Service, run_service
+from e2e_support import MAX_MODEL_LEN, MODEL, REIN, REPO, Service, run_service
 from support import wait_for
 
 from rein.core.redis_keys import RedisKeys

@@ -9,8 +9,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from e2e_support import MODEL, Service, run_service, submit
 from prometheus_client.parser import text_string_to_metric_families
-from service_harness import MODEL, Service, run_service, submit
 from support import free_port, wait_for
 
 pytestmark = pytest.mark.slow

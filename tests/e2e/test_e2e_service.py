@@ -1,5 +1,5 @@
 """End to end: `rein api` and `rein worker` as subprocesses on a tiny model (see
-service_harness). Everything goes through HTTP (httpx) except what only the worker shows:
+e2e_support). Everything goes through HTTP (httpx) except what only the worker shows:
 its heartbeat in Redis, read to see the engine's KV blocks freed after a cancel.
 
 The SIGTERM test stops the worker, so it runs last (tests run in file order).
@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from service_harness import (
+from e2e_support import (
     MODEL,
     STARTUP_TIMEOUT,
     Service,

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import openai
 import pytest
 import torch
-from service_harness import MODEL, REIN, REPO, Service, run_service
+from e2e_support import MODEL, REIN, REPO, Service, run_service
 
 pytestmark = pytest.mark.slow
 

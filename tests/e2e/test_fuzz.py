@@ -1,6 +1,6 @@
 """Fuzzing the live API from its OpenAPI schema with Schemathesis.
 
-`rein api` and `rein worker` run on a tiny model (service_harness); the Schemathesis CLI
+`rein api` and `rein worker` run on a tiny model (e2e_support); the Schemathesis CLI
 reads /openapi.json and sends every operation generated requests, both valid ones
 (positive) and ones that break the schema (negative: wrong types, missing or extra
 fields, out-of-range numbers, NUL characters in strings), with a key that holds every
@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from service_harness import MODEL, Service, run_service, submit
+from e2e_support import MODEL, Service, run_service, submit
 
 pytestmark = pytest.mark.slow
 

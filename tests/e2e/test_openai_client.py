@@ -1,6 +1,6 @@
 """End to end with the official `openai` client: rein must be a drop-in base_url.
 
-`rein api` and `rein worker` run as subprocesses on a tiny model (see service_harness);
+`rein api` and `rein worker` run as subprocesses on a tiny model (see e2e_support);
 every request here goes through `openai.OpenAI(base_url=<rein>/v1, api_key=<rein key>)`, so
 the client's own parsing (pydantic models, SSE decoding, error classes) checks rein's wire
 format: response shapes, streamed chunks, the usage chunk, and errors mapped to the client's
@@ -20,7 +20,7 @@ import jsonschema
 import openai
 import pydantic
 import pytest
-from service_harness import MAX_MODEL_LEN, MODEL, REIN, REPO, Service, run_service
+from e2e_support import MAX_MODEL_LEN, MODEL, REIN, REPO, Service, run_service
 
 pytestmark = pytest.mark.slow
 

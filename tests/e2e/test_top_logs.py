@@ -9,7 +9,7 @@ import subprocess
 from collections.abc import Iterator
 
 import pytest
-from service_harness import MODEL, REIN, REPO, Service, run_service, submit
+from e2e_support import MODEL, REIN, REPO, Service, run_service, submit
 
 pytestmark = pytest.mark.slow
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from e2e.service_harness import run_service
+from e2e.e2e_support import run_service
 from real_support import (
     KV_CACHE_MEMORY,
     LOGPROB_TOLERANCE,

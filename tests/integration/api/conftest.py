@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-from api_helpers import FakeWorker
+from api_support import FakeWorker
 from fastapi.testclient import TestClient
 
 from rein.core.keys import create_key, revoke_key

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from api_helpers import auth, chat_body
+from api_support import auth, chat_body
 
 
 def _error(response, status: int) -> dict:

@@ -10,7 +10,7 @@ import threading
 import time
 
 import pytest
-from api_helpers import auth, chat_body
+from api_support import auth, chat_body
 from sqlalchemy import select, update
 
 from rein.core.messages import TokenEvent

@@ -12,7 +12,7 @@ import time
 
 import openai
 import pytest
-from api_helpers import auth, chat_body
+from api_support import auth, chat_body
 from sqlalchemy import select
 
 from rein.core.models import Job

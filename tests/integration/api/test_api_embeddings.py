@@ -12,7 +12,7 @@ import threading
 import time
 
 import pytest
-from api_helpers import auth
+from api_support import auth
 from sqlalchemy import select, update
 
 from rein.core.messages import JobMessage, TokenEvent

@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from api_helpers import auth, chat_body
+from api_support import auth, chat_body
 
 from rein.core.messages import TokenEvent
 from rein.core.redis_keys import RedisKeys

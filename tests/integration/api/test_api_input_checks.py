@@ -10,7 +10,7 @@ import io
 import json
 
 import pytest
-from api_helpers import auth
+from api_support import auth
 from support import wait_for
 
 NUL = "\\u0000"          # as JSON writes U+0000

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import secrets
 
-from api_helpers import auth, chat_body
+from api_support import auth, chat_body
 from sqlalchemy import func, select, update
 from transformers import AutoTokenizer
 

@@ -14,7 +14,7 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from api_helpers import auth
+from api_support import auth
 from support import wait_for
 
 from rein.core.logging import configure_logging, remove_handler

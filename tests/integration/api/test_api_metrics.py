@@ -8,7 +8,7 @@ import secrets
 import time
 
 import pytest
-from api_helpers import auth, chat_body
+from api_support import auth, chat_body
 from prometheus_client.parser import text_string_to_metric_families
 
 from rein.core.messages import PRIORITY_BATCH, JobMessage

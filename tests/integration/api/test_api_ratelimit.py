@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import redis
-from api_helpers import auth, chat_body
+from api_support import auth, chat_body
 
 from rein.core.keys import KeyInfo
 from rein.core.redis_keys import RedisKeys

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from api_helpers import auth, chat_body
+from api_support import auth, chat_body
 
 LIMIT = 64 * 1024
 

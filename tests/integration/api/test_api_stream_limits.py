@@ -10,7 +10,7 @@ from contextlib import ExitStack
 from types import SimpleNamespace
 
 import pytest
-from api_helpers import auth, chat_body
+from api_support import auth, chat_body
 
 from rein.api.routes.jobs import SlotStreamingResponse, take_stream_slot
 from rein.api.streams import StreamSlots

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 
 import pytest
-from api_helpers import auth
+from api_support import auth
 from fastapi.testclient import TestClient
 from sqlalchemy import update
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from api_helpers import auth, chat_body
+from api_support import auth, chat_body
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from api_helpers import auth
+from api_support import auth
 from support import free_port, pid_alive
 
 STARTUP_TIMEOUT = 120.0

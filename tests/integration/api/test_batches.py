@@ -10,7 +10,7 @@ import json
 import time
 
 import pytest
-from api_helpers import auth
+from api_support import auth
 from sqlalchemy import select, update
 from support import queued_job_ids, wait_for
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import anyio
-from api_helpers import auth
+from api_support import auth
 from sqlalchemy import select
 
 from rein.core.models import ApiKey, File, new_file_id

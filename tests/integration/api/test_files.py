@@ -8,7 +8,7 @@ import json
 import os
 
 import pytest
-from api_helpers import auth
+from api_support import auth
 
 LINES = b"".join(json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
                              "body": {"model": "tiny", "prompt": f"p{i}", "max_tokens": 2}}).encode() + b"\n"

@@ -15,7 +15,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-from api_helpers import auth, chat_body
+from api_support import auth, chat_body
 from sqlalchemy import select
 
 from rein.api.intake import GroupCommitter
