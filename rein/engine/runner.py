@@ -17,15 +17,14 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from rein.engine.engine import LLMEngine
-from rein.engine.outputs import RequestOutput, TokenLogprob
+from rein.engine.outputs import RequestOutput
+from rein.engine.results import RequestResult
 from rein.engine.sampling_params import SamplingParams
-from rein.openai.choices import ChoiceGatherer
 
 log = logging.getLogger(__name__)
 
@@ -65,31 +64,6 @@ class RequestStream:
         self._runner.abort(self.request_id)
 
 
-@dataclass
-class Collected:
-    """Everything a request produced, gathered on the engine thread (see CollectingStream).
-
-    `choices` holds every choice of an n > 1 request (rein.openai.choices); `text`, `token_ids`
-    and `logprobs` are choice 0's, the whole answer of a plain request."""
-
-    choices: ChoiceGatherer = field(default_factory=ChoiceGatherer)
-    first_token_at: float | None = None          # time.time() when the first token came
-    first_token_monotonic: float | None = None   # the same moment on time.monotonic()
-    final: RequestOutput | None = None
-
-    @property
-    def text(self) -> str:
-        return self.choices.choice(0).text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.choices.choice(0).token_ids
-
-    @property
-    def logprobs(self) -> list[TokenLogprob]:
-        return self.choices.choice(0).logprobs
-
-
 class CollectingStream(RequestStream):
     """A stream for a caller that wants only the end result: the engine thread appends each
     output to `collected` and wakes the caller once, at the end, instead of at every step.
@@ -100,7 +74,7 @@ class CollectingStream(RequestStream):
 
     def __init__(self, request_id: str, runner: EngineRunner) -> None:
         super().__init__(request_id, runner)
-        self.collected = Collected()
+        self.collected = RequestResult(request_id)
         self._done = threading.Event()
         self._error: BaseException | None = None
 
@@ -109,13 +83,8 @@ class CollectingStream(RequestStream):
             self._error = item
             self._done.set()
             return
-        collected = self.collected
-        if item.new_token_ids and collected.first_token_at is None:
-            collected.first_token_at = time.time()
-            collected.first_token_monotonic = time.monotonic()
-        collected.choices.add(item)
+        self.collected.add(item)
         if item.finished:
-            collected.final = item
             self._done.set()
 
     def wait(self, timeout: float | None = None) -> bool:

@@ -2,8 +2,9 @@
 
 `drive` takes work items one at a time from any iterable, but only while fewer than
 `max_in_flight` requests are in the engine, so memory stays bounded however long the
-input is. It steps the engine in the calling thread, gathers each request's tokens, text
-and logprobs, and hands every finished request back once. The caller decides what an
+input is. It steps the engine in the calling thread, gathers each request's outputs (a
+rein.engine.results.RequestResult, whose `state` is what `admit` returned with its id), and
+hands every finished request back once. The caller decides what an
 item is, how it becomes an engine request (`admit`), and what to do with the result
 (`finish`); the loop itself is the same for both front ends.
 
@@ -14,14 +15,12 @@ aborted before the exception propagates, so a reused engine is not left running 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Generic, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from rein.openai.choices import ChoiceGatherer
+from rein.engine.results import RequestResult
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
-    from rein.engine.outputs import RequestOutput, TokenLogprob
 
 Item = TypeVar("Item")
 State = TypeVar("State")
@@ -34,50 +33,11 @@ def default_max_in_flight(engine: LLMEngine) -> int:
     return IN_FLIGHT_PER_SEQ * engine.config.max_num_seqs
 
 
-@dataclass
-class FinishedRequest(Generic[State]):
-    """One request's whole answer, as its step outputs added up.
-
-    `choices` holds every choice of an n > 1 request (rein.openai.choices), and the prompt
-    logprobs; `text`, `token_ids` and `logprobs` are choice 0's, the whole answer of a
-    plain request. `finish_reason` is the request's (the last choice to end)."""
-
-    request_id: str
-    state: State                                  # what `admit` returned with the request id
-    choices: ChoiceGatherer = field(default_factory=ChoiceGatherer)
-    finish_reason: str | None = None              # stop | length | abort
-    stop_reason: str | int | None = None
-    num_cached_tokens: int = 0
-    num_prompt_tokens: int = 0
-    embedding: list[float] | None = None          # an embedding request's vector
-
-    @property
-    def text(self) -> str:
-        return self.choices.choice(0).text
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.choices.choice(0).token_ids
-
-    @property
-    def logprobs(self) -> list[TokenLogprob]:
-        return self.choices.choice(0).logprobs
-
-    def add(self, output: RequestOutput) -> None:
-        self.choices.add(output)
-        if output.finished:
-            self.finish_reason = output.finish_reason
-            self.stop_reason = output.stop_reason
-            self.num_cached_tokens = output.num_cached_tokens
-            self.num_prompt_tokens = output.num_prompt_tokens
-            self.embedding = output.embedding
-
-
 def drive(
     engine: LLMEngine,
     items: Iterable[Item],
     admit: Callable[[Item], tuple[str, State] | list[tuple[str, State]] | None],
-    finish: Callable[[FinishedRequest[State]], None],
+    finish: Callable[[RequestResult], None],
     max_in_flight: int,
 ) -> None:
     """Run every item through the engine, at most `max_in_flight` requests at a time.
@@ -89,7 +49,7 @@ def drive(
     may be "abort"). Outputs of requests this call did not admit are ignored.
     """
     limit = max(1, max_in_flight)
-    in_flight: dict[str, FinishedRequest[State]] = {}
+    in_flight: dict[str, RequestResult] = {}
     source = iter(items)
     exhausted = False
     try:
@@ -101,7 +61,7 @@ def drive(
                     break
                 admitted = admit(item)
                 for request_id, state in [admitted] if isinstance(admitted, tuple) else admitted or ():
-                    in_flight[request_id] = FinishedRequest(request_id, state)
+                    in_flight[request_id] = RequestResult(request_id, state)
             if not in_flight:
                 if exhausted:
                     return

@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 from rein.engine.errors import EngineRequestError
 from rein.engine.pooling import PoolingError, PoolingParams
-from rein.offline.driver import FinishedRequest, drive
+from rein.engine.results import RequestResult
+from rein.offline.driver import drive
 from rein.openai.batch_lines import BatchLine, batch_output_line
 from rein.openai.embeddings import ParsedEmbeddings, embeddings_body, parse_embeddings_request
 from rein.openai.errors import INVALID_REQUEST, RequestError
@@ -85,7 +86,7 @@ def embed(llm: LLM, prompts: Any, pooling_params: PoolingParams | Sequence[Pooli
             raise ValueError(f"prompt {index}: {exc}") from exc
         return request_id, index
 
-    def finish(done: FinishedRequest[int]) -> None:
+    def finish(done: RequestResult) -> None:
         if done.embedding is None:
             raise RuntimeError(f"prompt {done.state}: the engine ended it without a vector ({done.finish_reason})")
         results[done.state] = EmbeddingRequestOutput(done.request_id, prepared[done.state].token_ids,
@@ -151,7 +152,7 @@ def take_embeddings_line(run: _BatchRun, batch_line: BatchLine, line_number: int
     return added
 
 
-def finish_embeddings_part(run: _BatchRun, done: FinishedRequest[EmbeddingPart]) -> None:
+def finish_embeddings_part(run: _BatchRun, done: RequestResult) -> None:
     """One input is done; the line's output is written with its last input."""
     line = done.state.line
     if done.embedding is None:

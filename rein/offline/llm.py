@@ -51,9 +51,9 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from rein.engine.errors import EngineRequestError
+from rein.engine.results import Choice, RequestResult
 from rein.engine.sampling_params import SamplingParams
-from rein.offline.driver import FinishedRequest, default_max_in_flight, drive
-from rein.openai.choices import Choice
+from rein.offline.driver import default_max_in_flight, drive
 from rein.openai.errors import RequestError
 from rein.openai.request import chat_prompt
 
@@ -382,20 +382,20 @@ class LLM:
                 raise ValueError(f"{what} {index}: {exc}") from exc
             return request_id, index
 
-        def finish(done: FinishedRequest[int]) -> None:
+        def finish(done: RequestResult) -> None:
             index = done.state
             prompt = prompts[index]
             prompt_logprobs = None
             if params[index].prompt_logprobs is not None:
-                entries = done.choices.prompt_logprobs or [None] * len(prompt.token_ids)
+                entries = done.prompt_logprobs or [None] * len(prompt.token_ids)
                 prompt_logprobs = [None if entry is None else self._logprob_dict(entry, decoded)
                                    for entry in entries]
             results[index] = GenerationOutput(
                 request_id=done.request_id, prompt=prompt.text, prompt_token_ids=prompt.token_ids,
-                outputs=[self._completion(choice, params[index], decoded) for choice in done.choices.ordered()],
+                outputs=[self._completion(choice, params[index], decoded) for choice in done.ordered()],
                 num_cached_tokens=done.num_cached_tokens, prompt_logprobs=prompt_logprobs)
             totals["in"] += len(prompt.token_ids)
-            totals["out"] += done.choices.completion_tokens
+            totals["out"] += done.completion_tokens
             elapsed = max(time.perf_counter() - started, 1e-9)
             bar.set_postfix_str(f"est. speed input: {totals['in'] / elapsed:.2f} toks/s, "
                                 f"output: {totals['out'] / elapsed:.2f} toks/s", refresh=False)

@@ -28,7 +28,8 @@ from tqdm import tqdm
 
 from rein.engine.errors import EngineRequestError
 from rein.engine.generation_defaults import GenerationDefaults, load_generation_defaults
-from rein.offline.driver import FinishedRequest, default_max_in_flight, drive
+from rein.engine.results import RequestResult
+from rein.offline.driver import default_max_in_flight, drive
 from rein.offline.embed import EmbeddingPart, finish_embeddings_part, take_embeddings_line
 from rein.openai.batch_lines import (
     batch_error_line,
@@ -187,7 +188,7 @@ class _BatchRun:
 
     # -- output ----------------------------------------------------------------------------
 
-    def _finish(self, done: FinishedRequest[_Pending]) -> None:
+    def _finish(self, done: RequestResult) -> None:
         if isinstance(done.state, EmbeddingPart):
             finish_embeddings_part(self, done)
             return
@@ -204,14 +205,14 @@ class _BatchRun:
                 done.token_ids, done.finish_reason, done.logprobs if parsed.logprobs_mode is not None else None,
                 self.engine.tokenizer, parsed.logprobs_mode, int(time.time()), cached_tokens=done.num_cached_tokens)
         else:   # n > 1, best_of, echo, prompt logprobs (rein.openai.choice_bodies)
-            body = full_response(pending.endpoint, done.request_id, pending.model_name, done.choices,
+            body = full_response(pending.endpoint, done.request_id, pending.model_name, done,
                                  parsed.prompt_token_ids, self.engine.tokenizer, parsed.logprobs_mode, parsed.shape,
                                  int(time.time()))
         body = apply_tool_calls(body, pending.request_body)
         self._write(self.out, batch_output_line(pending.custom_id, done.request_id, body))
         self.summary.requests_ok += 1
         self.summary.prompt_tokens += prompt_tokens
-        self.summary.completion_tokens += done.choices.completion_tokens
+        self.summary.completion_tokens += done.completion_tokens
         self._advance()
 
     def _fail(self, custom_id: str | None, line_number: int, code: str, message: str) -> None:

@@ -29,7 +29,8 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from rein.openai.choices import Choice, ChoiceGatherer, ResponseShape, returned_choices
+from rein.engine.results import Choice, RequestResult
+from rein.openai.choices import ResponseShape, returned_choices
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS
 from rein.openai.response import _completion_logprobs_body, _TokenTexts, build_response, usage_body
 
@@ -39,7 +40,7 @@ if TYPE_CHECKING:
 MIN_LOGPROB = -9999.0
 
 
-def response_extra(endpoint: str, gathered: ChoiceGatherer, prompt_token_ids: list[int], tokenizer: Any,
+def response_extra(endpoint: str, gathered: RequestResult, prompt_token_ids: list[int], tokenizer: Any,
                    logprobs_mode: int | None, shape: ResponseShape) -> dict[str, Any] | None:
     """The body parts beyond the plain one-choice answer (see the module docstring); None when
     the request is plain."""
@@ -78,7 +79,7 @@ def choice_body(endpoint: str, choice: Choice, tokenizer: Any, logprobs_mode: in
     return body
 
 
-def full_response(endpoint: str, request_id: str, model_name: str, gathered: ChoiceGatherer,
+def full_response(endpoint: str, request_id: str, model_name: str, gathered: RequestResult,
                   prompt_token_ids: list[int], tokenizer: Any, logprobs_mode: int | None, shape: ResponseShape,
                   created: int | None = None) -> dict[str, Any]:
     """The whole body of a finished request, any shape (the offline runner; the API's

@@ -57,7 +57,8 @@ from rein.worker.publisher import TIMEOUT
 from rein.worker.recorder import JobRecord, record_job
 
 if TYPE_CHECKING:
-    from rein.engine.runner import Collected, CollectingStream
+    from rein.engine.results import RequestResult
+    from rein.engine.runner import CollectingStream
     from rein.engine.sampling_params import SamplingParams
     from rein.jobs.claim import Lease
     from rein.worker.bootstep import WorkerContext
@@ -244,7 +245,7 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
     return status
 
 
-def job_record(message: JobMessage, endpoint: str, collected: Collected, params: SamplingParams,
+def job_record(message: JobMessage, endpoint: str, collected: RequestResult, params: SamplingParams,
                tokenizer: Any, status: str = "succeeded", error: dict[str, Any] | None = None) -> JobRecord:
     """What a finished attempt records. A plain
     request records its one choice; one with several choices, an echo or prompt logprobs
@@ -254,7 +255,7 @@ def job_record(message: JobMessage, endpoint: str, collected: Collected, params:
     first_token_at = (datetime.fromtimestamp(collected.first_token_at, UTC)
                       if collected.first_token_at is not None else None)
     shape = ResponseShape.from_dict(message.shape)
-    gathered = collected.choices
+    gathered = collected
     if shape.plain and len(gathered.choices) <= 1:
         return JobRecord(
             status=status, error=error, text=collected.text, token_ids=collected.token_ids, finish_reason=final.finish_reason,

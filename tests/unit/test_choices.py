@@ -15,9 +15,10 @@ import pytest
 from rein.core.messages import JobMessage, TokenEvent
 from rein.core.redis_keys import RedisKeys
 from rein.engine.outputs import RequestOutput, TokenLogprob
+from rein.engine.results import RequestResult
 from rein.engine.runner import CollectingStream
 from rein.openai.choice_bodies import full_response, response_extra
-from rein.openai.choices import ChoiceGatherer, ResponseShape, returned_choices
+from rein.openai.choices import ResponseShape, returned_choices
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS
 from rein.openai.errors import RequestError
 from rein.openai.request import parse_request
@@ -158,21 +159,21 @@ def test_gatherer_and_collecting_stream_keep_choices_apart():
     assert stream.wait(0)
     collected = stream.collected
     assert collected.text == "abc" and collected.token_ids == [10, 11, 12]     # choice 0
-    choices = collected.choices.ordered()
+    choices = collected.ordered()
     assert [(c.index, c.text, c.token_ids, c.finish_reason) for c in choices] == [
         (0, "abc", [10, 11, 12], "length"), (1, "xy", [20, 21], "stop")]
-    assert collected.choices.completion_tokens == 5 and collected.final.finished
+    assert collected.completion_tokens == 5 and collected.final.finished
 
 
 def test_an_abort_ends_every_choice():
-    gathered = ChoiceGatherer()
+    gathered = RequestResult()
     for output in numbered([out(0, [1], "a"), out(1, [2], "b"), out(0, [], "", finish="abort", finished=True)]):
         gathered.add(output)
     assert [c.finish_reason for c in gathered.ordered()] == ["abort", "abort"]
 
 
 def test_best_of_returns_the_likeliest_renumbered():
-    gathered = ChoiceGatherer()
+    gathered = RequestResult()
     for index, logprob in enumerate([-3.0, -0.5, -2.0]):
         gathered.add(out(index, [index], str(index), finish="stop", finished=index == 2,
                          lps=[TokenLogprob(index, logprob)]))
@@ -184,8 +185,8 @@ def test_best_of_returns_the_likeliest_renumbered():
 # -- bodies ---------------------------------------------------------------------------------
 
 
-def gathered_of(outputs) -> ChoiceGatherer:
-    gathered = ChoiceGatherer()
+def gathered_of(outputs) -> RequestResult:
+    gathered = RequestResult()
     for output in outputs:
         gathered.add(output)
     return gathered

@@ -26,9 +26,6 @@ LAYERS = [{"core"}, {"kernels"}, {"engine"}, {"openai"}, {"jobs"}, {"batches"}, 
 LEAVES = {"rein.openai.errors"}
 
 KNOWN: dict[tuple[str, str], str] = {
-    ("rein.engine.runner", "rein.openai.choices"):
-        "the thread runner gathers choices with the wire format's ChoiceGatherer; it goes with "
-        "the one engine core loop (issue 26, step 3)",
     ("rein.offline.llm", "rein.cli.engine_options"):
         "rein.LLM takes the engine options the CLI defines; they move below both with the "
         "engine core loop (issue 26, step 3)",

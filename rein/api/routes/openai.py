@@ -57,10 +57,11 @@ from rein.core.keys import KeyInfo
 from rein.core.logging import log_context
 from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.core.redis_keys import RedisKeys
+from rein.engine.results import RequestResult
 from rein.jobs.errors import INVALID_REQUEST, APIError, error_body
 from rein.jobs.results import response_body
 from rein.openai.choice_bodies import full_response
-from rein.openai.choices import ChoiceGatherer, ResponseShape
+from rein.openai.choices import ResponseShape
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
 from rein.openai.response import build_response
 from rein.openai.tools import apply_tool_calls
@@ -152,7 +153,7 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
             release, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             on_abandon=lambda: _abandon_in_background(request, key, job.id))
 
-    gathered = ChoiceGatherer()
+    gathered = RequestResult()
     following = asyncio.ensure_future(_follow(events, gathered))
     gone = asyncio.ensure_future(_client_gone(request))
     try:
@@ -194,7 +195,7 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
     return JSONResponse(apply_tool_calls(response, body))
 
 
-async def _follow(events: AsyncIterator[StreamEvent | None], gathered: ChoiceGatherer) -> StreamEvent | None:
+async def _follow(events: AsyncIterator[StreamEvent | None], gathered: RequestResult) -> StreamEvent | None:
     """Read the job's events to the end, gathering each choice's text, token ids and finish
     reason; the final event."""
     final: StreamEvent | None = None
