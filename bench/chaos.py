@@ -50,7 +50,7 @@ from chaos_support import (  # noqa: E402  (the fault tests' helpers)
     wait_ready,
 )
 from intake import ensure_model  # noqa: E402  (bench helpers)
-from service_harness import MODEL, run_service  # noqa: E402
+from e2e_support import MODEL, run_service  # noqa: E402
 
 END_TIMEOUT = 600.0
 FAULTS = ("worker", "redis", "postgres", "api")

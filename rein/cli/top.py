@@ -18,7 +18,7 @@ Where the figures come from (nothing here talks to a worker or to Postgres):
   STALE   its key is alive but the last beat is older than that (a beat was missed);
   DOWN    it beats, but its engine died and a new one is starting (it takes no jobs);
   LOST    its key expired (no beat for 15 s) without a clean stop: the process died or
-          cannot reach Redis; its jobs come back (see README, "Jobs stuck");
+          cannot reach Redis; its jobs come back (see docs/operations.md, troubleshooting: "job stuck in `running`");
   STOPPED it stopped cleanly (warm shutdown handed its jobs back).
 
   LOST and STOPPED workers stay listed for FORGET_AFTER_SECONDS (10 min) after their last

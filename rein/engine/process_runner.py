@@ -39,6 +39,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from rein.engine.config import EngineConfig
+from rein.engine.core import EngineCore
 from rein.engine.engine import EngineStats
 from rein.engine.outputs import RequestOutput
 from rein.engine.runner import EngineRunner, EngineStoppedError, _Add
@@ -47,8 +48,6 @@ log = logging.getLogger(__name__)
 
 # How long the parent waits for the child to load the model and say it is ready.
 START_TIMEOUT_SECONDS = 600.0
-# On stop, the steps the child takes at most to hand out the aborted requests' last outputs.
-STOP_STEPS = 3
 PR_SET_PDEATHSIG = 1
 
 
@@ -313,23 +312,12 @@ class _ChildLoop:
         return replace(engine.stats), engine.num_running, engine.num_waiting, engine.pool.num_free
 
     def run(self) -> None:
-        engine, conn = self.engine, self.conn
-        while True:
-            busy = engine.has_unfinished()
-            if not self._drain(block=not busy):
-                break
-            if engine.has_unfinished():
-                outputs = engine.step()
-                conn.send(("step", outputs, self.snapshot()))
-            elif busy:    # the last requests ended without a step (aborted while waiting)
-                conn.send(("stats", self.snapshot()))
-        # Told to stop: abort what is left, so that every stream ends with its output.
-        for request_id in list(engine.requests):
-            engine.abort(request_id)
-        for _ in range(STOP_STEPS):
-            if not engine.has_unfinished():
-                break
-            conn.send(("step", engine.step(), self.snapshot()))
+        """The engine core loop (rein.engine.core), its commands from the parent's pipe and its
+        outputs, with the engine's state, back through it."""
+        conn = self.conn
+        EngineCore(self.engine, self._drain,
+                   deliver=lambda outputs: conn.send(("step", outputs, self.snapshot())),
+                   idle=lambda: conn.send(("stats", self.snapshot()))).run()
         conn.send(("stopped",))
 
     def _drain(self, block: bool) -> bool:

@@ -1,9 +1,9 @@
 """A thread-safe front for the engine: one background thread owns it and steps it; any
 thread submits requests and reads each request's outputs from its own stream.
 
-The engine thread blocks on its command queue when idle (no polling), drains every
-pending command before each step (so requests join at every step), and hands each
-step's outputs to the streams. `stop()` aborts whatever is left and joins the thread
+The engine thread runs the engine core loop (rein.engine.core): it blocks on its command
+queue when idle (no polling), drains every pending command before each step (so requests
+join at every step), and hands each step's outputs to the streams. `stop()` aborts whatever is left and joins the thread
 promptly — a worker's warm shutdown depends on it.
 
 An optional `on_step` hook sees all of a step's outputs at once, on the engine thread,
@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rein.engine.core import EngineCore
 from rein.engine.engine import LLMEngine
 from rein.engine.outputs import RequestOutput
 from rein.engine.results import RequestResult
@@ -209,12 +210,7 @@ class EngineRunner:
 
     def _loop(self) -> None:
         try:
-            while True:
-                block = not self.engine.has_unfinished()
-                if not self._drain(block):
-                    break
-                if self.engine.has_unfinished():
-                    self._deliver(self.engine.step())
+            EngineCore(self.engine, self._drain, self._deliver).run()
         except BaseException as exc:  # the engine is broken: tell every waiting stream
             log.exception("engine thread failed")
             self._failure = exc
@@ -222,11 +218,7 @@ class EngineRunner:
                 stream._put(EngineStoppedError(f"the engine failed: {exc!r}"))
             self._streams.clear()
             return
-        # Stopped: abort what is left so every stream ends.
-        for request_id in list(self._streams):
-            self.engine.abort(request_id)
-        if self.engine.has_unfinished():
-            self._deliver(self.engine.step())
+        # Stopped (the core ended what the engine held): a stream still open gets the reason.
         for stream in self._streams.values():
             stream._put(EngineStoppedError("the engine stopped"))
         self._streams.clear()

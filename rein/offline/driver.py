@@ -1,11 +1,11 @@
-"""The offline engine loop shared by `rein run-batch` and `rein.LLM`.
+"""The offline client of the engine core loop, shared by `rein run-batch` and `rein.LLM`.
 
 `drive` takes work items one at a time from any iterable, but only while fewer than
 `max_in_flight` requests are in the engine, so memory stays bounded however long the
-input is. It steps the engine in the calling thread, gathers each request's outputs (a
-rein.engine.results.RequestResult, whose `state` is what `admit` returned with its id), and
-hands every finished request back once. The caller decides what an
-item is, how it becomes an engine request (`admit`), and what to do with the result
+input is. It runs the engine core loop (rein.engine.core) in the calling thread, gathers
+each request's outputs (a rein.engine.results.RequestResult, whose `state` is what `admit`
+returned with its id), and hands every finished request back once. The caller decides what
+an item is, how it becomes an engine request (`admit`), and what to do with the result
 (`finish`); the loop itself is the same for both front ends.
 
 If anything raises (a callback, the engine, Ctrl-C), the requests still in flight are
@@ -17,10 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
+from rein.engine.core import EngineCore
 from rein.engine.results import RequestResult
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
+    from rein.engine.outputs import RequestOutput
 
 Item = TypeVar("Item")
 State = TypeVar("State")
@@ -52,31 +54,38 @@ def drive(
     in_flight: dict[str, RequestResult] = {}
     source = iter(items)
     exhausted = False
-    try:
-        while True:
-            while not exhausted and len(in_flight) < limit:
-                item = next(source, _END)
-                if item is _END:
-                    exhausted = True
-                    break
-                admitted = admit(item)
-                for request_id, state in [admitted] if isinstance(admitted, tuple) else admitted or ():
-                    in_flight[request_id] = RequestResult(request_id, state)
-            if not in_flight:
-                if exhausted:
-                    return
+
+    def drain(block: bool) -> bool:
+        """Admit items while the window has room (never waits: the items are at hand); False
+        once every item is admitted and every request has ended."""
+        nonlocal exhausted
+        while not exhausted and len(in_flight) < limit:
+            item = next(source, _END)
+            if item is _END:
+                exhausted = True
+                break
+            admitted = admit(item)
+            for request_id, state in [admitted] if isinstance(admitted, tuple) else admitted or ():
+                in_flight[request_id] = RequestResult(request_id, state)
+        if not in_flight:
+            return not exhausted
+        if not engine.has_unfinished():
+            raise RuntimeError(f"the engine has no unfinished requests but {len(in_flight)} are "
+                               f"waiting for an answer (engine bug)")
+        return True
+
+    def deliver(outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            result = in_flight.get(output.request_id)
+            if result is None:
                 continue
-            if not engine.has_unfinished():
-                raise RuntimeError(f"the engine has no unfinished requests but {len(in_flight)} are "
-                                   f"waiting for an answer (engine bug)")
-            for output in engine.step():
-                result = in_flight.get(output.request_id)
-                if result is None:
-                    continue
-                result.add(output)
-                if output.finished:
-                    del in_flight[output.request_id]
-                    finish(result)
+            result.add(output)
+            if output.finished:
+                del in_flight[output.request_id]
+                finish(result)
+
+    try:
+        EngineCore(engine, drain, deliver).run()
     except BaseException:
         for request_id in in_flight:
             engine.abort(request_id)
