@@ -120,7 +120,7 @@ def _stat_fields(pid: int) -> list[str] | None:
 
 def process_cpu_seconds(pid: int, *, children: bool = True) -> float | None:
     """User + system CPU seconds of `pid` and (`children`) its live descendants: the worker's
-    engine runs in a child process of its own (rein.engine.process_runner)."""
+    engine runs in a child process of its own (rein.engine.process_client)."""
     fields = _stat_fields(pid)
     if fields is None:
         return None

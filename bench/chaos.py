@@ -49,8 +49,8 @@ from chaos_support import (  # noqa: E402  (the fault tests' helpers)
     wait_all_ended,
     wait_ready,
 )
-from intake import ensure_model  # noqa: E402  (bench helpers)
 from e2e_support import MODEL, run_service  # noqa: E402
+from intake import ensure_model  # noqa: E402  (bench helpers)
 
 END_TIMEOUT = 600.0
 FAULTS = ("worker", "redis", "postgres", "api")

@@ -18,7 +18,7 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": ("rein.offline.llm", "LLM"),
     "SamplingParams": ("rein.engine.sampling_params", "SamplingParams"),
-    "PoolingParams": ("rein.engine.pooling", "PoolingParams"),
+    "PoolingParams": ("rein.engine.pooling_config", "PoolingParams"),
     "EmbeddingRequestOutput": ("rein.offline.embed", "EmbeddingRequestOutput"),
     "GenerationOutput": ("rein.offline.llm", "GenerationOutput"),
     "RequestOutput": ("rein.offline.llm", "GenerationOutput"),

@@ -7,7 +7,7 @@ import shutil
 import sys
 import tempfile
 
-from rein.cli.engine_options import API, add_engine_options, options_for
+from rein.engine.options import API, add_engine_options, options_for
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

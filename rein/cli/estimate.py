@@ -13,7 +13,7 @@ import json
 import sys
 from pathlib import Path
 
-from rein.cli.engine_options import DTYPES, KV_CACHE_DTYPES
+from rein.engine.options import DTYPES, KV_CACHE_DTYPES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -11,7 +11,7 @@ import dataclasses
 import sys
 import time
 
-from rein.cli.engine_options import (
+from rein.engine.options import (
     CLIError,
     add_engine_options,
     add_model_option,

@@ -6,7 +6,7 @@ or Celery's -c/--concurrency, which sets both), loads the engine once, and refus
 when the database is not migrated. SIGTERM (or Ctrl-C) is a warm shutdown that hands running
 jobs back to the queue and exits within seconds.
 
-Engine flags are rein.cli.engine_options' (flag > REIN_* > default), except
+Engine flags are rein.engine.options' (flag > REIN_* > default), except
 --generation-config: the API applies a model's sampling defaults when it parses a request
 (REIN_GENERATION_CONFIG), so the worker only logs them. Celery habits: -c, -n (`%h` is
 the host; a value without `@` is the host part, after the model's name), -l (any case),
@@ -21,7 +21,7 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from rein.cli.engine_options import add_engine_options, options_for
+from rein.engine.options import add_engine_options, options_for
 
 if TYPE_CHECKING:
     from rein.core.settings import ServedModel, Settings
@@ -55,9 +55,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rein.cli.engine_options import CLIError
     from rein.core.db import StoreError, check_migrations_current, make_engine
     from rein.core.settings import SettingsError, get_settings
+    from rein.engine.options import CLIError
 
     try:
         environment = get_settings()
@@ -126,8 +126,8 @@ def run(args: argparse.Namespace) -> int:
 
 def served_model_for(args: argparse.Namespace, settings: Settings) -> ServedModel:
     """The model --model or -Q names (the first served one without either); CLIError otherwise."""
-    from rein.cli.engine_options import CLIError
     from rein.core.redis_keys import RedisKeys
+    from rein.engine.options import CLIError
 
     name = args.model or None          # compose passes --model '' for "the first"
     if args.queues is not None:
@@ -155,7 +155,7 @@ def served_model_for(args: argparse.Namespace, settings: Settings) -> ServedMode
 def worker_settings(args: argparse.Namespace, settings: Settings, served: ServedModel) -> Settings:
     """Settings whose engine fields hold the resolved values: flag > REIN_* > default, with
     -c/--concurrency as --max-num-seqs and the REIN_MODELS entry's @N before REIN_MAX_MODEL_LEN."""
-    from rein.cli.engine_options import CLIError, resolve_engine_values
+    from rein.engine.options import CLIError, resolve_engine_values
 
     values = resolve_engine_values(vars(args), settings, tuple(o.name for o in options_for("worker")))
     if args.concurrency is not None:

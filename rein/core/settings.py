@@ -255,7 +255,7 @@ class Settings(BaseSettings):
     interactive job is taken (and, by its priority, admitted by the engine) while batch jobs
     hold every slot; unset: a quarter of max_num_seqs, at least 1; 0: none (rein.worker.bootstep)."""
     worker_engine_process: bool = True
-    """Run the worker's engine in a child process of its own (rein.engine.process_runner), so the
+    """Run the worker's engine in a child process of its own (rein.engine.process_client), so the
     step loop does not share the GIL with Celery, the task threads and the publisher; false: on
     a thread of the worker process."""
     worker_queued_slots: int | None = Field(None, ge=0)
@@ -328,7 +328,7 @@ class Settings(BaseSettings):
         return 2 * self.job_timeout_seconds + 60
 
 
-# The engine options' variables (rein.cli.engine_options: the worker, `rein run-batch`, `rein
+# The engine options' variables (rein.engine.options: the worker, `rein run-batch`, `rein
 # generate` and `rein.LLM` read them under their flags and keywords).
 ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
                  "gpu_memory_utilization", "device", "dtype", "kv_cache_dtype", "block_size", "enforce_eager",

@@ -2,9 +2,9 @@
 
 Three clients drive an engine, and all of them through `EngineCore.run`:
 
-* the thread runner (rein.engine.runner.EngineRunner): commands from a queue, outputs to
+* the thread runner (rein.engine.client.EngineClient): commands from a queue, outputs to
   per-request streams; for tests, `rein generate` and in-process workers;
-* the engine process (rein.engine.process_runner): commands from a pipe, outputs back
+* the engine process (rein.engine.process_client): commands from a pipe, outputs back
   through it; what a worker runs;
 * the offline driver (rein.offline.driver): requests admitted from an iterable within a
   window, outputs to a callback; `rein run-batch` and `rein.LLM`.

@@ -4,7 +4,7 @@ Each step: the scheduler picks requests and token counts, the model runner runs 
 forward pass, the sampler picks the next token of every request that finished its
 prompt, the detokenizer turns it into a text delta, and stop conditions end requests
 (their blocks go back to the pool at once). The engine knows nothing of queues,
-databases or Celery; a caller drives `step()` (directly, or through `EngineRunner`).
+databases or Celery; a caller drives `step()` (directly, or through `EngineClient`).
 
 A request with n > 1 choices is prefilled once, as choice 0; in the step that computes
 its last prompt token it forks (`_fork`): choices 1..n-1 become requests of their own
@@ -31,7 +31,7 @@ from rein.engine.model_files import resolve_model
 from rein.engine.model_runner import ModelRunner
 from rein.engine.outputs import RequestOutput, TokenLogprob
 from rein.engine.pooler import add_pooling_request, finish_requests
-from rein.engine.pooling import PoolingParams, read_pooling_config
+from rein.engine.pooling_config import PoolingParams, read_pooling_config
 from rein.engine.request import ChoiceGroup, Request, RequestStatus
 from rein.engine.sampler import Sampler, SamplingBatch, make_generator
 from rein.engine.sampling_params import SamplingParams

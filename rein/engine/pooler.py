@@ -27,7 +27,7 @@ import torch
 
 from rein.engine.errors import EngineRequestError
 from rein.engine.outputs import RequestOutput
-from rein.engine.pooling import CLS, LAST, MEAN, PoolingError, PoolingParams
+from rein.engine.pooling_config import CLS, LAST, MEAN, PoolingError, PoolingParams
 from rein.engine.request import Request, RequestStatus
 from rein.engine.sampling_params import SamplingParams
 

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from rein.engine.errors import EngineRequestError
-from rein.engine.pooling import PoolingError, PoolingParams
+from rein.engine.pooling_config import PoolingError, PoolingParams
 from rein.engine.results import RequestResult
 from rein.offline.driver import drive
 from rein.openai.batch_lines import BatchLine, batch_output_line

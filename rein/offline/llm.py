@@ -60,7 +60,7 @@ from rein.openai.request import chat_prompt
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
     from rein.engine.outputs import TokenLogprob
-    from rein.engine.pooling import PoolingParams
+    from rein.engine.pooling_config import PoolingParams
     from rein.offline.embed import EmbeddingRequestOutput
 
 # One prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
@@ -151,7 +151,7 @@ class LLM:
     """An engine in this process, driven by `generate` and `chat` (as vLLM's `LLM`).
 
     Engine arguments use vLLM's names, the same options as the `rein run-batch` flags
-    (rein.cli.engine_options): `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`
+    (rein.engine.options): `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`
     (None: the model's), `dtype` and `kv_cache_dtype` ("auto", "float32", "float16",
     "bfloat16"; the KV cache also "int8"), `gpu_memory_utilization`, `enforce_eager`,
     `enable_prefix_caching`, `block_size`, `seed` (for requests that give none),
@@ -189,10 +189,10 @@ class LLM:
         pipeline_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
-        from rein.cli.engine_options import ENGINE_OPTION_NAMES, resolve_engine_values
         from rein.engine.config import EngineConfig
         from rein.engine.engine import LLMEngine
         from rein.engine.generation_defaults import load_generation_defaults
+        from rein.engine.options import ENGINE_OPTION_NAMES, resolve_engine_values
 
         given = dict(self._given_arguments)   # the keywords the caller wrote (_records_given_arguments)
         if "kv_cache_memory_bytes" in kwargs:
@@ -209,7 +209,7 @@ class LLM:
                 raise ValueError(f"{name}={value} is not supported: rein runs a model on one device; use 1")
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
-        # A keyword given > its REIN_* variable > the default (rein.cli.engine_options).
+        # A keyword given > its REIN_* variable > the default (rein.engine.options).
         config = EngineConfig(model=str(model), **resolve_engine_values(given, names=ENGINE_OPTION_NAMES))
         self.engine: LLMEngine = LLMEngine(config)
         self.generation_defaults = load_generation_defaults(self.engine.model_dir, config.generation_config)

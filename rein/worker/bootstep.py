@@ -1,7 +1,7 @@
 """The worker's long-lived half: the engine and its runner, the token publisher, the
 cancel listener, a heartbeat, the lease keeper and a reaper, owned by one Celery bootstep.
 
-The engine steps in a child process of its own (rein.engine.process_runner, unless
+The engine steps in a child process of its own (rein.engine.process_client, unless
 `Settings.worker_engine_process` is off or a test hands in an engine factory): the runner
 here keeps the request streams, and the heartbeat and metrics read its view of the engine.
 
@@ -75,9 +75,9 @@ from rein.worker.publisher import INTERRUPTED, TokenPublisher
 from rein.worker.recorder import GroupRecorder
 
 if TYPE_CHECKING:
+    from rein.engine.client import EngineClient
     from rein.engine.config import EngineConfig
     from rein.engine.engine import LLMEngine
-    from rein.engine.runner import EngineRunner
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class WorkerContext:
     keys: RedisKeys
     redis: Redis
     sessions: sessionmaker[Session]
-    runner: EngineRunner
+    runner: EngineClient
     publisher: TokenPublisher
     metrics: WorkerMetrics | None = None
     listener: CancelListener | None = None
@@ -308,7 +308,7 @@ class WorkerContext:
 def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerContext:
     """Load the engine and start its runner, the publisher, the listener and the heartbeat."""
     from rein.core.db import make_engine
-    from rein.engine.runner import EngineRunner
+    from rein.engine.client import EngineClient
 
     settings = spec.settings
     metrics = WorkerMetrics(spec.model_name)
@@ -327,22 +327,22 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     on_step = compose_hooks(publisher.publish_step, metrics.observe_step)
     name = f"rein-engine-{spec.model_name}"
 
-    def make_runner() -> EngineRunner:
-        runner: EngineRunner
+    def make_runner() -> EngineClient:
+        runner: EngineClient
         if spec.engine_factory is not None:
-            runner = EngineRunner(spec.engine_factory(), name=name, on_step=on_step)
+            runner = EngineClient(spec.engine_factory(), name=name, on_step=on_step)
         elif settings.worker_engine_process:
             from rein.core.logging import configured_elsewhere
-            from rein.engine.process_runner import ProcessEngineRunner
+            from rein.engine.process_client import ProcessEngineClient
 
             # The child logs as this process does when rein set logging up here.
             log_format = None if configured_elsewhere() else settings.log_format
-            runner = ProcessEngineRunner(spec.engine_config, name=name, on_step=on_step,
+            runner = ProcessEngineClient(spec.engine_config, name=name, on_step=on_step,
                                          log_level=logging.getLogger().level, log_format=log_format)
         else:
             from rein.engine.engine import LLMEngine
 
-            runner = EngineRunner(LLMEngine(spec.engine_config), name=name, on_step=on_step)
+            runner = EngineClient(LLMEngine(spec.engine_config), name=name, on_step=on_step)
         return runner.start()
 
     runner = make_runner()

@@ -3,7 +3,7 @@ the vectors recorded together.
 
 A job with several inputs is one job (one row, one usage, one response), but each input is
 its own engine request, so the inputs prefill in the same step loop as everything else and
-batch with it. They are queued together (`EngineRunner.submit_group`, ids `<job>#<i>`); the
+batch with it. They are queued together (`EngineClient.submit_group`, ids `<job>#<i>`); the
 cancel and interrupt paths abort the job id, which aborts the whole group. When every input
 is done the vectors go to `results.response` as the response's `data` (floats; the
 encoding the request asked for is applied when the body is built), the usage counts the
@@ -28,8 +28,8 @@ from rein.openai.response import usage_body
 from rein.worker.recorder import JobRecord
 
 if TYPE_CHECKING:
+    from rein.engine.client import CollectingStream
     from rein.engine.outputs import RequestOutput
-    from rein.engine.runner import CollectingStream
     from rein.jobs.claim import Lease
     from rein.worker.bootstep import WorkerContext
 
@@ -38,8 +38,8 @@ log = logging.getLogger(__name__)
 
 def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease, cancel_mark: int | None = None) -> str:
     """Run a claimed embeddings job (publisher.begin already called); returns its outcome."""
-    from rein.engine.pooling import PoolingParams
-    from rein.engine.runner import EngineStoppedError
+    from rein.engine.client import EngineStoppedError
+    from rein.engine.pooling_config import PoolingParams
     from rein.worker.tasks import (
         ABORT_GRACE_SECONDS,
         _error,

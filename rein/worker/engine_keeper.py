@@ -1,7 +1,7 @@
 """A worker's engine, kept alive: a dead engine is noticed and replaced, and a job it died
 under runs alone next time.
 
-The engine runs in a child process (rein.engine.process_runner). The kernel's OOM killer, a
+The engine runs in a child process (rein.engine.process_client). The kernel's OOM killer, a
 crash in native code or a request that breaks it can end that process while the worker lives
 on. Before this module, such a worker went on taking jobs and handing each back from a
 dead engine until every job it saw had spent its attempts. Now:
@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from rein.engine.runner import EngineRunner
+    from rein.engine.client import EngineClient
     from rein.worker.bootstep import WorkerContext
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class EngineKeeper:
     """Replaces the context's runner when it dies (see the module docstring). `make_runner`
     builds and starts a new runner (raising when the engine cannot load)."""
 
-    def __init__(self, context: WorkerContext, make_runner: Callable[[], EngineRunner]) -> None:
+    def __init__(self, context: WorkerContext, make_runner: Callable[[], EngineClient]) -> None:
         self.context = context
         self.make_runner = make_runner
         self.replacements = 0

@@ -57,8 +57,8 @@ from rein.worker.publisher import TIMEOUT
 from rein.worker.recorder import JobRecord, record_job
 
 if TYPE_CHECKING:
+    from rein.engine.client import CollectingStream
     from rein.engine.results import RequestResult
-    from rein.engine.runner import CollectingStream
     from rein.engine.sampling_params import SamplingParams
     from rein.jobs.claim import Lease
     from rein.worker.bootstep import WorkerContext
@@ -182,7 +182,7 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
 
 
 def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, cancel_mark: int | None = None) -> str:
-    from rein.engine.runner import EngineStoppedError
+    from rein.engine.client import EngineStoppedError
     from rein.engine.sampling_params import SamplingParams
     from rein.engine.structured.decoding import prepare_grammar
 

@@ -15,7 +15,7 @@ from support import wait_for
 from rein.core.messages import STREAM_FIELD, JobMessage, TokenEvent
 from rein.core.models import ApiKey, Job, Result, Usage
 from rein.core.redis_keys import RedisKeys
-from rein.engine.pooling import PoolingConfig
+from rein.engine.pooling_config import PoolingConfig
 from rein.jobs.results import response_body
 from rein.openai.embeddings import parse_embeddings_request
 from rein.worker.app import make_worker_celery

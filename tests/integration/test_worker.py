@@ -72,7 +72,7 @@ def engine(tiny_models):
 
 
 def test_publisher_sends_one_pipeline_per_step_with_gapless_ids(engine, redis_client, keys, settings):
-    from rein.engine import EngineRunner, SamplingParams
+    from rein.engine import EngineClient, SamplingParams
 
     publisher = TokenPublisher(redis_client, keys, stream_maxlen=1000, stream_ttl_seconds=120,
                                job_timeout_seconds=600)
@@ -86,7 +86,7 @@ def test_publisher_sends_one_pipeline_per_step_with_gapless_ids(engine, redis_cl
     live = redis_client.pubsub(ignore_subscribe_messages=True)
     live.subscribe(keys.job_channel(jobs[0]))
     texts: dict[str, str] = {}
-    with EngineRunner(engine, on_step=on_step) as runner:
+    with EngineClient(engine, on_step=on_step) as runner:
         streams = []
         for i, job_id in enumerate(jobs):
             publisher.begin(job_id)

@@ -14,9 +14,9 @@ import pytest
 
 from rein.core.messages import JobMessage, TokenEvent
 from rein.core.redis_keys import RedisKeys
+from rein.engine.client import CollectingStream
 from rein.engine.outputs import RequestOutput, TokenLogprob
 from rein.engine.results import RequestResult
-from rein.engine.runner import CollectingStream
 from rein.openai.choice_bodies import full_response, response_extra
 from rein.openai.choices import ResponseShape, returned_choices
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS

@@ -1,6 +1,7 @@
-"""compose.yaml and the Dockerfile, checked statically (no Docker engine needed): the
-services and their order of start, health checks, Redis durability, GPU reservation, and
-that every REIN_* name the deployment uses is a real setting."""
+"""compose.yaml, compose.gpu.yaml and the Dockerfile, checked statically (no Docker engine
+needed): the services and their order of start, health checks, Redis durability, the CPU
+default and the GPU override's reservations, and that every REIN_* name the deployment uses
+is a real setting. tests/deploy runs them for real (make test-deploy)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from rein.core.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
+GPU_COMPOSE = ROOT / "compose.gpu.yaml"
 DOCKERFILE = ROOT / "Dockerfile"
 REIN_NAME = re.compile(r"\bREIN_[A-Z0-9_]+")
 SETTINGS_NAMES = {f"REIN_{field.upper()}" for field in Settings.model_fields}
@@ -28,6 +30,11 @@ def compose() -> dict:
 @pytest.fixture(scope="module")
 def services(compose) -> dict:
     return compose["services"]
+
+
+@pytest.fixture(scope="module")
+def gpu_services() -> dict:
+    return yaml.safe_load(GPU_COMPOSE.read_text())["services"]
 
 
 def command_text(service: dict) -> str:
@@ -48,8 +55,7 @@ def healthcheck_text(service: dict) -> str:
 
 
 def test_services_exist(services):
-    assert {"postgres", "redis", "migrate", "api", "worker", "worker-cpu"} <= set(services)
-    assert services["worker-cpu"].get("profiles") == ["cpu"]
+    assert {"postgres", "redis", "migrate", "api", "worker"} <= set(services)
     for name in ("postgres", "redis", "migrate", "api", "worker"):
         assert not services[name].get("profiles"), f"{name} must start with a plain `docker compose up`"
 
@@ -59,11 +65,13 @@ def test_health_checks(services):
     assert "redis-cli" in healthcheck_text(services["redis"]) and "ping" in healthcheck_text(services["redis"])
     api_check = healthcheck_text(services["api"])
     assert "/healthz" in api_check and ":8000" in api_check
+    assert "worker_health.py" in healthcheck_text(services["worker"])
+    assert (ROOT / "deploy" / "worker_health.py").is_file()
 
 
 def test_start_order(services):
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
-    for name in ("api", "worker", "worker-cpu"):
+    for name in ("api", "worker"):
         deps = services[name]["depends_on"]
         assert isinstance(deps, dict), f"{name}: depends_on needs conditions"
         assert deps["migrate"]["condition"] == "service_completed_successfully", name
@@ -80,8 +88,6 @@ def test_commands(services):
     assert api[0] == "api" and api[api.index("--host") + 1] == "0.0.0.0"
     assert any(p.split(":")[-1] == "8000" for p in services["api"]["ports"])
     assert command_text(services["worker"]).split()[:2] == ["worker", "--model"]
-    assert "rein worker --model" in command_text(services["worker-cpu"])
-    assert "rein make-tiny-model /models/tiny" in command_text(services["worker-cpu"])
 
 
 def test_redis_is_durable_and_never_evicts(services):
@@ -91,25 +97,43 @@ def test_redis_is_durable_and_never_evicts(services):
 
 
 def test_rein_names_are_settings():
-    used = set(REIN_NAME.findall(COMPOSE.read_text()))
+    used = set(REIN_NAME.findall(COMPOSE.read_text() + GPU_COMPOSE.read_text()))
     assert {"REIN_DATABASE_URL", "REIN_REDIS_URL", "REIN_MODELS"} <= used
     unknown = used - SETTINGS_NAMES
     assert not unknown, f"compose.yaml uses REIN_* names that are not settings: {sorted(unknown)}"
 
 
 def test_rein_services_point_at_the_compose_servers(services):
-    for name in ("migrate", "api", "worker", "worker-cpu"):
+    for name in ("migrate", "api", "worker"):
         env = environment(services[name])
         assert "@postgres:5432/" in env["REIN_DATABASE_URL"], name
         assert env["REIN_REDIS_URL"].startswith("redis://redis:6379"), name
-        assert env.get("REIN_MODELS"), name
-    assert environment(services["worker-cpu"])["REIN_DEVICE"] == "cpu"
+        assert "smollm2=/opt/rein/models/smollm2-135m-instruct.gguf" in env["REIN_MODELS"], name
 
 
-def test_worker_reserves_a_gpu(services):
-    devices = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
-    assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices)
-    assert "deploy" not in services["worker-cpu"]
+def test_the_default_worker_runs_on_the_cpu(services):
+    """A plain `docker compose up` works on a machine without a GPU: no reservation."""
+    assert environment(services["worker"])["REIN_DEVICE"] == "cpu"
+    assert "deploy" not in services["worker"]
+
+
+def test_gpu_override_gives_each_worker_its_own_gpu(gpu_services):
+    workers = {name: s for name, s in gpu_services.items() if name.startswith("worker")}
+    assert {"worker", "worker-gpu1"} <= set(workers)
+    ids = []
+    for name, service in workers.items():
+        assert environment(service)["REIN_DEVICE"] == "cuda", name
+        assert "REIN_GPU_MEMORY_UTILIZATION" in environment(service), name
+        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and "count" not in device, name
+        ids += device["device_ids"]
+        # a worker that cannot use its GPU exits 2: a bounded restart, never a loop
+        assert re.fullmatch(r"on-failure:\d+", service["restart"]), name
+    assert len(ids) == len(set(ids)), f"two workers reserve one GPU: {ids}"
+    for name in ("migrate", "api", "worker"):
+        args = gpu_services[name]["build"]["args"]
+        assert "/whl/cu128" in args["TORCH_INDEX_URL"] and "cuda" in args["EXTRAS"], name
+        assert gpu_services[name]["image"] == gpu_services["worker"]["image"], name
 
 
 def test_volumes_declared(compose, services):
@@ -187,9 +211,10 @@ def test_prometheus_scrapes_the_ports_the_services_serve(services):
     mounts = [v.split(":") for v in services["prometheus"]["volumes"]]
     assert any(credentials.startswith(target + "/") and (ROOT / source).is_dir() for source, target, *_ in mounts)
     workers = jobs["rein-worker"]["dns_sd_configs"][0]
-    assert set(workers["names"]) == {"worker", "worker-cpu"}
+    assert set(workers["names"]) == {"worker", "worker-gpu1", "worker-gpu2", "worker-gpu3"}
+    gpu = yaml.safe_load(GPU_COMPOSE.read_text())["services"]
     for name in workers["names"]:
-        port = environment(services[name])["REIN_WORKER_METRICS_PORT"]
+        port = environment(services[name] if name in services else gpu[name])["REIN_WORKER_METRICS_PORT"]
         assert Settings(worker_metrics_port=port).worker_metrics_port == workers["port"], name
 
 

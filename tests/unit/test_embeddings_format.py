@@ -1,5 +1,5 @@
 """/v1/embeddings requests and responses (rein.openai.embeddings), the pooling config read
-from a model's files (rein.engine.pooling) and the pooling math (rein.engine.pooler)."""
+from a model's files (rein.engine.pooling_config) and the pooling math (rein.engine.pooler)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ import torch
 
 from rein.core.messages import JobMessage
 from rein.engine.pooler import finish_vector, gather
-from rein.engine.pooling import PoolingConfig, PoolingError, PoolingParams, read_pooling_config
+from rein.engine.pooling_config import (
+    PoolingConfig,
+    PoolingError,
+    PoolingParams,
+    read_pooling_config,
+)
 from rein.openai.batch_lines import parse_batch_line
 from rein.openai.embeddings import (
     MAX_EMBEDDING_VALUES,

@@ -10,9 +10,9 @@ import pytest
 
 from rein.engine import (
     ContextLengthExceeded,
+    EngineClient,
     EngineConfig,
     EngineRequestError,
-    EngineRunner,
     LLMEngine,
     SamplingParams,
 )
@@ -163,7 +163,7 @@ def test_runner_streams_from_many_threads(model_dir):
         expected[rid.replace("ref", "")] = r["text"]
 
     results: dict[str, str] = {}
-    with EngineRunner(engine) as runner:
+    with EngineClient(engine) as runner:
         def client(i: int) -> None:
             stream = runner.submit(f"c{i}", [20 + i] * (i + 1),
                                    SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -189,7 +189,7 @@ def test_runner_streams_from_many_threads(model_dir):
 
 def test_runner_stop_ends_open_streams(model_dir):
     engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="8MiB", max_model_len=256))
-    runner = EngineRunner(engine).start()
+    runner = EngineClient(engine).start()
     stream = runner.submit("x", [5, 6], SamplingParams(max_tokens=200, temperature=0, ignore_eos=True))
     stream.get(timeout=30)
     runner.stop(timeout=10)
@@ -204,7 +204,7 @@ def test_runner_stop_ends_open_streams(model_dir):
 def test_collecting_stream_hands_over_the_whole_result_at_the_end(model_dir):
     engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="8MiB", max_model_len=256))
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=1)
-    with EngineRunner(engine) as runner:
+    with EngineClient(engine) as runner:
         streamed = list(runner.submit("one-by-one", [30, 31, 32], params))
         stream = runner.submit("collected", [30, 31, 32], params, collect=True)
         assert stream.wait(timeout=60)

@@ -1,4 +1,4 @@
-"""One set of engine options (rein.cli.engine_options) for `rein worker`, `rein run-batch`,
+"""One set of engine options (rein.engine.options) for `rein worker`, `rein run-batch`,
 `rein generate` and `rein.LLM`: the same flags, each with its REIN_* variable, resolved
 flag > variable > default; the defaults agree everywhere; Celery's flags on the worker."""
 
@@ -10,17 +10,17 @@ from dataclasses import fields
 
 import pytest
 
-from rein.cli.engine_options import (
+from rein.cli.main import build_parser
+from rein.cli.worker import served_model_for, worker_engine_config, worker_hostname, worker_settings
+from rein.core.settings import EngineSettings, Settings, load_engine_settings
+from rein.engine.config import EngineConfig
+from rein.engine.options import (
     ENGINE_OPTIONS,
     CLIError,
     engine_config_from_args,
     options_for,
     resolve_engine_values,
 )
-from rein.cli.main import build_parser
-from rein.cli.worker import served_model_for, worker_engine_config, worker_hostname, worker_settings
-from rein.core.settings import EngineSettings, Settings, load_engine_settings
-from rein.engine.config import EngineConfig
 from rein.offline.llm import LLM
 
 pytestmark = pytest.mark.usefixtures("clean_rein_env")

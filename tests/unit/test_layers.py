@@ -25,11 +25,7 @@ LAYERS = [{"core"}, {"kernels"}, {"engine"}, {"openai"}, {"jobs"}, {"batches"}, 
           {"cli"}]
 LEAVES = {"rein.openai.errors"}
 
-KNOWN: dict[tuple[str, str], str] = {
-    ("rein.offline.llm", "rein.cli.engine_options"):
-        "rein.LLM takes the engine options the CLI defines; they move below both with the "
-        "engine core loop (issue 26, step 3)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:

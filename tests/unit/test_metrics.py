@@ -207,15 +207,15 @@ def test_worker_serves_its_registry_on_its_port_and_refuses_a_taken_one():
 
 
 def test_a_real_engine_step_by_step(tiny_models):
-    """Through EngineRunner's hook: counts equal what the requests got, KV usage returns to 0."""
-    from rein.engine import EngineConfig, EngineRunner, LLMEngine, SamplingParams
+    """Through EngineClient's hook: counts equal what the requests got, KV usage returns to 0."""
+    from rein.engine import EngineClient, EngineConfig, LLMEngine, SamplingParams
 
     engine = LLMEngine(EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="4MiB",
                                     max_model_len=256))
     metrics = WorkerMetrics("tiny")
     metrics.attach(engine)
     prompts = [[3 + i] * (5 + 3 * i) for i in range(4)]
-    with EngineRunner(engine, on_step=metrics.observe_step) as runner:
+    with EngineClient(engine, on_step=metrics.observe_step) as runner:
         streams = [runner.submit(f"r{i}", prompt, SamplingParams(max_tokens=4 + i, temperature=0,
                                                                  ignore_eos=True))
                    for i, prompt in enumerate(prompts)]

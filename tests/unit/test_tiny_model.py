@@ -325,7 +325,7 @@ def test_cli_builds_an_embedding_model(tmp_path, capsys):
     """Shaped like Qwen3-Embedding: a *ForCausalLM config, base-model weights without lm_head,
     sentence-transformers pooling files, a tokenizer appending the end-of-text token."""
     from rein.cli.main import main
-    from rein.engine.pooling import read_pooling_config
+    from rein.engine.pooling_config import read_pooling_config
 
     out = tmp_path / "embed"
     assert main(["make-tiny-model", str(out), "--embedding", "--pooling", "mean"]) == 0

@@ -130,7 +130,7 @@ def engine(tiny_models):
 
 
 def test_runner_on_step_sees_every_step_before_the_streams(engine):
-    from rein.engine import EngineRunner, SamplingParams
+    from rein.engine import EngineClient, SamplingParams
 
     steps: list[list[tuple[str, list[int], bool]]] = []
     seen_first: dict[str, bool] = {}
@@ -144,7 +144,7 @@ def test_runner_on_step_sees_every_step_before_the_streams(engine):
                 seen_first.setdefault(o.request_id, True)
 
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
-    with EngineRunner(engine, on_step=on_step) as runner:
+    with EngineClient(engine, on_step=on_step) as runner:
         streams = [runner.submit(f"r{i}", [3 + i, 4, 5], params) for i in range(3)]
         results = {s.request_id: [t for o in s for t in o.new_token_ids] for s in streams}
     hooked: dict[str, list[int]] = {}
@@ -157,12 +157,12 @@ def test_runner_on_step_sees_every_step_before_the_streams(engine):
 
 
 def test_runner_survives_a_failing_hook(engine):
-    from rein.engine import EngineRunner, SamplingParams
+    from rein.engine import EngineClient, SamplingParams
 
     def on_step(outputs):
         raise RuntimeError("hook broke")
 
-    with EngineRunner(engine, on_step=on_step) as runner:
+    with EngineClient(engine, on_step=on_step) as runner:
         outputs = list(runner.submit("x", [5, 6], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)))
     assert outputs[-1].finished and sum(len(o.new_token_ids) for o in outputs) == 3
 

@@ -68,7 +68,7 @@ COMPILE_DEADLINE_SECONDS = 120.0
 
 
 def prepare_grammar(engine: Any, params: Any, timeout: float = GRAMMAR_WAIT_SECONDS) -> None:
-    """Check and compile `params.structured` for `engine` (an LLMEngine, or an EngineRunner
+    """Check and compile `params.structured` for `engine` (an LLMEngine, or an EngineClient
     whose engine it is) on the calling thread's time (the worker's task thread, before it
     submits the request), so the engine's thread finds it ready. Problems are left for add_request to report (it raises EngineRequestError for a
     bad spec; a compile still running after `timeout` just holds the request a while)."""

@@ -1,4 +1,4 @@
-"""The engine in a process of its own: `ProcessEngineRunner` is an `EngineRunner` whose engine
+"""The engine in a process of its own: `ProcessEngineClient` is an `EngineClient` whose engine
 steps in a child process, so the step loop has a core and a GIL to itself.
 
 Why: in a worker, the engine thread shares the interpreter with Celery's consumer, the task
@@ -9,7 +9,7 @@ its front end from its engine core the same way.
 
 The parent keeps what callers see — `submit`, `submit_group`, `abort`, `stop`, the request
 streams and the `on_step` hook — and a receiver thread that hands each step's outputs to
-them, exactly as `EngineRunner` does on its engine thread. The child owns the engine: it
+them, exactly as `EngineClient` does on its engine thread. The child owns the engine: it
 takes commands from the pipe before every step (blocking on it when idle) and sends back,
 per step, the outputs and a snapshot of the engine's counters (`EngineView`, what the
 parent's heartbeat and metrics read instead of a live engine).
@@ -38,11 +38,11 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
+from rein.engine.client import EngineClient, EngineStoppedError, _Add
 from rein.engine.config import EngineConfig
 from rein.engine.core import EngineCore
 from rein.engine.engine import EngineStats
 from rein.engine.outputs import RequestOutput
-from rein.engine.runner import EngineRunner, EngineStoppedError, _Add
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,8 @@ class EngineView:
         self.stats, self.num_running, self.num_waiting, self.pool.num_free = snapshot
 
 
-class ProcessEngineRunner(EngineRunner):
-    """An EngineRunner over an engine built from `config` in a child process (see the module
+class ProcessEngineClient(EngineClient):
+    """An EngineClient over an engine built from `config` in a child process (see the module
     docstring). `log_level` / `log_format`: rein's logging in the child (None: left as is)."""
 
     def __init__(self, config: EngineConfig, name: str = "rein-engine", on_step: Any = None, *,

@@ -39,7 +39,7 @@ class EngineStoppedError(RuntimeError):
 class RequestStream:
     """Outputs of one request, in order; iteration ends after the finished output."""
 
-    def __init__(self, request_id: str, runner: EngineRunner) -> None:
+    def __init__(self, request_id: str, runner: EngineClient) -> None:
         self.request_id = request_id
         self._runner = runner
         self._queue: queue.Queue[RequestOutput | BaseException] = queue.Queue()
@@ -73,7 +73,7 @@ class CollectingStream(RequestStream):
     than the step's own bookkeeping (a thread switch per request per token).
     """
 
-    def __init__(self, request_id: str, runner: EngineRunner) -> None:
+    def __init__(self, request_id: str, runner: EngineClient) -> None:
         super().__init__(request_id, runner)
         self.collected = RequestResult(request_id)
         self._done = threading.Event()
@@ -113,7 +113,7 @@ class _Add:
     group: str | None = None          # submit_group: aborting the group aborts this request
 
 
-class EngineRunner:
+class EngineClient:
     def __init__(self, engine: LLMEngine, name: str = "rein-engine",
                  on_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
         self.engine = engine
@@ -127,11 +127,11 @@ class EngineRunner:
         self._groups: dict[str, set[str]] = {}
         self._group_of: dict[str, str] = {}
 
-    def start(self) -> EngineRunner:
+    def start(self) -> EngineClient:
         self._thread.start()
         return self
 
-    def __enter__(self) -> EngineRunner:
+    def __enter__(self) -> EngineClient:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -178,7 +178,7 @@ class EngineRunner:
             raise error   # type: ignore[misc]
         return [command.stream for command in commands]  # type: ignore[misc]
 
-    # How a request reaches the engine (ProcessEngineRunner sends it to another process instead).
+    # How a request reaches the engine (ProcessEngineClient sends it to another process instead).
 
     def _check_running(self) -> None:
         if self._failure is not None:

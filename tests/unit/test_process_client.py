@@ -1,4 +1,4 @@
-"""The engine in a child process (rein.engine.process_runner): the same outputs and errors as
+"""The engine in a child process (rein.engine.process_client): the same outputs and errors as
 the in-thread runner, aborts and groups across the pipe, and no engine left behind when
 either side dies."""
 
@@ -13,11 +13,11 @@ import time
 
 import pytest
 
+from rein.engine.client import EngineClient, EngineStoppedError
 from rein.engine.config import EngineConfig
 from rein.engine.engine import LLMEngine
 from rein.engine.errors import ContextLengthExceeded
-from rein.engine.process_runner import ProcessEngineRunner
-from rein.engine.runner import EngineRunner, EngineStoppedError
+from rein.engine.process_client import ProcessEngineClient
 from rein.engine.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -30,7 +30,7 @@ def config(model_dir) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def runner(model_dir):
-    runner = ProcessEngineRunner(config(model_dir), name="test-engine").start()
+    runner = ProcessEngineClient(config(model_dir), name="test-engine").start()
     yield runner
     runner.stop()
 
@@ -63,7 +63,7 @@ def test_outputs_equal_the_in_thread_runner(runner, model_dir):
             outputs = list(stream)
             here[i] = ([t for o in outputs for t in o.new_token_ids], "".join(o.text_delta for o in outputs),
                        outputs[-1].finish_reason)
-    with EngineRunner(LLMEngine(config(model_dir))) as local:
+    with EngineClient(LLMEngine(config(model_dir))) as local:
         for i, prompt in enumerate(PROMPTS):
             stream = local.submit(f"p{i}", prompt, GREEDY, collect=True)
             assert stream.wait(30)
@@ -99,7 +99,7 @@ def test_abort_and_groups_cross_the_pipe(runner):
 
 def test_a_dead_engine_process_ends_the_streams(model_dir):
     long_context = EngineConfig(model=str(model_dir), device="cpu", max_model_len=2048)
-    runner = ProcessEngineRunner(long_context).start()
+    runner = ProcessEngineClient(long_context).start()
     stream = runner.submit("x", [1, 2, 3], SamplingParams(max_tokens=2000, ignore_eos=True))   # seconds
     os.kill(runner.pid, signal.SIGKILL)
     with pytest.raises(EngineStoppedError, match="engine process exited"):
@@ -112,7 +112,7 @@ def test_a_dead_engine_process_ends_the_streams(model_dir):
 
 
 def test_stop_ends_the_child_and_its_open_streams(model_dir):
-    runner = ProcessEngineRunner(config(model_dir)).start()
+    runner = ProcessEngineClient(config(model_dir)).start()
     stream = runner.submit("x", [1, 2, 3], SamplingParams(max_tokens=120, ignore_eos=True), collect=True)
     pid = runner.pid
     runner.stop()
@@ -129,11 +129,11 @@ def test_the_child_dies_with_a_killed_parent(model_dir, made_on):
     script = textwrap.dedent(f"""
         import threading, time
         from rein.engine.config import EngineConfig
-        from rein.engine.process_runner import ProcessEngineRunner
+        from rein.engine.process_client import ProcessEngineClient
         from rein.engine.sampling_params import SamplingParams
         if __name__ == "__main__":
             made = []
-            make = lambda: made.append(ProcessEngineRunner(EngineConfig(model={str(model_dir)!r}, device="cpu")))
+            make = lambda: made.append(ProcessEngineClient(EngineConfig(model={str(model_dir)!r}, device="cpu")))
             if {made_on == "main thread"}:
                 make()
             else:
@@ -160,4 +160,4 @@ def test_the_child_dies_with_a_killed_parent(model_dir, made_on):
 
 def test_a_model_that_cannot_load_fails_the_constructor(tmp_path):
     with pytest.raises(RuntimeError, match="engine could not start"):
-        ProcessEngineRunner(EngineConfig(model=str(tmp_path / "missing"), device="cpu"), start_timeout=120)
+        ProcessEngineClient(EngineConfig(model=str(tmp_path / "missing"), device="cpu"), start_timeout=120)
