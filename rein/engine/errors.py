@@ -3,6 +3,8 @@ and what to change. `code` and `param` follow OpenAI's error object."""
 
 from __future__ import annotations
 
+from rein.openai.errors import CONTEXT_LENGTH_EXCEEDED, context_length_message
+
 
 class EngineRequestError(ValueError):
     code: str = "invalid_request"
@@ -13,15 +15,10 @@ class EngineRequestError(ValueError):
 
 
 class ContextLengthExceeded(EngineRequestError):
-    code = "context_length_exceeded"
+    code = CONTEXT_LENGTH_EXCEEDED
 
     def __init__(self, max_model_len: int, prompt_tokens: int, max_tokens: int) -> None:
-        super().__init__(
-            f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, {max_tokens} in the "
-            f"completion). Please reduce the length of the messages or completion.",
-            param="max_tokens",
-        )
+        super().__init__(context_length_message(max_model_len, prompt_tokens, max_tokens), param="max_tokens")
         self.max_model_len = max_model_len
         self.prompt_tokens = prompt_tokens
         self.max_tokens = max_tokens

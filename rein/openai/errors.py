@@ -8,8 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 INVALID_REQUEST = "invalid_request_error"
-
-
 CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
 
 
@@ -30,13 +28,18 @@ class RequestError(ValueError):
                           "code": self.code}}
 
 
+def context_length_message(max_model_len: int, prompt_tokens: int, max_tokens: int,
+                           chat: bool | None = None) -> str:
+    """OpenAI's wording for prompt + completion longer than the context: the one message, for
+    the API's check (`chat`: messages or a prompt) and the engine's (None: the prompt)."""
+    where, what = {True: ("in the messages", "messages"), False: ("in your prompt", "prompt"),
+                   None: ("in the prompt", "prompt")}[chat]
+    return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
+            f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} {where}, {max_tokens} in the completion). "
+            f"Please reduce the length of the {what} or completion.")
+
+
 def context_length_error(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> RequestError:
-    """OpenAI's wording for prompt + completion longer than the context."""
-    where, what = ("in the messages", "messages") if chat else ("in your prompt", "prompt")
-    return RequestError(
-        f"This model's maximum context length is {max_model_len} tokens. However, you requested "
-        f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} {where}, {max_tokens} in the completion). "
-        f"Please reduce the length of the {what} or completion.",
-        "messages" if chat else "prompt",
-        CONTEXT_LENGTH_EXCEEDED,
-    )
+    """The API's refusal of prompt + completion longer than the context."""
+    return RequestError(context_length_message(max_model_len, prompt_tokens, max_tokens, chat),
+                        "messages" if chat else "prompt", CONTEXT_LENGTH_EXCEEDED)

@@ -178,9 +178,21 @@ def test_context_length_in_openai_wording(tokenizer):
     assert f"requested {MAX_LEN + 1} tokens (3 in your prompt, {MAX_LEN - 2} in the completion)" in err.message
     # exactly max_model_len is fine
     assert completion(tokenizer, prompt=[1, 2, 3], max_tokens=MAX_LEN - 3).params.max_tokens == MAX_LEN - 3
+
     # a prompt that fills the context leaves no room even for the default
     err = error_of(CHAT_COMPLETIONS, {"messages": CHAT}, tokenizer, max_len=prompt_len)
     assert err.code == "context_length_exceeded"
+
+
+def test_the_engine_refuses_in_the_same_words():
+    """One context-length message (rein.openai.errors), whether the API or the engine refuses."""
+    from rein.engine.errors import ContextLengthExceeded
+
+    refused = ContextLengthExceeded(512, 500, 20)
+    assert refused.code == "context_length_exceeded" and refused.param == "max_tokens"
+    assert str(refused) == (
+        "This model's maximum context length is 512 tokens. However, you requested 520 tokens "
+        "(500 in the prompt, 20 in the completion). Please reduce the length of the prompt or completion.")
 
 
 # -- responses ------------------------------------------------------------------------------
