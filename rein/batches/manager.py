@@ -73,6 +73,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.batches.output import write_result_files
 from rein.batches.validation import ValidLine, validate_lines
+from rein.core.db import engine_of
 from rein.core.filestore import FileStore
 from rein.core.messages import PRIORITY_BATCH, JobMessage
 from rein.core.models import JOB_MESSAGE_COLUMNS, Batch, File, Job, new_job_id
@@ -454,7 +455,7 @@ def hold_batch_lock(sessions: sessionmaker[Session], batch_id: str) -> Iterator[
     as `try_lock_batch`, so the other steps skip the batch meanwhile; a process that dies
     drops its connection and with it the lock."""
     key = (cast(LOCK_NAMESPACE, Integer), func.hashtext(batch_id))
-    with sessions.kw["bind"].connect() as connection:
+    with engine_of(sessions).connect() as connection:
         connection.execution_options(isolation_level="AUTOCOMMIT")
         if not connection.scalar(select(func.pg_try_advisory_lock(*key))):
             yield None
