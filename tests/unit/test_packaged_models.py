@@ -27,3 +27,56 @@ def test_a_fetched_model_folder_is_readable_by_others(tmp_path, monkeypatch):
     folder = tmp_path / f"{model.package}-{model.version}"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o755
     assert not [p for p in tmp_path.iterdir() if p != folder]     # no staging folder left
+
+
+def _pip_writing(files: dict[str, bytes]):
+    def pip(command, **kwargs):
+        target = packaged_models.Path(command[command.index("--target") + 1])
+        for relative, data in files.items():
+            file = target / relative
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.write_bytes(data)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    return pip
+
+
+def _chunked(sha256: str) -> packaged_models.PackagedModel:
+    return packaged_models.PackagedModel(
+        name="split", package="split-model", version="1.0", path_in_package="model.gguf",
+        description="a test model in two chunks",
+        chunks=(("split-model-part1", "part1/data/model.gguf.part00"),
+                ("split-model-part2", "part2/data/model.gguf.part01")),
+        sha256=sha256)
+
+
+def test_a_chunked_model_is_joined_in_order_checked_and_its_chunks_dropped(tmp_path, monkeypatch):
+    import hashlib
+
+    model = _chunked(hashlib.sha256(b"GGUF-first-second").hexdigest())
+    monkeypatch.setitem(packaged_models.PACKAGED_MODELS, "split", model)
+    requested = []
+    pip = _pip_writing({"part1/data/model.gguf.part00": b"GGUF-first-",
+                        "part2/data/model.gguf.part01": b"second"})
+
+    def recording_pip(command, **kwargs):
+        requested.extend(command[command.index("--target") + 2:])
+        return pip(command, **kwargs)
+
+    monkeypatch.setattr(packaged_models.subprocess, "run", recording_pip)
+    path = packaged_models.fetch("split", models_dir=tmp_path)
+    assert path.read_bytes() == b"GGUF-first-second"
+    assert requested == ["split-model==1.0", "split-model-part1==1.0", "split-model-part2==1.0"]
+    assert sorted(p.name for p in path.parent.iterdir()) == ["model.gguf"]
+
+
+def test_a_chunked_model_that_does_not_hash_right_is_refused_and_nothing_is_cached(tmp_path, monkeypatch):
+    import pytest
+
+    model = _chunked("0" * 64)
+    monkeypatch.setitem(packaged_models.PACKAGED_MODELS, "split", model)
+    monkeypatch.setattr(packaged_models.subprocess, "run", _pip_writing(
+        {"part1/data/model.gguf.part00": b"GGUF-", "part2/data/model.gguf.part01": b"damaged"}))
+    with pytest.raises(packaged_models.FetchError, match="SHA-256"):
+        packaged_models.fetch("split", models_dir=tmp_path)
+    assert list(tmp_path.iterdir()) == []
