@@ -45,6 +45,7 @@ def paged_attention(
     cache: LayerCache,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Store this step's k/v [T, kvh, d] in the cache, then attend; q [T, heads, d] -> same shape."""
     kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)

@@ -78,13 +78,16 @@ def safetensors_tensors(directory: Path) -> Iterator[Callable[[str], torch.Tenso
 def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: torch.dtype,
                device: torch.device):
     """Build the native model on `device` in `dtype` and fill it from the checkpoint."""
-    from rein.engine.models.llama import LlamaFamilyModel
+    from rein.engine.models import native_model_class
+    from rein.engine.models.rope import RotaryEmbedding
 
     with torch.device("meta"):
-        model = LlamaFamilyModel(spec, max_positions)
+        model = native_model_class(spec)(spec, max_positions)
     # Real storage straight on the target device, in the target dtype; no random init.
     model = model.to_empty(device=device).to(dtype=dtype)
-    model.rope.build_table()  # the rope table stays fp32
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build_table()  # rope tables stay fp32
     weights = gguf_tensors(files.gguf, files.directory, dtype) if files.gguf is not None \
         else safetensors_tensors(files.directory)
     with weights as get:

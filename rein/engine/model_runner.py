@@ -59,11 +59,6 @@ class StepResult:
 
 def decide_max_model_len(spec: ModelSpec, requested: int | None) -> int:
     limit = spec.max_position_embeddings
-    if spec.sliding_window is not None and spec.sliding_window < limit:
-        # Attention inside the window is exact; beyond it rein would need windowed
-        # attention, so contexts are kept within the window.
-        log.warning("model uses a sliding window of %d tokens: max_model_len capped to it", spec.sliding_window)
-        limit = spec.sliding_window
     if requested is None:
         return limit
     if requested > limit:

@@ -20,7 +20,10 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Gemma3ForCausalLM": "gemma3",
 }
+# config.json's model_type of each family (for configs that name no architecture)
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
 
 
 class UnsupportedModelError(ValueError):
@@ -50,6 +53,22 @@ class ModelSpec:
     eos_token_ids: tuple[int, ...] = field(default=())
     bos_token_id: int | None = None
     torch_dtype: str | None = None
+    # Per layer: its attention window (the last N positions) or None for full attention.
+    layer_windows: tuple[int | None, ...] = ()
+    # Rope base of the windowed layers where it differs from the full ones' (Gemma 3: 10k vs 1M;
+    # they take no rope scaling).
+    local_rope_theta: float | None = None
+    attention_scale: float = 0.0     # softmax scale; 0 means head_dim ** -0.5
+
+    def __post_init__(self) -> None:
+        if not self.layer_windows:
+            object.__setattr__(self, "layer_windows", (self.sliding_window,) * self.num_layers)
+        if not self.attention_scale:
+            object.__setattr__(self, "attention_scale", self.head_dim**-0.5)
+
+    @property
+    def windowed_layers(self) -> int:
+        return sum(window is not None for window in self.layer_windows)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelSpec:
@@ -69,7 +88,7 @@ class ModelSpec:
         if not architectures and config.get("model_type"):
             # As transformers' Auto classes do: no architectures (GGUF-derived and hand-made
             # configs) means the model_type's causal LM.
-            by_type = {family: name for name, family in SUPPORTED_ARCHITECTURES.items()}
+            by_type = {MODEL_TYPES[family]: name for name, family in SUPPORTED_ARCHITECTURES.items()}
             architectures = [by_type.get(config["model_type"], f"model_type {config['model_type']!r}")]
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -81,6 +100,13 @@ class ModelSpec:
         hidden = config["hidden_size"]
         heads = config["num_attention_heads"]
         rope_params = dict(config.get("rope_parameters") or {})
+        local_rope_theta = None
+        if "full_attention" in rope_params:
+            # transformers 5 writes one rope per layer type (Gemma 3); the local ones take no scaling.
+            local_rope_theta = rope_params.get("sliding_attention", {}).get("rope_theta")
+            rope_params = dict(rope_params["full_attention"])
+        elif family == "gemma3":
+            local_rope_theta = config.get("rope_local_base_freq", 10000.0)
         rope_scaling = config.get("rope_scaling") or None
         rope_theta = config.get("rope_theta", rope_params.get("rope_theta", 10000.0))
         rope_type = rope_params.get("rope_type") or rope_params.get("type")
@@ -97,16 +123,23 @@ class ModelSpec:
         eos = (generation or {}).get("eos_token_id", config.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         attention_bias = bool(config.get("attention_bias", family == "qwen2"))
-        sliding = config.get("sliding_window") if config.get("use_sliding_window", family == "mistral") else None
+        num_layers = config["num_hidden_layers"]
+        sliding, windows = _windows(config, family, num_layers)
+        if family == "gemma3":
+            for softcap in ("attn_logit_softcapping", "final_logit_softcapping"):
+                if config.get(softcap) is not None:
+                    raise UnsupportedModelError(f"{arch} with {softcap} set is not supported natively")
+        head_dim = config.get("head_dim") or hidden // heads
+        scalar = config.get("query_pre_attn_scalar") if family == "gemma3" else None
         return cls(
             architecture=arch,
             family=family,
             vocab_size=config["vocab_size"],
             hidden_size=hidden,
-            num_layers=config["num_hidden_layers"],
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=config.get("num_key_value_heads") or heads,
-            head_dim=config.get("head_dim") or hidden // heads,
+            head_dim=head_dim,
             intermediate_size=config["intermediate_size"],
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
@@ -114,12 +147,15 @@ class ModelSpec:
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=family == "qwen3",
+            qk_norm=family in ("qwen3", "gemma3"),
             sliding_window=sliding,
-            hidden_act=config.get("hidden_act", "silu"),
+            hidden_act=config.get("hidden_activation") or config.get("hidden_act", "silu"),
             eos_token_ids=eos_ids,
             bos_token_id=config.get("bos_token_id"),
             torch_dtype=config.get("torch_dtype") or config.get("dtype"),
+            layer_windows=windows,
+            local_rope_theta=None if local_rope_theta is None else float(local_rope_theta),
+            attention_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
         )
 
     def kv_bytes_per_token(self, cache_dtype: torch.dtype) -> int:
@@ -140,7 +176,37 @@ class ModelSpec:
         if self.qk_norm:
             attn += 2 * self.head_dim
         mlp = 3 * self.hidden_size * self.intermediate_size
-        per_layer = attn + mlp + 2 * self.hidden_size
+        norms = 4 if self.family == "gemma3" else 2   # Gemma 3 norms before and after both halves
+        per_layer = attn + mlp + norms * self.hidden_size
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
         return embed + head + self.num_layers * per_layer + self.hidden_size
+
+
+def _windows(config: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, tuple[int | None, ...]]:
+    """The sliding window and which layers use it, as transformers decides: `layer_types` where
+    the config lists them; otherwise Gemma 3 windows all layers but every
+    `sliding_window_pattern`-th, Mistral all when `sliding_window` is set, Qwen2/3 those from
+    `max_window_layers` on when `use_sliding_window` is set."""
+    window = config.get("sliding_window")
+    if family == "gemma3":
+        enabled = True
+    else:
+        enabled = bool(config.get("use_sliding_window", family == "mistral"))
+    if not window or not enabled:
+        return None, (None,) * num_layers
+    types = config.get("layer_types")
+    if types:
+        windowed = [kind == "sliding_attention" for kind in types]
+    elif family == "gemma3":
+        pattern = config.get("sliding_window_pattern") or config.get("_sliding_window_pattern") or 6
+        windowed = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    elif family in ("qwen2", "qwen3"):
+        first = config.get("max_window_layers", num_layers)
+        windowed = [i >= first for i in range(num_layers)]
+    else:
+        windowed = [True] * num_layers
+    if len(windowed) != num_layers:
+        raise UnsupportedModelError(f"layer_types lists {len(windowed)} layers, the model has {num_layers}")
+    windows = tuple(int(window) if w else None for w in windowed)
+    return (int(window) if any(windowed) else None), windows

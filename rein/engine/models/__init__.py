@@ -1,1 +1,21 @@
-"""Native model implementations the engine runs (the Llama family)."""
+"""rein's native model implementations, one module per layer shape, chosen by the spec's family."""
+
+from __future__ import annotations
+
+from importlib import import_module
+
+from rein.engine.model_spec import ModelSpec
+
+# family -> "module:class"; imported when a model of that family loads.
+NATIVE_MODELS = {
+    "llama": "rein.engine.models.llama:LlamaFamilyModel",
+    "mistral": "rein.engine.models.llama:LlamaFamilyModel",
+    "qwen2": "rein.engine.models.llama:LlamaFamilyModel",
+    "qwen3": "rein.engine.models.llama:LlamaFamilyModel",
+    "gemma3": "rein.engine.models.gemma3:Gemma3Model",
+}
+
+
+def native_model_class(spec: ModelSpec) -> type:
+    module, _, name = NATIVE_MODELS[spec.family].partition(":")
+    return getattr(import_module(module), name)

@@ -9,8 +9,6 @@ Q, K and V (and gate and up) are fused into one weight at load time for the same
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
@@ -18,6 +16,7 @@ from rein.engine.attention import AttentionMetadata, LayerCache, paged_attention
 from rein.engine.model_spec import ModelSpec
 from rein.engine.models.linear import PACK_ROWS_HINT, Linear, linear, pack_weights
 from rein.engine.models.rope import RotaryEmbedding, apply_rotary
+from rein.engine.models.weights import TensorGetter, WeightLoader
 from rein.kernels import elementwise
 
 
@@ -40,14 +39,15 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, window: int | None = None) -> None:
         super().__init__()
+        self.window = window   # sliding-window attention over the last `window` positions
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
         self.q_size = spec.num_heads * spec.head_dim
         self.kv_size = spec.num_kv_heads * spec.head_dim
-        self.scale = spec.head_dim**-0.5
+        self.scale = spec.attention_scale
         self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
         self.o_proj = Linear(self.q_size, spec.hidden_size, bias=False)
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
@@ -70,7 +70,7 @@ class Attention(nn.Module):
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
             q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        out = paged_attention(q, k, v, cache, meta, self.scale)
+        out = paged_attention(q, k, v, cache, meta, self.scale, window=self.window)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -93,10 +93,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, window: int | None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec)
+        self.self_attn = Attention(spec, window)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.mlp = MLP(spec)
 
@@ -123,7 +123,7 @@ class LlamaFamilyModel(nn.Module):
         self.spec = spec
         self.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec) for _ in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, window) for window in spec.layer_windows)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
 
@@ -158,63 +158,49 @@ class LlamaFamilyModel(nn.Module):
 
     # -- weights ---------------------------------------------------------------------------
 
-    def load_hf_weights(self, get: Callable[[str], torch.Tensor | None]) -> None:
+    def load_hf_weights(self, get: TensorGetter) -> None:
         """Copy Hugging Face named tensors in, fusing q/k/v and gate/up; every weight must be set.
 
         `get(name)` returns the checkpoint tensor or None; tensors are fetched one at a
         time so a large checkpoint is never held twice in memory.
         """
-        spec = self.spec
-        own = self.state_dict()
-        expected = set(own.keys())
-        loaded: set[str] = set()
+        weights = WeightLoader(self, get)
+        load_embeddings(self, weights)
+        for i in range(self.spec.num_layers):
+            src, dst = f"model.layers.{i}.", f"layers.{i}."
+            load_attention(weights, self.spec, src + "self_attn.", dst + "self_attn.")
+            weights.fused(dst + "mlp.gate_up_proj.weight", [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"])
+            weights.put(dst + "mlp.down_proj.weight", weights.take(src + "mlp.down_proj.weight"))
+            for norm in ("input_layernorm", "post_attention_layernorm"):
+                weights.put(f"{dst}{norm}.weight", weights.take(f"{src}{norm}.weight"))
+        weights.finish()
 
-        def put(name: str, value: torch.Tensor) -> None:
-            target = own[name]
-            if target.shape != value.shape:
-                raise ValueError(f"weight {name}: checkpoint shape {tuple(value.shape)} != model {tuple(target.shape)}")
-            with torch.no_grad():
-                target.copy_(value)
-            loaded.add(name)
 
-        def take(name: str) -> torch.Tensor:
-            tensor = get(name)
-            if tensor is None:
-                raise ValueError(f"checkpoint is missing weight {name}")
-            return tensor
+def load_embeddings(model: nn.Module, weights: WeightLoader) -> None:
+    """The embedding, the final norm and the head (absent when tied; an embedding model saved
+    without one computes hidden states only)."""
+    embed = weights.get("model.embed_tokens.weight")
+    if embed is None and model.spec.tie_word_embeddings:
+        # Tied weights saved once may be kept under the head's name (safetensors' save_model).
+        embed = weights.get("lm_head.weight")
+    weights.put("embed_tokens.weight", embed if embed is not None else weights.take("model.embed_tokens.weight"))
+    weights.put("norm.weight", weights.take("model.norm.weight"))
+    if model.lm_head is not None:
+        head = weights.get("lm_head.weight")
+        if head is None:
+            model.lm_head = None
+            model.can_generate = False
+            weights.skip("lm_head.weight")
+        else:
+            weights.put("lm_head.weight", head)
 
-        embed = get("model.embed_tokens.weight")
-        if embed is None and spec.tie_word_embeddings:
-            # Tied weights saved once may be kept under the head's name (safetensors' save_model).
-            embed = get("lm_head.weight")
-        put("embed_tokens.weight", embed if embed is not None else take("model.embed_tokens.weight"))
-        put("norm.weight", take("model.norm.weight"))
-        if self.lm_head is not None:
-            head = get("lm_head.weight")
-            if head is None:
-                self.lm_head = None
-                self.can_generate = False
-                expected.discard("lm_head.weight")
-            else:
-                put("lm_head.weight", head)
-        for i in range(spec.num_layers):
-            src = f"model.layers.{i}."
-            dst = f"layers.{i}."
-            attn = src + "self_attn."
-            put(dst + "self_attn.qkv_proj.weight", torch.cat(
-                [take(attn + "q_proj.weight"), take(attn + "k_proj.weight"), take(attn + "v_proj.weight")]))
-            if spec.attention_bias:
-                put(dst + "self_attn.qkv_proj.bias", torch.cat(
-                    [take(attn + "q_proj.bias"), take(attn + "k_proj.bias"), take(attn + "v_proj.bias")]))
-            put(dst + "self_attn.o_proj.weight", take(attn + "o_proj.weight"))
-            if spec.qk_norm:
-                put(dst + "self_attn.q_norm.weight", take(attn + "q_norm.weight"))
-                put(dst + "self_attn.k_norm.weight", take(attn + "k_norm.weight"))
-            put(dst + "mlp.gate_up_proj.weight", torch.cat(
-                [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")]))
-            put(dst + "mlp.down_proj.weight", take(src + "mlp.down_proj.weight"))
-            put(dst + "input_layernorm.weight", take(src + "input_layernorm.weight"))
-            put(dst + "post_attention_layernorm.weight", take(src + "post_attention_layernorm.weight"))
-        missing = expected - loaded
-        if missing:
-            raise ValueError(f"weights not found in the checkpoint: {', '.join(sorted(missing))}")
+
+def load_attention(weights: WeightLoader, spec: ModelSpec, src: str, dst: str) -> None:
+    """One layer's attention: q/k/v fused (and their biases), the output, the q/k norms."""
+    weights.fused(dst + "qkv_proj.weight", [src + "q_proj.weight", src + "k_proj.weight", src + "v_proj.weight"])
+    if spec.attention_bias:
+        weights.fused(dst + "qkv_proj.bias", [src + "q_proj.bias", src + "k_proj.bias", src + "v_proj.bias"])
+    weights.put(dst + "o_proj.weight", weights.take(src + "o_proj.weight"))
+    if spec.qk_norm:
+        weights.put(dst + "q_norm.weight", weights.take(src + "q_norm.weight"))
+        weights.put(dst + "k_norm.weight", weights.take(src + "k_norm.weight"))
