@@ -52,6 +52,24 @@ class EstimateError(ValueError):
     pass
 
 
+def _by_layer_kind(spec, bytes_per_token: int, max_model_len: int) -> list[str]:
+    """A windowed model's KV per token split by layer kind, and what a request at max_model_len
+    holds of each: every layer keeps every position today (blocks that have left the window are
+    not freed yet, so the pool above counts all layers)."""
+    per_layer = bytes_per_token // spec.num_layers
+    windowed = spec.windowed_layers
+    full = spec.num_layers - windowed
+    window = spec.sliding_window
+    needed = min(window, max_model_len)
+    return [
+        f"KV by layer kind: {windowed} sliding-window layers (window {window:,}) x {per_layer:,} + {full} "
+        f"full-attention layers x {per_layer:,} bytes per token",
+        f"  a {max_model_len:,}-token request: its windowed layers attend to {needed:,} positions "
+        f"({windowed * per_layer * needed:,} bytes of their {windowed * per_layer * max_model_len:,}); "
+        f"rein keeps all positions for now",
+    ]
+
+
 def _load_spec(model: str):
     from rein.engine.model_files import resolve_model
     from rein.engine.model_spec import ModelSpec
@@ -137,6 +155,8 @@ def estimate(args: argparse.Namespace) -> str:
         f"concurrent requests at {context_len:,} tokens: {at_context.max_full_requests:,} "
         f"({at_context.blocks_per_full_request:,} blocks each)",
     ]
+    if spec.windowed_layers:
+        lines[3:3] = _by_layer_kind(spec, capacity.bytes_per_token, max_model_len)
     if capacity.num_tokens < max_model_len:
         lines.append(f"warning: the KV cache holds fewer tokens than max_model_len {max_model_len}; the engine "
                      f"would refuse to start: give more memory or a lower --max-model-len")

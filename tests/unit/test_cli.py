@@ -240,3 +240,22 @@ def test_estimate_int8_and_too_little_memory(model_dir, capsys):
     assert f"= {per_token} bytes" in out and "(bfloat16)" in out
     assert main(["estimate", "--model", str(model_dir), "--memory", "100KiB", "--dtype", "float32"]) == 2
     assert "weights alone" in capsys.readouterr().err
+
+
+def test_estimate_splits_a_windowed_models_kv_by_layer_kind(tmp_path, capsys):
+    """Gemma 3's shape (config only): five windowed layers to one full-attention layer."""
+    from transformers import Gemma3TextConfig
+
+    config = Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                              num_attention_heads=2, num_key_value_heads=1, head_dim=32, sliding_window=128,
+                              max_position_embeddings=4096)
+    config.architectures = ["Gemma3ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    assert main(["estimate", "--model", str(tmp_path), "--memory", "64MiB", "--dtype", "float32",
+                 "--max-model-len", "2048"]) == 0
+    out = capsys.readouterr().out
+    per_layer = 2 * 1 * 32 * 4
+    assert (f"5 sliding-window layers (window 128) x {per_layer} + 1 full-attention layers x {per_layer} "
+            f"bytes per token") in out
+    assert f"windowed layers attend to 128 positions ({5 * per_layer * 128:,} bytes of their " \
+           f"{5 * per_layer * 2048:,})" in out
