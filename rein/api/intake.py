@@ -13,8 +13,8 @@ endpoints and POST /v1/jobs alike.
    failed, so no worker runs it, and its request gets a 503.
 
 Group commit: `JobIntake.submit` hands each validated submission to the process's
-`GroupCommitter`, one thread that takes every submission waiting, commits them together and
-answers each request. A request that finds the committer idle is committed at once; under
+group commit (rein.jobs.group_commit, its own thread: the event loop must not block), which
+takes every submission waiting, commits them together and answers each request. A request that finds the committer idle is committed at once; under
 load, the requests that arrive while a commit is in flight go together in the next one.
 The three round trips and their fixed costs (the Lua call, the INSERT, kombu's pipeline)
 are then paid once per group rather than once per job, and intake no longer needs a thread
@@ -29,10 +29,7 @@ import asyncio
 import dataclasses
 import json
 import logging
-import queue
-import threading
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import lru_cache
@@ -53,6 +50,7 @@ from rein.core.models import Job, new_job_id
 from rein.core.settings import Settings
 from rein.engine.structured.request import BODY_FIELDS as STRUCTURED_BODY_FIELDS
 from rein.jobs.errors import APIError
+from rein.jobs.group_commit import GroupCommit
 from rein.jobs.prepare import Prepared, prepare
 from rein.jobs.queues import enqueue_jobs, queue_keys
 from rein.jobs.ratelimit import (
@@ -143,10 +141,13 @@ class JobIntake:
         self._queue_keys: dict[str, tuple[str, ...]] = {}
         # The committer's own connection, kept between groups (rein.core.db.HeldConnections).
         self._db = HeldConnections(engine_of(sessions))
-        self._committer: GroupCommitter | None = None
+        self._committer: GroupCommit[Submission, Accepted] | None = None
 
     def start(self) -> JobIntake:
-        self._committer = GroupCommitter(self.commit).start()
+        # No write_one: `commit` already answers each submission on its own (a refusal, a row
+        # Postgres refuses); when it raises, nothing was stored and every request gets the error.
+        self._committer = GroupCommit(self.commit, max_group=MAX_GROUP, what="job submissions",
+                                      thread_name="rein-intake-commit").start()
         return self
 
     def stop(self) -> None:
@@ -374,73 +375,6 @@ def _refused(model: str, refusal: QueueFull | TenantQueueFull | RateLimitExceede
                         headers={"Retry-After": str(BACKPRESSURE_RETRY_AFTER)})
     return APIError(429, refusal.message, type=refusal.kind, code="rate_limit_exceeded",
                     headers=refusal.headers())
-
-
-class GroupCommitter:
-    """One thread committing the submissions that wait, together (see the module docstring)."""
-
-    def __init__(self, commit: Callable[[list[Submission]], list[Accepted | Exception]],
-                 max_group: int = MAX_GROUP) -> None:
-        self._commit = commit
-        self._max_group = max_group
-        self._waiting: queue.SimpleQueue[tuple[Submission, Future] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="rein-intake-commit", daemon=True)
-        self._stopped = False
-
-    def start(self) -> GroupCommitter:
-        self._thread.start()
-        return self
-
-    def submit(self, submission: Submission) -> Future:
-        """A future of what the request gets (Accepted), or of the exception that refused it."""
-        if self._stopped:
-            raise RuntimeError("the intake is shutting down")
-        future: Future = Future()
-        self._waiting.put((submission, future))
-        return future
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Commit what is waiting, then end the thread."""
-        self._stopped = True
-        self._waiting.put(None)
-        self._thread.join(timeout)
-
-    def _run(self) -> None:
-        while True:
-            item = self._waiting.get()
-            if item is None:
-                return
-            group, stop = [item], False
-            while len(group) < self._max_group:
-                try:
-                    item = self._waiting.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                group.append(item)
-            self._commit_group(group)
-            if stop:
-                return
-
-    def _commit_group(self, group: list[tuple[Submission, Future]]) -> None:
-        # A request cancelled while it waited (its client went away) is not committed.
-        live = [(submission, future) for submission, future in group if future.set_running_or_notify_cancel()]
-        if not live:
-            return
-        try:
-            outcomes = self._commit([submission for submission, _ in live])
-        except Exception as exc:
-            log.error("could not commit %d job(s): %s", len(live), exc)
-            for _, future in live:
-                future.set_exception(exc)
-            return
-        for (_, future), outcome in zip(live, outcomes, strict=True):
-            if isinstance(outcome, Exception):
-                future.set_exception(outcome)
-            else:
-                future.set_result(outcome)
 
 
 # A tenant's queued interactive jobs per model (the partial index on queued jobs by model).

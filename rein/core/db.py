@@ -74,7 +74,7 @@ class HeldConnections:
 
     def __init__(self, engine: Engine, idle_seconds: float = 1.0, *, shared: bool = False) -> None:
         """`shared`: one connection for every thread, used by one statement at a time (for
-        writers that take turns anyway, as a group commit's: rein.jobs.grouping)."""
+        writers that take turns anyway, as a group commit's: rein.jobs.group_commit)."""
         self.engine = engine
         self.idle_seconds = idle_seconds
         self._local: Any = SimpleNamespace() if shared else threading.local()

@@ -36,7 +36,7 @@ Lease semantics:
   failed (code `crashes_its_worker`).
 * The worker claims through `GroupClaimer`: jobs whose messages arrive together are claimed
   by one statement (`claim_jobs`), under the same conditions, each caller told its own
-  outcome (rein.jobs.grouping).
+  outcome (rein.jobs.group_commit).
 * `release_job` hands a job back (`queued`, the attempt refunded) when its run was
   interrupted rather than finished (warm shutdown, broker connection lost, engine died); the
   next claim runs it again as a new attempt.
@@ -53,7 +53,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.db import HeldConnections, engine_of, execute_all, execute_one
 from rein.core.models import FINISHED_JOB_STATUSES, Job
-from rein.jobs.grouping import GroupCommit
+from rein.jobs.group_commit import GroupCommit
 
 MAX_ATTEMPTS = 3          # attempts a job may spend (refunded ones not counted)
 MAX_STARTS = 20           # claims in all, refunded or not: a bound for a job that is always handed back
@@ -170,21 +170,21 @@ def claim_jobs(sessions: sessionmaker[Session], job_ids: list[str], worker: str,
             continue
         try:
             answers.append(not_claimed(sessions, job_id, max_attempts))
-        except Exception as exc:   # noqa: BLE001 - raised to that job's caller (rein.jobs.grouping)
+        except Exception as exc:   # noqa: BLE001 - raised to that job's caller (rein.jobs.group_commit)
             answers.append(exc)
     return answers
 
 
 class GroupClaimer(GroupCommit[str, Claim]):
-    """`claim_job` shared by a worker's task threads, with group commit (rein.jobs.grouping):
+    """`claim_job` shared by a worker's task threads, with group commit (rein.jobs.group_commit):
     jobs whose messages arrive together (a batch's lines) are claimed by one statement."""
 
     def __init__(self, sessions: sessionmaker[Session], worker: str, lease_for_seconds: float,
                  max_group: int = 64) -> None:
         # The writers take turns: one held connection serves them all (no checkout, no pre-ping).
         db = HeldConnections(engine_of(sessions), shared=True)
-        super().__init__(write_one=lambda job_id: claim_job(sessions, job_id, worker, lease_for_seconds, db=db),
-                         write_many=lambda ids: claim_jobs(sessions, ids, worker, lease_for_seconds, db=db),
+        super().__init__(write_many=lambda ids: claim_jobs(sessions, ids, worker, lease_for_seconds, db=db),
+                         write_one=lambda job_id: claim_job(sessions, job_id, worker, lease_for_seconds, db=db),
                          key=lambda job_id: job_id, max_group=max_group, what="job claims")
 
     def claim(self, job_id: str) -> Claim:

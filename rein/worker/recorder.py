@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.db import HeldConnections, engine_of, execute_all, execute_one
 from rein.jobs.claim import Lease
-from rein.jobs.grouping import GroupCommit
+from rein.jobs.group_commit import GroupCommit
 
 
 def storable_text(text: str) -> str:
@@ -116,15 +116,15 @@ def record_jobs(sessions: sessionmaker[Session], records: list[tuple[Lease, JobR
 
 
 class GroupRecorder(GroupCommit[tuple[Lease, JobRecord], bool]):
-    """`record_job` shared by the task threads, with group commit (rein.jobs.grouping): jobs
+    """`record_job` shared by the task threads, with group commit (rein.jobs.group_commit): jobs
     that end together (a batch's lines, which end in the same engine steps) are written by one
     `record_jobs` statement; each caller gets its own answer or error, as from `record_job`."""
 
     def __init__(self, sessions: sessionmaker[Session], max_group: int = 64) -> None:
         # The writers take turns: one held connection serves them all (no checkout, no pre-ping).
         db = HeldConnections(engine_of(sessions), shared=True)
-        super().__init__(write_one=lambda item: record_job(sessions, *item, db=db),
-                         write_many=lambda items: _recorded(record_jobs(sessions, items, db=db), items),
+        super().__init__(write_many=lambda items: _recorded(record_jobs(sessions, items, db=db), items),
+                         write_one=lambda item: record_job(sessions, *item, db=db),
                          key=lambda item: item[0].job_id, max_group=max_group, what="job records")
 
     def record(self, lease: Lease, record: JobRecord) -> bool:

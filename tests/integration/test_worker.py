@@ -276,7 +276,7 @@ def test_claim_is_exclusive_and_a_finished_job_is_never_claimed_again(make_job, 
 
 
 def call_while_the_first_writes(group, call, items, release: threading.Event) -> None:
-    """`call(item)` on a thread per item against a GroupCommit (rein.jobs.grouping) whose
+    """`call(item)` on a thread per item against a GroupCommit (rein.jobs.group_commit) whose
     first writer is held up (until `release`): the other items all wait, then go as a group."""
     threads = [threading.Thread(target=call, args=(item,)) for item in items]
     threads[0].start()

@@ -1,8 +1,8 @@
 """Group commit (rein.api.intake): several requests admitted, stored and queued together.
 
 `JobIntake.commit` is called here with hand-built groups, so each case is exact rather than
-depending on which requests happen to arrive together; the committer thread that forms the
-groups is tested on its own at the end.
+depending on which requests happen to arrive together; the group commit that forms the
+groups is tested on its own in tests/unit/test_group_commit.py.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import base64
 import json
 import secrets
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,7 +17,6 @@ import pytest
 from api_support import auth, chat_body
 from sqlalchemy import select
 
-from rein.api.intake import GroupCommitter
 from rein.core.keys import authenticate
 from rein.core.models import Job
 from rein.jobs.errors import APIError
@@ -162,71 +160,3 @@ def test_concurrent_requests_are_all_accepted_exactly_once(make_client, make_key
     # Each request's own prompt went into its own job.
     assert {r.params["body"]["messages"][0]["content"] for r in rows} == {f"request {i}" for i in range(40)}
     assert sorted(_queued_job_ids(redis_client, client.app.state.settings, model)) == sorted(ids)
-
-
-# -- the committer thread on its own -----------------------------------------------------------
-
-
-class _Recorder:
-    """A commit function that records its groups; the first call waits until released."""
-
-    def __init__(self) -> None:
-        self.groups: list[list[int]] = []
-        self.release = threading.Event()
-        self.entered = threading.Event()
-
-    def __call__(self, group):
-        if not self.groups:
-            self.entered.set()
-            self.release.wait(10)
-        self.groups.append(list(group))
-        return [("ok", s) if s >= 0 else ValueError(f"refused {s}") for s in group]
-
-
-def test_requests_arriving_during_a_commit_go_together_in_the_next():
-    commit = _Recorder()
-    committer = GroupCommitter(commit, max_group=5).start()
-    try:
-        first = committer.submit(0)
-        assert commit.entered.wait(5)
-        later = [committer.submit(i) for i in (1, 2, 3, 4, 5, 6, -7)]
-        commit.release.set()
-        assert first.result(5) == ("ok", 0)
-        assert [f.result(5) if i < 6 else None for i, f in enumerate(later)][:6] == \
-            [("ok", i) for i in (1, 2, 3, 4, 5, 6)]
-        with pytest.raises(ValueError, match="refused -7"):
-            later[-1].result(5)
-    finally:
-        committer.stop()
-    # Alone, the first request went at once; the seven that waited went in groups of at most 5.
-    assert commit.groups == [[0], [1, 2, 3, 4, 5], [6, -7]]
-
-
-def test_a_cancelled_request_is_not_committed_and_a_failing_commit_fails_its_group():
-    commit = _Recorder()
-    committer = GroupCommitter(commit).start()
-    try:
-        first = committer.submit(0)
-        assert commit.entered.wait(5)
-        cancelled, kept = committer.submit(1), committer.submit(2)
-        assert cancelled.cancel()
-        commit.release.set()
-        assert kept.result(5) == ("ok", 2)
-        assert first.result(5) == ("ok", 0)
-    finally:
-        committer.stop()
-    assert commit.groups == [[0], [2]]
-
-    def broken(group):
-        raise ConnectionError("postgres is down")
-
-    committer = GroupCommitter(broken).start()
-    try:
-        futures = [committer.submit(i) for i in range(3)]
-        for future in futures:
-            with pytest.raises(ConnectionError, match="postgres is down"):
-                future.result(5)
-    finally:
-        committer.stop()
-    with pytest.raises(RuntimeError, match="shutting down"):
-        committer.submit(9)
