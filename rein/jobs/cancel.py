@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from redis import Redis
+from sqlalchemy import func, update
 from sqlalchemy.orm import Session
 
+from rein.core.models import Batch, Job
 from rein.core.redis_keys import RedisKeys
 
 
@@ -26,10 +28,6 @@ def cancel_work_of_key(session: Session, redis: Redis, keys: RedisKeys, key_id: 
     queued jobs at once, its running jobs within an engine step, its unfinished batches
     through the batch manager (`cancelling`). (queued, running, batches) counts; the caller
     commits. Batch lines are left to their batch's cancel."""
-    from sqlalchemy import func, update
-
-    from rein.core.models import Batch, Job
-
     queued = session.execute(
         update(Job).where(Job.key_id == key_id, Job.batch_id.is_(None), Job.status == "queued")
         .values(status="cancelled", finished_at=func.now(), lease_expires_at=None,

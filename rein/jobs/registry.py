@@ -23,6 +23,7 @@ from rein.engine.generation_defaults import (
     GenerationDefaults,
     load_generation_defaults,
 )
+from rein.engine.model_files import resolve_model
 
 log = logging.getLogger(__name__)
 
@@ -69,8 +70,6 @@ class ModelRegistry:
 def load_model(model: ServedModel, generation_config: str = "auto", max_model_len: int | None = None) -> ModelEntry:
     """`max_model_len`: REIN_MAX_MODEL_LEN (the entry's @N comes first)."""
     from transformers import AutoTokenizer
-
-    from rein.engine.model_files import resolve_model
 
     try:
         directory = resolve_model(model.source, weights=False).directory

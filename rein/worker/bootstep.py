@@ -1,16 +1,16 @@
 """The worker's long-lived half: the engine and its runner, the token publisher, the
-cancel listener, a heartbeat, the lease keeper and a reaper, owned by one Celery bootstep.
+cancel listener, the heartbeat, the lease keeper and a reaper, owned by one Celery bootstep.
 
 The engine steps in a child process of its own (rein.engine.process_client, unless
 `Settings.worker_engine_process` is off or a test hands in an engine factory): the runner
 here keeps the request streams, and the heartbeat and metrics read its view of the engine.
 
-The lease keeper renews the leases of the jobs this worker runs, all in one statement every
-`Settings.lease_renew_seconds` (rein.jobs.claim); a job whose lease it finds lost (the
-reaper gave it to another attempt after this worker could not renew in time) is aborted
-here, since whatever it computes can no longer be recorded. The reaper
-(rein.jobs.reaper) runs in every worker, so a deployment recovers a dead worker's jobs as
-long as one worker lives.
+`WorkerContext` owns and wires the parts, each in a module of its own: the job table (which
+task runs which leased job, rein.worker.job_table), the heartbeat (rein.worker.heartbeat),
+the lease keeper (rein.worker.leases: a job whose lease it finds lost is interrupted here),
+the engine keeper (rein.worker.engine_keeper), the cancel listener, the group claimer and
+recorder, and the reaper (rein.jobs.reaper), which runs in every worker, so a deployment
+recovers a dead worker's jobs as long as one worker lives.
 
 The bootstep starts after the pool and before the consumer, so the engine is loaded
 before the first message is taken; it stops after the consumer has stopped taking
@@ -45,13 +45,10 @@ job in the engine instead, and the task hands it back.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,17 +56,22 @@ from celery import Celery, bootsteps
 from celery.concurrency.thread import ApplyResult
 from celery.concurrency.thread import TaskPool as ThreadTaskPool
 from celery.signals import worker_shutting_down
+from kombu import Queue
+from kombu.common import ignore_errors
 from redis import Redis
-from redis.exceptions import RedisError
-from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.core.logging import log_context
+from rein.core.db import make_engine
+from rein.core.logging import configured_elsewhere, log_context
 from rein.core.redis_keys import RedisKeys
-from rein.jobs.claim import GroupClaimer, Lease, renew_leases
+from rein.jobs.claim import GroupClaimer
+from rein.jobs.queues import interactive_slots, queued_slots
 from rein.jobs.reaper import Reaper
 from rein.worker.cancel import CancelListener
 from rein.worker.engine_keeper import EngineKeeper, SoloLock
+from rein.worker.heartbeat import HEARTBEAT_SECONDS, Heartbeat
+from rein.worker.job_table import JobTable
+from rein.worker.leases import LeaseKeeper
 from rein.worker.metrics import WorkerMetrics, compose_hooks
 from rein.worker.publisher import INTERRUPTED, TokenPublisher
 from rein.worker.recorder import GroupRecorder
@@ -80,12 +82,6 @@ if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
 
 log = logging.getLogger(__name__)
-
-HEARTBEAT_SECONDS = 5.0
-# After a failed lease renewal, try again this often.
-LEASE_RETRY_SECONDS = 1.0
-# The workers registry (RedisKeys.workers) outlives its last writer by this long.
-WORKER_REGISTRY_TTL_SECONDS = 24 * 3600
 
 
 @dataclass
@@ -103,7 +99,8 @@ class WorkerSpec:
 
 @dataclass
 class WorkerContext:
-    """Everything a task needs while the worker runs."""
+    """Everything a task needs while the worker runs; owns and wires the worker's parts
+    (see the module docstring), started by `start()`, stopped by `stop()`."""
 
     app: Celery
     settings: Any
@@ -117,66 +114,43 @@ class WorkerContext:
     metrics: WorkerMetrics | None = None
     listener: CancelListener | None = None
     stopping: threading.Event = field(default_factory=threading.Event)
-    interrupted: set[str] = field(default_factory=set)
     reaper: Reaper | None = None
     recorder: GroupRecorder | None = None   # None: each task records its job alone (record_job)
     claimer: GroupClaimer | None = None     # None: each task claims its job alone (claim_job)
     keeper: EngineKeeper | None = None      # replaces a dead engine (rein.worker.engine_keeper)
     engine_ready: threading.Event = field(default_factory=threading.Event)   # clear while the engine is down
     solo: SoloLock = field(default_factory=SoloLock)   # a job its engine died under runs alone
-    _jobs_by_thread: dict[int, Lease] = field(default_factory=dict)
-    _lock: threading.Lock = field(default_factory=threading.Lock)
+    jobs: JobTable = field(init=False)                 # the jobs the task threads run now
+    heartbeat: Heartbeat = field(init=False)
+    lease_keeper: LeaseKeeper = field(init=False)
     _stop_lock: threading.Lock = field(default_factory=threading.Lock)
-    _heartbeat: threading.Thread | None = None
-    _lease_keeper: threading.Thread | None = None
-    started_at: float = field(default_factory=time.time)
-    _previous_beat: tuple[float, int, int, float] | None = None   # time and totals at the last beat
+
+    def __post_init__(self) -> None:
+        self.jobs = JobTable(self.stopping)
+        # The engine is read at each beat: the keeper may have replaced the runner since.
+        self.heartbeat = Heartbeat(self.redis, self.keys, self.worker_name, self.model_name,
+                                   lambda: self.runner.engine, self.engine_ready, self.stopping)
+        self.lease_keeper = LeaseKeeper(self.sessions, self.worker_name, self.model_name, self.jobs,
+                                        lambda lease: self.interrupt(lease.job_id), self.stopping,
+                                        renew_seconds=self.settings.lease_renew_seconds,
+                                        lease_seconds=self.settings.lease_seconds)
 
     @property
     def engine(self) -> LLMEngine:
         return self.runner.engine
 
-    @contextmanager
-    def tracking(self, lease: Lease) -> Iterator[None]:
-        """While the calling task thread runs the leased job (for cancels, interrupts and
-        lease renewal)."""
-        ident = threading.get_ident()
-        with self._lock:
-            self._jobs_by_thread[ident] = lease
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._jobs_by_thread.pop(ident, None)
-                self.interrupted.discard(lease.job_id)
-
-    def running_jobs(self) -> list[str]:
-        with self._lock:
-            return [lease.job_id for lease in self._jobs_by_thread.values()]
-
-    def held_leases(self) -> list[Lease]:
-        with self._lock:
-            return list(self._jobs_by_thread.values())
-
-    def is_interrupted(self, job_id: str) -> bool:
-        with self._lock:
-            return self.stopping.is_set() or job_id in self.interrupted
-
     def interrupt(self, job_id: str) -> None:
         """Abort the job in the engine so that its task hands it back (not a cancel)."""
-        with self._lock:
-            self.interrupted.add(job_id)
+        self.jobs.mark_interrupted(job_id)
         self.publisher.mark_abort(job_id, INTERRUPTED)
         self.runner.abort(job_id)
 
     def interrupt_thread(self, ident: int) -> None:
-        with self._lock:
-            lease = self._jobs_by_thread.get(ident)
-        job_id = lease.job_id if lease is not None else None
-        if job_id is not None:
-            with log_context(job_id=job_id, model=self.model_name, worker=self.worker_name):
-                log.warning("interrupting job %s: Celery terminated its task", job_id)
-            self.interrupt(job_id)
+        lease = self.jobs.lease_of_thread(ident)
+        if lease is not None:
+            with log_context(job_id=lease.job_id, model=self.model_name, worker=self.worker_name):
+                log.warning("interrupting job %s: Celery terminated its task", lease.job_id)
+            self.interrupt(lease.job_id)
 
     def wait_for_engine(self, timeout: float) -> bool:
         """Wait until the engine is up (True) or `timeout` passes (False). An engine seen dead
@@ -191,11 +165,9 @@ class WorkerContext:
 
     def start(self) -> None:
         self.engine_ready.set()
-        self.listener = CancelListener(self.redis, self.keys, self.abort, self.running_jobs).start()
-        self._heartbeat = threading.Thread(target=self._beat, name="rein-heartbeat", daemon=True)
-        self._heartbeat.start()
-        self._lease_keeper = threading.Thread(target=self._keep_leases, name="rein-lease-keeper", daemon=True)
-        self._lease_keeper.start()
+        self.listener = CancelListener(self.redis, self.keys, self.abort, self.jobs.running_jobs).start()
+        self.heartbeat.start()
+        self.lease_keeper.start()
         if self.reaper is not None:
             self.reaper.start()
         if self.keeper is not None:
@@ -225,90 +197,14 @@ class WorkerContext:
             self.metrics.stop()
         if self.reaper is not None:
             self.reaper.stop()
-        for thread in (self._heartbeat, self._lease_keeper):
-            if thread is not None:
-                thread.join(HEARTBEAT_SECONDS)
-        try:
-            self.redis.delete(self.keys.worker_heartbeat(self.worker_name))
-            self._beat_stopped()
-        except RedisError:
-            pass
-
-    def heartbeat(self) -> dict[str, Any]:
-        """What `rein top` shows of this worker (rein.cli.top reads these fields).
-
-        `tokens_per_second` and `step_ms` (mean step duration) cover the time since the
-        previous heartbeat; `step_ms` is None when no step ran in it. While the engine is down
-        (dead, a new one starting) the state is `down` and there are no engine figures.
-        """
-        if not self.engine_ready.is_set():
-            return {"worker": self.worker_name, "model": self.model_name, "time": time.time(), "state": "down",
-                    "started": self.started_at, "interval": HEARTBEAT_SECONDS}
-        engine, stats, now = self.engine, self.engine.stats, time.time()
-        totals = (now, stats.generation_tokens, stats.steps, stats.step_seconds)
-        previous = self._previous_beat or (self.started_at, 0, 0, 0.0)
-        self._previous_beat = totals
-        elapsed, steps = now - previous[0], stats.steps - previous[2]
-        return {"worker": self.worker_name, "model": self.model_name, "time": now, "state": "up",
-                "started": self.started_at, "interval": HEARTBEAT_SECONDS,
-                "running": engine.num_running, "waiting": engine.num_waiting,
-                "max_num_seqs": engine.config.max_num_seqs, "kv_blocks": engine.pool.num_blocks,
-                "kv_blocks_free": engine.pool.num_free, "kv_usage": engine.pool.usage,
-                "steps": stats.steps, "generation_tokens": stats.generation_tokens,
-                "preemptions": stats.preemptions,
-                "tokens_per_second": (stats.generation_tokens - previous[1]) / elapsed if elapsed > 0 else 0.0,
-                "step_ms": 1000 * (stats.step_seconds - previous[3]) / steps if steps else None}
-
-    def _beat(self) -> None:
-        key = self.keys.worker_heartbeat(self.worker_name)
-        while not self.stopping.is_set():
-            try:
-                beat = json.dumps(self.heartbeat())
-                # The key expires with the worker; the registry entry stays, so that `rein top`
-                # can show a worker that stopped beating as LOST (rein.cli.top forgets it later).
-                pipe = self.redis.pipeline(transaction=False)
-                pipe.set(key, beat, ex=int(3 * HEARTBEAT_SECONDS))
-                pipe.hset(self.keys.workers(), self.worker_name, beat)
-                pipe.expire(self.keys.workers(), WORKER_REGISTRY_TTL_SECONDS)
-                pipe.execute()
-            except (RedisError, RuntimeError) as exc:   # RuntimeError: engine dicts changed under us
-                log.debug("heartbeat skipped: %s", exc)
-            self.stopping.wait(HEARTBEAT_SECONDS)
-
-    def _keep_leases(self) -> None:
-        """Renew the leases of the running jobs every lease_renew_seconds; after a failure
-        (Postgres away) try again every LEASE_RETRY_SECONDS, so leases are renewed as soon
-        as Postgres is back, before the reaper takes them."""
-        interval = self.settings.lease_renew_seconds
-        while not self.stopping.wait(interval):
-            leases = self.held_leases()
-            try:
-                held = renew_leases(self.sessions, self.worker_name, leases, self.settings.lease_seconds)
-            except SQLAlchemyError as exc:
-                log.warning("cannot renew the leases of %d running jobs: %s", len(leases), exc)
-                interval = LEASE_RETRY_SECONDS
-                continue
-            interval = self.settings.lease_renew_seconds
-            still_running = {(lease.job_id, lease.attempt) for lease in self.held_leases()}
-            for lease in leases:
-                key = (lease.job_id, lease.attempt)
-                if key not in held and key in still_running:
-                    with log_context(job_id=lease.job_id, model=self.model_name, worker=self.worker_name):
-                        log.warning("job %s attempt %d: lease lost (not renewed in time); stopping it",
-                                    lease.job_id, lease.attempt)
-                    self.interrupt(lease.job_id)
-
-    def _beat_stopped(self) -> None:
-        """A last registry entry saying this worker stopped on purpose (not LOST)."""
-        beat = {"worker": self.worker_name, "model": self.model_name, "time": time.time(),
-                "state": "stopped", "started": self.started_at, "interval": HEARTBEAT_SECONDS}
-        self.redis.hset(self.keys.workers(), self.worker_name, json.dumps(beat))
+        self.heartbeat.join(HEARTBEAT_SECONDS)
+        self.lease_keeper.join(HEARTBEAT_SECONDS)
+        self.heartbeat.stopped()
 
 
 def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerContext:
     """Load the engine and start its runner, the publisher, the listener and the heartbeat."""
-    from rein.core.db import make_engine
-    from rein.engine.client import EngineClient
+    from rein.engine.client import EngineClient  # imports torch: not at a worker module's import
 
     settings = spec.settings
     metrics = WorkerMetrics(spec.model_name)
@@ -332,15 +228,14 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
         if spec.engine_factory is not None:
             runner = EngineClient(spec.engine_factory(), name=name, on_step=on_step)
         elif settings.worker_engine_process:
-            from rein.core.logging import configured_elsewhere
-            from rein.engine.process_client import ProcessEngineClient
+            from rein.engine.process_client import ProcessEngineClient  # torch, as above
 
             # The child logs as this process does when rein set logging up here.
             log_format = None if configured_elsewhere() else settings.log_format
             runner = ProcessEngineClient(spec.engine_config, name=name, on_step=on_step,
                                          log_level=logging.getLogger().level, log_format=log_format)
         else:
-            from rein.engine.engine import LLMEngine
+            from rein.engine.engine import LLMEngine  # torch, as above
 
             runner = EngineClient(LLMEngine(spec.engine_config), name=name, on_step=on_step)
         return runner.start()
@@ -349,8 +244,6 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     engine = runner.engine
     metrics.attach(engine)
     # One connection per task thread at most; the claim and the record are short transactions.
-    from rein.jobs.queues import interactive_slots, queued_slots
-
     threads = engine.config.max_num_seqs + queued_slots(settings) + interactive_slots(settings)
     db = make_engine(settings.database_url, pool_size=min(threads, 16), max_overflow=max(threads - 16, 0) + 4)
     sessions = sessionmaker(db, expire_on_commit=False)
@@ -413,10 +306,6 @@ class InteractiveConsumer(bootsteps.ConsumerStep):
     requires = ("celery.worker.consumer.tasks:Tasks",)   # the task strategies exist then
 
     def get_consumers(self, channel: Any) -> list[Any]:
-        from kombu import Queue
-
-        from rein.jobs.queues import interactive_slots
-
         spec: WorkerSpec | None = getattr(self.app, "rein_worker_spec", None)
         slots = interactive_slots(spec.settings) if spec is not None else 0
         if not slots:
@@ -437,8 +326,6 @@ class InteractiveConsumer(bootsteps.ConsumerStep):
         # Only stop taking messages, as Celery's own task consumer does on stop: closing the
         # channel would put the messages of the jobs still running back on the queue (Redis
         # restores a closed channel's unacknowledged messages). `shutdown` closes it, later.
-        from kombu.common import ignore_errors
-
         for consumer in self.consumers or []:
             ignore_errors(c.connection, consumer.cancel)
 
@@ -455,8 +342,6 @@ class EngineThreadPool(ThreadTaskPool):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        from rein.jobs.queues import interactive_slots
-
         spec: WorkerSpec | None = getattr(self.app, "rein_worker_spec", None)
         extra = interactive_slots(spec.settings) if spec is not None else 0
         if extra:

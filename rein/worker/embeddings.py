@@ -23,8 +23,17 @@ import time
 from typing import TYPE_CHECKING
 
 from rein.core.messages import JobMessage
+from rein.engine.pooling_config import PoolingParams
 from rein.openai.embeddings import split_inputs, stored_response
 from rein.openai.response import usage_body
+from rein.worker.job_end import (
+    ABORT_GRACE_SECONDS,
+    abort_if_cancelled,
+    error_body,
+    fail_job,
+    hand_back,
+    record_result,
+)
 from rein.worker.recorder import JobRecord
 
 if TYPE_CHECKING:
@@ -38,16 +47,8 @@ log = logging.getLogger(__name__)
 
 def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease, cancel_mark: int | None = None) -> str:
     """Run a claimed embeddings job (publisher.begin already called); returns its outcome."""
+    # rein.engine.client imports torch: not at a worker module's import (the Celery app, the CLI).
     from rein.engine.client import EngineStoppedError
-    from rein.engine.pooling_config import PoolingParams
-    from rein.worker.tasks import (
-        ABORT_GRACE_SECONDS,
-        _error,
-        _fail,
-        _hand_back,
-        _record,
-        abort_if_cancelled,
-    )
 
     job_id = message.job_id
     claimed = time.monotonic()
@@ -56,17 +57,17 @@ def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease, ca
         inputs = split_inputs(message.prompt_token_ids,
                               message.input_lengths or [len(message.prompt_token_ids)])
     except (TypeError, ValueError) as exc:
-        return _fail(context, lease, f"invalid embeddings parameters: {exc}", "invalid_request_error",
-                     "invalid_pooling_params")
+        return fail_job(context, lease, f"invalid embeddings parameters: {exc}", "invalid_request_error",
+                        "invalid_pooling_params")
     try:
         streams = context.runner.submit_group(job_id, inputs, params, message.priority)
     except EngineStoppedError:   # the engine died before the job reached it: not a suspect
-        return _hand_back(context, message, lease)
+        return hand_back(context, message, lease)
     except Exception as exc:  # the engine refused an input (EngineRequestError, ...)
         index = getattr(exc, "index", None)
         where = f"input[{index}]: " if index is not None and len(inputs) > 1 else ""
-        return _fail(context, lease, f"{where}{exc}", "invalid_request_error",
-                     getattr(exc, "code", None) or "engine_refused")
+        return fail_job(context, lease, f"{where}{exc}", "invalid_request_error",
+                        getattr(exc, "code", None) or "engine_refused")
     abort_if_cancelled(context, job_id, cancel_mark)
     deadline = time.monotonic() + context.settings.job_timeout_seconds
     try:
@@ -75,21 +76,21 @@ def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease, ca
             context.runner.abort(job_id)
             _wait_all(streams, time.monotonic() + ABORT_GRACE_SECONDS)
     except EngineStoppedError:
-        return _hand_back(context, message, lease, engine_died=not context.is_interrupted(job_id))
+        return hand_back(context, message, lease, engine_died=not context.jobs.is_interrupted(job_id))
     finals: list[RequestOutput | None] = [stream.collected.final for stream in streams]
     if any(final is None for final in finals):   # the engine never confirmed the abort
-        return _fail(context, lease, "the job ran past its time limit and the engine did not stop it",
-                     "server_error", "timeout")
+        return fail_job(context, lease, "the job ran past its time limit and the engine did not stop it",
+                        "server_error", "timeout")
     done = [final for final in finals if final is not None and final.finish_reason == "stop"]
     aborted = len(done) < len(finals)
-    if aborted and not timed_out and context.is_interrupted(job_id):
-        return _hand_back(context, message, lease)
+    if aborted and not timed_out and context.jobs.is_interrupted(job_id):
+        return hand_back(context, message, lease)
     # Billed: the inputs computed to the end (all of them, unless cut short).
     prompt_tokens = sum(final.num_prompt_tokens for final in done)
     cached_tokens = sum(final.num_cached_tokens for final in done)
     usage = usage_body(prompt_tokens, 0, cached_tokens)
     if timed_out:
-        record = JobRecord(status="failed", prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, error=_error(
+        record = JobRecord(status="failed", prompt_tokens=prompt_tokens, cached_tokens=cached_tokens, error=error_body(
             f"the job ran past its time limit of {context.settings.job_timeout_seconds} s", "server_error",
             "timeout"))
         final_event = {"error": "the job ran past its time limit and was stopped"}
@@ -105,7 +106,7 @@ def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease, ca
             accepted = claimed - (lease.queue_seconds or 0.0)
             context.metrics.observe_request(accepted=accepted, claimed=claimed, first_token=None,
                                             finished=time.monotonic(), num_output_tokens=0)
-    if not _record(context, lease, record):
+    if not record_result(context, lease, record):
         context.publisher.forget(job_id)
         log.warning("job %s attempt %d: lease lost before recording; result dropped", job_id, lease.attempt)
         return "lease lost"

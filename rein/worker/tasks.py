@@ -1,6 +1,6 @@
 """The job task, thin like a web view: unpack the message, claim, hand to the engine, wait,
 record. `process_job` is that flow as a plain function (tested without a broker); the
-pieces live in claim, publisher, recorder and cancel.
+pieces live in claim, publisher, recorder and cancel, and the ways an attempt ends in job_end.
 
 How an attempt ends:
 
@@ -19,7 +19,7 @@ before claiming: nothing is claimed that cannot run, and the worker takes no mor
 than its slots hold meanwhile.
 
 A result that cannot be recorded because Postgres is away is kept, and recorded when
-Postgres answers again (`_record`).
+Postgres answers again (rein.worker.job_end.record_result).
 
 The Celery message is acknowledged after this returns in every case (late ack).
 """
@@ -37,15 +37,13 @@ from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from rein.core.logging import log_context
 from rein.core.messages import PRIORITY_BATCH, JobMessage
-from rein.jobs.cancel import is_cancel_requested
+from rein.engine.sampling_params import SamplingParams
 from rein.jobs.claim import (
     MAX_DEATHS_SEEN,
     ClaimOutcome,
     claim_job,
-    release_job,
 )
-from rein.jobs.queues import TASK_NAME, enqueue_job
-from rein.jobs.ratelimit import settle_tokens
+from rein.jobs.queues import TASK_NAME
 from rein.jobs.results import response_logprobs
 from rein.openai.choice_bodies import response_extra
 from rein.openai.choices import ResponseShape, returned_choices
@@ -53,33 +51,32 @@ from rein.openai.endpoints import EMBEDDINGS
 from rein.openai.response import usage_body
 from rein.worker.bootstep import worker_context
 from rein.worker.embeddings import run_embeddings
+from rein.worker.job_end import (
+    ABORT_GRACE_SECONDS,
+    abort_if_cancelled,
+    error_body,
+    fail_job,
+    hand_back,
+    record_result,
+    requeue,
+    settle_tpm,
+)
 from rein.worker.publisher import TIMEOUT
-from rein.worker.recorder import JobRecord, record_job
+from rein.worker.recorder import JobRecord
 
 if TYPE_CHECKING:
     from rein.engine.client import CollectingStream
     from rein.engine.results import RequestResult
-    from rein.engine.sampling_params import SamplingParams
     from rein.jobs.claim import Lease
     from rein.worker.bootstep import WorkerContext
 
 log = logging.getLogger(__name__)
-
-# After aborting a job that ran out of time, how long to wait for the engine to confirm.
-ABORT_GRACE_SECONDS = 30.0
-
 
 # How long a task waits for its worker's engine to come back (a new engine process starting)
 # before it sends its message back to the queue, for another worker or a later try.
 ENGINE_DOWN_WAIT_SECONDS = 60.0
 # A job that could not even be claimed (Postgres or Redis unreachable) is retried this often.
 NOT_TAKEN_RETRY_SECONDS = 5
-# How long a finished job's result waits for Postgres to come back before it is given up (the
-# job then runs again once its lease expires), and the longest pause between two tries.
-RECORD_RETRY_SECONDS = 600.0
-RECORD_RETRY_MAX_DELAY = 2.0
-# The longest a task waits for its job's last token events to be sent before recording it.
-PUBLISH_FLUSH_SECONDS = 5.0
 
 
 class JobNotTaken(RuntimeError):
@@ -132,21 +129,21 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
     if claim.lease is None:
         if claim.outcome is ClaimOutcome.CANCELLED:
             context.publisher.publish_final(job_id, finish_reason="abort", usage=usage_body(0, 0))
-            _settle_tpm(context, job_id, message.key_id, 0)
+            settle_tpm(context, job_id, message.key_id, 0)
         elif claim.outcome is ClaimOutcome.GAVE_UP:
             context.publisher.publish_final(job_id, error="the job was started too many times and never finished")
         log.info("job %s not run: %s", job_id, claim.outcome.value)
         return f"skipped: {claim.outcome.value}"
     log.info("job %s started: attempt %d, %d prompt tokens", job_id, claim.lease.attempt,
              len(message.prompt_token_ids))
-    with context.tracking(claim.lease), log_context(attempt=claim.lease.attempt):
+    with context.jobs.tracking(claim.lease), log_context(attempt=claim.lease.attempt):
         try:
             started = time.monotonic()
             if claim.lease.deaths_seen >= MAX_DEATHS_SEEN:
-                return _fail(context, claim.lease, f"the engine or worker running this job died "
-                             f"{claim.lease.deaths_seen} times (with the job alone after the first): the request "
-                             f"likely crashes it, and it will not be tried again", "server_error",
-                             "crashes_its_worker")
+                return fail_job(context, claim.lease, f"the engine or worker running this job died "
+                                f"{claim.lease.deaths_seen} times (with the job alone after the first): the request "
+                                f"likely crashes it, and it will not be tried again", "server_error",
+                                "crashes_its_worker")
             # A job its engine or worker died under runs alone (the others wait), so a request that
             # kills engines is found out without charging the jobs beside it.
             with context.solo.exclusive() if claim.lease.deaths_seen else context.solo.shared():
@@ -160,7 +157,7 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
             log.warning("job %s attempt %d interrupted: %s: %s", job_id, claim.lease.attempt, type(exc).__name__, exc)
             context.interrupt(job_id)
             try:
-                return _hand_back(context, message, claim.lease)
+                return hand_back(context, message, claim.lease)
             except Exception as again:
                 log.warning("job %s: not handed back (%s); the reaper queues it when its lease runs out",
                             job_id, again)
@@ -170,11 +167,11 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
             log.exception("job %s attempt %d broke in the worker", job_id, claim.lease.attempt)
             context.runner.abort(job_id)
             try:
-                return _fail(context, claim.lease, f"internal error in the worker: {type(exc).__name__}",
-                             "server_error", "worker_error")
+                return fail_job(context, claim.lease, f"internal error in the worker: {type(exc).__name__}",
+                                "server_error", "worker_error")
             except Exception:
                 try:
-                    _hand_back(context, message, claim.lease)
+                    hand_back(context, message, claim.lease)
                 except Exception:
                     log.exception("job %s: could not hand it back either; it is retried once its lease "
                                   "expires and its message comes back", job_id)
@@ -182,8 +179,8 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
 
 
 def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, cancel_mark: int | None = None) -> str:
+    # Both import torch: not at a worker module's import (the Celery app, the CLI).
     from rein.engine.client import EngineStoppedError
-    from rein.engine.sampling_params import SamplingParams
     from rein.engine.structured.decoding import prepare_grammar
 
     job_id = message.job_id
@@ -197,34 +194,34 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
     try:
         params = SamplingParams(**message.sampling)
     except (TypeError, ValueError) as exc:
-        return _fail(context, lease, f"invalid sampling parameters: {exc}", "invalid_request_error",
-                     "invalid_sampling_params")
+        return fail_job(context, lease, f"invalid sampling parameters: {exc}", "invalid_request_error",
+                        "invalid_sampling_params")
     prepare_grammar(context.runner, params)   # structured outputs compile here, off the engine thread
     try:
         stream = context.runner.submit(job_id, message.prompt_token_ids, params, message.priority,
                                        collect=True)
     except EngineStoppedError:   # the engine died before the job reached it: not a suspect
-        return _hand_back(context, message, lease)
+        return hand_back(context, message, lease)
     except Exception as exc:  # the engine refused the request (EngineRequestError, ...)
-        return _fail(context, lease, str(exc), "invalid_request_error", getattr(exc, "code", None)
+        return fail_job(context, lease, str(exc), "invalid_request_error", getattr(exc, "code", None)
                      or "engine_refused")
     abort_if_cancelled(context, job_id, cancel_mark)
     deadline = time.monotonic() + context.settings.job_timeout_seconds
     try:
         timed_out = _wait(context, job_id, stream, deadline)
     except EngineStoppedError:
-        return _hand_back(context, message, lease, engine_died=not context.is_interrupted(job_id))
+        return hand_back(context, message, lease, engine_died=not context.jobs.is_interrupted(job_id))
     collected = stream.collected
     final = collected.final
     if final is None:   # the engine never confirmed the abort of a timed-out job
-        return _fail(context, lease, "the job ran past its time limit and the engine did not stop it",
-                     "server_error", "timeout")
+        return fail_job(context, lease, "the job ran past its time limit and the engine did not stop it",
+                        "server_error", "timeout")
     if final.error is not None:      # the engine ended it for its own fault (its grammar)
-        status, error = "failed", _error(final.error, "invalid_request_error", "invalid_request")
-    elif final.finish_reason == "abort" and not timed_out and context.is_interrupted(job_id):
-        return _hand_back(context, message, lease)
+        status, error = "failed", error_body(final.error, "invalid_request_error", "invalid_request")
+    elif final.finish_reason == "abort" and not timed_out and context.jobs.is_interrupted(job_id):
+        return hand_back(context, message, lease)
     elif timed_out:
-        status, error = "failed", _error(
+        status, error = "failed", error_body(
             f"the job ran past its time limit of {context.settings.job_timeout_seconds} s", "server_error",
             "timeout")
     elif final.finish_reason == "abort":
@@ -239,7 +236,7 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
                                             finished=time.monotonic(), num_output_tokens=final.num_output_tokens)
     record = job_record(message, lease.endpoint, collected, params, context.engine.tokenizer, status, error)
     # A batch line was admitted without a TPM charge (rein.batches.manager): nothing to settle.
-    if not _record(context, lease, record, charged=message.priority < PRIORITY_BATCH):
+    if not record_result(context, lease, record, charged=message.priority < PRIORITY_BATCH):
         log.warning("job %s attempt %d: lease lost before recording; result dropped", job_id, lease.attempt)
         return "lease lost"
     return status
@@ -274,25 +271,6 @@ def job_record(message: JobMessage, endpoint: str, collected: RequestResult, par
         cached_tokens=final.num_cached_tokens, first_token_at=first_token_at, response=extra)
 
 
-def abort_if_cancelled(context: WorkerContext, job_id: str, cancel_mark: int | None = None) -> None:
-    """Abort a just-submitted job whose cancel came between the claim and the submit.
-
-    `cancel_mark`: the cancel listener's mark from before the claim. While the listener has
-    stayed subscribed since then, what it heard is the answer (no round trip); otherwise the
-    job's cancel flag in Redis is (rein.worker.cancel)."""
-    listener = context.listener
-    heard = listener.heard_since(job_id, cancel_mark) if listener is not None else None
-    if heard is not None:
-        if heard:
-            context.runner.abort(job_id)
-        return
-    try:
-        if is_cancel_requested(context.redis, context.keys, job_id):
-            context.runner.abort(job_id)
-    except RedisError:   # the cancel listener checks the flags of its jobs when Redis is back
-        pass
-
-
 def _wait(context: WorkerContext, job_id: str, stream: CollectingStream, deadline: float) -> bool:
     """Wait for the job's end, aborting it at the deadline; True when it ran out of time."""
     if stream.wait(max(deadline - time.monotonic(), 0.0)):
@@ -303,73 +281,3 @@ def _wait(context: WorkerContext, job_id: str, stream: CollectingStream, deadlin
     return True
 
 
-def _error(message: str, type_: str, code: str | None) -> dict[str, Any]:
-    return {"message": message, "type": type_, "code": code}
-
-
-def _fail(context: WorkerContext, lease: Lease, message: str, type_: str, code: str | None) -> str:
-    log.warning("job %s failed: %s", lease.job_id, message)
-    context.publisher.publish_final(lease.job_id, error=message)
-    _record(context, lease, JobRecord(status="failed", error=_error(message, type_, code)))
-    return "failed"
-
-
-def _record(context: WorkerContext, lease: Lease, record: JobRecord, *, charged: bool = True) -> bool:
-    """`record_job`, waiting out a Postgres outage (up to RECORD_RETRY_SECONDS): a computed
-    result is kept until it is stored. The job stays tracked meanwhile, so its lease is
-    renewed as soon as Postgres answers again, before any reaper may take it. `charged`:
-    whether the job may hold a TPM charge to settle once recorded (False: no round trip)."""
-    # The job's last events out first (the publisher's sender thread), so its stream ends
-    # before its result is stored, as followers expect; bounded, as Redis may hang.
-    context.publisher.flush(PUBLISH_FLUSH_SECONDS)
-    deadline = time.monotonic() + RECORD_RETRY_SECONDS
-    delay = 0.25
-    while True:
-        try:
-            # With the worker's GroupRecorder, jobs that end together share one statement.
-            recorded = (context.recorder.record(lease, record) if context.recorder is not None
-                        else record_job(context.sessions, lease, record))
-            if recorded and charged:   # the job's token charge meets its usage (none without a usage row)
-                used = (record.prompt_tokens + record.completion_tokens) if record.prompt_tokens is not None else 0
-                _settle_tpm(context, lease.job_id, lease.key_id, used)
-            return recorded
-        except (OperationalError, InterfaceError) as exc:
-            if time.monotonic() + delay > deadline:
-                raise
-            log.warning("job %s attempt %d: cannot record the result yet (%s); retrying in %.2g s",
-                        lease.job_id, lease.attempt, type(exc).__name__, delay)
-            time.sleep(delay)
-            delay = min(delay * 2, RECORD_RETRY_MAX_DELAY)
-
-
-def _settle_tpm(context: WorkerContext, job_id: str, key_id: str | None, used_tokens: int) -> None:
-    """Settle the job's TPM charge against the tokens it used (rein.jobs.ratelimit.settle_tokens;
-    nothing for a job without a charge). Best effort: a charge left unsettled expires."""
-    if not key_id:
-        return
-    try:
-        settle_tokens(context.redis, context.keys, job_id, key_id, used_tokens)
-    except RedisError as exc:
-        log.warning("job %s: could not settle its token charge (%s)", job_id, exc)
-
-
-def _hand_back(context: WorkerContext, message: JobMessage, lease: Lease, *, engine_died: bool = False) -> str:
-    """The attempt was interrupted, not finished: back to queued (the attempt refunded), with a
-    new message. `engine_died`: the job was running when its engine died."""
-    context.publisher.forget(message.job_id)
-    if release_job(context.sessions, lease, engine_died=engine_died):
-        requeue(context, message)
-        log.info("job %s attempt %d interrupted%s: handed back to the queue", message.job_id, lease.attempt,
-                 " by its engine's death" if engine_died else "")
-        return "requeued"
-    return "lease lost"
-
-
-def requeue(context: WorkerContext, message: JobMessage) -> None:
-    """A fresh message for the job; if the broker is unreachable, the original message comes
-    back after the visibility timeout instead (it could not be acknowledged either)."""
-    try:
-        enqueue_job(context.app, message)
-    except Exception as exc:  # kombu raises transport-specific errors
-        log.warning("could not requeue job %s (%s): it returns after the broker's visibility timeout",
-                    message.job_id, exc)

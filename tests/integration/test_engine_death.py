@@ -77,11 +77,11 @@ def test_a_killed_engine_is_replaced_and_its_jobs_spend_no_attempt(process_conte
         assert (row.status, row.attempt, row.attempts_refunded, row.deaths_seen) == ("queued", 1, 1, 1)
     # A job that arrives while the engine is down waits for the new one, spending nothing.
     [fresh], fresh_outcome = run_all(context, [make_job(max_tokens=4, model=model)])
-    assert context.heartbeat()["state"] == "down" or context.keeper.replacements == 1
+    assert context.heartbeat.beat()["state"] == "down" or context.keeper.replacements == 1
     support.wait_for(lambda: context.keeper.replacements == 1 and context.engine_ready.is_set(), WAIT,
                      "a new engine")
     assert context.runner.pid != old_pid
-    assert context.heartbeat()["state"] == "up"
+    assert context.heartbeat.beat()["state"] == "up"
     fresh.join(WAIT)
     assert fresh_outcome == ["succeeded"]
 

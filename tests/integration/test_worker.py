@@ -498,7 +498,7 @@ def test_cancel_listener_hears_cancels_and_checks_flags_on_subscribe(redis_clien
 
 
 def test_cancel_listener_says_what_it_heard_since_a_mark(redis_url, redis_client, keys):
-    """What a task asks after its submit (rein.worker.tasks.abort_if_cancelled): True for a
+    """What a task asks after its submit (rein.worker.job_end.abort_if_cancelled): True for a
     cancel heard, False while subscribed all along, None (ask Redis) when it may have missed one."""
     import redis
 
@@ -781,7 +781,7 @@ def test_interrupted_job_is_handed_back_to_the_queue(worker_app, make_job, db_se
     context = worker_app.rein_context
     message = make_job(max_tokens=900, model=MODEL)
     enqueue_job(worker_app, message)
-    wait_for(lambda: message.job_id in context.running_jobs() and stream_events(redis_client, keys, message.job_id),
+    wait_for(lambda: message.job_id in context.jobs.running_jobs() and stream_events(redis_client, keys, message.job_id),
              what="the job to run")
     # What the consumer does on connection loss (worker_cancel_long_running_tasks_on_connection_loss).
     from celery.worker.state import active_requests
@@ -863,11 +863,12 @@ def plain_context(make_settings, tiny_models):
 def test_a_finished_result_waits_out_a_postgres_outage(plain_context, make_job, db_sessionmaker, monkeypatch):
     from sqlalchemy.exc import OperationalError
 
+    import rein.worker.job_end as job_end
     import rein.worker.recorder as recorder
     import rein.worker.tasks as tasks
 
     context = plain_context()
-    real_record, failures = tasks.record_job, []
+    real_record, failures = recorder.record_job, []
 
     def record_while_postgres_is_down(*args, **kwargs):
         if len(failures) < 3:
@@ -878,7 +879,7 @@ def test_a_finished_result_waits_out_a_postgres_outage(plain_context, make_job, 
     # The worker's GroupRecorder writes a job alone through recorder.record_job.
     assert context.recorder is not None
     monkeypatch.setattr(recorder, "record_job", record_while_postgres_is_down)
-    monkeypatch.setattr(tasks, "record_job", record_while_postgres_is_down)
+    monkeypatch.setattr(job_end, "record_job", record_while_postgres_is_down)
     message = make_job(max_tokens=5)
     assert tasks.process_job(context, message) == "succeeded"
     assert len(failures) == 3

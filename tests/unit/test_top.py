@@ -21,7 +21,7 @@ NOW = 1_800_000_000.0
 
 
 def beat(worker: str = "tiny@gpu1", **fields) -> dict:
-    """A heartbeat as rein.worker.bootstep.WorkerContext.heartbeat writes it."""
+    """A heartbeat as rein.worker.heartbeat.Heartbeat.beat writes it."""
     return {"worker": worker, "model": "tiny", "time": NOW - 1, "state": "up", "started": NOW - 600,
             "interval": 5.0, "running": 12, "waiting": 3, "max_num_seqs": 16, "kv_blocks": 1000,
             "kv_blocks_free": 125, "kv_usage": 0.875, "steps": 5000, "generation_tokens": 90000,
