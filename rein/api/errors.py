@@ -1,6 +1,6 @@
 """Every error the API returns, in OpenAI's shape: {"error": {message, type, param, code}}.
 
-Routes raise `APIError` (or a `RequestError` from rein.openai.request); the handlers
+Routes raise `APIError` (or a `RequestError` from rein.openai.errors); the handlers
 installed by `install_error_handlers` turn those, FastAPI's validation errors (400 naming
 the offending parameter), unknown routes (404), an unreachable Postgres or Redis (503 with
 Retry-After) and unexpected failures (500) into that shape, so a client parses one error

@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from rein.engine.sampling_params import MAX_N
 from rein.jobs.fields import MAX_METADATA_PAIRS, Endpoint
 from rein.openai.embeddings import ENCODING_FORMATS, MAX_INPUTS
-from rein.openai.request import (
+from rein.openai.limits import (
     MAX_CHAT_TOP_LOGPROBS,
     MAX_COMPLETION_LOGPROBS,
     MAX_REPETITION_PENALTY,

@@ -22,7 +22,7 @@ Choices where rein differs from vLLM:
 
 * Text prompts are encoded with the tokenizer's special tokens (BOS), as vLLM and rein's
   /v1/completions do; chat prompts come from the chat template alone, built by the same
-  code as rein's /v1/chat/completions (`rein.openai.request`).
+  code as rein's /v1/chat/completions (`rein.openai.prompts`).
 * A prompt whose length plus `max_tokens` exceeds the context is refused (ValueError), as
   rein's API does, rather than having its completion cut short.
 * `Logprob.rank` is the 1-based rank when the token is among the returned top
@@ -55,7 +55,7 @@ from rein.engine.results import Choice, RequestResult
 from rein.engine.sampling_params import SamplingParams
 from rein.offline.driver import default_max_in_flight, drive
 from rein.openai.errors import RequestError
-from rein.openai.request import chat_prompt
+from rein.openai.prompts import chat_prompt
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine

@@ -1,6 +1,6 @@
 """The response body of a request with several choices, an echo or prompt logprobs.
 
-`response_extra` builds what the plain one-choice body (rein.openai.request.build_response)
+`response_extra` builds what the plain one-choice body (rein.openai.response.build_response)
 lacks: `choices` (one per returned choice, by index, each exactly as build_response
 shapes a choice), `usage` (the prompt counted once, completion tokens summed over every
 generated choice, as OpenAI bills n and best_of), and for chat vLLM's top-level

@@ -39,7 +39,9 @@ from rein.engine.pooling_config import (
 from rein.openai.choices import ResponseShape
 from rein.openai.endpoints import EMBEDDINGS
 from rein.openai.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
-from rein.openai.request import MAX_CHARS_PER_TOKEN, _check_token_ids, _is_int
+from rein.openai.fields import is_int
+from rein.openai.limits import MAX_CHARS_PER_TOKEN
+from rein.openai.prompts import check_token_ids
 
 MAX_INPUTS = 2048                # OpenAI's limit on inputs per request
 MAX_TOTAL_TOKENS = 300_000       # OpenAI's limit on the tokens of all inputs of a request
@@ -118,7 +120,7 @@ def parse_embeddings_request(body: dict[str, Any], tokenizer: Any, max_model_len
         shown = encoding_format if isinstance(encoding_format, str) else json_type(encoding_format)
         raise RequestError(f"encoding_format must be \"float\" or \"base64\", got {shown!r}", "encoding_format")
     dimensions = body.get("dimensions")
-    if dimensions is not None and (not _is_int(dimensions) or dimensions < 1):
+    if dimensions is not None and (not is_int(dimensions) or dimensions < 1):
         raise RequestError(f"dimensions must be a positive integer, got {dimensions!r}", "dimensions")
     params = PoolingParams(dimensions=dimensions)
     try:
@@ -146,7 +148,7 @@ def _inputs(body: dict[str, Any], tokenizer: Any, max_model_len: int) -> list[li
     elif isinstance(given, list):
         if not given:
             raise RequestError("input is an empty list: give at least one string or token-id list", "input")
-        if all(_is_int(t) for t in given):
+        if all(is_int(t) for t in given):
             items = [given]   # one input of token ids
         elif all(isinstance(t, str) for t in given) or all(isinstance(t, list) for t in given):
             items = given
@@ -185,10 +187,10 @@ def _one_input(item: Any, where: str, tokenizer: Any, max_model_len: int) -> lis
         if not item:
             raise RequestError(f"{where} is an empty list of token ids: each input needs at least one token",
                                "input")
-        if not all(_is_int(t) for t in item):
+        if not all(is_int(t) for t in item):
             raise RequestError(f"{where} must be a list of token ids (integers)", "input")
         ids = list(item)
-        _check_token_ids(ids, tokenizer, where)
+        check_token_ids(ids, tokenizer, where)
     else:
         raise RequestError(f"{where} must be a string or a list of token ids, got {json_type(item)}", "input")
     if not ids:

@@ -18,7 +18,8 @@ from rein.jobs.results import response_body
 from rein.openai import tools
 from rein.openai.endpoints import CHAT_COMPLETIONS
 from rein.openai.errors import RequestError
-from rein.openai.request import chat_prompt, parse_request
+from rein.openai.prompts import chat_prompt
+from rein.openai.request import parse_request
 from rein.openai.response import build_response
 
 MAX_LEN = 2048
