@@ -26,7 +26,7 @@ from rein.openai.limits import (
     MAX_REPETITION_PENALTY,
     MIN_REPETITION_PENALTY,
 )
-from rein.openai.tools import MAX_TOOLS
+from rein.openai.tool_request import MAX_TOOLS
 
 JobStatus = Literal["queued", "running", "succeeded", "failed", "cancelled"]
 
@@ -104,7 +104,7 @@ _CONTENT = [_TEXT, {"type": "array", "items": {
     "type": "object", "required": ["type", "text"], "properties": {"type": {"const": "text"}, "text": _TEXT}}}]
 # Content is required but for an assistant's message (null or missing: empty).
 _FUNCTION_NAME = {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}
-# An assistant's earlier tool calls (rein.openai.tools.template_message_fields); arguments: a JSON object.
+# An assistant's earlier tool calls (rein.openai.tool_request.template_message_fields); arguments: a JSON object.
 _TOOL_CALLS = {"anyOf": [{"type": "null"}, {"type": "array", "items": {
     "type": "object", "required": ["function"],
     "properties": {"id": _TEXT, "type": {"const": "function"},

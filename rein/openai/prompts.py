@@ -9,17 +9,23 @@ from __future__ import annotations
 from typing import Any
 
 from rein.core.input_checks import json_type
-from rein.openai import tools
 from rein.openai.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
 from rein.openai.fields import get_field, is_int
 from rein.openai.limits import MAX_CHARS_PER_TOKEN, MAX_MESSAGES
+from rein.openai.tool_request import (
+    ToolRequest,
+    check_template,
+    parse_tools,
+    template_chars,
+    template_message_fields,
+)
 
 
 def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int,
-                tool_request: tools.ToolRequest | None = None) -> list[int]:
+                tool_request: ToolRequest | None = None) -> list[int]:
     """The prompt token ids of a chat body's messages, through the model's chat template (the API,
     batch files and `rein.LLM.chat` all build chat prompts here). The body's tools go to the
-    template (rein.openai.tools; `tool_request`: parse_tools(body) when the caller has it already)."""
+    template (rein.openai.tool_request; `tool_request`: parse_tools(body) when the caller has it already)."""
     if "messages" not in body:
         raise RequestError("'messages' is a required property", "messages")
     messages = body["messages"]
@@ -28,14 +34,14 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int,
     if len(messages) > MAX_MESSAGES:
         raise RequestError(f"messages holds at most {MAX_MESSAGES} messages, got {len(messages)}", "messages")
     if tool_request is None:
-        tool_request = tools.parse_tools(body)
+        tool_request = parse_tools(body)
     plain = [_plain_message(m, i) for i, m in enumerate(messages)]
-    check_prompt_chars(sum(len(m["content"]) for m in plain) + tools.template_chars(plain, tool_request),
-                        max_model_len, "messages")
+    check_prompt_chars(sum(len(m["content"]) for m in plain) + template_chars(plain, tool_request),
+                       max_model_len, "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions with a prompt",
                            "messages")
-    tools.check_template(tokenizer.chat_template, tool_request)
+    check_template(tokenizer.chat_template, tool_request)
     template_kwargs = _chat_template_kwargs(body, tokenizer)
     if tool_request is not None and tool_request.template_tools is not None:
         template_kwargs["tools"] = tool_request.template_tools
@@ -82,7 +88,7 @@ def _chat_template_kwargs(body: dict[str, Any], tokenizer: Any = None) -> dict[s
 
 def _plain_message(message: Any, index: int) -> dict[str, Any]:
     """{role, content} with content as one string (text parts joined), plus what the template
-    needs of tool calls and tool results (rein.openai.tools.template_message_fields)."""
+    needs of tool calls and tool results (rein.openai.template_message_fields)."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise RequestError(f"{where} must be an object with role and content, got {json_type(message)}", where)
@@ -108,7 +114,7 @@ def _plain_message(message: Any, index: int) -> dict[str, Any]:
     if not isinstance(content, str):
         raise RequestError(f"{where}.content must be a string or a list of text parts, got {json_type(content)}",
                            f"{where}.content")
-    return {"role": role, "content": content, **tools.template_message_fields(message, role, where)}
+    return {"role": role, "content": content, **template_message_fields(message, role, where)}
 
 
 

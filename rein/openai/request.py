@@ -27,8 +27,8 @@ Choices made where OpenAI is silent or rein differs:
 * n > 1, best_of, echo and vLLM's prompt_logprobs: rein.openai.choice_fields parses them into
   SamplingParams and a `rein.openai.choices.ResponseShape`; rein.openai.choice_bodies builds their body.
   Each choice may use max_tokens beside the shared prompt (vLLM's context check).
-* Tools (`tools`, `tool_choice`, tool messages) are read and answered by rein.openai.tools: its
-  docstring says what each tool_choice does and which finish_reason it gives.
+* Tools (`tools`, `tool_choice`, tool messages) are read by rein.openai.tool_request and answered
+  by rein.openai.tools: its docstring says what each tool_choice does and which finish_reason it gives.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ from typing import TYPE_CHECKING, Any
 from rein.core.input_checks import json_type
 from rein.engine.sampling_params import SamplingParams, SamplingParamsError
 from rein.engine.structured.request import structured_from_body
-from rein.openai import tools
 from rein.openai.choice_fields import check_response_size, choice_fields
 from rein.openai.choices import ResponseShape
 from rein.openai.endpoints import CHAT_COMPLETIONS, ENDPOINTS
@@ -56,6 +55,7 @@ from rein.openai.limits import (
     MIN_REPETITION_PENALTY,
 )
 from rein.openai.prompts import chat_prompt, check_token_ids, completion_prompt
+from rein.openai.tool_request import parse_tools, sampling_fields
 
 if TYPE_CHECKING:
     from rein.engine.generation_defaults import GenerationDefaults
@@ -94,7 +94,7 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
         raise RequestError(f"stream_options.include_usage must be a boolean, got {json_type(include_usage)}",
                            "stream_options.include_usage")
 
-    tool_request = tools.parse_tools(body) if chat else None
+    tool_request = parse_tools(body) if chat else None
     if chat:
         prompt = chat_prompt(body, tokenizer, max_model_len, tool_request)
         logprobs_mode = _chat_logprobs(body)
@@ -156,7 +156,7 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
         "structured": structured_from_body(body),
     }
     if tool_request is not None:   # after any response_format's fields["structured"]: the two conflict
-        tools.sampling_fields(fields, tool_request)
+        sampling_fields(fields, tool_request)
     try:
         params = SamplingParams(**fields)
     except SamplingParamsError as exc:   # max_tokens never: _max_tokens checked it

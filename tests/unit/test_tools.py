@@ -1,5 +1,5 @@
-"""Tool calling (rein.openai.tools): request validation, the constrained choices' specs, Hermes parsing
-of auto answers, tool messages through the chat template, and the response bodies and stream
+"""Tool calling (rein.openai.tool_request, tool_parsers, tools): request validation, the constrained
+choices' specs, Hermes parsing of auto answers, tool messages through the chat template, and the response bodies and stream
 chunks built with the request's tools."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 from rein.api.streams import StreamEvent, openai_chunk_stream
 from rein.core.models import Job, Result
 from rein.jobs.results import response_body
-from rein.openai import tools
+from rein.openai import tool_parsers, tool_request, tools
 from rein.openai.endpoints import CHAT_COMPLETIONS
 from rein.openai.errors import RequestError
 from rein.openai.prompts import chat_prompt
@@ -93,29 +93,29 @@ def test_bad_tool_requests_name_the_field(tokenizer, body, param, words):
 
 
 def test_choices_and_their_defaults():
-    assert tools.parse_tools({}) is None
-    assert tools.parse_tools({"tools": [], "tool_choice": "auto", "function_call": "none"}) is None
-    auto = tools.parse_tools({"tools": TOOLS})
+    assert tool_request.parse_tools({}) is None
+    assert tool_request.parse_tools({"tools": [], "tool_choice": "auto", "function_call": "none"}) is None
+    auto = tool_request.parse_tools({"tools": TOOLS})
     assert (auto.choice, auto.name, auto.parallel) == ("auto", None, True)
     assert auto.template_tools == TOOLS and auto.structured() is None and auto.extra_stop() == []
-    none = tools.parse_tools({"tools": TOOLS, "tool_choice": "none"})
+    none = tool_request.parse_tools({"tools": TOOLS, "tool_choice": "none"})
     assert none.template_tools is None and none.structured() is None
-    named = tools.parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+    named = tool_request.parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
                                "parallel_tool_calls": False})
     assert (named.choice, named.name, named.parallel) == ("named", "get_time", False)
     assert named.structured_param() == "tools[1].function.parameters"
-    assert tools.parse_tools({"tools": TOOLS, "parallel_tool_calls": False}).extra_stop() == [tools.TOOL_CALL_END]
+    assert tool_request.parse_tools({"tools": TOOLS, "parallel_tool_calls": False}).extra_stop() == [tool_parsers.TOOL_CALL_END]
 
 
 def test_named_choice_constrains_to_the_function_parameters():
-    named = tools.parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+    named = tool_request.parse_tools({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
     assert named.structured() == {"type": "json_schema", "schema": WEATHER["function"]["parameters"]}
-    bare = tools.parse_tools({"tools": [fn("ping")], "tool_choice": {"type": "function", "function": {"name": "ping"}}})
+    bare = tool_request.parse_tools({"tools": [fn("ping")], "tool_choice": {"type": "function", "function": {"name": "ping"}}})
     assert bare.structured() == {"type": "json_schema", "schema": {"type": "object", "properties": {}}}
 
 
 def test_required_choice_is_vllms_array_of_name_and_parameters():
-    spec = tools.parse_tools({"tools": TOOLS, "tool_choice": "required"}).structured()
+    spec = tool_request.parse_tools({"tools": TOOLS, "tool_choice": "required"}).structured()
     assert spec == {"type": "json_schema", "schema": {
         "type": "array", "minItems": 1, "items": {"type": "object", "anyOf": [
             {"properties": {"name": {"type": "string", "enum": ["get_weather"]},
@@ -123,7 +123,7 @@ def test_required_choice_is_vllms_array_of_name_and_parameters():
             {"properties": {"name": {"type": "string", "enum": ["get_time"]},
                             "parameters": TIME["function"]["parameters"]}, "required": ["name", "parameters"], "additionalProperties": False},
         ]}}}
-    single = tools.parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False})
+    single = tool_request.parse_tools({"tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False})
     assert single.structured()["schema"]["maxItems"] == 1
 
 
@@ -133,13 +133,13 @@ def test_required_schema_moves_defs_to_the_root():
                                         "$defs": {"Point": point}})
     same = fn("move", parameters={"type": "object", "properties": {"to": {"$ref": "#/$defs/Point"}},
                                   "$defs": {"Point": point}})
-    schema = tools.required_schema([with_defs, same])
+    schema = tool_request.required_schema([with_defs, same])
     assert schema["$defs"] == {"Point": point}
     assert all("$defs" not in alt["properties"]["parameters"] for alt in schema["items"]["anyOf"])
     assert "$defs" in with_defs["function"]["parameters"]              # the request is not changed
     other = fn("jump", parameters={"type": "object", "$defs": {"Point": {"type": "string"}}})
     with pytest.raises(RequestError) as info:
-        tools.required_schema([with_defs, other])
+        tool_request.required_schema([with_defs, other])
     assert info.value.param == "tools[1].function.parameters" and "Point" in info.value.message
 
 
@@ -154,10 +154,10 @@ def test_parse_request_sets_structured_and_stop(tokenizer):
 
 def test_a_tool_choice_constraint_does_not_combine_with_another():
     """The structured helper's response_format sets fields["structured"] first: refused by name."""
-    named = tools.parse_tools({"tools": TOOLS, "tool_choice": "required"})
+    named = tool_request.parse_tools({"tools": TOOLS, "tool_choice": "required"})
     fields = {"structured": {"type": "json_object"}}
     with pytest.raises(RequestError) as info:
-        tools.sampling_fields(fields, named)
+        tool_request.sampling_fields(fields, named)
     assert info.value.param == "tool_choice" and "response_format" in info.value.message
 
 
@@ -248,16 +248,16 @@ def test_tools_count_towards_the_prompt_size_check(tokenizer):
 
 
 def test_one_call_becomes_a_tool_call():
-    content, calls = tools.parse_hermes(CALL, NAMES, "seed")
+    content, calls = tool_parsers.parse_hermes(CALL, NAMES, "seed")
     assert content is None
-    assert calls == [{"id": tools.call_id("seed", 0), "type": "function",
+    assert calls == [{"id": tool_parsers.call_id("seed", 0), "type": "function",
                       "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]
     assert calls[0]["id"].startswith("call_") and len(calls[0]["id"]) == 29
 
 
 def test_text_around_calls_is_the_content():
     text = f"Let me check.\n{CALL}\n<tool_call>\n{{\"name\": \"get_time\", \"arguments\": {{}}}}\n</tool_call>\nDone."
-    content, calls = tools.parse_hermes(text, NAMES, "s")
+    content, calls = tool_parsers.parse_hermes(text, NAMES, "s")
     assert content == "Let me check.\nDone."
     assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
     assert [c["function"]["arguments"] for c in calls] == ['{"city": "Paris"}', "{}"]
@@ -272,31 +272,31 @@ def test_text_around_calls_is_the_content():
 ])
 def test_malformed_blocks_stay_in_the_content(block):
     text = f"Hmm. {block}"
-    assert tools.parse_hermes(text, NAMES, "s") == (text, [])
-    content, calls = tools.parse_hermes(f"{block}\n{CALL}", NAMES, "s")
+    assert tool_parsers.parse_hermes(text, NAMES, "s") == (text, [])
+    content, calls = tool_parsers.parse_hermes(f"{block}\n{CALL}", NAMES, "s")
     assert content == block and [c["function"]["name"] for c in calls] == ["get_weather"]
 
 
 def test_answers_without_calls_come_back_exactly():
     for text in ("", "  plain\n\n", "a <tool b", "x <tool_call", "<tool_call>\n{\"name\": \"get_time\", ",
                  "tail </tool_call> stray"):
-        assert tools.parse_hermes(text, NAMES, "s") == (text, [])
+        assert tool_parsers.parse_hermes(text, NAMES, "s") == (text, [])
 
 
 def test_whitespace_around_calls_is_dropped():
-    assert tools.parse_hermes(f"\n{CALL}\n\n{CALL}\n", NAMES, "s")[0] is None
-    assert tools.parse_hermes(f"{CALL}\n After.\n", NAMES, "s")[0] == "After."
-    assert tools.parse_hermes(f"Before. {CALL} {CALL}  after", NAMES, "s")[0] == "Before.  after"
+    assert tool_parsers.parse_hermes(f"\n{CALL}\n\n{CALL}\n", NAMES, "s")[0] is None
+    assert tool_parsers.parse_hermes(f"{CALL}\n After.\n", NAMES, "s")[0] == "After."
+    assert tool_parsers.parse_hermes(f"Before. {CALL} {CALL}  after", NAMES, "s")[0] == "Before.  after"
 
 
 def test_an_unclosed_complete_block_is_a_call():
     """The answer may end at the block's JSON (EOS, or the </tool_call> stop of parallel_tool_calls=false)."""
-    content, calls = tools.parse_hermes('Sure.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n', NAMES, "s")
+    content, calls = tool_parsers.parse_hermes('Sure.\n<tool_call>\n{"name": "get_time", "arguments": {}}\n', NAMES, "s")
     assert content == "Sure." and calls[0]["function"] == {"name": "get_time", "arguments": "{}"}
 
 
 def test_arguments_written_as_a_string_or_left_out():
-    _, calls = tools.parse_hermes('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}'
+    _, calls = tool_parsers.parse_hermes('<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Rome\\"}"}'
                                   '</tool_call><tool_call>{"name": "get_time"}</tool_call>', NAMES, "s")
     assert [c["function"]["arguments"] for c in calls] == ['{"city": "Rome"}', "{}"]
 
@@ -314,9 +314,9 @@ STREAM_TEXTS = [
 
 @pytest.mark.parametrize("text", STREAM_TEXTS)
 def test_streamed_pieces_add_up_to_the_whole_answer(text):
-    whole_content, whole_calls = tools.parse_hermes(text, NAMES, "s")
+    whole_content, whole_calls = tool_parsers.parse_hermes(text, NAMES, "s")
     for size in (1, 2, 3, 5, 8, 13, len(text) or 1):
-        parser = tools.HermesParser(NAMES, "s")
+        parser = tool_parsers.HermesParser(NAMES, "s")
         deltas = []
         for start in range(0, len(text), size):
             deltas += parser.feed(text[start:start + size])
@@ -333,13 +333,13 @@ def test_streamed_pieces_add_up_to_the_whole_answer(text):
 
 def test_required_answers_become_calls():
     text = '[{"name": "get_weather", "parameters": {"city": "Oslo"}}, {"name": "get_time", "parameters": {}}]'
-    calls = tools.parse_required(text, NAMES, "s")
+    calls = tool_parsers.parse_required(text, NAMES, "s")
     assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
         ("get_weather", '{"city": "Oslo"}'), ("get_time", "{}")]
-    cut = tools.parse_required(text[:70], NAMES, "s")          # cut inside the second element
+    cut = tool_parsers.parse_required(text[:70], NAMES, "s")          # cut inside the second element
     assert [c["function"]["name"] for c in cut] == ["get_weather"]
-    assert tools.parse_required('[{"name": "get_wea', NAMES, "s") == []
-    assert tools.parse_required("not json", NAMES, "s") == []
+    assert tool_parsers.parse_required('[{"name": "get_wea', NAMES, "s") == []
+    assert tool_parsers.parse_required("not json", NAMES, "s") == []
 
 
 # -- response bodies --------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def test_auto_answers_get_tool_calls_and_finish_reason():
     [choice] = body["choices"]
     assert choice["finish_reason"] == "tool_calls"
     assert choice["message"]["content"] == "Checking."
-    assert choice["message"]["tool_calls"][0]["id"] == tools.call_id("chatcmpl-job_1:0", 0)
+    assert choice["message"]["tool_calls"][0]["id"] == tool_parsers.call_id("chatcmpl-job_1:0", 0)
     cut = tools.apply_tool_calls(chat_body(CALL, "length"), {"messages": USER, "tools": TOOLS})
     assert cut["choices"][0]["finish_reason"] == "length" and cut["choices"][0]["message"]["content"] is None
     plain = tools.apply_tool_calls(chat_body("Just text."), {"messages": USER, "tools": TOOLS})
@@ -375,7 +375,7 @@ def test_named_and_required_answers():
     # OpenAI answers a named function with finish_reason "stop" (vllm-project/vllm#25054).
     assert choice["finish_reason"] == "stop"
     assert choice["message"] == {"role": "assistant", "content": None, "tool_calls": [
-        {"id": tools.call_id("chatcmpl-job_1:0", 0), "type": "function",
+        {"id": tool_parsers.call_id("chatcmpl-job_1:0", 0), "type": "function",
          "function": {"name": "get_weather", "arguments": '{"city": "Lima"}'}}]}
     cut = tools.apply_tool_calls(chat_body('{"city": "Li', "length"), named)["choices"][0]
     assert cut["finish_reason"] == "length" and cut["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Li'
@@ -397,7 +397,7 @@ def test_response_body_of_a_stored_job_parses_tool_calls():
     body = response_body(job, result)
     assert body["id"] == "chatcmpl-job_abc" and body["choices"][0]["finish_reason"] == "tool_calls"
     [call] = body["choices"][0]["message"]["tool_calls"]
-    assert call["id"] == tools.call_id("chatcmpl-job_abc:0", 0)
+    assert call["id"] == tool_parsers.call_id("chatcmpl-job_abc:0", 0)
     assert response_body(job, result) == body                 # the same ids every time it is rebuilt
     job.params = {"body": {"messages": USER}}
     assert response_body(job, result)["choices"][0]["message"] == {"role": "assistant", "content": f"{CALL}\n"}
@@ -438,7 +438,7 @@ def test_auto_stream_holds_back_calls():
         {"role": "assistant", "content": ""},
         {"content": "Let me"},
         {"content": " check."},
-        {"tool_calls": [{"index": 0, "id": tools.call_id("chatcmpl-job_s:0", 0), "type": "function",
+        {"tool_calls": [{"index": 0, "id": tool_parsers.call_id("chatcmpl-job_s:0", 0), "type": "function",
                          "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
         {},
     ]
@@ -460,7 +460,7 @@ def test_named_stream_sends_the_arguments_as_they_come():
     named = {"messages": USER, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     chunks = chunks_of(['{"city"', ': "Lima"', "}"], "stop", named)
     assert deltas(chunks)[1:] == [
-        {"tool_calls": [{"index": 0, "id": tools.call_id("chatcmpl-job_s:0", 0), "type": "function",
+        {"tool_calls": [{"index": 0, "id": tool_parsers.call_id("chatcmpl-job_s:0", 0), "type": "function",
                          "function": {"name": "get_weather", "arguments": '{"city"'}}]},
         {"tool_calls": [{"index": 0, "function": {"arguments": ': "Lima"'}}]},
         {"tool_calls": [{"index": 0, "function": {"arguments": "}"}}]},
@@ -473,7 +473,7 @@ def test_required_stream_sends_the_calls_at_the_end():
     required = {"messages": USER, "tools": TOOLS, "tool_choice": "required"}
     chunks = chunks_of(['[{"name": "get_time", ', '"parameters": {}}]'], "stop", required)
     assert deltas(chunks)[1:] == [
-        {"tool_calls": [{"index": 0, "id": tools.call_id("chatcmpl-job_s:0", 0), "type": "function",
+        {"tool_calls": [{"index": 0, "id": tool_parsers.call_id("chatcmpl-job_s:0", 0), "type": "function",
                          "function": {"name": "get_time", "arguments": "{}"}}]},
         {},
     ]
@@ -528,7 +528,7 @@ def test_run_batch_lines_with_tools(engine, tmp_path):
     assert choice["message"]["content"] is None and choice["finish_reason"] in ("stop", "length")
     [call] = choice["message"]["tool_calls"]
     assert call["type"] == "function" and call["function"]["name"] == "get_weather"
-    assert call["id"] == tools.call_id(bodies_out["named"]["id"] + ":0", 0)
+    assert call["id"] == tool_parsers.call_id(bodies_out["named"]["id"] + ":0", 0)
     if STRUCTURED and choice["finish_reason"] == "stop":
         assert isinstance(json.loads(call["function"]["arguments"]), dict)
     required = bodies_out["required"]["choices"][0]
@@ -566,7 +566,7 @@ def test_each_choice_of_an_n_stream_has_its_own_tool_stream():
     assert [c["finish_reason"] for c in by_index[0] if c["finish_reason"]] == ["stop"]
     calls = [tc for c in by_index[1] for tc in c["delta"].get("tool_calls", [])]
     assert [(tc["id"], tc["function"]["name"]) for tc in calls] == [
-        (tools.call_id("chatcmpl-job_n:1", 0), "get_weather")]
+        (tool_parsers.call_id("chatcmpl-job_n:1", 0), "get_weather")]
     assert [c["finish_reason"] for c in by_index[1] if c["finish_reason"]] == ["tool_calls"]
 
 
@@ -575,8 +575,8 @@ def test_output_nested_past_the_recursion_limit_stays_content():
     in finalizing); it is text that is not a call, like any other malformed block."""
     deep = "[" * 100_000 + "]" * 100_000
     block = '<tool_call>{"name": "get_weather", "arguments": {"city": ' + deep + "}}</tool_call>"
-    assert tools.parse_hermes(block, NAMES, "s") == (block, [])
-    content, calls = tools.parse_hermes(f"{block}\n{CALL}", NAMES, "s")
+    assert tool_parsers.parse_hermes(block, NAMES, "s") == (block, [])
+    content, calls = tool_parsers.parse_hermes(f"{block}\n{CALL}", NAMES, "s")
     assert content == block and len(calls) == 1
     required = '[{"name": "get_time", "parameters": {}}, {"name": "get_weather", "parameters": ' + deep + "}]"
-    assert [c["function"]["name"] for c in tools.parse_required(required, NAMES, "s")] == ["get_time"]
+    assert [c["function"]["name"] for c in tool_parsers.parse_required(required, NAMES, "s")] == ["get_time"]

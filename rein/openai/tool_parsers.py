@@ -1,0 +1,199 @@
+"""Tool calls read out of generated text: Hermes-style `<tool_call>` blocks of an auto answer,
+whole or streamed (`HermesParser`), and the JSON array of a "required" answer; each call gets
+an id derived from the response (`call_id`). rein.openai.tools turns them into bodies and chunks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+TOOL_CALL_START = "<tool_call>"
+TOOL_CALL_END = "</tool_call>"
+
+
+def call_id(seed: str, index: int) -> str:
+    """OpenAI's `call_...` id, derived from the response (rein.openai.tools says why)."""
+    return "call_" + hashlib.sha256(f"{seed}:{index}".encode()).hexdigest()[:24]
+
+
+def tool_call(seed: str, index: int, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id(seed, index), "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def _arguments_json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False)
+
+
+def parse_call_block(body: str, names: frozenset[str]) -> tuple[str, str] | None:
+    """(name, arguments JSON) of one Hermes block's JSON; None if it is not a call of a known tool."""
+    # Any failure means "not a call" (the block stays content): a model's output nested deeper
+    # than Python's recursion limit raises RecursionError, not a JSON error.
+    try:
+        obj = json.loads(body)
+    except (ValueError, RecursionError):
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in names:
+        return None
+    arguments = obj.get("arguments", {})
+    if isinstance(arguments, str):    # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except (ValueError, RecursionError):
+            return None
+    if not isinstance(arguments, dict):
+        return None
+    try:
+        return obj["name"], _arguments_json(arguments)
+    except RecursionError:
+        return None
+
+
+class HermesParser:
+    """Incremental parser of an auto-mode answer: text in, content and tool-call deltas out.
+
+    One machine for whole answers and streams, so the streamed content concatenates to the
+    non-streamed one: text is content until `<tool_call>` (a partial tag at the end of the text
+    so far is held back), a block is held until `</tool_call>` and then becomes a call or, when
+    malformed, content. Whitespace is held back until text follows it: whitespace around parsed
+    calls, before the first text or at the end of an answer with calls is dropped.
+    """
+
+    def __init__(self, names: frozenset[str], seed: str) -> None:
+        self.names = names
+        self.seed = seed
+        self.calls: list[dict[str, Any]] = []
+        self._buffer = ""
+        self._held = ""            # trailing whitespace of the content so far
+        self._in_block = False
+        self._after_call = False
+        self._emitted = False      # any content yet
+
+    def feed(self, text: str) -> list[dict[str, Any]]:
+        """Deltas for `text`: {"content": str} or {"tool_calls": [{index, id, type, function}]}."""
+        out: list[dict[str, Any]] = []
+        self._buffer += text
+        while True:
+            if not self._in_block:
+                start = self._buffer.find(TOOL_CALL_START)
+                if start < 0:
+                    keep = _partial_tag(self._buffer, TOOL_CALL_START)
+                    cut = len(self._buffer) - keep
+                    self._content(self._buffer[:cut], out)
+                    self._buffer = self._buffer[cut:]
+                    return out
+                self._content(self._buffer[:start], out)
+                self._buffer = self._buffer[start + len(TOOL_CALL_START):]
+                self._in_block = True
+            else:
+                end = self._buffer.find(TOOL_CALL_END)
+                if end < 0:
+                    return out
+                body = self._buffer[:end]
+                self._buffer = self._buffer[end + len(TOOL_CALL_END):]
+                self._in_block = False
+                self._close(body, TOOL_CALL_START + body + TOOL_CALL_END, out)
+
+    def finish(self) -> list[dict[str, Any]]:
+        """The deltas the end of the answer releases: an unclosed last block (a call when its JSON
+        is complete: the answer may stop at `</tool_call>` or EOS), held-back text."""
+        out: list[dict[str, Any]] = []
+        if self._in_block:
+            self._in_block = False
+            self._close(self._buffer, TOOL_CALL_START + self._buffer, out)
+        else:
+            self._content(self._buffer, out)
+        self._buffer = ""
+        if self._held and not self.calls:     # no calls: the answer comes back exactly as written
+            out.append({"content": self._held})
+        self._held = ""
+        return out
+
+    def _content(self, text: str, out: list[dict[str, Any]]) -> None:
+        if self._after_call:
+            # Whitespace after a call: dropped before any content, else held like any other
+            # (it separates the text before the call from the text after it).
+            rest = text.lstrip()
+            if self._emitted:
+                self._held += text[:len(text) - len(rest)]
+            text = rest
+            if not text:
+                return
+            self._after_call = False
+        text = self._held + text
+        kept = text.rstrip()
+        self._held = text[len(kept):]
+        if kept:
+            self._emitted = True
+            out.append({"content": kept})
+
+    def _close(self, body: str, raw: str, out: list[dict[str, Any]]) -> None:
+        parsed = parse_call_block(body, self.names)
+        if parsed is None:
+            self._content(raw, out)
+            return
+        index = len(self.calls)
+        call = tool_call(self.seed, index, *parsed)
+        self.calls.append(call)
+        self._held = ""
+        self._after_call = True
+        out.append({"tool_calls": [{"index": index, **call}]})
+
+
+def _partial_tag(text: str, tag: str) -> int:
+    """Length of the longest end of `text` that is a beginning of `tag` (a tag still arriving)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:size]):
+            return size
+    return 0
+
+
+def parse_hermes(text: str, names: frozenset[str], seed: str) -> tuple[str | None, list[dict[str, Any]]]:
+    """(content, tool calls) of a whole auto-mode answer; the content is the text unchanged when
+    it holds no call, else the text outside the calls (None if nothing is left)."""
+    parser = HermesParser(names, seed)
+    deltas = parser.feed(text) + parser.finish()
+    if not parser.calls:
+        return text, []
+    content = "".join(d["content"] for d in deltas if "content" in d)
+    return content or None, parser.calls
+
+
+def parse_required(text: str, names: frozenset[str], seed: str) -> list[dict[str, Any]]:
+    """The calls of a "required" answer (a JSON array of {name, parameters}); an answer cut
+    short yields the elements it completed."""
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
+    i = _skip_space(text, 0)
+    if text[i:i + 1] == "[":
+        i += 1
+        while True:
+            i = _skip_space(text, i)
+            if i >= len(text) or text[i] == "]":
+                break
+            try:
+                item, i = decoder.raw_decode(text, i)
+            except (ValueError, RecursionError):   # RecursionError: output nested past Python's limit
+                break
+            items.append(item)
+            i = _skip_space(text, i)
+            if text[i:i + 1] != ",":
+                break
+            i += 1
+    calls = []
+    for item in items:
+        if isinstance(item, dict) and item.get("name") in names and isinstance(item.get("parameters"), dict):
+            try:
+                arguments = _arguments_json(item["parameters"])
+            except RecursionError:
+                break
+            calls.append(tool_call(seed, len(calls), item["name"], arguments))
+    return calls
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
