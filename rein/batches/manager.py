@@ -48,52 +48,55 @@ A running job whose abort is never confirmed (its worker died) is marked cancell
 ABORT_GRACE_SECONDS; the worker's recorder only writes under a live `running` lease, so
 nothing is recorded or billed twice. The manager polls every REIN_BATCH_POLL_SECONDS and
 is woken at once when this process creates or cancels a batch.
+
+Beside it: the per-batch lock (rein.batches.locks), the batch's job rows (rein.batches.batch_jobs)
+and the fairness rules (rein.batches.fairness).
 """
 
 from __future__ import annotations
 
 import logging
-import pickle
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from datetime import timedelta
-from typing import IO, Any
+from typing import Any
 
 from celery import Celery
 from redis import Redis
 from redis.exceptions import RedisError
-from sqlalchemy import Integer, cast, func, select, text, update
+from sqlalchemy import func, select, update
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
+from sqlalchemy.exc import InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
+from rein.batches.batch_jobs import (
+    OPEN_JOB_STATUSES,
+    copy_jobs,
+    drop_batch_jobs,
+    open_jobs,
+    spool_job,
+    spooled_jobs,
+)
+from rein.batches.fairness import feeding_shares, round_robin
+from rein.batches.locks import hold_batch_lock, try_lock_batch
 from rein.batches.output import write_result_files
 from rein.batches.validation import ValidLine, validate_lines
-from rein.core.db import engine_of
 from rein.core.filestore import FileStore
 from rein.core.messages import PRIORITY_BATCH, JobMessage
-from rein.core.models import JOB_MESSAGE_COLUMNS, Batch, File, Job, new_job_id
+from rein.core.models import JOB_MESSAGE_COLUMNS, Batch, File, Job
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
 from rein.engine.structured.validator import ValidatorUnavailable
-from rein.jobs.cancel import request_cancel
 from rein.jobs.queues import enqueue_jobs, queue_keys
 from rein.jobs.registry import ModelRegistry
 
 log = logging.getLogger(__name__)
 
 ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
-OPEN_JOB_STATUSES = ("queued", "running")
-# Namespace of the per-batch advisory locks ("batc"), beside rein migrate's lock.
-LOCK_NAMESPACE = 0x62617463
 ABORT_GRACE_SECONDS = 60
 STATUS_CHECK_SECONDS = 2.0     # how often a validation looks whether its batch was cancelled
-COPY_COLUMNS = ("id", "tenant", "key_id", "model", "endpoint", "params", "prompt_token_ids",
-                "prompt_tokens", "priority", "batch_id", "custom_id", "batch_line")
 
 
 class _Superseded(Exception):
@@ -290,7 +293,7 @@ class BatchManager:
 
         def store(line: ValidLine) -> None:
             nonlocal last_line
-            pickle.dump(line.job_values() | fixed, spool, protocol=pickle.HIGHEST_PROTOCOL)
+            spool_job(spool, line.job_values() | fixed)
             last_line = line.line
 
         with tempfile.TemporaryFile(prefix="rein-batch-") as spool:
@@ -316,7 +319,7 @@ class BatchManager:
             spool.seek(0)
             with self.sessions() as session, session.begin():
                 with copy_jobs(session) as write_job:
-                    for row in _spooled(spool):
+                    for row in spooled_jobs(spool):
                         write_job(row)
                 moved = session.execute(
                     update(Batch).where(Batch.id == batch.id, Batch.status == "validating")
@@ -342,7 +345,7 @@ class BatchManager:
                             .values(status="finalizing", expired_at=func.now(), finalizing_at=func.now()))
             log.info("batch %s expired: unfinished requests dropped", batch.id)
             return
-        if not _open_jobs(session, batch.id):
+        if not open_jobs(session, batch.id):
             session.execute(update(Batch).where(Batch.id == batch.id)
                             .values(status="finalizing", finalizing_at=func.now()))
             session.flush()
@@ -373,7 +376,7 @@ class BatchManager:
         dropping = batch.status == "cancelling" or batch.expired_at is not None
         if dropping:
             drop_batch_jobs(session, self.redis, self.keys, self.settings, batch.id)
-        if _open_jobs(session, batch.id):
+        if open_jobs(session, batch.id):
             since = batch.cancelling_at or batch.expired_at
             if dropping and since is not None and session.scalar(
                     select(func.now() > since + timedelta(seconds=ABORT_GRACE_SECONDS))):
@@ -398,123 +401,3 @@ def _timeout_error(seconds: float) -> dict[str, Any]:
     return {"code": "validation_timeout", "line": None, "param": None,
             "message": f"the batch was not validated within {seconds:g} s (REIN_BATCH_VALIDATION_TIMEOUT_SECONDS); "
                        f"split the input file into smaller batches"}
-
-
-def round_robin(rows: list[Any]) -> list[Any]:
-    """Batches (rows with `tenant`), oldest first, interleaved across tenants: each tenant's
-    oldest, then each tenant's second, ..."""
-    by_tenant: dict[str, list[Any]] = {}
-    for row in rows:
-        by_tenant.setdefault(row.tenant, []).append(row)
-    order = []
-    for rank in range(max((len(v) for v in by_tenant.values()), default=0)):
-        order += [batches[rank] for batches in by_tenant.values() if rank < len(batches)]
-    return order
-
-
-def feeding_shares(room: int, batches: list[tuple[str, str]]) -> dict[str, int]:
-    """Split `room` queue places between (tenant, batch id)s: evenly between tenants, then
-    evenly between each tenant's batches, the remainder to the first (oldest) ones. A batch
-    with fewer lines left than its share leaves the rest unused until the next tick."""
-    by_tenant: dict[str, list[str]] = {}
-    for tenant, batch_id in batches:
-        by_tenant.setdefault(tenant, []).append(batch_id)
-    shares: dict[str, int] = {}
-    for t, (_, ids) in enumerate(by_tenant.items()):
-        tenant_room = room // len(by_tenant) + (1 if t < room % len(by_tenant) else 0)
-        for b, batch_id in enumerate(ids):
-            shares[batch_id] = tenant_room // len(ids) + (1 if b < tenant_room % len(ids) else 0)
-    return shares
-
-
-def try_lock_batch(session: Session, batch_id: str) -> bool:
-    """Take the batch's advisory lock for the session's transaction; False if someone holds it."""
-    return bool(session.scalar(select(func.pg_try_advisory_xact_lock(cast(LOCK_NAMESPACE, Integer),
-                                                                      func.hashtext(batch_id)))))
-
-
-def lock_batch_waiting(session: Session, batch_id: str, seconds: float) -> bool:
-    """Take the batch's advisory lock, waiting up to `seconds` (a manager's step on an
-    in_progress batch is short; a validation may not be); False when it timed out, and then
-    the session's transaction is rolled back."""
-    try:
-        session.execute(text(f"SET LOCAL lock_timeout = {int(seconds * 1000)}"))
-        session.execute(select(func.pg_advisory_xact_lock(cast(LOCK_NAMESPACE, Integer),
-                                                          func.hashtext(batch_id))))
-    except OperationalError:
-        session.rollback()
-        return False
-    return True
-
-
-@contextmanager
-def hold_batch_lock(sessions: sessionmaker[Session], batch_id: str) -> Iterator[Connection | None]:
-    """The batch's advisory lock at session level, on a connection of its own in autocommit:
-    held for as long as a validation takes without holding a transaction open. Yields that
-    connection (for short reads), or None when another manager holds the lock. The same key
-    as `try_lock_batch`, so the other steps skip the batch meanwhile; a process that dies
-    drops its connection and with it the lock."""
-    key = (cast(LOCK_NAMESPACE, Integer), func.hashtext(batch_id))
-    with engine_of(sessions).connect() as connection:
-        connection.execution_options(isolation_level="AUTOCOMMIT")
-        if not connection.scalar(select(func.pg_try_advisory_lock(*key))):
-            yield None
-            return
-        try:
-            yield connection
-        finally:
-            try:
-                connection.scalar(select(func.pg_advisory_unlock(*key)))
-            except SQLAlchemyError:      # never hand a pooled connection back still holding it
-                connection.invalidate()
-
-
-def _spooled(spool: IO[bytes]) -> Iterator[dict[str, Any]]:
-    while True:
-        try:
-            yield pickle.load(spool)
-        except EOFError:
-            return
-
-
-@contextmanager
-def copy_jobs(session: Session) -> Iterator[Callable[[dict[str, Any]], None]]:
-    """A function inserting one job row (a dict of COPY_COLUMNS but the id) through COPY, in
-    the session's transaction: several times faster than INSERTs for a 50,000-line batch,
-    and rows stream to Postgres as they come. Columns left out take their defaults."""
-    from psycopg.types.json import Jsonb
-
-    cursor = session.connection().connection.cursor()
-    try:
-        with cursor.copy(f"COPY jobs ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
-            def write(row: dict[str, Any]) -> None:
-                row = row | {"id": new_job_id(), "params": Jsonb(row["params"])}
-                copy.write_row([row[column] for column in COPY_COLUMNS])
-
-            yield write
-    finally:
-        cursor.close()
-
-
-def _open_jobs(session: Session, batch_id: str) -> int:
-    return session.scalar(select(func.count()).where(Job.batch_id == batch_id,
-                                                     Job.status.in_(OPEN_JOB_STATUSES))) or 0
-
-
-def drop_batch_jobs(session: Session, redis: Redis, keys: RedisKeys, settings: Settings, batch_id: str) -> int:
-    """Cancel the batch's queued jobs and abort its running ones; how many were aborted.
-
-    Queued first, then running: a job a worker claims between the two statements is
-    caught by the second. Idempotent: a running job is signalled once (its
-    cancel_requested_at is set then), and queued ones are already gone the next time.
-    """
-    session.execute(update(Job).where(Job.batch_id == batch_id, Job.status == "queued")
-                    .values(status="cancelled", finished_at=func.now(), lease_expires_at=None,
-                            cancel_requested_at=func.coalesce(Job.cancel_requested_at, func.now()))
-                    .execution_options(synchronize_session=False))
-    running = list(session.scalars(
-        update(Job).where(Job.batch_id == batch_id, Job.status == "running", Job.cancel_requested_at.is_(None))
-        .values(cancel_requested_at=func.now()).returning(Job.id).execution_options(synchronize_session=False)))
-    for job_id in running:
-        request_cancel(redis, keys, job_id, settings.job_timeout_seconds + settings.stream_ttl_seconds)
-    return len(running)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from rein.batches.manager import feeding_shares, round_robin
+from rein.batches.fairness import feeding_shares, round_robin
 
 
 def test_room_is_split_between_tenants_then_their_batches():

@@ -25,7 +25,8 @@ from rein.api.deps import RedisDep, SessionDep, SessionsDep, SettingsDep
 from rein.api.jobs import check_metadata
 from rein.api.routes.files import BatchKey, download_response
 from rein.api.schemas import ErrorResponse
-from rein.batches.manager import drop_batch_jobs, lock_batch_waiting
+from rein.batches.batch_jobs import drop_batch_jobs
+from rein.batches.locks import lock_batch_waiting
 from rein.batches.output import Kind, batch_line_pages
 from rein.batches.repository import (
     batch_public,

@@ -529,6 +529,7 @@ def test_validation_holds_no_transaction_open(batch_client, make_key, tenant, db
 
     from sqlalchemy import text
 
+    import rein.batches.locks as locks
     import rein.batches.manager as manager
 
     real = manager.validate_lines
@@ -555,8 +556,8 @@ def test_validation_holds_no_transaction_open(batch_client, make_key, tenant, db
                 "AND now() - xact_start > interval '1 second' AND pid <> pg_backend_pid()"))
             held = session.scalar(text(
                 "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND classid = :ns "
-                "AND objid = hashtext(:id)::oid AND granted"), {"ns": manager.LOCK_NAMESPACE, "id": batch["id"]})
-            assert manager.try_lock_batch(session, batch["id"]) is False   # another manager would skip it
+                "AND objid = hashtext(:id)::oid AND granted"), {"ns": locks.LOCK_NAMESPACE, "id": batch["id"]})
+            assert locks.try_lock_batch(session, batch["id"]) is False   # another manager would skip it
         assert open_transactions == 0
         assert held == 1
         assert batch_jobs(db_sessionmaker, batch["id"]) == []

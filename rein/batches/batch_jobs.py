@@ -1,0 +1,82 @@
+"""A batch's rows in the jobs table: written in bulk through COPY once its file is valid
+(`spool_job` while checking, `copy_jobs` at the end), counted while open (`open_jobs`), and
+dropped on a cancel or expiry (`drop_batch_jobs`).
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import IO, Any
+
+from redis import Redis
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from rein.core.models import Job, new_job_id
+from rein.core.redis_keys import RedisKeys
+from rein.core.settings import Settings
+from rein.jobs.cancel import request_cancel
+
+OPEN_JOB_STATUSES = ("queued", "running")
+COPY_COLUMNS = ("id", "tenant", "key_id", "model", "endpoint", "params", "prompt_token_ids",
+                "prompt_tokens", "priority", "batch_id", "custom_id", "batch_line")
+
+
+def spool_job(spool: IO[bytes], row: dict[str, Any]) -> None:
+    """Keep one checked line's job row in a temporary file until the whole file is valid (a
+    50,000-line batch's token ids are never all held in memory)."""
+    pickle.dump(row, spool, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def spooled_jobs(spool: IO[bytes]) -> Iterator[dict[str, Any]]:
+    """The rows `spool_job` wrote, in order (the spool read from its start)."""
+    while True:
+        try:
+            yield pickle.load(spool)
+        except EOFError:
+            return
+
+
+@contextmanager
+def copy_jobs(session: Session) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """A function inserting one job row (a dict of COPY_COLUMNS but the id) through COPY, in
+    the session's transaction: several times faster than INSERTs for a 50,000-line batch,
+    and rows stream to Postgres as they come. Columns left out take their defaults."""
+    from psycopg.types.json import Jsonb
+
+    cursor = session.connection().connection.cursor()
+    try:
+        with cursor.copy(f"COPY jobs ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
+            def write(row: dict[str, Any]) -> None:
+                row = row | {"id": new_job_id(), "params": Jsonb(row["params"])}
+                copy.write_row([row[column] for column in COPY_COLUMNS])
+
+            yield write
+    finally:
+        cursor.close()
+
+
+def open_jobs(session: Session, batch_id: str) -> int:
+    return session.scalar(select(func.count()).where(Job.batch_id == batch_id,
+                                                     Job.status.in_(OPEN_JOB_STATUSES))) or 0
+
+
+def drop_batch_jobs(session: Session, redis: Redis, keys: RedisKeys, settings: Settings, batch_id: str) -> int:
+    """Cancel the batch's queued jobs and abort its running ones; how many were aborted.
+
+    Queued first, then running: a job a worker claims between the two statements is
+    caught by the second. Idempotent: a running job is signalled once (its
+    cancel_requested_at is set then), and queued ones are already gone the next time.
+    """
+    session.execute(update(Job).where(Job.batch_id == batch_id, Job.status == "queued")
+                    .values(status="cancelled", finished_at=func.now(), lease_expires_at=None,
+                            cancel_requested_at=func.coalesce(Job.cancel_requested_at, func.now()))
+                    .execution_options(synchronize_session=False))
+    running = list(session.scalars(
+        update(Job).where(Job.batch_id == batch_id, Job.status == "running", Job.cancel_requested_at.is_(None))
+        .values(cancel_requested_at=func.now()).returning(Job.id).execution_options(synchronize_session=False)))
+    for job_id in running:
+        request_cancel(redis, keys, job_id, settings.job_timeout_seconds + settings.stream_ttl_seconds)
+    return len(running)
