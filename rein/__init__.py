@@ -5,7 +5,7 @@ and the API process) never imports torch:
 
     from rein import LLM, SamplingParams
 
-`rein.RequestOutput` is the vLLM-shaped result of one prompt (`rein.offline.llm.GenerationOutput`),
+`rein.RequestOutput` is the vLLM-shaped result of one prompt (`rein.offline.outputs.GenerationOutput`),
 not the engine's per-step `rein.engine.outputs.RequestOutput`.
 """
 
@@ -20,10 +20,10 @@ _EXPORTS = {
     "SamplingParams": ("rein.engine.sampling_params", "SamplingParams"),
     "PoolingParams": ("rein.engine.pooling_config", "PoolingParams"),
     "EmbeddingRequestOutput": ("rein.offline.embed", "EmbeddingRequestOutput"),
-    "GenerationOutput": ("rein.offline.llm", "GenerationOutput"),
-    "RequestOutput": ("rein.offline.llm", "GenerationOutput"),
-    "CompletionOutput": ("rein.offline.llm", "CompletionOutput"),
-    "Logprob": ("rein.offline.llm", "Logprob"),
+    "GenerationOutput": ("rein.offline.outputs", "GenerationOutput"),
+    "RequestOutput": ("rein.offline.outputs", "GenerationOutput"),
+    "CompletionOutput": ("rein.offline.outputs", "CompletionOutput"),
+    "Logprob": ("rein.offline.outputs", "Logprob"),
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]

@@ -22,13 +22,14 @@ from rein.engine.errors import EngineRequestError
 from rein.engine.pooling_config import PoolingError, PoolingParams
 from rein.engine.results import RequestResult
 from rein.offline.driver import drive
-from rein.openai.batch_lines import BatchLine, batch_output_line
+from rein.offline.prompts import as_prompt_list, read_prompt
+from rein.openai.batch_lines import BatchLine
 from rein.openai.embeddings import ParsedEmbeddings, embeddings_body, parse_embeddings_request
 from rein.openai.errors import INVALID_REQUEST, RequestError
 
 if TYPE_CHECKING:
     from rein.offline.llm import LLM
-    from rein.offline.run_batch import _BatchRun
+    from rein.offline.run_batch import BatchRun
 
 
 # -- LLM.embed --------------------------------------------------------------------------------
@@ -54,10 +55,9 @@ class EmbeddingRequestOutput:
 def embed(llm: LLM, prompts: Any, pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
           use_tqdm: bool | Callable[..., tqdm] = True) -> list[EmbeddingRequestOutput]:
     """`LLM.embed`: every prompt's embedding, in input order (see LLM.embed)."""
-    from rein.offline.llm import _as_prompt_list
-
     engine = llm.engine
-    prepared = [llm._prepare(index, prompt) for index, prompt in enumerate(_as_prompt_list(prompts))]
+    prepared = [read_prompt(index, prompt, engine.tokenizer, engine.spec.vocab_size)
+                for index, prompt in enumerate(as_prompt_list(prompts))]
     if pooling_params is None or isinstance(pooling_params, PoolingParams):
         params = [pooling_params or PoolingParams()] * len(prepared)
     else:
@@ -79,7 +79,7 @@ def embed(llm: LLM, prompts: Any, pooling_params: PoolingParams | Sequence[Pooli
     progress = use_tqdm if callable(use_tqdm) else tqdm
 
     def admit(index: int) -> tuple[str, int]:
-        request_id = str(next(llm._request_counter))
+        request_id = str(next(llm.request_counter))
         try:
             engine.add_request(request_id, prepared[index].token_ids, params[index])
         except EngineRequestError as exc:   # the checks above should have caught it
@@ -124,14 +124,14 @@ class EmbeddingPart:
     index: int
 
 
-def take_embeddings_line(run: _BatchRun, batch_line: BatchLine, line_number: int) -> list[tuple[str, EmbeddingPart]] | None:
+def take_embeddings_line(run: BatchRun, batch_line: BatchLine, line_number: int) -> list[tuple[str, EmbeddingPart]] | None:
     """Add an embeddings line's inputs to the engine, or answer the line with an error."""
     engine = run.engine
     try:
         parsed = parse_embeddings_request(batch_line.body, engine.tokenizer, engine.max_model_len,
                                           engine.pooling_config)
     except RequestError as exc:
-        run._fail(batch_line.custom_id, line_number, exc.code, exc.message)
+        run.fail(batch_line.custom_id, line_number, exc.code, exc.message)
         return None
     request_id = uuid.uuid4().hex
     line = EmbeddingLine(batch_line.custom_id, line_number, request_id, parsed.model or run.model_name, parsed,
@@ -146,13 +146,13 @@ def take_embeddings_line(run: _BatchRun, batch_line: BatchLine, line_number: int
                 engine.abort(other)
             code = INVALID_REQUEST if exc.code == "invalid_request" else exc.code
             where = f"input[{index}]: " if len(parsed.inputs) > 1 else ""
-            run._fail(batch_line.custom_id, line_number, code, f"{where}{exc}")
+            run.fail(batch_line.custom_id, line_number, code, f"{where}{exc}")
             return None
         added.append((part_id, EmbeddingPart(line, index)))
     return added
 
 
-def finish_embeddings_part(run: _BatchRun, done: RequestResult) -> None:
+def finish_embeddings_part(run: BatchRun, done: RequestResult) -> None:
     """One input is done; the line's output is written with its last input."""
     line = done.state.line
     if done.embedding is None:
@@ -163,12 +163,9 @@ def finish_embeddings_part(run: _BatchRun, done: RequestResult) -> None:
     if line.remaining:
         return
     if line.aborted:
-        run._fail(line.custom_id, line.line_number, "request_aborted", "the request was aborted before it finished")
+        run.fail(line.custom_id, line.line_number, "request_aborted", "the request was aborted before it finished")
         return
     prompt_tokens = len(line.parsed.prompt_token_ids)
     body = embeddings_body(line.model_name, line.vectors, prompt_tokens,  # type: ignore[arg-type]
                            line.parsed.encoding_format)
-    run._write(run.out, batch_output_line(line.custom_id, line.request_id, body))
-    run.summary.requests_ok += 1
-    run.summary.prompt_tokens += prompt_tokens
-    run._advance()
+    run.answer(line.custom_id, line.request_id, body, prompt_tokens)

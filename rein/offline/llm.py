@@ -12,11 +12,8 @@ naming its index before any request runs), then drive the engine through
 most `max_in_flight` requests are in the engine at once, however many prompts are given.
 Outputs come back in input order.
 
-Output classes. vLLM calls the per-prompt result `RequestOutput`; rein's engine already
-has a `rein.engine.outputs.RequestOutput` (one step's delta of one request). So the class
-here is `GenerationOutput`, and `rein.RequestOutput` is an alias of it for code ported from
-`from vllm import RequestOutput`; inside rein, `RequestOutput` by its module path is still
-the engine's delta. `CompletionOutput` and `Logprob` follow vLLM's fields.
+The result classes are vLLM's (rein.offline.outputs); prompts are read as vLLM reads them
+(rein.offline.prompts).
 
 Choices where rein differs from vLLM:
 
@@ -40,32 +37,37 @@ import functools
 import inspect
 import itertools
 import logging
-import numbers
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from rein.engine.errors import EngineRequestError
-from rein.engine.results import Choice, RequestResult
+from rein.engine.generation_defaults import load_generation_defaults
+from rein.engine.options import ENGINE_OPTION_NAMES, resolve_engine_values
+from rein.engine.results import RequestResult
 from rein.engine.sampling_params import SamplingParams
 from rein.offline.driver import default_max_in_flight, drive
+from rein.offline.embed import EmbeddingRequestOutput, embed
+from rein.offline.outputs import GenerationOutput, TokenTexts, completion_output, logprob_dict
+from rein.offline.prompts import (
+    Conversation,
+    Prompt,
+    PromptType,
+    as_prompt_list,
+    checked_prompt,
+    is_conversation,
+    read_prompt,
+)
 from rein.openai.errors import RequestError
 from rein.openai.prompts import chat_prompt
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
-    from rein.engine.outputs import TokenLogprob
     from rein.engine.pooling_config import PoolingParams
-    from rein.offline.embed import EmbeddingRequestOutput
-
-# One prompt: text, token ids, or vLLM's TextPrompt / TokensPrompt dicts.
-PromptType = str | Sequence[int] | Mapping[str, Any]
-Conversation = Sequence[Mapping[str, Any]]
 
 log = logging.getLogger(__name__)
 
@@ -84,67 +86,6 @@ def _records_given_arguments(init: Callable[..., None]) -> Callable[..., None]:
         init(self, *args, **kwargs)
 
     return wrapper
-
-
-@dataclass
-class Logprob:
-    """One token's log-probability, as vLLM's `Logprob`."""
-
-    logprob: float
-    rank: int | None = None             # 1 = most likely; None when not among the returned top tokens
-    decoded_token: str | None = None
-
-
-@dataclass
-class CompletionOutput:
-    """The generated completion of one prompt (vLLM's `CompletionOutput`).
-
-    `logprobs` is None unless the request's SamplingParams asked for them (`logprobs=k`);
-    then it holds one dict per generated token, mapping token id -> `Logprob`: the chosen
-    token first, then the top k alternatives (the chosen one appears once).
-    `cumulative_logprob` is the sum of the chosen tokens' logprobs (None without logprobs).
-    `finish_reason` is "stop" (end of sequence, stop string or stop token) or "length"
-    (max_tokens or the context's end); "abort" only if the request was aborted from
-    outside. `stop_reason` is the stop string or stop token id that matched, else None.
-    """
-
-    index: int
-    text: str
-    token_ids: list[int]
-    cumulative_logprob: float | None
-    logprobs: list[dict[int, Logprob]] | None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
-
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class GenerationOutput:
-    """The result for one prompt (vLLM's `RequestOutput`; exported as `rein.RequestOutput` too).
-
-    `prompt` is the text when the prompt was given as text, the rendered chat template
-    (decoded) for `chat`, and None for token-id prompts. `outputs` holds one
-    `CompletionOutput` per choice (SamplingParams.n), by index. `num_cached_tokens` counts
-    prompt tokens taken from the prefix cache. `prompt_logprobs` (SamplingParams.prompt_logprobs
-    = k): one entry per prompt token, None for the first, else {token id: Logprob} holding
-    the prompt token and the top k alternatives; None when not asked for.
-    """
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    num_cached_tokens: int = 0
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
-
-
-@dataclass
-class _Prompt:
-    text: str | None
-    token_ids: list[int]
 
 
 class LLM:
@@ -189,10 +130,9 @@ class LLM:
         pipeline_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
+        # Imported here: they import torch, which `import rein` (and the API and CLI) must not.
         from rein.engine.config import EngineConfig
         from rein.engine.engine import LLMEngine
-        from rein.engine.generation_defaults import load_generation_defaults
-        from rein.engine.options import ENGINE_OPTION_NAMES, resolve_engine_values
 
         given = dict(self._given_arguments)   # the keywords the caller wrote (_records_given_arguments)
         if "kv_cache_memory_bytes" in kwargs:
@@ -215,7 +155,7 @@ class LLM:
         self.generation_defaults = load_generation_defaults(self.engine.model_dir, config.generation_config)
         log.info("generation defaults for model %s: %s", model, self.generation_defaults.describe())
         self.max_in_flight = max_in_flight or default_max_in_flight(self.engine)
-        self._request_counter = itertools.count()
+        self.request_counter = itertools.count()   # vLLM's name; request ids of generate and embed
 
     @property
     def llm_engine(self) -> LLMEngine:
@@ -247,8 +187,9 @@ class LLM:
         top_p, top_k, min_p and repetition_penalty, max_tokens=16). As in vLLM, a SamplingParams
         given is used as it is. Raises ValueError naming the first bad prompt.
         """
-        items = _as_prompt_list(prompts)
-        prepared = [self._prepare(index, prompt) for index, prompt in enumerate(items)]
+        items = as_prompt_list(prompts)
+        prepared = [read_prompt(index, prompt, self.engine.tokenizer, self.engine.spec.vocab_size)
+                    for index, prompt in enumerate(items)]
         return self._run(prepared, sampling_params, use_tqdm, "prompt")
 
     def chat(
@@ -263,7 +204,7 @@ class LLM:
         rein's /v1/chat/completions renders `messages`. Raises ValueError naming the first
         bad conversation.
         """
-        conversations = [messages] if _is_conversation(messages) else list(messages)
+        conversations = [messages] if is_conversation(messages) else list(messages)
         tokenizer, max_model_len = self.engine.tokenizer, self.engine.max_model_len
         prepared = []
         for index, conversation in enumerate(conversations):
@@ -275,7 +216,8 @@ class LLM:
             except RequestError as exc:
                 raise ValueError(f"conversation {index}: {exc.message}") from exc
             text = tokenizer.decode(token_ids, skip_special_tokens=False)
-            prepared.append(self._checked(index, _Prompt(text, token_ids), "conversation"))
+            prepared.append(checked_prompt(index, Prompt(text, token_ids), self.engine.spec.vocab_size,
+                                           "conversation"))
         return self._run(prepared, sampling_params, use_tqdm, "conversation")
 
     def embed(
@@ -293,52 +235,9 @@ class LLM:
         `dimensions` (Matryoshka models) or `normalize=False`. Raises ValueError naming the
         first bad prompt.
         """
-        from rein.offline.embed import embed
-
         return embed(self, prompts, pooling_params, use_tqdm)
 
-    # -- prompts ---------------------------------------------------------------------------
-
-    def _prepare(self, index: int, prompt: PromptType) -> _Prompt:
-        if isinstance(prompt, Mapping):
-            extra = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
-            if extra:
-                raise ValueError(f"prompt {index}: unsupported keys {extra}; a prompt dict holds 'prompt' "
-                                 f"(text) or 'prompt_token_ids'")
-            if "prompt_token_ids" in prompt:
-                prompt = prompt["prompt_token_ids"]
-            elif "prompt" in prompt:
-                prompt = prompt["prompt"]
-                if not isinstance(prompt, str):
-                    raise ValueError(f"prompt {index}: 'prompt' must be text, got {type(prompt).__name__}")
-            else:
-                raise ValueError(f"prompt {index}: a prompt dict needs 'prompt' or 'prompt_token_ids'")
-        if isinstance(prompt, str):
-            if not prompt:   # refused whatever the tokenizer adds (a BOS): it asks for nothing
-                raise ValueError(f"prompt {index}: the prompt is empty: give at least one character or token")
-            found = _Prompt(prompt, list(self.engine.tokenizer.encode(prompt, add_special_tokens=True)))
-        elif isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
-            bad = next((t for t in prompt if not _is_int(t)), None)
-            if bad is not None:
-                raise ValueError(f"prompt {index}: token ids must be integers, got {bad!r}")
-            found = _Prompt(None, [int(t) for t in prompt])
-        else:
-            raise ValueError(f"prompt {index}: expected text, a list of token ids or a prompt dict, "
-                             f"got {type(prompt).__name__}")
-        return self._checked(index, found, "prompt")
-
-    def _checked(self, index: int, prompt: _Prompt, what: str) -> _Prompt:
-        """The checks `LLMEngine.add_request` would make later, made now so nothing has run."""
-        if not prompt.token_ids:
-            raise ValueError(f"{what} {index}: the prompt is empty: give at least one token")
-        vocab = self.engine.spec.vocab_size
-        for position, token_id in enumerate(prompt.token_ids):
-            if not 0 <= token_id < vocab:
-                raise ValueError(f"{what} {index}: token id {token_id} (at position {position}) is outside "
-                                 f"the vocabulary: ids run from 0 to {vocab - 1}")
-        return prompt
-
-    def _params_for(self, prompts: list[_Prompt], sampling_params: Any, what: str) -> list[SamplingParams]:
+    def _params_for(self, prompts: list[Prompt], sampling_params: Any, what: str) -> list[SamplingParams]:
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -363,19 +262,19 @@ class LLM:
 
     # -- the run ---------------------------------------------------------------------------
 
-    def _run(self, prompts: list[_Prompt], sampling_params: Any, use_tqdm: bool | Callable[..., tqdm],
+    def _run(self, prompts: list[Prompt], sampling_params: Any, use_tqdm: bool | Callable[..., tqdm],
              what: str) -> list[GenerationOutput]:
         params = self._params_for(prompts, sampling_params, what)
         if not prompts:
             return []
         results: list[GenerationOutput | None] = [None] * len(prompts)
         progress = use_tqdm if callable(use_tqdm) else tqdm
-        decoded: dict[int, str] = {}
+        texts = TokenTexts(self.engine.tokenizer)
         totals = {"in": 0, "out": 0}
         started = time.perf_counter()
 
         def admit(index: int) -> tuple[str, int]:
-            request_id = str(next(self._request_counter))
+            request_id = str(next(self.request_counter))
             try:
                 self.engine.add_request(request_id, prompts[index].token_ids, params[index])
             except EngineRequestError as exc:   # the checks above should have caught it
@@ -388,11 +287,11 @@ class LLM:
             prompt_logprobs = None
             if params[index].prompt_logprobs is not None:
                 entries = done.prompt_logprobs or [None] * len(prompt.token_ids)
-                prompt_logprobs = [None if entry is None else self._logprob_dict(entry, decoded)
+                prompt_logprobs = [None if entry is None else logprob_dict(entry, texts)
                                    for entry in entries]
             results[index] = GenerationOutput(
                 request_id=done.request_id, prompt=prompt.text, prompt_token_ids=prompt.token_ids,
-                outputs=[self._completion(choice, params[index], decoded) for choice in done.ordered()],
+                outputs=[completion_output(choice, params[index], texts) for choice in done.ordered()],
                 num_cached_tokens=done.num_cached_tokens, prompt_logprobs=prompt_logprobs)
             totals["in"] += len(prompt.token_ids)
             totals["out"] += done.completion_tokens
@@ -409,52 +308,9 @@ class LLM:
             raise RuntimeError(f"the engine returned no output for {what}s {missing} (engine bug)")
         return results  # type: ignore[return-value]
 
-    def _completion(self, choice: Choice, params: SamplingParams, decoded: dict[int, str]) -> CompletionOutput:
-        logprobs = cumulative = None
-        if params.logprobs is not None:
-            logprobs = [self._logprob_dict(entry, decoded) for entry in choice.logprobs]
-            cumulative = choice.cumulative_logprob
-        return CompletionOutput(index=choice.index, text=choice.text, token_ids=choice.token_ids,
-                                cumulative_logprob=cumulative, logprobs=logprobs, finish_reason=choice.finish_reason,
-                                stop_reason=choice.stop_reason)
-
-    def _logprob_dict(self, entry: TokenLogprob, decoded: dict[int, str]) -> dict[int, Logprob]:
-        def text(token_id: int) -> str:
-            if token_id not in decoded:
-                decoded[token_id] = self.engine.tokenizer.decode([token_id])
-            return decoded[token_id]
-
-        ranks = {token_id: rank for rank, (token_id, _) in enumerate(entry.top, start=1)}
-        out = {entry.token_id: Logprob(entry.logprob, ranks.get(entry.token_id), text(entry.token_id))}
-        for token_id, logprob in entry.top:
-            if token_id not in out:
-                out[token_id] = Logprob(logprob, ranks[token_id], text(token_id))
-        return out
-
 
 def engine_argument_names() -> list[str]:
     """The keyword arguments `LLM()` takes (for error messages and tests)."""
     names = [p.name for p in inspect.signature(LLM.__init__).parameters.values()
              if p.kind is inspect.Parameter.KEYWORD_ONLY]
     return names + ["kv_cache_memory_bytes", *sorted(_IGNORED_ARGS)]
-
-
-def _as_prompt_list(prompts: Any) -> list[Any]:
-    """One prompt or a list of them -> a list (a list of ints is one prompt of token ids)."""
-    if isinstance(prompts, (str, Mapping)):
-        return [prompts]
-    if not isinstance(prompts, Sequence) or isinstance(prompts, bytes):
-        raise ValueError(f"prompts must be text, token ids, a prompt dict or a list of these, "
-                         f"got {type(prompts).__name__}")
-    if prompts and all(_is_int(t) for t in prompts):
-        return [prompts]
-    return list(prompts)
-
-
-def _is_conversation(messages: Any) -> bool:
-    return isinstance(messages, Sequence) and bool(messages) and isinstance(messages[0], Mapping)
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-

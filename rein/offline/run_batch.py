@@ -102,7 +102,7 @@ def run_batch(
     leaves out take `generation_defaults` (default: the engine's model's, per its generation_config)."""
     if generation_defaults is None:
         generation_defaults = load_generation_defaults(engine.model_dir, engine.config.generation_config)
-    batch = _BatchRun(engine, model_name or default_model_name(engine),
+    batch = BatchRun(engine, model_name or default_model_name(engine),
                       max_in_flight or default_max_in_flight(engine))
     batch.generation_defaults = generation_defaults
     total = count_requests(input_path)
@@ -129,7 +129,10 @@ def count_requests(path: str | Path) -> int:
         return sum(1 for line in f if line.strip())
 
 
-class _BatchRun:
+class BatchRun:
+    """One run over a batch file: takes each line into the engine and writes its answer. The
+    embeddings lines (rein.offline.embed) answer through `answer` and `fail`."""
+
     def __init__(self, engine: LLMEngine, model_name: str, max_in_flight: int) -> None:
         self.engine = engine
         self.model_name = model_name
@@ -156,16 +159,16 @@ class _BatchRun:
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as exc:
-            self._fail(None, line_number, "invalid_json_line", f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
+            self.fail(None, line_number, "invalid_json_line", f"not valid UTF-8 ({exc.reason} at byte {exc.start})")
             return None
         try:
             batch_line = parse_batch_line(line, line_number)
         except RequestError as exc:
-            self._fail(custom_id_of(line), line_number, exc.code, exc.message)
+            self.fail(custom_id_of(line), line_number, exc.code, exc.message)
             return None
         custom_id = batch_line.custom_id
         if custom_id in self.seen_ids:
-            self._fail(custom_id, line_number, "duplicate_custom_id",
+            self.fail(custom_id, line_number, "duplicate_custom_id",
                        f"custom_id {custom_id!r} was already used by an earlier line; each line needs its own")
             return None
         self.seen_ids.add(custom_id)
@@ -177,11 +180,11 @@ class _BatchRun:
             request_id = uuid.uuid4().hex
             self.engine.add_request(request_id, parsed.prompt_token_ids, parsed.params)
         except RequestError as exc:
-            self._fail(custom_id, line_number, exc.code, exc.message)
+            self.fail(custom_id, line_number, exc.code, exc.message)
             return None
         except EngineRequestError as exc:
             code = INVALID_REQUEST if exc.code == "invalid_request" else exc.code
-            self._fail(custom_id, line_number, code, str(exc))
+            self.fail(custom_id, line_number, code, str(exc))
             return None
         return request_id, _Pending(custom_id, line_number, batch_line.url, parsed.model or self.model_name, parsed,
                                     batch_line.body)
@@ -194,7 +197,7 @@ class _BatchRun:
             return
         pending = done.state
         if done.finish_reason == "abort":
-            self._fail(pending.custom_id, pending.line_number, "request_aborted",
+            self.fail(pending.custom_id, pending.line_number, "request_aborted",
                        "the request was aborted before it finished")
             return
         parsed = pending.parsed
@@ -209,13 +212,18 @@ class _BatchRun:
                                  parsed.prompt_token_ids, self.engine.tokenizer, parsed.logprobs_mode, parsed.shape,
                                  int(time.time()))
         body = apply_tool_calls(body, pending.request_body)
-        self._write(self.out, batch_output_line(pending.custom_id, done.request_id, body))
+        self.answer(pending.custom_id, done.request_id, body, prompt_tokens, done.completion_tokens)
+
+    def answer(self, custom_id: str, request_id: str, body: dict[str, Any], prompt_tokens: int,
+               completion_tokens: int = 0) -> None:
+        """Write a line's output and count its tokens."""
+        self._write(self.out, batch_output_line(custom_id, request_id, body))
         self.summary.requests_ok += 1
         self.summary.prompt_tokens += prompt_tokens
-        self.summary.completion_tokens += done.completion_tokens
+        self.summary.completion_tokens += completion_tokens
         self._advance()
 
-    def _fail(self, custom_id: str | None, line_number: int, code: str, message: str) -> None:
+    def fail(self, custom_id: str | None, line_number: int, code: str, message: str) -> None:
         self._write(self.err, batch_error_line(custom_id, line_number, code, message))
         self.summary.requests_failed += 1
         self._advance()
