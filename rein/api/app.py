@@ -36,6 +36,7 @@ from rein.core.db import check_migrations_current, make_engine
 from rein.core.filestore import LocalFileStore
 from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings, get_settings
+from rein.jobs.queues import make_celery
 from rein.jobs.ratelimit import RateLimiter
 from rein.jobs.reaper import Reaper
 from rein.jobs.registry import ModelRegistry
@@ -64,8 +65,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         except BaseException:
             engine.dispose()
             raise
-        from rein.jobs.queues import make_celery
-
         state = app.state
         state.settings = settings
         state.sessions = sessionmaker(engine, expire_on_commit=False)

@@ -20,6 +20,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from sqlalchemy.exc import InterfaceError, OperationalError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rein.api.conventions import headers_for
+from rein.api.request_limits import RequestTooLarge, too_large_response
 from rein.core.db import DatabaseUnavailableError
 from rein.engine.structured.validator import ValidatorUnavailable
 from rein.jobs.errors import INVALID_REQUEST, APIError, error_body
@@ -89,12 +91,6 @@ def unavailable_response(exc: Exception) -> JSONResponse:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    from rein.api.conventions import headers_for
-    from rein.api.request_limits import (  # it builds on error_body
-        RequestTooLarge,
-        too_large_response,
-    )
-
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
         return exc.response()

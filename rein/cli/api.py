@@ -7,6 +7,13 @@ import shutil
 import sys
 import tempfile
 
+from rein.core.logging import configure_logging
+from rein.core.settings import (
+    SettingsError,
+    load_settings,
+    share_prometheus_multiproc_dir,
+    share_settings_overrides,
+)
 from rein.engine.options import API, add_engine_options, options_for
 
 
@@ -31,13 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # SQLAlchemy loads when the API starts, not with every command.
     from rein.core.db import StoreError, check_migrations_current, make_engine
-    from rein.core.settings import (
-        SettingsError,
-        load_settings,
-        share_prometheus_multiproc_dir,
-        share_settings_overrides,
-    )
 
     flags = (("api_host", args.host), ("api_port", args.port), ("api_workers", args.workers),
              ("api_root_path", args.root_path), ("forwarded_allow_ips", args.forwarded_allow_ips),
@@ -93,9 +95,7 @@ def app_for_worker_process():
     them, with REIN_API_WORKERS > 1), which reads the settings and sets up logging itself."""
     import logging
 
-    from rein.api.app import create_app
-    from rein.core.logging import configure_logging
-    from rein.core.settings import load_settings
+    from rein.api.app import create_app  # FastAPI, SQLAlchemy, Celery: only in an API process
 
     settings = load_settings()
     if not any(getattr(h, "rein_handler", False) for h in logging.getLogger().handlers):

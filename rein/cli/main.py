@@ -14,6 +14,7 @@ import logging
 import sys
 
 from rein.core.logging import LogFormat, configure_logging, configured_elsewhere
+from rein.core.settings import SettingsError, get_settings
 
 SUBCOMMANDS = {
     "make-tiny-model": "rein.cli.make_tiny_model",
@@ -51,8 +52,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _log_format() -> LogFormat:
     """REIN_LOG_FORMAT; 'auto' when the settings cannot load (the subcommand says why)."""
-    from rein.core.settings import SettingsError, get_settings
-
     try:
         return get_settings().log_format
     except SettingsError:

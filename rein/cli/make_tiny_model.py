@@ -12,7 +12,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rein.engine.tiny_model import ARCHS, EMBEDDING_POOLINGS, PRESETS
+from rein.engine.tiny_model import (
+    ARCHS,
+    EMBEDDING_POOLINGS,
+    PRESETS,
+    make_tiny_model,
+    model_summary,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -42,8 +48,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rein.engine.tiny_model import make_tiny_model, model_summary
-
     if args.pooling is not None and not args.embedding:
         print("rein make-tiny-model: --pooling needs --embedding", file=sys.stderr)
         return 2

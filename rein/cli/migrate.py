@@ -9,6 +9,11 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rein.core.settings import SettingsError, load_settings
+
+# SQLAlchemy and Alembic (rein.core.db, rein.core.migrate) are imported inside the commands:
+# every `rein` command loads this module (rein.cli.main), and only these need them.
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -25,7 +30,6 @@ def run(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
     from rein.core.db import StoreError
-    from rein.core.settings import SettingsError
 
     try:
         return _check(args) if args.check else _upgrade(args)
@@ -38,8 +42,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _settings(args: argparse.Namespace):
-    from rein.core.settings import load_settings
-
     overrides = {"database_url": args.database_url} if args.database_url else {}
     return load_settings(**overrides)
 

@@ -14,6 +14,7 @@ from rein.engine.options import (
     build_engine,
     generation_defaults_of,
 )
+from rein.offline.run_batch import format_summary, run_batch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,8 +38,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rein.offline.run_batch import format_summary, run_batch
-
     if not Path(args.input).is_file():
         print(f"error: input file {args.input} does not exist", file=sys.stderr)
         return 2

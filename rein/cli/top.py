@@ -35,10 +35,12 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
+from rein.core.messages import PRIORITY_BATCH
+from rein.core.redis_keys import RedisKeys
+from rein.core.settings import Settings, SettingsError, load_settings
+
 if TYPE_CHECKING:
     from redis import Redis
-
-    from rein.core.settings import Settings
 
 FORGET_AFTER_SECONDS = 600.0
 DEFAULT_INTERVAL_SECONDS = 1.0
@@ -114,9 +116,7 @@ def worker_view(beat: dict[str, Any], ttl_ms: int, now: float) -> WorkerView:
 
 def read_snapshot(redis: Redis, settings: Settings, now: float | None = None) -> Snapshot:
     """Queues and workers as Redis holds them now (two round trips, plus a cleanup if due)."""
-    from rein.core.messages import PRIORITY_BATCH
-    from rein.core.redis_keys import RedisKeys
-    from rein.jobs.queues import queue_keys
+    from rein.jobs.queues import queue_keys  # Celery: only for `rein top`
 
     keys = RedisKeys.from_settings(settings)
     now = time.time() if now is None else now
@@ -239,8 +239,6 @@ def redis_location(url: str) -> str:
 def run(args: argparse.Namespace) -> int:
     from redis import Redis
     from redis.exceptions import RedisError
-
-    from rein.core.settings import SettingsError, load_settings
 
     if args.interval <= 0:
         print(f"error: --interval must be positive, got {args.interval}", file=sys.stderr)

@@ -18,6 +18,8 @@ import threading
 import time
 from typing import IO
 
+from rein.core.settings import SettingsError, load_settings
+
 STOP_TIMEOUT_SECONDS = 15.0
 _POLL_SECONDS = 0.2
 
@@ -94,8 +96,6 @@ def stop_children(children: list[_Child], timeout: float = STOP_TIMEOUT_SECONDS)
 
 
 def run(args: argparse.Namespace) -> int:
-    from rein.core.settings import SettingsError, load_settings
-
     overrides = {k: v for k, v in (("api_host", args.host), ("api_port", args.port)) if v is not None}
     try:
         settings = load_settings(**overrides)
@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     try:
-        from rein.core.migrate import upgrade
+        from rein.core.migrate import upgrade  # SQLAlchemy and Alembic: not at start-up
 
         report = upgrade(settings)
     except Exception as exc:  # an unreachable server or a bad URL: one line, not a traceback

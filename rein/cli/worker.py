@@ -21,7 +21,12 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from rein.engine.options import add_engine_options, options_for
+from rein.core.redis_keys import RedisKeys
+from rein.core.settings import SettingsError, get_settings
+from rein.engine.generation_defaults import load_generation_defaults
+from rein.engine.model_files import resolve_model
+from rein.engine.options import CLIError, add_engine_options, options_for, resolve_engine_values
+from rein.worker.device_check import device_problem
 
 if TYPE_CHECKING:
     from rein.core.settings import ServedModel, Settings
@@ -55,9 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # SQLAlchemy, Celery and torch (the engine) load only when a worker starts, not with every command.
     from rein.core.db import StoreError, check_migrations_current, make_engine
-    from rein.core.settings import SettingsError, get_settings
-    from rein.engine.options import CLIError
 
     try:
         environment = get_settings()
@@ -73,8 +77,6 @@ def run(args: argparse.Namespace) -> int:
         settings = settings.model_copy(update={"worker_metrics_port": args.metrics_port})
     # A GPU it cannot use would fail deep in the engine's load, without saying why (and under
     # a restart policy, again and again): refuse before connecting to anything.
-    from rein.worker.device_check import device_problem
-
     if (problem := device_problem(settings.device)) is not None:
         print(f"error: {problem}", file=sys.stderr)
         return 2
@@ -88,8 +90,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         db.dispose()
 
-    from rein.engine.generation_defaults import load_generation_defaults
-    from rein.engine.model_files import resolve_model
     from rein.jobs.queues import queued_slots, worker_queues
     from rein.worker.app import make_worker_celery
     from rein.worker.bootstep import EngineThreadPool, WorkerSpec, configure_worker
@@ -126,9 +126,6 @@ def run(args: argparse.Namespace) -> int:
 
 def served_model_for(args: argparse.Namespace, settings: Settings) -> ServedModel:
     """The model --model or -Q names (the first served one without either); CLIError otherwise."""
-    from rein.core.redis_keys import RedisKeys
-    from rein.engine.options import CLIError
-
     name = args.model or None          # compose passes --model '' for "the first"
     if args.queues is not None:
         queues = [q.strip() for q in args.queues.split(",") if q.strip()]
@@ -155,8 +152,6 @@ def served_model_for(args: argparse.Namespace, settings: Settings) -> ServedMode
 def worker_settings(args: argparse.Namespace, settings: Settings, served: ServedModel) -> Settings:
     """Settings whose engine fields hold the resolved values: flag > REIN_* > default, with
     -c/--concurrency as --max-num-seqs and the REIN_MODELS entry's @N before REIN_MAX_MODEL_LEN."""
-    from rein.engine.options import CLIError, resolve_engine_values
-
     values = resolve_engine_values(vars(args), settings, tuple(o.name for o in options_for("worker")))
     if args.concurrency is not None:
         if args.concurrency < 1:
