@@ -10,7 +10,7 @@ Where the figures come from (nothing here talks to a worker or to Postgres):
 
 * queue depth: the LLEN of the model's Celery priority lists (rein.jobs.queues.queue_keys);
 * workers: the registry hash RedisKeys.workers() (worker name -> its last heartbeat JSON,
-  written every HEARTBEAT_SECONDS by rein.worker.bootstep), and whether the worker's own
+  written every HEARTBEAT_SECONDS by rein.worker.heartbeat), and whether the worker's own
   heartbeat key still exists. That key expires 3 heartbeats after the last one, on the
   Redis server's clock, so a worker's state does not depend on clocks agreeing:
 
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 FORGET_AFTER_SECONDS = 600.0
 DEFAULT_INTERVAL_SECONDS = 1.0
-# Heartbeat period assumed for a beat that does not say (rein.worker.bootstep.HEARTBEAT_SECONDS).
+# Heartbeat period assumed for a beat that does not say (rein.worker.heartbeat.HEARTBEAT_SECONDS).
 DEFAULT_HEARTBEAT_SECONDS = 5.0
 
 UP, STALE, LOST, STOPPED, DOWN = "UP", "STALE", "LOST", "STOPPED", "DOWN"

@@ -99,7 +99,7 @@ PRETOKENIZE_REGEX = (
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# ChatML, with Qwen2.5's tool convention (rein.openai.tools parses it): the tools listed in the system
+# ChatML, with Qwen2.5's tool convention (rein.openai.tool_parsers parses it): the tools listed in the system
 # turn, calls as <tool_call> JSON blocks, results as <tool_response> in a user turn. Without
 # tools or tool messages it renders plain ChatML.
 CHAT_TEMPLATE = (
