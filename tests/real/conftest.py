@@ -167,7 +167,7 @@ def _one_torch_thread() -> Iterator[None]:
 
 def pytest_terminal_summary(terminalreporter) -> None:
     if REPORT:
-        terminalreporter.write_sep("-", "real-model tier (SmolLM2-135M-Instruct, greedy, float32)")
+        terminalreporter.write_sep("-", "real-model tier (SmolLM2-135M-Instruct and Gemma 3 270M, greedy, float32)")
         for line in REPORT:
             terminalreporter.write_line(line)
 
