@@ -21,9 +21,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Gemma3ForCausalLM": "gemma3",
+    # Mixture-of-experts (rein.engine.models.moe_family)
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
 }
 # config.json's model_type of each family (for configs that name no architecture)
-MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text"}
+MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
+               "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
 
 
 class UnsupportedModelError(ValueError):
@@ -59,12 +65,30 @@ class ModelSpec:
     # they take no rope scaling).
     local_rope_theta: float | None = None
     attention_scale: float = 0.0     # softmax scale; 0 means head_dim ** -0.5
+    # Mixture-of-experts: each sparse layer routes a token to `num_experts_per_tok` of
+    # `num_experts` gated MLPs of `moe_intermediate_size`, weighted by the router's softmax
+    # (renormalised over the chosen ones when `norm_topk_prob`), plus a shared expert of
+    # `shared_expert_intermediate_size` where nonzero (Qwen2-MoE). Dense layers keep an MLP
+    # of `intermediate_size`. All zero / empty for a dense model.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
+    # Per layer: True where the MLP is the sparse MoE block.
+    sparse_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
             object.__setattr__(self, "layer_windows", (self.sliding_window,) * self.num_layers)
+        if not self.sparse_layers:
+            object.__setattr__(self, "sparse_layers", (self.num_experts > 0,) * self.num_layers)
         if not self.attention_scale:
             object.__setattr__(self, "attention_scale", self.head_dim**-0.5)
+
+    @property
+    def is_moe(self) -> bool:
+        return any(self.sparse_layers)
 
     @property
     def windowed_layers(self) -> int:
@@ -123,7 +147,10 @@ class ModelSpec:
         eos = (generation or {}).get("eos_token_id", config.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         attention_bias = bool(config.get("attention_bias", family == "qwen2"))
+        if family == "qwen2_moe":   # its config names the q/k/v bias qkv_bias (on unless set off)
+            attention_bias = bool(config.get("qkv_bias", True))
         num_layers = config["num_hidden_layers"]
+        moe = _moe_fields(config, family, arch, num_layers) if family in MOE_FAMILIES else {}
         sliding, windows = _windows(config, family, num_layers)
         if family == "gemma3":
             for softcap in ("attn_logit_softcapping", "final_logit_softcapping"):
@@ -147,7 +174,7 @@ class ModelSpec:
             max_position_embeddings=config.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=family in ("qwen3", "gemma3"),
+            qk_norm=family in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
             sliding_window=sliding,
             hidden_act=config.get("hidden_activation") or config.get("hidden_act", "silu"),
             eos_token_ids=eos_ids,
@@ -156,6 +183,7 @@ class ModelSpec:
             layer_windows=windows,
             local_rope_theta=None if local_rope_theta is None else float(local_rope_theta),
             attention_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
+            **moe,
         )
 
     def kv_bytes_per_token(self, cache_dtype: torch.dtype) -> int:
@@ -174,13 +202,57 @@ class ModelSpec:
         if self.attention_bias:
             attn += q + 2 * kv
         if self.qk_norm:
-            attn += 2 * self.head_dim
-        mlp = 3 * self.hidden_size * self.intermediate_size
+            # OLMoE normalises the whole q and k projections, the others each head
+            attn += q + kv if self.family == "olmoe" else 2 * self.head_dim
+        dense_mlp = 3 * self.hidden_size * self.intermediate_size
+        sparse_mlp = self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)
+        if self.shared_expert_intermediate_size:   # its gated MLP and its 1-wide sigmoid gate
+            sparse_mlp += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
         norms = 4 if self.family == "gemma3" else 2   # Gemma 3 norms before and after both halves
-        per_layer = attn + mlp + norms * self.hidden_size
+        per_layer = attn + norms * self.hidden_size
+        mlps = sum(sparse_mlp if sparse else dense_mlp for sparse in self.sparse_layers)
         embed = self.vocab_size * self.hidden_size
         head = 0 if self.tie_word_embeddings else embed
-        return embed + head + self.num_layers * per_layer + self.hidden_size
+        return embed + head + self.num_layers * per_layer + mlps + self.hidden_size
+
+
+# MoE family -> transformers' defaults for (num_experts, num_experts_per_tok), used where
+# config.json omits them.
+MOE_FAMILIES = {"qwen3_moe": (128, 8), "qwen2_moe": (60, 4), "mixtral": (8, 2), "olmoe": (64, 8)}
+
+
+def _moe_fields(config: dict[str, Any], family: str, arch: str, num_layers: int) -> dict[str, Any]:
+    """The ModelSpec MoE fields, with transformers' defaults where config.json omits a key.
+
+    Qwen2/3-MoE make layer i sparse when (i + 1) % decoder_sparse_step == 0 and i is not in
+    mlp_only_layers; Mixtral and OLMoE are sparse throughout, their experts as wide as
+    `intermediate_size`. Mixtral always renormalises the top-k weights (a softmax over the
+    chosen logits); the others when `norm_topk_prob` (off by default)."""
+    default_experts, default_top_k = MOE_FAMILIES[family]
+    # transformers 5 writes Qwen3-MoE's and Mixtral's as num_local_experts, OLMoE's and the
+    # released Qwen checkpoints' as num_experts
+    experts = config.get("num_experts") or config.get("num_local_experts") or default_experts
+    if family == "olmoe" and config.get("clip_qkv") is not None:
+        raise UnsupportedModelError(f"{arch} with clip_qkv set is not supported natively")
+    if family in ("qwen3_moe", "olmoe") and config.get("attention_bias"):
+        raise UnsupportedModelError(f"{arch} with attention_bias set is not supported natively")
+    if family in ("qwen3_moe", "qwen2_moe"):
+        step = config.get("decoder_sparse_step") or 1
+        dense = set(config.get("mlp_only_layers") or ())
+        sparse = tuple((i + 1) % step == 0 and i not in dense for i in range(num_layers))
+        expert_size = config.get("moe_intermediate_size") or config["intermediate_size"]
+    else:
+        sparse = (True,) * num_layers
+        expert_size = config["intermediate_size"]
+    shared = config.get("shared_expert_intermediate_size", 5632) if family == "qwen2_moe" else 0
+    return {
+        "num_experts": int(experts),
+        "num_experts_per_tok": int(config.get("num_experts_per_tok") or default_top_k),
+        "moe_intermediate_size": int(expert_size),
+        "norm_topk_prob": True if family == "mixtral" else bool(config.get("norm_topk_prob", False)),
+        "shared_expert_intermediate_size": int(shared or 0),
+        "sparse_layers": sparse,
+    }
 
 
 def _windows(config: dict[str, Any], family: str, num_layers: int) -> tuple[int | None, tuple[int | None, ...]]:
@@ -192,7 +264,7 @@ def _windows(config: dict[str, Any], family: str, num_layers: int) -> tuple[int 
     if family == "gemma3":
         enabled = True
     else:
-        enabled = bool(config.get("use_sliding_window", family == "mistral"))
+        enabled = bool(config.get("use_sliding_window", family in ("mistral", "mixtral")))
     if not window or not enabled:
         return None, (None,) * num_layers
     types = config.get("layer_types")
@@ -204,6 +276,9 @@ def _windows(config: dict[str, Any], family: str, num_layers: int) -> tuple[int 
     elif family in ("qwen2", "qwen3"):
         first = config.get("max_window_layers", num_layers)
         windowed = [i >= first for i in range(num_layers)]
+    elif family == "qwen2_moe":   # transformers' rule when the config lists no layer_types
+        below = config.get("max_window_layers", 28)
+        windowed = [(i + 1) % 2 == 1 and i < below for i in range(num_layers)]
     else:
         windowed = [True] * num_layers
     if len(windowed) != num_layers:

@@ -10,7 +10,11 @@ tokenizer_config.json, special_tokens_map.json) that `AutoModelForCausalLM` and
   in fp32. Each architecture carries the features an inference engine must get right:
   llama3 rope scaling and untied embeddings (llama), q/k/v bias and tied embeddings
   (qwen2), q/k RMSNorm, a head_dim that differs from hidden/heads and tied embeddings
-  (qwen3), plain untied with no sliding window (mistral).
+  (qwen3), plain untied with no sliding window (mistral). The mixture-of-experts archs
+  carry their routers' differences: qwen3_moe renormalises the top-k weights, has an
+  explicit head_dim and a dense layer (`mlp_only_layers`); qwen2_moe does not renormalise
+  and adds the gated shared expert; mixtral is sparse throughout; olmoe norms the whole
+  q and k projections.
 * transformers initialises biases to zero and norm weights to one, which would let an
   implementation that ignores them pass; we redraw them from the same seeded generator
   (biases ~ N(0, initializer_range), norm weights ~ U(0.5, 1.5)).
@@ -48,7 +52,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral") + MOE_ARCHS
 # Poolings of `make_tiny_model(embedding=...)` (sentence-transformers' pooling_mode_* flags).
 EMBEDDING_POOLINGS = ("last", "mean", "cls")
 
@@ -68,6 +73,11 @@ PRESETS: dict[str, dict[str, Any]] = {
         "initializer_range": 0.2,
         # Qwen3 only: an explicit head_dim != hidden_size // num_attention_heads (16).
         "qwen3_head_dim": 32,
+        # MoE archs: experts, experts per token, an expert's width, the shared expert's (qwen2_moe)
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 96,
     },
     "small": {
         "hidden_size": 512,
@@ -82,6 +92,10 @@ PRESETS: dict[str, dict[str, Any]] = {
         "initializer_range": 0.05,
         # Qwen3 only: an explicit head_dim != hidden_size // num_attention_heads (64).
         "qwen3_head_dim": 128,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 352,
+        "shared_expert_intermediate_size": 1408,
     },
 }
 
@@ -168,6 +182,30 @@ _ARCH_SPECS: dict[str, dict[str, Any]] = {
     "mistral": {
         "config_class": "MistralConfig",
         "model_class": "MistralForCausalLM",
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen3_moe": {
+        "config_class": "Qwen3MoeConfig",
+        "model_class": "Qwen3MoeForCausalLM",
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    "qwen2_moe": {
+        "config_class": "Qwen2MoeConfig",
+        "model_class": "Qwen2MoeForCausalLM",
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    "mixtral": {
+        "config_class": "MixtralConfig",
+        "model_class": "MixtralForCausalLM",
+        "rope_theta": 1000000.0,
+        "tie_word_embeddings": False,
+    },
+    "olmoe": {
+        "config_class": "OlmoeConfig",
+        "model_class": "OlmoeForCausalLM",
         "rope_theta": 10000.0,
         "tie_word_embeddings": False,
     },
@@ -388,12 +426,23 @@ def _build_config(arch: str, shape: dict[str, Any], ids: dict[str, int]):
         rope = dict(LLAMA3_ROPE)
     rope["rope_theta"] = spec["rope_theta"]
     kwargs["rope_parameters"] = rope
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3_moe"):
         kwargs["head_dim"] = shape["qwen3_head_dim"]
-    if arch in ("qwen2", "qwen3"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         kwargs["use_sliding_window"] = False
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         kwargs["sliding_window"] = None
+    if arch in MOE_ARCHS:
+        kwargs["num_experts_per_tok"] = shape["num_experts_per_tok"]
+        # Mixtral's and OLMoE's experts are intermediate_size wide, the Qwens' moe_intermediate_size
+        kwargs["num_local_experts" if arch == "mixtral" else "num_experts"] = shape["num_experts"]
+    if arch in ("qwen3_moe", "qwen2_moe"):
+        kwargs["moe_intermediate_size"] = shape["moe_intermediate_size"]
+    if arch == "qwen3_moe":
+        kwargs["norm_topk_prob"] = True
+        kwargs["mlp_only_layers"] = [shape["num_hidden_layers"] - 1]   # the last layer stays dense
+    if arch == "qwen2_moe":
+        kwargs["shared_expert_intermediate_size"] = shape["shared_expert_intermediate_size"]
     return getattr(transformers, spec["config_class"])(**kwargs)
 
 
@@ -405,7 +454,7 @@ def _check_config(arch: str, config: Any) -> None:
         raise RuntimeError(f"{arch}: rope_type is {rope.get('rope_type')!r}, not {expected_type!r}")
     if config.tie_word_embeddings != _ARCH_SPECS[arch]["tie_word_embeddings"]:
         raise RuntimeError(f"{arch}: tie_word_embeddings not as requested")
-    if getattr(config, "sliding_window", None) is not None:
+    if getattr(config, "sliding_window", None):   # Qwen2-MoE writes 0 for none
         raise RuntimeError(f"{arch}: sliding_window should be None")
 
 

@@ -13,6 +13,10 @@ NATIVE_MODELS = {
     "qwen2": "rein.engine.models.llama:LlamaFamilyModel",
     "qwen3": "rein.engine.models.llama:LlamaFamilyModel",
     "gemma3": "rein.engine.models.gemma3:Gemma3Model",
+    "qwen3_moe": "rein.engine.models.moe_family:MoeFamilyModel",
+    "qwen2_moe": "rein.engine.models.moe_family:MoeFamilyModel",
+    "mixtral": "rein.engine.models.moe_family:MoeFamilyModel",
+    "olmoe": "rein.engine.models.moe_family:MoeFamilyModel",
 }
 
 
