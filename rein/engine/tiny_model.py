@@ -6,9 +6,9 @@ tokenizer_config.json, special_tokens_map.json) that `AutoModelForCausalLM` and
 `AutoTokenizer` load like any downloaded checkpoint, without network access:
 
 * The weights come from instantiating the real transformers class (LlamaForCausalLM,
-  Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM) under `torch.manual_seed(seed)`,
-  in fp32. Each architecture carries the features an inference engine must get right:
-  llama3 rope scaling and untied embeddings (llama), q/k/v bias and tied embeddings
+  Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM and the MoE archs' classes) under
+  `torch.manual_seed(seed)`, in fp32. Each architecture carries the features an inference
+  engine must get right: llama3 rope scaling and untied embeddings (llama), q/k/v bias and tied embeddings
   (qwen2), q/k RMSNorm, a head_dim that differs from hidden/heads and tied embeddings
   (qwen3), plain untied with no sliding window (mistral). The mixture-of-experts archs
   carry their routers' differences: qwen3_moe renormalises the top-k weights, has an

@@ -142,6 +142,34 @@ def test_num_parameters_counts_the_experts(tiny_models, arch):
     assert ModelSpec.from_dir(model_dir).num_parameters() == model_summary(model_dir)["parameters"]
 
 
+def test_a_checkpoint_with_transformers_in_memory_names_loads_the_same(tiny_models, tmp_path):
+    """Saved from a transformers 5 model's state_dict (safetensors' save_model does that):
+    experts already stacked as mlp.experts.gate_up_proj / down_proj, Mixtral's block named mlp."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from rein.engine.loader import load_model
+    from rein.engine.model_files import resolve_model
+
+    model_dir = tiny_models("mixtral")
+    state = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).state_dict()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in state
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    save_file({name: tensor.contiguous() for name, tensor in state.items()}, str(tmp_path / "model.safetensors"))
+
+    def loaded(directory):
+        files = resolve_model(directory)
+        model = load_model(files, ModelSpec.from_dir(files.directory), 64, torch.float32, torch.device("cpu"))
+        return {name: tensor.to_dense() if tensor.is_mkldnn else tensor for name, tensor in model.state_dict().items()}
+
+    want, got = loaded(model_dir), loaded(tmp_path)
+    assert want.keys() == got.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 # -- whole models through the engine ---------------------------------------------------------
 
 def make_prompts(vocab_size: int) -> list[list[int]]:

@@ -37,9 +37,10 @@ from rein.engine.models.moe import SparseMoeBlock
 from rein.engine.models.rope import RotaryEmbedding, apply_rotary
 from rein.engine.models.weights import TensorGetter, WeightLoader
 
-# Checkpoint names of an expert's (gate, up, down) projections and of the block, per family.
+# Checkpoint names of an expert's (gate, up, down) projections and of the block, per family
+# (Mixtral's checkpoints say block_sparse_moe, transformers 5's in-memory model mlp).
 EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2")}
-BLOCK_NAMES = {"mixtral": "block_sparse_moe"}
+BLOCK_NAMES = {"mixtral": ("block_sparse_moe", "mlp")}
 
 
 class OlmoeAttention(Attention):
@@ -89,12 +90,11 @@ class MoeFamilyModel(LlamaFamilyModel):
     def load_hf_weights(self, get: TensorGetter) -> None:
         weights = WeightLoader(self, get)
         load_embeddings(self, weights)
-        block = BLOCK_NAMES.get(self.spec.family, "mlp")
         for i, sparse in enumerate(self.spec.sparse_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             load_attention(weights, self.spec, src + "self_attn.", dst + "self_attn.")
             if sparse:
-                load_sparse_block(weights, self.spec, f"{src}{block}.", dst + "mlp.")
+                load_sparse_block(weights, self.spec, src, dst + "mlp.")
             else:
                 load_mlp(weights, src + "mlp.", dst + "mlp.")
             for norm in ("input_layernorm", "post_attention_layernorm"):
@@ -107,17 +107,25 @@ def load_mlp(weights: WeightLoader, src: str, dst: str) -> None:
     weights.put(dst + "down_proj.weight", weights.take(src + "down_proj.weight"))
 
 
-def load_sparse_block(weights: WeightLoader, spec: ModelSpec, src: str, dst: str) -> None:
+def load_sparse_block(weights: WeightLoader, spec: ModelSpec, layer: str, dst: str) -> None:
     """The router, the experts stacked into [E, 2I, H] and [E, H, I], the shared expert and its gate."""
-    weights.put(dst + "gate.weight", weights.take(src + "gate.weight"))
+    blocks = BLOCK_NAMES.get(spec.family, ("mlp",))
+    for block in blocks:
+        src = f"{layer}{block}."
+        router = weights.get(src + "gate.weight")
+        if router is not None:
+            break
+    else:
+        raise ValueError(f"checkpoint is missing weight {layer}{blocks[0]}.gate.weight")
+    weights.put(dst + "gate.weight", router)
     fused = weights.get(src + "experts.gate_up_proj")
     if fused is not None:   # already stacked (saved with transformers' in-memory names)
         weights.put(dst + "gate_up_proj", fused)
         weights.put(dst + "down_proj", weights.take(src + "experts.down_proj"))
     else:
         gate, up, down = EXPERT_NAMES.get(spec.family, ("gate_proj", "up_proj", "down_proj"))
-        experts = [f"{src}experts.{e}." for e in range(spec.num_experts)]
-        for e, expert in enumerate(experts):
+        for e in range(spec.num_experts):
+            expert = f"{src}experts.{e}."
             put_expert(weights, dst + "gate_up_proj", e, torch.cat([weights.take(f"{expert}{gate}.weight"),
                                                                     weights.take(f"{expert}{up}.weight")]))
             put_expert(weights, dst + "down_proj", e, weights.take(f"{expert}{down}.weight"))
