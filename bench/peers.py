@@ -213,9 +213,10 @@ def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
-def ensure_f32_model(cache_dir: Path) -> Path:
-    """The float32 safetensors folder made once from rein's packaged GGUF (see the docstring)."""
-    folder = cache_dir / MODEL_FOLDER
+def ensure_f32_model(cache_dir: Path, name: str | None = None) -> Path:
+    """The float32 safetensors folder made once from a packaged GGUF (default SmolLM2; see the
+    docstring). bench/models.py makes Gemma 3's the same way."""
+    folder = cache_dir / (MODEL_FOLDER if name is None else f"{name}-f32")
     marker = folder / "peers-model.json"
     if marker.is_file():
         return folder
@@ -225,7 +226,7 @@ def ensure_f32_model(cache_dir: Path) -> Path:
     from rein.engine.model_files import resolve_model
     from rein.engine.packaged_models import fetch
 
-    gguf = fetch()
+    gguf = fetch() if name is None else fetch(name)
     print(f"# converting {gguf} to a float32 safetensors folder {folder} (once) ...", flush=True)
     t = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -250,7 +251,7 @@ def ensure_f32_model(cache_dir: Path) -> Path:
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
     folder.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{MODEL_FOLDER}-", dir=folder.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}-", dir=folder.parent))
     model.save_pretrained(str(staging))
     tokenizer.save_pretrained(str(staging))
     (staging / "peers-model.json").write_text(json.dumps({

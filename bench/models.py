@@ -1,0 +1,144 @@
+"""Models: rein's native code against its Transformers backend and Hugging Face static batching.
+
+    python bench/models.py [--quick] [--models smollm2,gemma3] [--cache-dir ~/.cache/rein/bench]
+
+For SmolLM2-135M-Instruct (Llama) and Gemma 3 270M (both from their packages on the index,
+turned once into float32 safetensors folders under --cache-dir, as bench/peers.py does), one
+seeded workload (random prompt ids of mixed lengths, fixed output lengths, greedy, EOS ignored)
+runs three ways in one process, one after another on the same threads:
+
+* rein native: `LLMEngine(model_impl="rein")`;
+* rein Transformers backend: `LLMEngine(model_impl="transformers")`, the model's own
+  transformers modeling code with rein's paged attention (rein.engine.models.transformers_backend);
+* HF static: `generate()` on batches of --hf-batch-size in arrival order (bench/throughput.py).
+
+It prints output tokens/s and the ratios the issue sets targets for (Transformers backend over
+native >= 0.9 on SmolLM2, over HF static >= 2; Gemma 3 native over HF static >= 2), whether
+the two rein paths gave the same tokens, and for Gemma 3 (windowed) the KV bytes a request of
+8k tokens holds against the share its windowed layers attend to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from peers import ensure_f32_model  # noqa: E402  (bench helpers)
+from throughput import (  # noqa: E402
+    SEED,
+    Workload,
+    allowed_token_ids,
+    load_hf,
+    rein_generate,
+    run_hf_static,
+)
+
+from rein.engine.config import EngineConfig  # noqa: E402
+from rein.engine.engine import LLMEngine  # noqa: E402
+
+MODELS = {"smollm2": None, "gemma3": "gemma3-270m"}   # bench name -> packaged model (None: SmolLM2)
+KV_AT = 8192
+
+
+def make_workload(allowed: list[int], quick: bool) -> Workload:
+    rng = random.Random(f"{SEED}-models")
+    n, (plo, phi), olen, batch = (8, (16, 96), 16, 8) if quick else (32, (32, 480), 64, 16)
+    prompts = [[rng.choice(allowed) for _ in range(rng.randint(plo, phi))] for _ in range(n)]
+    return Workload("mixed", prompts, [olen] * n, batch)
+
+
+def run_engine(folder: Path, impl: str, wl: Workload) -> dict:
+    started = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", model_impl=impl,
+                                    max_model_len=2048, kv_cache_memory="512MiB", max_num_seqs=64, seed=SEED))
+    load_s = time.perf_counter() - started
+    rein_generate(engine, [p[:8] for p in wl.prompts[:3]], [4, 4, 4])   # warm-up
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        tokens = rein_generate(engine, wl.prompts, wl.output_lens)
+        wall = time.perf_counter() - t0
+    outs = [tokens[f"r{i}"] for i in range(wl.num_requests)]
+    produced = sum(map(len, outs))
+    return {"tps": produced / wall, "wall_s": wall, "load_s": load_s, "output_tokens": produced,
+            "_tokens": outs, "_engine": engine}
+
+
+def windowed_kv(engine: LLMEngine) -> dict | None:
+    """KV bytes of one request at KV_AT tokens: what rein holds, and what a cache that kept only
+    each windowed layer's window (and everything for full-attention layers) would."""
+    spec = engine.spec
+    if not spec.windowed_layers:
+        return None
+    per_layer = engine.runner.capacity.bytes_per_token // spec.num_layers
+    held = per_layer * spec.num_layers * KV_AT
+    needed = per_layer * sum(KV_AT if w is None else min(w, KV_AT) for w in spec.layer_windows)
+    local_full = per_layer * spec.windowed_layers * KV_AT
+    local_window = per_layer * sum(min(w, KV_AT) for w in spec.layer_windows if w is not None)
+    return {"context": KV_AT, "held_bytes": held, "window_bound_bytes": needed,
+            "windowed_layers_held_bytes": local_full, "windowed_layers_window_share_bytes": local_window,
+            "windowed_layers_held_over_window_share": local_full / local_window}
+
+
+def ratio(a: float, b: float) -> float:
+    return a / b if b else float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a small workload (a smoke run)")
+    ap.add_argument("--models", default="smollm2,gemma3", help="comma-separated: smollm2, gemma3")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    ap.add_argument("--cache-dir", type=Path, default=Path("~/.cache/rein/bench").expanduser())
+    args = ap.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    report = {"threads": torch.get_num_threads(), "quick": args.quick, "models": {}}
+    for name in args.models.split(","):
+        folder = ensure_f32_model(args.cache_dir, MODELS[name])
+        hf_model, tokenizer = load_hf(folder)
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token_id = tokenizer.eos_token_id
+        wl = make_workload(allowed_token_ids(tokenizer, hf_model.config.get_text_config().vocab_size), args.quick)
+        print(f"# {name}: {wl.num_requests} requests, prompts {min(map(len, wl.prompts))}-"
+              f"{max(map(len, wl.prompts))} tokens, {wl.output_lens[0]} output tokens each", flush=True)
+        native = run_engine(folder, "rein", wl)
+        kv = windowed_kv(native.pop("_engine"))
+        backend = run_engine(folder, "transformers", wl)
+        backend.pop("_engine")
+        hf = run_hf_static(hf_model, tokenizer, wl)
+        del hf_model
+        same = native["_tokens"] == backend["_tokens"]
+        row = {
+            "native_tps": native["tps"], "transformers_tps": backend["tps"], "hf_static_tps": hf["tps"],
+            "transformers_over_native": ratio(backend["tps"], native["tps"]),
+            "transformers_over_hf_static": ratio(backend["tps"], hf["tps"]),
+            "native_over_hf_static": ratio(native["tps"], hf["tps"]),
+            "native_and_transformers_tokens_equal": same,
+            "load_s": {"native": native["load_s"], "transformers": backend["load_s"]},
+            "windowed_kv": kv,
+        }
+        report["models"][name] = row
+        print(f"{name:8s} native {native['tps']:7.1f} tok/s | transformers {backend['tps']:7.1f} tok/s | "
+              f"HF static (batch {wl.hf_batch_size}) {hf['tps']:7.1f} tok/s", flush=True)
+        print(f"{'':8s} transformers/native {row['transformers_over_native']:.2f} (target >= 0.9) | "
+              f"transformers/HF {row['transformers_over_hf_static']:.2f} (>= 2) | "
+              f"native/HF {row['native_over_hf_static']:.2f} (>= 2) | same tokens: {same}", flush=True)
+        if kv:
+            print(f"{'':8s} KV at {KV_AT} tokens: rein holds {kv['held_bytes']:,} bytes; the windowed layers hold "
+                  f"{kv['windowed_layers_held_bytes']:,} where their windows need "
+                  f"{kv['windowed_layers_window_share_bytes']:,} ({kv['windowed_layers_held_over_window_share']:.1f}x: "
+                  f"blocks out of every window are not freed yet)", flush=True)
+    print(json.dumps(report, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
