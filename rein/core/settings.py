@@ -250,6 +250,9 @@ class Settings(BaseSettings):
     generation_config: str = "auto"
     """Sampling defaults: auto (the model's generation_config.json), vllm (built-in; `none` too), or a
     folder holding a generation_config.json. The API applies them when it parses a request."""
+    model_impl: Literal["auto", "rein", "transformers"] = "auto"
+    """Which code runs the model: rein (native only), transformers (the model's own transformers code
+    with rein's attention), auto (native where rein has it, else transformers)."""
     worker_interactive_slots: int | None = Field(None, ge=0)
     """Jobs a worker takes from its model's interactive queue beyond max_num_seqs, so that an
     interactive job is taken (and, by its priority, admitted by the engine) while batch jobs
@@ -332,7 +335,7 @@ class Settings(BaseSettings):
 # generate` and `rein.LLM` read them under their flags and keywords).
 ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
                  "gpu_memory_utilization", "device", "dtype", "kv_cache_dtype", "block_size", "enforce_eager",
-                 "enable_prefix_caching", "seed", "generation_config")
+                 "enable_prefix_caching", "seed", "generation_config", "model_impl")
 
 
 class _EngineSettingsBase(BaseSettings):

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+MODEL_IMPLS = ("auto", "rein", "transformers")   # as rein.engine.model_spec.MODEL_IMPLS
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,
@@ -55,6 +56,9 @@ class EngineConfig:
     generation_config: where the sampling defaults of requests come from (auto: the model's
     generation_config.json; vllm or none: built-in; or a folder), rein.engine.generation_defaults.
     The engine itself applies none: they are filled into SamplingParams when a request is parsed.
+    model_impl (vLLM's name): rein runs native code only, transformers the model's own transformers
+    modeling code with rein's attention (rein.engine.models.transformers_backend), auto native
+    code where rein has it, else transformers.
     """
 
     model: str
@@ -71,6 +75,7 @@ class EngineConfig:
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
     generation_config: str = "auto"
+    model_impl: str = "auto"
 
     def __post_init__(self) -> None:
         from rein.engine.generation_defaults import check_generation_config
@@ -82,6 +87,8 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: use one of {', '.join(KV_CACHE_DTYPES)}"
             )
+        if self.model_impl not in MODEL_IMPLS:
+            raise ValueError(f"model_impl {self.model_impl!r} is not supported: use one of {', '.join(MODEL_IMPLS)}")
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory is not None:

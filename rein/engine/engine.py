@@ -16,6 +16,7 @@ logits row, each with its own generator (seed + index). Every output names its c
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 import time
@@ -29,6 +30,7 @@ from rein.engine.detokenizer import IncrementalDetokenizer
 from rein.engine.errors import ContextLengthExceeded, EngineRequestError
 from rein.engine.model_files import resolve_model
 from rein.engine.model_runner import ModelRunner
+from rein.engine.model_spec import TRANSFORMERS_FAMILY, spec_for
 from rein.engine.outputs import RequestOutput, TokenLogprob
 from rein.engine.pooler import add_pooling_request, finish_requests
 from rein.engine.pooling_config import PoolingParams, read_pooling_config
@@ -70,7 +72,11 @@ class LLMEngine:
         self.config = config
         self.files = resolve_model(config.model)
         self.model_dir = self.files.directory
-        self.spec = self.files.spec
+        self.spec = spec_for(self.files.directory, config.model_impl)
+        if self.spec.family == TRANSFORMERS_FAMILY and not config.enforce_eager:
+            # A model's transformers code is not known to be safe to capture in a CUDA graph
+            # (a host sync inside it fails the capture), so it runs every step eagerly.
+            self.config = config = dataclasses.replace(config, enforce_eager=True)
         self.tokenizer = self.files.load_tokenizer()
         self.runner = ModelRunner(config, self.files, self.spec)
         self.pooling_config = read_pooling_config(self.model_dir)   # for embedding requests

@@ -77,9 +77,16 @@ def safetensors_tensors(directory: Path) -> Iterator[Callable[[str], torch.Tenso
 
 def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: torch.dtype,
                device: torch.device):
-    """Build the native model on `device` in `dtype` and fill it from the checkpoint."""
+    """Build the native model on `device` in `dtype` and fill it from the checkpoint (or, for
+    the "transformers" family, the model transformers builds: rein.engine.models.transformers_backend)."""
+    from rein.engine.model_spec import TRANSFORMERS_FAMILY
     from rein.engine.models import native_model_class
     from rein.engine.models.rope import RotaryEmbedding
+
+    if spec.family == TRANSFORMERS_FAMILY:
+        from rein.engine.models.transformers_backend import load_transformers_model
+
+        return load_transformers_model(files, spec, dtype, device)
 
     with torch.device("meta"):
         model = native_model_class(spec)(spec, max_positions)

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")  # as rein.engine.config
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+MODEL_IMPLS = ("auto", "rein", "transformers")   # as rein.engine.config
 
 WORKER = "worker"
 OFFLINE = ("run-batch", "generate")        # the commands with an engine in the process
@@ -78,6 +79,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "(--no-enable-prefix-caching: compute every prompt in full)", boolean=True),
     EngineOption("enforce_eager", "on CUDA, launch decode steps kernel by kernel instead of replaying CUDA graphs",
                  boolean=True),
+    EngineOption("model_impl", "rein: rein's native model code only; transformers: the model's own transformers "
+                 "code with rein's paged attention (any causal LM transformers builds); auto: native code where "
+                 "rein has it, else transformers", choices=MODEL_IMPLS),
     EngineOption("seed", "engine seed: seeds the sampling of requests that give no seed", int, "N"),
     EngineOption("generation_config", "sampling defaults of requests: auto (the model's generation_config.json), "
                  "vllm (built-in; none is the same), or a folder holding a generation_config.json",

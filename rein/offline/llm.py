@@ -97,7 +97,8 @@ class LLM:
     "bfloat16"; the KV cache also "int8"), `gpu_memory_utilization`, `enforce_eager`,
     `enable_prefix_caching`, `block_size`, `seed` (for requests that give none),
     `generation_config` ("auto": the model's generation_config.json gives the sampling
-    defaults, "vllm": built-in ones, or a folder). rein's own: `device` ("auto", "cuda",
+    defaults, "vllm": built-in ones, or a folder), `model_impl` ("auto", "rein", "transformers":
+    rein.engine.config). rein's own: `device` ("auto", "cuda",
     "cuda:N", "cpu"), `kv_cache_memory` (bytes or a size such as "4GiB"; vLLM's
     `kv_cache_memory_bytes` is accepted for it), and `max_in_flight` (requests in the engine
     at once; default 4 x max_num_seqs). An engine argument not given takes its REIN_*
@@ -125,6 +126,7 @@ class LLM:
         device: str = "auto",
         kv_cache_memory: int | str | None = None,
         generation_config: str = "auto",
+        model_impl: str = "auto",
         max_in_flight: int | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,

@@ -1,4 +1,7 @@
-"""rein's native model implementations, one module per layer shape, chosen by the spec's family."""
+"""rein's native model implementations, one module per layer shape, chosen by the spec's family.
+
+The "transformers" family (any other causal LM, run by its own transformers code with rein's
+attention: transformers_backend) is built by rein.engine.loader, not from this table."""
 
 from __future__ import annotations
 
