@@ -393,8 +393,11 @@ def check_transformers_config(config: Any) -> str:
             f"{kind} is a multimodal model (its text model is {text.model_type}): rein takes text inputs "
             f"only; a text-only checkpoint of the model may run")
     layer_kinds = sorted(set(getattr(config, "layer_types", None) or ()) - set(_ATTENTION_LAYER_TYPES))
-    if kind in _RECURRENT_MODEL_TYPES or layer_kinds or any(getattr(config, f, None) for f in _STATE_FIELDS):
-        what = f"{', '.join(layer_kinds)} layers" if layer_kinds else "recurrent or state-space layers"
+    recurrent = kind in _RECURRENT_MODEL_TYPES or any(getattr(config, f, None) for f in _STATE_FIELDS)
+    if recurrent or layer_kinds:
+        listed = ", ".join(layer_kinds)
+        what = ("recurrent or state-space layers" + (f" ({listed})" if listed else "")) if recurrent \
+            else f"{listed} layers"
         raise UnsupportedModelError(
             f"{kind} has {what}: rein's paged KV cache serves full and sliding-window attention layers only")
     if kind in _ALIBI_MODEL_TYPES or getattr(config, "alibi", False):

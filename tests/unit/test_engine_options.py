@@ -51,7 +51,7 @@ def test_the_commands_share_one_set_of_options(capsys):
     assert {"--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization",
             "--kv-cache-memory", "--kv-cache-dtype", "--dtype", "--device", "--block-size", "--enable-prefix-caching",
             "--no-enable-prefix-caching", "--enforce-eager", "--no-enforce-eager", "--seed",
-            "--generation-config"} == offline
+            "--generation-config", "--model-impl"} == offline
     assert engine_flags("api") == {"--max-model-len", "--generation-config"}   # what intake applies
     for command in ("worker", "run-batch", "generate", "api"):
         with pytest.raises(SystemExit):
