@@ -402,9 +402,6 @@ def check_transformers_config(config: Any) -> str:
             f"{kind} has {what}: rein's paged KV cache serves full and sliding-window attention layers only")
     if kind in _ALIBI_MODEL_TYPES or getattr(config, "alibi", False):
         raise UnsupportedModelError(f"{kind} uses ALiBi position biases, which rein's paged attention lacks")
-    if getattr(config, "attn_logit_softcapping", None):
-        raise UnsupportedModelError(
-            f"{kind} caps its attention logits (attn_logit_softcapping), which rein's paged attention lacks")
     if getattr(config, "kv_lora_rank", None):
         raise UnsupportedModelError(f"{kind} uses multi-head latent attention (kv_lora_rank), not supported")
     try:

@@ -13,7 +13,9 @@ attention alone looks at request boundaries, through the cache's block tables. S
 attention name is not one transformers builds masks for, `create_causal_mask` returns None
 and no dense [T, T] mask is made. The step's caches and metadata reach the attention
 function through a context variable set around the forward, so it works whether or not a
-model passes its forward's keyword arguments down to its attention modules.
+model passes its forward's keyword arguments down to its attention modules. A model that
+caps its attention logits (Gemma 2) takes a torch path over the same paged cache
+(`softcapped_attention`), since the kernels do not cap.
 """
 
 from __future__ import annotations
@@ -25,9 +27,11 @@ from contextvars import ContextVar
 import torch
 from torch import nn
 
+from rein import kernels
 from rein.engine.attention import AttentionMetadata, LayerCache, paged_attention
 from rein.engine.model_files import ModelFiles
 from rein.engine.model_spec import ModelSpec, UnsupportedModelError
+from rein.kernels import reference
 
 ATTENTION_NAME = "rein_paged"
 
@@ -45,9 +49,8 @@ def rein_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
     if step is None:
         raise RuntimeError(f"{ATTENTION_NAME} attention ran outside a rein engine step")
     caches, meta = step
-    if softcap is not None or kwargs.get("s_aux") is not None:
-        raise UnsupportedModelError(f"{type(module).__name__} caps its attention logits or adds attention "
-                                    f"sinks, which rein's paged attention lacks")
+    if kwargs.get("s_aux") is not None:
+        raise UnsupportedModelError(f"{type(module).__name__} adds attention sinks, which rein's paged attention lacks")
     cache = caches[module.layer_idx]
     q = query[0].transpose(0, 1).contiguous()
     k = key[0].transpose(0, 1).contiguous()
@@ -57,8 +60,44 @@ def rein_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
             f"{type(module).__name__} (layer {module.layer_idx}) gives keys/values of {tuple(k.shape[1:])} "
             f"and {tuple(v.shape[1:])} (heads, head_dim), but the config describes {tuple(cache.k.shape[2:])}")
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = paged_attention(q, k, v, cache, meta, scale, window=sliding_window)
+    if softcap:
+        kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+        out = softcapped_attention(q, cache, meta, scale, softcap, sliding_window)
+    else:
+        out = paged_attention(q, k, v, cache, meta, scale, window=sliding_window)
     return out.unsqueeze(0), None
+
+
+def softcapped_attention(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float,
+                         softcap: float, window: int | None) -> torch.Tensor:
+    """Attention whose scores are capped, softcap * tanh(scores / softcap), before the softmax
+    (Gemma 2), which the paged kernels do not do: a torch path over each request's cached
+    K/V, decode rows first, then the prefill chunks (as paged_attention lays them out).
+    A request at a time, so slower than the kernels; only models that cap take it."""
+    spans = []   # (first row, rows, context length incl. those rows, block table row)
+    if meta.num_decode_tokens:
+        for row, length in enumerate(meta.decode_context_lens.tolist()):
+            spans.append((row, 1, length, meta.decode_block_tables[row]))
+    if meta.prefill_cu_seqlens_q is not None:
+        starts = meta.prefill_cu_seqlens_q.tolist()
+        for i, length in enumerate(meta.prefill_context_lens.tolist()):
+            spans.append((meta.num_decode_tokens + starts[i], starts[i + 1] - starts[i], length,
+                          meta.prefill_block_tables[i]))
+    out = torch.empty_like(q)
+    group = q.shape[1] // cache.k.shape[2]
+    for first, rows, length, table in spans:
+        keys = reference.gather_kv(cache.k, cache.k_scale, table, length, q.dtype).repeat_interleave(group, 1)
+        values = reference.gather_kv(cache.v, cache.v_scale, table, length, q.dtype).repeat_interleave(group, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[first:first + rows], keys) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        q_pos = torch.arange(length - rows, length, device=q.device).unsqueeze(1)
+        k_pos = torch.arange(length, device=q.device).unsqueeze(0)
+        visible = k_pos <= q_pos
+        if window is not None:
+            visible &= k_pos > q_pos - window
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        out[first:first + rows] = torch.einsum("hqk,khd->qhd", probs, values)
+    return out
 
 
 def _register() -> None:
