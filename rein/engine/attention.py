@@ -47,29 +47,31 @@ def paged_attention(
     scale: float,
     window: int | None = None,
 ) -> torch.Tensor:
-    """Store this step's k/v [T, kvh, d] in the cache, then attend; q [T, heads, d] -> same shape."""
+    """Store this step's k/v [T, kvh, d] in the cache, then attend; q [T, heads, d] -> same shape.
+    window: the layer's sliding window in tokens (None: full causal attention)."""
     kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
     num_decode = meta.num_decode_tokens
     if num_decode == 0:
-        return _prefill(q, cache, meta, scale)
+        return _prefill(q, cache, meta, scale, window)
     if num_decode == q.shape[0] and not meta.decode_groups:
         return kernels.paged_decode_attention(
             q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, scale,
-            cache.k_scale, cache.v_scale,
+            cache.k_scale, cache.v_scale, window,
         )
     out = torch.empty_like(q)
     for start, end in meta.decode_groups or [(0, num_decode)]:
         out[start:end] = kernels.paged_decode_attention(
             q[start:end], cache.k, cache.v, meta.decode_block_tables[start:end],
-            meta.decode_context_lens[start:end], scale, cache.k_scale, cache.v_scale,
+            meta.decode_context_lens[start:end], scale, cache.k_scale, cache.v_scale, window,
         )
     if num_decode < q.shape[0]:
-        out[num_decode:] = _prefill(q[num_decode:], cache, meta, scale)
+        out[num_decode:] = _prefill(q[num_decode:], cache, meta, scale, window)
     return out
 
 
-def _prefill(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _prefill(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float,
+             window: int | None) -> torch.Tensor:
     return kernels.paged_prefill_attention(
         q, cache.k, cache.v, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
-        meta.prefill_context_lens, scale, cache.k_scale, cache.v_scale,
+        meta.prefill_context_lens, scale, cache.k_scale, cache.v_scale, window,
     )

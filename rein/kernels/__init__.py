@@ -31,37 +31,48 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=N
     return reference.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
+def check_window(window: int | None) -> None:
+    """A sliding window is a positive token count (None: full causal attention)."""
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive number of tokens or None, got {window!r}")
+
+
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
-                           k_scale=None, v_scale=None) -> torch.Tensor:
+                           k_scale=None, v_scale=None, window: int | None = None) -> torch.Tensor:
+    """See rein.kernels.reference.paged_decode_attention (window: sliding-window attention)."""
+    check_window(window)
     if use_triton(query):
         from rein.kernels import triton_ops
 
         return triton_ops.paged_decode_attention(query, k_cache, v_cache, block_tables,
-                                                 context_lens, scale, k_scale, v_scale)
+                                                 context_lens, scale, k_scale, v_scale, window)
     if k_scale is None and query.device.type == "cpu":
         from rein.kernels import cpu_native
 
-        out = cpu_native.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale)
+        out = cpu_native.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
+                                                window=window)
         if out is not None:
             return out
     return reference.paged_decode_attention(query, k_cache, v_cache, block_tables,
-                                            context_lens, scale, k_scale, v_scale)
+                                            context_lens, scale, k_scale, v_scale, window)
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                            scale, k_scale=None, v_scale=None) -> torch.Tensor:
+                            scale, k_scale=None, v_scale=None, window: int | None = None) -> torch.Tensor:
+    """See rein.kernels.reference.paged_prefill_attention (window: sliding-window attention)."""
+    check_window(window)
     if use_triton(query):
         from rein.kernels import triton_ops
 
         return triton_ops.paged_prefill_attention(query, k_cache, v_cache, block_tables,
                                                   cu_seqlens_q, context_lens, scale,
-                                                  k_scale, v_scale)
+                                                  k_scale, v_scale, window)
     if k_scale is None and query.device.type == "cpu":
         from rein.kernels import cpu_native
 
         out = cpu_native.paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                                 context_lens, scale)
+                                                 context_lens, scale, window=window)
         if out is not None:
             return out
     return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables,
-                                             cu_seqlens_q, context_lens, scale, k_scale, v_scale)
+                                             cu_seqlens_q, context_lens, scale, k_scale, v_scale, window)

@@ -85,7 +85,8 @@ def why_unavailable() -> str:
     return _why_not
 
 
-def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale) -> torch.Tensor | None:
+def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
+                           window: int | None = None) -> torch.Tensor | None:
     """Same contract as rein.kernels.reference.paged_decode_attention, float32 cache only;
     None when this kernel does not apply (the caller falls back to the reference)."""
     lib = library() if _attention_applies(query, k_cache, v_cache) else None
@@ -103,13 +104,13 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     rc = lib.paged_decode_attention_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), max_len,
-        batch, num_heads, num_kv_heads, head_dim, block_size, scale, threads,
+        batch, num_heads, num_kv_heads, head_dim, block_size, scale, _c_window(window), threads,
     )
     return out if rc == 0 else None
 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
-                            scale) -> torch.Tensor | None:
+                            scale, window: int | None = None) -> torch.Tensor | None:
     """Same contract as rein.kernels.reference.paged_prefill_attention, float32 cache only;
     None when this kernel does not apply (the caller falls back to the reference)."""
     lib = library() if _attention_applies(query, k_cache, v_cache) else None
@@ -128,9 +129,14 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     rc = lib.paged_prefill_attention_f32(
         query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
         starts.data_ptr(), lens.data_ptr(), out.data_ptr(), packed_keys.data_ptr(), lens.shape[0],
-        num_heads, num_kv_heads, head_dim, block_size, scale, torch.get_num_threads(),
+        num_heads, num_kv_heads, head_dim, block_size, scale, _c_window(window), torch.get_num_threads(),
     )
     return out if rc == 0 else None
+
+
+def _c_window(window: int | None) -> int:
+    """The C kernels' window argument: 0 means none."""
+    return 0 if window is None else window
 
 
 def _f32_cpu(*tensors: torch.Tensor) -> bool:
@@ -241,10 +247,10 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention_f32
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
     fn.restype = ctypes.c_int
     lib.paged_prefill_attention_f32.argtypes = [p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64,
-                                                ctypes.c_float, ctypes.c_int]
+                                                ctypes.c_float, i64, ctypes.c_int]
     lib.paged_prefill_attention_f32.restype = ctypes.c_int
     lib.prefill_attention_f32_nr.restype = ctypes.c_int
     f32 = ctypes.c_float

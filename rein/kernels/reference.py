@@ -100,16 +100,25 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query token per request against its cached context.
 
     query [B, num_heads, head_dim]; block_tables [B, max_blocks] (entries past a request's
     blocks are ignored); context_lens [B] = tokens in the cache for that request, the
     query's own token included. Returns [B, num_heads, head_dim].
+
+    window: sliding-window attention (Mistral, Gemma 2/3): the query at position p sees only
+    keys p - window < k <= p, its last `window` tokens. None is full causal attention. Block
+    table entries wholly before a request's window are never read (they may be -1 or blocks
+    already reused).
     """
     batch, num_heads, head_dim = query.shape
     num_kv_heads = k_cache.shape[2]
     max_len = int(context_lens.max())
+    if window is not None and window < max_len:
+        return _windowed_decode(query, k_cache, v_cache, block_tables, context_lens, scale,
+                                k_scale, v_scale, window)
     # [B, L, kvh, d] -> [B, kvh, L, d]
     keys = _gather(k_cache, k_scale, block_tables, max_len, query.dtype).transpose(1, 2)
     values = _gather(v_cache, v_scale, block_tables, max_len, query.dtype).transpose(1, 2)
@@ -124,6 +133,32 @@ def paged_decode_attention(
     return out.reshape(batch, num_heads, head_dim)
 
 
+def _windowed_decode(query, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
+                     window: int) -> torch.Tensor:
+    """Decode with a window shorter than some context: each row's block table is shifted to start
+    at the block holding its window's first key, so only the window's blocks are gathered (a
+    window's worth per request, whatever the context) and none before it is indexed."""
+    batch, num_heads, head_dim = query.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    device = query.device
+    lens = context_lens.to(device=device, dtype=torch.long)
+    first_block = (lens - window).clamp(min=0) // block_size
+    offset = first_block * block_size          # position of each row's first gathered key
+    span = int((lens - offset).max())
+    width = (span + block_size - 1) // block_size
+    columns = first_block.unsqueeze(1) + torch.arange(width, device=device)
+    # Columns past the table's end belong to no request's context: any entry will do (masked).
+    tables = block_tables.to(device).gather(1, columns.clamp(max=block_tables.shape[1] - 1))
+    keys = _gather(k_cache, k_scale, tables, span, query.dtype).transpose(1, 2)
+    values = _gather(v_cache, v_scale, tables, span, query.dtype).transpose(1, 2)
+    positions = offset.unsqueeze(1) + torch.arange(span, device=device)
+    mask = (positions < lens.unsqueeze(1)) & (positions >= (lens - window).unsqueeze(1))
+    q = query.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None, :],
+                                                           scale=scale)
+    return out.reshape(batch, num_heads, head_dim)
+
+
 def paged_prefill_attention(
     query: torch.Tensor,
     k_cache: torch.Tensor,
@@ -134,37 +169,48 @@ def paged_prefill_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """A chunk of query tokens per request, attending causally to its cache (prefix + chunk).
 
     query [T, num_heads, head_dim] holds the requests' chunks back to back; request i owns
     rows cu_seqlens_q[i]:cu_seqlens_q[i+1]. context_lens[i] counts its cached tokens with
     the chunk included, so the chunk's positions are context_len - q_len .. context_len - 1.
+    window: as in paged_decode_attention, per query row (the row at position p sees keys
+    p - window < k <= p); blocks wholly before the chunk's first row's window are never read.
     Returns [T, num_heads, head_dim].
     """
     out = torch.empty_like(query)
     starts = cu_seqlens_q.tolist()
     lengths = context_lens.tolist()
+    block_size = k_cache.shape[1]
     for i, ctx in enumerate(lengths):
         q0, q1 = starts[i], starts[i + 1]
         q_len = q1 - q0
         if q_len == 0:
             continue
-        keys = gather_kv(k_cache, k_scale, block_tables[i], ctx, query.dtype)  # [L, kvh, d]
-        values = gather_kv(v_cache, v_scale, block_tables[i], ctx, query.dtype)
+        # The chunk's first row sees the most keys; blocks before its window's are skipped.
+        first_block = 0 if window is None else max(0, ctx - q_len - window + 1) // block_size
+        offset = first_block * block_size
+        table = block_tables[i, first_block:]
+        keys = gather_kv(k_cache, k_scale, table, ctx - offset, query.dtype)  # [L, kvh, d]
+        values = gather_kv(v_cache, v_scale, table, ctx - offset, query.dtype)
         # [1, heads, q_len, d] against [1, kvh, L, d]: with enable_gqa and a plain causal mask
         # (or a bool one) torch's CPU flash kernel runs; K/V broadcast over a head group, as
         # before, sent SDPA to its unfused math path (bmm, full-size masks): twice as slow.
         q = query[q0:q1].transpose(0, 1).unsqueeze(0)
         k = keys.transpose(0, 1).unsqueeze(0)
         v = values.transpose(0, 1).unsqueeze(0)
-        if ctx == q_len:   # no cached prefix: the causal mask is torch's own (top-left aligned)
+        windowed = window is not None and window < ctx
+        if ctx == q_len and not windowed:   # the causal mask is torch's own (top-left aligned)
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale,
                                                                  enable_gqa=True)
         else:
-            q_pos = torch.arange(ctx - q_len, ctx, device=query.device)
-            k_pos = torch.arange(ctx, device=query.device)
-            mask = k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)  # [q_len, L]
+            q_pos = torch.arange(ctx - q_len, ctx, device=query.device).unsqueeze(1)
+            k_pos = torch.arange(offset, ctx, device=query.device).unsqueeze(0)
+            mask = k_pos <= q_pos  # [q_len, L]
+            if windowed:
+                mask &= k_pos > q_pos - window
             o = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale,
                                                                  enable_gqa=True)
         out[q0:q1] = o[0].transpose(0, 1)

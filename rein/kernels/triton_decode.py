@@ -13,6 +13,9 @@ KV head and one partition of `partition_size` context tokens:
     multiplies). V is dequantized (int * scale in fp32, then the compute dtype) before
     the PV product, like the reference: folding its scale into the probabilities instead
     would push p * scale into fp16's subnormal range for small-valued V.
+A sliding window (`window` tokens) moves each request's partitions to start at its window's
+first token, so no block before the window is read (the engine may have freed it), and bounds
+the number of splits by the window instead of the block table.
 With more than one split each program writes its normalized partial output and its
 log-sum-exp (base 2) to fp32 scratch, and `_decode_reduce_kernel` merges the splits per
 (request, head). With one split the main kernel writes the output directly.
@@ -37,6 +40,10 @@ MAX_SPLITS = 64
 # Aim for about this many waves of programs over the SMs when choosing splits.
 TARGET_WAVES = 2
 LOG2E = 1.4426950408889634
+# The kernels' window when there is none: larger than any context, so ctx - window < 0 and every
+# request starts at token 0. The window is a runtime int, so windowed and full attention share
+# one kernel (Triton specializes an int only on divisibility by 16: a compile or two at most).
+NO_WINDOW = 2**31 - 1
 
 _SM_COUNT: dict[int, int] = {}
 
@@ -70,7 +77,7 @@ def choose_partition(batch: int, num_kv_heads: int, max_tokens: int, block_n: in
 @triton.jit
 def _decode_kernel(
     Q, K, V, KS, VS, BT, CL, OUT, MID_O, MID_LSE,
-    qk_scale, partition_size,
+    qk_scale, partition_size, window,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -88,7 +95,8 @@ def _decode_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(CL + b).to(tl.int32)
-    start = split * partition_size
+    # Partitions count from the window's first token: blocks before it are never indexed.
+    start = tl.maximum(ctx - window, 0) + split * partition_size
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, HEAD_DIM_PAD)
@@ -152,7 +160,7 @@ def _decode_kernel(
 @triton.jit
 def _decode_reduce_kernel(
     MID_O, MID_LSE, CL, OUT,
-    partition_size,
+    partition_size, window,
     stride_mb, stride_mh, stride_ms,
     stride_lb, stride_lh,
     stride_ob, stride_oh,
@@ -165,7 +173,8 @@ def _decode_reduce_kernel(
     h = tl.program_id(1)
     b64 = b.to(tl.int64)
     ctx = tl.maximum(tl.load(CL + b).to(tl.int32), 0)
-    n_valid = (ctx + partition_size - 1) // partition_size
+    span = ctx - tl.maximum(ctx - window, 0)  # tokens the query sees
+    n_valid = (span + partition_size - 1) // partition_size
     d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = d < HEAD_DIM
     m = tl.full([1], float("-inf"), dtype=tl.float32)
@@ -197,6 +206,7 @@ def paged_decode_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
     *,
     partition_size: int | None = None,
     max_context_len: int | None = None,
@@ -236,6 +246,10 @@ def paged_decode_attention(
     max_tokens = block_tables.shape[1] * block_size
     if max_context_len is not None:
         max_tokens = min(max_tokens, max(int(max_context_len), 1))
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"window must be a positive number of tokens, got {window}")
+        max_tokens = min(max_tokens, window)
     if partition_size is None:
         partition_size = choose_partition(batch, num_kv_heads, max_tokens, block_n, _sm_count(device))
     elif partition_size <= 0:
@@ -262,7 +276,7 @@ def paged_decode_attention(
 
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, ks, vs, block_tables, context_lens, out, mid_o, mid_lse,
-        qk_scale, partition_size,
+        qk_scale, partition_size, NO_WINDOW if window is None else window,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -280,7 +294,7 @@ def paged_decode_attention(
     if split:
         _decode_reduce_kernel[(batch, num_heads)](
             mid_o, mid_lse, context_lens, out,
-            partition_size,
+            partition_size, NO_WINDOW if window is None else window,
             *mid_strides,
             *lse_strides,
             out.stride(0), out.stride(1),

@@ -17,6 +17,9 @@ every request:
     online softmax in fp32 with exp2. The KV loop is split in two: tiles entirely at or
     before the tile's first query position need neither the causal nor the length mask;
     only the remaining (diagonal) tiles pay for masking.
+  * A sliding window (`window` tokens) starts a tile's key loop at the first key its first
+    query row sees, so no cache block before the window is read (the engine may have freed
+    it); tiles before the last row's window start are masked too.
   * int8 caches: as in decode, integer K goes straight into tl.dot and its per-token
     scale multiplies the fp32 scores; V is dequantized in fp32 before the PV product.
 """
@@ -27,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from rein.kernels.triton_decode import NO_WINDOW
 from rein.kernels.triton_store import check_cache, check_index, check_rows, head_dim_pad
 
 LOG2E = 1.4426950408889634
@@ -71,13 +75,14 @@ def _find_request(CU_Q, num_reqs, tile, BLOCK_Q: tl.constexpr):
 
 @triton.jit
 def _attend(
-    acc, l_i, m_i, q, q_pos, n0, kv_end, bt_row, K, V, KS, VS, kvh, qk_scale,
+    acc, l_i, m_i, q, q_pos, n0, kv_end, window, bt_row, K, V, KS, VS, kvh, qk_scale,
     stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
     stride_sb, stride_st, stride_sh, d, d_mask,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
     USE_SCALE: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    """One BLOCK_N-token K/V tile folded into the running softmax state."""
+    """One BLOCK_N-token K/V tile folded into the running softmax state. Unmasked tiles are
+    visible whole to every row; masked ones apply the length, causal and window masks."""
     n = n0 + tl.arange(0, BLOCK_N)
     n_mask = n < kv_end
     if MASKED:
@@ -97,12 +102,16 @@ def _attend(
         s = s * tl.load(KS + s_off, mask=n_mask, other=0.0)[None, :]
     s = s * qk_scale
     if MASKED:
-        s = tl.where(n_mask[None, :] & (n[None, :] <= q_pos[:, None]), s, float("-inf"))
-    # Each row has a finite score in the first tile it sees (key 0 / its own position
-    # precede every later tile), so m_new is finite and exp2 never sees -inf - -inf.
+        visible = (n[None, :] <= q_pos[:, None]) & (n[None, :] > q_pos[:, None] - window)
+        s = tl.where(n_mask[None, :] & visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_safe = m_new
+    if MASKED:
+        # A row whose window starts past this tile has seen no key yet (m_new = -inf): exp2
+        # against 0 instead keeps -inf - -inf (NaN) out; its p and alpha are 0, as are acc, l_i.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_safe)
+    p = tl.exp2(s - m_safe[:, None])
     l_i = l_i * alpha + tl.sum(p, axis=1)
     v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
     if USE_SCALE:
@@ -114,7 +123,7 @@ def _attend(
 @triton.jit
 def _prefill_kernel(
     Q, K, V, KS, VS, BT, CU_Q, CL, OUT,
-    qk_scale, num_reqs,
+    qk_scale, num_reqs, window,
     stride_qt, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -146,25 +155,41 @@ def _prefill_kernel(
     rows64 = (q_start + tok).to(tl.int64)
     q = tl.load(Q + rows64[:, None] * stride_qt + (heads * stride_qh)[:, None] + d[None, :],
                 mask=io_mask, other=0.0)
-    q_pos = prefix + tok  # padding rows get positions >= ctx: they see every key, no NaN
+    # Padding rows (never stored) take the last row's position: like every row they see a key,
+    # so no 0/0 (with a window, a position past the context could see none).
+    q_pos = prefix + tl.minimum(tok, q_len - 1)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], dtype=tl.float32)
     bt_row = BT + req.to(tl.int64) * stride_btb
+    q_first = prefix + tok0
     kv_end = prefix + tl.minimum(tok0 + BLOCK_Q, q_len)  # last query position in tile + 1
-    # Keys [0, full_end) precede the tile's first query position: no masks needed.
-    full_end = ((prefix + tok0 + 1) // BLOCK_N) * BLOCK_N
-    for n0 in range(0, full_end, BLOCK_N):
+    # Key tiles start at the first key the tile's first row sees (0 without a window), so no
+    # block before its window is indexed. Keys [all_from, q_first] are visible to every row (the
+    # last row's window start .. the first row's position): the whole tiles in that range,
+    # [mid_lo, mid_hi), need no masks; the tiles before and after them do.
+    kv_start = tl.maximum(q_first - window + 1, 0)
+    all_from = tl.maximum(kv_end - window, 0)
+    mid_lo = tl.minimum(kv_start + (all_from - kv_start + BLOCK_N - 1) // BLOCK_N * BLOCK_N, kv_end)
+    mid_hi = tl.maximum(kv_start + (q_first + 1 - kv_start) // BLOCK_N * BLOCK_N, mid_lo)
+    for n0 in range(kv_start, mid_lo, BLOCK_N):
         acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, q_pos, n0, kv_end, bt_row, K, V, KS, VS, kvh, qk_scale,
+            acc, l_i, m_i, q, q_pos, n0, kv_end, window, bt_row, K, V, KS, VS, kvh, qk_scale,
+            stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
+            stride_sb, stride_st, stride_sh, d, d_mask,
+            BLOCK_SIZE, BLOCK_N, USE_SCALE, True, DOT_PREC,
+        )
+    for n0 in range(mid_lo, mid_hi, BLOCK_N):
+        acc, l_i, m_i = _attend(
+            acc, l_i, m_i, q, q_pos, n0, kv_end, window, bt_row, K, V, KS, VS, kvh, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_sb, stride_st, stride_sh, d, d_mask,
             BLOCK_SIZE, BLOCK_N, USE_SCALE, False, DOT_PREC,
         )
-    for n0 in range(full_end, kv_end, BLOCK_N):
+    for n0 in range(mid_hi, kv_end, BLOCK_N):
         acc, l_i, m_i = _attend(
-            acc, l_i, m_i, q, q_pos, n0, kv_end, bt_row, K, V, KS, VS, kvh, qk_scale,
+            acc, l_i, m_i, q, q_pos, n0, kv_end, window, bt_row, K, V, KS, VS, kvh, qk_scale,
             stride_kb, stride_kt, stride_kh, stride_vb, stride_vt, stride_vh,
             stride_sb, stride_st, stride_sh, d, d_mask,
             BLOCK_SIZE, BLOCK_N, USE_SCALE, True, DOT_PREC,
@@ -184,6 +209,7 @@ def paged_prefill_attention(
     scale: float,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Same contract as `reference.paged_prefill_attention`; returns [T, num_heads, head_dim].
 
@@ -209,6 +235,8 @@ def paged_prefill_attention(
         )
     if block_tables.shape[0] < num_reqs:
         raise ValueError(f"block_tables has {block_tables.shape[0]} rows for {num_reqs} requests")
+    if window is not None and window < 1:
+        raise ValueError(f"window must be a positive number of tokens, got {window}")
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=device)
     if num_tokens == 0 or num_reqs == 0:
         return out
@@ -225,7 +253,7 @@ def paged_prefill_attention(
     grid = (num_tokens // cfg["BLOCK_Q"] + num_reqs, num_kv_heads)
     _prefill_kernel[grid](
         query, k_cache, v_cache, ks, vs, block_tables, cu_seqlens_q, context_lens, out,
-        float(scale) * LOG2E, num_reqs,
+        float(scale) * LOG2E, num_reqs, NO_WINDOW if window is None else window,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -114,7 +114,7 @@ def test_dispatch_uses_it_and_the_settings_turn_it_off(setting, monkeypatch, bui
     q, k, v, tables, lens = make_case([10, 40], 4, 2, 32, 16)
     calls = []
     real = cpu_native.paged_decode_attention
-    monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_native, "paged_decode_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     kernels.paged_decode_attention(q, k, v, tables, lens, 0.1)
     assert calls and cpu_native._lib is not None
     assert list((build_root / "kernels").glob("rein_cpu_kernels-*.so"))
@@ -185,7 +185,7 @@ def test_prefill_dispatch_and_what_it_declines(monkeypatch):
     args = make_prefill_case([10, 20], [10, 50], 4, 2, 32, 16)
     calls = []
     real = cpu_native.paged_prefill_attention
-    monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     torch.testing.assert_close(kernels.paged_prefill_attention(*args, 0.1),
                                reference.paged_prefill_attention(*args, 0.1), atol=2e-5, rtol=1e-5)
     assert calls

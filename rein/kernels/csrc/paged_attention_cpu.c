@@ -130,7 +130,10 @@ static void values_avx2(const float *v_cache, const int32_t *table, int64_t bloc
 
 /* query [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, bt_stride]
  * (int32); context_lens [B] (int32, >= 1); out [B, Hq, D]. scratch holds num_threads * Hq * max_len
- * floats. Returns 0, or -1 when the shapes are outside what this kernel handles.
+ * floats. window > 0: the query (position len - 1) sees only its last `window` tokens, and table
+ * entries before the block holding the first of them are never read (freed blocks, maybe -1);
+ * window <= 0: the whole context. Returns 0, or -1 when the shapes are outside what this kernel
+ * handles.
  *
  * One request per iteration, all its heads together: a cache slot's K (or V) row of all kv
  * heads is contiguous, so each row is streamed once, front to back, which the hardware
@@ -140,7 +143,7 @@ int paged_decode_attention_f32(
     const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
     float *out, float *scratch, int64_t max_len,
     int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, int num_threads)
+    int64_t block_size, float scale, int64_t window, int num_threads)
 {
     const int64_t group = num_heads / num_kv_heads;
     if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads)
@@ -149,8 +152,15 @@ int paged_decode_attention_f32(
 
     #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
     for (int64_t b = 0; b < batch; b++) {
-        const int64_t len = context_lens[b];
-        const int32_t *table = block_tables + b * bt_stride;
+        /* A window starts the request at the block holding its first visible token: `len` and
+         * `table` then count from that block, and the `skip` tokens of it before the window
+         * are scored (whole-block loops stay as they are) but get probability 0. */
+        const int64_t full_len = context_lens[b];
+        const int64_t window_start = window > 0 && full_len > window ? full_len - window : 0;
+        const int64_t first_block = window_start / block_size;
+        const int64_t len = full_len - first_block * block_size;
+        const int64_t skip = window_start - first_block * block_size;
+        const int32_t *table = block_tables + b * bt_stride + first_block;
         const float *q = query + b * num_heads * head_dim;
         float *s = scratch + (int64_t)omp_get_thread_num() * num_heads * max_len;
 
@@ -176,14 +186,15 @@ int paged_decode_attention_f32(
             float *sh = s + hq * len;
             float m = -INFINITY;
             #pragma omp simd reduction(max:m)
-            for (int64_t t = 0; t < len; t++) m = sh[t] > m ? sh[t] : m;
+            for (int64_t t = skip; t < len; t++) m = sh[t] > m ? sh[t] : m;
             float sum = 0.0f;
             #pragma omp simd reduction(+:sum)
-            for (int64_t t = 0; t < len; t++) {
+            for (int64_t t = skip; t < len; t++) {
                 float e = fast_expf(sh[t] - m);
                 sh[t] = e;
                 sum += e;
             }
+            for (int64_t t = 0; t < skip; t++) sh[t] = 0.0f;
             inv_sum[hq] = 1.0f / sum;
         }
         /* out_hq = sum_t p_hq[t] v_t[kv head of hq] / sum_hq, accumulated in out itself */

@@ -12,7 +12,9 @@
  *   fold them into a running max and sum (online softmax), and add P x V to their outputs, V
  *   read in place from the cache blocks, NR output columns at a time with MR x NR sums in
  *   registers;
- * - panels past a block's last query position are skipped (causal).
+ * - panels past a block's last query position are skipped (causal), and with a sliding window
+ *   so are the panels before its first row's window, and the cache blocks before the chunk's
+ *   first row's window are never read (the engine may have freed them).
  *
  * GCC's vector extensions, so -march=native picks the instructions (AVX-512: MR 12, NR 32;
  * otherwise MR 6, NR 16). head_dim must be a multiple of NR; the caller falls back to torch
@@ -113,44 +115,47 @@ static inline void add_values(const float *p, int64_t n, const float *v_cache, c
     }
 }
 
-/* Online softmax of one tile of scores s[MR][NR] (keys key0 .. key0 + n; row r sees keys up to
- * pos[r]): the running maxima m move up, the outputs o and the per-lane running sums lsum are
- * rescaled by exp(old max - new max), and s becomes exp(s - max), 0 where masked. Lane sums
- * (reduced once at the end) keep a horizontal add out of every tile. */
-static inline void softmax_tile(float *s, int64_t key0, int64_t n, const int64_t *pos, float *m, float *lsum,
-                                float *o, int64_t head_dim) {
+/* Online softmax of one tile of scores s[MR][NR] (keys key0 .. key0 + n; row r sees keys from
+ * lo[r] up to pos[r]): the running maxima m move up, the outputs o and the per-lane running sums
+ * lsum are rescaled by exp(old max - new max), and s becomes exp(s - max), 0 where masked. Lane
+ * sums (reduced once at the end) keep a horizontal add out of every tile. */
+static inline void softmax_tile(float *s, int64_t key0, int64_t n, const int64_t *pos, const int64_t *lo,
+                                float *m, float *lsum, float *o, int64_t head_dim) {
     float mx[MR], alpha[MR];
-    int64_t visible[MR];
+    int64_t visible[MR], first[MR];
     for (int r = 0; r < MR; r++) {
         const float *sr = s + r * NR;
-        const int64_t v = pos[r] + 1 - key0 < n ? pos[r] + 1 - key0 : n;
+        const int64_t v = pos[r] + 1 - key0 < n ? pos[r] + 1 - key0 : n, f = lo[r] - key0;
         float x = m[r];
-        if (v == NR) {
+        if (v == NR && f <= 0) {
             #pragma omp simd reduction(max:x)
             for (int64_t j = 0; j < NR; j++) x = sr[j] > x ? sr[j] : x;
         } else {
             #pragma omp simd reduction(max:x)
-            for (int64_t j = 0; j < NR; j++) x = j < v && sr[j] > x ? sr[j] : x;
+            for (int64_t j = 0; j < NR; j++) x = j >= f && j < v && sr[j] > x ? sr[j] : x;
         }
         visible[r] = v;
+        first[r] = f;
         mx[r] = x;
     }
+    /* m = -inf: ~0, nothing to scale yet. A row whose window starts past this tile has seen no
+     * key at all (x = -inf too): 1, where exp(-inf - -inf) would be NaN. */
     #pragma omp simd
-    for (int r = 0; r < MR; r++) alpha[r] = fast_expf(m[r] - mx[r]);   /* m = -inf: ~0, nothing to scale */
+    for (int r = 0; r < MR; r++) alpha[r] = mx[r] == -INFINITY ? 1.0f : fast_expf(m[r] - mx[r]);
     for (int r = 0; r < MR; r++) {
         float *sr = s + r * NR, *lr = lsum + r * NR;
         const float x = mx[r], a = alpha[r];
-        if (visible[r] == NR) {
+        if (visible[r] == NR && first[r] <= 0) {
             #pragma omp simd
             for (int64_t j = 0; j < NR; j++) {
                 sr[j] = fast_expf(sr[j] - x);
                 lr[j] = lr[j] * a + sr[j];
             }
         } else {
-            const int64_t v = visible[r];
+            const int64_t v = visible[r], f = first[r];
             #pragma omp simd
             for (int64_t j = 0; j < NR; j++) {
-                sr[j] = j < v ? fast_expf(sr[j] - x) : 0.0f;
+                sr[j] = j >= f && j < v ? fast_expf(sr[j] - x) : 0.0f;
                 lr[j] = lr[j] * a + sr[j];
             }
         }
@@ -166,12 +171,13 @@ static inline void softmax_tile(float *s, int64_t key0, int64_t n, const int64_t
 /* query [T, Hq, D] (rows of request i: cu_seqlens_q[i] .. cu_seqlens_q[i+1]); caches [num_blocks,
  * block_size, Hkv, D]; block_tables [B, bt_stride] int32; context_lens [B] int32 (cached tokens,
  * the chunk included); out [T, Hq, D]. kt_scratch holds ceil(max context / NR) * NR * D floats.
+ * window > 0: the row at position p sees keys p - window < k <= p only; window <= 0: all k <= p.
  * Returns 0, or -1 for shapes this kernel does not handle (nothing written). */
 int paged_prefill_attention_f32(
     const float *query, const float *k_cache, const float *v_cache,
     const int32_t *block_tables, int64_t bt_stride, const int64_t *cu_seqlens_q, const int32_t *context_lens,
     float *out, float *kt_scratch, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, int num_threads)
+    int64_t block_size, float scale, int64_t window, int num_threads)
 {
     const int64_t group = num_heads / num_kv_heads;
     if (head_dim % NR != 0 || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads)
@@ -183,33 +189,40 @@ int paged_prefill_attention_f32(
         const int64_t q0 = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q0, ctx = context_lens[b];
         if (q_len <= 0)
             continue;
-        const int32_t *table = block_tables + b * bt_stride;
-        const int64_t first_pos = ctx - q_len;   /* position of the chunk's first token */
+        /* Keys are numbered from `base`, the start of the block holding the first key the chunk's
+         * first row sees (0 without a window): blocks before it are never read. */
+        const int64_t window_start = window > 0 && ctx - q_len - window + 1 > 0 ? ctx - q_len - window + 1 : 0;
+        const int64_t base = window_start / block_size * block_size;
+        const int32_t *table = block_tables + b * bt_stride + window_start / block_size;
+        const int64_t first_pos = ctx - q_len - base;   /* the chunk's first token, from base */
         const int64_t blocks = (q_len + MR - 1) / MR;
         for (int64_t g = 0; g < num_kv_heads; g++) {
-            pack_keys(k_cache, table, block_size, row, g, head_dim, ctx, kt_scratch);
+            pack_keys(k_cache, table, block_size, row, g, head_dim, ctx - base, kt_scratch);
 
             #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
             for (int64_t item = 0; item < group * blocks; item++) {
                 const int64_t h = g * group + item / blocks, t0 = (item % blocks) * MR;
                 const int64_t rows = q_len - t0 < MR ? q_len - t0 : MR;
                 const float *q[MR];
-                int64_t pos[MR];
+                int64_t pos[MR], lo[MR];
                 for (int r = 0; r < MR; r++) {   /* rows past the chunk repeat its last row */
                     const int64_t t = t0 + (r < rows ? r : rows - 1);
                     q[r] = query + (q0 + t) * qrow + h * head_dim;
                     pos[r] = first_pos + t;
+                    lo[r] = window > 0 ? pos[r] - window + 1 : 0;
                 }
-                const int64_t last = pos[rows - 1];   /* keys 0..last are visible to some row */
+                /* keys lo[0]..last are visible to some row; panels before lo[0]'s are skipped */
+                const int64_t last = pos[rows - 1];
+                const int64_t key_start = lo[0] > 0 ? lo[0] / NR * NR : 0;
                 float o[MR * MAX_HEAD_DIM], m[MR], lsum[MR * NR], s[MR * NR];
                 memset(o, 0, sizeof(float) * MR * head_dim);
                 memset(lsum, 0, sizeof lsum);
                 for (int r = 0; r < MR; r++) m[r] = -INFINITY;
 
-                for (int64_t key0 = 0; key0 <= last; key0 += NR) {
+                for (int64_t key0 = key_start; key0 <= last; key0 += NR) {
                     scores(q, kt_scratch + (key0 / NR) * head_dim * NR, head_dim, scale, s);
                     const int64_t n = last + 1 - key0 < NR ? last + 1 - key0 : NR;
-                    softmax_tile(s, key0, n, pos, m, lsum, o, head_dim);
+                    softmax_tile(s, key0, n, pos, lo, m, lsum, o, head_dim);
                     add_values(s, n, v_cache, table, block_size, row, g, head_dim, key0, o);
                 }
                 for (int64_t r = 0; r < rows; r++) {
