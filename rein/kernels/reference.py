@@ -189,7 +189,7 @@ def paged_prefill_attention(
         q_len = q1 - q0
         if q_len == 0:
             continue
-        # The chunk's first row sees the most keys; blocks before its window's are skipped.
+        # The chunk's first row's window reaches furthest back: blocks before it are skipped.
         first_block = 0 if window is None else max(0, ctx - q_len - window + 1) // block_size
         offset = first_block * block_size
         table = block_tables[i, first_block:]

@@ -14,12 +14,12 @@ every request:
     each request, and T // BLOCK_Q + num_reqs tiles bound the total. A program
     binary-searches cu_seqlens_q for its request; spare tiles exit immediately.
   * K/V tiles of BLOCK_N tokens are gathered through the block table, scores via tl.dot,
-    online softmax in fp32 with exp2. The KV loop is split in two: tiles entirely at or
-    before the tile's first query position need neither the causal nor the length mask;
-    only the remaining (diagonal) tiles pay for masking.
+    online softmax in fp32 with exp2. The KV loop is split: tiles entirely at or before the
+    tile's first query position (and, with a window, inside its last row's window) need no
+    mask; only the tiles before and after them (the diagonal) pay for masking.
   * A sliding window (`window` tokens) starts a tile's key loop at the first key its first
     query row sees, so no cache block before the window is read (the engine may have freed
-    it); tiles before the last row's window start are masked too.
+    it).
   * int8 caches: as in decode, integer K goes straight into tl.dot and its per-token
     scale multiplies the fp32 scores; V is dequantized in fp32 before the PV product.
 """

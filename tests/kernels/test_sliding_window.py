@@ -169,6 +169,21 @@ def test_dispatch_validates_the_window():
         kernels.paged_prefill_attention(query, k, v, tables, decode_as_prefill(lens), lens, SCALE, window=0)
 
 
+def test_engine_attention_passes_the_window_to_both_kernels():
+    """rein.engine.attention.paged_attention: a step of two decodes and a prefill chunk."""
+    from rein.engine.attention import AttentionMetadata, LayerCache, paged_attention
+
+    query, k, v, tables, cu, lens = prefill_inputs([(1, 40), (1, 17), (12, 70)], seed=15)
+    meta = AttentionMetadata(
+        slot_mapping=torch.full((14,), -1), num_decode_tokens=2,   # the cache already holds the step
+        decode_block_tables=tables[:2], decode_context_lens=lens[:2], decode_groups=None,
+        prefill_block_tables=tables[2:], prefill_cu_seqlens_q=torch.tensor([0, 12], dtype=torch.int32),
+        prefill_context_lens=lens[2:])
+    dummy = torch.zeros(14, NUM_KV_HEADS, HEAD_DIM)
+    got = paged_attention(query, dummy, dummy, LayerCache(k, v), meta, SCALE, window=7)
+    torch.testing.assert_close(got, dense_attention(query, k, v, tables, cu, lens, 7), atol=2e-5, rtol=1e-5)
+
+
 # -- the native C kernels --------------------------------------------------------------------
 
 

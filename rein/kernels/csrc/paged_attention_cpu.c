@@ -8,6 +8,7 @@
  * With AVX2 and FMA (x86-64 since 2013) the two passes use intrinsics: scores 8 tokens at a
  * time with one combined reduction, and the value sums held in registers per query head
  * (head_dim a multiple of 8, resp. 64); otherwise the plain loops, vectorized by the compiler.
+ * A sliding window starts a request's loops at the block holding its window's first token.
  * Measured by bench/cpu_kernels.py.
  *
  * Built at first use by rein/kernels/cpu_native.py (cc -O3 -march=native -fopenmp) and
