@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rein.engine.generation_defaults import check_generation_config
+
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 MODEL_IMPLS = ("auto", "rein", "transformers")   # as rein.engine.model_spec.MODEL_IMPLS
 
@@ -78,8 +80,6 @@ class EngineConfig:
     model_impl: str = "auto"
 
     def __post_init__(self) -> None:
-        from rein.engine.generation_defaults import check_generation_config
-
         check_generation_config(self.generation_config)   # a ValueError naming the choices
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -21,6 +21,8 @@ import ctypes
 import ctypes.util
 import logging
 
+from rein.core.settings import setting_or_default
+
 log = logging.getLogger(__name__)
 
 # mallopt parameters, from glibc's malloc.h.
@@ -55,6 +57,4 @@ def keep_freed_memory() -> bool:
 
 def _enabled() -> bool:
     """REIN_CPU_MALLOPT and REIN_CPU_FAST_PATHS (rein.core.settings; both default on)."""
-    from rein.core.settings import setting_or_default
-
     return setting_or_default("cpu_mallopt") and setting_or_default("cpu_fast_paths")

@@ -11,7 +11,9 @@ from pathlib import Path
 import torch
 
 from rein.engine.model_files import TENSOR_INDEX, ModelFiles, ModelNotFoundError, require_gguf
-from rein.engine.model_spec import ModelSpec
+from rein.engine.model_spec import TRANSFORMERS_FAMILY, ModelSpec
+from rein.engine.models import native_model_class
+from rein.engine.models.rope import RotaryEmbedding
 
 
 @contextmanager
@@ -79,10 +81,6 @@ def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: to
                device: torch.device):
     """Build the native model on `device` in `dtype` and fill it from the checkpoint (or, for
     the "transformers" family, the model transformers builds: rein.engine.models.transformers_backend)."""
-    from rein.engine.model_spec import TRANSFORMERS_FAMILY
-    from rein.engine.models import native_model_class
-    from rein.engine.models.rope import RotaryEmbedding
-
     if spec.family == TRANSFORMERS_FAMILY:
         from rein.engine.models.transformers_backend import load_transformers_model
 

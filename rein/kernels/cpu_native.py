@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from rein.core.settings import cache_root
+from rein.core.settings import cache_root, setting_or_default
 
 log = logging.getLogger(__name__)
 
@@ -208,8 +208,6 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
 def _disabled_by() -> str:
     """The setting that turns the kernels off, or "": REIN_CPU_KERNELS, REIN_CPU_FAST_PATHS
     (rein.core.settings; both default on)."""
-    from rein.core.settings import setting_or_default
-
     for name in ("cpu_fast_paths", "cpu_kernels"):
         if not setting_or_default(name):
             return f"REIN_{name.upper()}=0"

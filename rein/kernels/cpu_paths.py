@@ -23,14 +23,14 @@ from pathlib import Path
 
 import torch
 
+from rein.core.settings import setting_or_default
+
 # Features the fast paths care about, as /proc/cpuinfo names them.
 _FEATURES = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "avx_ne_convert")
 
 
 def enabled() -> bool:
     """REIN_CPU_FAST_PATHS (rein.core.settings; default on): false runs torch's code alone."""
-    from rein.core.settings import setting_or_default
-
     return setting_or_default("cpu_fast_paths")
 
 

@@ -173,11 +173,11 @@ def test_deterministic_for_a_seed_and_different_for_another(tiny_models, tmp_pat
 
 
 def test_tokenizer_trains_deterministically():
-    from rein.engine.tiny_model import _train_tokenizer
+    from rein.engine.tiny_tokenizer import train_tokenizer
 
-    cached = _train_tokenizer(VOCAB_SIZE)
-    _train_tokenizer.cache_clear()
-    assert _train_tokenizer(VOCAB_SIZE) == cached
+    cached = train_tokenizer(VOCAB_SIZE)
+    train_tokenizer.cache_clear()
+    assert train_tokenizer(VOCAB_SIZE) == cached
 
 
 def test_build_leaves_global_rng_alone(tmp_path):

@@ -25,6 +25,8 @@ import sys
 import threading
 import time
 
+from rein.core.settings import setting_or_default
+
 log = logging.getLogger(__name__)
 
 
@@ -131,8 +133,6 @@ _pool_lock = threading.Lock()
 def pool() -> ValidatorPool | None:
     """The process's pool, sized by REIN_STRUCTURED_VALIDATORS (None: 0, check in-process)."""
     global _pool
-    from rein.core.settings import setting_or_default
-
     size = setting_or_default("structured_validators")
     if size == 0:
         return None
