@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         # The bootstep loads the engine; a model that cannot be found fails here, in one line.
-        files = resolve_model(served.source)
+        files = resolve_model(served.source, revision=settings.revision)
         config = worker_engine_config(settings, served)
         # The API applies these when it parses a request (the job's params are fixed at intake);
         # logged here too, so a worker's log says what its jobs were sampled with.
@@ -109,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("generation defaults for model %s (applied by the API at intake): %s", served.name,
              defaults.describe())
     _warn_if_context_differs(args, environment, served)
+    _warn_if_tokenizer_differs(args, environment)
     configure_worker(app, WorkerSpec(settings=settings, model_name=served.name, engine_config=config))
     worker = app.Worker(
         hostname=worker_hostname(args.hostname, served.name),
@@ -191,6 +192,17 @@ def _warn_if_context_differs(args: argparse.Namespace, environment: Settings, se
                     "(%s): a request longer than %d tokens fails on this worker; set it in REIN_MODELS "
                     "(%s=...@%d) or REIN_MAX_MODEL_LEN instead, which the API reads too", args.max_model_len,
                     api_len or "the model's own", args.max_model_len, served.name, args.max_model_len)
+
+
+def _warn_if_tokenizer_differs(args: argparse.Namespace, environment: Settings) -> None:
+    """The API encodes requests (and builds chat prompts) with the tokenizer and template of
+    its own settings: a worker flag that differs decodes them with another tokenizer."""
+    for name in ("tokenizer", "tokenizer_revision", "chat_template", "revision"):
+        given = getattr(args, name)
+        if given is not None and given != getattr(environment, name):
+            flag, variable = "--" + name.replace("_", "-"), f"REIN_{name.upper()}"
+            log.warning("%s differs from %s, which the API encodes requests with: set %s instead, which "
+                        "the API reads too", flag, variable, variable)
 
 
 def _keep_rein_logging(app: Any, loglevel: str) -> None:

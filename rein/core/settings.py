@@ -253,6 +253,16 @@ class Settings(BaseSettings):
     model_impl: Literal["auto", "rein", "transformers"] = "auto"
     """Which code runs the model: rein (native only), transformers (the model's own transformers code
     with rein's attention), auto (native where rein has it, else transformers)."""
+    tokenizer: str | None = None
+    """A tokenizer directory or hub id to use instead of the model's own (the API and the worker both)."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) of a model given as a hub id; unset: the default branch."""
+    tokenizer_revision: str | None = None
+    """Hub revision of a REIN_TOKENIZER given as a hub id; unset: its default branch."""
+    chat_template: str | None = None
+    """A Jinja chat template, as a file path or inline, replacing the tokenizer's (the API and the worker both)."""
+    trust_remote_code: bool = False
+    """Let transformers run the Python code of a model or tokenizer whose config needs it (`auto_map`)."""
     worker_interactive_slots: int | None = Field(None, ge=0)
     """Jobs a worker takes from its model's interactive queue beyond max_num_seqs, so that an
     interactive job is taken (and, by its priority, admitted by the engine) while batch jobs
@@ -305,6 +315,13 @@ class Settings(BaseSettings):
         names = [m.name for m in self.models]
         if len(set(names)) != len(names):
             raise ValueError(f"model names must be unique, got {names}")
+        per_model = [f"REIN_{name.upper()}" for name in PER_MODEL_FIELDS if getattr(self, name) is not None]
+        if per_model and len(self.models) > 1:
+            # One tokenizer or template applied to several different models would silently
+            # misencode all but one of them.
+            raise ValueError(f"{', '.join(per_model)} name one model's files but REIN_MODELS serves "
+                             f"{len(self.models)} ({', '.join(names)}): serve one model per deployment "
+                             f"to set them, or leave them unset")
         if self.lease_renew_seconds * 2 > self.lease_seconds:
             raise ValueError(f"REIN_LEASE_RENEW_SECONDS ({self.lease_renew_seconds:g}) must be at most half of "
                              f"REIN_LEASE_SECONDS ({self.lease_seconds:g}), so that one late renewal does not "
@@ -331,11 +348,15 @@ class Settings(BaseSettings):
         return 2 * self.job_timeout_seconds + 60
 
 
+# Engine settings that name one model's files, so they cannot apply to several served models.
+PER_MODEL_FIELDS = ("tokenizer", "revision", "tokenizer_revision", "chat_template")
+
 # The engine options' variables (rein.engine.options: the worker, `rein run-batch`, `rein
 # generate` and `rein.LLM` read them under their flags and keywords).
 ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
                  "gpu_memory_utilization", "device", "dtype", "kv_cache_dtype", "block_size", "enforce_eager",
-                 "enable_prefix_caching", "seed", "generation_config", "model_impl")
+                 "enable_prefix_caching", "seed", "generation_config", "model_impl", "tokenizer", "revision",
+                 "tokenizer_revision", "chat_template", "trust_remote_code")
 
 
 class _EngineSettingsBase(BaseSettings):

@@ -61,6 +61,12 @@ class EngineConfig:
     model_impl (vLLM's name): rein runs native code only, transformers the model's own transformers
     modeling code with rein's attention (rein.engine.models.transformers_backend), auto native
     code where rein has it, else transformers.
+    tokenizer: a tokenizer directory or hub id used instead of the model's (vLLM's names from here on);
+    tokenizer_revision its hub revision. revision: the hub revision of a `model` given as a hub id.
+    chat_template: a Jinja template, as a file path or inline, set on the tokenizer in place of its
+    own, so every chat prompt is built with it (rein.engine.tokenizer_files).
+    trust_remote_code: let transformers import and run the Python files of a model or tokenizer
+    whose config names them (`auto_map`); without it such a model is refused, saying so.
     """
 
     model: str
@@ -78,6 +84,11 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     generation_config: str = "auto"
     model_impl: str = "auto"
+    tokenizer: str | None = None
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    chat_template: str | None = None
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         check_generation_config(self.generation_config)   # a ValueError naming the choices

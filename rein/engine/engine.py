@@ -39,6 +39,7 @@ from rein.engine.sampler import Sampler, SamplingBatch, make_generator
 from rein.engine.sampling_params import SamplingParams
 from rein.engine.scheduler import Scheduler
 from rein.engine.structured.decoding import StructuredDecoding
+from rein.engine.tokenizer_files import TokenizerOptions
 
 log = logging.getLogger(__name__)
 
@@ -70,14 +71,15 @@ class EngineStats:
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.files = resolve_model(config.model)
+        self.files = resolve_model(config.model, revision=config.revision)
         self.model_dir = self.files.directory
-        self.spec = spec_for(self.files.directory, config.model_impl)
+        self.spec = spec_for(self.files.directory, config.model_impl, config.trust_remote_code)
         if self.spec.family == TRANSFORMERS_FAMILY and not config.enforce_eager:
             # A model's transformers code is not known to be safe to capture in a CUDA graph
             # (a host sync inside it fails the capture), so it runs every step eagerly.
             self.config = config = dataclasses.replace(config, enforce_eager=True)
-        self.tokenizer = self.files.load_tokenizer()
+        # --tokenizer, --chat-template and --trust-remote-code as the API applies them.
+        self.tokenizer = self.files.load_tokenizer(TokenizerOptions.of(config))
         self.runner = ModelRunner(config, self.files, self.spec)
         self.pooling_config = read_pooling_config(self.model_dir)   # for embedding requests
         self.max_model_len = self.runner.max_model_len

@@ -78,13 +78,14 @@ def safetensors_tensors(directory: Path) -> Iterator[Callable[[str], torch.Tenso
 
 
 def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: torch.dtype,
-               device: torch.device):
+               device: torch.device, trust_remote_code: bool = False):
     """Build the native model on `device` in `dtype` and fill it from the checkpoint (or, for
-    the "transformers" family, the model transformers builds: rein.engine.models.transformers_backend)."""
+    the "transformers" family, the model transformers builds, from the repository's own code
+    under `trust_remote_code`: rein.engine.models.transformers_backend)."""
     if spec.family == TRANSFORMERS_FAMILY:
         from rein.engine.models.transformers_backend import load_transformers_model
 
-        return load_transformers_model(files, spec, dtype, device)
+        return load_transformers_model(files, spec, dtype, device, trust_remote_code)
 
     with torch.device("meta"):
         model = native_model_class(spec)(spec, max_positions)

@@ -11,8 +11,8 @@ as an ordinary Hugging Face directory into rein's cache (`REIN_CACHE_DIR`, by de
 the API's included, reads that directory. The weights are always read from the GGUF
 itself and dequantized, one tensor at a time, to the engine's dtype (`rein.engine.loader`).
 
-A hub id is downloaded (config, tokenizer and safetensors only) when the hub is reachable;
-otherwise the error names the three ways to give a model.
+A hub id is downloaded (config, tokenizer and safetensors only, at `--revision` when given)
+when the hub is reachable; otherwise the error names the three ways to give a model.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from rein.core.settings import cache_root
 
 if TYPE_CHECKING:
     from rein.engine.model_spec import ModelSpec
+    from rein.engine.tokenizer_files import TokenizerOptions
 
 log = logging.getLogger(__name__)
 
@@ -64,14 +65,17 @@ class ModelFiles:
 
         return ModelSpec.from_dir(self.directory)
 
-    def load_tokenizer(self):
-        from transformers import AutoTokenizer
+    def load_tokenizer(self, options: TokenizerOptions | None = None):
+        """The model's tokenizer, or the one `options` choose, with their chat template
+        (rein.engine.tokenizer_files)."""
+        from rein.engine.tokenizer_files import TokenizerOptions, load_tokenizer
 
-        return AutoTokenizer.from_pretrained(str(self.directory))
+        return load_tokenizer(self.directory, options or TokenizerOptions())
 
 
-def resolve_model(model: str | Path, *, weights: bool = True) -> ModelFiles:
-    """What `--model` names, as files. weights=False (the API) fetches no weights for a hub id."""
+def resolve_model(model: str | Path, *, weights: bool = True, revision: str | None = None) -> ModelFiles:
+    """What `--model` names, as files. weights=False (the API) fetches no weights for a hub id;
+    `revision` (--revision) is the hub revision of a hub id (a local model has none)."""
     path = Path(model).expanduser()
     if path.is_file():
         if path.suffix.lower() != ".gguf":
@@ -88,24 +92,31 @@ def resolve_model(model: str | Path, *, weights: bool = True) -> ModelFiles:
                 f"{model} holds {len(ggufs)} GGUF files ({', '.join(g.name for g in ggufs)}): "
                 f"give --model the one to load")
         raise ModelNotFoundError(f"{model} has neither config.json nor a GGUF file; {WAYS_TO_GIVE_A_MODEL}")
-    looks_local = str(model).startswith((".", "/", "~")) or str(model).count("/") > 1 \
-        or str(model).lower().endswith(".gguf")
-    if looks_local:
+    if looks_local(str(model)):
         raise ModelNotFoundError(f"{model} does not exist; {WAYS_TO_GIVE_A_MODEL}")
-    return ModelFiles(_download(str(model), weights))
+    return ModelFiles(download_from_hub(str(model), weights, revision))
 
 
-def _download(hub_id: str, weights: bool) -> Path:
-    patterns = ["*.json", "tokenizer*", "*.model", "*.txt", "*.jinja"]
+def looks_local(name: str) -> bool:
+    """A name that can only be a path (a hub id is `owner/name` or `name`)."""
+    return name.startswith((".", "/", "~")) or name.count("/") > 1 or name.lower().endswith(".gguf")
+
+
+def download_from_hub(hub_id: str, weights: bool, revision: str | None = None) -> Path:
+    """The snapshot directory of `hub_id` at `revision` (None: the default branch): its config,
+    tokenizer, chat template, code and, with `weights`, safetensors files."""
+    # The repository's *.py too: small, and run only under --trust-remote-code (rein.engine.tokenizer_files).
+    patterns = ["*.json", "tokenizer*", "*.model", "*.txt", "*.jinja", "*.py"]
     if weights:
         patterns.append("*.safetensors")
     try:
         from huggingface_hub import snapshot_download
 
-        return Path(snapshot_download(hub_id, allow_patterns=patterns))
+        return Path(snapshot_download(hub_id, revision=revision, allow_patterns=patterns))
     except Exception as exc:  # the hub raises many kinds (offline, 404, auth)
         raise ModelNotFoundError(
-            f"{hub_id} is not a local path and could not be fetched from the Hugging Face hub "
+            f"{hub_id} is not a local path and could not be fetched from the Hugging Face hub"
+            f"{f' at revision {revision}' if revision else ''} "
             f"({type(exc).__name__}: {exc}); instead, {WAYS_TO_GIVE_A_MODEL} "
             f"(`rein make-tiny-model DIR` builds a random-weight test model)"
         ) from exc

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from rein.engine import tokenizer_files
+
 # architecture name in config.json -> family features
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -303,14 +305,15 @@ _STATE_FIELDS = ("state_size", "ssm_state_size", "mamba_d_state", "linear_conv_k
 _ALIBI_MODEL_TYPES = {"bloom", "mpt", "baichuan"}
 
 
-def spec_for(model_dir: str | Path, model_impl: str = "auto") -> ModelSpec:
+def spec_for(model_dir: str | Path, model_impl: str = "auto", trust_remote_code: bool = False) -> ModelSpec:
     """The spec of the model in `model_dir` under `--model-impl`: `rein` its native code only,
     `transformers` the Transformers backend, `auto` native code where rein has it (and can run
-    the config's features), else the Transformers backend."""
+    the config's features), else the Transformers backend. `trust_remote_code`: the backend
+    may run the repository's own modeling code (a model that needs it is refused without)."""
     if model_impl not in MODEL_IMPLS:
         raise ValueError(f"model_impl {model_impl!r} is not one of {', '.join(MODEL_IMPLS)}")
     if model_impl == "transformers":
-        return transformers_spec(model_dir)
+        return transformers_spec(model_dir, trust_remote_code)
     try:
         return ModelSpec.from_dir(model_dir)
     except UnsupportedModelError as native:
@@ -319,24 +322,28 @@ def spec_for(model_dir: str | Path, model_impl: str = "auto") -> ModelSpec:
                 f"{native}; --model-impl transformers (or auto) runs other causal LMs through their "
                 f"transformers modeling code") from None
         try:
-            return transformers_spec(model_dir)
+            return transformers_spec(model_dir, trust_remote_code)
         except UnsupportedModelError as backend:
             raise UnsupportedModelError(f"{backend} (and rein's native code: {native})") from None
 
 
-def transformers_spec(model_dir: str | Path) -> ModelSpec:
+def transformers_spec(model_dir: str | Path, trust_remote_code: bool = False) -> ModelSpec:
     """A spec with family "transformers", read from transformers' own config object (so every
     architecture's field names are understood as transformers understands them), after the
     refusals of what rein's engine cannot run (`check_transformers_config`)."""
     model_dir = Path(model_dir)
+    if not trust_remote_code:
+        # Not an UnsupportedModelError: under --model-impl auto the flag, not rein's missing
+        # native code, is what to act on.
+        check_model_code(model_dir)
     try:
         from transformers import AutoConfig
 
-        config = AutoConfig.from_pretrained(str(model_dir))
-    except Exception as exc:  # unknown model_type, remote code, no or bad config.json: many kinds
+        config = AutoConfig.from_pretrained(str(model_dir), trust_remote_code=trust_remote_code)
+    except Exception as exc:  # unknown model_type, no or bad config.json: many kinds
         raise UnsupportedModelError(
             f"transformers cannot build the model in {model_dir}: {type(exc).__name__}: {exc}") from exc
-    architecture = check_transformers_config(config)
+    architecture = check_transformers_config(config, causal_lm_class(config, model_dir, trust_remote_code))
     text = config.get_text_config()
     generation = {}
     if (model_dir / "generation_config.json").is_file():
@@ -378,11 +385,37 @@ def transformers_spec(model_dir: str | Path) -> ModelSpec:
     )
 
 
-def check_transformers_config(config: Any) -> str:
-    """The causal LM class name transformers builds for `config`; UnsupportedModelError naming
-    the reason for a model rein's engine cannot run through it."""
+def check_model_code(model_dir: Path) -> None:
+    """RemoteCodeRequired when transformers can build the model only from the repository's own
+    code: config.json's auto_map names its config or causal LM class and transformers does not
+    know the model_type (a known one it builds from its own code, as transformers does)."""
+    from transformers import CONFIG_MAPPING
+
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+    auto_map = config.get("auto_map") or {}
+    code = [f"{name}: {auto_map[name]}" for name in ("AutoConfig", "AutoModelForCausalLM") if auto_map.get(name)]
+    if code and config.get("model_type") not in CONFIG_MAPPING:
+        raise tokenizer_files.RemoteCodeRequired(f"the model in {model_dir} is the repository's own code ({', '.join(code)} in "
+                                 f"config.json's auto_map); {tokenizer_files.REMOTE_CODE_HINT}")
+
+
+def causal_lm_class(config: Any, model_dir: Path, trust_remote_code: bool) -> type | None:
+    """The class AutoModelForCausalLM builds for `config`: the repository's own (auto_map) when
+    remote code is trusted, as transformers prefers it then; else transformers' (None: none)."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    reference = (getattr(config, "auto_map", None) or {}).get("AutoModelForCausalLM")
+    if trust_remote_code and reference:
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        return get_class_from_dynamic_module(reference, str(model_dir))
+    return MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+
+
+def check_transformers_config(config: Any, model_class: type | None) -> str:
+    """The name of `model_class`, the causal LM class transformers builds for `config`;
+    UnsupportedModelError naming the reason for a model rein's engine cannot run through it."""
     kind = config.model_type
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedModelError(
@@ -404,10 +437,8 @@ def check_transformers_config(config: Any) -> str:
         raise UnsupportedModelError(f"{kind} uses ALiBi position biases, which rein's paged attention lacks")
     if getattr(config, "kv_lora_rank", None):
         raise UnsupportedModelError(f"{kind} uses multi-head latent attention (kv_lora_rank), not supported")
-    try:
-        model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
-    except KeyError:
-        raise UnsupportedModelError(f"transformers has no causal LM for model type {kind!r}") from None
+    if model_class is None:
+        raise UnsupportedModelError(f"transformers has no causal LM for model type {kind!r}")
     if not model_class._supports_attention_backend:
         raise UnsupportedModelError(
             f"{model_class.__name__}'s transformers code does not take a custom attention function "

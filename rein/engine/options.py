@@ -86,6 +86,19 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("generation_config", "sampling defaults of requests: auto (the model's generation_config.json), "
                  "vllm (built-in; none is the same), or a folder holding a generation_config.json",
                  str, "auto|vllm|FOLDER", commands=(*OFFLINE, API)),
+    # The API tokenizes requests and applies the chat template itself, so it takes the options
+    # that choose the tokenizer and template, and they must agree with the worker's.
+    EngineOption("tokenizer", "a tokenizer directory or hub id to use instead of the model's", str, "DIR|HUB_ID",
+                 shown_default="the model's", commands=(WORKER, *OFFLINE, API)),
+    EngineOption("revision", "hub revision (branch, tag or commit) of a --model given as a hub id", str,
+                 "REVISION", shown_default="the default branch", commands=(WORKER, *OFFLINE, API)),
+    EngineOption("tokenizer_revision", "hub revision of a --tokenizer given as a hub id", str, "REVISION",
+                 shown_default="the default branch", commands=(WORKER, *OFFLINE, API)),
+    EngineOption("chat_template", "a Jinja chat template, as a file path or inline, replacing the tokenizer's",
+                 str, "FILE|TEMPLATE", shown_default="the tokenizer's", commands=(WORKER, *OFFLINE, API)),
+    EngineOption("trust_remote_code", "let transformers run the Python code of a model or tokenizer whose "
+                 "config needs it (auto_map); without it such a model is refused", boolean=True,
+                 commands=(WORKER, *OFFLINE, API)),
 )
 ENGINE_OPTION_NAMES = tuple(option.name for option in ENGINE_OPTIONS)
 

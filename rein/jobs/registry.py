@@ -4,7 +4,9 @@ sampling defaults.
 Loaded once at startup (transformers' AutoTokenizer needs no torch), so a request only
 tokenizes. The context length is REIN_MODELS' `@N` when given, else REIN_MAX_MODEL_LEN,
 otherwise the model's `config.json` `max_position_embeddings` (or the tokenizer's
-model_max_length). The sampling defaults are the model's generation_config.json under
+model_max_length). The tokenizer and its chat template are chosen as the engine's are
+(REIN_TOKENIZER, REIN_CHAT_TEMPLATE, REIN_TRUST_REMOTE_CODE: rein.engine.tokenizer_files), so the
+API builds the prompts a worker would. The sampling defaults are the model's generation_config.json under
 REIN_GENERATION_CONFIG (rein.engine.generation_defaults), passed to parse_request, so a job's
 params are fixed, defaults included, when the API accepts it.
 """
@@ -24,6 +26,7 @@ from rein.engine.generation_defaults import (
     load_generation_defaults,
 )
 from rein.engine.model_files import resolve_model
+from rein.engine.tokenizer_files import TokenizerOptions
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +53,8 @@ class ModelRegistry:
 
     @classmethod
     def load(cls, settings: Settings) -> ModelRegistry:
-        return cls([load_model(model, settings.generation_config, settings.max_model_len)
+        return cls([load_model(model, settings.generation_config, settings.max_model_len,
+                               TokenizerOptions.of(settings), settings.revision)
                     for model in settings.models])
 
     def get(self, name: str) -> ModelEntry | None:
@@ -67,13 +71,15 @@ class ModelRegistry:
         return next(iter(self._entries.values()), None)
 
 
-def load_model(model: ServedModel, generation_config: str = "auto", max_model_len: int | None = None) -> ModelEntry:
-    """`max_model_len`: REIN_MAX_MODEL_LEN (the entry's @N comes first)."""
-    from transformers import AutoTokenizer
-
+def load_model(model: ServedModel, generation_config: str = "auto", max_model_len: int | None = None,
+               tokenizer_options: TokenizerOptions | None = None, revision: str | None = None) -> ModelEntry:
+    """`max_model_len`: REIN_MAX_MODEL_LEN (the entry's @N comes first); `tokenizer_options` (default:
+    the model's tokenizer as it is) and `revision`: REIN_TOKENIZER and the rest, REIN_REVISION."""
+    tokenizer_options = tokenizer_options or TokenizerOptions()
     try:
-        directory = resolve_model(model.source, weights=False).directory
-        tokenizer = AutoTokenizer.from_pretrained(str(directory))
+        files = resolve_model(model.source, weights=False, revision=revision)
+        directory = files.directory
+        tokenizer = files.load_tokenizer(tokenizer_options)
     except Exception as exc:  # a missing path, hub errors offline, no gguf package, ...
         raise ModelLoadError(f"cannot load the tokenizer of model {model.name!r} from {model.source!r}: "
                              f"{exc}") from exc
@@ -86,7 +92,9 @@ def load_model(model: ServedModel, generation_config: str = "auto", max_model_le
     if not max_model_len:
         raise ModelLoadError(f"model {model.name!r}: cannot tell its context length; add @N to its "
                              f"REIN_MODELS entry (e.g. {model.name}={model.source}@4096)")
-    log.info("model %s: tokenizer from %s, max_model_len %d", model.name, model.source, max_model_len)
+    log.info("model %s: tokenizer from %s%s, max_model_len %d", model.name, tokenizer_options.tokenizer or model.source,
+             ", chat template from --chat-template" if tokenizer_options.chat_template is not None else "",
+             max_model_len)
     log.info("generation defaults for model %s: %s", model.name, defaults.describe())
     return ModelEntry(model.name, model.source, tokenizer, max_model_len, defaults, directory)
 

@@ -71,8 +71,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# vLLM arguments rein accepts but that change nothing here (rein runs no model code from the hub).
-_IGNORED_ARGS = frozenset({"trust_remote_code", "disable_log_stats"})
+# vLLM arguments rein accepts but that change nothing here.
+_IGNORED_ARGS = frozenset({"disable_log_stats"})
 
 
 def _records_given_arguments(init: Callable[..., None]) -> Callable[..., None]:
@@ -98,13 +98,17 @@ class LLM:
     `enable_prefix_caching`, `block_size`, `seed` (for requests that give none),
     `generation_config` ("auto": the model's generation_config.json gives the sampling
     defaults, "vllm": built-in ones, or a folder), `model_impl` ("auto", "rein", "transformers":
-    rein.engine.config). rein's own: `device` ("auto", "cuda",
+    rein.engine.config), `tokenizer` (a tokenizer directory or hub id instead of the model's),
+    `revision` and `tokenizer_revision` (hub revisions), `chat_template` (a file path or an
+    inline Jinja template, replacing the tokenizer's in `chat`), `trust_remote_code` (let
+    transformers run the code of a model or tokenizer whose config needs it; without it such a
+    model raises ValueError saying so). rein's own: `device` ("auto", "cuda",
     "cuda:N", "cpu"), `kv_cache_memory` (bytes or a size such as "4GiB"; vLLM's
     `kv_cache_memory_bytes` is accepted for it), and `max_in_flight` (requests in the engine
     at once; default 4 x max_num_seqs). An engine argument not given takes its REIN_*
     variable (REIN_MAX_NUM_SEQS, ...) when set, else the default shown in the signature.
-    `tensor_parallel_size` and `pipeline_parallel_size` must be 1; `trust_remote_code` and
-    `disable_log_stats` are accepted and change nothing. Any other vLLM argument raises
+    `tensor_parallel_size` and `pipeline_parallel_size` must be 1; `disable_log_stats` is
+    accepted and changes nothing. Any other vLLM argument raises
     TypeError rather than being silently ignored.
     """
 
@@ -127,6 +131,11 @@ class LLM:
         kv_cache_memory: int | str | None = None,
         generation_config: str = "auto",
         model_impl: str = "auto",
+        tokenizer: str | None = None,
+        revision: str | None = None,
+        tokenizer_revision: str | None = None,
+        chat_template: str | None = None,
+        trust_remote_code: bool = False,
         max_in_flight: int | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,

@@ -51,8 +51,12 @@ def test_the_commands_share_one_set_of_options(capsys):
     assert {"--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization",
             "--kv-cache-memory", "--kv-cache-dtype", "--dtype", "--device", "--block-size", "--enable-prefix-caching",
             "--no-enable-prefix-caching", "--enforce-eager", "--no-enforce-eager", "--seed",
-            "--generation-config", "--model-impl"} == offline
-    assert engine_flags("api") == {"--max-model-len", "--generation-config"}   # what intake applies
+            "--generation-config", "--model-impl", "--tokenizer", "--revision", "--tokenizer-revision",
+            "--chat-template", "--trust-remote-code", "--no-trust-remote-code"} == offline
+    # what intake applies: the context length, sampling defaults, and the tokenizer and template it encodes with
+    assert engine_flags("api") == {"--max-model-len", "--generation-config", "--tokenizer", "--revision",
+                                   "--tokenizer-revision", "--chat-template", "--trust-remote-code",
+                                   "--no-trust-remote-code"}
     for command in ("worker", "run-batch", "generate", "api"):
         with pytest.raises(SystemExit):
             build_parser().parse_args([command, "--help"])

@@ -144,27 +144,30 @@ class TransformersModel(nn.Module):
 
 
 def load_transformers_model(files: ModelFiles, spec: ModelSpec, dtype: torch.dtype,
-                            device: torch.device) -> TransformersModel:
+                            device: torch.device, trust_remote_code: bool = False) -> TransformersModel:
     """Build the model transformers builds for the directory's config, in `dtype` on `device`,
     with rein's attention; its weights from the safetensors (transformers' own loading, which
     reads them one at a time and knows each architecture's renamings) or from the GGUF file,
     dequantized one tensor at a time (transformers' own GGUF loading would hold the whole
-    dequantized checkpoint beside the model)."""
+    dequantized checkpoint beside the model). `trust_remote_code`: transformers may build the
+    repository's own classes (config.json's auto_map); the engine refused such a model without
+    it when it read the spec (rein.engine.model_spec.check_model_code)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rein.engine.loader import gguf_tensors
 
     _register()
-    config = AutoConfig.from_pretrained(str(files.directory))
+    config = AutoConfig.from_pretrained(str(files.directory), trust_remote_code=trust_remote_code)
     if files.gguf is not None:
         with _parameters_on_meta():
-            hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME)
+            hf_model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=ATTENTION_NAME,
+                                                        trust_remote_code=trust_remote_code)
         with gguf_tensors(files.gguf, files.directory, dtype) as get:
             fill_parameters(hf_model, get, device)
         return TransformersModel(hf_model.eval())
     hf_model, info = AutoModelForCausalLM.from_pretrained(
         str(files.directory), config=config, dtype=dtype, attn_implementation=ATTENTION_NAME,
-        device_map=device, output_loading_info=True)
+        device_map=device, output_loading_info=True, trust_remote_code=trust_remote_code)
     head = hf_model.get_output_embeddings()
     head_weight = None if head is None else f"{_name_of(hf_model, head)}.weight"
     missing = set(info["missing_keys"])
