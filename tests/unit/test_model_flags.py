@@ -226,3 +226,16 @@ def test_a_remote_code_tokenizer_is_refused_without_the_flag(model_dir, tmp_path
     known = copy_tokenizer(model_dir, tmp_path / "known",
                            auto_map={"AutoTokenizer": ["tokenization_rein.ReinCustomTokenizer", None]})
     assert load_tokenizer(model_dir, TokenizerOptions(tokenizer=str(known))).name_or_path == str(known)
+
+
+def test_a_worker_flag_the_api_does_not_read_warns(caplog):
+    import argparse
+
+    from rein.cli.worker import _warn_if_tokenizer_differs
+    from rein.core.settings import Settings
+
+    flags = argparse.Namespace(tokenizer="/tok", tokenizer_revision=None, chat_template=TEMPLATE, revision=None)
+    _warn_if_tokenizer_differs(flags, Settings(chat_template=TEMPLATE))
+    assert [r.getMessage() for r in caplog.records] == [
+        "--tokenizer differs from REIN_TOKENIZER, which the API encodes requests with: set REIN_TOKENIZER "
+        "instead, which the API reads too"]
