@@ -9,12 +9,11 @@ context is not counted: leave some headroom.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
 from rein.engine.model_files import resolve_model
-from rein.engine.options import DTYPES, KV_CACHE_DTYPES
+from rein.engine.options import DTYPES, KV_CACHE_DTYPES, MODEL_IMPLS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -37,6 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
     parser.add_argument("--context-len", type=int, default=None, metavar="N",
                         help="tokens per request when counting concurrent requests (default: max_model_len)")
+    parser.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
+                        help="as the engine's flag: native code (rein), the Transformers backend, or auto")
+    parser.add_argument("--trust-remote-code", action="store_true",
+                        help="let transformers read a config that needs the repository's own code")
     parser.set_defaults(func=run)
 
 
@@ -71,19 +74,37 @@ def _by_layer_kind(spec, bytes_per_token: int, max_model_len: int) -> list[str]:
     ]
 
 
-def _load_spec(model: str):
-    from rein.engine.model_spec import ModelSpec  # torch: not at every command's start-up
+def _load_spec(model: str, model_impl: str, trust_remote_code: bool):
+    """The spec the engine would run under `--model-impl`, and the folder holding config.json."""
+    from rein.engine.model_spec import spec_for  # torch: not at every command's start-up
 
     if Path(model).expanduser().exists():  # a model directory or a GGUF file (its shapes)
-        return resolve_model(model).spec
-    try:
-        from huggingface_hub import hf_hub_download
+        directory = resolve_model(model).directory
+    else:
+        try:
+            from huggingface_hub import hf_hub_download
 
-        config = json.loads(Path(hf_hub_download(model, "config.json")).read_text())
-    except Exception as exc:  # offline, 404, auth: the hub raises many kinds
-        raise EstimateError(f"{model} is not a local model directory and its config.json could not be "
-                            f"fetched from the Hugging Face hub ({type(exc).__name__}: {exc})") from exc
-    return ModelSpec.from_config(config)
+            directory = Path(hf_hub_download(model, "config.json")).parent
+        except Exception as exc:  # offline, 404, auth: the hub raises many kinds
+            raise EstimateError(f"{model} is not a local model directory and its config.json could not be "
+                                f"fetched from the Hugging Face hub ({type(exc).__name__}: {exc})") from exc
+    return spec_for(directory, model_impl, trust_remote_code), directory
+
+
+def _transformers_parameters(directory: Path, trust_remote_code: bool) -> int:
+    """A Transformers-backend model's parameter count: the model transformers builds, on the meta
+    device (no memory, no weights read), so every architecture's own layers are counted."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(str(directory), trust_remote_code=trust_remote_code)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    except Exception as exc:  # a config transformers cannot build: its many kinds of error
+        raise EstimateError(f"transformers cannot build the model in {directory}: {type(exc).__name__}: "
+                            f"{exc}") from exc
+    return sum(p.numel() for p in model.parameters())   # a tied head is one parameter, counted once
 
 
 def _size(n: int) -> str:
@@ -110,21 +131,26 @@ def estimate(args: argparse.Namespace) -> str:
     from rein.engine.capacity import kv_capacity, weights_bytes
     from rein.engine.config import EngineConfig, parse_bytes
     from rein.engine.model_runner import decide_max_model_len
+    from rein.engine.model_spec import TRANSFORMERS_FAMILY
 
     try:
         memory = parse_bytes(args.memory)
         config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                               kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                               max_model_len=args.max_model_len)
-        spec = _load_spec(args.model)
+        spec, directory = _load_spec(args.model, args.model_impl, args.trust_remote_code)
         max_model_len = decide_max_model_len(spec, args.max_model_len)
         dtype, cache_dtype = config.torch_dtype, config.cache_torch_dtype
     except (ValueError, RuntimeError, FileNotFoundError) as exc:  # bad sizes, unsupported or missing model, ...
         raise EstimateError(str(exc)) from exc
 
-    params = spec.num_parameters()
-    weights = weights_bytes(spec, dtype)
     elem = torch.empty((), dtype=dtype).element_size()
+    if spec.family == TRANSFORMERS_FAMILY:
+        params = _transformers_parameters(directory, args.trust_remote_code)
+        weights = params * elem
+    else:
+        params = spec.num_parameters()
+        weights = weights_bytes(spec, dtype)
     lines = [
         f"model: {spec.architecture}, {spec.num_layers} layers, {spec.num_heads} heads, "
         f"{spec.num_kv_heads} KV heads, head_dim {spec.head_dim}, max_model_len {max_model_len}",

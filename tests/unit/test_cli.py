@@ -259,3 +259,20 @@ def test_estimate_splits_a_windowed_models_kv_by_layer_kind(tmp_path, capsys):
             f"bytes per token") in out
     assert f"windowed layers attend to 128 positions ({5 * per_layer * 128:,} bytes of their " \
            f"{5 * per_layer * 2048:,})" in out
+
+
+def test_estimate_counts_a_transformers_backend_models_own_parameters(tmp_path, capsys):
+    """An architecture without native code (Phi-3): the spec is the Transformers backend's and the
+    weights are counted on the model transformers builds (meta device, no weights needed)."""
+    from transformers import AutoModelForCausalLM, Phi3Config
+
+    config = Phi3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                        pad_token_id=0, eos_token_id=1, bos_token_id=2)
+    config.architectures = ["Phi3ForCausalLM"]
+    config.save_pretrained(tmp_path)
+    params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    assert main(["estimate", "--model", str(tmp_path), "--memory", "64MiB", "--dtype", "float32"]) == 0
+    assert f"weights: {params:,} parameters x 4 bytes (float32)" in capsys.readouterr().out
+    assert main(["estimate", "--model", str(tmp_path), "--memory", "64MiB", "--model-impl", "rein"]) == 2
+    assert "--model-impl transformers" in capsys.readouterr().err
