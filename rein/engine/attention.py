@@ -3,6 +3,11 @@
 A step's tokens are laid out decode requests first (one token each), then the chunks of
 requests being prefilled. Each group goes to its own kernel: decode attention batches
 all single-token queries; prefill attention handles variable-length chunks with a prefix.
+
+Sliding-window layers may keep their K/V in storage of their own (rein.engine.window_blocks),
+indexed by other block ids than the full-attention layers' caches: their LayerCache says
+so (`windowed`), and the step's metadata then carries their slots and block tables in
+`windowed`, which `paged_attention` uses for them. Model code is the same either way.
 """
 
 from __future__ import annotations
@@ -16,12 +21,14 @@ from rein import kernels
 
 @dataclass
 class LayerCache:
-    """One layer's slice of the paged cache (scales only for int8)."""
+    """One layer's slice of the paged cache (scales only for int8); `windowed`: a sliding-window
+    layer's own storage, indexed through AttentionMetadata.windowed."""
 
     k: torch.Tensor
     v: torch.Tensor
     k_scale: torch.Tensor | None = None
     v_scale: torch.Tensor | None = None
+    windowed: bool = False
 
 
 @dataclass
@@ -36,6 +43,18 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None
     prefill_cu_seqlens_q: torch.Tensor | None   # offsets relative to the first prefill row
     prefill_context_lens: torch.Tensor | None
+    # The same step for the windowed layers' own storage: its slots and block tables (blocks
+    # before every query's window map to 0, which the kernels never read); None without one.
+    windowed: AttentionMetadata | None = None
+
+    def for_cache(self, cache: LayerCache, window: int | None) -> AttentionMetadata:
+        """The metadata that indexes `cache`."""
+        if not cache.windowed:
+            return self
+        if window is None:
+            raise ValueError("a layer without a sliding window was given windowed KV storage, which holds "
+                             "only the blocks a window covers")
+        return self.windowed
 
 
 def paged_attention(
@@ -49,6 +68,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Store this step's k/v [T, kvh, d] in the cache, then attend; q [T, heads, d] -> same shape.
     window: the layer's sliding window in tokens (None: full causal attention)."""
+    meta = meta.for_cache(cache, window)
     kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
     num_decode = meta.num_decode_tokens
     if num_decode == 0:

@@ -14,12 +14,16 @@ can never share a block (no hash collisions). A block that no request holds stay
 but counts as free: the pool hands free blocks out least recently freed first, and a
 cached block handed out is dropped from the cache then. Each hand-out also bumps the
 block's generation, so keys that named its old contents can no longer be reached.
+
+`on_uncache`, when set, hears of every block that leaves the prefix cache (handed out
+again, or forgotten by `reset_cache`): the windowed layers' storage
+(rein.engine.window_blocks) keeps data for cached blocks and must drop it then.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 # The predecessor of a request's first block: no block, generation 0.
 ROOT: tuple[int, int] = (-1, 0)
@@ -46,6 +50,7 @@ class BlockPool:
         self._cached: dict[BlockKey, int] = {}
         self._keys: list[BlockKey | None] = [None] * num_blocks
         self._generations = [0] * num_blocks
+        self.on_uncache: Callable[[int], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -79,6 +84,8 @@ class BlockPool:
             if key is not None:   # evicted from the prefix cache
                 del self._cached[key]
                 self._keys[block] = None
+                if self.on_uncache is not None:
+                    self.on_uncache(block)
             self._generations[block] += 1
             self._ref_counts[block] = 1
             blocks.append(block)
@@ -110,6 +117,10 @@ class BlockPool:
 
     def generation(self, block: int) -> int:
         return self._generations[block]
+
+    def is_cached(self, block: int) -> bool:
+        """Whether the block is registered in the prefix cache (findable by find_prefix)."""
+        return self._keys[block] is not None
 
     # -- prefix caching ----------------------------------------------------------------------
 
@@ -149,5 +160,9 @@ class BlockPool:
 
     def reset_cache(self) -> None:
         """Forget every cached prefix (the blocks stay where they are)."""
+        uncached = list(self._cached.values())
         self._cached.clear()
         self._keys = [None] * self.num_blocks
+        if self.on_uncache is not None:
+            for block in uncached:
+                self.on_uncache(block)

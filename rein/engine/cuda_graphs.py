@@ -15,6 +15,11 @@ zeros), and their outputs are dropped. The block table has the full width a requ
 reach (max_model_len / block_size) so every step fits; only the columns in use are copied
 in, and the kernels read a row no further than its context length.
 
+Sliding-window layers with storage of their own (rein.engine.window_blocks) get a second
+slot buffer and block table (`windowed=True`), filled each replay with the step's
+translated ids, as the full layers' are; the graph's metadata carries them in
+AttentionMetadata.windowed.
+
 Steps with a prefill chunk, and batches larger than the largest graph, run eagerly. So do
 CPU engines and `EngineConfig(enforce_eager=True)`. The same buffers and padding can run
 eagerly too (`capture=False`): the CPU tests check that path against the plain one.
@@ -22,6 +27,7 @@ eagerly too (`capture=False`): the CPU tests check that path against the plain o
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -47,7 +53,8 @@ class DecodeGraphs:
     """Static decode buffers plus one CUDA graph per size (see the module docstring)."""
 
     def __init__(self, model: nn.Module, caches: list[LayerCache], *, max_num_seqs: int,
-                 max_blocks_per_seq: int, device: torch.device, capture: bool = True) -> None:
+                 max_blocks_per_seq: int, device: torch.device, capture: bool = True,
+                 windowed: bool = False) -> None:
         self.model = model
         self.caches = caches
         self.device = device
@@ -60,6 +67,8 @@ class DecodeGraphs:
             self.slots = torch.full((size,), -1, dtype=torch.int64, device=device)
             self.context_lens = torch.zeros(size, dtype=torch.int32, device=device)
             self.block_tables = torch.zeros((size, max_blocks_per_seq), dtype=torch.int32, device=device)
+            self.windowed_slots = torch.full((size,), -1, dtype=torch.int64, device=device) if windowed else None
+            self.windowed_block_tables = torch.zeros_like(self.block_tables) if windowed else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
         if capture:
@@ -76,9 +85,11 @@ class DecodeGraphs:
         return next(s for s in self.sizes if s >= n)
 
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
-            block_rows: list[list[int]]) -> torch.Tensor:
+            block_rows: list[list[int]],
+            windowed: tuple[list[int], list[list[int]]] | None = None) -> torch.Tensor:
         """The final hidden states [n, hidden] of a decode-only step of n = len(input_ids) rows;
-        block_rows are the requests' block ids, each padded to one common width."""
+        block_rows are the requests' block ids, each padded to one common width; `windowed`:
+        the slots and block rows of the windowed storage (required when it was built with one)."""
         n = len(input_ids)
         size = self.size_for(n)
         pad = size - n
@@ -90,6 +101,10 @@ class DecodeGraphs:
         self.context_lens[:size].copy_(_host(context_lens + [0] * pad, torch.int32), non_blocking=True)
         width = len(block_rows[0])
         self.block_tables[:n, :width].copy_(_host(block_rows, torch.int32), non_blocking=True)
+        if self.windowed_slots is not None:
+            windowed_slots, windowed_rows = windowed
+            self.windowed_slots[:size].copy_(_host(windowed_slots + [-1] * pad, torch.int64), non_blocking=True)
+            self.windowed_block_tables[:n, :width].copy_(_host(windowed_rows, torch.int32), non_blocking=True)
         graph = self.graphs.get(size)
         if graph is None:
             return self._forward(size)[:n]
@@ -102,6 +117,9 @@ class DecodeGraphs:
             decode_block_tables=self.block_tables[:size], decode_context_lens=self.context_lens[:size],
             decode_groups=None, prefill_block_tables=None, prefill_cu_seqlens_q=None,
             prefill_context_lens=None)
+        if self.windowed_slots is not None:
+            meta.windowed = dataclasses.replace(meta, slot_mapping=self.windowed_slots[:size],
+                                                decode_block_tables=self.windowed_block_tables[:size])
         return self.model(self.input_ids[:size], self.positions[:size], self.caches, meta)
 
     @torch.inference_mode()

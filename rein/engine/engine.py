@@ -85,7 +85,10 @@ class LLMEngine:
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.capacity.num_blocks, config.block_size,
                               enable_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        # The sliding-window layers' own storage, when the runner gave them one (None otherwise).
+        self.windows = self.runner.window_blocks(self.pool)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
+                                   windows=self.windows)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (
@@ -209,7 +212,7 @@ class LLMEngine:
         forward_seconds = time.perf_counter() - forward_start
 
         self.stats.scheduled_requests += len(plan.scheduled)
-        caching, block_size = self.pool.enable_caching, self.pool.block_size
+        caching, block_size, windows = self.pool.enable_caching, self.pool.block_size, self.windows
         for s in plan.scheduled:
             request = s.request
             self.stats.scheduled_tokens += s.end - s.start
@@ -217,6 +220,8 @@ class LLMEngine:
             self.stats.prompt_tokens += max(0, min(s.end, request.num_prompt_tokens) - s.start)
             if caching and s.end // block_size > request.num_registered_blocks:
                 self.scheduler.register_computed_blocks(request)
+            if windows is not None:   # after registering: a cached block's windowed data may stay
+                windows.advance(request)
         if result.prompt_logprobs:
             for request, first, entries in result.prompt_logprobs:
                 # A recompute after preemption scores the same tokens again: replace them.

@@ -9,16 +9,23 @@ the prompt tokens this step computed: rein.engine.prompt_logprobs).
 
 It also copies KV blocks on request (`copy_blocks`): the choices of an n > 1 request
 each need their own copy of the prompt's partly filled last block.
+
+Sliding-window layers get caches of their own when the capacity arithmetic says so
+(rein.engine.capacity): smaller tensors indexed by windowed blocks, which
+rein.engine.window_blocks lends to the logical blocks their windows cover. Each step then
+also translates the slots and block tables through that map (AttentionMetadata.windowed).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
 import torch
 
 from rein.engine.attention import AttentionMetadata, LayerCache
+from rein.engine.block_pool import BlockPool
 from rein.engine.capacity import KVCapacity, kv_capacity
 from rein.engine.config import EngineConfig
 from rein.engine.cpu_allocator import keep_freed_memory
@@ -31,6 +38,7 @@ from rein.engine.pooler import gather
 from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
 from rein.engine.scheduler import ScheduledRequest
+from rein.engine.window_blocks import WindowBlocks
 from rein.kernels import cpu_native, cpu_paths
 
 log = logging.getLogger(__name__)
@@ -90,7 +98,8 @@ class ModelRunner:
                 f"the KV cache holds {self.capacity.num_tokens} tokens, fewer than max_model_len "
                 f"{self.max_model_len}: give it more memory (kv_cache_memory / gpu_memory_utilization) "
                 f"or lower max_model_len")
-        self.caches = self._allocate_cache(self.capacity.num_blocks)
+        self.caches = self._allocate_cache()
+        self.windows: WindowBlocks | None = None   # set by window_blocks() with windowed storage
         # Float32 decode attention on the CPU runs rein's C kernel when it builds (rein.kernels.cpu_native).
         self._native_decode = (self.device.type == "cpu" and self.dtype == torch.float32
                                and self.cache_dtype == torch.float32 and cpu_native.library() is not None)
@@ -101,7 +110,16 @@ class ModelRunner:
         if self.device.type == "cuda" and not config.enforce_eager:
             self.decode_graphs = DecodeGraphs(
                 self.model, self.caches, max_num_seqs=config.max_num_seqs,
-                max_blocks_per_seq=-(-self.max_model_len // self.block_size), device=self.device)
+                max_blocks_per_seq=-(-self.max_model_len // self.block_size), device=self.device,
+                windowed=self.capacity.num_windowed_blocks > 0)
+
+    def window_blocks(self, pool: BlockPool) -> WindowBlocks | None:
+        """The windowed layers' block map over the engine's block pool, when they have storage
+        of their own (None otherwise: every layer is indexed by the pool's blocks)."""
+        if not self.capacity.num_windowed_blocks:
+            return None
+        self.windows = WindowBlocks(pool, self.capacity.num_windowed_blocks, self.capacity.window)
+        return self.windows
 
     def _size_cache(self) -> KVCapacity:
         memory = self.config.kv_cache_memory
@@ -114,20 +132,25 @@ class ModelRunner:
                 memory = CPU_DEFAULT_KV_MEMORY
         if memory <= 0:
             raise CapacityError("no device memory is left for the KV cache after loading the weights")
-        return kv_capacity(self.spec, int(memory), self.cache_dtype, self.block_size, self.max_model_len)
+        return kv_capacity(self.spec, int(memory), self.cache_dtype, self.block_size, self.max_model_len,
+                           self.config.max_num_seqs, self.config.max_num_batched_tokens)
 
-    def _allocate_cache(self, num_blocks: int) -> list[LayerCache]:
-        shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+    def _allocate_cache(self) -> list[LayerCache]:
+        capacity = self.capacity
         caches = []
-        for _ in range(self.spec.num_layers):
+        for window in self.spec.layer_windows:
+            windowed = window is not None and capacity.num_windowed_blocks > 0
+            num_blocks = capacity.num_windowed_blocks if windowed else capacity.num_blocks
+            shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
             k = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
             v = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
             if self.cache_dtype == torch.int8:
                 scale_shape = shape[:3]
                 caches.append(LayerCache(k, v, torch.zeros(scale_shape, dtype=torch.float32, device=self.device),
-                                         torch.zeros(scale_shape, dtype=torch.float32, device=self.device)))
+                                         torch.zeros(scale_shape, dtype=torch.float32, device=self.device),
+                                         windowed))
             else:
-                caches.append(LayerCache(k, v))
+                caches.append(LayerCache(k, v, windowed=windowed))
         return caches
 
     @torch.inference_mode()
@@ -167,9 +190,15 @@ class ModelRunner:
                 scoring.append((request, start, min(end, request.num_prompt_tokens - 1),
                                 len(input_ids) - (end - start)))
 
+        windows = self.windows
+        if windows is not None:
+            physical = windows.physical
+            windowed_slots = [physical[slot // bs] * bs + slot % bs for slot in slots]
         graphs = self.decode_graphs
         if not prefills and graphs is not None and graphs.fits(len(decodes)):
-            hidden = graphs.run(input_ids, positions, slots, [s.end for s in decodes], self._block_rows(decodes))
+            rows = self._block_rows(decodes)
+            windowed = (windowed_slots, self._windowed_rows(rows)) if windows is not None else None
+            hidden = graphs.run(input_ids, positions, slots, [s.end for s in decodes], rows, windowed)
             return self._logits(hidden, sample_rows, sampling, scoring, pooling)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(slots, torch.int64),
@@ -181,6 +210,11 @@ class ModelRunner:
             prefill_cu_seqlens_q=self._cu_seqlens(prefills) if prefills else None,
             prefill_context_lens=self._tensor([s.end for s in prefills], torch.int32) if prefills else None,
         )
+        if windows is not None:
+            meta.windowed = dataclasses.replace(
+                meta, slot_mapping=self._tensor(windowed_slots, torch.int64),
+                decode_block_tables=self._windowed_tables(decodes) if decodes else None,
+                prefill_block_tables=self._windowed_tables(prefills) if prefills else None)
         hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
                             self.caches, meta)
         return self._logits(hidden, sample_rows, sampling, scoring, pooling)
@@ -224,10 +258,15 @@ class ModelRunner:
             return
         src = self._tensor([a for a, _ in pairs], torch.int64)
         dst = self._tensor([b for _, b in pairs], torch.int64)
+        if self.windows is not None:   # both blocks are held there (rein.engine.window_blocks.fork)
+            physical = self.windows.physical
+            windowed_src = self._tensor([physical[a] for a, _ in pairs], torch.int64)
+            windowed_dst = self._tensor([physical[b] for _, b in pairs], torch.int64)
         for cache in self.caches:
+            source, target = (windowed_src, windowed_dst) if cache.windowed else (src, dst)
             for tensor in (cache.k, cache.v, cache.k_scale, cache.v_scale):
                 if tensor is not None:
-                    tensor.index_copy_(0, dst, tensor.index_select(0, src))
+                    tensor.index_copy_(0, target, tensor.index_select(0, source))
 
     def _decode_groups(self, lengths: list[int]) -> list[tuple[int, int]] | None:
         """Row ranges of similar context length for the CPU attention, or None (one batch) when
@@ -246,6 +285,15 @@ class ModelRunner:
 
     def _block_tables(self, group: list[ScheduledRequest]) -> torch.Tensor:
         return self._tensor(self._block_rows(group), torch.int32)
+
+    def _windowed_tables(self, group: list[ScheduledRequest]) -> torch.Tensor:
+        return self._tensor(self._windowed_rows(self._block_rows(group)), torch.int32)
+
+    def _windowed_rows(self, rows: list[list[int]]) -> list[list[int]]:
+        """Block rows translated to the windowed storage; blocks no window holds map to 0
+        (the kernels never read a block wholly before a query's window)."""
+        physical = self.windows.physical
+        return [[max(physical[block], 0) for block in row] for row in rows]
 
     @staticmethod
     def _block_rows(group: list[ScheduledRequest]) -> list[list[int]]:

@@ -73,6 +73,10 @@ class Request:
     num_cached_tokens: int = 0
     num_registered_blocks: int = 0
     cache_parent: tuple[int, int] = ROOT
+    # Windowed layers' storage (rein.engine.window_blocks): block_ids[window_first:window_end]
+    # are the blocks this request holds there (those its next query's window still covers).
+    window_first: int = 0
+    window_end: int = 0
     num_preemptions: int = 0
     first_token_time: float | None = None
     # Engine-owned helpers (detokenizer, generator, structured-output matcher); opaque to the scheduler.

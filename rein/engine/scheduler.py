@@ -29,6 +29,13 @@ room. A preempted request's full blocks stay in the prefix cache when caching is
 were registered as they were computed, and freed blocks are handed out least recently freed
 first), so it resumes by cache hits and recomputes only its last, partly filled block.
 
+Windowed layers (rein.engine.window_blocks, when the model runner gives them storage of their
+own): the scheduler tells that storage which blocks each step writes, which blocks a request
+takes from the prefix cache or its parent choice, and which it lets go of. A prefix hit is
+trimmed to the blocks whose windowed data is still there for the first new query's window.
+The storage is sized so that running requests never exhaust it: batching and preemption are
+decided by the block pool alone, as for a model without windows.
+
 No starvation — an aging rule, not a reserved share: the rank counts a priority level as
 `priority_aging_steps` engine steps of waiting. A request with priority 6 ranks as if it had
 arrived 6 x aging steps later than it did, so a stream of priority-0 requests arriving
@@ -49,6 +56,7 @@ from dataclasses import dataclass, field
 
 from rein.engine.block_pool import ROOT, BlockPool
 from rein.engine.request import Request, RequestStatus
+from rein.engine.window_blocks import WindowBlocks
 
 
 class ScheduledRequest:
@@ -89,10 +97,12 @@ DEFAULT_PRIORITY_AGING_STEPS = 128
 
 class Scheduler:
     def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
-                 priority_aging_steps: int = DEFAULT_PRIORITY_AGING_STEPS) -> None:
+                 priority_aging_steps: int = DEFAULT_PRIORITY_AGING_STEPS,
+                 windows: WindowBlocks | None = None) -> None:
         if priority_aging_steps < 1:
             raise ValueError(f"priority_aging_steps must be at least 1, got {priority_aging_steps}")
         self.pool = block_pool
+        self.windows = windows
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.priority_aging_steps = priority_aging_steps
@@ -209,6 +219,8 @@ class Scheduler:
                 and not request.skip_prefix_cache else 0
             cached = self.pool.find_prefix(request.tokens(0, max_cached * block_size), max_cached) \
                 if max_cached else []
+            if cached and self.windows is not None:
+                del cached[self.windows.usable_prefix(cached):]
             computed = len(cached) * block_size if cached else request.num_computed_tokens
             num_new = min(request.num_tokens - computed, budget)
             needed = self.pool.blocks_for(computed + num_new) - len(request.block_ids) - len(cached)
@@ -231,6 +243,9 @@ class Scheduler:
             self._reserved_seqs += forks
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
+        if self.windows is not None:
+            for s in scheduled:
+                self.windows.cover(s.request, s.end)
         return out
 
     def _make_room(self, request: Request, out: SchedulerOutput) -> int | None:
@@ -298,6 +313,8 @@ class Scheduler:
         request.cache_parent = (blocks[-1], self.pool.generation(blocks[-1]))
         if request.num_preemptions == 0:
             request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
+        if self.windows is not None:
+            self.windows.take(request, len(blocks))
 
     def register_computed_blocks(self, request: Request) -> None:
         """Offer the request's newly completed blocks to the prefix cache (after a step)."""
@@ -356,6 +373,8 @@ class Scheduler:
                 [block] = self.pool.allocate(1)
                 child.block_ids.append(block)
                 copies.append((partial, block))
+            if self.windows is not None:
+                self.windows.fork(parent, child)
             child.num_computed_tokens = computed
             child.num_registered_blocks = parent.num_registered_blocks
             child.cache_parent = parent.cache_parent
@@ -373,6 +392,8 @@ class Scheduler:
         self._push_waiting(request)
 
     def _release(self, request: Request) -> None:
+        if self.windows is not None:
+            self.windows.release(request)
         if request.block_ids:
             self.pool.free(request.block_ids)
             request.block_ids = []

@@ -61,6 +61,7 @@ def rein_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, va
             f"and {tuple(v.shape[1:])} (heads, head_dim), but the config describes {tuple(cache.k.shape[2:])}")
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     if softcap:
+        meta = meta.for_cache(cache, sliding_window)
         kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
         out = softcapped_attention(q, cache, meta, scale, softcap, sliding_window)
     else:
