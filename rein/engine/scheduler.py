@@ -321,8 +321,11 @@ class Scheduler:
         size = self.pool.block_size
         full = request.num_computed_tokens // size
         parent, tokens, blocks = request.cache_parent, request.tokens, request.block_ids
+        windows = self.windows
         for i in range(request.num_registered_blocks, full):
             parent = self.pool.cache_block(blocks[i], parent, tokens(i * size, (i + 1) * size))
+            if windows is not None and parent[0] != blocks[i]:   # cached already: see window_blocks
+                windows.twin(blocks[i], parent[0])
         request.cache_parent = parent
         request.num_registered_blocks = full
 

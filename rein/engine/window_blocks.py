@@ -20,6 +20,11 @@ cache: then its windowed data stays, *evictable*, so a later request can reuse t
 lent again least recently freed first when no free one is left, and dropped when the block
 pool hands their logical block out again or forgets it (`BlockPool.on_uncache`).
 
+Twins: a request whose hit was trimmed recomputes blocks the prefix cache already holds; the
+cache keeps its first block for those tokens (BlockPool.cache_block), which lacks windowed
+data, and the request's own copy is not cached. So that the next request hits, the own
+copy's windowed block passes to the cached twin when the request lets go of it (`twin`).
+
 The storage is sized from a bound on what running requests can hold at once
 (`capacity.windowed_pool_bound`), so it never runs dry and the scheduler needs no rule of its
 own for it; running out anyway is a bug, reported as WindowPoolExhausted.
@@ -58,6 +63,8 @@ class WindowBlocks:
         # Logical blocks with windowed data and no holder, still in the prefix cache;
         # least recently freed first.
         self._evictable: OrderedDict[int, None] = OrderedDict()
+        # Own logical block -> (its cached twin, the twin's generation): see the module docstring.
+        self._twins: dict[int, tuple[int, int]] = {}
         self.peak_held = 0   # the most windowed blocks held at once (tests check it against the bound)
         pool.on_uncache = self._uncached
 
@@ -132,6 +139,12 @@ class WindowBlocks:
             self._hold(block)
         child.window_first, child.window_end = parent.window_first, len(child.block_ids)
 
+    def twin(self, own: int, cached: int) -> None:
+        """The prefix cache keeps `cached` for the tokens the held block `own` was just computed
+        with: if `cached` lacks windowed data, it gets own's when own is let go of."""
+        if self.physical[cached] < 0:
+            self._twins[own] = (cached, self.pool.generation(cached))
+
     # -- one logical block -------------------------------------------------------------------
 
     def _hold(self, logical: int) -> None:
@@ -164,11 +177,19 @@ class WindowBlocks:
             raise ValueError(f"logical block {logical} let go of more often than held in the windowed storage")
         self._holders[logical] = count
         if count == 0:
-            if self.pool.is_cached(logical):
+            pool = self.pool
+            if pool.is_cached(logical):
                 self._evictable[logical] = None
+                return
+            block, self.physical[logical] = self.physical[logical], -1
+            twin, generation = self._twins.pop(logical, (-1, -1))
+            # The same tokens after the same prefix: valid for the twin while it holds them.
+            if twin >= 0 and pool.is_cached(twin) and pool.generation(twin) == generation \
+                    and self.physical[twin] < 0:
+                self.physical[twin] = block
+                self._evictable[twin] = None
             else:
-                self._free.append(self.physical[logical])
-                self.physical[logical] = -1
+                self._free.append(block)
 
     def _uncached(self, logical: int) -> None:
         # The logical block left the prefix cache: its windowed data, if no one holds it, can

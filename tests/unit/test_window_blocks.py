@@ -219,3 +219,30 @@ def test_randomized_workloads_stay_within_the_bound_and_leak_nothing(seed):
     assert windows.peak_held <= bound
     assert scheduler.num_preemptions > 0 or pool.num_blocks == 40
     assert hits > 0
+
+
+def test_a_recomputed_twin_passes_its_windowed_data_to_the_cached_block():
+    pool = BlockPool(16, 4, enable_caching=True)
+    bound = windowed_pool_bound(4, 4, 1, 4)
+    windows = WindowBlocks(pool, bound, window=4)
+    scheduler = Scheduler(pool, max_num_seqs=1, max_num_batched_tokens=4, windows=windows)
+    rng = random.Random(0)
+
+    def run(request: Request) -> None:
+        scheduler.add(request)
+        while scheduler.has_unfinished():
+            _step(scheduler, rng, bound)
+
+    first = _request("a", range(1, 10), max_tokens=1)
+    run(first)
+    cached = pool.find_prefix(first.tokens(0, 8), 2)
+    assert len(cached) == 2 and windows.usable_prefix(cached) == 2
+    # A longer request lends every windowed block again, evicting the first one's data.
+    run(_request("b", range(20, 40), max_tokens=1))
+    assert windows.usable_prefix(cached) == 0
+    # The same prompt again: no usable hit, so recomputed into blocks of its own, whose
+    # windowed data the cached twins take over.
+    again = _request("c", range(1, 10), max_tokens=1)
+    run(again)
+    assert again.num_cached_tokens == 0
+    assert pool.find_prefix(first.tokens(0, 8), 2) == cached and windows.usable_prefix(cached) == 2
