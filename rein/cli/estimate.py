@@ -3,7 +3,9 @@
 Reads the config only (config.json, or a GGUF file's metadata), no weights. The arithmetic is the engine's own
 (`rein.engine.capacity`, `EngineConfig`'s dtype rules, the runner's max_model_len rule),
 so the estimate and the pool the engine builds agree. Memory for activations and the CUDA
-context is not counted: leave some headroom.
+context is not counted: leave some headroom. A windowed model's sliding-window layers get
+storage of their own sized from --max-num-seqs and --max-num-batched-tokens (as the
+engine's), and the full-attention layers' pool the rest.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default="cuda",
                         help="the device 'auto' dtypes are resolved for (default cuda: bfloat16)")
     parser.add_argument("--block-size", type=int, default=16, metavar="N", help="tokens per KV block (default 16)")
+    parser.add_argument("--max-num-seqs", type=int, default=None, metavar="N",
+                        help="requests running at once (default: the engine's); sizes a windowed model's "
+                             "sliding-window storage")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                        help="tokens per engine step (default: the engine's); sizes it too")
     parser.add_argument("--context-len", type=int, default=None, metavar="N",
                         help="tokens per request when counting concurrent requests (default: max_model_len)")
     parser.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
@@ -56,22 +63,42 @@ class EstimateError(ValueError):
     pass
 
 
-def _by_layer_kind(spec, bytes_per_token: int, max_model_len: int) -> list[str]:
-    """A windowed model's KV per token split by layer kind, and what a request at max_model_len
-    holds of each: every layer keeps every position today (blocks that have left the window are
-    not freed yet, so the pool above counts all layers)."""
-    per_layer = bytes_per_token // spec.num_layers
+def _by_layer_kind(spec, capacity, max_num_seqs: int, max_num_batched_tokens: int) -> list[str]:
+    """A windowed model's KV per token split by layer kind, what a request at max_model_len
+    holds of each, and whether its windowed layers get storage of their own
+    (rein.engine.capacity): why not, when they do not."""
+    from rein.engine.capacity import windowed_pool_bound
+
+    per_layer = capacity.bytes_per_token // spec.num_layers
     windowed = spec.windowed_layers
     full = spec.num_layers - windowed
-    window = spec.sliding_window
+    window = max(w for w in spec.layer_windows if w is not None)
+    max_model_len, block_size = capacity.max_model_len, capacity.block_size
     needed = min(window, max_model_len)
-    return [
+    lines = [
         f"KV by layer kind: {windowed} sliding-window layers (window {window:,}) x {per_layer:,} + {full} "
         f"full-attention layers x {per_layer:,} bytes per token",
         f"  a {max_model_len:,}-token request: its windowed layers attend to {needed:,} positions "
-        f"({windowed * per_layer * needed:,} bytes of their {windowed * per_layer * max_model_len:,}); "
-        f"rein keeps all positions for now",
+        f"({windowed * per_layer * needed:,} bytes of their {windowed * per_layer * max_model_len:,})",
     ]
+    bound = windowed_pool_bound(window, block_size, max_num_seqs, max_num_batched_tokens)
+    formula = (f"{max_num_seqs} seqs x ({-(-window // block_size)} + 1) + "
+               f"{-(-max_num_batched_tokens // block_size)} + {max_num_seqs}")
+    if capacity.num_windowed_blocks:
+        lines.append(
+            f"  rein keeps only what the windows cover: the windowed layers' own storage holds {bound:,} blocks "
+            f"({formula}, what running requests can hold at once) of {capacity.windowed_bytes_per_block:,} bytes "
+            f"= {capacity.num_windowed_blocks * capacity.windowed_bytes_per_block:,} bytes"
+            + (", every block the memory has room for (every layer is windowed)"
+               if capacity.num_windowed_blocks > bound else "")
+            + "; the block pool below is the full-attention layers'")
+    elif window >= max_model_len:
+        lines.append("  rein keeps every position in every layer: the window spans max_model_len")
+    else:
+        lines.append(f"  rein keeps every position in every layer: storage of their own for the windowed layers "
+                     f"needs {bound:,} blocks ({formula}), no fewer than the memory holds with every layer "
+                     f"alike; lower --max-num-seqs or give more memory")
+    return lines
 
 
 def _load_spec(model: str, model_impl: str, trust_remote_code: bool):
@@ -135,9 +162,12 @@ def estimate(args: argparse.Namespace) -> str:
 
     try:
         memory = parse_bytes(args.memory)
+        limits = {name: value for name, value in (("max_num_seqs", args.max_num_seqs),
+                                                  ("max_num_batched_tokens", args.max_num_batched_tokens))
+                  if value is not None}
         config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
                               kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
-                              max_model_len=args.max_model_len)
+                              max_model_len=args.max_model_len, **limits)
         spec, directory = _load_spec(args.model, args.model_impl, args.trust_remote_code)
         max_model_len = decide_max_model_len(spec, args.max_model_len)
         dtype, cache_dtype = config.torch_dtype, config.cache_torch_dtype
@@ -163,7 +193,9 @@ def estimate(args: argparse.Namespace) -> str:
             f"--dtype")
 
     kv_memory = memory - weights
-    capacity = kv_capacity(spec, kv_memory, cache_dtype, config.block_size, max_model_len)
+    max_num_seqs, max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
+    capacity = kv_capacity(spec, kv_memory, cache_dtype, config.block_size, max_model_len, max_num_seqs,
+                           max_num_batched_tokens)
     cache_elem = torch.empty((), dtype=cache_dtype).element_size()
     formula = (f"2 x {spec.num_layers} layers x {spec.num_kv_heads} kv_heads x {spec.head_dim} head_dim "
                f"x {_bytes(cache_elem)} ({_dtype_name(cache_dtype)})")
@@ -176,13 +208,15 @@ def estimate(args: argparse.Namespace) -> str:
     lines += [
         f"KV cache per token: {formula} = {capacity.bytes_per_token:,} bytes",
         f"memory left for the KV cache: {memory:,} - {weights:,} = {kv_memory:,} bytes ({_size(kv_memory)})",
-        f"KV cache: {capacity.num_blocks:,} blocks x {capacity.block_size} tokens = {capacity.num_tokens:,} tokens "
-        f"({capacity.bytes_per_block:,} bytes per block)",
+        f"KV cache{' (full-attention layers)' if capacity.num_windowed_blocks else ''}: "
+        f"{capacity.num_blocks:,} blocks x {capacity.block_size} tokens = {capacity.num_tokens:,} tokens "
+        f"({capacity.bytes_per_block:,} bytes per block"
+        f"{'; block ids only: every layer is windowed' if capacity.num_windowed_blocks and not capacity.bytes_per_block else ''})",
         f"concurrent requests at {context_len:,} tokens: {at_context.max_full_requests:,} "
         f"({at_context.blocks_per_full_request:,} blocks each)",
     ]
     if spec.windowed_layers:
-        lines[3:3] = _by_layer_kind(spec, capacity.bytes_per_token, max_model_len)
+        lines[3:3] = _by_layer_kind(spec, capacity, max_num_seqs, max_num_batched_tokens)
     if capacity.num_tokens < max_model_len:
         lines.append(f"warning: the KV cache holds fewer tokens than max_model_len {max_model_len}; the engine "
                      f"would refuse to start: give more memory or a lower --max-model-len")

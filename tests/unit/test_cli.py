@@ -259,6 +259,17 @@ def test_estimate_splits_a_windowed_models_kv_by_layer_kind(tmp_path, capsys):
             f"bytes per token") in out
     assert f"windowed layers attend to 128 positions ({5 * per_layer * 128:,} bytes of their " \
            f"{5 * per_layer * 2048:,})" in out
+    # The windowed layers' own storage: its bound (64 seqs x (128/16 + 1) + 2048/16 + 64 blocks),
+    # and the full-attention layers' pool takes the rest at 1/6 of the bytes per block.
+    bound = 64 * 9 + 128 + 64
+    weights = int(out.split(" = ")[1].split(" bytes")[0].replace(",", ""))
+    full_blocks = (64 * 2**20 - weights - bound * 5 * per_layer * 16) // (per_layer * 16)
+    assert f"rein keeps only what the windows cover: the windowed layers' own storage holds {bound:,} blocks" in out
+    assert f"KV cache (full-attention layers): {full_blocks:,} blocks x 16 tokens" in out
+    assert full_blocks > 4 * (64 * 2**20 - weights) // (6 * per_layer * 16)   # over 4x keeping every position
+    assert main(["estimate", "--model", str(tmp_path), "--memory", "64MiB", "--dtype", "float32",
+                 "--max-model-len", "2048", "--max-num-seqs", "512"]) == 0
+    assert "rein keeps every position in every layer" in capsys.readouterr().out
 
 
 def test_estimate_counts_a_transformers_backend_models_own_parameters(tmp_path, capsys):
