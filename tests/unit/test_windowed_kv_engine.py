@@ -4,7 +4,8 @@ hits and n > 1; the storage holds O(window) blocks for a long request and never 
 its bound; a Gemma-3-shaped model fits about six times the tokens in the same memory.
 
 Models: a tiny Gemma 3 (five windowed layers to one full), a Qwen2 with one windowed layer of
-two, and a Mistral whose every layer is windowed; windows of 8-16 tokens on 4-token blocks,
+two, a Mistral whose every layer is windowed, and a Gemma 2 through the Transformers backend
+(soft-capped attention, one windowed layer of two); windows of 8-16 tokens on 4-token blocks,
 prompts and outputs several windows long.
 """
 
@@ -18,13 +19,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, Gemma3TextConfig
+from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
 
 from rein.engine.capacity import kv_capacity, windowed_pool_bound
 from rein.engine.config import EngineConfig
 from rein.engine.cuda_graphs import DecodeGraphs
 from rein.engine.engine import LLMEngine
-from rein.engine.model_spec import ModelSpec
+from rein.engine.model_spec import ModelSpec, spec_for
 from rein.engine.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -33,17 +34,23 @@ BUDGET = 16           # tokens per step: prompts are prefilled in chunks
 MAX_LEN = 128
 MAX_TOKENS = 24
 LENGTHS = [5, 30, 47, 64]
-WINDOWS = {"gemma3": 8, "qwen2": 16, "mistral": 12}
+WINDOWS = {"gemma3": 8, "qwen2": 16, "mistral": 12, "gemma2": 8}
 
 
-def _gemma3(source: Path, target: Path, window: int) -> Path:
-    """A random tiny Gemma 3 with the tiny llama's tokenizer (same vocabulary)."""
+def _gemma(source: Path, target: Path, window: int, version: int) -> Path:
+    """A random tiny Gemma 3 (native) or Gemma 2 (Transformers backend, soft caps) with the
+    tiny llama's tokenizer (same vocabulary)."""
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
-    config = Gemma3TextConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                              num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=window,
-                              max_position_embeddings=512, query_pre_attn_scalar=16, bos_token_id=1,
-                              eos_token_id=2, pad_token_id=0)
-    config.architectures = ["Gemma3ForCausalLM"]
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, sliding_window=window, max_position_embeddings=512,
+                  query_pre_attn_scalar=16, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    if version == 3:
+        config = Gemma3TextConfig(num_hidden_layers=6, **common)
+        config.architectures = ["Gemma3ForCausalLM"]
+    else:
+        config = Gemma2Config(num_hidden_layers=2, attn_logit_softcapping=1.0, final_logit_softcapping=5.0,
+                              attn_implementation="eager", **common)
+        config.architectures = ["Gemma2ForCausalLM"]
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).eval().save_pretrained(target)
     for file in source.iterdir():
@@ -62,7 +69,10 @@ def _windowed_copy(source: Path, target: Path, **changes) -> Path:
 
 
 def _hf(model_dir: Path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    # Gemma 2's soft caps are applied by transformers' eager attention only.
+    model_type = json.loads((model_dir / "config.json").read_text())["model_type"]
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32,
+                                                 attn_implementation="eager" if model_type == "gemma2" else None).eval()
     out = []
     with torch.no_grad():
         for prompt in prompts:
@@ -76,7 +86,7 @@ def _hf(model_dir: Path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS)
 def _memory(model_dir: Path, full_blocks: int) -> int:
     """KV memory for the windowed storage's bound plus `full_blocks` blocks of the full layers
     (a model whose every layer is windowed: the bound plus 4 blocks, all windowed)."""
-    spec = ModelSpec.from_dir(model_dir)
+    spec = spec_for(model_dir, "auto")
     window = max(w for w in spec.layer_windows if w is not None)
     per_layer_block = spec.kv_bytes_per_token(torch.float32) // spec.num_layers * BLOCK
     bound = windowed_pool_bound(window, BLOCK, SEQS, BUDGET)
@@ -115,8 +125,8 @@ def _run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams) ->
 def windowed(request, tiny_models, tmp_path_factory):
     arch, window = request.param, WINDOWS[request.param]
     target = tmp_path_factory.mktemp(arch) / "model"
-    if arch == "gemma3":
-        model_dir = _gemma3(tiny_models("llama"), target, window)
+    if arch.startswith("gemma"):
+        model_dir = _gemma(tiny_models("llama"), target, window, version=int(arch[-1]))
     elif arch == "qwen2":
         model_dir = _windowed_copy(tiny_models("qwen2"), target, sliding_window=window, use_sliding_window=True,
                                    max_window_layers=1)
@@ -243,7 +253,7 @@ def test_random_workload_on_windowed_storage_matches_the_full_storage(windowed):
     engine = _engine(model_dir)
     got = run(engine)
     # 64 sequences: the bound outgrows a 64-block pool, so every layer keeps every position.
-    per_block = ModelSpec.from_dir(model_dir).kv_bytes_per_token(torch.float32) * BLOCK
+    per_block = spec_for(model_dir, "auto").kv_bytes_per_token(torch.float32) * BLOCK
     full = LLMEngine(EngineConfig(model=str(model_dir), dtype="float32", block_size=BLOCK, max_num_seqs=64,
                                   max_num_batched_tokens=BUDGET, max_model_len=MAX_LEN,
                                   kv_cache_memory=64 * per_block))
