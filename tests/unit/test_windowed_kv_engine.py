@@ -259,3 +259,20 @@ def test_random_workload_on_windowed_storage_matches_the_full_storage(windowed):
                                   kv_cache_memory=64 * per_block))
     assert full.windows is None and not any(cache.windowed for cache in full.runner.caches)
     assert got == run(full)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_with_windowed_storage_gives_the_eager_tokens(windowed):
+    _, model_dir, prompts, expected = windowed
+    greedy = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
+    engine = _engine(model_dir, device="cuda")
+    graphs = engine.runner.decode_graphs
+    if engine.spec.family == "transformers":   # the backend always runs eagerly
+        assert graphs is None
+        return
+    assert graphs is not None and graphs.captured and graphs.windowed_slots is not None
+    replays: list[int] = []
+    plain_run = graphs.run
+    graphs.run = lambda input_ids, *args: (replays.append(len(input_ids)), plain_run(input_ids, *args))[1]
+    got = _run(engine, prompts, greedy)
+    assert replays and [got[(str(i), 0)] for i in range(len(prompts))] == expected
