@@ -103,7 +103,7 @@ class Counters:
                 "redis_cpu_s": cpu["used_cpu_user"] + cpu["used_cpu_sys"]}
 
     def queue_snapshot(self, settings) -> dict[str, int]:
-        """What the ScaledObject's triggers would read now (deploy/k8s/worker-scaledobject.yaml):
+        """What the ScaledObject's triggers would read now (deploy/k8s/base/worker-scaledobject.yaml):
         the model's interactive and batch lists and kombu's hash of taken messages. Three
         commands, which the caller subtracts."""
         from kombu.transport.redis import Channel

@@ -5,13 +5,17 @@ rein's own code says, so a rename in rein breaks this test rather than the autos
 Kubernetes objects: kubernetes-validate's bundled JSON schemas (offline), strict (an unknown
 field is an error, as `kubectl apply --validate=strict` makes it). KEDA's ScaledObject and
 TriggerAuthentication: the openAPIV3Schema of KEDA's CRDs (tests/unit/schemas/, whose
-`$comment` names the release), made strict the same way, with jsonschema.
+`$comment` names the release), made strict the same way, with jsonschema. Where `kubectl` is
+installed, `kubectl kustomize` builds both variants (base, prometheus) and what it renders is
+checked the same way.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import shutil
+import subprocess
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -26,8 +30,8 @@ from rein.core.settings import Settings, load_settings
 from rein.jobs.queues import queue_keys, queued_slots
 
 ROOT = Path(__file__).resolve().parents[2]
-K8S = ROOT / "deploy" / "k8s"
-OVERLAY = K8S / "prometheus"
+K8S = ROOT / "deploy" / "k8s" / "base"
+OVERLAY = K8S.parent / "prometheus"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 # The oldest Kubernetes release still supported upstream when this was written, and the
 # newest kubernetes-validate bundles: the manifests use nothing newer than the first.
@@ -181,7 +185,7 @@ def test_the_validators_refuse_unknown_and_mistyped_fields() -> None:
 
 def test_the_prometheus_overlay_validates_once_applied() -> None:
     (kustomization,) = load_documents(OVERLAY / "kustomization.yaml")
-    assert kustomization["resources"] == [".."]
+    assert kustomization["resources"] == ["../base"]
     for entry in kustomization["patches"]:
         (patch,) = load_documents(OVERLAY / entry["path"])
         (base,) = find(patch["kind"], patch["metadata"]["name"])
@@ -260,3 +264,23 @@ def test_every_rein_variable_is_a_setting_and_parses(clean_env: pytest.MonkeyPat
         assert not unknown, f"{doc['metadata']['name']}: not rein settings: {unknown}"
         with clean_env.context() as patch:
             settings_of(container, patch)
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (kustomize) is not installed")
+@pytest.mark.parametrize("variant", [K8S, OVERLAY], ids=lambda path: path.name)
+def test_kustomize_builds_each_variant(variant: Path) -> None:
+    built = subprocess.run(["kubectl", "kustomize", str(variant)], capture_output=True, text=True, timeout=60)
+    assert built.returncode == 0, built.stderr
+    docs = [doc for doc in yaml.safe_load_all(built.stdout) if doc]
+    assert sorted((d["kind"], d["metadata"]["name"]) for d in docs) == \
+        sorted((d["kind"], d["metadata"]["name"]) for d in DOCUMENTS)
+    (kustomization,) = load_documents(K8S / "kustomization.yaml")
+    images = {f"{image['newName']}:{image['newTag']}" for image in kustomization["images"]}
+    for doc in docs:
+        validate(doc)
+        if doc["kind"] != "Namespace":
+            assert doc["metadata"]["namespace"] == kustomization["namespace"]
+        if doc["kind"] in ("Deployment", "Job"):
+            assert {c["image"] for c in pod_spec(doc)["containers"]} <= images
+    (scaled,) = find("ScaledObject", docs=docs)
+    check_triggers(scaled)
