@@ -25,9 +25,10 @@ then `rein api` and one `rein worker` on the tiny random-weight llama as subproc
 
 Each load's deltas, less the background rate over its length (and less this script's own
 queries of the jobs and batches tables, one transaction each), are divided by the jobs and
-by the tokens generated. While the jobs run, one reading of the keys the KEDA ScaledObject
-watches (deploy/k8s: the model's two lists and kombu's `unacked` hash) and of the
-connections the API's and the worker's pools hold.
+by the tokens generated. A second after the first job runs, one reading of the keys the KEDA
+ScaledObject watches (deploy/k8s: the model's two lists and kombu's `unacked` hash, the
+messages workers have taken), of the jobs running, and of the connections the API's and the
+worker's pools hold.
 
 Postgres: transactions committed (`xact_commit`: reads count too: each auth lookup, claim,
 lease renewal, record), rows written (`tup_inserted + tup_updated + tup_deleted`) and per
@@ -297,8 +298,10 @@ def measure_run(label: str, load, jobs: int, table: JobsTable, counters: Counter
     load()
     # What the ScaledObject's triggers read once jobs run, and the connections the pools hold.
     wait_for_running(table)
+    time.sleep(1.0)   # the worker's first claims done: how many messages it took beyond them
     snapshot = counters.queue_snapshot(settings)
     connections = counters.connections()
+    (running,) = table.one("SELECT count(*) FROM jobs WHERE status = 'running'")
     succeeded, tokens_after = wait_done(table, submitted + jobs, 1800)
     wait_batches_finished(table, 300)
     wall = time.monotonic() - started
@@ -324,12 +327,13 @@ def measure_run(label: str, load, jobs: int, table: JobsTable, counters: Counter
     net["commands"]["llen"] -= 2     # the snapshot's own reads
     net["commands"]["hlen"] -= 1
     result = per_unit(net, jobs, tokens_after - tokens_before) | {
-        "failed": submitted + jobs - succeeded, "queues_while_running": snapshot,
+        "failed": submitted + jobs - succeeded, "queues_while_running": snapshot, "jobs_running": running,
         "pg_connections_while_running": connections, "this_script_queries_subtracted": polls}
     phase(f"{label}: {wall:.1f} s, {result['pg_transactions_per_job']} transactions and "
           f"{result['pg_rows_written_per_job']} rows written per job; {result['redis_commands_per_job']} Redis "
           f"commands per job, {result['redis_commands_per_token']} per token, {result['redis_cpu_us_per_token']} "
-          f"µs of Redis CPU per token; while running: {snapshot}, {connections} Postgres connections")
+          f"µs of Redis CPU per token; while running: {snapshot} with {running} jobs running, "
+          f"{connections} Postgres connections")
     return result
 
 
