@@ -15,7 +15,8 @@ runs three ways in one process, one after another on the same threads:
 It prints output tokens/s and the ratios the issue sets targets for (Transformers backend over
 native >= 0.9 on SmolLM2, over HF static >= 2; Gemma 3 native over HF static >= 2), whether
 the two rein paths gave the same tokens, and for Gemma 3 (windowed) the KV bytes a request of
-8k tokens holds against the share its windowed layers attend to.
+8k tokens holds in its windowed layers at its peak, against a full-attention cache and the
+windows' own share.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from throughput import (  # noqa: E402
     SEED,
     Workload,
     allowed_token_ids,
+    greedy,
     load_hf,
     rein_generate,
     run_hf_static,
@@ -71,20 +73,34 @@ def run_engine(folder: Path, impl: str, wl: Workload) -> dict:
             "_tokens": outs, "_engine": engine}
 
 
-def windowed_kv(engine: LLMEngine) -> dict | None:
-    """KV bytes of one request at KV_AT tokens: what rein holds, and what a cache that kept only
-    each windowed layer's window (and everything for full-attention layers) would."""
+def windowed_kv(folder: Path, allowed: list[int]) -> dict | None:
+    """One request of KV_AT prompt tokens on a windowed model (4 sequences: the windowed layers get
+    storage of their own, rein.engine.window_blocks): the windowed blocks it holds at its peak
+    (sampled after every step) against a full-attention cache for those layers and against the
+    windows' own share (KV_AT positions vs `window` positions per windowed layer)."""
+    engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", max_model_len=KV_AT + 16,
+                                    kv_cache_memory="1GiB", max_num_seqs=4, seed=SEED))
     spec = engine.spec
     if not spec.windowed_layers:
         return None
-    per_layer = engine.runner.capacity.bytes_per_token // spec.num_layers
-    held = per_layer * spec.num_layers * KV_AT
-    needed = per_layer * sum(KV_AT if w is None else min(w, KV_AT) for w in spec.layer_windows)
-    local_full = per_layer * spec.windowed_layers * KV_AT
-    local_window = per_layer * sum(min(w, KV_AT) for w in spec.layer_windows if w is not None)
-    return {"context": KV_AT, "held_bytes": held, "window_bound_bytes": needed,
-            "windowed_layers_held_bytes": local_full, "windowed_layers_window_share_bytes": local_window,
-            "windowed_layers_held_over_window_share": local_full / local_window}
+    if engine.windows is None:
+        return {"windowed_storage": False, "why": engine.runner.capacity.describe()}
+    rng = random.Random(f"{SEED}-kv")
+    engine.add_request("long", [rng.choice(allowed) for _ in range(KV_AT)], greedy(1))
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, engine.windows.num_held)
+    block = engine.config.block_size
+    per_layer_token = engine.runner.capacity.windowed_bytes_per_block // block // spec.windowed_layers
+    window = spec.sliding_window
+    held = peak * block * spec.windowed_layers * per_layer_token
+    full = KV_AT * spec.windowed_layers * per_layer_token
+    share = window * spec.windowed_layers * per_layer_token
+    return {"windowed_storage": True, "context": KV_AT, "window": window, "peak_windowed_blocks": peak,
+            "windowed_layers_held_bytes": held, "windowed_layers_full_attention_bytes": full,
+            "windowed_layers_window_share_bytes": share, "held_over_window_share": held / share,
+            "held_over_full": held / full}
 
 
 def ratio(a: float, b: float) -> float:
@@ -95,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a small workload (a smoke run)")
     ap.add_argument("--models", default="smollm2,gemma3", help="comma-separated: smollm2, gemma3")
+    ap.add_argument("--no-kv", dest="kv", action="store_false",
+                    help="skip the windowed model's 8k-token KV measurement (a long prefill)")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     ap.add_argument("--cache-dir", type=Path, default=Path("~/.cache/rein/bench").expanduser())
     args = ap.parse_args(argv)
@@ -106,15 +124,17 @@ def main(argv: list[str] | None = None) -> int:
         hf_model, tokenizer = load_hf(folder)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token_id = tokenizer.eos_token_id
-        wl = make_workload(allowed_token_ids(tokenizer, hf_model.config.get_text_config().vocab_size), args.quick)
+        allowed = allowed_token_ids(tokenizer, hf_model.config.get_text_config().vocab_size)
+        wl = make_workload(allowed, args.quick)
         print(f"# {name}: {wl.num_requests} requests, prompts {min(map(len, wl.prompts))}-"
               f"{max(map(len, wl.prompts))} tokens, {wl.output_lens[0]} output tokens each", flush=True)
         native = run_engine(folder, "rein", wl)
-        kv = windowed_kv(native.pop("_engine"))
+        native.pop("_engine")
         backend = run_engine(folder, "transformers", wl)
         backend.pop("_engine")
         hf = run_hf_static(hf_model, tokenizer, wl)
         del hf_model
+        kv = windowed_kv(folder, allowed) if args.kv else None
         same = native["_tokens"] == backend["_tokens"]
         row = {
             "native_tps": native["tps"], "transformers_tps": backend["tps"], "hf_static_tps": hf["tps"],
@@ -131,11 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{'':8s} transformers/native {row['transformers_over_native']:.2f} (target >= 0.9) | "
               f"transformers/HF {row['transformers_over_hf_static']:.2f} (>= 2) | "
               f"native/HF {row['native_over_hf_static']:.2f} (>= 2) | same tokens: {same}", flush=True)
-        if kv:
-            print(f"{'':8s} KV at {KV_AT} tokens: rein holds {kv['held_bytes']:,} bytes; the windowed layers hold "
-                  f"{kv['windowed_layers_held_bytes']:,} where their windows need "
-                  f"{kv['windowed_layers_window_share_bytes']:,} ({kv['windowed_layers_held_over_window_share']:.1f}x: "
-                  f"blocks out of every window are not freed yet)", flush=True)
+        if kv and kv["windowed_storage"]:
+            print(f"{'':8s} KV of one {KV_AT}-token request, windowed layers: {kv['windowed_layers_held_bytes']:,} "
+                  f"bytes at the peak ({kv['peak_windowed_blocks']} blocks) vs {kv['windowed_layers_full_attention_bytes']:,} "
+                  f"with full attention ({kv['held_over_full']:.3f}x) and {kv['windowed_layers_window_share_bytes']:,} for "
+                  f"the window itself ({kv['held_over_window_share']:.2f}x)", flush=True)
+        elif kv:
+            print(f"{'':8s} windowed layers keep every position here: {kv['why']}", flush=True)
     print(json.dumps(report, indent=1, default=str))
     return 0
 

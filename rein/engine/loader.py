@@ -85,7 +85,10 @@ def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: to
     if spec.family == TRANSFORMERS_FAMILY:
         from rein.engine.models.transformers_backend import load_transformers_model
 
-        return load_transformers_model(files, spec, dtype, device, trust_remote_code)
+        model = load_transformers_model(files, spec, dtype, device, trust_remote_code)
+        if device.type == "cpu":
+            model.pack_cpu_weights()
+        return model
 
     with torch.device("meta"):
         model = native_model_class(spec)(spec, max_positions)

@@ -176,3 +176,18 @@ def test_chunked_prefill_and_prefix_caching_give_the_same_tokens(long_answers, m
     assert [g.token_ids for g in chunked] == [g.token_ids for g in first]
     assert [g.token_ids for g in cached] == [g.token_ids for g in first]
     assert all(g.num_cached_tokens >= len(p) - 16 for g, p in zip(cached, prompts, strict=True))
+
+
+def test_windowed_layers_holding_only_their_windows_give_the_same_tokens(long_answers, make_gemma):
+    """With 4 sequences the windowed layers get storage of their own sized to what 4 requests'
+    windows can hold (rein.engine.window_blocks), far less than the prompts' lengths; the full
+    layers keep every position. The same tokens, and a windowed pool that never held more."""
+    prompts, first = long_answers
+    engine = make_gemma(max_num_seqs=4)
+    windows = engine.windows
+    assert windows is not None, "the windowed layers should have storage of their own here"
+    got = generate(engine, prompts, LONG_MAX_TOKENS)
+    assert [g.token_ids for g in got] == [g.token_ids for g in first]
+    capacity = engine.runner.capacity
+    REPORT.append(f"Gemma 3 with windowed storage: {capacity.describe()}")
+    assert capacity.num_windowed_blocks * engine.config.block_size < sum(map(len, prompts))
