@@ -1,10 +1,14 @@
 """Load a model's weights into rein's native model: safetensors, or a GGUF file dequantized
-one tensor at a time to the engine's dtype. Finding the files is `rein.engine.model_files`."""
+one tensor at a time to the engine's dtype. Finding the files is `rein.engine.model_files`.
+
+Under tensor parallelism (a `group` of several ranks) each rank builds its 1/N-wide model and
+reads only its shard of each tensor: a slice of the safetensors file, or of a GGUF tensor
+right after dequantizing it (quantized blocks cannot be sliced before)."""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
@@ -14,10 +18,12 @@ from rein.engine.model_files import TENSOR_INDEX, ModelFiles, ModelNotFoundError
 from rein.engine.model_spec import TRANSFORMERS_FAMILY, ModelSpec
 from rein.engine.models import native_model_class
 from rein.engine.models.rope import RotaryEmbedding
+from rein.engine.models.weights import Shard, TensorGetter
+from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
 
 
 @contextmanager
-def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype) -> Iterator[Callable[[str], torch.Tensor | None]]:
+def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype) -> Iterator[TensorGetter]:
     """A getter of Hugging Face-named tensors, each dequantized from the GGUF file when asked
     for, so the whole checkpoint is never held in memory next to the model.
 
@@ -39,7 +45,7 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype) -> Iterat
     tensors = index["tensors"]
     mapped = np.memmap(gguf_path, dtype=np.uint8, mode="r")
 
-    def get(hf_name: str) -> torch.Tensor | None:
+    def get(hf_name: str, shard: Shard | None = None) -> torch.Tensor | None:
         stem, _, suffix = hf_name.rpartition(".")
         gguf_name = f"{names.get_name(stem)}.{suffix}"
         entry = tensors.get(gguf_name)
@@ -50,13 +56,15 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype) -> Iterat
         data = np.frombuffer(mapped, dtype=item, count=count, offset=entry["offset"]).reshape(entry["shape"])
         weights = dequantize(data, GGMLQuantizationType(entry["type"]))
         weights = processor.process(weights=weights, name=gguf_name).weights
+        if shard is not None:
+            weights = weights[shard.slices(weights.shape, hf_name)]   # copied below: only the shard stays
         return torch.from_numpy(np.array(weights, copy=True)).to(dtype)
 
     yield get
 
 
 @contextmanager
-def safetensors_tensors(directory: Path) -> Iterator[Callable[[str], torch.Tensor | None]]:
+def safetensors_tensors(directory: Path) -> Iterator[TensorGetter]:
     from safetensors import safe_open
 
     files = sorted(directory.glob("*.safetensors"))
@@ -70,19 +78,28 @@ def safetensors_tensors(directory: Path) -> Iterator[Callable[[str], torch.Tenso
             for name in handle.keys():
                 where[name] = handle
 
-        def get(name: str) -> torch.Tensor | None:
+        def get(name: str, shard: Shard | None = None) -> torch.Tensor | None:
             handle = where.get(name)
-            return None if handle is None else handle.get_tensor(name)
+            if handle is None:
+                return None
+            if shard is None:
+                return handle.get_tensor(name)
+            part = handle.get_slice(name)   # reads only the shard's bytes
+            return part[shard.slices(part.get_shape(), name)]
 
         yield get
 
 
 def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: torch.dtype,
-               device: torch.device, trust_remote_code: bool = False):
+               device: torch.device, trust_remote_code: bool = False, group: ParallelGroup = SINGLE_RANK):
     """Build the native model on `device` in `dtype` and fill it from the checkpoint (or, for
     the "transformers" family, the model transformers builds, from the repository's own code
-    under `trust_remote_code`: rein.engine.models.transformers_backend)."""
+    under `trust_remote_code`: rein.engine.models.transformers_backend). With a `group` of
+    several ranks, this rank's shard of it (rein.engine.parallel)."""
     if spec.family == TRANSFORMERS_FAMILY:
+        if group.world_size > 1:
+            raise ValueError(f"tensor parallelism (size {group.world_size}) needs one of rein's native models; "
+                             f"{spec.architecture} runs on the Transformers backend, which has none: use size 1")
         from rein.engine.models.transformers_backend import load_transformers_model
 
         model = load_transformers_model(files, spec, dtype, device, trust_remote_code)
@@ -91,7 +108,7 @@ def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: to
         return model
 
     with torch.device("meta"):
-        model = native_model_class(spec)(spec, max_positions)
+        model = native_model_class(spec)(spec, max_positions, group)
     # Real storage straight on the target device, in the target dtype; no random init.
     model = model.to_empty(device=device).to(dtype=dtype)
     for module in model.modules():
@@ -107,15 +124,15 @@ def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: to
     return model
 
 
-def _base_model_names(get: Callable[[str], torch.Tensor | None]) -> Callable[[str], torch.Tensor | None]:
+def _base_model_names(get: TensorGetter) -> TensorGetter:
     """A getter that also finds `model.X` saved as plain `X`: checkpoints saved from the base
     model (transformers' AutoModel, as sentence-transformers and Qwen3-Embedding ship them)
     lack the causal LM's `model.` prefix, which transformers itself tolerates."""
 
-    def lookup(name: str) -> torch.Tensor | None:
-        tensor = get(name)
+    def lookup(name: str, shard: Shard | None = None) -> torch.Tensor | None:
+        tensor = get(name, shard)
         if tensor is None and name.startswith("model."):
-            tensor = get(name.removeprefix("model."))
+            tensor = get(name.removeprefix("model."), shard)
         return tensor
 
     return lookup

@@ -8,7 +8,8 @@
 - Norms before and after both attention and the MLP ("sandwich" norms), q/k RMSNorm per head,
   a GeLU-tanh gated MLP, embeddings scaled by sqrt(hidden), the softmax scaled by
   query_pre_attn_scalar ** -0.5, and tied embeddings.
-Gemma 2's logit soft-capping is not here (ModelSpec refuses it).
+Gemma 2's logit soft-capping is not here (ModelSpec refuses it). Tensor parallelism as
+llama.py's: the sandwich norms see the all-reduced outputs of attention and the MLP.
 """
 
 from __future__ import annotations
@@ -23,36 +24,43 @@ from rein.engine.models.llama import (
     Attention,
     LlamaFamilyModel,
     RMSNorm,
+    lm_head,
     load_attention,
     load_embeddings,
+    load_mlp,
 )
 from rein.engine.models.rope import RotaryEmbedding
 from rein.engine.models.weights import TensorGetter, WeightLoader
+from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
+from rein.engine.parallel.layers import VocabParallelEmbedding, split_evenly
 from rein.kernels import elementwise
 
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 
 
 class GeluMLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """Gated GeLU-tanh MLP over this rank's slice of the intermediate dimension."""
+
+    def __init__(self, spec: ModelSpec, group: ParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         if spec.hidden_act not in ("gelu_pytorch_tanh", "gelu_tanh"):
             raise ValueError(f"activation {spec.hidden_act!r} is not supported (Gemma 3 uses gelu_pytorch_tanh)")
-        self.intermediate = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.group = group
+        self.intermediate = split_evenly(spec.intermediate_size, group.world_size, "MLP intermediate size")
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(nn.functional.gelu(gate, approximate="tanh").mul_(up))
+        return self.group.all_reduce_(self.down_proj(nn.functional.gelu(gate, approximate="tanh").mul_(up)))
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, window: int | None) -> None:
+    def __init__(self, spec: ModelSpec, window: int | None, group: ParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.window = window
-        self.self_attn = Attention(spec, window)
-        self.mlp = GeluMLP(spec)
+        self.self_attn = Attention(spec, window, group)
+        self.mlp = GeluMLP(spec, group)
         for name in NORMS:
             setattr(self, name, RMSNorm(spec.hidden_size, spec.rms_norm_eps))
 
@@ -71,16 +79,17 @@ class Gemma3DecoderLayer(nn.Module):
 class Gemma3Model(LlamaFamilyModel):
     """The step's forward and the logits as LlamaFamilyModel's; Gemma's layers and two ropes."""
 
-    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+    def __init__(self, spec: ModelSpec, max_positions: int, group: ParallelGroup = SINGLE_RANK) -> None:
         nn.Module.__init__(self)
         self.spec = spec
+        self.group = group
         self.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
         self.local_rope = RotaryEmbedding(spec.head_dim, max_positions, spec.local_rope_theta or spec.rope_theta,
                                           None)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(spec, window) for window in spec.layer_windows)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, group)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(spec, window, group) for window in spec.layer_windows)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = lm_head(spec, group)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -93,13 +102,12 @@ class Gemma3Model(LlamaFamilyModel):
         return self.norm(x)
 
     def load_hf_weights(self, get: TensorGetter) -> None:
-        weights = WeightLoader(self, get)
+        weights = WeightLoader(self, get, self.group)
         load_embeddings(self, weights)
         for i in range(self.spec.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             load_attention(weights, self.spec, src + "self_attn.", dst + "self_attn.")
-            weights.fused(dst + "mlp.gate_up_proj.weight", [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"])
-            weights.put(dst + "mlp.down_proj.weight", weights.take(src + "mlp.down_proj.weight"))
+            load_mlp(weights, src + "mlp.", dst + "mlp.")
             for norm in NORMS:
                 weights.put(f"{dst}{norm}.weight", weights.take(f"{src}{norm}.weight"))
         weights.finish()

@@ -5,6 +5,11 @@ q/k RMSNorm (Qwen3), tied embeddings, rope scaling. Tokens of all requests in a 
 are flattened into one [T, hidden] batch; only attention looks at request boundaries
 (through the paged cache), so every projection is one matmul for the whole step.
 Q, K and V (and gate and up) are fused into one weight at load time for the same reason.
+
+Built with a tensor-parallel `group` (rein.engine.parallel), every layer holds its rank's
+share: the query and KV heads, the MLP's intermediate slice, the vocabulary slice; o_proj and
+down_proj end in the layer's one all-reduce each, the logits are all-gathered. With the
+default single-rank group the layers are full width and the collectives return their input.
 """
 
 from __future__ import annotations
@@ -17,6 +22,14 @@ from rein.engine.model_spec import ModelSpec
 from rein.engine.models.linear import PACK_ROWS_HINT, Linear, linear, pack_weights
 from rein.engine.models.rope import RotaryEmbedding, apply_rotary
 from rein.engine.models.weights import TensorGetter, WeightLoader
+from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
+from rein.engine.parallel.layers import (
+    VocabParallelEmbedding,
+    attention_heads,
+    gather_vocab,
+    split_evenly,
+    vocab_rows,
+)
 from rein.kernels import elementwise
 
 
@@ -39,14 +52,16 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, spec: ModelSpec, window: int | None = None) -> None:
+    """This rank's query and KV heads (all of them on one rank) over the paged cache."""
+
+    def __init__(self, spec: ModelSpec, window: int | None = None, group: ParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.window = window   # sliding-window attention over the last `window` positions
-        self.num_heads = spec.num_heads
-        self.num_kv_heads = spec.num_kv_heads
+        self.group = group
+        self.num_heads, self.num_kv_heads = attention_heads(spec, group.world_size)
         self.head_dim = spec.head_dim
-        self.q_size = spec.num_heads * spec.head_dim
-        self.kv_size = spec.num_kv_heads * spec.head_dim
+        self.q_size = self.num_heads * spec.head_dim
+        self.kv_size = self.num_kv_heads * spec.head_dim
         self.scale = spec.attention_scale
         self.qkv_proj = Linear(spec.hidden_size, self.q_size + 2 * self.kv_size, bias=spec.attention_bias)
         self.o_proj = Linear(self.q_size, spec.hidden_size, bias=False)
@@ -71,17 +86,22 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         out = paged_attention(q, k, v, cache, meta, self.scale, window=self.window)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return self.group.all_reduce_(self.o_proj(out.reshape(tokens, self.q_size)))
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: ModelSpec) -> None:
+    """Gated SiLU MLP over this rank's slice of the intermediate dimension. `reduce=False`
+    leaves the partial sum to the caller (a MoE block adds it to its experts' before its one
+    all-reduce)."""
+
+    def __init__(self, spec: ModelSpec, group: ParallelGroup = SINGLE_RANK, reduce: bool = True) -> None:
         super().__init__()
         if spec.hidden_act != "silu":
             raise ValueError(f"activation {spec.hidden_act!r} is not supported (Llama-family models use silu)")
-        self.intermediate = spec.intermediate_size
-        self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=False)
-        self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, bias=False)
+        self.group = group if reduce else SINGLE_RANK
+        self.intermediate = split_evenly(spec.intermediate_size, group.world_size, "MLP intermediate size")
+        self.gate_up_proj = Linear(spec.hidden_size, 2 * self.intermediate, bias=False)
+        self.down_proj = Linear(self.intermediate, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -89,16 +109,16 @@ class MLP(nn.Module):
         if hidden is None:
             gate, up = gate_up.split(self.intermediate, dim=-1)
             hidden = nn.functional.silu(gate) * up
-        return self.down_proj(hidden)
+        return self.group.all_reduce_(self.down_proj(hidden))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: ModelSpec, window: int | None) -> None:
+    def __init__(self, spec: ModelSpec, window: int | None, group: ParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = Attention(spec, window)
+        self.self_attn = Attention(spec, window, group)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = MLP(spec)
+        self.mlp = MLP(spec, group)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -118,14 +138,15 @@ class LlamaFamilyModel(nn.Module):
     # from the base model, as sentence-transformers does): it computes hidden states only.
     can_generate = True
 
-    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+    def __init__(self, spec: ModelSpec, max_positions: int, group: ParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         self.spec = spec
+        self.group = group
         self.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(spec, window) for window in spec.layer_windows)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, group)
+        self.layers = nn.ModuleList(DecoderLayer(spec, window, group) for window in spec.layer_windows)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = lm_head(spec, group)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -141,10 +162,12 @@ class LlamaFamilyModel(nn.Module):
     packed_tied_head: torch.Tensor | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits [rows, vocab] of hidden states [rows, hidden] (every rank gets all of them)."""
         if self.packed_tied_head is not None:
-            return linear(hidden, self.packed_tied_head)
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return linear(hidden, weight)
+            weight = self.packed_tied_head
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return gather_vocab(linear(hidden, weight), self.group, self.spec.vocab_size)
 
     def pack_cpu_weights(self) -> None:
         """Prepack the projections (and the head) for oneDNN, once, after loading
@@ -164,43 +187,61 @@ class LlamaFamilyModel(nn.Module):
         `get(name)` returns the checkpoint tensor or None; tensors are fetched one at a
         time so a large checkpoint is never held twice in memory.
         """
-        weights = WeightLoader(self, get)
+        weights = WeightLoader(self, get, self.group)
         load_embeddings(self, weights)
         for i in range(self.spec.num_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
             load_attention(weights, self.spec, src + "self_attn.", dst + "self_attn.")
-            weights.fused(dst + "mlp.gate_up_proj.weight", [src + "mlp.gate_proj.weight", src + "mlp.up_proj.weight"])
-            weights.put(dst + "mlp.down_proj.weight", weights.take(src + "mlp.down_proj.weight"))
+            load_mlp(weights, src + "mlp.", dst + "mlp.")
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 weights.put(f"{dst}{norm}.weight", weights.take(f"{src}{norm}.weight"))
         weights.finish()
 
 
+def lm_head(spec: ModelSpec, group: ParallelGroup) -> Linear | None:
+    """This rank's slice of the output projection; None when tied to the embedding."""
+    if spec.tie_word_embeddings:
+        return None
+    return Linear(spec.hidden_size, vocab_rows(spec.vocab_size, group.world_size), bias=False)
+
+
 def load_embeddings(model: nn.Module, weights: WeightLoader) -> None:
     """The embedding, the final norm and the head (absent when tied; an embedding model saved
-    without one computes hidden states only)."""
-    embed = weights.get("model.embed_tokens.weight")
+    without one computes hidden states only): each rank its vocabulary slice."""
+    vocab = weights.shard(0, uneven=True)
+    embed = weights.get("model.embed_tokens.weight", vocab)
     if embed is None and model.spec.tie_word_embeddings:
         # Tied weights saved once may be kept under the head's name (safetensors' save_model).
-        embed = weights.get("lm_head.weight")
-    weights.put("embed_tokens.weight", embed if embed is not None else weights.take("model.embed_tokens.weight"))
+        embed = weights.get("lm_head.weight", vocab)
+    if embed is None:
+        embed = weights.take("model.embed_tokens.weight", vocab)
+    weights.put("embed_tokens.weight", embed, padded=True)
     weights.put("norm.weight", weights.take("model.norm.weight"))
     if model.lm_head is not None:
-        head = weights.get("lm_head.weight")
+        head = weights.get("lm_head.weight", vocab)
         if head is None:
             model.lm_head = None
             model.can_generate = False
             weights.skip("lm_head.weight")
         else:
-            weights.put("lm_head.weight", head)
+            weights.put("lm_head.weight", head, padded=True)
 
 
 def load_attention(weights: WeightLoader, spec: ModelSpec, src: str, dst: str) -> None:
-    """One layer's attention: q/k/v fused (and their biases), the output, the q/k norms."""
-    weights.fused(dst + "qkv_proj.weight", [src + "q_proj.weight", src + "k_proj.weight", src + "v_proj.weight"])
+    """One layer's attention: q/k/v fused (and their biases) from this rank's rows of each
+    (its heads), o_proj's matching columns, the q/k norms whole."""
+    heads = weights.shard(0)
+    weights.fused(dst + "qkv_proj.weight", [src + "q_proj.weight", src + "k_proj.weight", src + "v_proj.weight"],
+                  heads)
     if spec.attention_bias:
-        weights.fused(dst + "qkv_proj.bias", [src + "q_proj.bias", src + "k_proj.bias", src + "v_proj.bias"])
-    weights.put(dst + "o_proj.weight", weights.take(src + "o_proj.weight"))
+        weights.fused(dst + "qkv_proj.bias", [src + "q_proj.bias", src + "k_proj.bias", src + "v_proj.bias"], heads)
+    weights.put(dst + "o_proj.weight", weights.take(src + "o_proj.weight", weights.shard(1)))
     if spec.qk_norm:
         weights.put(dst + "q_norm.weight", weights.take(src + "q_norm.weight"))
         weights.put(dst + "k_norm.weight", weights.take(src + "k_norm.weight"))
+
+
+def load_mlp(weights: WeightLoader, src: str, dst: str) -> None:
+    """Gate and up fused from this rank's rows of each, down_proj's matching columns."""
+    weights.fused(dst + "gate_up_proj.weight", [src + "gate_proj.weight", src + "up_proj.weight"], weights.shard(0))
+    weights.put(dst + "down_proj.weight", weights.take(src + "down_proj.weight", weights.shard(1)))

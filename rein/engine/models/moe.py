@@ -14,6 +14,10 @@ Routing is transformers': softmax over all experts in float32, then the top k, r
 over those k when the model says so (Mixtral always; Qwen-MoE and OLMoE by
 `norm_topk_prob`). Qwen2-MoE adds a shared expert that every token passes through, scaled by
 a sigmoid gate.
+
+Under tensor parallelism every rank holds every expert's slice of the intermediate dimension
+(and the shared expert's), so the routed and shared outputs are partial sums: the block adds
+them and all-reduces once.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from torch import nn
 from rein.engine.model_spec import ModelSpec
 from rein.engine.models.linear import Linear, linear
 from rein.engine.models.llama import MLP
+from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
+from rein.engine.parallel.layers import split_evenly
 from rein.kernels import elementwise, use_triton
 
 
@@ -86,11 +92,13 @@ def experts_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
 class SparseMoeBlock(nn.Module):
     """Router, stacked experts and (Qwen2-MoE) the gated shared expert of one sparse layer."""
 
-    def __init__(self, spec: ModelSpec) -> None:
+    def __init__(self, spec: ModelSpec, group: ParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
         if spec.hidden_act != "silu":
             raise ValueError(f"activation {spec.hidden_act!r} is not supported (MoE experts use silu)")
-        hidden, inter = spec.hidden_size, spec.moe_intermediate_size
+        hidden = spec.hidden_size
+        inter = split_evenly(spec.moe_intermediate_size, group.world_size, "expert intermediate size")
+        self.group = group
         self.top_k = spec.num_experts_per_tok
         self.renormalize = spec.norm_topk_prob
         self.gate = Linear(hidden, spec.num_experts, bias=False)   # the router
@@ -98,7 +106,8 @@ class SparseMoeBlock(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(spec.num_experts, hidden, inter))
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_expert_intermediate_size:
-            self.shared_expert = MLP(replace(spec, intermediate_size=spec.shared_expert_intermediate_size))
+            self.shared_expert = MLP(replace(spec, intermediate_size=spec.shared_expert_intermediate_size), group,
+                                     reduce=False)
             self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,4 +115,4 @@ class SparseMoeBlock(nn.Module):
         out = experts_forward(x, self.gate_up_proj, self.down_proj, weights, ids)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+        return self.group.all_reduce_(out)

@@ -14,6 +14,12 @@ Checkpoints name each expert's projections separately (`mlp.experts.{e}.gate_pro
 Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`), which is also what transformers 5's
 save_pretrained writes; they are stacked at load. A checkpoint saved with transformers' fused
 names (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj`) loads as well.
+
+Tensor parallelism as llama.py's, with every expert split by its intermediate dimension: each
+rank holds a slice of all experts (and of the shared expert), routes every token the same way
+(the router is whole on every rank and sees the same all-reduced input) and the block ends in
+one all-reduce. OLMoE's q/k norms span all heads, so under tensor parallelism each rank
+gathers q and k whole for the norm and keeps its heads.
 """
 
 from __future__ import annotations
@@ -23,19 +29,22 @@ from torch import nn
 
 from rein.engine.attention import AttentionMetadata, LayerCache, paged_attention
 from rein.engine.model_spec import ModelSpec
-from rein.engine.models.linear import Linear
 from rein.engine.models.llama import (
     MLP,
     Attention,
     DecoderLayer,
     LlamaFamilyModel,
     RMSNorm,
+    lm_head,
     load_attention,
     load_embeddings,
+    load_mlp,
 )
 from rein.engine.models.moe import SparseMoeBlock
 from rein.engine.models.rope import RotaryEmbedding, apply_rotary
-from rein.engine.models.weights import TensorGetter, WeightLoader
+from rein.engine.models.weights import Shard, TensorGetter, WeightLoader
+from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
+from rein.engine.parallel.layers import VocabParallelEmbedding
 
 # Checkpoint names of an expert's (gate, up, down) projections and of the block, per family
 # (Mixtral's checkpoints say block_sparse_moe, transformers 5's in-memory model mlp).
@@ -46,49 +55,59 @@ BLOCK_NAMES = {"mixtral": ("block_sparse_moe", "mlp")}
 class OlmoeAttention(Attention):
     """Llama's attention with OLMoE's q/k RMSNorm over the whole projections, not per head."""
 
-    def __init__(self, spec: ModelSpec, window: int | None = None) -> None:
-        super().__init__(spec, window)
-        self.q_norm = RMSNorm(self.q_size, spec.rms_norm_eps)
-        self.k_norm = RMSNorm(self.kv_size, spec.rms_norm_eps)
+    def __init__(self, spec: ModelSpec, window: int | None = None, group: ParallelGroup = SINGLE_RANK) -> None:
+        super().__init__(spec, window, group)
+        self.q_norm = RMSNorm(spec.num_heads * spec.head_dim, spec.rms_norm_eps)
+        self.k_norm = RMSNorm(spec.num_kv_heads * spec.head_dim, spec.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        q = self.q_norm(qkv[:, :self.q_size]).view(tokens, self.num_heads, self.head_dim)
-        k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size]).view(tokens, self.num_kv_heads, self.head_dim)
+        q = self.norm_whole(qkv[:, :self.q_size], self.q_norm).view(tokens, self.num_heads, self.head_dim)
+        k = self.norm_whole(qkv[:, self.q_size:self.q_size + self.kv_size], self.k_norm)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         out = paged_attention(q, k, v, cache, meta, self.scale, window=self.window)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return self.group.all_reduce_(self.o_proj(out.reshape(tokens, self.q_size)))
+
+    def norm_whole(self, part: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
+        """`norm` over all ranks' heads of this rank's projection `part`; this rank's columns of it."""
+        if self.group.world_size == 1:
+            return norm(part)
+        width = part.shape[-1]
+        start = self.group.rank * width
+        return norm(self.group.all_gather(part))[:, start:start + width]
 
 
 class MoeDecoderLayer(DecoderLayer):
     """DecoderLayer's forward over the family's attention and a sparse or dense MLP."""
 
-    def __init__(self, spec: ModelSpec, window: int | None, sparse: bool) -> None:
+    def __init__(self, spec: ModelSpec, window: int | None, sparse: bool, group: ParallelGroup = SINGLE_RANK) -> None:
         nn.Module.__init__(self)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.self_attn = (OlmoeAttention if spec.family == "olmoe" else Attention)(spec, window)
+        self.self_attn = (OlmoeAttention if spec.family == "olmoe" else Attention)(spec, window, group)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.mlp = SparseMoeBlock(spec) if sparse else MLP(spec)
+        self.mlp = SparseMoeBlock(spec, group) if sparse else MLP(spec, group)
 
 
 class MoeFamilyModel(LlamaFamilyModel):
     """LlamaFamilyModel's forward, logits and packing over MoE decoder layers."""
 
-    def __init__(self, spec: ModelSpec, max_positions: int) -> None:
+    def __init__(self, spec: ModelSpec, max_positions: int, group: ParallelGroup = SINGLE_RANK) -> None:
         nn.Module.__init__(self)
         self.spec = spec
+        self.group = group
         self.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
-        self.layers = nn.ModuleList(MoeDecoderLayer(spec, window, sparse)
+        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, group)
+        self.layers = nn.ModuleList(MoeDecoderLayer(spec, window, sparse, group)
                                     for window, sparse in zip(spec.layer_windows, spec.sparse_layers, strict=True))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = None if spec.tie_word_embeddings else Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self.lm_head = lm_head(spec, group)
 
     def load_hf_weights(self, get: TensorGetter) -> None:
-        weights = WeightLoader(self, get)
+        weights = WeightLoader(self, get, self.group)
         load_embeddings(self, weights)
         for i, sparse in enumerate(self.spec.sparse_layers):
             src, dst = f"model.layers.{i}.", f"layers.{i}."
@@ -102,13 +121,9 @@ class MoeFamilyModel(LlamaFamilyModel):
         weights.finish()
 
 
-def load_mlp(weights: WeightLoader, src: str, dst: str) -> None:
-    weights.fused(dst + "gate_up_proj.weight", [src + "gate_proj.weight", src + "up_proj.weight"])
-    weights.put(dst + "down_proj.weight", weights.take(src + "down_proj.weight"))
-
-
 def load_sparse_block(weights: WeightLoader, spec: ModelSpec, layer: str, dst: str) -> None:
-    """The router, the experts stacked into [E, 2I, H] and [E, H, I], the shared expert and its gate."""
+    """The router, the experts stacked into [E, 2I, H] and [E, H, I] (this rank's slice of I),
+    the shared expert (sliced likewise) and its gate."""
     blocks = BLOCK_NAMES.get(spec.family, ("mlp",))
     for block in blocks:
         src = f"{layer}{block}."
@@ -118,20 +133,35 @@ def load_sparse_block(weights: WeightLoader, spec: ModelSpec, layer: str, dst: s
     else:
         raise ValueError(f"checkpoint is missing weight {layer}{blocks[0]}.gate.weight")
     weights.put(dst + "gate.weight", router)
-    fused = weights.get(src + "experts.gate_up_proj")
+    fused = stacked_gate_up(weights, src + "experts.gate_up_proj")
     if fused is not None:   # already stacked (saved with transformers' in-memory names)
         weights.put(dst + "gate_up_proj", fused)
-        weights.put(dst + "down_proj", weights.take(src + "experts.down_proj"))
+        weights.put(dst + "down_proj", weights.take(src + "experts.down_proj", weights.shard(2)))
     else:
         gate, up, down = EXPERT_NAMES.get(spec.family, ("gate_proj", "up_proj", "down_proj"))
+        rows, columns = weights.shard(0), weights.shard(1)
         for e in range(spec.num_experts):
             expert = f"{src}experts.{e}."
-            put_expert(weights, dst + "gate_up_proj", e, torch.cat([weights.take(f"{expert}{gate}.weight"),
-                                                                    weights.take(f"{expert}{up}.weight")]))
-            put_expert(weights, dst + "down_proj", e, weights.take(f"{expert}{down}.weight"))
+            put_expert(weights, dst + "gate_up_proj", e, torch.cat([weights.take(f"{expert}{gate}.weight", rows),
+                                                                    weights.take(f"{expert}{up}.weight", rows)]))
+            put_expert(weights, dst + "down_proj", e, weights.take(f"{expert}{down}.weight", columns))
     if spec.shared_expert_intermediate_size:
         load_mlp(weights, src + "shared_expert.", dst + "shared_expert.")
         weights.put(dst + "shared_expert_gate.weight", weights.take(src + "shared_expert_gate.weight"))
+
+
+def stacked_gate_up(weights: WeightLoader, name: str) -> torch.Tensor | None:
+    """This rank's slice of a stacked [E, 2I, H] gate/up tensor, or None if the checkpoint has
+    none. Its gate rows come before its up rows, so of 2N equal parts along 2I, rank r's gate
+    slice is part r and its up slice part N + r."""
+    group = weights.group
+    if group.world_size == 1:
+        return weights.get(name)
+    parts = 2 * group.world_size
+    gate = weights.get(name, Shard(1, group.rank, parts))
+    if gate is None:
+        return None
+    return torch.cat([gate, weights.take(name, Shard(1, group.world_size + group.rank, parts))], dim=1)
 
 
 def put_expert(weights: WeightLoader, name: str, expert: int, value: torch.Tensor) -> None:

@@ -1,0 +1,20 @@
+"""Tensor parallelism: one model's layers split across the ranks of a process group.
+
+`group` joins the ranks (torch.distributed, gloo on CPU, NCCL on CUDA) or stands in for one
+rank; `layers` says how rein's native models are sharded over them. A model takes its group
+at construction (`native_model_class(spec)(spec, max_positions, group)`, or
+`rein.engine.loader.load_model(..., group=group)`), builds its layers at 1/N width and reads
+only its shard of each checkpoint tensor.
+"""
+
+from rein.engine.parallel.group import (
+    SINGLE_RANK,
+    DistributedGroup,
+    ParallelGroup,
+    SingleRankGroup,
+    file_init_method,
+    tcp_init_method,
+)
+
+__all__ = ["SINGLE_RANK", "DistributedGroup", "ParallelGroup", "SingleRankGroup", "file_init_method",
+           "tcp_init_method"]

@@ -1,0 +1,140 @@
+"""The ranks of one tensor-parallel engine: a small wrapper over `torch.distributed`.
+
+A model is built against a group and calls three collectives on it: `all_reduce_` (the
+row-parallel projections' partial sums), `all_gather` (the vocab-parallel logits) and, for
+the engine, `broadcast_object` (rank 0's step plan to the other ranks). `SINGLE_RANK` answers
+all three without communicating, so a model built without a group runs exactly as before.
+
+`DistributedGroup` joins N processes, each calling it with its own rank and one shared
+`init_method` (`tcp_init_method()`: a free port on this host, or `file_init_method(path)`):
+gloo on CPU, NCCL on CUDA (one device per rank). Every collective carries the group's
+timeout, so a rank that died or hangs becomes an exception on the others, not a hang:
+
+- gloo: a peer that died closes its connections and the collective raises at once; a peer
+  that is alive but never joins raises after the timeout.
+- NCCL: collectives run asynchronously on the GPU, so the calling thread cannot raise; the
+  NCCL watchdog aborts the communicator after the timeout and, under PyTorch's default
+  TORCH_NCCL_ASYNC_ERROR_HANDLING, ends the process -- which its supervisor sees as a dead
+  engine. `broadcast_object` goes through a second, gloo group on the CPU (as vLLM's CPU
+  group): the step plan is a pickled object, and that collective, once per step, raises on
+  the surviving ranks when one has died.
+"""
+
+from __future__ import annotations
+
+import socket
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+# Long enough for a peer to compile its kernels (Triton's first launch) before it reaches a
+# collective; a rank that dies outright is noticed sooner (its connections close).
+DEFAULT_TIMEOUT_S = 300.0
+
+
+class ParallelGroup(Protocol):
+    """What a model and the engine need of their ranks."""
+
+    rank: int
+    world_size: int
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+class SingleRankGroup:
+    """One rank, no communication: every collective returns its input."""
+
+    rank = 0
+    world_size = 1
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        return obj
+
+    def close(self) -> None:
+        pass
+
+
+SINGLE_RANK = SingleRankGroup()
+
+
+def tcp_init_method(host: str = "127.0.0.1") -> str:
+    """A `tcp://host:port` address on a port free now, for all ranks of one group on this host.
+    Chosen before the ranks start (rank 0 then listens on it), so another process could take
+    the port in between; `file_init_method` has no such race."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return f"tcp://{host}:{probe.getsockname()[1]}"
+
+
+def file_init_method(path: str | Path) -> str:
+    """A `file://` address: the ranks meet through a file that must not exist yet (one per group)."""
+    return f"file://{Path(path).resolve()}"
+
+
+class DistributedGroup:
+    """This process's rank of `world_size` joined through `init_method`; `close` leaves the group.
+
+    `device` is where the model runs: CPU gives gloo, `cuda:i` gives NCCL on device i (made
+    this process's current device). Only one group per process (torch.distributed's default
+    group), as each engine rank is its own process."""
+
+    def __init__(self, rank: int, world_size: int, init_method: str, device: torch.device | str = "cpu",
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not one of the {world_size} ranks of a group")
+        if dist.is_initialized():
+            raise RuntimeError("this process already belongs to a torch.distributed group; "
+                               "each tensor-parallel rank runs in its own process")
+        self.rank = rank
+        self.world_size = world_size
+        self.device = torch.device(device)
+        timeout = timedelta(seconds=timeout_s)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=timeout, device_id=self.device)
+            # Step plans are pickled objects on the host: a CPU group for them (see the module doc).
+            self._cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+        elif self.device.type == "cpu":
+            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                    timeout=timeout)
+            self._cpu_group = dist.group.WORLD
+        else:
+            raise ValueError(f"tensor parallelism runs on CPU (gloo) or CUDA (NCCL), not {self.device.type}")
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum `tensor` over the ranks, in place; returns it."""
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor`, concatenated along the last dimension in rank order."""
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
+        dist.all_gather(parts, tensor)
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """`obj` as rank `src` has it (picklable), on every rank; the others pass anything (None)."""
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src, group=self._cpu_group)
+        return box[0]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
