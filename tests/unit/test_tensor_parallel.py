@@ -235,17 +235,19 @@ def reduce_until_failure(rank: int, init_method: str, timeout_s: float, events) 
 def test_a_dead_rank_becomes_an_exception_not_a_hang(failure, tmp_path):
     timeout_s = 3.0
     context = multiprocessing.get_context("spawn")
-    events = context.Queue()
+    # A queue per rank: a rank killed while its queue's feeder holds the shared write lock
+    # would block the other's reports on one queue.
+    events = [context.Queue() for _ in range(2)]
     init_method = file_init_method(tmp_path / "rendezvous")
-    ranks = [context.Process(target=reduce_until_failure, args=(rank, init_method, timeout_s, events))
+    ranks = [context.Process(target=reduce_until_failure, args=(rank, init_method, timeout_s, events[rank]))
              for rank in range(2)]
     for process in ranks:
         process.start()
     try:
-        assert {events.get(timeout=120) for _ in range(2)} == {("joined", 0), ("joined", 1)}
+        assert [queue.get(timeout=120) for queue in events] == [("joined", 0), ("joined", 1)]
         if failure == "killed":
             ranks[1].kill()
-        outcome, waited = events.get(timeout=120)
+        outcome, waited = events[0].get(timeout=120)
         assert outcome != "no error", "the surviving rank's all-reduce never failed"
         assert waited < timeout_s + 30, f"the survivor waited {waited:.1f} s ({outcome})"
         ranks[0].join(timeout=60)
