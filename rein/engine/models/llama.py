@@ -184,8 +184,9 @@ class LlamaFamilyModel(nn.Module):
     def load_hf_weights(self, get: TensorGetter) -> None:
         """Copy Hugging Face named tensors in, fusing q/k/v and gate/up; every weight must be set.
 
-        `get(name)` returns the checkpoint tensor or None; tensors are fetched one at a
-        time so a large checkpoint is never held twice in memory.
+        `get(name, shard)` returns the checkpoint tensor (only this rank's shard of it under
+        tensor parallelism) or None; tensors are fetched one at a time so a large checkpoint is
+        never held twice in memory.
         """
         weights = WeightLoader(self, get, self.group)
         load_embeddings(self, weights)
