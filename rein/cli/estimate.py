@@ -103,7 +103,7 @@ def _by_layer_kind(spec, capacity, max_num_seqs: int, max_num_batched_tokens: in
 
 def _load_spec(model: str, model_impl: str, trust_remote_code: bool):
     """The spec the engine would run under `--model-impl`, and the folder holding config.json."""
-    from rein.engine.model_spec import spec_for  # torch: not at every command's start-up
+    from rein.engine.model_impl import spec_for  # torch: not at every command's start-up
 
     if Path(model).expanduser().exists():  # a model directory or a GGUF file (its shapes)
         directory = resolve_model(model).directory
@@ -157,8 +157,8 @@ def estimate(args: argparse.Namespace) -> str:
 
     from rein.engine.capacity import kv_capacity, weights_bytes
     from rein.engine.config import EngineConfig, parse_bytes
+    from rein.engine.model_impl import TRANSFORMERS_FAMILY
     from rein.engine.model_runner import decide_max_model_len
-    from rein.engine.model_spec import TRANSFORMERS_FAMILY
 
     try:
         memory = parse_bytes(args.memory)

@@ -14,7 +14,7 @@ import torch
 from rein.engine.generation_defaults import check_generation_config
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
-MODEL_IMPLS = ("auto", "rein", "transformers")   # as rein.engine.model_spec.MODEL_IMPLS
+MODEL_IMPLS = ("auto", "rein", "transformers")   # as rein.engine.model_impl.MODEL_IMPLS
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,

@@ -29,8 +29,8 @@ from rein.engine.config import EngineConfig
 from rein.engine.detokenizer import IncrementalDetokenizer
 from rein.engine.errors import ContextLengthExceeded, EngineRequestError
 from rein.engine.model_files import resolve_model
+from rein.engine.model_impl import TRANSFORMERS_FAMILY, spec_for
 from rein.engine.model_runner import ModelRunner
-from rein.engine.model_spec import TRANSFORMERS_FAMILY, spec_for
 from rein.engine.outputs import RequestOutput, TokenLogprob
 from rein.engine.pooler import add_pooling_request, finish_requests
 from rein.engine.pooling_config import PoolingParams, read_pooling_config

@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 
 from rein.engine.model_files import TENSOR_INDEX, ModelFiles, ModelNotFoundError, require_gguf
-from rein.engine.model_spec import TRANSFORMERS_FAMILY, ModelSpec
+from rein.engine.model_impl import TRANSFORMERS_FAMILY
+from rein.engine.model_spec import ModelSpec
 from rein.engine.models import native_model_class
 from rein.engine.models.rope import RotaryEmbedding
 from rein.engine.models.weights import Shard, TensorGetter

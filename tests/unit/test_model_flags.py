@@ -13,7 +13,7 @@ import pytest
 
 from rein.cli.main import main
 from rein.core.settings import ServedModel, SettingsError, load_settings
-from rein.engine.model_spec import spec_for
+from rein.engine.model_impl import spec_for
 from rein.engine.tokenizer_files import (
     ChatTemplateError,
     RemoteCodeRequired,

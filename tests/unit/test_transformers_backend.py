@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM
 
 from rein.engine.config import EngineConfig
 from rein.engine.engine import LLMEngine
-from rein.engine.model_spec import UnsupportedModelError, spec_for
+from rein.engine.model_impl import spec_for
+from rein.engine.model_spec import UnsupportedModelError
 from rein.engine.sampling_params import SamplingParams
 
 MAX_TOKENS = 8

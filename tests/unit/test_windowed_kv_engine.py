@@ -25,7 +25,8 @@ from rein.engine.capacity import kv_capacity, windowed_pool_bound
 from rein.engine.config import EngineConfig
 from rein.engine.cuda_graphs import DecodeGraphs
 from rein.engine.engine import LLMEngine
-from rein.engine.model_spec import ModelSpec, spec_for
+from rein.engine.model_impl import spec_for
+from rein.engine.model_spec import ModelSpec
 from rein.engine.sampling_params import SamplingParams
 
 BLOCK = 4

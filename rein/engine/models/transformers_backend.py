@@ -163,7 +163,7 @@ def load_transformers_model(files: ModelFiles, spec: ModelSpec, dtype: torch.dty
     dequantized one tensor at a time (transformers' own GGUF loading would hold the whole
     dequantized checkpoint beside the model). `trust_remote_code`: transformers may build the
     repository's own classes (config.json's auto_map); the engine refused such a model without
-    it when it read the spec (rein.engine.model_spec.check_model_code)."""
+    it when it read the spec (rein.engine.model_impl.check_model_code)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from rein.engine.loader import gguf_tensors
