@@ -45,6 +45,7 @@ from throughput import (  # noqa: E402
 
 from rein.engine.config import EngineConfig  # noqa: E402
 from rein.engine.engine import LLMEngine  # noqa: E402
+from rein.engine.model_spec import ModelSpec  # noqa: E402
 
 MODELS = {"smollm2": None, "gemma3": "gemma3-270m"}   # bench name -> packaged model (None: SmolLM2)
 KV_AT = 8192
@@ -78,11 +79,11 @@ def windowed_kv(folder: Path, allowed: list[int]) -> dict | None:
     storage of their own, rein.engine.window_blocks): the windowed blocks it holds at its peak
     (sampled after every step) against a full-attention cache for those layers and against the
     windows' own share (KV_AT positions vs `window` positions per windowed layer)."""
+    if not ModelSpec.from_dir(folder).windowed_layers:
+        return None
     engine = LLMEngine(EngineConfig(model=str(folder), device="cpu", dtype="float32", max_model_len=KV_AT + 16,
                                     kv_cache_memory="1GiB", max_num_seqs=4, seed=SEED))
     spec = engine.spec
-    if not spec.windowed_layers:
-        return None
     if engine.windows is None:
         return {"windowed_storage": False, "why": engine.runner.capacity.describe()}
     rng = random.Random(f"{SEED}-kv")
