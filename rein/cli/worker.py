@@ -12,6 +12,11 @@ Engine flags are rein.engine.options' (flag > REIN_* > default), except
 the host; a value without `@` is the host part, after the model's name), -l (any case),
 and -Q naming the one queue a rein worker consumes, its model's: `-Q llama` (or the full
 queue name) is `--model llama`.
+
+Several engines on one host: `--devices 0,1,2,3` (ranges `0-7`; `cpu,cpu` for CPU engines) or
+`--data-parallel-size N` makes this process a supervisor (rein.worker.supervisor) of one worker
+process per device, each this command on its own device with the node name MODEL-cuda0@HOST
+(MODEL-cpu0@HOST, ...) and metrics port PORT + its position.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from rein.worker.device_check import device_problem
 if TYPE_CHECKING:
     from rein.core.settings import ServedModel, Settings
     from rein.engine.config import EngineConfig
+    from rein.worker.supervisor import EngineGroup
 
 log = logging.getLogger("rein.worker")
 
@@ -55,6 +61,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
                         help="serve Prometheus metrics on PORT at /metrics; 0: none "
                              "(default: REIN_WORKER_METRICS_PORT, unset: none)")
+    parser.add_argument("--devices", default=None, metavar="LIST",
+                        help="one engine per device, each in a worker process of its own under this one: CUDA "
+                             "indices (0,1,2,3; ranges 0-7; cuda:N) or cpu entries (cpu,cpu: two CPU engines)")
+    parser.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
+                        help="engines to run: one per --devices entry, or without --devices on cuda:0 to "
+                             "cuda:N-1 (N CPU engines with --device cpu)")
+    # The hook for engines of several GPUs: plan_engines groups --devices by this size.
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="devices per engine; only 1 until the engine shards models (default 1)")
     add_engine_options(parser, "worker")
     parser.set_defaults(func=run)
 
@@ -75,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: --metrics-port must be 0 (none) to 65535, got {args.metrics_port}", file=sys.stderr)
             return 2
         settings = settings.model_copy(update={"worker_metrics_port": args.metrics_port})
+    if args.devices is not None or args.data_parallel_size is not None or args.tensor_parallel_size != 1:
+        return supervise_engines(args, environment, served, settings)
     # A GPU it cannot use would fail deep in the engine's load, without saying why (and under
     # a restart policy, again and again): refuse before connecting to anything.
     if (problem := device_problem(settings.device)) is not None:
@@ -123,6 +140,80 @@ def run(args: argparse.Namespace) -> int:
     )
     worker.start()
     return int(worker.exitcode or 0)
+
+
+def supervise_engines(args: argparse.Namespace, environment: Settings, served: ServedModel,
+                      settings: Settings) -> int:
+    """Run one worker process per engine group under a supervisor (rein.worker.supervisor)."""
+    from rein.worker.supervisor import Child, Supervisor, parse_devices, plan_engines
+
+    if args.devices is not None and args.device is not None:
+        print(f"error: --device {args.device} and --devices {args.devices}: give --devices alone", file=sys.stderr)
+        return 2
+    try:
+        devices = parse_devices(args.devices) if args.devices is not None else None
+        device = settings.device
+        if devices is None and device == "auto":
+            from rein.worker.device_check import cuda_facts
+
+            device = "cuda" if cuda_facts().device_count else "cpu"
+        groups = plan_engines(devices, args.data_parallel_size, args.tensor_parallel_size, device)
+        children = [Child(group, name, engine_worker_argv(args, served, group, name, port))
+                    for group, name, port in zip(groups, engine_node_names(args.hostname, served.name, groups),
+                                                 engine_metrics_ports(settings.worker_metrics_port, len(groups)),
+                                                 strict=True)]
+    except (ValueError, CLIError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    # Every device is checked before any worker starts: one bad index stops the command at once,
+    # naming the device, rather than after the others have loaded their engines.
+    for group in groups:
+        for device in group.devices:
+            if (problem := device_problem(device)) is not None:
+                print(f"error: {problem}", file=sys.stderr)
+                return 2
+    logging.getLogger().setLevel(args.loglevel.upper())
+    _warn_if_context_differs(args, environment, served)
+    _warn_if_tokenizer_differs(args, environment)
+    log.info("model %s: %d engines (%s), one worker process each", served.name, len(children),
+             ", ".join(f"{child.name} on {'+'.join(child.group.devices)}" for child in children))
+    return Supervisor(children).run()
+
+
+def engine_node_names(given: str | None, model_name: str, groups: list[EngineGroup]) -> list[str]:
+    """Each engine's Celery node name: the worker's (worker_hostname) with the engine's label
+    after the name part, e.g. llama-cuda0@host."""
+    name, _, host = worker_hostname(given, model_name).partition("@")
+    return [f"{name}-{group.label}@{host}" for group in groups]
+
+
+def engine_metrics_ports(port: int | None, count: int) -> list[int]:
+    """Each engine's metrics port: PORT, PORT + 1, ...; 0 (none) for all without one."""
+    if not port:
+        return [0] * count
+    if port + count - 1 > 65535:
+        raise CLIError(f"metrics port {port}: {count} engines serve metrics on {port} to {port + count - 1}, "
+                       f"past 65535; choose a lower port")
+    return [port + position for position in range(count)]
+
+
+def engine_worker_argv(args: argparse.Namespace, served: ServedModel, group: EngineGroup, name: str,
+                       metrics_port: int) -> list[str]:
+    """The command line of one engine's worker: this one's engine flags, its own device, node
+    name and metrics port (the supervisor's flags left out)."""
+    argv = [sys.executable, "-m", "rein.cli.main", *(["-v"] if getattr(args, "verbose", False) else []),
+            "worker", "--model", served.name, "--hostname", name, "--loglevel", args.loglevel,
+            "--metrics-port", str(metrics_port), "--device", group.device]
+    for option in options_for("worker"):
+        # -c is --max-num-seqs under Celery's name (worker_settings checked that both agree).
+        value = args.concurrency if option.name == "max_num_seqs" and args.concurrency else getattr(args, option.name)
+        if option.name == "device" or value is None:
+            continue
+        if option.boolean:
+            argv.append(option.flag if value else "--no-" + option.flag.removeprefix("--"))
+        else:
+            argv += [option.flag, str(value)]
+    return argv
 
 
 def served_model_for(args: argparse.Namespace, settings: Settings) -> ServedModel:
