@@ -13,7 +13,7 @@ the host; a value without `@` is the host part, after the model's name), -l (any
 and -Q naming the one queue a rein worker consumes, its model's: `-Q llama` (or the full
 queue name) is `--model llama`.
 
-Several engines on one host: `--devices 0,1,2,3` (ranges `0-7`; `cpu,cpu` for CPU engines) or
+Several engines on one host: `--devices 0,1,2,3` (ranges `0-7`; `all` GPUs; `cpu,cpu` for CPU engines) or
 `--data-parallel-size N` makes this process a supervisor (rein.worker.supervisor) of one worker
 process per device, each this command on its own device with the node name MODEL-cuda0@HOST
 (MODEL-cpu0@HOST, ...) and metrics port PORT + its position.
@@ -63,7 +63,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(default: REIN_WORKER_METRICS_PORT, unset: none)")
     parser.add_argument("--devices", default=None, metavar="LIST",
                         help="one engine per device, each in a worker process of its own under this one: CUDA "
-                             "indices (0,1,2,3; ranges 0-7; cuda:N) or cpu entries (cpu,cpu: two CPU engines)")
+                             "indices (0,1,2,3; ranges 0-7; cuda:N), all (every GPU this process sees) or cpu "
+                             "entries (cpu,cpu: two CPU engines)")
     parser.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
                         help="engines to run: one per --devices entry, or without --devices on cuda:0 to "
                              "cuda:N-1 (N CPU engines with --device cpu)")
@@ -150,12 +151,18 @@ def supervise_engines(args: argparse.Namespace, environment: Settings, served: S
     if args.devices is not None and args.device is not None:
         print(f"error: --device {args.device} and --devices {args.devices}: give --devices alone", file=sys.stderr)
         return 2
+    from rein.worker.device_check import cuda_facts
+
     try:
-        devices = parse_devices(args.devices) if args.devices is not None else None
+        if args.devices is not None and args.devices.strip().lower() == "all":
+            if (problem := device_problem("cuda")) is not None:
+                print(f"error: --devices all: {problem}", file=sys.stderr)
+                return 2
+            devices: tuple[str, ...] | None = tuple(f"cuda:{i}" for i in range(cuda_facts().device_count))
+        else:
+            devices = parse_devices(args.devices) if args.devices is not None else None
         device = settings.device
         if devices is None and device == "auto":
-            from rein.worker.device_check import cuda_facts
-
             device = "cuda" if cuda_facts().device_count else "cpu"
         groups = plan_engines(devices, args.data_parallel_size, args.tensor_parallel_size, device)
         children = [Child(group, name, engine_worker_argv(args, served, group, name, port))

@@ -78,7 +78,7 @@ def parse_devices(text: str) -> tuple[str, ...]:
             devices.extend(f"cuda:{i}" for i in range(first, last + 1))
         else:
             raise ValueError(f"--devices {text!r}: {item!r} is not a device; give CUDA indices (0,1 or a range "
-                             f"0-3, or cuda:N) or cpu entries (cpu,cpu: two CPU engines)")
+                             f"0-3, or cuda:N), all, or cpu entries (cpu,cpu: two CPU engines)")
     cuda = [device for device in devices if device != "cpu"]
     if cuda and len(cuda) != len(devices):
         raise ValueError(f"--devices {text!r} mixes CPU and CUDA devices; a worker's engines run on one kind")

@@ -117,19 +117,17 @@ def test_the_default_worker_runs_on_the_cpu(services):
     assert "deploy" not in services["worker"]
 
 
-def test_gpu_override_gives_each_worker_its_own_gpu(gpu_services):
-    workers = {name: s for name, s in gpu_services.items() if name.startswith("worker")}
-    assert {"worker", "worker-gpu1"} <= set(workers)
-    ids = []
-    for name, service in workers.items():
-        assert environment(service)["REIN_DEVICE"] == "cuda", name
-        assert "REIN_GPU_MEMORY_UTILIZATION" in environment(service), name
-        (device,) = service["deploy"]["resources"]["reservations"]["devices"]
-        assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and "count" not in device, name
-        ids += device["device_ids"]
-        # a worker that cannot use its GPU exits 2: a bounded restart, never a loop
-        assert re.fullmatch(r"on-failure:\d+", service["restart"]), name
-    assert len(ids) == len(set(ids)), f"two workers reserve one GPU: {ids}"
+def test_gpu_override_runs_one_worker_with_an_engine_per_gpu(gpu_services):
+    assert [name for name in gpu_services if name.startswith("worker")] == ["worker"]
+    service = gpu_services["worker"]
+    assert environment(service)["REIN_DEVICE"] == "cuda"
+    assert "REIN_GPU_MEMORY_UTILIZATION" in environment(service)
+    (device,) = service["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and "gpu" in device["capabilities"] and device["count"] == "all"
+    command = service["command"]
+    assert command[command.index("--devices") + 1] == "${WORKER_DEVICES:-all}"   # one engine per GPU it sees
+    # a worker that cannot use its GPUs exits 2: a bounded restart, never a loop
+    assert re.fullmatch(r"on-failure:\d+", service["restart"])
     for name in ("migrate", "api", "worker"):
         args = gpu_services[name]["build"]["args"]
         assert "/whl/cu128" in args["TORCH_INDEX_URL"] and "cuda" in args["EXTRAS"], name
@@ -210,12 +208,11 @@ def test_prometheus_scrapes_the_ports_the_services_serve(services):
     credentials = jobs["rein-api"]["authorization"]["credentials_file"]
     mounts = [v.split(":") for v in services["prometheus"]["volumes"]]
     assert any(credentials.startswith(target + "/") and (ROOT / source).is_dir() for source, target, *_ in mounts)
-    workers = jobs["rein-worker"]["dns_sd_configs"][0]
-    assert set(workers["names"]) == {"worker", "worker-gpu1", "worker-gpu2", "worker-gpu3"}
-    gpu = yaml.safe_load(GPU_COMPOSE.read_text())["services"]
-    for name in workers["names"]:
-        port = environment(services[name] if name in services else gpu[name])["REIN_WORKER_METRICS_PORT"]
-        assert Settings(worker_metrics_port=port).worker_metrics_port == workers["port"], name
+    # A worker with several engines (--devices) serves engine N's metrics on its port + N.
+    workers = jobs["rein-worker"]["dns_sd_configs"]
+    assert {name for config in workers for name in config["names"]} == {"worker"}
+    port = Settings(worker_metrics_port=environment(services["worker"])["REIN_WORKER_METRICS_PORT"]).worker_metrics_port
+    assert [config["port"] for config in workers] == [port + n for n in range(len(workers))]
 
 
 def test_dashboard_shows_every_metric_and_only_real_ones():

@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 
@@ -179,3 +180,18 @@ def test_a_child_that_keeps_dying_young_is_given_up(tmp_path, caplog):
         assert Supervisor(children, max_quick_deaths=3, first_backoff_seconds=0.01).run() == 1
     assert starts(tmp_path, 1) == 3
     assert "died 3 times in a row" in caplog.text and "(device cpu)" in caplog.text
+
+
+def test_devices_all_is_every_gpu_this_process_sees(settings, monkeypatch, capsys):
+    from rein.worker import device_check, supervisor
+
+    facts = device_check.CudaFacts(torch_version="2.x", cuda_version="12.8", device_count=3, visible_devices=None)
+    monkeypatch.setattr(device_check, "cuda_facts", lambda: facts)
+    planned = []
+    monkeypatch.setattr(supervisor.Supervisor, "run", lambda self: planned.extend(self.children) or 0)
+    assert main(["worker", "--devices", "all"]) == 0
+    assert [child.group.device for child in planned] == ["cuda:0", "cuda:1", "cuda:2"]
+    assert [child.argv[child.argv.index("--metrics-port") + 1] for child in planned] == ["9100", "9101", "9102"]
+    monkeypatch.setattr(device_check, "cuda_facts", lambda: replace(facts, device_count=0))
+    assert main(["worker", "--devices", "all"]) == 2
+    assert "--devices all: device cuda: torch 2.x (CUDA 12.8) sees no GPU" in capsys.readouterr().err
