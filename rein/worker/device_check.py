@@ -59,13 +59,13 @@ def device_problem(device: str, facts: CudaFacts | None = None) -> str | None:
         return (f"device {device}: torch {facts.torch_version} (CUDA {facts.cuda_version}) sees no GPU "
                 f"({visible}torch.cuda.device_count() is 0). Check the NVIDIA driver (nvidia-smi); in a "
                 f"container, the host needs the NVIDIA Container Toolkit and the container a GPU "
-                f"(compose.gpu.yaml gives each worker one with device_ids, docker run needs --gpus); {on_cpu}")
+                f"(compose.gpu.yaml gives the worker every GPU, docker run needs --gpus); {on_cpu}")
     index = name.partition(":")[2]
     if index:
         if not index.isdigit():
             return f"device {device}: expected cuda or cuda:N with N a GPU index, e.g. cuda:0"
         if int(index) >= facts.device_count:
             return (f"device {device}: only {facts.device_count} GPU(s) are visible to this process "
-                    f"(cuda:0 to cuda:{facts.device_count - 1}); a container given one GPU (device_ids) "
-                    f"sees it as cuda:0, so use REIN_DEVICE=cuda there")
+                    f"(cuda:0 to cuda:{facts.device_count - 1}); a container given some GPUs (device_ids) "
+                    f"sees them from cuda:0 on, so number them from 0 there")
     return None

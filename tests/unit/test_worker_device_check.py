@@ -33,7 +33,7 @@ def test_cuda_torch_without_a_visible_gpu_names_the_driver_and_the_toolkit():
     problem = device_problem("cuda", NO_GPU)
     assert problem is not None
     assert "sees no GPU" in problem and "CUDA_VISIBLE_DEVICES=''" in problem
-    assert "nvidia-smi" in problem and "NVIDIA Container Toolkit" in problem and "device_ids" in problem
+    assert "nvidia-smi" in problem and "NVIDIA Container Toolkit" in problem and "compose.gpu.yaml" in problem
 
 
 def test_gpu_index_must_be_visible():
