@@ -79,7 +79,7 @@ def run_engine(folder: Path, impl: str, wl: Workload) -> dict:
 def windowed_kv(folder: Path, allowed: list[int]) -> dict | None:
     """One request of KV_AT prompt tokens on a windowed model (4 sequences: the windowed layers get
     storage of their own, rein.engine.window_blocks): the windowed blocks it holds at its peak
-    (sampled after every step) against a full-attention cache for those layers and against the
+    (a prefill chunk's blocks included) against a full-attention cache for those layers and against the
     windows' own share (KV_AT positions vs `window` positions per windowed layer)."""
     if not ModelSpec.from_dir(folder).windowed_layers:
         return None
@@ -90,10 +90,9 @@ def windowed_kv(folder: Path, allowed: list[int]) -> dict | None:
         return {"windowed_storage": False, "why": engine.runner.capacity.describe()}
     rng = random.Random(f"{SEED}-kv")
     engine.add_request("long", [rng.choice(allowed) for _ in range(KV_AT)], greedy(1))
-    peak = 0
     while engine.has_unfinished():
         engine.step()
-        peak = max(peak, engine.windows.num_held)
+    peak = engine.windows.peak_held   # inside steps too: a prefill chunk's blocks join the window's
     block = engine.config.block_size
     per_layer_token = engine.runner.capacity.windowed_bytes_per_block // block // spec.windowed_layers
     window = spec.sliding_window
