@@ -9,9 +9,15 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from soak import parse_args, passed, soak  # noqa: E402
+# bench/ on sys.path only while soak is imported: left there, its modules (kernels.py, models.py,
+# ...) would shadow installed packages of the same name for the rest of the run (transformers
+# imports the `kernels` package when it is installed).
+BENCH = str(Path(__file__).resolve().parents[2] / "bench")
+sys.path.insert(0, BENCH)
+try:
+    from soak import parse_args, passed, soak
+finally:
+    sys.path.remove(BENCH)
 
 pytestmark = pytest.mark.slow
 
