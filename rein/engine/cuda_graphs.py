@@ -3,7 +3,7 @@
 A decode-only step of a small or mid-sized model is bound by the host: each layer launches
 a few dozen kernels, and Python and PyTorch take longer to launch them than the GPU takes
 to run them (on an H200, a 24-layer 0.5B model took 26–29 ms per decode step of 63
-requests eagerly, 3.3 ms replaying a graph: bench/kernels.py). A CUDA graph records one
+requests eagerly, 3.3 ms replaying a graph: bench/attention_kernels.py). A CUDA graph records one
 step's launches once and replays them with a single call.
 
 A graph replays fixed shapes and fixed addresses, so `DecodeGraphs` keeps static input

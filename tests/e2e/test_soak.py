@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-# bench/ on sys.path only while soak is imported: left there, its modules (kernels.py, models.py,
-# ...) would shadow installed packages of the same name for the rest of the run (transformers
-# imports the `kernels` package when it is installed).
+# bench/ at the end of sys.path, and only while soak is imported: first, its modules (kernels.py,
+# models.py, ...) would shadow installed packages of the same name (transformers imports the
+# `kernels` package when it is installed, as soak's own imports already do).
 BENCH = str(Path(__file__).resolve().parents[2] / "bench")
-sys.path.insert(0, BENCH)
+sys.path.append(BENCH)
 try:
     from soak import parse_args, passed, soak
 finally:
