@@ -1,6 +1,6 @@
 """Micro-benchmarks of rein's Triton paged-attention kernels on one CUDA GPU.
 
-    python bench/kernels.py [--peak-gbps GBPS] [--iters N] [--quick] [--no-flush]
+    python bench/attention_kernels.py [--peak-gbps GBPS] [--iters N] [--quick] [--no-flush]
                             [--no-engine] [--models-dir DIR] [--unfused-elementwise]
 
 Measured (each figure printed as it is taken; the last line of stdout is one JSON object
@@ -632,13 +632,13 @@ def main(argv: list[str] | None = None) -> int:
         elementwise.rotary_ = lambda *a: False
 
     if not torch.cuda.is_available():
-        print("bench/kernels.py: no CUDA device; these are GPU kernel benchmarks, nothing to measure.")
+        print("bench/attention_kernels.py: no CUDA device; these are GPU kernel benchmarks, nothing to measure.")
         print(json.dumps({"cuda": False, "skipped": "no CUDA device"}))
         return 0
     try:
         import triton
     except ImportError:
-        print("bench/kernels.py: triton is not installed; nothing to measure.")
+        print("bench/attention_kernels.py: triton is not installed; nothing to measure.")
         print(json.dumps({"cuda": True, "triton": False, "skipped": "triton not installed"}))
         return 0
 
