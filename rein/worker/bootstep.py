@@ -27,8 +27,8 @@ Interactive jobs are never locked out by batch jobs. Celery's consumer takes at 
 max_num_seqs + queued_slots messages at once (prefetch 1 per slot, acks late; the queued
 slots' jobs wait in the engine for a sequence to end, see rein.jobs.queues), from both of the
 model's queues, so batch jobs alone could hold every slot while an interactive job waits on
-the queue. `InteractiveConsumer` is a second consumer, on a broker connection of
-its own with its own prefetch limit, that takes only the interactive queue, for up to
+the queue. `InteractiveConsumer` is a second consumer, on a channel of its own
+with its own prefetch limit, that takes only the interactive queue, for up to
 `interactive_slots` more jobs, run by as many extra threads of the pool. Those jobs reach
 the engine while it is full of batch requests, and the engine's scheduler preempts a batch
 request for them (rein.engine.scheduler). Batch jobs never use the interactive slots, so
@@ -298,73 +298,36 @@ class EngineBootstep(bootsteps.StartStopStep):
 
 
 class InteractiveConsumer(bootsteps.ConsumerStep):
-    """Takes the model's interactive queue on a broker connection of its own, whose channel's
-    prefetch limit is `interactive_slots`: jobs beyond the main consumer's max_num_seqs +
-    queued_slots, never batch ones (see the module docstring). Messages go through Celery's
-    own task handler, as the main consumer's do, and are acknowledged on this channel when
-    their task ends (acks late).
-
-    A connection of its own, not a channel on Celery's: kombu's virtual transports hand a
-    message to the consumer registered for its queue *on the connection*
-    (`Transport._callbacks`, one per queue name), whichever channel popped it. On a shared
-    connection the main consumer's channel, which takes this queue too, handed every
-    interactive message it popped to this channel: the main channel's count of held messages
-    never grew, so its prefetch limit never stopped it, and this channel's limit only stopped
-    this channel. A worker took every waiting interactive message (bench/scale.py saw 129-300
-    held while 44 ran). On two connections each channel counts what it pops itself.
-    """
+    """Takes the model's interactive queue on a channel of its own, whose prefetch limit is
+    `interactive_slots`: jobs beyond the main consumer's max_num_seqs, never batch ones (see
+    the module docstring). Messages go through Celery's own task handler, as the main
+    consumer's do, and are acknowledged on this channel when their task ends (acks late)."""
 
     requires = ("celery.worker.consumer.tasks:Tasks",)   # the task strategies exist then
 
-    def __init__(self, c: Any, **kwargs: Any) -> None:
-        super().__init__(c, **kwargs)
-        self.connection: Any = None
-
     def get_consumers(self, channel: Any) -> list[Any]:
-        spec: WorkerSpec = self.app.rein_worker_spec
+        spec: WorkerSpec | None = getattr(self.app, "rein_worker_spec", None)
+        slots = interactive_slots(spec.settings) if spec is not None else 0
+        if not slots:
+            channel.close()
+            return []
         name = RedisKeys.from_settings(spec.settings).queue(spec.model_name)
         consumer = self.app.amqp.TaskConsumer(channel, queues=[Queue(name)],
                                               on_message=self._consumer.create_task_handler())
-        consumer.qos(prefetch_count=interactive_slots(spec.settings))
+        consumer.qos(prefetch_count=slots)
         return [consumer]
 
     def start(self, c: Any) -> None:
         self.app = c.app
         self._consumer = c
-        spec: WorkerSpec | None = getattr(self.app, "rein_worker_spec", None)
-        if spec is None or not interactive_slots(spec.settings):
-            return
-        if c.hub is None:
-            # Only Celery's event loop reads a second connection; rein's workers always run it
-            # (threads pool, Redis broker), so this is a misconfiguration, not a mode to serve.
-            raise RuntimeError("the interactive consumer needs Celery's event loop (a Redis broker, "
-                               "no eventlet/gevent)")
-        # After a broker connection loss Celery restarts its consumer steps (stop, then
-        # start) without a shutdown: close the lost connection first. As when the main one
-        # is closed, Redis puts back the messages still unacknowledged on it.
-        self._close_connection()
-        # Celery's own connect: retries as for the main connection, and registers the
-        # connection with the event loop, which then reads both.
-        self.connection = c.connect()
-        self.consumers = self.get_consumers(self.connection.channel())
-        for consumer in self.consumers:
-            consumer.consume()
+        super().start(c)
 
     def stop(self, c: Any) -> None:
         # Only stop taking messages, as Celery's own task consumer does on stop: closing the
         # channel would put the messages of the jobs still running back on the queue (Redis
         # restores a closed channel's unacknowledged messages). `shutdown` closes it, later.
         for consumer in self.consumers or []:
-            ignore_errors(self.connection, consumer.cancel)
-
-    def shutdown(self, c: Any) -> None:
-        self._close_connection()
-
-    def _close_connection(self) -> None:
-        connection, self.connection = self.connection, None
-        self.consumers = None
-        if connection is not None:
-            ignore_errors(connection, connection.close)   # closes the channel too
+            ignore_errors(c.connection, consumer.cancel)
 
 
 class EngineThreadPool(ThreadTaskPool):

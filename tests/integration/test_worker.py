@@ -950,61 +950,6 @@ def test_an_interactive_job_starts_while_batch_jobs_hold_every_slot(worker_app, 
             wait_finished(db_sessionmaker, message.job_id)
 
 
-def test_a_worker_holds_no_more_interactive_messages_than_its_slots(worker_app, make_job, db_sessionmaker,
-                                                                     redis_client, keys):
-    """Many more interactive jobs than slots: the worker holds as many messages as its slots
-    (the main consumer's prefetch, its concurrency, plus `interactive_slots`), never more, and
-    leaves the rest on the queue for other workers. (It once took every waiting one: both of
-    its consumers take the interactive queue, and kombu handed the main consumer's messages to
-    the interactive consumer's channel, whose prefetch limit then stopped nothing; see
-    rein.worker.bootstep.InteractiveConsumer.)"""
-    from rein.jobs.queues import interactive_slots
-
-    settings = worker_app.rein_settings
-    context = worker_app.rein_context
-    slots = worker_app.rein_test_worker.worker.concurrency + interactive_slots(settings)
-    jobs = [make_job(max_tokens=1000) for _ in range(slots * 4)]
-    ids = [m.job_id for m in jobs]
-    depth_keys = queue_keys(settings, MODEL)
-    unacked = settings.redis_key_prefix + "unacked"   # kombu's hash of the messages its consumers hold
-
-    def finished() -> int:
-        with db_sessionmaker() as session:
-            return session.scalar(select(func.count()).select_from(Job).where(
-                Job.id.in_(ids), Job.status.in_(("succeeded", "failed", "cancelled"))))
-
-    held: list[tuple[int, int]] = []   # (messages off the queue less jobs ended, kombu's unacked hash)
-
-    def look() -> tuple[int, int]:
-        # The queue read first: a job ending in between makes the figure lower, never higher.
-        off = len(jobs) - sum(redis_client.llen(k) for k in depth_keys)
-        held.append((off - finished(), redis_client.hlen(unacked)))
-        return held[-1]
-
-    for message in jobs:
-        enqueue_job(worker_app, message)
-    try:
-        # Every slot fills (interactive jobs use all of them) ...
-        wait_for(lambda: look()[0] >= slots and context.engine.num_running == context.engine.config.max_num_seqs,
-                 what="interactive jobs in every slot")
-        # ... and stays filled, by no more, while they run and end and the next ones are taken.
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline:
-            look()
-            time.sleep(0.01)
-        assert max(off for off, _ in held) == slots, held
-        assert max(hashed for _, hashed in held) <= slots, held
-        assert sum(redis_client.llen(k) for k in depth_keys) > 0      # the rest waits for other workers
-    finally:
-        for message in jobs:
-            request_cancel(redis_client, keys, message.job_id, flag_ttl_seconds=60)
-        for message in jobs:
-            wait_finished(db_sessionmaker, message.job_id)
-        # The cancelled jobs' messages are taken (and skipped) too: leave the queue empty.
-        wait_for(lambda: not sum(redis_client.llen(k) for k in depth_keys) and not redis_client.hlen(unacked),
-                 what="the queue to drain")
-
-
 # -- shutdown and the CLI --------------------------------------------------------------------------
 
 
