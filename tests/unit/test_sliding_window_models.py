@@ -11,12 +11,12 @@ attention over the full context could not pass.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma3TextConfig
+from unit_support import save_tiny_hf_model, windowed_copy
 
 from rein.engine.config import EngineConfig
 from rein.engine.engine import LLMEngine
@@ -32,15 +32,6 @@ def _prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(10, vocab, (n,), generator=generator).tolist() for n in LENGTHS]
 
 
-def _windowed_copy(source: Path, target: Path, **changes) -> Path:
-    shutil.copytree(source, target)
-    config = json.loads((target / "config.json").read_text())
-    config.update(changes)
-    config.pop("layer_types", None)   # derived again from the window settings
-    (target / "config.json").write_text(json.dumps(config))
-    return target
-
-
 def _gemma3(source: Path, target: Path) -> Path:
     """A random tiny Gemma 3 with the tiny llama's tokenizer (same vocabulary)."""
     vocab = json.loads((source / "config.json").read_text())["vocab_size"]
@@ -49,17 +40,7 @@ def _gemma3(source: Path, target: Path) -> Path:
                               max_position_embeddings=512, query_pre_attn_scalar=16, bos_token_id=1,
                               eos_token_id=2, pad_token_id=0)
     config.architectures = ["Gemma3ForCausalLM"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():   # norm weights away from 0, so (1 + w) is not trivially 1
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(-0.5, 0.5)
-    model.save_pretrained(target)
-    for file in source.iterdir():
-        if file.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(file, target / file.name)
-    return target
+    return save_tiny_hf_model(config, source, target, spread_norms=True)
 
 
 def _hf(model_dir: Path, prompts: list[list[int]], window: bool = True) -> list[list[int]]:
@@ -94,9 +75,9 @@ def _rein(model_dir: Path, prompts: list[list[int]], **config) -> list[list[int]
 def windowed(request, tiny_models, tmp_path_factory):
     target = tmp_path_factory.mktemp(request.param) / "model"
     if request.param == "mistral":
-        model_dir = _windowed_copy(tiny_models("mistral"), target, sliding_window=WINDOW)
+        model_dir = windowed_copy(tiny_models("mistral"), target, sliding_window=WINDOW)
     elif request.param == "qwen2":
-        model_dir = _windowed_copy(tiny_models("qwen2"), target, sliding_window=WINDOW, use_sliding_window=True,
+        model_dir = windowed_copy(tiny_models("qwen2"), target, sliding_window=WINDOW, use_sliding_window=True,
                                    max_window_layers=1)
     else:
         model_dir = _gemma3(tiny_models("llama"), target)

@@ -23,6 +23,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from unit_support import save_tiny_hf_model
 
 from rein.engine.attention import AttentionMetadata, LayerCache
 from rein.engine.loader import load_model
@@ -111,24 +112,14 @@ def tp_rank(rank: int, init_method: str, cases: dict[str, str], out: str) -> Non
 def gemma3_dir(source: Path, target: Path) -> Path:
     """A random tiny Gemma 3 whose vocabulary (2051) does not split evenly over two ranks
     (weights drawn wide, as tiny_model's, so the logits spread over several units)."""
-    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    from transformers import Gemma3TextConfig
 
     config = Gemma3TextConfig(vocab_size=2051, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
                               num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=8,
                               max_position_embeddings=512, query_pre_attn_scalar=16, bos_token_id=1,
                               eos_token_id=2, pad_token_id=0, initializer_range=0.2)
     config.architectures = ["Gemma3ForCausalLM"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():   # norm weights away from 0, so (1 + w) is not trivially 1
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.uniform_(-0.5, 0.5)
-    model.save_pretrained(target)
-    for file in source.iterdir():
-        if file.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(file, target / file.name)
-    return target
+    return save_tiny_hf_model(config, source, target, spread_norms=True)
 
 
 def stacked_experts_dir(source: Path, target: Path) -> Path:

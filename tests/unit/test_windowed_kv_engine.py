@@ -14,12 +14,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
+from unit_support import save_tiny_hf_model, windowed_copy
 
 from rein.engine.capacity import kv_capacity, windowed_pool_bound
 from rein.engine.config import EngineConfig
@@ -52,21 +52,7 @@ def _gemma(source: Path, target: Path, window: int, version: int) -> Path:
         config = Gemma2Config(num_hidden_layers=2, attn_logit_softcapping=1.0, final_logit_softcapping=5.0,
                               attn_implementation="eager", **common)
         config.architectures = ["Gemma2ForCausalLM"]
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).eval().save_pretrained(target)
-    for file in source.iterdir():
-        if file.name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(file, target / file.name)
-    return target
-
-
-def _windowed_copy(source: Path, target: Path, **changes) -> Path:
-    shutil.copytree(source, target)
-    config = json.loads((target / "config.json").read_text())
-    config.update(changes)
-    config.pop("layer_types", None)   # derived again from the window settings
-    (target / "config.json").write_text(json.dumps(config))
-    return target
+    return save_tiny_hf_model(config, source, target)
 
 
 def _hf(model_dir: Path, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list[list[int]]:
@@ -129,10 +115,10 @@ def windowed(request, tiny_models, tmp_path_factory):
     if arch.startswith("gemma"):
         model_dir = _gemma(tiny_models("llama"), target, window, version=int(arch[-1]))
     elif arch == "qwen2":
-        model_dir = _windowed_copy(tiny_models("qwen2"), target, sliding_window=window, use_sliding_window=True,
+        model_dir = windowed_copy(tiny_models("qwen2"), target, sliding_window=window, use_sliding_window=True,
                                    max_window_layers=1)
     else:
-        model_dir = _windowed_copy(tiny_models("mistral"), target, sliding_window=window)
+        model_dir = windowed_copy(tiny_models("mistral"), target, sliding_window=window)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     generator = torch.Generator().manual_seed(0)
     prompts = [torch.randint(10, vocab, (n,), generator=generator).tolist() for n in LENGTHS]

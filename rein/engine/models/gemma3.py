@@ -24,7 +24,6 @@ from rein.engine.models.llama import (
     Attention,
     LlamaFamilyModel,
     RMSNorm,
-    lm_head,
     load_attention,
     load_embeddings,
     load_mlp,
@@ -32,7 +31,7 @@ from rein.engine.models.llama import (
 from rein.engine.models.rope import RotaryEmbedding
 from rein.engine.models.weights import TensorGetter, WeightLoader
 from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
-from rein.engine.parallel.layers import VocabParallelEmbedding, split_evenly
+from rein.engine.parallel.layers import split_evenly
 from rein.kernels import elementwise
 
 NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
@@ -80,16 +79,12 @@ class Gemma3Model(LlamaFamilyModel):
     """The step's forward and the logits as LlamaFamilyModel's; Gemma's layers and two ropes."""
 
     def __init__(self, spec: ModelSpec, max_positions: int, group: ParallelGroup = SINGLE_RANK) -> None:
-        nn.Module.__init__(self)
-        self.spec = spec
-        self.group = group
-        self.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
+        super().__init__(spec, max_positions, group)
         self.local_rope = RotaryEmbedding(spec.head_dim, max_positions, spec.local_rope_theta or spec.rope_theta,
                                           None)
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, group)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(spec, window, group) for window in spec.layer_windows)
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = lm_head(spec, group)
+
+    def make_layers(self, spec: ModelSpec, group: ParallelGroup) -> list[nn.Module]:
+        return [Gemma3DecoderLayer(spec, window, group) for window in spec.layer_windows]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                 meta: AttentionMetadata) -> torch.Tensor:

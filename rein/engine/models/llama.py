@@ -144,9 +144,13 @@ class LlamaFamilyModel(nn.Module):
         self.group = group
         self.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, group)
-        self.layers = nn.ModuleList(DecoderLayer(spec, window, group) for window in spec.layer_windows)
+        self.layers = nn.ModuleList(self.make_layers(spec, group))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.lm_head = lm_head(spec, group)
+
+    def make_layers(self, spec: ModelSpec, group: ParallelGroup) -> list[nn.Module]:
+        """The decoder layers; the families built on this model override it."""
+        return [DecoderLayer(spec, window, group) for window in spec.layer_windows]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                 meta: AttentionMetadata) -> torch.Tensor:

@@ -35,16 +35,14 @@ from rein.engine.models.llama import (
     DecoderLayer,
     LlamaFamilyModel,
     RMSNorm,
-    lm_head,
     load_attention,
     load_embeddings,
     load_mlp,
 )
 from rein.engine.models.moe import SparseMoeBlock
-from rein.engine.models.rope import RotaryEmbedding, apply_rotary
+from rein.engine.models.rope import apply_rotary
 from rein.engine.models.weights import Shard, TensorGetter, WeightLoader
 from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
-from rein.engine.parallel.layers import VocabParallelEmbedding
 
 # Checkpoint names of an expert's (gate, up, down) projections and of the block, per family
 # (Mixtral's checkpoints say block_sparse_moe, transformers 5's in-memory model mlp).
@@ -95,16 +93,9 @@ class MoeDecoderLayer(DecoderLayer):
 class MoeFamilyModel(LlamaFamilyModel):
     """LlamaFamilyModel's forward, logits and packing over MoE decoder layers."""
 
-    def __init__(self, spec: ModelSpec, max_positions: int, group: ParallelGroup = SINGLE_RANK) -> None:
-        nn.Module.__init__(self)
-        self.spec = spec
-        self.group = group
-        self.rope = RotaryEmbedding(spec.head_dim, max_positions, spec.rope_theta, spec.rope_scaling)
-        self.embed_tokens = VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, group)
-        self.layers = nn.ModuleList(MoeDecoderLayer(spec, window, sparse, group)
-                                    for window, sparse in zip(spec.layer_windows, spec.sparse_layers, strict=True))
-        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        self.lm_head = lm_head(spec, group)
+    def make_layers(self, spec: ModelSpec, group: ParallelGroup) -> list[nn.Module]:
+        return [MoeDecoderLayer(spec, window, sparse, group)
+                for window, sparse in zip(spec.layer_windows, spec.sparse_layers, strict=True)]
 
     def load_hf_weights(self, get: TensorGetter) -> None:
         weights = WeightLoader(self, get, self.group)
