@@ -15,8 +15,10 @@ queue name) is `--model llama`.
 
 Several engines on one host: `--devices 0,1,2,3` (ranges `0-7`; `all` GPUs; `cpu,cpu` for CPU engines) or
 `--data-parallel-size N` makes this process a supervisor (rein.worker.supervisor) of one worker
-process per device, each this command on its own device with the node name MODEL-cuda0@HOST
-(MODEL-cpu0@HOST, ...) and metrics port PORT + its position.
+process per engine, each this command on its own device with the node name MODEL-cuda0@HOST
+(MODEL-cpu0@HOST, ...) and metrics port PORT + its position. With `--tensor-parallel-size N`
+an engine is N consecutive devices (`--devices 0-7 --tensor-parallel-size 2`: four engines);
+a lone worker with it runs one engine of N ranks (rein.engine.parallel.ranks).
 """
 
 from __future__ import annotations
@@ -68,9 +70,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--data-parallel-size", type=int, default=None, metavar="N",
                         help="engines to run: one per --devices entry, or without --devices on cuda:0 to "
                              "cuda:N-1 (N CPU engines with --device cpu)")
-    # The hook for engines of several GPUs: plan_engines groups --devices by this size.
-    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
-                        help="devices per engine; only 1 until the engine shards models (default 1)")
     add_engine_options(parser, "worker")
     parser.set_defaults(func=run)
 
@@ -91,13 +90,18 @@ def run(args: argparse.Namespace) -> int:
             print(f"error: --metrics-port must be 0 (none) to 65535, got {args.metrics_port}", file=sys.stderr)
             return 2
         settings = settings.model_copy(update={"worker_metrics_port": args.metrics_port})
-    if args.devices is not None or args.data_parallel_size is not None or args.tensor_parallel_size != 1:
+    if args.devices is not None or args.data_parallel_size is not None:
         return supervise_engines(args, environment, served, settings)
     # A GPU it cannot use would fail deep in the engine's load, without saying why (and under
-    # a restart policy, again and again): refuse before connecting to anything.
-    if (problem := device_problem(settings.device)) is not None:
-        print(f"error: {problem}", file=sys.stderr)
-        return 2
+    # a restart policy, again and again): refuse before connecting to anything. A
+    # tensor-parallel engine's ranks use the devices after --device too. (The import brings
+    # torch, which checking a CUDA device imports anyway.)
+    from rein.engine.parallel.ranks import rank_device
+
+    for device in sorted({rank_device(settings.device, rank) for rank in range(settings.tensor_parallel_size)}):
+        if (problem := device_problem(device)) is not None:
+            print(f"error: {problem}", file=sys.stderr)
+            return 2
 
     db = make_engine(settings.database_url)
     try:
@@ -164,7 +168,7 @@ def supervise_engines(args: argparse.Namespace, environment: Settings, served: S
         device = settings.device
         if devices is None and device == "auto":
             device = "cuda" if cuda_facts().device_count else "cpu"
-        groups = plan_engines(devices, args.data_parallel_size, args.tensor_parallel_size, device)
+        groups = plan_engines(devices, args.data_parallel_size, settings.tensor_parallel_size, device)
         children = [Child(group, name, engine_worker_argv(args, served, group, name, port))
                     for group, name, port in zip(groups, engine_node_names(args.hostname, served.name, groups),
                                                  engine_metrics_ports(settings.worker_metrics_port, len(groups)),

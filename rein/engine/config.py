@@ -67,6 +67,8 @@ class EngineConfig:
     own, so every chat prompt is built with it (rein.engine.tokenizer_files).
     trust_remote_code: let transformers import and run the Python files of a model or tokenizer
     whose config names them (`auto_map`); without it such a model is refused, saying so.
+    tensor_parallel_size: ranks the model is sharded over, one process and device each
+    (rein.engine.parallel.ranks); on CUDA, devices `device`, `device` + 1, ...
     """
 
     model: str
@@ -89,6 +91,7 @@ class EngineConfig:
     tokenizer_revision: str | None = None
     chat_template: str | None = None
     trust_remote_code: bool = False
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         check_generation_config(self.generation_config)   # a ValueError naming the choices
@@ -116,6 +119,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
 

@@ -32,6 +32,8 @@ from rein.engine.model_files import resolve_model
 from rein.engine.model_impl import TRANSFORMERS_FAMILY, spec_for
 from rein.engine.model_runner import ModelRunner
 from rein.engine.outputs import RequestOutput, TokenLogprob
+from rein.engine.parallel.layers import attention_heads
+from rein.engine.parallel.ranks import RankProcesses
 from rein.engine.pooler import add_pooling_request, finish_requests
 from rein.engine.pooling_config import PoolingParams, read_pooling_config
 from rein.engine.request import ChoiceGroup, Request, RequestStatus
@@ -78,9 +80,25 @@ class LLMEngine:
             # A model's transformers code is not known to be safe to capture in a CUDA graph
             # (a host sync inside it fails the capture), so it runs every step eagerly.
             self.config = config = dataclasses.replace(config, enforce_eager=True)
+        self.ranks: RankProcesses | None = None
+        if config.tensor_parallel_size > 1:
+            self.config = config = self._check_tensor_parallel(config)
         # --tokenizer, --chat-template and --trust-remote-code as the API applies them.
         self.tokenizer = self.files.load_tokenizer(TokenizerOptions.of(config))
-        self.runner = ModelRunner(config, self.files, self.spec)
+        if config.tensor_parallel_size > 1:
+            # Ranks 1..N-1 start loading their shards while this one loads shard 0.
+            self.ranks = RankProcesses.start(config)
+            try:
+                self.runner = ModelRunner(config, self.files, self.spec, self.ranks.group, self.ranks)
+                self.ranks.wait_ready()
+            except BaseException as exc:
+                error = self.ranks.error_of(exc)
+                self.ranks.close()
+                if error is exc:
+                    raise
+                raise error from exc
+        else:
+            self.runner = ModelRunner(config, self.files, self.spec)
         self.pooling_config = read_pooling_config(self.model_dir)   # for embedding requests
         self.max_model_len = self.runner.max_model_len
         self.pool = BlockPool(self.runner.capacity.num_blocks, config.block_size,
@@ -100,6 +118,23 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self._aborted: list[RequestOutput] = []
         self._num_unforked = 0   # n > 1 requests not forked yet (the step checks for forks)
+
+    def _check_tensor_parallel(self, config: EngineConfig) -> EngineConfig:
+        """Refuse, before any rank starts, a model tensor parallelism cannot shard (ValueError
+        naming the sizes that would do); decode steps run eagerly (no CUDA graphs) under it."""
+        size = config.tensor_parallel_size
+        if self.spec.family == TRANSFORMERS_FAMILY:
+            raise ValueError(f"tensor_parallel_size {size} needs one of rein's native models; {self.spec.architecture} "
+                             f"runs on the Transformers backend, which is not sharded: use tensor_parallel_size 1")
+        attention_heads(self.spec, size)
+        # CUDA graphs would capture NCCL collectives, which every rank must then replay in
+        # lockstep; not done yet, so each decode step launches its kernels (and collectives) eagerly.
+        return dataclasses.replace(config, enforce_eager=True)
+
+    def close(self) -> None:
+        """Stop a tensor-parallel engine's other ranks (a single-rank engine holds nothing to stop)."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     # -- requests --------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -34,12 +35,17 @@ from rein.engine.loader import load_model
 from rein.engine.model_files import ModelFiles
 from rein.engine.model_spec import ModelSpec
 from rein.engine.outputs import TokenLogprob
+from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
+from rein.engine.parallel.layers import attention_heads
 from rein.engine.pooler import gather
 from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
 from rein.engine.scheduler import ScheduledRequest
 from rein.engine.window_blocks import WindowBlocks
 from rein.kernels import cpu_native, cpu_paths
+
+if TYPE_CHECKING:
+    from rein.engine.parallel.ranks import RankProcesses
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +57,34 @@ DECODE_LENGTH_GROUPS = 4
 
 class CapacityError(ValueError):
     """The KV cache cannot hold what the configuration asks for."""
+
+
+@dataclass
+class StepPlan:
+    """One step's forward pass as plain lists, built by rank 0 from the scheduled requests and
+    run by every rank (rein.engine.parallel.ranks sends it to the others). Rows: decodes first
+    (sorted by context length), then prefill chunks."""
+
+    input_ids: list[int]
+    positions: list[int]
+    slots: list[int]                    # each row's cache slot: block id x block_size + offset
+    sample_rows: list[int]              # the rows whose logits are sampled from, in order
+    decode_lens: list[int]              # each decode's context length (its position + 1)
+    decode_rows: list[list[int]]        # each decode's block ids, padded with 0 to one width
+    decode_groups: list[tuple[int, int]] | None
+    prefill_lens: list[int]             # each prefill chunk's context length after it
+    prefill_new: list[int]              # each prefill chunk's tokens
+    prefill_rows: list[list[int]]
+    score_rows: list[int] = field(default_factory=list)     # prompt logprobs (rein.engine.prompt_logprobs)
+    score_targets: list[int] = field(default_factory=list)
+    score_ks: list[int] = field(default_factory=list)
+    # The windowed layers' storage (rein.engine.window_blocks), when they have their own.
+    windowed_slots: list[int] | None = None
+    windowed_decode_rows: list[list[int]] | None = None
+    windowed_prefill_rows: list[list[int]] | None = None
+    # Block copies rank 0 made since the last step (n > 1 forks), for the other ranks to make first.
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    windowed_copies: list[tuple[int, int]] | None = None
 
 
 @dataclass
@@ -77,9 +111,21 @@ def decide_max_model_len(spec: ModelSpec, requested: int | None) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, files: ModelFiles, spec: ModelSpec) -> None:
+    """See the module docstring. Under tensor parallelism every rank has one, built with the
+    rank's `group`; rank 0's also has `ranks`, the other ranks' processes it sends each step to
+    (rein.engine.parallel.ranks), and the others run `follow` instead of `execute`."""
+
+    def __init__(self, config: EngineConfig, files: ModelFiles, spec: ModelSpec,
+                 group: ParallelGroup = SINGLE_RANK, ranks: RankProcesses | None = None) -> None:
         self.config = config
         self.spec = spec
+        self.group = group
+        self.ranks = ranks
+        self._pending_copies: list[tuple[int, int]] = []
+        self._pending_windowed: list[tuple[int, int]] = []
+        # This rank's share of the KV heads, which its cache holds (all of them on one rank).
+        self.cache_spec = dataclasses.replace(spec, num_kv_heads=attention_heads(spec, group.world_size)[1]) \
+            if group.world_size > 1 else spec
         self.device = config.torch_device
         self.dtype = config.torch_dtype
         self.cache_dtype = config.cache_torch_dtype
@@ -91,7 +137,7 @@ class ModelRunner:
             malloc = "heap reuse" if keep_freed_memory() else "glibc defaults"
             log.info("%s; malloc: %s", cpu_paths.describe(self.dtype), malloc)
         self.model = load_model(files, spec, self.max_model_len, self.dtype, self.device,
-                                trust_remote_code=config.trust_remote_code)
+                                trust_remote_code=config.trust_remote_code, group=group)
         self.capacity = self._size_cache()
         if self.capacity.num_tokens < self.max_model_len:
             raise CapacityError(
@@ -130,9 +176,11 @@ class ModelRunner:
                 memory = int(free - total * (1.0 - self.config.gpu_memory_utilization))
             else:
                 memory = CPU_DEFAULT_KV_MEMORY
+        # Every rank sizes its cache for the block ids rank 0's pool hands out: the least any has.
+        memory = self.group.min_int(int(memory))
         if memory <= 0:
             raise CapacityError("no device memory is left for the KV cache after loading the weights")
-        return kv_capacity(self.spec, int(memory), self.cache_dtype, self.block_size, self.max_model_len,
+        return kv_capacity(self.cache_spec, int(memory), self.cache_dtype, self.block_size, self.max_model_len,
                            self.config.max_num_seqs, self.config.max_num_batched_tokens)
 
     def _allocate_cache(self) -> list[LayerCache]:
@@ -141,7 +189,7 @@ class ModelRunner:
         for window in self.spec.layer_windows:
             windowed = window is not None and capacity.num_windowed_blocks > 0
             num_blocks = capacity.num_windowed_blocks if windowed else capacity.num_blocks
-            shape = (num_blocks, self.block_size, self.spec.num_kv_heads, self.spec.head_dim)
+            shape = (num_blocks, self.block_size, self.cache_spec.num_kv_heads, self.spec.head_dim)
             k = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
             v = torch.zeros(shape, dtype=self.cache_dtype, device=self.device)
             if self.cache_dtype == torch.int8:
@@ -155,10 +203,43 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
+        """Run one step's forward pass (on every rank, under tensor parallelism) and return what
+        rank 0 samples from."""
+        plan, local = self._plan(scheduled)
+        if self.ranks is not None:
+            plan.copies, plan.windowed_copies, self._pending_copies = self._pending_copies, None, []
+            if self.windows is not None:
+                plan.windowed_copies, self._pending_windowed = self._pending_windowed, []
+            try:
+                self.ranks.send(plan)
+                hidden = self._forward(plan)
+                logits, prompt = self._logits(hidden, plan)
+            except RuntimeError as exc:   # a collective that failed: say which rank died, if one did
+                raise self.ranks.error_of(exc) from exc
+        else:
+            hidden = self._forward(plan)
+            logits, prompt = self._logits(hidden, plan)
+        sampling, scoring, pooling = local
+        pooled = gather(hidden, pooling) if pooling else []
+        entries = self._prompt_entries(prompt, scoring) if prompt is not None else None
+        if logits is None:
+            logits = hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32)
+        return StepResult(logits.float(), sampling, entries, pooled)
+
+    @torch.inference_mode()
+    def follow(self, plan: StepPlan) -> None:
+        """Ranks 1..N-1 of a tensor-parallel engine: rank 0's step on this rank's shard (the
+        collectives inside meet rank 0's); the logits rank 0 samples from are discarded here."""
+        if plan.copies:
+            self._copy(plan.copies, plan.windowed_copies)
+        self._logits(self._forward(plan), plan)
+
+    def _plan(self, scheduled: list[ScheduledRequest]) -> tuple[StepPlan, tuple[list, list, list]]:
+        """The step as a StepPlan, and what only rank 0 needs: the requests that sample (in
+        logits-row order), the prompt-logprob chunks and the embedding requests' rows."""
         # Decodes sorted by context length, so similar lengths sit in contiguous rows.
         decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.end)
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
-        ordered = decodes + prefills
         bs = self.block_size
 
         input_ids: list[int] = []
@@ -166,9 +247,9 @@ class ModelRunner:
         slots: list[int] = []
         sample_rows: list[int] = []
         sampling: list[Request] = []
-        scoring: list[tuple[Request, int, int, int]] = []   # prompt logprobs: see _score_prompts
+        scoring: list[tuple[Request, int, int, int]] = []   # prompt logprobs: see _score_rows
         pooling: list[tuple[Request, int, int, int, int]] = []   # embedding requests' rows
-        for s in ordered:
+        for s in decodes + prefills:
             request, start, end = s.request, s.start, s.end
             row_start = len(input_ids)
             blocks = request.block_ids
@@ -190,51 +271,65 @@ class ModelRunner:
                 scoring.append((request, start, min(end, request.num_prompt_tokens - 1),
                                 len(input_ids) - (end - start)))
 
+        decode_lens = [s.end for s in decodes]
+        plan = StepPlan(
+            input_ids=input_ids, positions=positions, slots=slots, sample_rows=sample_rows,
+            decode_lens=decode_lens, decode_rows=self._block_rows(decodes) if decodes else [],
+            decode_groups=self._decode_groups(decode_lens),
+            prefill_lens=[s.end for s in prefills], prefill_new=[s.num_new_tokens for s in prefills],
+            prefill_rows=self._block_rows(prefills) if prefills else [])
+        if scoring:
+            plan.score_rows, plan.score_targets, plan.score_ks = self._score_rows(scoring)
         windows = self.windows
         if windows is not None:
             physical = windows.physical
-            windowed_slots = [physical[slot // bs] * bs + slot % bs for slot in slots]
+            plan.windowed_slots = [physical[slot // bs] * bs + slot % bs for slot in slots]
+            plan.windowed_decode_rows = self._windowed_rows(plan.decode_rows)
+            plan.windowed_prefill_rows = self._windowed_rows(plan.prefill_rows)
+        return plan, (sampling, scoring, pooling)
+
+    def _forward(self, plan: StepPlan) -> torch.Tensor:
+        """The final hidden states of the plan's rows: a CUDA graph replay for a decode-only
+        step that fits one, else the model run eagerly."""
+        windowed = plan.windowed_slots is not None
         graphs = self.decode_graphs
-        if not prefills and graphs is not None and graphs.fits(len(decodes)):
-            rows = self._block_rows(decodes)
-            windowed = (windowed_slots, self._windowed_rows(rows)) if windows is not None else None
-            hidden = graphs.run(input_ids, positions, slots, [s.end for s in decodes], rows, windowed)
-            return self._logits(hidden, sample_rows, sampling, scoring, pooling)
+        if not plan.prefill_lens and graphs is not None and graphs.fits(len(plan.decode_lens)):
+            return graphs.run(plan.input_ids, plan.positions, plan.slots, plan.decode_lens, plan.decode_rows,
+                              (plan.windowed_slots, plan.windowed_decode_rows) if windowed else None)
+        decodes, prefills = bool(plan.decode_lens), bool(plan.prefill_lens)
         meta = AttentionMetadata(
-            slot_mapping=self._tensor(slots, torch.int64),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=self._block_tables(decodes) if decodes else None,
-            decode_context_lens=self._tensor([s.end for s in decodes], torch.int32) if decodes else None,
-            decode_groups=self._decode_groups([s.end for s in decodes]),
-            prefill_block_tables=self._block_tables(prefills) if prefills else None,
-            prefill_cu_seqlens_q=self._cu_seqlens(prefills) if prefills else None,
-            prefill_context_lens=self._tensor([s.end for s in prefills], torch.int32) if prefills else None,
+            slot_mapping=self._tensor(plan.slots, torch.int64),
+            num_decode_tokens=len(plan.decode_lens),
+            decode_block_tables=self._tensor(plan.decode_rows, torch.int32) if decodes else None,
+            decode_context_lens=self._tensor(plan.decode_lens, torch.int32) if decodes else None,
+            decode_groups=plan.decode_groups,
+            prefill_block_tables=self._tensor(plan.prefill_rows, torch.int32) if prefills else None,
+            prefill_cu_seqlens_q=self._tensor(_offsets(plan.prefill_new), torch.int32) if prefills else None,
+            prefill_context_lens=self._tensor(plan.prefill_lens, torch.int32) if prefills else None,
         )
-        if windows is not None:
+        if windowed:
             meta.windowed = dataclasses.replace(
-                meta, slot_mapping=self._tensor(windowed_slots, torch.int64),
-                decode_block_tables=self._windowed_tables(decodes) if decodes else None,
-                prefill_block_tables=self._windowed_tables(prefills) if prefills else None)
-        hidden = self.model(self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64),
-                            self.caches, meta)
-        return self._logits(hidden, sample_rows, sampling, scoring, pooling)
+                meta, slot_mapping=self._tensor(plan.windowed_slots, torch.int64),
+                decode_block_tables=self._tensor(plan.windowed_decode_rows, torch.int32) if decodes else None,
+                prefill_block_tables=self._tensor(plan.windowed_prefill_rows, torch.int32) if prefills else None)
+        return self.model(self._tensor(plan.input_ids, torch.int64), self._tensor(plan.positions, torch.int64),
+                          self.caches, meta)
 
-    def _logits(self, hidden: torch.Tensor, sample_rows: list[int], sampling: list[Request],
-                scoring: list[tuple[Request, int, int, int]],
-                pooling: list[tuple[Request, int, int, int, int]]) -> StepResult:
-        prompt = self._score_prompts(hidden, scoring) if scoring else None
-        pooled = gather(hidden, pooling) if pooling else []
-        if not sample_rows:
-            return StepResult(hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32), [], prompt,
-                              pooled)
-        logits = self.model.compute_logits(hidden[self._tensor(sample_rows, torch.int64)])
-        return StepResult(logits.float(), sampling, prompt, pooled)
+    def _logits(self, hidden: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor | None, list[TokenLogprob] | None]:
+        """The sampled rows' logits and the prompt tokens' logprob entries, each None when the
+        plan has none. Every rank calls this alike: compute_logits gathers the vocabulary."""
+        prompt = score_prompt_tokens(self.model.compute_logits, hidden, plan.score_rows, plan.score_targets,
+                                     plan.score_ks) if plan.score_rows else None
+        if not plan.sample_rows:
+            return None, prompt
+        return self.model.compute_logits(hidden[self._tensor(plan.sample_rows, torch.int64)]), prompt
 
-    def _score_prompts(self, hidden: torch.Tensor,
-                       scoring: list[tuple[Request, int, int, int]]) -> list[tuple[Request, int, list[TokenLogprob]]]:
-        """Prompt logprobs of this step's chunks. Each `scoring` entry is (request, start,
-        stop, row): positions [start, stop) of the request were computed in hidden rows
-        row.. onward, and position p scores prompt token p + 1."""
+    @staticmethod
+    def _score_rows(scoring: list[tuple[Request, int, int, int]]) -> tuple[list[int], list[int], list[int]]:
+        """Prompt logprobs of this step's chunks: the hidden rows to score, the prompt token each
+        scores and its top-k. Each `scoring` entry is (request, start, stop, row): positions
+        [start, stop) of the request were computed in hidden rows row.. onward, and position p
+        scores prompt token p + 1."""
         rows: list[int] = []
         targets: list[int] = []
         ks: list[int] = []
@@ -242,7 +337,12 @@ class ModelRunner:
             rows.extend(range(row, row + stop - start))
             targets.extend(request.prompt_token_ids[start + 1:stop + 1])
             ks.extend([request.sampling_params.prompt_logprobs] * (stop - start))
-        entries = score_prompt_tokens(self.model.compute_logits, hidden, rows, targets, ks)
+        return rows, targets, ks
+
+    @staticmethod
+    def _prompt_entries(entries: list[TokenLogprob], scoring: list[tuple[Request, int, int, int]]
+                        ) -> list[tuple[Request, int, list[TokenLogprob]]]:
+        """`entries` (one per scored row, in `_score_rows`' order) split by request chunk."""
         out, offset = [], 0
         for request, start, stop, _ in scoring:
             out.append((request, start + 1, entries[offset:offset + stop - start]))
@@ -252,16 +352,27 @@ class ModelRunner:
     @torch.inference_mode()
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copy whole KV blocks, source -> destination, in every layer's cache (and the int8
-        scales): one index_copy_ per tensor, on CPU and CUDA alike. The cache tensors keep
-        their addresses, so the CUDA graphs stay valid."""
+        scales). The other ranks of a tensor-parallel engine copy theirs before the next step's
+        forward (they come with its plan): nothing reads the blocks in between."""
         if not pairs:
             return
-        src = self._tensor([a for a, _ in pairs], torch.int64)
-        dst = self._tensor([b for _, b in pairs], torch.int64)
+        windowed = None
         if self.windows is not None:   # both blocks are held there (rein.engine.window_blocks.fork)
             physical = self.windows.physical
-            windowed_src = self._tensor([physical[a] for a, _ in pairs], torch.int64)
-            windowed_dst = self._tensor([physical[b] for _, b in pairs], torch.int64)
+            windowed = [(physical[a], physical[b]) for a, b in pairs]
+        self._copy(pairs, windowed)
+        if self.ranks is not None:
+            self._pending_copies.extend(pairs)
+            self._pending_windowed.extend(windowed or ())
+
+    def _copy(self, pairs: list[tuple[int, int]], windowed: list[tuple[int, int]] | None) -> None:
+        """One index_copy_ per tensor, on CPU and CUDA alike. The cache tensors keep their
+        addresses, so the CUDA graphs stay valid."""
+        src = self._tensor([a for a, _ in pairs], torch.int64)
+        dst = self._tensor([b for _, b in pairs], torch.int64)
+        if windowed:
+            windowed_src = self._tensor([a for a, _ in windowed], torch.int64)
+            windowed_dst = self._tensor([b for _, b in windowed], torch.int64)
         for cache in self.caches:
             source, target = (windowed_src, windowed_dst) if cache.windowed else (src, dst)
             for tensor in (cache.k, cache.v, cache.k_scale, cache.v_scale):
@@ -280,14 +391,8 @@ class ModelRunner:
         grouped = sum((end - start) * lengths[end - 1] for start, end in bounds)
         return bounds if grouped < 0.7 * count * lengths[-1] else None
 
-    def _tensor(self, values: list[int], dtype: torch.dtype) -> torch.Tensor:
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
-
-    def _block_tables(self, group: list[ScheduledRequest]) -> torch.Tensor:
-        return self._tensor(self._block_rows(group), torch.int32)
-
-    def _windowed_tables(self, group: list[ScheduledRequest]) -> torch.Tensor:
-        return self._tensor(self._windowed_rows(self._block_rows(group)), torch.int32)
 
     def _windowed_rows(self, rows: list[list[int]]) -> list[list[int]]:
         """Block rows translated to the windowed storage; blocks no window holds map to 0
@@ -301,8 +406,10 @@ class ModelRunner:
         width = max(len(s.request.block_ids) for s in group)
         return [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in group]
 
-    def _cu_seqlens(self, group: list[ScheduledRequest]) -> torch.Tensor:
-        offsets = [0]
-        for s in group:
-            offsets.append(offsets[-1] + s.num_new_tokens)
-        return self._tensor(offsets, torch.int32)
+
+def _offsets(counts: list[int]) -> list[int]:
+    """Cumulative offsets [0, c0, c0 + c1, ...] (prefill chunks' first rows, cu_seqlens)."""
+    offsets = [0]
+    for count in counts:
+        offsets.append(offsets[-1] + count)
+    return offsets

@@ -82,6 +82,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("model_impl", "rein: rein's native model code only; transformers: the model's own transformers "
                  "code with rein's paged attention (any causal LM transformers builds); auto: native code where "
                  "rein has it, else transformers", choices=MODEL_IMPLS),
+    EngineOption("tensor_parallel_size", "shard the model over N ranks, one process and device each (CUDA: "
+                 "--device and the N-1 after it; CPU: the cores split between them); N must divide the model's "
+                 "attention and KV heads", int, "N"),
     EngineOption("seed", "engine seed: seeds the sampling of requests that give no seed", int, "N"),
     EngineOption("generation_config", "sampling defaults of requests: auto (the model's generation_config.json), "
                  "vllm (built-in; none is the same), or a folder holding a generation_config.json",

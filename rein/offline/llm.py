@@ -107,7 +107,9 @@ class LLM:
     `kv_cache_memory_bytes` is accepted for it), and `max_in_flight` (requests in the engine
     at once; default 4 x max_num_seqs). An engine argument not given takes its REIN_*
     variable (REIN_MAX_NUM_SEQS, ...) when set, else the default shown in the signature.
-    `tensor_parallel_size` and `pipeline_parallel_size` must be 1; `disable_log_stats` is
+    `tensor_parallel_size` shards the model over that many processes, one device each (on CUDA
+    `device` and the ones after it; rein.engine.parallel.ranks); `pipeline_parallel_size` must
+    be 1; `disable_log_stats` is
     accepted and changes nothing. Any other vLLM argument raises
     TypeError rather than being silently ignored.
     """
@@ -154,10 +156,9 @@ class LLM:
         if unsupported:
             raise TypeError(f"LLM() got arguments rein does not support: {', '.join(unsupported)}. "
                             f"It takes: {', '.join(engine_argument_names())}")
-        for name, value in (("tensor_parallel_size", tensor_parallel_size),
-                            ("pipeline_parallel_size", pipeline_parallel_size)):
-            if value != 1:
-                raise ValueError(f"{name}={value} is not supported: rein runs a model on one device; use 1")
+        if pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size={pipeline_parallel_size} is not supported: rein shards a "
+                             f"model across devices with tensor_parallel_size; use 1")
         if max_in_flight is not None and max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         # A keyword given > its REIN_* variable > the default (rein.engine.options).

@@ -18,9 +18,10 @@ The supervisor
   MAX_QUICK_DEATHS times in a row (an engine that cannot load there).
 
 `parse_devices` reads `--devices`: CUDA indices (`0,1`, ranges `0-7`, `cuda:N`), or `cpu`
-entries (`cpu,cpu` or `cpu:0,cpu:1`: two CPU engines, for tests and CPU hosts). Tensor
-parallelism will make each engine a group of devices (`EngineGroup.devices`, `plan_engines`'s
-`tensor_parallel_size`); until the engine has it, a group is one device and more is refused.
+entries (`cpu,cpu` or `cpu:0,cpu:1`: two CPU engines, for tests and CPU hosts). With
+`--tensor-parallel-size N` each engine is a group of N devices (`EngineGroup.devices`,
+`plan_engines`): `--devices 0-7 --tensor-parallel-size 2` runs four engines of two GPUs, each
+worker process the rank 0 of its engine's ranks (rein.engine.parallel.ranks).
 """
 
 from __future__ import annotations
@@ -90,8 +91,8 @@ def parse_devices(text: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class EngineGroup:
-    """The devices of one engine (one, until tensor parallelism gives an engine several), and
-    the engine's position among the worker's engines."""
+    """The devices of one engine (several under tensor parallelism), and the engine's position
+    among the worker's engines."""
 
     devices: tuple[str, ...]
     position: int
@@ -111,12 +112,10 @@ def plan_engines(devices: tuple[str, ...] | None, data_parallel_size: int | None
                  device: str) -> list[EngineGroup]:
     """The engines to run: on `devices` (parse_devices), or `data_parallel_size` of them on
     `device` (cpu; cuda: indices 0 to N-1), each of `tensor_parallel_size` devices. ValueError
-    for a combination that does not fit, or tensor parallelism (not built yet)."""
+    for a combination that does not fit. A tensor-parallel engine runs its ranks on consecutive
+    CUDA indices from its --device on (rein.engine.parallel.ranks), so a group must be consecutive."""
     if tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
-    if tensor_parallel_size > 1:
-        raise ValueError(f"--tensor-parallel-size {tensor_parallel_size}: the engine does not shard a model across "
-                         f"devices yet; run one engine per device (--tensor-parallel-size 1, the default)")
     if data_parallel_size is not None and data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {data_parallel_size}")
     if devices is None:
@@ -135,8 +134,15 @@ def plan_engines(devices: tuple[str, ...] | None, data_parallel_size: int | None
                          f"need {data_parallel_size * tensor_parallel_size} devices; --devices names {len(devices)}")
     if len(devices) % tensor_parallel_size:
         raise ValueError(f"{len(devices)} devices do not split into engines of {tensor_parallel_size}")
-    return [EngineGroup(tuple(devices[start:start + tensor_parallel_size]), position)
-            for position, start in enumerate(range(0, len(devices), tensor_parallel_size))]
+    groups = [EngineGroup(tuple(devices[start:start + tensor_parallel_size]), position)
+              for position, start in enumerate(range(0, len(devices), tensor_parallel_size))]
+    for group in groups:
+        indices = [int(d.removeprefix("cuda:")) for d in group.devices if d != "cpu"]
+        if indices and indices != list(range(indices[0], indices[0] + len(indices))):
+            raise ValueError(f"engine {group.position} would run on {', '.join(group.devices)}: the devices of "
+                             f"one tensor-parallel engine must be consecutive indices (list --devices so that "
+                             f"each {tensor_parallel_size} in a row are, e.g. 0-7)")
+    return groups
 
 
 @dataclass

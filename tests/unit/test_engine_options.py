@@ -52,7 +52,7 @@ def test_the_commands_share_one_set_of_options(capsys):
             "--kv-cache-memory", "--kv-cache-dtype", "--dtype", "--device", "--block-size", "--enable-prefix-caching",
             "--no-enable-prefix-caching", "--enforce-eager", "--no-enforce-eager", "--seed",
             "--generation-config", "--model-impl", "--tokenizer", "--revision", "--tokenizer-revision",
-            "--chat-template", "--trust-remote-code", "--no-trust-remote-code"} == offline
+            "--chat-template", "--trust-remote-code", "--no-trust-remote-code", "--tensor-parallel-size"} == offline
     # what intake applies: the context length, sampling defaults, and the tokenizer and template it encodes with
     assert engine_flags("api") == {"--max-model-len", "--generation-config", "--tokenizer", "--revision",
                                    "--tokenizer-revision", "--chat-template", "--trust-remote-code",

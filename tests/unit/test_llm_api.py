@@ -218,8 +218,8 @@ def test_engine_arguments():
     # Refused before any model is loaded.
     with pytest.raises(TypeError, match="rein does not support: quantization"):
         LLM("no-such-model", quantization="awq")
-    with pytest.raises(ValueError, match="tensor_parallel_size=2 is not supported"):
-        LLM("no-such-model", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported"):
+        LLM("no-such-model", pipeline_parallel_size=2)
     assert RequestOutput is GenerationOutput
 
 

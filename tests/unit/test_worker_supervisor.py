@@ -61,11 +61,17 @@ def test_engines_are_planned_per_device_or_by_count():
     cpus = plan_engines(None, 2, 1, "cpu")
     assert [(g.device, g.label) for g in cpus] == [("cpu", "cpu0"), ("cpu", "cpu1")]
     assert plan_engines(("cuda:3",), 1, 1, "cpu")[0].label == "cuda3"
+    # Tensor parallelism: engines of N consecutive devices, rank 0's the engine's --device.
+    pairs = plan_engines(tuple(f"cuda:{i}" for i in range(8)), None, 2, "auto")
+    assert [(g.devices, g.device) for g in pairs] == [((f"cuda:{i}", f"cuda:{i + 1}"), f"cuda:{i}")
+                                                      for i in range(0, 8, 2)]
+    assert [g.devices for g in plan_engines(None, 2, 2, "cpu")] == [("cpu", "cpu"), ("cpu", "cpu")]
     for args, message in (((("cuda:0",), 2, 1, "auto"), "need 2 devices; --devices names 1"),
                           ((None, 2, 1, "cuda:1"), "name the GPUs with --devices"),
                           ((None, 0, 1, "cpu"), "at least 1"),
                           ((None, None, 1, "cpu"), "give --devices or --data-parallel-size"),
-                          ((("cuda:0", "cuda:1"), None, 2, "auto"), "does not shard a model across devices yet"),
+                          ((("cuda:0", "cuda:2"), None, 2, "auto"), "must be consecutive indices"),
+                          ((("cuda:0", "cuda:1", "cuda:2"), None, 2, "auto"), "do not split into engines of 2"),
                           ((("cuda:0",), None, 0, "auto"), "at least 1")):
         with pytest.raises(ValueError, match=message):
             plan_engines(*args)
@@ -104,7 +110,7 @@ def test_each_engine_worker_runs_this_command_on_its_own_device(settings):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--devices", "0,0"], "names cuda:0 more than once"),
     (["--devices", "cpu,cpu", "--device", "cpu"], "give --devices alone"),
-    (["--tensor-parallel-size", "2"], "does not shard a model across devices yet"),
+    (["--devices", "0,2", "--tensor-parallel-size", "2"], "must be consecutive indices"),
     (["--data-parallel-size", "2", "--device", "cuda:1"], "name the GPUs with --devices"),
 ])
 def test_the_worker_command_refuses_what_cannot_run(argv, message, settings, capsys):

@@ -1,9 +1,11 @@
 """The ranks of one tensor-parallel engine: a small wrapper over `torch.distributed`.
 
-A model is built against a group and calls three collectives on it: `all_reduce_` (the
-row-parallel projections' partial sums), `all_gather` (the vocab-parallel logits) and, for
-the engine, `broadcast_object` (rank 0's step plan to the other ranks). `SINGLE_RANK` answers
-all three without communicating, so a model built without a group runs exactly as before.
+A model is built against a group and calls two collectives on it: `all_reduce_` (the
+row-parallel projections' partial sums) and `all_gather` (the vocab-parallel logits); the
+model runner calls a third, `min_int`, once, so every rank sizes its KV cache alike.
+`SINGLE_RANK` answers all three without communicating, so a model built without a group runs
+exactly as before. Rank 0's step plans reach the other ranks through pipes, not a collective
+(rein.engine.parallel.ranks): a rank waiting for the next step may wait for hours.
 
 `DistributedGroup` joins N processes, each calling it with its own rank and one shared
 `init_method` (`tcp_init_method()`: a free port on this host, or `file_init_method(path)`):
@@ -15,9 +17,7 @@ timeout, so a rank that died or hangs becomes an exception on the others, not a 
 - NCCL: collectives run asynchronously on the GPU, so the calling thread cannot raise; the
   NCCL watchdog aborts the communicator after the timeout and, under PyTorch's default
   TORCH_NCCL_ASYNC_ERROR_HANDLING, ends the process -- which its supervisor sees as a dead
-  engine. `broadcast_object` goes through a second, gloo group on the CPU (as vLLM's CPU
-  group): the step plan is a pickled object, and that collective, once per step, raises on
-  the surviving ranks when one has died.
+  engine. `min_int` goes through a second, gloo group on the CPU (as vLLM's CPU group).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import socket
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -45,7 +45,7 @@ class ParallelGroup(Protocol):
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor: ...
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any: ...
+    def min_int(self, value: int) -> int: ...
 
     def close(self) -> None: ...
 
@@ -62,8 +62,8 @@ class SingleRankGroup:
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return obj
+    def min_int(self, value: int) -> int:
+        return value
 
     def close(self) -> None:
         pass
@@ -108,7 +108,7 @@ class DistributedGroup:
             torch.cuda.set_device(self.device)
             dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=timeout, device_id=self.device)
-            # Step plans are pickled objects on the host: a CPU group for them (see the module doc).
+            # Host-side agreements (min_int) without a device round trip: a CPU group for them.
             self._cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         elif self.device.type == "cpu":
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
@@ -129,11 +129,11 @@ class DistributedGroup:
         dist.all_gather(parts, tensor)
         return torch.cat(parts, dim=-1)
 
-    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        """`obj` as rank `src` has it (picklable), on every rank; the others pass anything (None)."""
-        box = [obj if self.rank == src else None]
-        dist.broadcast_object_list(box, src=src, group=self._cpu_group)
-        return box[0]
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's `value` (each rank's free memory: the cache size all can hold)."""
+        box = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(box, op=dist.ReduceOp.MIN, group=self._cpu_group)
+        return int(box.item())
 
     def close(self) -> None:
         if dist.is_initialized():
