@@ -1,6 +1,8 @@
 """A worker whose engine process dies (SIGKILL, as the OOM killer would): the jobs it ran go
 back with their attempts refunded, the worker says `down` and takes nothing meanwhile, a new
-engine starts, and the jobs succeed; a job present at every death is failed alone.
+engine starts, and the jobs succeed; a job present at every death is failed alone. A
+tensor-parallel engine is one engine: a rank killed mid-step takes the whole group down, and
+it is replaced as one (rein.engine.parallel.ranks).
 
 Real Redis and Postgres, a real engine child process; the task is `process_job` called on
 this test's threads, a message "redelivered" by calling it again."""
@@ -31,15 +33,35 @@ def job_row(sessions, job_id: str):
         return session.get(Job, job_id)
 
 
-@pytest.fixture
-def process_context(make_settings, tiny_models):
-    """A worker context (no Celery consumer) whose engine runs in a child process."""
+def rank_pids(engine_pid: int) -> list[int]:
+    """The other ranks of the tensor-parallel engine in process `engine_pid` (its children running
+    the follower module)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if parent == engine_pid and b"rein.engine.parallel.follower" in command:
+            pids.append(int(entry))
+    return pids
+
+
+@pytest.fixture(params=[1, 2], ids=["one-rank", "tensor-parallel-2"])
+def process_context(request, make_settings, tiny_models):
+    """A worker context (no Celery consumer) whose engine runs in a child process (with one
+    more rank, a grandchild, under tensor parallelism)."""
     from rein.engine import EngineConfig
     from rein.worker.bootstep import WorkerSpec, build_context
 
     settings = make_settings(worker_engine_process=True)
     config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
-                          max_num_seqs=4)
+                          max_num_seqs=4, tensor_parallel_size=request.param)
     context = build_context(make_worker_celery(settings), WorkerSpec(settings=settings, model_name=MODEL,
                                                               engine_config=config), f"dying-{secrets.token_hex(3)}@test")
     yield context
@@ -68,9 +90,15 @@ def test_a_killed_engine_is_replaced_and_its_jobs_spend_no_attempt(process_conte
     threads, outcomes = run_all(context, messages)
     support.wait_for(lambda: context.engine.num_running == 3, WAIT, "the three jobs running")
     old_pid = context.runner.pid
-    os.kill(old_pid, signal.SIGKILL)
+    ranks = rank_pids(old_pid)
+    assert len(ranks) == context.runner.engine.config.tensor_parallel_size - 1
+    # One rank of a tensor-parallel engine, mid-step; else the engine process itself.
+    os.kill(ranks[0] if ranks else old_pid, signal.SIGKILL)
     for thread in threads:
         thread.join(WAIT)
+    # The whole group is gone: no rank outlives the engine it belonged to.
+    support.wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in ranks), WAIT,
+                     "the other ranks gone")
     assert outcomes == ["requeued"] * 3
     for message in messages:
         row = job_row(db_sessionmaker, message.job_id)
@@ -81,6 +109,7 @@ def test_a_killed_engine_is_replaced_and_its_jobs_spend_no_attempt(process_conte
     support.wait_for(lambda: context.keeper.replacements == 1 and context.engine_ready.is_set(), WAIT,
                      "a new engine")
     assert context.runner.pid != old_pid
+    assert len(rank_pids(context.runner.pid)) == len(ranks)   # the new engine has its ranks
     assert context.heartbeat.beat()["state"] == "up"
     fresh.join(WAIT)
     assert fresh_outcome == ["succeeded"]
@@ -93,6 +122,15 @@ def test_a_killed_engine_is_replaced_and_its_jobs_spend_no_attempt(process_conte
     for message in messages:
         row = job_row(db_sessionmaker, message.job_id)
         assert (row.status, row.attempt - row.attempts_refunded) == ("succeeded", 1)
+
+
+def _alive(pid: int) -> bool:
+    """Not a zombie: a killed rank stays one until its parent (the dead engine) is reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def test_a_job_present_at_every_engine_death_is_failed_as_the_cause(process_context, make_job, db_sessionmaker):
