@@ -13,7 +13,9 @@ gloo on CPU, NCCL on CUDA (one device per rank). Every collective carries the gr
 timeout, so a rank that died or hangs becomes an exception on the others, not a hang:
 
 - gloo: a peer that died closes its connections and the collective raises at once; a peer
-  that is alive but never joins raises after the timeout.
+  that is alive but never joins raises after the timeout. The model's all-reduces of CPU
+  ranks go through shared memory instead (rein.engine.parallel.shm_reduce), which checks its
+  peers' processes while it waits and keeps the same timeout.
 - NCCL: collectives run asynchronously on the GPU, so the calling thread cannot raise; the
   NCCL watchdog aborts the communicator after the timeout and, under PyTorch's default
   TORCH_NCCL_ASYNC_ERROR_HANDLING, ends the process -- which its supervisor sees as a dead
@@ -29,6 +31,8 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
+
+from rein.engine.parallel import shm_reduce
 
 # Long enough for a peer to compile its kernels (Triton's first launch) before it reaches a
 # collective; a rank that dies outright is noticed sooner (its connections close).
@@ -103,6 +107,7 @@ class DistributedGroup:
         self.rank = rank
         self.world_size = world_size
         self.device = torch.device(device)
+        self._shm: shm_reduce.ShmAllReduce | None = None
         timeout = timedelta(seconds=timeout_s)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -114,17 +119,24 @@ class DistributedGroup:
             dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
                                     timeout=timeout)
             self._cpu_group = dist.group.WORLD
+            # The model's collectives through shared memory: gloo's TCP costs more than the split saves.
+            if world_size > 1 and shm_reduce.available():
+                self._shm = shm_reduce.ShmAllReduce(rank, world_size, timeout_s, self._cpu_group)
         else:
             raise ValueError(f"tensor parallelism runs on CPU (gloo) or CUDA (NCCL), not {self.device.type}")
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum `tensor` over the ranks, in place; returns it."""
+        if self._shm is not None and self._shm.fits(tensor):
+            return self._shm.all_reduce_(tensor)
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
         return tensor
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor`, concatenated along the last dimension in rank order."""
         tensor = tensor.contiguous()
+        if self._shm is not None and self._shm.fits(tensor):
+            return self._shm.all_gather(tensor)
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         dist.all_gather(parts, tensor)
         return torch.cat(parts, dim=-1)
