@@ -32,6 +32,7 @@ from rein.engine.model_spec import ModelSpec
 from rein.engine.models import native_model_class
 from rein.engine.parallel import SINGLE_RANK, DistributedGroup, file_init_method, tcp_init_method
 from rein.engine.parallel.layers import attention_heads
+from rein.engine.parallel.shm_reduce import SLOT_BYTES
 
 BLOCK = 8
 BLOCKS_PER_REQUEST = 4
@@ -102,9 +103,12 @@ def tp_rank(rank: int, init_method: str, cases: dict[str, str], out: str) -> Non
     group = DistributedGroup(rank, 2, init_method, timeout_s=60)
     try:
         smallest = group.min_int(10 + rank)
+        # Larger than a shared-memory slot: through gloo instead (rein.engine.parallel.shm_reduce).
+        big = group.all_reduce_(torch.full((SLOT_BYTES // 4 + 1,), float(rank + 1)))
+        small = group.all_reduce_(torch.arange(6.0).reshape(2, 3) * (rank + 1))
         gathered = group.all_gather(torch.full((2, 3), float(rank)))
         results = {name: logits_of(Path(directory), group) for name, directory in cases.items()}
-        torch.save({"smallest": smallest, "gathered": gathered, "logits": results}, Path(out) / f"rank{rank}.pt")
+        torch.save({"smallest": smallest, "big": (big.min().item(), big.max().item()), "small": small, "gathered": gathered, "logits": results}, Path(out) / f"rank{rank}.pt")
     finally:
         group.close()
 
@@ -180,6 +184,7 @@ def test_two_ranks_compute_the_logits_of_one(name, cases, two_ranks):
 def test_the_group_agrees_on_a_minimum_and_gathers_in_rank_order(two_ranks):
     for rank in two_ranks:
         assert rank["smallest"] == 10
+        assert rank["big"] == (3.0, 3.0) and torch.equal(rank["small"], torch.arange(6.0).reshape(2, 3) * 3)
         assert torch.equal(rank["gathered"], torch.tensor([[0.0] * 3 + [1.0] * 3] * 2))
 
 
