@@ -12,8 +12,9 @@ Three clients drive an engine, and all of them through `EngineCore.run`:
 They differ only in where commands come from (`drain`) and where outputs go (`deliver`).
 The loop: apply the pending commands (waiting for one when there is nothing to step), step
 while any request is unfinished, hand each step's outputs on; when `drain` says stop, abort
-what is left and step until it has ended, so every request gets its final output. Tensor
-parallelism will hang its ranks on this loop: the scheduler runs here, once.
+what is left and step until it has ended, so every request gets its final output. Under
+tensor parallelism this loop runs on rank 0 alone (the scheduler runs once); the other ranks
+follow its model runner's step plans (rein.engine.parallel.ranks).
 """
 
 from __future__ import annotations

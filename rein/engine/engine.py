@@ -33,7 +33,7 @@ from rein.engine.model_impl import TRANSFORMERS_FAMILY, spec_for
 from rein.engine.model_runner import ModelRunner
 from rein.engine.outputs import RequestOutput, TokenLogprob
 from rein.engine.parallel.layers import attention_heads
-from rein.engine.parallel.ranks import RankProcesses
+from rein.engine.parallel.ranks import RankProcesses, rank_device
 from rein.engine.pooler import add_pooling_request, finish_requests
 from rein.engine.pooling_config import PoolingParams, read_pooling_config
 from rein.engine.request import ChoiceGroup, Request, RequestStatus
@@ -123,6 +123,8 @@ class LLMEngine:
         """Refuse, before any rank starts, a model tensor parallelism cannot shard (ValueError
         naming the sizes that would do); decode steps run eagerly (no CUDA graphs) under it."""
         size = config.tensor_parallel_size
+        # Rank 0's device with its index: NCCL binds each rank to one (rank r takes index + r).
+        config = dataclasses.replace(config, device=rank_device(config.device, 0))
         if self.spec.family == TRANSFORMERS_FAMILY:
             raise ValueError(f"tensor_parallel_size {size} needs one of rein's native models; {self.spec.architecture} "
                              f"runs on the Transformers backend, which is not sharded: use tensor_parallel_size 1")

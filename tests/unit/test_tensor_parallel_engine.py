@@ -85,7 +85,8 @@ def close_logprobs(one, two) -> float:
                 assert y is None
                 continue
             assert x.token_id == y.token_id and [t for t, _ in x.top] == [t for t, _ in y.top]
-            worst = max(worst, abs(x.logprob - y.logprob), *(abs(p - q) for (_, p), (_, q) in zip(x.top, y.top)))
+            tops = zip(x.top, y.top, strict=True)
+            worst = max(worst, abs(x.logprob - y.logprob), *(abs(p - q) for (_, p), (_, q) in tops))
     return worst
 
 
