@@ -107,6 +107,21 @@ def test_each_engine_worker_runs_this_command_on_its_own_device(settings):
         engine_metrics_ports(65535, 2)
 
 
+def test_a_tensor_parallel_engine_worker_gets_its_first_device_and_the_size(settings):
+    parser = build_parser()
+    args = parser.parse_args(["worker", "--devices", "4-7", "--tensor-parallel-size", "2", "-n", "box"])
+    served = served_model_for(args, settings)
+    groups = plan_engines(parse_devices(args.devices), None, 2, "auto")
+    assert [g.devices for g in groups] == [("cuda:4", "cuda:5"), ("cuda:6", "cuda:7")]
+    names = engine_node_names(args.hostname, served.name, groups)
+    assert names == ["llama-cuda4@box", "llama-cuda6@box"]
+    child = parser.parse_args(engine_worker_argv(args, served, groups[1], names[1], 0)[3:])
+    # Rank 0 on cuda:6; rein.engine.parallel.ranks puts rank 1 on cuda:7.
+    resolved = worker_settings(child, settings, served)
+    assert (resolved.device, resolved.tensor_parallel_size) == ("cuda:6", 2)
+    assert child.devices is None
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--devices", "0,0"], "names cuda:0 more than once"),
     (["--devices", "cpu,cpu", "--device", "cpu"], "give --devices alone"),
