@@ -120,7 +120,8 @@ class DistributedGroup:
                                     timeout=timeout)
             self._cpu_group = dist.group.WORLD
             # The model's collectives through shared memory: gloo's TCP costs more than the split saves.
-            if world_size > 1 and shm_reduce.available():
+            # The ranks decide together (the least of their answers), or their collectives would not meet.
+            if world_size > 1 and self.min_int(int(shm_reduce.available(world_size))):
                 self._shm = shm_reduce.ShmAllReduce(rank, world_size, timeout_s, self._cpu_group)
         else:
             raise ValueError(f"tensor parallelism runs on CPU (gloo) or CUDA (NCCL), not {self.device.type}")

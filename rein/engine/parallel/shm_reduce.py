@@ -15,7 +15,8 @@ flag reach k + 1, which each rank sets only after its sum of call k.
 
 A rank that waits for a flag checks, every few thousand reads, whether the other ranks'
 processes are alive and whether the group's timeout has passed: a dead peer raises at once,
-a hung one after the timeout, as gloo does. Tensors larger than a slot go through gloo.
+a hung one after the timeout, as gloo does. Tensors larger than a slot go through gloo, and so
+does everything when /dev/shm has not twice the buffers' size free (`available`).
 """
 
 from __future__ import annotations
@@ -29,13 +30,22 @@ import torch
 import torch.distributed as dist
 
 SHM_DIR = Path("/dev/shm")
-SLOT_BYTES = 8 * 1024 * 1024   # per rank and buffer: a 2048-token chunk of a 1024-wide float32 model
+SLOT_BYTES = 4 * 1024 * 1024   # per rank and buffer: a 1024-token chunk of a 1024-wide float32 model
 SPINS_BEFORE_YIELD = 200       # tight reads before giving the core away (ranks may outnumber cores)
 CHECK_EVERY = 4096             # reads between liveness and timeout checks
 
 
-def available() -> bool:
-    return SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)
+def available(world_size: int) -> bool:
+    """Whether /dev/shm can take a group's buffers, with room to spare: a tmpfs that fills up
+    kills the process writing to it (SIGBUS), and a container's is small (Docker's: 64 MB)."""
+    if not (SHM_DIR.is_dir() and os.access(SHM_DIR, os.W_OK)):
+        return False
+    stats = os.statvfs(SHM_DIR)
+    return stats.f_bavail * stats.f_frsize >= 2 * buffer_bytes(world_size)
+
+
+def buffer_bytes(world_size: int) -> int:
+    return 2 * world_size * SLOT_BYTES
 
 
 class ShmAllReduce:
@@ -51,7 +61,7 @@ class ShmAllReduce:
         name = names[0][0]
         self.pids = [pid for _, pid in names]
         flags_path, data_path = SHM_DIR / f"{name}.flags", SHM_DIR / f"{name}.data"
-        data_bytes = 2 * world_size * SLOT_BYTES
+        data_bytes = buffer_bytes(world_size)
         if rank == 0:
             for path, size in ((flags_path, 8 * world_size), (data_path, data_bytes)):
                 with open(path, "wb") as f:
