@@ -119,6 +119,20 @@ def test_ranks_take_the_devices_after_rank_zeros():
     assert rank_device("cpu", 1) == "cpu"
 
 
+def test_a_rank_that_cannot_start_fails_the_engine_at_once(tiny_models, monkeypatch, tmp_path):
+    from rein.engine.parallel import ranks
+
+    broken = tmp_path / "python"
+    broken.write_text("#!/bin/sh\necho 'no torch here' >&2\nexit 3\n")
+    broken.chmod(0o755)
+    monkeypatch.setattr(ranks.sys, "executable", str(broken))
+    started = time.monotonic()
+    with pytest.raises(RankDiedError, match="rank 1 could not start: exited with code 3"):
+        LLMEngine(EngineConfig(model=str(tiny_models("llama")), device="cpu", tensor_parallel_size=2,
+                               kv_cache_memory="1MiB", max_model_len=256))
+    assert time.monotonic() - started < 30
+
+
 def test_a_dead_rank_fails_the_step_naming_it(tiny_models):
     engine = LLMEngine(EngineConfig(model=str(tiny_models("llama")), device="cpu", tensor_parallel_size=2,
                                     kv_cache_memory="1MiB", max_model_len=256))

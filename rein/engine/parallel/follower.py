@@ -51,6 +51,7 @@ def serve_rank(conn: Connection, parent_pid: int) -> int:
 
         if config.torch_device.type == "cpu":
             torch.set_num_threads(cpu_threads_per_rank(config.tensor_parallel_size))
+        conn.send(("joining", None))   # rank 0 waits for this before it joins (RankProcesses.start)
         group = DistributedGroup(rank, config.tensor_parallel_size, init_method, config.torch_device)
         files = resolve_model(config.model, revision=config.revision)
         runner = ModelRunner(config, files, spec_for(files.directory, config.model_impl, config.trust_remote_code),

@@ -105,12 +105,18 @@ class RankProcesses:
                     [sys.executable, "-m", "rein.engine.parallel.follower", str(theirs.fileno()), str(os.getpid())],
                     pass_fds=(theirs.fileno(),))
                 theirs.close()
-                ours.send((replace(config, device=rank_device(config.device, rank)), rank, init_method,
-                           logging.getLogger("rein").getEffectiveLevel()))
                 processes.append(process)
                 conns.append(ours)
+                try:
+                    ours.send((replace(config, device=rank_device(config.device, rank)), rank, init_method,
+                               logging.getLogger("rein").getEffectiveLevel()))
+                except OSError:
+                    pass   # it exited already: _expect reports how
             log.info("tensor parallel: %d ranks (pids %s and this one), joining", world_size,
                      ", ".join(str(p.pid) for p in processes))
+            # A rank that cannot even import its modules says so here, rather than leaving
+            # rank 0 waiting in the rendezvous for the group's timeout.
+            _expect(conns, processes, "joining", READY_TIMEOUT_S)
             group = DistributedGroup(0, world_size, init_method, config.torch_device)
         except BaseException:
             _end(processes)
@@ -120,29 +126,21 @@ class RankProcesses:
 
     def wait_ready(self, timeout_s: float = READY_TIMEOUT_S) -> None:
         """Wait until every rank has loaded its shard; RankDiedError (with its reason) if one could not."""
-        deadline = time.monotonic() + timeout_s
-        pending = dict(zip(self.conns, range(1, len(self.conns) + 1), strict=True))
-        while pending:
-            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                raise RankDiedError(f"tensor-parallel ranks {sorted(pending.values())} did not load their shards "
-                                    f"within {timeout_s:.0f} s")
-            for conn in ready:
-                rank = pending.pop(conn)
-                try:
-                    message = conn.recv()
-                except EOFError:
-                    message = ("failed", f"exited with code {self.processes[rank - 1].wait()}")
-                if message[0] != "ready":
-                    raise RankDiedError(f"tensor-parallel rank {rank} could not start: {message[1]}")
+        _expect(self.conns, self.processes, "ready", timeout_s)
         shutil.rmtree(self._rendezvous, ignore_errors=True)
 
     def error_of(self, exc: BaseException) -> BaseException:
         """`exc` (what a step raised) as a RankDiedError naming the dead rank, when one died."""
-        for rank, process in enumerate(self.processes, start=1):
+        for rank, (process, conn) in enumerate(zip(self.processes, self.conns, strict=True), start=1):
             if process.poll() is not None:
+                reason = exc
+                try:   # a rank that failed (rather than being killed) said why before exiting
+                    if conn.poll():
+                        reason = conn.recv()[1]
+                except (EOFError, OSError):
+                    pass
                 return RankDiedError(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
-                                     f"{process.returncode}: the engine stops and is replaced ({exc})")
+                                     f"{process.returncode}: the engine stops and is replaced ({reason})")
         return exc
 
     def send(self, plan: object) -> None:
@@ -165,6 +163,26 @@ class RankProcesses:
         _end(self.processes, STOP_TIMEOUT_S)
         self.group.close()
         shutil.rmtree(self._rendezvous, ignore_errors=True)
+
+
+def _expect(conns: list[Connection], processes: list[subprocess.Popen], what: str, timeout_s: float) -> None:
+    """Wait for message `what` from every rank (ranks 1.. in `conns` order); RankDiedError
+    naming the rank and its reason if one fails, exits or stays silent for `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    pending = dict(zip(conns, range(1, len(conns) + 1), strict=True))
+    while pending:
+        ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+        if not ready:
+            raise RankDiedError(f"tensor-parallel ranks {sorted(pending.values())} did not start within "
+                                f"{timeout_s:.0f} s")
+        for conn in ready:
+            rank = pending.pop(conn)
+            try:
+                message = conn.recv()
+            except (EOFError, OSError):
+                message = ("failed", f"exited with code {processes[rank - 1].wait()}")
+            if message[0] != what:
+                raise RankDiedError(f"tensor-parallel rank {rank} could not start: {message[1]}")
 
 
 def _end(processes: list[subprocess.Popen], grace_s: float = 0.0) -> None:
