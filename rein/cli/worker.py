@@ -98,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
     # torch, which checking a CUDA device imports anyway.)
     from rein.engine.parallel.ranks import rank_device
 
-    for device in sorted({rank_device(settings.device, rank) for rank in range(settings.tensor_parallel_size)}):
+    size = settings.tensor_parallel_size
+    for device in [rank_device(settings.device, rank) for rank in range(size)] if size > 1 else [settings.device]:
         if (problem := device_problem(device)) is not None:
             print(f"error: {problem}", file=sys.stderr)
             return 2

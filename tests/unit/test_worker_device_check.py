@@ -72,3 +72,26 @@ def test_worker_command_exits_at_once_naming_the_fix(monkeypatch, capsys):
         get_settings.cache_clear()
     err = capsys.readouterr().err
     assert err.startswith("error: device cuda: this torch") and "compose.gpu.yaml" in err
+
+
+def test_every_rank_of_a_tensor_parallel_worker_is_checked(monkeypatch, capsys):
+    """With --tensor-parallel-size 2 on cuda:1, rank 1 would run on cuda:2: a host with two GPUs
+    cannot run it, and the worker says so naming that device."""
+    from rein.cli import worker
+    from rein.core.settings import get_settings
+    from rein.worker import device_check
+
+    facts = device_check.CudaFacts(torch_version="2.x", cuda_version="12.8", device_count=2, visible_devices=None)
+    monkeypatch.setattr(device_check, "cuda_facts", lambda: facts)
+    monkeypatch.setenv("REIN_MODELS", "m=/nonexistent/model")
+    monkeypatch.setenv("REIN_DATABASE_URL", "postgresql+psycopg://nobody@127.0.0.1:1/none")
+    get_settings.cache_clear()
+    try:
+        parser = argparse.ArgumentParser()
+        worker.register(parser.add_subparsers())
+        args = parser.parse_args(["worker", "--device", "cuda:1", "--tensor-parallel-size", "2"])
+        assert args.func(args) == 2
+    finally:
+        get_settings.cache_clear()
+    assert "device cuda:2: only 2 GPU(s) are visible" in capsys.readouterr().err
+
