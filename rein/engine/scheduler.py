@@ -7,7 +7,10 @@ request simply starts again from zero computed tokens (recompute).
 
 A waiting request whose leading tokens are in the prefix cache (rein.engine.block_pool)
 takes those blocks and starts computing after them (except one asking for prompt logprobs:
-cached positions have no logits).
+cached positions have no logits). When the next block it lacks is one a running request is computing now
+(the same leading tokens, not registered yet: two lines of a batch with one system prompt,
+admitted together), it waits in its place in the queue until that block is cached, instead
+of computing the same tokens alongside.
 
 A request with n > 1 choices counts as n sequences against max_num_seqs from its
 admission on (the slots of its future choices are kept while it prefills), and `fork`
@@ -221,6 +224,8 @@ class Scheduler:
                 if max_cached else []
             if cached and self.windows is not None:
                 del cached[self.windows.usable_prefix(cached):]
+            if len(cached) < max_cached and self._computing_prefix(request, len(cached)):
+                break   # its next block is being computed by a running request: a cache hit soon
             computed = len(cached) * block_size if cached else request.num_computed_tokens
             num_new = min(request.num_tokens - computed, budget)
             needed = self.pool.blocks_for(computed + num_new) - len(request.block_ids) - len(cached)
@@ -247,6 +252,21 @@ class Scheduler:
             for s in scheduled:
                 self.windows.cover(s.request, s.end)
         return out
+
+    def _computing_prefix(self, request: Request, num_cached: int) -> bool:
+        """Whether a running request is computing the waiting `request`'s next uncached block
+        (block `num_cached` of the same leading tokens) and has not registered it yet. The
+        waiting request then waits for it -- a step or a few, in rank order -- and takes it
+        from the prefix cache, rather than computing the same tokens alongside."""
+        end = (num_cached + 1) * self.pool.block_size
+        leading = None
+        for running in self.running:
+            if running.num_computed_tokens >= end or running.num_prompt_tokens < end:
+                continue   # computed it already (it is cached, or never will be), or never will
+            leading = leading if leading is not None else request.tokens(0, end)
+            if running.tokens(0, end) == leading:
+                return True
+        return False
 
     def _make_room(self, request: Request, out: SchedulerOutput) -> int | None:
         """Preempt the worst running request that both has a worse priority value and ranks

@@ -96,3 +96,25 @@ def test_prefix_caching_under_preemption_gives_the_same_tokens(tiny_models):
     assert {k: v["tokens"] for k, v in got.items()} == {k: v["tokens"] for k, v in expected.items()}
     assert engine.stats.preemptions > 0 and engine.stats.prefix_cache_hits > 0
     assert engine.pool.num_used == 0
+
+
+def test_requests_arriving_together_compute_a_shared_prefix_once(tiny_models):
+    """Lines of a batch with one system prompt arrive together: the first computes the prompt's
+    blocks, the others wait for them (a step, or as many as its chunks take) and take them from
+    the cache -- the same tokens as without the cache, and the prefix computed once."""
+    rng = random.Random(3)
+    system = [rng.randrange(10, 2000) for _ in range(6 * BLOCK)]
+    prompts = {f"r{i}": system + [rng.randrange(10, 2000) for _ in range(5 + i)] for i in range(4)}
+    other = [rng.randrange(10, 2000) for _ in range(2 * BLOCK)]   # no shared prefix: not held back
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    arrivals = [[*((rid, prompt, params) for rid, prompt in prompts.items()), ("other", other, params)]]
+    for budget in (2048, 40):   # whole prompts in one step; and prompts prefilled in chunks
+        engine = make_engine(tiny_models("llama"), max_num_batched_tokens=budget)
+        cached = run(engine, arrivals)
+        plain = run(make_engine(tiny_models("llama"), max_num_batched_tokens=budget, enable_prefix_caching=False),
+                    arrivals)
+        assert {rid: r["tokens"] for rid, r in cached.items()} == {rid: r["tokens"] for rid, r in plain.items()}
+        # The system prompt's six blocks once (r0), then each line's own tokens, and the other prompt.
+        own = sum(len(p) - len(system) for p in prompts.values())
+        assert engine.stats.prompt_tokens == len(system) + own + len(other), budget
+        assert [cached[f"r{i}"]["cached"] for i in range(1, 4)] == [len(system)] * 3
