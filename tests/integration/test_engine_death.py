@@ -18,6 +18,7 @@ from dataclasses import replace
 import pytest
 import support
 
+from rein.engine.parallel.shm_reduce import process_alive
 from rein.jobs.claim import MAX_DEATHS_SEEN
 from rein.worker.app import make_worker_celery
 from rein.worker.engine_keeper import SoloLock
@@ -97,7 +98,7 @@ def test_a_killed_engine_is_replaced_and_its_jobs_spend_no_attempt(process_conte
     for thread in threads:
         thread.join(WAIT)
     # The whole group is gone: no rank outlives the engine it belonged to.
-    support.wait_for(lambda: not any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in ranks), WAIT,
+    support.wait_for(lambda: not any(process_alive(pid) for pid in ranks), WAIT,
                      "the other ranks gone")
     assert outcomes == ["requeued"] * 3
     for message in messages:
@@ -122,15 +123,6 @@ def test_a_killed_engine_is_replaced_and_its_jobs_spend_no_attempt(process_conte
     for message in messages:
         row = job_row(db_sessionmaker, message.job_id)
         assert (row.status, row.attempt - row.attempts_refunded) == ("succeeded", 1)
-
-
-def _alive(pid: int) -> bool:
-    """Not a zombie: a killed rank stays one until its parent (the dead engine) is reaped."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_a_job_present_at_every_engine_death_is_failed_as_the_cause(process_context, make_job, db_sessionmaker):

@@ -20,6 +20,7 @@ import pytest
 from rein.engine.config import EngineConfig
 from rein.engine.engine import LLMEngine
 from rein.engine.parallel.ranks import RankDiedError, rank_device
+from rein.engine.parallel.shm_reduce import process_alive
 from rein.engine.sampling_params import SamplingParams
 
 LOGPROB_TOLERANCE = 1e-4
@@ -159,9 +160,9 @@ def test_no_rank_outlives_its_engine_process(tiny_models):
         assert len(followers) == 1
         os.kill(client.pid, signal.SIGKILL)
         deadline = time.monotonic() + 30
-        while any(_running(pid) for pid in followers) and time.monotonic() < deadline:
+        while any(process_alive(pid) for pid in followers) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert not any(_running(pid) for pid in followers), "a rank outlived its engine process"
+        assert not any(process_alive(pid) for pid in followers), "a rank outlived its engine process"
     finally:
         client.stop()
 
@@ -169,11 +170,3 @@ def test_no_rank_outlives_its_engine_process(tiny_models):
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as children:
         return [int(child) for child in children.read().split()]
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False

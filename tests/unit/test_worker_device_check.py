@@ -52,24 +52,30 @@ def test_this_torch_is_read_as_it_is():
     assert "built without CUDA" in (device_problem("cuda") or "")
 
 
-@pytest.mark.skipif(torch.version.cuda is not None, reason="this torch has CUDA")
-def test_worker_command_exits_at_once_naming_the_fix(monkeypatch, capsys):
-    """`rein worker` on a CPU torch with REIN_DEVICE=cuda returns 2 before it touches the
-    database (the URL here points nowhere) or the model (which does not exist)."""
+def run_worker(monkeypatch, *argv: str) -> int:
+    """`rein worker ARGV`'s exit status, for a model that does not exist and a database URL that
+    points nowhere: a refusal must come before either is touched."""
     from rein.cli import worker
     from rein.core.settings import get_settings
 
     monkeypatch.setenv("REIN_MODELS", "m=/nonexistent/model")
-    monkeypatch.setenv("REIN_DEVICE", "cuda")
     monkeypatch.setenv("REIN_DATABASE_URL", "postgresql+psycopg://nobody@127.0.0.1:1/none")
     get_settings.cache_clear()
     try:
         parser = argparse.ArgumentParser()
         worker.register(parser.add_subparsers())
-        args = parser.parse_args(["worker"])
-        assert args.func(args) == 2
+        args = parser.parse_args(["worker", *argv])
+        return args.func(args)
     finally:
         get_settings.cache_clear()
+
+
+@pytest.mark.skipif(torch.version.cuda is not None, reason="this torch has CUDA")
+def test_worker_command_exits_at_once_naming_the_fix(monkeypatch, capsys):
+    """`rein worker` on a CPU torch with REIN_DEVICE=cuda returns 2 before it touches the
+    database (the URL here points nowhere) or the model (which does not exist)."""
+    monkeypatch.setenv("REIN_DEVICE", "cuda")
+    assert run_worker(monkeypatch) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: device cuda: this torch") and "compose.gpu.yaml" in err
 
@@ -77,21 +83,10 @@ def test_worker_command_exits_at_once_naming_the_fix(monkeypatch, capsys):
 def test_every_rank_of_a_tensor_parallel_worker_is_checked(monkeypatch, capsys):
     """With --tensor-parallel-size 2 on cuda:1, rank 1 would run on cuda:2: a host with two GPUs
     cannot run it, and the worker says so naming that device."""
-    from rein.cli import worker
-    from rein.core.settings import get_settings
     from rein.worker import device_check
 
     facts = device_check.CudaFacts(torch_version="2.x", cuda_version="12.8", device_count=2, visible_devices=None)
     monkeypatch.setattr(device_check, "cuda_facts", lambda: facts)
-    monkeypatch.setenv("REIN_MODELS", "m=/nonexistent/model")
-    monkeypatch.setenv("REIN_DATABASE_URL", "postgresql+psycopg://nobody@127.0.0.1:1/none")
-    get_settings.cache_clear()
-    try:
-        parser = argparse.ArgumentParser()
-        worker.register(parser.add_subparsers())
-        args = parser.parse_args(["worker", "--device", "cuda:1", "--tensor-parallel-size", "2"])
-        assert args.func(args) == 2
-    finally:
-        get_settings.cache_clear()
+    assert run_worker(monkeypatch, "--device", "cuda:1", "--tensor-parallel-size", "2") == 2
     assert "device cuda:2: only 2 GPU(s) are visible" in capsys.readouterr().err
 

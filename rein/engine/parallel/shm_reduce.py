@@ -116,14 +116,14 @@ class ShmAllReduce:
 
     def _check_peers(self, call: int, started: float) -> None:
         for rank, pid in enumerate(self.pids):
-            if self._flag_view[rank] < call and not _alive(pid):
+            if self._flag_view[rank] < call and not process_alive(pid):
                 raise RuntimeError(f"all-reduce: tensor-parallel rank {rank} (pid {pid}) is gone")
         if time.monotonic() - started > self.timeout_s:
             late = [rank for rank in range(self.world_size) if self._flag_view[rank] < call]
             raise RuntimeError(f"all-reduce: ranks {late} did not arrive within {self.timeout_s:.0f} s")
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
     """Whether process `pid` is running (a zombie, dead but not yet reaped, is not)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
