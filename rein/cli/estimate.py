@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from rein.engine.model_files import resolve_model
-from rein.engine.options import DTYPES, KV_CACHE_DTYPES, MODEL_IMPLS
+from rein.engine.options import DTYPES, KV_CACHE_DTYPES, MODEL_IMPLS, QUANTIZATIONS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -43,6 +43,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="tokens per engine step (default: the engine's); sizes it too")
     parser.add_argument("--context-len", type=int, default=None, metavar="N",
                         help="tokens per request when counting concurrent requests (default: max_model_len)")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
+                        help="as the engine's flag: auto counts a GGUF file's blocks, AWQ and GPTQ at their "
+                             "quantized size; none dequantized; int8 / int4 quantized at load")
     parser.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
                         help="as the engine's flag: native code (rein), the Transformers backend, or auto")
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -155,10 +158,11 @@ def estimate(args: argparse.Namespace) -> str:
 
     import torch  # here and below: torch loads for `rein estimate` only
 
-    from rein.engine.capacity import kv_capacity, weights_bytes
+    from rein.engine.capacity import kv_capacity
     from rein.engine.config import EngineConfig, parse_bytes
     from rein.engine.model_impl import TRANSFORMERS_FAMILY
     from rein.engine.model_runner import decide_max_model_len
+    from rein.engine.quant.checkpoint import estimated_weight_bytes
 
     try:
         memory = parse_bytes(args.memory)
@@ -178,13 +182,16 @@ def estimate(args: argparse.Namespace) -> str:
     if spec.family == TRANSFORMERS_FAMILY:
         params = _transformers_parameters(directory, args.trust_remote_code)
         weights = params * elem
+        held = ""
     else:
         params = spec.num_parameters()
-        weights = weights_bytes(spec, dtype)
+        weights, held = estimated_weight_bytes(spec, directory, elem, args.quantization)
+    counted = (f"{params:,} parameters, {held}, the rest x {_bytes(elem)} ({_dtype_name(dtype)})" if held
+               else f"{params:,} parameters x {_bytes(elem)} ({_dtype_name(dtype)})")
     lines = [
         f"model: {spec.architecture}, {spec.num_layers} layers, {spec.num_heads} heads, "
         f"{spec.num_kv_heads} KV heads, head_dim {spec.head_dim}, max_model_len {max_model_len}",
-        f"weights: {params:,} parameters x {_bytes(elem)} ({_dtype_name(dtype)}) = {weights:,} bytes ({_size(weights)})",
+        f"weights: {counted} = {weights:,} bytes ({_size(weights)})",
     ]
     if weights >= memory:
         raise EstimateError(

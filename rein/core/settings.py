@@ -265,6 +265,9 @@ class Settings(BaseSettings):
     """Let transformers run the Python code of a model or tokenizer whose config needs it (`auto_map`)."""
     tensor_parallel_size: int = Field(1, ge=1)
     """Ranks (processes, one device each) one engine shards its model over; 1: one device."""
+    quantization: str = "auto"
+    """Weights: auto (the checkpoint's own: GGUF, AWQ, GPTQ kept quantized), none (all dequantized
+    to the dtype), int8, int4, int4-g32/64/128/256 (float projections quantized at load)."""
     worker_interactive_slots: int | None = Field(None, ge=0)
     """Jobs a worker takes from its model's interactive queue beyond max_num_seqs, so that an
     interactive job is taken (and, by its priority, admitted by the engine) while batch jobs
@@ -358,7 +361,8 @@ PER_MODEL_FIELDS = ("tokenizer", "revision", "tokenizer_revision", "chat_templat
 ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
                  "gpu_memory_utilization", "device", "dtype", "kv_cache_dtype", "block_size", "enforce_eager",
                  "enable_prefix_caching", "seed", "generation_config", "model_impl", "tokenizer", "revision",
-                 "tokenizer_revision", "chat_template", "trust_remote_code", "tensor_parallel_size")
+                 "tokenizer_revision", "chat_template", "trust_remote_code", "tensor_parallel_size",
+                 "quantization")
 
 
 class _EngineSettingsBase(BaseSettings):

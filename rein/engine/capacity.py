@@ -115,6 +115,3 @@ def kv_capacity(spec: ModelSpec, memory_bytes: int, cache_dtype: torch.dtype, bl
     return KVCapacity(per_token, full_per_block, num_blocks, block_size, max_model_len, window,
                       windowed_per_block, num_windowed)
 
-
-def weights_bytes(spec: ModelSpec, dtype: torch.dtype) -> int:
-    return spec.num_parameters() * torch.empty((), dtype=dtype).element_size()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from rein.engine.generation_defaults import check_generation_config
+from rein.engine.quant.checkpoint import check_quantization
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
 MODEL_IMPLS = ("auto", "rein", "transformers")   # as rein.engine.model_impl.MODEL_IMPLS
@@ -69,6 +70,9 @@ class EngineConfig:
     whose config names them (`auto_map`); without it such a model is refused, saying so.
     tensor_parallel_size: ranks the model is sharded over, one process and device each
     (rein.engine.parallel.ranks); on CUDA, devices `device`, `device` + 1, ...
+    quantization (vLLM's name): auto keeps the checkpoint's own (GGUF blocks, AWQ, GPTQ kept
+    quantized; float stays float), none dequantizes everything to `dtype`, int8 / int4 /
+    int4-gN quantize a float checkpoint's projections at load (rein.engine.quant.checkpoint).
     """
 
     model: str
@@ -92,6 +96,7 @@ class EngineConfig:
     chat_template: str | None = None
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
+    quantization: str = "auto"
 
     def __post_init__(self) -> None:
         check_generation_config(self.generation_config)   # a ValueError naming the choices
@@ -119,6 +124,7 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
+        check_quantization(self.quantization)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.max_model_len is not None and self.max_model_len < 1:

@@ -137,7 +137,8 @@ class ModelRunner:
             malloc = "heap reuse" if keep_freed_memory() else "glibc defaults"
             log.info("%s; malloc: %s", cpu_paths.describe(self.dtype), malloc)
         self.model = load_model(files, spec, self.max_model_len, self.dtype, self.device,
-                                trust_remote_code=config.trust_remote_code, group=group)
+                                trust_remote_code=config.trust_remote_code, group=group,
+                                quantization=config.quantization)
         self.capacity = self._size_cache()
         if self.capacity.num_tokens < self.max_model_len:
             raise CapacityError(

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")  # as rein.engine.config
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 MODEL_IMPLS = ("auto", "rein", "transformers")   # as rein.engine.config
+# As rein.engine.quant.checkpoint.QUANTIZATIONS (a test checks), which imports torch.
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256")
 
 WORKER = "worker"
 OFFLINE = ("run-batch", "generate")        # the commands with an engine in the process
@@ -85,6 +87,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("tensor_parallel_size", "shard the model over N ranks, one process and device each (CUDA: "
                  "--device and the N-1 after it; CPU: the cores split between them); N must divide the model's "
                  "attention and KV heads", int, "N"),
+    EngineOption("quantization", "weights: auto keeps the checkpoint's own (GGUF blocks, AWQ and GPTQ stay "
+                 "quantized; float stays float); none dequantizes all to --dtype; int8 (per channel) and int4 "
+                 "(groups of 128, or int4-gN) quantize a float checkpoint's projections at load",
+                 choices=QUANTIZATIONS),
     EngineOption("seed", "engine seed: seeds the sampling of requests that give no seed", int, "N"),
     EngineOption("generation_config", "sampling defaults of requests: auto (the model's generation_config.json), "
                  "vllm (built-in; none is the same), or a folder holding a generation_config.json",

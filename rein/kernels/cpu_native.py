@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "prefill_attention_cpu.c", CSRC / "elementwise_cpu.c",
-           CSRC / "instruction_set.c")
+           CSRC / "quantized_matmul_cpu.c", CSRC / "instruction_set.c")
 HEADERS = (CSRC / "fast_exp.h",)
 # The target CPU: this one. The sources pick AVX-512, AVX2+FMA or plain loops by what it has
 # (instruction_set.c); the tests also build for the x86-64 baseline to run the plain loops.
@@ -205,6 +205,38 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return True
 
 
+def quantized_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [rows, cols] float32 @ w.T (+ bias) for a CPU `rein.kernels.quantized.QuantizedWeight`,
+    the weight expanded row by row in cache (csrc/quantized_matmul_cpu.c); None where the kernel
+    does not apply (the caller dequantizes instead)."""
+    if not (_f32_cpu(x) and x.dim() == 2 and x.stride(1) == 1 and weight.q.device.type == "cpu"
+            and (bias is None or (_f32_cpu(bias) and bias.is_contiguous()))):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
+    rc = lib.quantized_matmul_f32(
+        x.data_ptr(), x.stride(0), weight.q.data_ptr(), weight.scale.data_ptr(),
+        None if weight.offset is None else weight.offset.data_ptr(), None if bias is None else bias.data_ptr(),
+        out.data_ptr(), out.stride(0), x.shape[0], weight.rows, weight.cols, weight.group, weight.bits,
+        torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def dequantize_rows(weight, start: int, count: int) -> torch.Tensor | None:
+    """Rows start..start+count of a CPU QuantizedWeight as float32 [count, cols]; None where
+    the kernel does not apply."""
+    lib = library() if weight.q.device.type == "cpu" else None
+    if lib is None:
+        return None
+    out = torch.empty(count, weight.cols, dtype=torch.float32)
+    rc = lib.dequantize_rows_f32(
+        weight.q.data_ptr(), weight.scale.data_ptr(), None if weight.offset is None else weight.offset.data_ptr(),
+        out.data_ptr(), start, count, weight.cols, weight.group, weight.bits, torch.get_num_threads())
+    return out if rc == 0 else None
+
+
 def _disabled_by() -> str:
     """The setting that turns the kernels off, or "": REIN_CPU_KERNELS, REIN_CPU_FAST_PATHS
     (rein.core.settings; both default on)."""
@@ -256,6 +288,11 @@ def _load() -> ctypes.CDLL:
     lib.add_rms_norm_f32.argtypes = [p, p, p, f32, p, i64, i64, ctypes.c_int]
     lib.silu_and_mul_f32.argtypes = [p, i64, p, i64, i64, ctypes.c_int]
     lib.rotary_inplace_f32.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_int]
+    lib.quantized_matmul_f32.argtypes = [p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    lib.quantized_matmul_f32.restype = ctypes.c_int
+    lib.dequantize_rows_f32.argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
+    lib.dequantize_rows_f32.restype = ctypes.c_int
+    lib.quantized_matmul_mr.restype = ctypes.c_int
     for name in ("rms_norm_f32", "add_rms_norm_f32", "silu_and_mul_f32", "rotary_inplace_f32"):
         getattr(lib, name).restype = None
     lib.rein_instruction_set.restype = ctypes.c_int

@@ -140,6 +140,7 @@ class LLM:
         trust_remote_code: bool = False,
         max_in_flight: int | None = None,
         tensor_parallel_size: int = 1,
+        quantization: str | None = None,
         pipeline_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:

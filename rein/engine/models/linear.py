@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from rein.kernels.cpu_paths import onednn_dtypes
+from rein.kernels.quantized import QuantizedWeight, quantized_linear
 
 # Below this many rows F.linear is as fast (a decode step of one or two requests).
 MIN_ROWS = 4
@@ -49,7 +50,7 @@ def pack_weights(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if (isinstance(module, Linear) and weight is not None and not weight.is_mkldnn
+        if (isinstance(module, Linear) and weight is not None and weight.numel() and not weight.is_mkldnn
                 and weight.device.type == "cpu" and weight.dtype == torch.float32):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
             module.weight = nn.Parameter(packed, requires_grad=False)
@@ -71,7 +72,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 class Linear(nn.Linear):
-    """nn.Linear (same parameters and state_dict names) computed by `linear`."""
+    """nn.Linear (same parameters and state_dict names) computed by `linear`, or by
+    `rein.kernels.quantized.quantized_linear` once loaded with a quantized weight (`quantized`
+    set, the float `weight` then an empty stand-in: rein.engine.models.weights)."""
+
+    quantized: QuantizedWeight | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return quantized_linear(x, self.quantized, self.bias)
         return linear(x, self.weight, self.bias)

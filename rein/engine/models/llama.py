@@ -31,6 +31,7 @@ from rein.engine.parallel.layers import (
     vocab_rows,
 )
 from rein.kernels import elementwise
+from rein.kernels.quantized import QuantizedWeight, quantized_linear
 
 
 class RMSNorm(nn.Module):
@@ -168,10 +169,13 @@ class LlamaFamilyModel(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab] of hidden states [rows, hidden] (every rank gets all of them)."""
         if self.packed_tied_head is not None:
-            weight = self.packed_tied_head
+            logits = linear(hidden, self.packed_tied_head)
+        elif self.lm_head is not None:
+            logits = self.lm_head(hidden)
         else:
-            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return gather_vocab(linear(hidden, weight), self.group, self.spec.vocab_size)
+            weight = self.embed_tokens.head_weight()
+            logits = quantized_linear(hidden, weight) if isinstance(weight, QuantizedWeight) else linear(hidden, weight)
+        return gather_vocab(logits, self.group, self.spec.vocab_size)
 
     def pack_cpu_weights(self) -> None:
         """Prepack the projections (and the head) for oneDNN, once, after loading
@@ -179,7 +183,7 @@ class LlamaFamilyModel(nn.Module):
         vocab x hidden more memory (113 MB on SmolLM2-135M), as vLLM's CPU build keeps one:
         the logits of a decode step at 8-32 rows took 16-23 ms unpacked, 11-20 ms packed."""
         if pack_weights(self) and self.lm_head is None and self.can_generate \
-                and self.embed_tokens.weight.dtype == torch.float32:
+                and self.embed_tokens.quantized is None and self.embed_tokens.weight.dtype == torch.float32:
             self.packed_tied_head = torch.ops.mkldnn._reorder_linear_weight(
                 self.embed_tokens.weight.detach(), PACK_ROWS_HINT)
 
@@ -214,16 +218,16 @@ def load_embeddings(model: nn.Module, weights: WeightLoader) -> None:
     """The embedding, the final norm and the head (absent when tied; an embedding model saved
     without one computes hidden states only): each rank its vocabulary slice."""
     vocab = weights.shard(0, uneven=True)
-    embed = weights.get("model.embed_tokens.weight", vocab)
+    embed = weights.get("model.embed_tokens.weight", vocab, quantized=True)
     if embed is None and model.spec.tie_word_embeddings:
         # Tied weights saved once may be kept under the head's name (safetensors' save_model).
-        embed = weights.get("lm_head.weight", vocab)
+        embed = weights.get("lm_head.weight", vocab, quantized=True)
     if embed is None:
         embed = weights.take("model.embed_tokens.weight", vocab)
     weights.put("embed_tokens.weight", embed, padded=True)
     weights.put("norm.weight", weights.take("model.norm.weight"))
     if model.lm_head is not None:
-        head = weights.get("lm_head.weight", vocab)
+        head = weights.get("lm_head.weight", vocab, quantized=True)
         if head is None:
             model.lm_head = None
             model.can_generate = False
@@ -236,11 +240,11 @@ def load_attention(weights: WeightLoader, spec: ModelSpec, src: str, dst: str) -
     """One layer's attention: q/k/v fused (and their biases) from this rank's rows of each
     (its heads), o_proj's matching columns, the q/k norms whole."""
     heads = weights.shard(0)
-    weights.fused(dst + "qkv_proj.weight", [src + "q_proj.weight", src + "k_proj.weight", src + "v_proj.weight"],
-                  heads)
+    weights.linear(dst + "qkv_proj.weight", [src + "q_proj.weight", src + "k_proj.weight", src + "v_proj.weight"],
+                   heads)
     if spec.attention_bias:
         weights.fused(dst + "qkv_proj.bias", [src + "q_proj.bias", src + "k_proj.bias", src + "v_proj.bias"], heads)
-    weights.put(dst + "o_proj.weight", weights.take(src + "o_proj.weight", weights.shard(1)))
+    weights.linear(dst + "o_proj.weight", [src + "o_proj.weight"], weights.shard(1))
     if spec.qk_norm:
         weights.put(dst + "q_norm.weight", weights.take(src + "q_norm.weight"))
         weights.put(dst + "k_norm.weight", weights.take(src + "k_norm.weight"))
@@ -248,5 +252,5 @@ def load_attention(weights: WeightLoader, spec: ModelSpec, src: str, dst: str) -
 
 def load_mlp(weights: WeightLoader, src: str, dst: str) -> None:
     """Gate and up fused from this rank's rows of each, down_proj's matching columns."""
-    weights.fused(dst + "gate_up_proj.weight", [src + "gate_proj.weight", src + "up_proj.weight"], weights.shard(0))
-    weights.put(dst + "down_proj.weight", weights.take(src + "down_proj.weight", weights.shard(1)))
+    weights.linear(dst + "gate_up_proj.weight", [src + "gate_proj.weight", src + "up_proj.weight"], weights.shard(0))
+    weights.linear(dst + "down_proj.weight", [src + "down_proj.weight"], weights.shard(1))

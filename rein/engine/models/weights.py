@@ -7,6 +7,11 @@ bookkeeping for that is here, the name mapping stays with each model.
 Under tensor parallelism each rank asks for its `Shard` of a tensor (a range of one
 dimension), and the getter reads only that range where the format allows (safetensors'
 slices), so no rank holds the full checkpoint.
+
+A projection's weight (`WeightLoader.linear`) and the embedding may come as a
+`QuantizedWeight` (a GGUF file's blocks, an AWQ/GPTQ checkpoint, --quantization at load):
+the module then keeps it quantized (`Linear.quantized`) and its float weight is dropped.
+Every other tensor is asked for as float, which a getter gives by dequantizing.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import torch
 from torch import nn
 
 from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
+from rein.kernels.quantized import QuantizedWeight, stack_rows
 
 
 @dataclass(frozen=True)
@@ -44,14 +50,24 @@ class Shard:
 
 
 class TensorGetter(Protocol):
-    def __call__(self, name: str, shard: Shard | None = None) -> torch.Tensor | None:
-        """The checkpoint tensor `name` (only `shard` of it, when given), or None if absent."""
+    def __call__(self, name: str, shard: Shard | None = None,
+                 quantized: bool = False) -> torch.Tensor | QuantizedWeight | None:
+        """The checkpoint tensor `name` (only `shard` of it, when given), or None if absent.
+        `quantized`: the caller takes a QuantizedWeight where the checkpoint has one (else a
+        float tensor, dequantized if need be)."""
+
+
+def dropped(tensor: torch.Tensor) -> nn.Parameter:
+    """The empty stand-in for a float weight a module holds quantized instead (same dtype and
+    device, no memory)."""
+    return nn.Parameter(torch.empty(0, dtype=tensor.dtype, device=tensor.device), requires_grad=False)
 
 
 class WeightLoader:
     """`put` model tensors from `get`-able checkpoint tensors; `finish` fails on any left unset."""
 
     def __init__(self, model: nn.Module, get: TensorGetter, group: ParallelGroup = SINGLE_RANK) -> None:
+        self.modules = dict(model.named_modules())
         self.own = model.state_dict()
         self.expected = set(self.own)
         self.loaded: set[str] = set()
@@ -64,16 +80,30 @@ class WeightLoader:
             return None
         return Shard(dim, self.group.rank, self.group.world_size, uneven)
 
-    def take(self, name: str, shard: Shard | None = None) -> torch.Tensor:
-        tensor = self.get(name, shard)
+    def take(self, name: str, shard: Shard | None = None, quantized: bool = False) -> torch.Tensor | QuantizedWeight:
+        tensor = self.get(name, shard, quantized) if quantized else self.get(name, shard)
         if tensor is None:
             raise ValueError(f"checkpoint is missing weight {name}")
         return tensor
 
-    def put(self, name: str, value: torch.Tensor, padded: bool = False) -> None:
+    def linear(self, name: str, sources: list[str], shard: Shard | None = None) -> None:
+        """A projection's weight `name` from checkpoint tensors stacked on the output rows (one,
+        or q/k/v, gate/up), kept quantized when every part comes quantized."""
+        self.put(name, self.stacked([self.take(source, shard, quantized=True) for source in sources], name))
+
+    def stacked(self, parts: list[torch.Tensor | QuantizedWeight], name: str) -> torch.Tensor | QuantizedWeight:
+        if all(isinstance(part, QuantizedWeight) for part in parts):
+            return parts[0] if len(parts) == 1 else stack_rows(parts)
+        dtype = self.own[name].dtype
+        floats = [part.dequantize(dtype) if isinstance(part, QuantizedWeight) else part for part in parts]
+        return floats[0] if len(floats) == 1 else torch.cat(floats)
+
+    def put(self, name: str, value: torch.Tensor | QuantizedWeight, padded: bool = False) -> None:
         """Copy `value` into the model tensor `name`. `padded`: `value` may have fewer rows
         (a vocabulary shard past the end of the vocabulary); the rows it lacks are zeroed."""
         target = self.own[name]
+        if isinstance(value, QuantizedWeight):
+            return self._put_quantized(name, value, padded)
         if padded and value.shape[1:] == target.shape[1:] and value.shape[0] < target.shape[0]:
             with torch.no_grad():
                 target[value.shape[0]:].zero_()
@@ -82,6 +112,22 @@ class WeightLoader:
             raise ValueError(f"weight {name}: checkpoint shape {tuple(value.shape)} != model {tuple(target.shape)}")
         with torch.no_grad():
             target.copy_(value)
+        self.loaded.add(name)
+
+    def _put_quantized(self, name: str, value: QuantizedWeight, padded: bool) -> None:
+        """Hand the module owning weight `name` the quantized weight (on its device); a module
+        that cannot hold one gets it dequantized."""
+        owner, _, attribute = name.rpartition(".")
+        module = self.modules.get(owner)
+        target = self.own[name]
+        if attribute != "weight" or not hasattr(module, "quantized") or target.dim() != 2:
+            return self.put(name, value.dequantize(target.dtype), padded)
+        if padded and value.rows < target.shape[0]:
+            value = value.padded_rows(target.shape[0])
+        if value.shape != tuple(target.shape):
+            raise ValueError(f"weight {name}: checkpoint shape {value.shape} != model {tuple(target.shape)}")
+        module.quantized = value.to(target.device)
+        module.weight = dropped(target)
         self.loaded.add(name)
 
     def fused(self, name: str, sources: list[str], shard: Shard | None = None) -> None:

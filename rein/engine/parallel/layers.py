@@ -27,6 +27,7 @@ from torch import nn
 
 from rein.engine.model_spec import ModelSpec
 from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
+from rein.kernels.quantized import QuantizedWeight
 
 
 def attention_heads(spec: ModelSpec, world_size: int) -> tuple[int, int]:
@@ -53,7 +54,11 @@ def vocab_rows(vocab_size: int, world_size: int) -> int:
 
 
 class VocabParallelEmbedding(nn.Embedding):
-    """nn.Embedding over this rank's slice of the vocabulary (all of it on one rank)."""
+    """nn.Embedding over this rank's slice of the vocabulary (all of it on one rank). Loaded
+    from a quantized table (a GGUF file's), it keeps the table quantized (`quantized`) and
+    dequantizes only the rows it looks up."""
+
+    quantized: QuantizedWeight | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, group: ParallelGroup = SINGLE_RANK) -> None:
         rows = vocab_rows(vocab_size, group.world_size)
@@ -63,11 +68,21 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group.world_size == 1:
-            return super().forward(input_ids)
+            return self.lookup(input_ids)
         local = input_ids - self.vocab_start
         elsewhere = (local < 0) | (local >= self.num_embeddings)
-        out = nn.functional.embedding(local.masked_fill(elsewhere, 0), self.weight)
+        out = self.lookup(local.masked_fill(elsewhere, 0))
         return self.group.all_reduce_(out.masked_fill_(elsewhere.unsqueeze(-1), 0))
+
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return self.quantized.rows_of(ids, self.weight.dtype)
+        return nn.functional.embedding(ids, self.weight)
+
+    def head_weight(self) -> torch.Tensor | QuantizedWeight:
+        """The table as a tied output projection's weight."""
+        return self.weight if self.quantized is None else self.quantized
 
 
 def gather_vocab(logits: torch.Tensor, group: ParallelGroup, vocab_size: int) -> torch.Tensor:

