@@ -30,6 +30,7 @@ from rein.engine.models.rope import RotaryEmbedding
 from rein.engine.models.weights import Shard, TensorGetter
 from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
 from rein.engine.quant.checkpoint import (
+    CHECKPOINT_METHODS,
     LoadReport,
     packed_checkpoint,
     quantized_at_load,
@@ -185,8 +186,7 @@ def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: to
 
     with torch.device("meta"):
         model = native_model_class(spec)(spec, max_positions, group)
-    # Real storage straight on the target device, in the target dtype; no random init.
-    model = model.to_empty(device=device).to(dtype=dtype)
+    materialize(model, device, dtype)
     for module in model.modules():
         if isinstance(module, RotaryEmbedding):
             module.build_table()  # rope tables stay fp32
@@ -200,12 +200,39 @@ def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: to
     return model
 
 
+def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Real storage for a model built on the meta device, straight on `device`, floating point
+    in `dtype`, not initialized. Not nn.Module.to_empty: on the CPU its copies came back with
+    their pages touched (109 of an embedding's 113 MB resident before a weight was read), and a
+    weight that then arrives quantized should never have cost its float size."""
+    made: dict[int, torch.Tensor] = {}
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                module._parameters[name] = torch.nn.Parameter(real(param), requires_grad=param.requires_grad)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = real(buffer)
+
+
 @contextmanager
 def checkpoint_tensors(files: ModelFiles, dtype: torch.dtype, quantization: str = "auto",
                        report: LoadReport | None = None) -> Iterator[TensorGetter]:
     """The checkpoint's tensor getter for `quantization` (rein.engine.quant.checkpoint)."""
     report = LoadReport() if report is None else report
     packed = read_quantization_config(_config(files)) if files.gguf is None else None
+    if quantization in CHECKPOINT_METHODS:
+        found = "gguf" if files.gguf is not None else (packed.method if packed is not None else "none")
+        if found != quantization:
+            raise ValueError(f"--quantization {quantization} names the checkpoint's method, but this checkpoint is "
+                             f"{'not quantized' if found == 'none' else found.upper()}: use --quantization auto")
+        quantization = "auto"
     if packed is not None and quantization not in ("auto", "none"):
         raise ValueError(f"the checkpoint is already quantized ({packed.method.upper()} {packed.bits}-bit): "
                          f"drop --quantization {quantization} (or use auto, or none to dequantize it)")

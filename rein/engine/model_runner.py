@@ -131,14 +131,15 @@ class ModelRunner:
         self.cache_dtype = config.cache_torch_dtype
         self.block_size = config.block_size
         self.max_model_len = decide_max_model_len(spec, config.max_model_len)
-        if self.device.type == "cpu":
-            # Large step tensors reuse heap memory (rein.engine.cpu_allocator); the log names
-            # every fast path this CPU takes (rein.kernels.cpu_paths).
-            malloc = "heap reuse" if keep_freed_memory() else "glibc defaults"
-            log.info("%s; malloc: %s", cpu_paths.describe(self.dtype), malloc)
         self.model = load_model(files, spec, self.max_model_len, self.dtype, self.device,
                                 trust_remote_code=config.trust_remote_code, group=group,
                                 quantization=config.quantization)
+        if self.device.type == "cpu":
+            # Large step tensors reuse heap memory (rein.engine.cpu_allocator) -- from here on,
+            # so the load's one-off buffers went back to the system; the log names every fast
+            # path this CPU takes (rein.kernels.cpu_paths).
+            malloc = "heap reuse" if keep_freed_memory() else "glibc defaults"
+            log.info("%s; malloc: %s", cpu_paths.describe(self.dtype), malloc)
         self.capacity = self._size_cache()
         if self.capacity.num_tokens < self.max_model_len:
             raise CapacityError(

@@ -27,7 +27,8 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")  # as rein.
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 MODEL_IMPLS = ("auto", "rein", "transformers")   # as rein.engine.config
 # As rein.engine.quant.checkpoint.QUANTIZATIONS (a test checks), which imports torch.
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "awq", "gptq",
+                 "gguf")
 
 WORKER = "worker"
 OFFLINE = ("run-batch", "generate")        # the commands with an engine in the process
@@ -89,7 +90,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "attention and KV heads", int, "N"),
     EngineOption("quantization", "weights: auto keeps the checkpoint's own (GGUF blocks, AWQ and GPTQ stay "
                  "quantized; float stays float); none dequantizes all to --dtype; int8 (per channel) and int4 "
-                 "(groups of 128, or int4-gN) quantize a float checkpoint's projections at load",
+                 "(groups of 128, or int4-gN) quantize a float checkpoint's projections at load; awq, gptq, gguf "
+                 "(vLLM's names) are auto for a checkpoint of that method",
                  choices=QUANTIZATIONS),
     EngineOption("seed", "engine seed: seeds the sampling of requests that give no seed", int, "N"),
     EngineOption("generation_config", "sampling defaults of requests: auto (the model's generation_config.json), "

@@ -108,7 +108,9 @@ class LLM:
     at once; default 4 x max_num_seqs). An engine argument not given takes its REIN_*
     variable (REIN_MAX_NUM_SEQS, ...) when set, else the default shown in the signature.
     `tensor_parallel_size` shards the model over that many processes, one device each (on CUDA
-    `device` and the ones after it; rein.engine.parallel.ranks); `pipeline_parallel_size` must
+    `device` and the ones after it; rein.engine.parallel.ranks); `quantization` keeps a
+    checkpoint's quantized weights (auto), dequantizes them (none) or quantizes a float one
+    (int8, int4, int4-gN: rein.engine.quant.checkpoint); `pipeline_parallel_size` must
     be 1; `disable_log_stats` is
     accepted and changes nothing. Any other vLLM argument raises
     TypeError rather than being silently ignored.
@@ -140,7 +142,7 @@ class LLM:
         trust_remote_code: bool = False,
         max_in_flight: int | None = None,
         tensor_parallel_size: int = 1,
-        quantization: str | None = None,
+        quantization: str = "auto",
         pipeline_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:

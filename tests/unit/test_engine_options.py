@@ -52,7 +52,8 @@ def test_the_commands_share_one_set_of_options(capsys):
             "--kv-cache-memory", "--kv-cache-dtype", "--dtype", "--device", "--block-size", "--enable-prefix-caching",
             "--no-enable-prefix-caching", "--enforce-eager", "--no-enforce-eager", "--seed",
             "--generation-config", "--model-impl", "--tokenizer", "--revision", "--tokenizer-revision",
-            "--chat-template", "--trust-remote-code", "--no-trust-remote-code", "--tensor-parallel-size"} == offline
+            "--chat-template", "--trust-remote-code", "--no-trust-remote-code", "--tensor-parallel-size",
+            "--quantization"} == offline
     # what intake applies: the context length, sampling defaults, and the tokenizer and template it encodes with
     assert engine_flags("api") == {"--max-model-len", "--generation-config", "--tokenizer", "--revision",
                                    "--tokenizer-revision", "--chat-template", "--trust-remote-code",
@@ -185,3 +186,11 @@ def test_worker_takes_celery_flags(settings):
         worker_args("-l", "LOUD")
     with pytest.raises(SystemExit):
         worker_args("--generation-config", "vllm")     # the API's to apply: REIN_GENERATION_CONFIG
+
+
+def test_the_quantization_choices_are_the_engines():
+    """options.py lists them without importing torch; rein.engine.quant.checkpoint owns them."""
+    from rein.engine.options import QUANTIZATIONS
+    from rein.engine.quant.checkpoint import QUANTIZATIONS as ENGINE_QUANTIZATIONS
+
+    assert QUANTIZATIONS == ENGINE_QUANTIZATIONS

@@ -216,8 +216,8 @@ def test_engine_arguments():
     assert set(defaults) - {"model"} <= set(signature)           # every engine setting is reachable
     assert {name: signature[name].default for name in shared} == {name: defaults[name] for name in shared}
     # Refused before any model is loaded.
-    with pytest.raises(TypeError, match="rein does not support: quantization"):
-        LLM("no-such-model", quantization="awq")
+    with pytest.raises(ValueError, match="quantization 'fp8' is not one rein knows"):
+        LLM("no-such-model", quantization="fp8")
     with pytest.raises(ValueError, match="pipeline_parallel_size=2 is not supported"):
         LLM("no-such-model", pipeline_parallel_size=2)
     assert RequestOutput is GenerationOutput

@@ -152,6 +152,11 @@ def test_a_quantized_checkpoint_refuses_quantizing_again(tiny_models, tmp_path):
     model = variant(source, tmp_path / "awq", tensors, {"quantization_config": config})
     with pytest.raises(ValueError, match="already quantized .*drop --quantization int8"):
         run(model, "int8")
+    # vLLM's names for the checkpoint's own method: auto when they match, refused when not.
+    run(model, "awq")
+    with pytest.raises(ValueError, match="--quantization gptq names the checkpoint's method, but this checkpoint "
+                                         "is AWQ: use --quantization auto"):
+        run(model, "gptq")
 
 
 def test_unknown_quantization_names_the_choices(tiny_models):

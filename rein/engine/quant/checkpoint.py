@@ -37,9 +37,12 @@ from rein.kernels.quantized import QuantizedWeight
 log = logging.getLogger(__name__)
 
 # --quantization: "auto" keeps what the checkpoint has (GGUF blocks, AWQ, GPTQ; float stays
-# float), "none" dequantizes everything to --dtype, the others quantize float weights at load.
+# float), "none" dequantizes everything to --dtype, int8 / int4 quantize float weights at load.
+# "awq", "gptq", "gguf" (vLLM's names for the checkpoint's own method) mean auto once the
+# checkpoint is seen to be one.
 INT4_GROUPS = (32, 64, 128, 256)
-QUANTIZATIONS = ("auto", "none", "int8", "int4", *(f"int4-g{g}" for g in INT4_GROUPS))
+CHECKPOINT_METHODS = ("awq", "gptq", "gguf")
+QUANTIZATIONS = ("auto", "none", "int8", "int4", *(f"int4-g{g}" for g in INT4_GROUPS), *CHECKPOINT_METHODS)
 DEFAULT_INT4_GROUP = 128
 UNQUANTIZED = ("embed_tokens.weight", "lm_head.weight")   # never quantized at load
 
