@@ -206,9 +206,9 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
 
 
 def quantized_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [rows, cols] float32 @ w.T (+ bias) for a CPU `rein.kernels.quantized.QuantizedWeight`,
-    the weight expanded row by row in cache (csrc/quantized_matmul_cpu.c); None where the kernel
-    does not apply (the caller dequantizes instead)."""
+    """x [rows, cols] float32 @ w.T (+ bias) for a `rein.kernels.quantized.CpuPanels` weight
+    (csrc/quantized_matmul_cpu.c); None where the kernel does not apply (the caller
+    dequantizes instead)."""
     if not (_f32_cpu(x) and x.dim() == 2 and x.stride(1) == 1 and weight.q.device.type == "cpu"
             and (bias is None or (_f32_cpu(bias) and bias.is_contiguous()))):
         return None
@@ -221,19 +221,6 @@ def quantized_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) 
         None if weight.offset is None else weight.offset.data_ptr(), None if bias is None else bias.data_ptr(),
         out.data_ptr(), out.stride(0), x.shape[0], weight.rows, weight.cols, weight.group, weight.bits,
         torch.get_num_threads())
-    return out if rc == 0 else None
-
-
-def dequantize_rows(weight, start: int, count: int) -> torch.Tensor | None:
-    """Rows start..start+count of a CPU QuantizedWeight as float32 [count, cols]; None where
-    the kernel does not apply."""
-    lib = library() if weight.q.device.type == "cpu" else None
-    if lib is None:
-        return None
-    out = torch.empty(count, weight.cols, dtype=torch.float32)
-    rc = lib.dequantize_rows_f32(
-        weight.q.data_ptr(), weight.scale.data_ptr(), None if weight.offset is None else weight.offset.data_ptr(),
-        out.data_ptr(), start, count, weight.cols, weight.group, weight.bits, torch.get_num_threads())
     return out if rc == 0 else None
 
 
@@ -290,9 +277,7 @@ def _load() -> ctypes.CDLL:
     lib.rotary_inplace_f32.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_int]
     lib.quantized_matmul_f32.argtypes = [p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     lib.quantized_matmul_f32.restype = ctypes.c_int
-    lib.dequantize_rows_f32.argtypes = [p, p, p, p, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
-    lib.dequantize_rows_f32.restype = ctypes.c_int
-    lib.quantized_matmul_mr.restype = ctypes.c_int
+    lib.quantized_panels_mp.restype = ctypes.c_int
     for name in ("rms_norm_f32", "add_rms_norm_f32", "silu_and_mul_f32", "rotary_inplace_f32"):
         getattr(lib, name).restype = None
     lib.rein_instruction_set.restype = ctypes.c_int

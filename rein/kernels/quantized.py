@@ -173,58 +173,111 @@ def _with_zero_offset(weight: QuantizedWeight) -> QuantizedWeight:
                            weight.rows, weight.cols, weight.source)
 
 
-def reference_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference_linear(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., cols] @ w.T (+ bias) by dequantizing w first: the definition the kernels are tested against."""
     return torch.nn.functional.linear(x, weight.dequantize(x.dtype), bias)
 
 
-# From this many activation rows on (prefill chunks), the CPU expands slices of the weight to
-# float32 and runs oneDNN's matmul on them: its blocked sgemm outruns the row-pair kernel once
-# the weight's bytes are no longer what limits the step (bench/quantized.py's kernel table).
-CPU_DENSE_FROM_ROWS = 64
-# Bytes of float32 weight expanded at a time on that path (stays in L2/L3, never a whole head).
-CPU_DENSE_SLICE_BYTES = 4 << 20
+# The CPU kernel's panels: rows in groups of 16, each column's 16 integers side by side
+# (csrc/quantized_matmul_cpu.c). Repacked once per weight; in slices of this many rows, so the
+# repacking's int32 temporaries stay small even for a 262k-row embedding.
+PANEL = 16
+PACK_SLICE_ROWS = 4096
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+@dataclass
+class CpuPanels:
+    """A QuantizedWeight in the CPU kernel's panel layout (same values; see the C file):
+    q [panels, cols, 16] int8 or [panels, cols, 8] uint8 (byte j: row j low, row j + 8 high),
+    scale and offset [panels, cols / group, 16] float32; the last panel's missing rows zero."""
+
+    bits: int
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor | None
+    group: int
+    rows: int
+    cols: int
+    source: str = ""
+
+    @classmethod
+    def from_weight(cls, weight: QuantizedWeight) -> CpuPanels:
+        panels = -(-weight.rows // PANEL)
+        width = PANEL if weight.bits == 8 else PANEL // 2
+        q = torch.empty(panels, weight.cols, width, dtype=torch.int8 if weight.bits == 8 else torch.uint8)
+        groups = weight.cols // weight.group
+        scale = torch.zeros(panels, groups, PANEL)
+        offset = None if weight.offset is None else torch.zeros(panels, groups, PANEL)
+        for start in range(0, weight.rows, PACK_SLICE_ROWS):
+            part = weight.narrow_rows(start, min(PACK_SLICE_ROWS, weight.rows - start))
+            p0, count = start // PANEL, -(-part.rows // PANEL)
+            pad = count * PANEL - part.rows
+            ints = torch.nn.functional.pad(part.integers(), (0, 0, 0, pad)).view(count, PANEL, -1).transpose(1, 2)
+            if weight.bits == 8:
+                q[p0:p0 + count] = ints.to(torch.int8)
+            else:
+                q[p0:p0 + count] = (ints[..., :8] | (ints[..., 8:] << 4)).to(torch.uint8)
+            for mine, theirs in ((scale, part.scale), (offset, part.offset)):
+                if mine is not None:
+                    padded = torch.nn.functional.pad(theirs, (0, 0, 0, pad))
+                    mine[p0:p0 + count] = padded.view(count, PANEL, groups).transpose(1, 2)
+        return cls(weight.bits, q, scale, offset, weight.group, weight.rows, weight.cols, weight.source)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset) if t is not None)
+
+    def _integers(self, panels: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
+        """The integers of rows (panel, lane) -> int32 [rows, cols]."""
+        if self.bits == 8:
+            return self.q[panels, :, lanes].to(torch.int32)
+        byte = self.q[panels, :, lanes % 8].to(torch.int32)
+        return (byte >> (4 * (lanes // 8)).unsqueeze(1)) & 0x0F
+
+    def rows_of(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense rows `ids` (an embedding lookup): [*ids.shape, cols]."""
+        flat = ids.reshape(-1)
+        panels, lanes = flat // PANEL, flat % PANEL
+        groups = self.scale[panels, :, lanes].repeat_interleave(self.group, dim=1)
+        w = self._integers(panels, lanes).to(torch.float32) * groups
+        if self.offset is not None:
+            w += self.offset[panels, :, lanes].repeat_interleave(self.group, dim=1)
+        return w.to(dtype).view(*ids.shape, self.cols)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.rows_of(torch.arange(self.rows), dtype)
+
+
+def cpu_panels(weight: QuantizedWeight | CpuPanels) -> CpuPanels:
+    return weight if isinstance(weight, CpuPanels) else CpuPanels.from_weight(weight)
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight | CpuPanels,
+                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., cols] @ w.T (+ bias) -> [..., rows] in x's dtype, on the weight's device: the C
-    kernel on the CPU, Triton on CUDA, dequantize-then-multiply where neither applies."""
-    if x.device.type == "cuda":
+    kernel on the CPU (a QuantizedWeight is repacked into panels first: the engine does it once
+    at load), Triton on CUDA, dequantize-then-multiply where neither applies."""
+    if x.device.type == "cuda" and isinstance(weight, QuantizedWeight):
         from rein.kernels import use_triton
 
-        if use_triton(x):
+        # The Triton kernel's K-tiles take groups of 16 columns or more (the 8-bit form allows 8).
+        if use_triton(x) and weight.group % 16 == 0:
             from rein.kernels import triton_quantized
 
             return triton_quantized.quantized_linear(x, weight, bias)
     elif x.device.type == "cpu":
-        out = _cpu_linear(x.reshape(-1, weight.cols).float(), weight, None if bias is None else bias.float())
+        from rein.kernels import cpu_native
+
+        rows = x.reshape(-1, weight.cols).float()
+        out = cpu_native.quantized_matmul(rows if rows.stride(1) == 1 else rows.contiguous(), cpu_panels(weight),
+                                          None if bias is None else bias.float())
         if out is not None:
             return out.view(*x.shape[:-1], weight.rows).to(x.dtype)
     return reference_linear(x, weight, bias)
-
-
-def _cpu_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor | None:
-    from rein.kernels import cpu_native
-
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    if x.shape[0] < CPU_DENSE_FROM_ROWS:
-        return cpu_native.quantized_matmul(x, weight, bias)
-    out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
-    step = max(1, CPU_DENSE_SLICE_BYTES // (4 * weight.cols))
-    for start in range(0, weight.rows, step):
-        count = min(step, weight.rows - start)
-        dense = cpu_native.dequantize_rows(weight, start, count)
-        if dense is None:
-            return None
-        part = None if bias is None else bias[start:start + count]
-        out[:, start:start + count] = _dense_linear(x, dense, part)
-    return out
-
-
-def _dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    from rein.kernels.cpu_paths import onednn_dtypes
-
-    if torch.float32 in onednn_dtypes():
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
-    return torch.nn.functional.linear(x, weight, bias)

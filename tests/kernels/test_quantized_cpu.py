@@ -1,14 +1,21 @@
 """rein's CPU quantized matmul (csrc/quantized_matmul_cpu.c through rein.kernels.quantized)
 against the dequantized weight's product, for every weight form GGUF, AWQ/GPTQ and
 --quantization produce, in each build a CPU may get: this CPU's (AVX-512 here), AVX2 without
-AVX-512 (-march=haswell) and the x86-64 baseline's plain loops."""
+AVX-512 (-march=haswell) and the x86-64 baseline's plain loops. And the CPU's panel layout
+(CpuPanels) holds the same weight: its lookups and dequantization give the weight's rows."""
 
 import pytest
 import torch
 
 from rein.core.settings import get_settings
 from rein.kernels import cpu_native, quantized
-from rein.kernels.quantized import QuantizedWeight, quantized_linear, reference_linear, stack_rows
+from rein.kernels.quantized import (
+    CpuPanels,
+    QuantizedWeight,
+    quantized_linear,
+    reference_linear,
+    stack_rows,
+)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +61,7 @@ FORMS = [(4, 32, True), (4, 128, True), (4, 256, False), (8, 16, False), (8, 32,
 @pytest.mark.parametrize("bits,group,offset", FORMS, ids=[f"{b}bit-g{g}-{'off' if o else 'sym'}" for b, g, o in FORMS])
 @pytest.mark.parametrize("rows", [1, 3, 8, 13, 70])
 def test_matmul_equals_the_dequantized_product(bits, group, offset, rows):
-    weight = random_weight(bits, 37, 256, group, offset)   # 37: an odd last output row
+    weight = random_weight(bits, 37, 256, group, offset)   # 37: a last panel of 5 rows
     x = torch.randn(rows, 256)
     bias = torch.randn(37)
     assert_close(quantized_linear(x, weight, bias), reference_linear(x, weight, bias))
@@ -62,11 +69,11 @@ def test_matmul_equals_the_dequantized_product(bits, group, offset, rows):
 
 
 def test_the_kernel_runs_rather_than_the_fallback(monkeypatch):
-    """Every row count takes the C kernel (fused, expanded-row or slice path), never the
+    """Every row count takes the C kernel (registers, or an expanded panel), never the
     dequantize-everything reference."""
     monkeypatch.setattr(quantized, "reference_linear", lambda *a: pytest.fail("fell back to the reference"))
-    weight = random_weight(4, 64, 256, 32)
-    for rows in (1, 9, quantized.CPU_DENSE_FROM_ROWS + 1):
+    weight = CpuPanels.from_weight(random_weight(4, 64, 256, 32))
+    for rows in (1, 9, 40, 300):
         quantized_linear(torch.randn(rows, 256), weight)
 
 
@@ -78,11 +85,21 @@ def test_batched_input_shapes_and_dtypes():
     assert quantized_linear(half, weight).dtype == torch.bfloat16
 
 
-def test_a_shape_the_kernel_does_not_take_falls_back_to_the_reference():
-    weight = random_weight(8, 5, 48, 48)       # 48 columns: not whole runs of 32
+def test_columns_and_groups_of_any_width():
+    """8-bit per-channel scales over 48 columns (an int8 weight of a small model)."""
+    weight = random_weight(8, 5, 48, 48)
     x = torch.randn(3, 48)
-    assert cpu_native.quantized_matmul(x, weight) is None
     assert_close(quantized_linear(x, weight), reference_linear(x, weight))
+
+
+@pytest.mark.parametrize("bits,offset", [(4, True), (8, False)])
+def test_panels_hold_the_same_weight(bits, offset):
+    weight = random_weight(bits, 37, 128, 32, offset)
+    panels = CpuPanels.from_weight(weight)
+    assert panels.shape == weight.shape
+    torch.testing.assert_close(panels.dequantize(), weight.dequantize(), rtol=0, atol=0)
+    ids = torch.tensor([[0, 36, 17], [16, 15, 3]])
+    torch.testing.assert_close(panels.rows_of(ids), weight.rows_of(ids), rtol=0, atol=0)
 
 
 def test_stacked_mixed_formats_multiply_as_their_parts():

@@ -1,7 +1,8 @@
 """Models with quantized weights in the engine: `--quantization int8 / int4-gN` made at load, and
 AWQ / GPTQ 4-bit checkpoints, each against the same model written as a float checkpoint of its
-dequantized weights. The projections must really be held quantized (rein.engine.models.linear),
-the greedy tokens must be the same, and the logprobs within float32 rounding of each other.
+dequantized weights, and on two tensor-parallel ranks. The projections must really be held
+quantized (rein.engine.models.linear), the greedy tokens must be the same, and the logprobs
+within float32 rounding of each other.
 
 The models are random-weight tiny ones: llama (GQA, untied head) and qwen2 (q/k/v bias, tied
 embeddings). GGUF files' blocks are in tests/unit/test_gguf_blocks.py (each type) and in the
@@ -52,19 +53,22 @@ def checkpoint(model: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def run(model: Path, quantization: str = "auto") -> tuple[LLMEngine, dict[int, list[int]], dict[int, list[float]]]:
-    engine = LLMEngine(EngineConfig(model=str(model), device="cpu", quantization=quantization, max_model_len=256,
-                                    kv_cache_memory=512 * 1024))
+def run(model: Path, quantization: str = "auto", **config) -> tuple[LLMEngine, dict[int, list[int]], dict[int, list[float]]]:
+    """A fresh engine's greedy tokens and their logprobs for PROMPTS."""
+    values = {"max_model_len": 256, "kv_cache_memory": 512 * 1024} | config
+    engine = LLMEngine(EngineConfig(model=str(model), device="cpu", quantization=quantization, **values))
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=1)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, params)
     tokens: dict[int, list[int]] = {i: [] for i in range(len(PROMPTS))}
     logprobs: dict[int, list[float]] = {i: [] for i in range(len(PROMPTS))}
-    while engine.has_unfinished():
-        for out in engine.step():
-            i = int(out.request_id)
-            tokens[i].extend(out.new_token_ids)
-            logprobs[i].extend(entry.logprob for entry in out.logprobs or [])
+    try:
+        while engine.has_unfinished():
+            for out in engine.step():
+                tokens[int(out.request_id)].extend(out.new_token_ids)
+                logprobs[int(out.request_id)].extend(entry.logprob for entry in out.logprobs or [])
+    finally:
+        engine.close()
     return engine, tokens, logprobs
 
 
@@ -171,3 +175,15 @@ def test_a_group_that_does_not_fit_keeps_the_weight_float(tiny_models, caplog):
     held = quantized_linears(engine)
     assert held and all(name.endswith("down_proj") for name in held)
     assert "stays float32" in caplog.text and "multiple" in caplog.text
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tensor_parallel_ranks_hold_their_shard_quantized(tiny_models, arch):
+    """Two ranks (gloo, CPU) each hold their rows of q/k/v and gate/up and their columns of o
+    and down (whole groups of 32) quantized, and give one rank's tokens."""
+    model = tiny_models(arch)
+    _, want_tokens, want_logprobs = run(model, "int4-g32")
+    sharded, tokens, logprobs = run(model, "int4-g32", kv_cache_memory=256 * 1024, tensor_parallel_size=2)
+    assert len(quantized_linears(sharded)) == 4 * sharded.spec.num_layers
+    assert tokens == want_tokens
+    assert max(abs(a - b) for i in logprobs for a, b in zip(logprobs[i], want_logprobs[i], strict=True)) < 1e-4

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from rein.kernels.cpu_paths import onednn_dtypes
-from rein.kernels.quantized import QuantizedWeight, quantized_linear
+from rein.kernels.quantized import CpuPanels, QuantizedWeight, quantized_linear
 
 # Below this many rows F.linear is as fast (a decode step of one or two requests).
 MIN_ROWS = 4
@@ -58,6 +58,19 @@ def pack_weights(model: nn.Module) -> int:
     return count
 
 
+def pack_quantized(model: nn.Module) -> int:
+    """Repack every quantized weight of a CPU model (projections, a quantized embedding) into
+    the CPU kernel's panels (rein.kernels.quantized.CpuPanels), once, in place of the
+    row-major form; returns how many."""
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "quantized", None)
+        if isinstance(weight, QuantizedWeight) and weight.device.type == "cpu":
+            module.quantized = CpuPanels.from_weight(weight)
+            count += 1
+    return count
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T (+ bias): oneDNN on CPU where it pays, else F.linear."""
     if weight.is_mkldnn or (   # packed by pack_weights: oneDNN for every row count
@@ -76,7 +89,7 @@ class Linear(nn.Linear):
     `rein.kernels.quantized.quantized_linear` once loaded with a quantized weight (`quantized`
     set, the float `weight` then an empty stand-in: rein.engine.models.weights)."""
 
-    quantized: QuantizedWeight | None = None
+    quantized: QuantizedWeight | CpuPanels | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:

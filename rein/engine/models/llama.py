@@ -31,7 +31,7 @@ from rein.engine.parallel.layers import (
     vocab_rows,
 )
 from rein.kernels import elementwise
-from rein.kernels.quantized import QuantizedWeight, quantized_linear
+from rein.kernels.quantized import quantized_linear
 
 
 class RMSNorm(nn.Module):
@@ -174,7 +174,7 @@ class LlamaFamilyModel(nn.Module):
             logits = self.lm_head(hidden)
         else:
             weight = self.embed_tokens.head_weight()
-            logits = quantized_linear(hidden, weight) if isinstance(weight, QuantizedWeight) else linear(hidden, weight)
+            logits = linear(hidden, weight) if isinstance(weight, torch.Tensor) else quantized_linear(hidden, weight)
         return gather_vocab(logits, self.group, self.spec.vocab_size)
 
     def pack_cpu_weights(self) -> None:

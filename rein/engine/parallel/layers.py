@@ -27,7 +27,7 @@ from torch import nn
 
 from rein.engine.model_spec import ModelSpec
 from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
-from rein.kernels.quantized import QuantizedWeight
+from rein.kernels.quantized import CpuPanels, QuantizedWeight
 
 
 def attention_heads(spec: ModelSpec, world_size: int) -> tuple[int, int]:
@@ -58,7 +58,7 @@ class VocabParallelEmbedding(nn.Embedding):
     from a quantized table (a GGUF file's), it keeps the table quantized (`quantized`) and
     dequantizes only the rows it looks up."""
 
-    quantized: QuantizedWeight | None = None
+    quantized: QuantizedWeight | CpuPanels | None = None
 
     def __init__(self, vocab_size: int, hidden_size: int, group: ParallelGroup = SINGLE_RANK) -> None:
         rows = vocab_rows(vocab_size, group.world_size)
@@ -80,7 +80,7 @@ class VocabParallelEmbedding(nn.Embedding):
             return self.quantized.rows_of(ids, self.weight.dtype)
         return nn.functional.embedding(ids, self.weight)
 
-    def head_weight(self) -> torch.Tensor | QuantizedWeight:
+    def head_weight(self) -> torch.Tensor | QuantizedWeight | CpuPanels:
         """The table as a tied output projection's weight."""
         return self.weight if self.quantized is None else self.quantized
 

@@ -32,7 +32,7 @@ from rein.engine.quant.methods import (
     quantize_int4,
     quantize_int8,
 )
-from rein.kernels.quantized import QuantizedWeight
+from rein.kernels.quantized import CpuPanels, QuantizedWeight
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ def resident_bytes(model: nn.Module) -> int:
     total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
     for module in model.modules():
         weight = getattr(module, "quantized", None)
-        if isinstance(weight, QuantizedWeight):
+        if isinstance(weight, (QuantizedWeight, CpuPanels)):
             total += weight.nbytes()
     return total
 

@@ -1,19 +1,22 @@
 /* Weight-only quantized matmul on the CPU: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), x and
- * out float32, w in rein's QuantizedWeight form (rein/kernels/quantized.py):
+ * out float32, w group-wise affine integers (rein/kernels/quantized.py):
  *
  *     w[n, k] = scale[n, k / group] * q[n, k] + offset[n, k / group]
  *
- * bits 4: q uint8 [N, K / 2]; in each run of 32 columns, byte j holds column j (low nibble)
- *         and column j + 16 (high nibble);
- * bits 8: q int8 [N, K].
+ * in the CPU's panel layout (`CpuPanels`, made once at load): the rows in panels of 16, and
+ * within a panel, column by column, the 16 rows' integers side by side --
  *
- * Decode reads every weight once per step, so on a CPU its speed is the bytes it reads: 4-bit
- * weights are about a fifth of float32's (with their scales). Each thread takes pairs of weight
- * rows, expands them to float32 into a buffer that stays in L1 (2 x K floats), and multiplies
- * them by every activation row, MR rows at a time with 2 x MR accumulators in registers, so a
- * weight is read from memory once and converted once per call however many rows x has. The
- * sums are float32 FMAs over k in order of 8-column chunks, so a result differs from the
- * dequantized weight's product only in the order of additions.
+ *     bits 8: q int8 [panel][k][16]
+ *     bits 4: q uint8 [panel][k][8], byte j = row j (low nibble) | row j + 8 (high nibble)
+ *     scale, offset: float32 [panel][k / group][16]
+ *
+ * -- so one load and one conversion give one column of a panel as a vector of 16 floats (one
+ * AVX-512 register, two AVX2 ones), ready to multiply by a broadcast activation: the inner loop
+ * of a register-tiled sgemm, with no transposition and no horizontal sums. Decode (a few rows)
+ * expands each column in registers and uses it for every row; more rows expand a panel once
+ * into a k-major float32 buffer (16 x K floats, in L2) and run tiles of MP rows over it. A
+ * weight is read from memory once per call whatever the row count, which is what decode's
+ * speed is on a CPU: 4-bit weights are about a fifth of float32's bytes with their scales.
  *
  * Built and loaded with the other kernels by rein/kernels/cpu_native.py (-march=native).
  */
@@ -25,240 +28,196 @@
 #include <immintrin.h>
 #endif
 
-/* One vector of float32 lanes and what the kernels do with it: 16 lanes with AVX-512, 8 with
- * AVX2+FMA, 1 (plain C) elsewhere. V_U8 / V_I8 expand VL integers (bytes) to floats. */
+#define PANEL 16
+
+/* A panel column (16 floats) is NV vectors of VL lanes: one with AVX-512, two with AVX2+FMA,
+ * 16 scalars in plain C. MP: activation rows per tile; MP x NV accumulators, NV weight vectors
+ * and a broadcast must fit the vector registers (32 with AVX-512, 16 with AVX2). */
 #if defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
 #define VL 16
+#define MP 12
 typedef __m512 vf;
 #define V_ZERO() _mm512_setzero_ps()
 #define V_LOAD(p) _mm512_loadu_ps(p)
 #define V_STORE(p, v) _mm512_storeu_ps(p, v)
 #define V_SET1(s) _mm512_set1_ps(s)
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
-#define V_HSUM(v) _mm512_reduce_add_ps(v)
-#define V_U8(m128) _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(m128))
-#define V_I8(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
-#define MR 8
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VL 8
+#define MP 6
 typedef __m256 vf;
 #define V_ZERO() _mm256_setzero_ps()
 #define V_LOAD(p) _mm256_loadu_ps(p)
 #define V_STORE(p, v) _mm256_storeu_ps(p, v)
 #define V_SET1(s) _mm256_set1_ps(s)
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
-#define V_U8(m128) _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(m128))
-#define V_I8(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
-static inline float V_HSUM(__m256 v) {
-    const __m128 four = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 two = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    return _mm_cvtss_f32(_mm_add_ss(two, _mm_movehdup_ps(two)));
-}
-#define MR 4
 #else
 #define VL 1
+#define MP 4
 typedef float vf;
 #define V_ZERO() 0.0f
 #define V_LOAD(p) (*(p))
 #define V_STORE(p, v) (*(p) = (v))
 #define V_SET1(s) (s)
 #define V_FMA(a, b, c) ((a) * (b) + (c))
-#define V_HSUM(v) (v)
-#define MR 4
 #endif
-/* MR: activation rows per register tile. 2 x MR accumulators, 2 weight vectors and an
- * activation vector must fit the registers (16 vector registers with AVX2, 32 with AVX-512). */
+#define NV (PANEL / VL)
 
 /* Below this many weights a call is not worth waking a thread team for. */
 #define PARALLEL_MIN_WEIGHTS 65536
 
-/* Columns c..c+VL of one weight row as floats, scale * q + offset; c a multiple of VL, and of
- * 32 for 4-bit rows when VL < 32 is not (the caller walks a 32-column run VL at a time). */
-static inline __attribute__((always_inline)) vf weights_at(const uint8_t *row, int bits, int64_t c, vf s, vf o) {
-#if VL > 1
+/* Column k of a panel as NV vectors of floats: scale * q + offset (s, o: the group's 16 each). */
+static inline __attribute__((always_inline)) void column(const uint8_t *q, int bits, int64_t k, const float *s,
+                                                         const float *o, vf *w) {
+#if VL == 16
+    __m128i ints;
     if (bits == 4) {
-        const __m128i packed = _mm_loadu_si128((const __m128i *)(row + c / 32 * 16));
-        const int64_t in_run = c % 32;
-        __m128i nibbles = in_run < 16 ? packed : _mm_srli_epi16(packed, 4);
-        nibbles = _mm_and_si128(nibbles, _mm_set1_epi8(0x0F));
-#if VL == 8
-        if (in_run % 16) nibbles = _mm_srli_si128(nibbles, 8);
-#endif
-        return V_FMA(V_U8(nibbles), s, o);
+        const __m128i packed = _mm_loadl_epi64((const __m128i *)(q + k * 8));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        ints = _mm_unpacklo_epi64(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
+        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(ints));
+    } else {
+        ints = _mm_loadu_si128((const __m128i *)(q + k * 16));
+        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ints));
     }
-    return V_FMA(V_I8((const int8_t *)row + c), s, o);
+    w[0] = o ? V_FMA(w[0], V_LOAD(s), V_LOAD(o)) : _mm512_mul_ps(w[0], V_LOAD(s));
+#elif VL == 8
+    if (bits == 4) {
+        const __m128i packed = _mm_loadl_epi64((const __m128i *)(q + k * 8));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(packed, mask)));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
+    } else {
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k * 16))));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k * 16 + 8))));
+    }
+    for (int v = 0; v < 2; v++)
+        w[v] = o ? V_FMA(w[v], V_LOAD(s + 8 * v), V_LOAD(o + 8 * v)) : _mm256_mul_ps(w[v], V_LOAD(s + 8 * v));
 #else
-    if (bits == 4) {
-        const uint8_t byte = row[c / 32 * 16 + c % 16];
-        return (float)(c % 32 < 16 ? byte & 0x0F : byte >> 4) * s + o;
+    for (int j = 0; j < PANEL; j++) {
+        const int value = bits == 4 ? (q[k * 8 + j % 8] >> (j < 8 ? 0 : 4)) & 0x0F : ((const int8_t *)q)[k * 16 + j];
+        w[j] = (float)value * s[j] + (o ? o[j] : 0.0f);
     }
-    return (float)((const int8_t *)row)[c] * s + o;
 #endif
 }
 
-/* Rows n, n+1 of w (a, b: their bytes; sa, oa, sb, ob: their scales and offsets) times x rows
- * 0..mr: dots[2i] = x_i . w_n, dots[2i+1] = x_i . w_{n+1}. Each weight vector is expanded once
- * and used for all mr rows (decode). The loop walks 32-column runs; a run's group is its column
- * >> gshift (groups are powers of two here), its second half's too for 16-column groups. */
-static inline __attribute__((always_inline)) void fused_tile(
-        const float *x, int64_t x_stride, const uint8_t *a, const uint8_t *b, const float *sa, const float *oa,
-        const float *sb, const float *ob, int64_t cols, int gshift, int bits, int mr, float *dots) {
-    vf acc_a[MR], acc_b[MR];
-    #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) { acc_a[i] = V_ZERO(); acc_b[i] = V_ZERO(); }
-    for (int64_t c = 0; c < cols; c += 32) {
-        #pragma GCC unroll 32
-        for (int64_t v = 0; v < 32; v += VL) {
-            const int64_t g = (c + v) >> gshift;
-            const vf wa = weights_at(a, bits, c + v, V_SET1(sa[g]), V_SET1(oa ? oa[g] : 0.0f));
-            const vf wb = weights_at(b, bits, c + v, V_SET1(sb[g]), V_SET1(ob ? ob[g] : 0.0f));
-            #pragma GCC unroll 8
-            for (int i = 0; i < MR; i++) {
+/* out tile [mr x 16] of one panel: x rows 0..mr times the panel, column by column expanded in
+ * registers (decode: no buffer, each column used by all mr rows). */
+static inline __attribute__((always_inline)) void fused_tile(const float *x, int64_t x_stride, const uint8_t *q,
+                                                             const float *scale, const float *offset, int64_t cols,
+                                                             int64_t group, int bits, int mr, float *tile) {
+    vf acc[MP][NV];
+    for (int i = 0; i < MP; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = V_ZERO();
+    for (int64_t g = 0; g < cols / group; g++) {
+        const float *s = scale + g * PANEL, *o = offset ? offset + g * PANEL : NULL;
+        for (int64_t k = g * group; k < (g + 1) * group; k++) {
+            vf w[NV];
+            column(q, bits, k, s, o, w);
+            #pragma GCC unroll 12
+            for (int i = 0; i < MP; i++) {
                 if (i < mr) {
-                    const vf xv = V_LOAD(x + i * x_stride + c + v);
-                    acc_a[i] = V_FMA(wa, xv, acc_a[i]);
-                    acc_b[i] = V_FMA(wb, xv, acc_b[i]);
+                    const vf xb = V_SET1(x[i * x_stride + k]);
+                    for (int v = 0; v < NV; v++) acc[i][v] = V_FMA(w[v], xb, acc[i][v]);
                 }
             }
         }
     }
-    #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) {
-        if (i < mr) { dots[2 * i] = V_HSUM(acc_a[i]); dots[2 * i + 1] = V_HSUM(acc_b[i]); }
-    }
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < NV; v++) V_STORE(tile + i * PANEL + v * VL, acc[i][v]);
 }
 
-/* Row n of w expanded to float32 into dst (cols floats). */
-static void dequantize_row(const uint8_t *q, const float *scale, const float *offset, int64_t n, int64_t cols,
-                           int64_t group, int bits, float *dst) {
-    const int64_t groups = cols / group;
-    const uint8_t *row = q + n * (bits == 4 ? cols / 2 : cols);
-    for (int64_t g = 0; g < groups; g++) {
-        const vf s = V_SET1(scale[n * groups + g]), o = V_SET1(offset ? offset[n * groups + g] : 0.0f);
-        for (int64_t c = g * group; c < (g + 1) * group; c += VL) V_STORE(dst + c, weights_at(row, bits, c, s, o));
-    }
-}
-
-/* Expanded rows a, b (float32) times x rows 0..mr, as fused_tile (many activation rows: each
- * weight is expanded once per call, not once per MR rows). */
-static inline __attribute__((always_inline)) void dense_tile(const float *x, int64_t x_stride, const float *a,
-                                                             const float *b, int64_t cols, int mr, float *dots) {
-    vf acc_a[MR], acc_b[MR];
-    #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) { acc_a[i] = V_ZERO(); acc_b[i] = V_ZERO(); }
-    for (int64_t c = 0; c < cols; c += VL) {
-        const vf wa = V_LOAD(a + c), wb = V_LOAD(b + c);
-        #pragma GCC unroll 8
-        for (int i = 0; i < MR; i++) {
+/* The same tile from a panel already expanded into wt [cols][16] floats. */
+static inline __attribute__((always_inline)) void dense_tile(const float *x, int64_t x_stride, const float *wt,
+                                                             int64_t cols, int mr, float *tile) {
+    vf acc[MP][NV];
+    for (int i = 0; i < MP; i++)
+        for (int v = 0; v < NV; v++) acc[i][v] = V_ZERO();
+    for (int64_t k = 0; k < cols; k++) {
+        vf w[NV];
+        for (int v = 0; v < NV; v++) w[v] = V_LOAD(wt + k * PANEL + v * VL);
+        #pragma GCC unroll 12
+        for (int i = 0; i < MP; i++) {
             if (i < mr) {
-                const vf xv = V_LOAD(x + i * x_stride + c);
-                acc_a[i] = V_FMA(wa, xv, acc_a[i]);
-                acc_b[i] = V_FMA(wb, xv, acc_b[i]);
+                const vf xb = V_SET1(x[i * x_stride + k]);
+                for (int v = 0; v < NV; v++) acc[i][v] = V_FMA(w[v], xb, acc[i][v]);
             }
         }
     }
-    #pragma GCC unroll 8
-    for (int i = 0; i < MR; i++) {
-        if (i < mr) { dots[2 * i] = V_HSUM(acc_a[i]); dots[2 * i + 1] = V_HSUM(acc_b[i]); }
-    }
+    for (int i = 0; i < mr; i++)
+        for (int v = 0; v < NV; v++) V_STORE(tile + i * PANEL + v * VL, acc[i][v]);
 }
 
-/* The row counts the compiler specializes (mr a constant in each copy, the loops unrolled). */
-#define FOR_EACH_MR(CALL) \
+/* Copies for each row count, so the compiler unrolls the row loops with mr a constant. */
+#define FOR_EACH_ROW_COUNT(CALL) \
     switch (mr) { \
-        case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; \
-        case 4: if (MR > 4) { CALL(4); break; } /* fall through */ \
-        case 5: if (MR > 5) { CALL(5); break; } /* fall through */ \
-        case 6: if (MR > 6) { CALL(6); break; } /* fall through */ \
-        case 7: if (MR > 7) { CALL(7); break; } /* fall through */ \
-        default: CALL(MR); break; \
+        case 1: CALL(1); break; case 2: CALL(2); break; case 3: CALL(3); break; case 4: CALL(4); break; \
+        case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break; case 8: CALL(8); break; \
+        case 9: CALL(9); break; case 10: CALL(10); break; case 11: CALL(11); break; default: CALL(MP); break; \
     }
 
-static void fused_rows(const float *x, int64_t x_stride, const uint8_t *a, const uint8_t *b, const float *sa,
-                       const float *oa, const float *sb, const float *ob, int64_t cols, int gshift, int bits,
-                       int mr, float *dots) {
-    /* bits a constant in each copy too: no test of it in the inner loop */
-#define FUSED(R) (bits == 4 ? fused_tile(x, x_stride, a, b, sa, oa, sb, ob, cols, gshift, 4, R, dots) \
-                            : fused_tile(x, x_stride, a, b, sa, oa, sb, ob, cols, gshift, 8, R, dots))
-    FOR_EACH_MR(FUSED)
+static void fused_rows(const float *x, int64_t x_stride, const uint8_t *q, const float *scale, const float *offset,
+                       int64_t cols, int64_t group, int bits, int mr, float *tile) {
+#define FUSED(R) (bits == 4 ? fused_tile(x, x_stride, q, scale, offset, cols, group, 4, R, tile) \
+                            : fused_tile(x, x_stride, q, scale, offset, cols, group, 8, R, tile))
+    FOR_EACH_ROW_COUNT(FUSED)
 #undef FUSED
 }
 
-/* log2(group) for a power of two; a single group per row counts as one too (shift past the row). */
-static int group_shift(int64_t group, int64_t cols) {
-    if (group >= cols) return 62;
-    int shift = 0;
-    while (((int64_t)1 << shift) < group) shift++;
-    return ((int64_t)1 << shift) == group ? shift : -1;
-}
-
-static void dense_rows(const float *x, int64_t x_stride, const float *a, const float *b, int64_t cols, int mr,
-                       float *dots) {
-#define DENSE(R) dense_tile(x, x_stride, a, b, cols, R, dots)
-    FOR_EACH_MR(DENSE)
+static void dense_rows(const float *x, int64_t x_stride, const float *wt, int64_t cols, int mr, float *tile) {
+#define DENSE(R) dense_tile(x, x_stride, wt, cols, R, tile)
+    FOR_EACH_ROW_COUNT(DENSE)
 #undef DENSE
 }
 
-static int shape_ok(int64_t cols, int64_t group, int bits) {
-    return cols % 32 == 0 && group > 0 && cols % group == 0 && group % 16 == 0 &&
-           (bits == 8 || (bits == 4 && group % 32 == 0));
+/* Panel p of w expanded to float32 into wt [cols][16]. */
+static void expand_panel(const uint8_t *q, const float *scale, const float *offset, int64_t cols, int64_t group,
+                         int bits, float *wt) {
+    for (int64_t g = 0; g < cols / group; g++) {
+        const float *s = scale + g * PANEL, *o = offset ? offset + g * PANEL : NULL;
+        for (int64_t k = g * group; k < (g + 1) * group; k++) {
+            vf w[NV];
+            column(q, bits, k, s, o, w);
+            for (int v = 0; v < NV; v++) V_STORE(wt + k * PANEL + v * VL, w[v]);
+        }
+    }
 }
 
-int quantized_matmul_mr(void) { return MR; }
+int quantized_panels_mp(void) { return MP; }
 
 /* x [rows, cols] (rows x_stride floats apart) times w [n_out, cols] transposed -> out [rows, n_out]
- * (rows out_stride floats apart), plus bias [n_out] when not NULL. Returns 0, or -1 when the
- * shape is not one this kernel takes (cols not whole runs of 32, or groups not dividing it). */
+ * (rows out_stride floats apart), plus bias [n_out] when not NULL. w: the panel layout above,
+ * ceil(n_out / 16) panels (the last one's missing rows are zeros, never written out).
+ * Returns 0, or -1 for a shape the layout cannot have (group not dividing cols). */
 int quantized_matmul_f32(const float *x, int64_t x_stride, const uint8_t *q, const float *scale,
                          const float *offset, const float *bias, float *out, int64_t out_stride, int64_t rows,
                          int64_t n_out, int64_t cols, int64_t group, int bits, int num_threads) {
-    if (!shape_ok(cols, group, bits)) return -1;
-    const int64_t pairs = (n_out + 1) / 2, row_bytes = bits == 4 ? cols / 2 : cols, groups = cols / group;
-    const int gshift = group_shift(group, cols);
-    /* One tile of activation rows: expand in registers (groups a power of two or whole rows). */
-    const int fused = rows <= MR && gshift >= 0;
+    if (group <= 0 || cols % group || (bits != 4 && bits != 8)) return -1;
+    const int64_t panels = (n_out + PANEL - 1) / PANEL, groups = cols / group;
+    const int64_t panel_bytes = cols * PANEL * bits / 8;
+    const int fused = rows <= MP;   /* one tile of rows: expand in registers, no buffer */
     #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n_out * cols >= PARALLEL_MIN_WEIGHTS)
     {
-        float *buf = fused ? NULL : aligned_alloc(64, (size_t)(2 * cols) * sizeof(float));
-        float dots[2 * MR];
+        float *wt = fused ? NULL : aligned_alloc(64, (size_t)(cols * PANEL) * sizeof(float));
+        float tile[MP * PANEL];
         #pragma omp for schedule(static)
-        for (int64_t p = 0; p < pairs; p++) {
-            const int64_t n = 2 * p;
-            const int64_t nb = n + 1 < n_out ? n + 1 : n;   /* an odd last row pairs with itself */
-            if (fused) {
-                fused_rows(x, x_stride, q + n * row_bytes, q + nb * row_bytes, scale + n * groups,
-                           offset ? offset + n * groups : NULL, scale + nb * groups,
-                           offset ? offset + nb * groups : NULL, cols, gshift, bits, (int)rows, dots);
-                for (int i = 0; i < rows; i++) {
-                    out[i * out_stride + n] = dots[2 * i] + (bias ? bias[n] : 0.0f);
-                    if (nb != n) out[i * out_stride + nb] = dots[2 * i + 1] + (bias ? bias[nb] : 0.0f);
-                }
-                continue;
-            }
-            float *a = buf, *b = buf + cols;
-            dequantize_row(q, scale, offset, n, cols, group, bits, a);
-            dequantize_row(q, scale, offset, nb, cols, group, bits, b);
-            for (int64_t m0 = 0; m0 < rows; m0 += MR) {
-                const int mr = rows - m0 < MR ? (int)(rows - m0) : MR;
-                dense_rows(x + m0 * x_stride, x_stride, a, b, cols, mr, dots);
+        for (int64_t p = 0; p < panels; p++) {
+            const uint8_t *qp = q + p * panel_bytes;
+            const float *sp = scale + p * groups * PANEL, *op = offset ? offset + p * groups * PANEL : NULL;
+            const int64_t n0 = p * PANEL;
+            const int np = n_out - n0 < PANEL ? (int)(n_out - n0) : PANEL;
+            if (!fused) expand_panel(qp, sp, op, cols, group, bits, wt);
+            for (int64_t m0 = 0; m0 < rows; m0 += MP) {
+                const int mr = rows - m0 < MP ? (int)(rows - m0) : MP;
+                if (fused) fused_rows(x + m0 * x_stride, x_stride, qp, sp, op, cols, group, bits, mr, tile);
+                else dense_rows(x + m0 * x_stride, x_stride, wt, cols, mr, tile);
                 for (int i = 0; i < mr; i++) {
-                    out[(m0 + i) * out_stride + n] = dots[2 * i] + (bias ? bias[n] : 0.0f);
-                    if (nb != n) out[(m0 + i) * out_stride + nb] = dots[2 * i + 1] + (bias ? bias[nb] : 0.0f);
+                    float *o = out + (m0 + i) * out_stride + n0;
+                    for (int j = 0; j < np; j++) o[j] = tile[i * PANEL + j] + (bias ? bias[n0 + j] : 0.0f);
                 }
             }
         }
-        free(buf);
+        free(wt);
     }
-    return 0;
-}
-
-/* Rows row0..row0+count of w as float32 into dst [count, cols] (the large-batch path: expand a
- * slice, then a dense matmul). Same shape rules and return as quantized_matmul_f32. */
-int dequantize_rows_f32(const uint8_t *q, const float *scale, const float *offset, float *dst, int64_t row0,
-                        int64_t count, int64_t cols, int64_t group, int bits, int num_threads) {
-    if (!shape_ok(cols, group, bits)) return -1;
-    #pragma omp parallel for num_threads(num_threads) schedule(static) if (num_threads > 1 && count * cols >= PARALLEL_MIN_WEIGHTS)
-    for (int64_t r = 0; r < count; r++)
-        dequantize_row(q, scale, offset, row0 + r, cols, group, bits, dst + r * cols);
     return 0;
 }
