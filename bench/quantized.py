@@ -193,17 +193,18 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     from peers_llamacpp import run_llamacpp
 
-                    n_ctx = batch * (args.prompt_tokens + args.output_tokens + 16)
-                    result = run_llamacpp(llama_python, {**requests, "model": str(model), "threads": args.threads,
-                                                         "n_ctx": n_ctx}, timeout=3600)
+                    # n_ctx unset: each sequence's context is exactly the longest request
+                    # (llama.cpp's KV cache is zeroed at start, so every cell is resident).
+                    result = run_llamacpp(llama_python, {**requests, "model": str(model), "threads": args.threads},
+                                          timeout=3600)
                 else:
                     result = run_rein(model, "auto" if system == "quantized" else "none", requests, args.threads)
                 rows[batch][system] = result
                 shown = result.get("error") or f"{result['output_tps']:.1f} tok/s, peak RSS {mib(result['peak_rss_bytes'])} MiB"
                 print(f"  batch {batch:>2} {system:>11}: {shown}", flush=True)
-            same = [rows[batch][s].get("tokens") for s in systems if "tokens" in rows[batch][s]]
-            if len(same) > 1:
-                rows[batch]["same_first_tokens"] = all(t == same[0] for t in same)
+            firsts = {s: rows[batch][s].pop("tokens") for s in systems if "tokens" in rows[batch][s]}
+            if "quantized" in firsts and "dequantized" in firsts:
+                rows[batch]["rein_same_tokens"] = firsts["quantized"] == firsts["dequantized"]
         print_table(key, rows, systems)
         report["models"][key] = rows
     print(json.dumps(report))

@@ -18,6 +18,11 @@ scale and offset are float32 [N, K / group]: GGUF's k-quants scale a sub-block b
 of two fp16/6-bit numbers, which float16 cannot hold exactly, and float32 keeps every source
 format bit-exact (a repacked weight dequantizes to exactly what gguf's own dequantize gives).
 The price is 64 bits per group: 2 bits a weight at group 32.
+
+That row-major form is what checkpoints are repacked into, sharded, stacked and what Triton
+reads on CUDA. On the CPU the engine repacks each weight once more, at load, into `CpuPanels`
+(the same integers and scales, rows in panels of 16 with each column's 16 side by side), the
+layout rein's C kernel multiplies with.
 """
 
 from __future__ import annotations

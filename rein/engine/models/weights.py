@@ -89,9 +89,9 @@ class WeightLoader:
     def linear(self, name: str, sources: list[str], shard: Shard | None = None) -> None:
         """A projection's weight `name` from checkpoint tensors stacked on the output rows (one,
         or q/k/v, gate/up), kept quantized when every part comes quantized."""
-        self.put(name, self.stacked([self.take(source, shard, quantized=True) for source in sources], name))
+        self.put(name, self._stacked([self.take(source, shard, quantized=True) for source in sources], name))
 
-    def stacked(self, parts: list[torch.Tensor | QuantizedWeight], name: str) -> torch.Tensor | QuantizedWeight:
+    def _stacked(self, parts: list[torch.Tensor | QuantizedWeight], name: str) -> torch.Tensor | QuantizedWeight:
         if all(isinstance(part, QuantizedWeight) for part in parts):
             return parts[0] if len(parts) == 1 else stack_rows(parts)
         dtype = self.own[name].dtype
