@@ -55,6 +55,20 @@ def keep_freed_memory() -> bool:
     return ok
 
 
+def release_free_memory() -> None:
+    """Hand the heap's free pages back to the system (glibc's malloc_trim): after a model load,
+    whose one-off buffers (repacking quantized weights, reading a checkpoint) leave freed holes
+    between the weights that glibc would otherwise keep, up to twice the weights' size. Not
+    glibc: nothing."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim.argtypes = [ctypes.c_size_t]
+    trim(0)
+
+
 def _enabled() -> bool:
     """REIN_CPU_MALLOPT and REIN_CPU_FAST_PATHS (rein.core.settings; both default on)."""
     return setting_or_default("cpu_mallopt") and setting_or_default("cpu_fast_paths")

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from rein.engine.cpu_allocator import release_free_memory
 from rein.engine.model_files import TENSOR_INDEX, ModelFiles, ModelNotFoundError, require_gguf
 from rein.engine.model_impl import TRANSFORMERS_FAMILY
 from rein.engine.model_spec import ModelSpec
@@ -198,6 +199,7 @@ def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: to
     if device.type == "cpu":
         model.pack_cpu_weights()   # oneDNN's blocked layout, once (rein.engine.models.linear)
         pack_quantized(model)      # the C kernel's panels, once
+        release_free_memory()      # the load's freed buffers back to the system
     log.info("%s", report.describe(resident_bytes(model)))
     return model
 
