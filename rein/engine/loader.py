@@ -27,7 +27,6 @@ from rein.engine.model_files import TENSOR_INDEX, ModelFiles, ModelNotFoundError
 from rein.engine.model_impl import TRANSFORMERS_FAMILY
 from rein.engine.model_spec import ModelSpec
 from rein.engine.models import native_model_class
-from rein.engine.models.linear import pack_quantized
 from rein.engine.models.rope import RotaryEmbedding
 from rein.engine.models.weights import Shard, TensorGetter
 from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
@@ -198,7 +197,6 @@ def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: to
     model.eval()
     if device.type == "cpu":
         model.pack_cpu_weights()   # oneDNN's blocked layout, once (rein.engine.models.linear)
-        pack_quantized(model)      # the C kernel's panels, once
         release_free_memory()      # the load's freed buffers back to the system
     log.info("%s", report.describe(resident_bytes(model)))
     return model

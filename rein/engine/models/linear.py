@@ -58,19 +58,6 @@ def pack_weights(model: nn.Module) -> int:
     return count
 
 
-def pack_quantized(model: nn.Module) -> int:
-    """Repack every quantized weight of a CPU model (projections, a quantized embedding) into
-    the CPU kernel's panels (rein.kernels.quantized.CpuPanels), once, in place of the
-    row-major form; returns how many."""
-    count = 0
-    for module in model.modules():
-        weight = getattr(module, "quantized", None)
-        if isinstance(weight, QuantizedWeight) and weight.device.type == "cpu":
-            module.quantized = CpuPanels.from_weight(weight)
-            count += 1
-    return count
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., in] @ weight[out, in].T (+ bias): oneDNN on CPU where it pays, else F.linear."""
     if weight.is_mkldnn or (   # packed by pack_weights: oneDNN for every row count

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
-from rein.kernels.quantized import QuantizedWeight, stack_rows
+from rein.kernels.quantized import CpuPanels, QuantizedWeight, stack_rows
 
 
 @dataclass(frozen=True)
@@ -126,7 +126,8 @@ class WeightLoader:
             value = value.padded_rows(target.shape[0])
         if value.shape != tuple(target.shape):
             raise ValueError(f"weight {name}: checkpoint shape {value.shape} != model {tuple(target.shape)}")
-        module.quantized = value.to(target.device)
+        # On the CPU, the C kernel's panels right away: one weight's row-major copy at a time.
+        module.quantized = CpuPanels.from_weight(value) if target.device.type == "cpu" else value.to(target.device)
         module.weight = dropped(target)
         self.loaded.add(name)
 
