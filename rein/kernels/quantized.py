@@ -40,8 +40,24 @@ def _apply(fn, tensor: torch.Tensor | None) -> torch.Tensor | None:
     return None if tensor is None else fn(tensor)
 
 
+class _HeldIntegers:
+    """What both layouts of a quantized weight answer alike (q, scale, offset; rows, cols)."""
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.rows, self.cols
+
+    @property
+    def device(self) -> torch.device:
+        return self.q.device
+
+    def nbytes(self) -> int:
+        """Bytes held: integers, scales and offsets."""
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset) if t is not None)
+
+
 @dataclass
-class QuantizedWeight:
+class QuantizedWeight(_HeldIntegers):
     """A [rows, cols] weight matrix as group-wise affine integers (see the module docstring)."""
 
     bits: int
@@ -67,18 +83,6 @@ class QuantizedWeight:
                 self.offset is not None and tuple(self.offset.shape) != want_s):
             raise ValueError(f"quantized weight [{self.rows}, {self.cols}] group {self.group}: q "
                              f"{tuple(self.q.shape)} (want {want_q}), scale {tuple(self.scale.shape)} (want {want_s})")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.rows, self.cols
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    def nbytes(self) -> int:
-        """Bytes held: integers, scales and offsets."""
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset) if t is not None)
 
     def integers(self) -> torch.Tensor:
         """q as one int32 [rows, cols] (4-bit runs unpacked)."""
@@ -191,7 +195,7 @@ PACK_SLICE_ROWS = 4096
 
 
 @dataclass
-class CpuPanels:
+class CpuPanels(_HeldIntegers):
     """A QuantizedWeight in the CPU kernel's panel layout (same values; see the C file):
     q [panels, cols, 16] int8 or [panels, cols, 8] uint8 (byte j: row j low, row j + 8 high),
     scale and offset [panels, cols / group, 16] float32; the last panel's missing rows zero."""
@@ -227,17 +231,6 @@ class CpuPanels:
                     padded = torch.nn.functional.pad(theirs, (0, 0, 0, pad))
                     mine[p0:p0 + count] = padded.view(count, PANEL, groups).transpose(1, 2)
         return cls(weight.bits, q, scale, offset, weight.group, weight.rows, weight.cols, weight.source)
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.rows, self.cols
-
-    @property
-    def device(self) -> torch.device:
-        return self.q.device
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scale, self.offset) if t is not None)
 
     def _integers(self, panels: torch.Tensor, lanes: torch.Tensor) -> torch.Tensor:
         """The integers of rows (panel, lane) -> int32 [rows, cols]."""

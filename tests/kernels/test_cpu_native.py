@@ -9,6 +9,7 @@ import logging
 
 import pytest
 import torch
+from kernel_builds import use_c_kernels
 
 from rein import kernels
 from rein.core.settings import get_settings
@@ -26,13 +27,7 @@ def march(request, build_root, monkeypatch):
     """Every test twice: built for this CPU (its AVX2/AVX-512 code where it has them), and for
     the x86-64 baseline, whose plain loops are what a CPU without AVX2 runs. Each build is
     made once into this module's directory; any library loaded by an earlier test is forgotten."""
-    monkeypatch.setenv("REIN_CACHE_DIR", str(build_root))
-    for setting in ("REIN_CPU_KERNELS", "REIN_CPU_FAST_PATHS"):   # on, whatever the suite runs with
-        monkeypatch.delenv(setting, raising=False)
-    monkeypatch.setattr(cpu_native, "MARCH", request.param)
-    get_settings.cache_clear()
-    monkeypatch.setattr(cpu_native, "_lib", None)
-    monkeypatch.setattr(cpu_native, "_tried", False)
+    use_c_kernels(monkeypatch, build_root, request.param)
     yield request.param
     get_settings.cache_clear()
 

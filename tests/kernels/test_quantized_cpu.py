@@ -6,9 +6,10 @@ AVX-512 (-march=haswell) and the x86-64 baseline's plain loops. And the CPU's pa
 
 import pytest
 import torch
+from kernel_builds import use_c_kernels
 
 from rein.core.settings import get_settings
-from rein.kernels import cpu_native, quantized
+from rein.kernels import quantized
 from rein.kernels.quantized import (
     CpuPanels,
     QuantizedWeight,
@@ -25,13 +26,7 @@ def build_root(tmp_path_factory):
 
 @pytest.fixture(autouse=True, params=["native", "haswell", "x86-64"])
 def march(request, build_root, monkeypatch):
-    monkeypatch.setenv("REIN_CACHE_DIR", str(build_root))
-    for setting in ("REIN_CPU_KERNELS", "REIN_CPU_FAST_PATHS"):
-        monkeypatch.delenv(setting, raising=False)
-    monkeypatch.setattr(cpu_native, "MARCH", request.param)
-    get_settings.cache_clear()
-    monkeypatch.setattr(cpu_native, "_lib", None)
-    monkeypatch.setattr(cpu_native, "_tried", False)
+    use_c_kernels(monkeypatch, build_root, request.param)
     yield request.param
     get_settings.cache_clear()
 

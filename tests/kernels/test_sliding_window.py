@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 import pytest  # noqa: E402
+from kernel_builds import use_c_kernels  # noqa: E402
 
 from rein import kernels  # noqa: E402
 from rein.core.settings import get_settings  # noqa: E402
@@ -196,13 +197,7 @@ def build_root(tmp_path_factory):
 def c_kernels(request, build_root, monkeypatch):
     """The C kernels built for this CPU (its AVX2/AVX-512 loops) and for the x86-64 baseline
     (the plain loops), as in test_cpu_native.py."""
-    monkeypatch.setenv("REIN_CACHE_DIR", str(build_root))
-    for setting in ("REIN_CPU_KERNELS", "REIN_CPU_FAST_PATHS"):
-        monkeypatch.delenv(setting, raising=False)
-    monkeypatch.setattr(cpu_native, "MARCH", request.param)
-    get_settings.cache_clear()
-    monkeypatch.setattr(cpu_native, "_lib", None)
-    monkeypatch.setattr(cpu_native, "_tried", False)
+    use_c_kernels(monkeypatch, build_root, request.param)
     yield request.param
     get_settings.cache_clear()
 
