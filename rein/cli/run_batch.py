@@ -14,6 +14,7 @@ from rein.engine.options import (
     build_engine,
     generation_defaults_of,
 )
+from rein.offline.prefix_order import DEFAULT_WINDOW, ORDERS
 from rein.offline.run_batch import format_summary, run_batch
 
 
@@ -30,6 +31,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="write error lines here instead of into the output file")
     parser.add_argument("--max-in-flight", type=int, default=None, metavar="N",
                         help="requests read ahead into the engine (default 4 x --max-num-seqs)")
+    parser.add_argument("--order", choices=ORDERS, default="prefix",
+                        help="prefix (default): lines whose prompts share a prefix run together, so the "
+                             "prefix cache computes it once, whatever the file's order; file: the file's order")
+    parser.add_argument("--order-window", type=int, default=DEFAULT_WINDOW, metavar="LINES",
+                        help=f"lines read ahead and ordered by prompt prefix (default {DEFAULT_WINDOW}); "
+                             "their tokenized prompts are held in memory")
     add_served_model_name_option(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_option(parser)
@@ -38,6 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.order_window < 1:
+        print(f"error: --order-window {args.order_window}: want at least 1 line", file=sys.stderr)
+        return 2
     if not Path(args.input).is_file():
         print(f"error: input file {args.input} does not exist", file=sys.stderr)
         return 2
@@ -50,7 +60,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         summary = run_batch(engine, args.input, args.output, model_name=args.served_model_name,
                             error_path=args.errors, max_in_flight=args.max_in_flight,
-                            progress=not args.no_progress, generation_defaults=defaults)
+                            progress=not args.no_progress, generation_defaults=defaults, order=args.order,
+                            order_window=args.order_window)
     except KeyboardInterrupt:
         print(f"\ninterrupted: {args.output} holds the answers finished so far", file=sys.stderr)
         return 130

@@ -9,8 +9,10 @@ prompt longer than the context) gets an error line naming its line number and ne
 the run; blank lines are skipped. Every other line gets exactly one answer, success or
 error.
 
-Output lines come in the order requests finish, not input order; match them by custom_id,
-as with OpenAI's Batch API.
+Lines are taken in prefix order by default (rein.offline.prefix_order: lines whose prompts
+share a prefix run together, within a window of lines read ahead and tokenized), or in the
+file's order. Output lines come in the order requests finish, not input order; match them by
+custom_id, as with OpenAI's Batch API.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Iterable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +34,9 @@ from rein.engine.generation_defaults import GenerationDefaults, load_generation_
 from rein.engine.results import RequestResult
 from rein.offline.driver import default_max_in_flight, drive
 from rein.offline.embed import EmbeddingPart, finish_embeddings_part, take_embeddings_line
+from rein.offline.prefix_order import DEFAULT_WINDOW, ORDERS, prefix_ordered
 from rein.openai.batch_lines import (
+    BatchLine,
     batch_error_line,
     batch_output_line,
     custom_id_of,
@@ -75,6 +80,19 @@ def format_summary(summary: BatchSummary) -> str:
 
 
 @dataclass
+class _ReadLine:
+    """An input line read and checked, not yet in the engine."""
+
+    line_number: int
+    batch_line: BatchLine
+    parsed: ParsedRequest | None    # None: an embeddings line, parsed as it is taken
+
+    def prompt_token_ids(self) -> list[int]:
+        """What the prefix order sorts by (an embeddings line: nothing, so first)."""
+        return self.parsed.prompt_token_ids if self.parsed is not None else []
+
+
+@dataclass
 class _Pending:
     """What a request in the engine needs for its answer line."""
 
@@ -96,14 +114,18 @@ def run_batch(
     max_in_flight: int | None = None,
     progress: bool = True,
     generation_defaults: GenerationDefaults | None = None,
+    order: str = "prefix",
+    order_window: int = DEFAULT_WINDOW,
 ) -> BatchSummary:
     """Answer every non-blank line of `input_path` into `output_path` (errors into `error_path`
     when given, else into the output file too) and return the counts. Sampling fields a line
-    leaves out take `generation_defaults` (default: the engine's model's, per its generation_config)."""
+    leaves out take `generation_defaults` (default: the engine's model's, per its generation_config).
+    `order`: "prefix" takes lines sharing a prompt prefix together, within `order_window` lines
+    read ahead (rein.offline.prefix_order); "file" takes them in the file's order."""
     if generation_defaults is None:
         generation_defaults = load_generation_defaults(engine.model_dir, engine.config.generation_config)
     batch = BatchRun(engine, model_name or default_model_name(engine),
-                      max_in_flight or default_max_in_flight(engine))
+                     max_in_flight or default_max_in_flight(engine), order, order_window)
     batch.generation_defaults = generation_defaults
     total = count_requests(input_path)
     with open(input_path, "rb") as source, open(output_path, "w", encoding="utf-8") as out, \
@@ -133,10 +155,15 @@ class BatchRun:
     """One run over a batch file: takes each line into the engine and writes its answer. The
     embeddings lines (rein.offline.embed) answer through `answer` and `fail`."""
 
-    def __init__(self, engine: LLMEngine, model_name: str, max_in_flight: int) -> None:
+    def __init__(self, engine: LLMEngine, model_name: str, max_in_flight: int, order: str = "prefix",
+                 order_window: int = DEFAULT_WINDOW) -> None:
+        if order not in ORDERS:
+            raise ValueError(f"order {order!r}: want one of {', '.join(ORDERS)}")
         self.engine = engine
         self.model_name = model_name
         self.max_in_flight = max(1, max_in_flight)
+        self.order = order
+        self.order_window = order_window
         self.seen_ids: set[str] = set()
         self.generation_defaults: GenerationDefaults | None = None
         self.summary = BatchSummary()
@@ -146,13 +173,16 @@ class BatchRun:
         self.bar: tqdm
 
     def run(self, source: IO[bytes]) -> None:
-        drive(self.engine, enumerate(source, start=1), self._take, self._finish, self.max_in_flight)
+        lines: Iterable[_ReadLine] = (read for read in map(self._read, enumerate(source, start=1)) if read is not None)
+        if self.order == "prefix":
+            lines = prefix_ordered(lines, _ReadLine.prompt_token_ids, self.order_window)
+        drive(self.engine, lines, self._take, self._finish, self.max_in_flight)
         self.summary.wall_seconds = time.perf_counter() - self.started
 
     # -- input -----------------------------------------------------------------------------
 
-    def _take(self, item: tuple[int, bytes]) -> tuple[str, _Pending] | list[tuple[str, EmbeddingPart]] | None:
-        """Add one input line's request to the engine, or answer the line with an error."""
+    def _read(self, item: tuple[int, bytes]) -> _ReadLine | None:
+        """Read and check one input line (its prompt tokenized), or answer it with an error."""
         line_number, raw = item
         if not raw.strip():
             return None
@@ -172,22 +202,30 @@ class BatchRun:
                        f"custom_id {custom_id!r} was already used by an earlier line; each line needs its own")
             return None
         self.seen_ids.add(custom_id)
-        if batch_line.url == EMBEDDINGS:   # one engine request per input (rein.offline.embed)
-            return take_embeddings_line(self, batch_line, line_number)
+        if batch_line.url == EMBEDDINGS:   # parsed when taken (rein.offline.embed)
+            return _ReadLine(line_number, batch_line, None)
         try:
             parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer, self.engine.max_model_len,
                                    self.generation_defaults)
-            request_id = uuid.uuid4().hex
-            self.engine.add_request(request_id, parsed.prompt_token_ids, parsed.params)
         except RequestError as exc:
             self.fail(custom_id, line_number, exc.code, exc.message)
             return None
+        return _ReadLine(line_number, batch_line, parsed)
+
+    def _take(self, read: _ReadLine) -> tuple[str, _Pending] | list[tuple[str, EmbeddingPart]] | None:
+        """Add a read line's request to the engine, or answer the line with an error."""
+        batch_line, line_number, parsed = read.batch_line, read.line_number, read.parsed
+        if parsed is None:   # one engine request per input (rein.offline.embed)
+            return take_embeddings_line(self, batch_line, line_number)
+        request_id = uuid.uuid4().hex
+        try:
+            self.engine.add_request(request_id, parsed.prompt_token_ids, parsed.params)
         except EngineRequestError as exc:
             code = INVALID_REQUEST if exc.code == "invalid_request" else exc.code
-            self.fail(custom_id, line_number, code, str(exc))
+            self.fail(batch_line.custom_id, line_number, code, str(exc))
             return None
-        return request_id, _Pending(custom_id, line_number, batch_line.url, parsed.model or self.model_name, parsed,
-                                    batch_line.body)
+        return request_id, _Pending(batch_line.custom_id, line_number, batch_line.url,
+                                    parsed.model or self.model_name, parsed, batch_line.body)
 
     # -- output ----------------------------------------------------------------------------
 
