@@ -1,12 +1,13 @@
 """A batch's rows in the jobs table: written in bulk through COPY once its file is valid
-(`spool_job` while checking, `copy_jobs` at the end), counted while open (`open_jobs`), and
-dropped on a cancel or expiry (`drop_batch_jobs`).
+(`spool_job` while checking, `copy_jobs` at the end, each with its prefix order's `feed_key`),
+counted while open (`open_jobs`), and dropped on a cancel or expiry (`drop_batch_jobs`).
 """
 
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable, Iterator
+import struct
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -21,7 +22,17 @@ from rein.jobs.cancel import request_cancel
 
 OPEN_JOB_STATUSES = ("queued", "running")
 COPY_COLUMNS = ("id", "tenant", "key_id", "model", "endpoint", "params", "prompt_token_ids",
-                "prompt_tokens", "priority", "batch_id", "custom_id", "batch_line")
+                "prompt_tokens", "priority", "batch_id", "custom_id", "batch_line", "feed_key")
+
+FEED_KEY_TOKENS = 128   # prompt tokens the prefix order looks at: a system prompt's worth
+
+
+def feed_key(prompt_token_ids: Sequence[int]) -> bytes:
+    """The prompt's first FEED_KEY_TOKENS token ids as big-endian uint32s: the bytes sort as the
+    token lists do (a prefix of another sorts first), so ordering lines by it puts those
+    sharing a prefix side by side, and Postgres compares it with memcmp."""
+    head = prompt_token_ids[:FEED_KEY_TOKENS]
+    return struct.pack(f">{len(head)}I", *head)
 
 
 def spool_job(spool: IO[bytes], row: dict[str, Any]) -> None:
@@ -50,7 +61,8 @@ def copy_jobs(session: Session) -> Iterator[Callable[[dict[str, Any]], None]]:
     try:
         with cursor.copy(f"COPY jobs ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
             def write(row: dict[str, Any]) -> None:
-                row = row | {"id": new_job_id(), "params": Jsonb(row["params"])}
+                row = row | {"id": new_job_id(), "params": Jsonb(row["params"]),
+                             "feed_key": feed_key(row["prompt_token_ids"])}
                 copy.write_row([row[column] for column in COPY_COLUMNS])
 
             yield write

@@ -20,7 +20,10 @@ replica is handling is skipped, not waited for), does the next step in one trans
   A sent line whose message was lost (Redis restarted without its data, a dead worker's
   reserved messages) is sent again by the reaper (rein.jobs.reaper), as any job is.
   So 50,000 lines never fill the queue that backpressure measures, interactive jobs
-  (priority 0) are always taken first, and a cancel has few messages to skip. A message
+  (priority 0) are always taken first, and a cancel has few messages to skip. Lines go in
+  prefix order (REIN_BATCH_ORDER, default `prefix`: by the prompt's first tokens, the jobs'
+  `feed_key`), so the lines sharing a system prompt reach the workers together and run while
+  it is in their prefix cache, or in the file's order (`file`). A message
   is sent before its `sent_at` commits: after a crash in between it is sent again, which
   the worker's claim lease makes harmless (the second delivery finds the job taken or
   finished). When no job is queued or running: `finalizing`.
@@ -362,10 +365,11 @@ class BatchManager:
             share = shares.get(batch.id, 0)
         if share <= 0:
             return
+        order = (Job.batch_line,) if self.settings.batch_order == "file" else (Job.feed_key, Job.batch_line)
         rows = session.execute(
             select(*JOB_MESSAGE_COLUMNS)
             .where(Job.batch_id == batch.id, Job.status == "queued", Job.sent_at.is_(None))
-            .order_by(Job.batch_line).limit(share)).all()
+            .order_by(*order).limit(share)).all()
         # The whole chunk in one pipeline.
         enqueue_jobs(self.celery, [JobMessage.for_job(row) for row in rows])
         if rows:

@@ -160,6 +160,9 @@ class Job(Base):
     """The batch line's custom_id (unique within the batch)."""
     batch_line: Mapped[int | None]
     """The batch line's number in the input file (1-based), for output order and error reports."""
+    feed_key: Mapped[bytes | None] = mapped_column(LargeBinary())
+    """A batch line's prompt prefix as sortable bytes (rein.batches.batch_jobs.feed_key): the
+    batch manager sends lines in this order, so those sharing a prefix run while it is cached."""
     sent_at: Mapped[datetime | None]
     """When the job's message was last put on its queue (by intake, the batch manager or the
     reaper); NULL: not sent yet (batch lines wait for the batch manager)."""
@@ -181,6 +184,9 @@ class Job(Base):
         # jobs were sent long ago; small partial indexes, since few jobs are open at a time.
         Index("ix_jobs_running_lease", "lease_expires_at", postgresql_where=text("status = 'running'")),
         Index("ix_jobs_queued_sent", "model", "priority", "sent_at", postgresql_where=text("status = 'queued'")),
+        # The batch manager's next lines in prefix order: only the lines not sent yet.
+        Index("ix_jobs_batch_unsent", "batch_id", "feed_key", "batch_line",
+              postgresql_where=text("status = 'queued' AND sent_at IS NULL")),
     )
 
 

@@ -213,6 +213,10 @@ class Settings(BaseSettings):
     """How long a batch may run (its `completion_window` "24h"); requests unfinished then expire."""
     batch_queue_window: int = Field(256, ge=1)
     """Batch messages kept waiting on a model's queue; the batch manager tops it up as workers drain it."""
+    batch_order: Literal["prefix", "file"] = "prefix"
+    """The order the batch manager sends a batch's lines in. prefix: by the prompts' first 128
+    tokens (then line number), so lines sharing a system prompt run while it is in the prefix
+    cache, whatever order the file has them in; file: the file's order."""
     batch_validation_timeout_seconds: float = Field(3600, gt=0)
     """A batch still `validating` this long after its creation fails (`validation_timeout`)."""
     batch_validator_threads: int = Field(2, ge=1, le=64)

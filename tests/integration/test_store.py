@@ -30,6 +30,7 @@ from rein.core.models import ApiKey, Base, Job, Result, Usage
 from rein.core.settings import Settings
 
 TABLES = {"api_keys", "jobs", "results", "usage", "alembic_version", "files", "batches"}
+HEAD = "0006"   # the newest migration
 
 
 def engine_for(url: str):
@@ -42,13 +43,13 @@ def engine_for(url: str):
 def test_migrate_creates_database_and_tables_and_is_idempotent(make_database):
     url = make_database(create=False)
     first = upgrade(Settings(database_url=url))
-    assert first.created_database and first.before is None and first.after == head_revision() == "0005"
+    assert first.created_database and first.before is None and first.after == head_revision() == HEAD
     engine = engine_for(url)
     try:
         assert set(inspect(engine).get_table_names()) == TABLES
-        assert current_revision(engine) == "0005"
+        assert current_revision(engine) == HEAD
         second = upgrade(Settings(database_url=url))
-        assert not second.created_database and second.before == second.after == "0005"
+        assert not second.created_database and second.before == second.after == HEAD
         assert set(inspect(engine).get_table_names()) == TABLES
     finally:
         engine.dispose()
@@ -61,11 +62,11 @@ def test_migrate_cli(make_database, capsys):
     assert main(["migrate", "--database-url", url]) == 0
     out = capsys.readouterr().out
     name = url.rsplit("/", 1)[1]
-    assert f"database {name}: created" in out and "upgraded from revision (none) to 0005" in out
+    assert f"database {name}: created" in out and f"upgraded from revision (none) to {HEAD}" in out
     assert main(["migrate", "--database-url", url]) == 0
-    assert "already at revision 0005" in capsys.readouterr().out
+    assert f"already at revision {HEAD}" in capsys.readouterr().out
     assert main(["migrate", "--database-url", url, "--check"]) == 0
-    assert "at revision 0005 (latest)" in capsys.readouterr().out
+    assert f"at revision {HEAD} (latest)" in capsys.readouterr().out
 
 
 def test_migrate_cli_unreachable_server(capsys):
@@ -80,10 +81,10 @@ def test_check_migrations_current(make_database):
     try:
         with pytest.raises(DatabaseNotMigratedError) as error:
             check_migrations_current(engine)
-        assert str(error.value) == (f"database {name} is not migrated (at revision None, need 0005): "
+        assert str(error.value) == (f"database {name} is not migrated (at revision None, need {HEAD}): "
                                     "run `rein migrate`")
         upgrade(Settings(database_url=url))
-        assert check_migrations_current(engine) == "0005"
+        assert check_migrations_current(engine) == HEAD
         with engine.begin() as conn:
             conn.execute(text("UPDATE alembic_version SET version_num = 'ffff'"))
         with pytest.raises(DatabaseNotMigratedError, match="revision ffff, which this version of rein does not know"):
@@ -95,7 +96,7 @@ def test_check_migrations_current(make_database):
 def test_check_migrations_on_missing_database(make_database):
     url = make_database(create=False)
     engine = engine_for(url)
-    with pytest.raises(DatabaseNotMigratedError, match=r"does not exist \(need revision 0005\): run `rein migrate`"):
+    with pytest.raises(DatabaseNotMigratedError, match=rf"does not exist \(need revision {HEAD}\): run `rein migrate`"):
         check_migrations_current(engine)
 
 
@@ -361,7 +362,7 @@ def test_keys_cli(settings, tenant, db_sessionmaker, capsys):
 def test_keys_cli_refuses_an_unmigrated_database(make_database, capsys):
     url = make_database()
     assert main(["keys", "--database-url", url, "list"]) == 2
-    assert "is not migrated (at revision None, need 0005): run `rein migrate`" in capsys.readouterr().err
+    assert f"is not migrated (at revision None, need {HEAD}): run `rein migrate`" in capsys.readouterr().err
 
 
 def test_keys_create_last_line_in_a_shell(settings, tenant):

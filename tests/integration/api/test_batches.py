@@ -206,6 +206,34 @@ def test_queue_window_feeds_as_workers_drain(make_client, make_key, tenant, db_s
     assert redis_client.llen(batch_queue) == 2
 
 
+@pytest.mark.parametrize("order", ["prefix", "file"])
+def test_lines_sharing_a_prompt_prefix_are_sent_together(make_client, make_key, tenant, db_sessionmaker,
+                                                         redis_client, settings, tmp_path, order):
+    """Two system prompts, their lines interleaved in the file: in prefix order (the default)
+    each window of sends holds one prompt's lines; in file order, the file's lines."""
+    client = make_client(files_dir=str(tmp_path / "files"), batch_queue_window=3, batch_order=order, **FAST)
+    key = make_key(tenant, "batch")
+    systems = ["You are a careful translator. Translate the text into French:",
+               "Summarize the following paragraph in one short sentence:"]
+    batch = create(client, key, jsonl(*(line(f"r{i}", f"{systems[i % 2]} item {i}") for i in range(6))))
+    wait_status(client, key, batch["id"], "in_progress")
+    batch_queue = queue_keys(settings, "tiny")[PRIORITY_BATCH]
+
+    def sent() -> list[str]:
+        return sorted(j.custom_id for j in batch_jobs(db_sessionmaker, batch["id"]) if j.sent_at)
+
+    wait_for(lambda: len(sent()) == 3, 10, "three jobs sent")
+    first = sent()
+    redis_client.delete(batch_queue)             # a worker took them
+    wait_for(lambda: len(sent()) == 6, 10, "the other three sent")
+    jobs = batch_jobs(db_sessionmaker, batch["id"])
+    assert all(job.feed_key and len(job.feed_key) == 4 * min(job.prompt_tokens, 128) for job in jobs)
+    if order == "file":
+        assert first == ["r0", "r1", "r2"]
+    else:
+        assert first in (["r0", "r2", "r4"], ["r1", "r3", "r5"])
+
+
 def test_cancel_mid_batch(batch_client, make_key, tenant, db_sessionmaker, fake_worker, redis_client, settings):
     from rein.core.redis_keys import RedisKeys
 
