@@ -4,11 +4,12 @@ alone.
 
     python bench/priority.py [--preset tiny] [--max-num-seqs 8] [--batch-requests N] [--batch-max-tokens 256]
                              [--chats 20] [--chat-max-tokens 16] [--chat-interval 0.5] [--threads 1]
-                             [--service-env NAME=VALUE ...] [--keep DIR]
+                             [--interactive-step-budget N] [--service-env NAME=VALUE ...] [--keep DIR]
 
 One service (bench/intake.py's Sandbox: a throwaway database and Redis prefix, dropped at
-the end; `rein api` and one `rein worker` as subprocesses, cpu fp32, --threads torch threads),
-then in order:
+the end; `rein api` and one `rein worker` as subprocesses, cpu fp32, --threads torch threads;
+`--interactive-step-budget N` sets the worker's REIN_INTERACTIVE_STEP_BUDGET, which holds a
+step's batch work to N tokens while chats run: rein.engine.scheduler), then in order:
 
 1. idle: `--chats` chat completions (/v1/chat/completions, greedy, `--chat-max-tokens`), one at
    a time, 0.2 s apart: each one's latency is its HTTP round trip;
@@ -76,6 +77,8 @@ class Service(BatchService):
         env = {"REIN_BATCH_POLL_SECONDS": "0.2", "OMP_NUM_THREADS": str(args.threads)}
         if args.interactive_slots is not None:
             env["REIN_WORKER_INTERACTIVE_SLOTS"] = str(args.interactive_slots)
+        if args.interactive_step_budget is not None:
+            env["REIN_INTERACTIVE_STEP_BUDGET"] = str(args.interactive_step_budget)
         env |= dict(args.service_env or [])
         super().__init__(sandbox, model_dir, log_dir, args, name="priority", max_model_len=MAX_MODEL_LEN, env=env)
 
@@ -190,6 +193,8 @@ def main() -> int:
     parser.add_argument("--max-num-seqs", type=int, default=8, help="the worker's engine sequences (8)")
     parser.add_argument("--interactive-slots", type=int, default=None,
                         help="REIN_WORKER_INTERACTIVE_SLOTS (default: the setting's, max_num_seqs / 4)")
+    parser.add_argument("--interactive-step-budget", type=int, default=None, metavar="N",
+                        help="REIN_INTERACTIVE_STEP_BUDGET: batch tokens per step while chats run (default: off)")
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--batch-requests", type=int, default=None, help="batch lines (12 x max_num_seqs)")
     parser.add_argument("--batch-max-tokens", type=int, default=256)
@@ -296,7 +301,8 @@ def main() -> int:
     print()
     print(f"priority: {args.preset} llama, cpu fp32, {args.threads} torch thread(s), max_num_seqs "
           f"{args.max_num_seqs}; batch {batch_requests} x {args.batch_max_tokens} tokens; {args.chats} chats "
-          f"of {args.chat_max_tokens} tokens")
+          f"of {args.chat_max_tokens} tokens; interactive step budget "
+          f"{'off' if args.interactive_step_budget is None else args.interactive_step_budget}")
     print(f"  {'interactive latency':<34} {'p50 s':>8} {'p99 s':>8} {'max s':>8}")
     for label, values in (("idle", idle), ("under the batch", busy)):
         print(f"  {label:<34} {pct(values, 50):>8.3f} {pct(values, 99):>8.3f} {max(values):>8.3f}")
@@ -317,6 +323,7 @@ def main() -> int:
         "bench": "priority", "preset": args.preset, "max_num_seqs": args.max_num_seqs, "threads": args.threads,
         "batch_requests": batch_requests, "batch_max_tokens": args.batch_max_tokens, "chats": args.chats,
         "chat_max_tokens": args.chat_max_tokens, "chat_interval_s": round(interval, 3),
+        "interactive_step_budget": args.interactive_step_budget, "service_env": dict(args.service_env or []),
         "idle_s": {"p50": round(pct(idle, 50), 4), "p99": round(pct(idle, 99), 4)},
         "busy_s": {"p50": round(pct(busy, 50), 4), "p99": round(pct(busy, 99), 4)},
         "batch_alone": [alone_1, alone_2], "batch_with_chats": mixed, "preemptions": preemptions,

@@ -230,6 +230,10 @@ class Settings(BaseSettings):
     """Sequences batched at once; also the worker's Celery concurrency."""
     max_num_batched_tokens: int = Field(2048, ge=1)
     """Token budget of one engine step (prefill chunks + decodes)."""
+    interactive_step_budget: int | None = Field(None, ge=0)
+    """While interactive requests (priority below batch) are in the engine, the batch-priority tokens
+    one step may hold (decodes 1 each, prefill chunks their length), so interactive token latency
+    stays near idle; the batch requests left out pause for that step; unset: no such limit."""
     max_model_len: int | None = Field(None, ge=1)
     """Context length (prompt + completion); unset: the model's. A REIN_MODELS entry's @N wins for its model."""
     kv_cache_memory: str | None = None
@@ -362,10 +366,10 @@ PER_MODEL_FIELDS = ("tokenizer", "revision", "tokenizer_revision", "chat_templat
 
 # The engine options' variables (rein.engine.options: the worker, `rein run-batch`, `rein
 # generate` and `rein.LLM` read them under their flags and keywords).
-ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "kv_cache_memory",
-                 "gpu_memory_utilization", "device", "dtype", "kv_cache_dtype", "block_size", "enforce_eager",
-                 "enable_prefix_caching", "seed", "generation_config", "model_impl", "tokenizer", "revision",
-                 "tokenizer_revision", "chat_template", "trust_remote_code", "tensor_parallel_size",
+ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "interactive_step_budget", "max_model_len",
+                 "kv_cache_memory", "gpu_memory_utilization", "device", "dtype", "kv_cache_dtype", "block_size",
+                 "enforce_eager", "enable_prefix_caching", "seed", "generation_config", "model_impl", "tokenizer",
+                 "revision", "tokenizer_revision", "chat_template", "trust_remote_code", "tensor_parallel_size",
                  "quantization")
 
 

@@ -73,6 +73,11 @@ class EngineConfig:
     quantization (vLLM's name): auto keeps the checkpoint's own (GGUF blocks, AWQ, GPTQ kept
     quantized; float stays float), none dequantizes everything to `dtype`, int8 / int4 /
     int4-gN quantize a float checkpoint's projections at load (rein.engine.quant.checkpoint).
+    interactive_step_budget: while a request with interactive priority (below PRIORITY_BATCH) is
+    in the engine, a step holds at most this many batch-priority tokens (decodes 1 each, prefill
+    chunks their length), so that interactive requests' steps cost near what they cost idle; the
+    batch requests left out pause (keeping their KV blocks). None: no such limit
+    (rein.engine.scheduler).
     """
 
     model: str
@@ -97,6 +102,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     quantization: str = "auto"
+    interactive_step_budget: int | None = None
 
     def __post_init__(self) -> None:
         check_generation_config(self.generation_config)   # a ValueError naming the choices
@@ -127,6 +133,8 @@ class EngineConfig:
         check_quantization(self.quantization)
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.interactive_step_budget is not None and self.interactive_step_budget < 0:
+            raise ValueError(f"interactive_step_budget must be at least 0, got {self.interactive_step_budget}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
 

@@ -106,7 +106,7 @@ class LLMEngine:
         # The sliding-window layers' own storage, when the runner gave them one (None otherwise).
         self.windows = self.runner.window_blocks(self.pool)
         self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   windows=self.windows)
+                                   windows=self.windows, interactive_step_budget=config.interactive_step_budget)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (

@@ -49,6 +49,17 @@ stays a heap. Aging was chosen over a reserved share of slots for batch work bec
 share keeps slots from interactive requests even when they queue, which is the latency this
 serves, while aging gives interactive requests every slot for a bounded time. Steps, not
 seconds, are the clock so that the order is deterministic (a busy step lasts some 10-50 ms).
+
+Interactive step budget (off unless `interactive_step_budget` is set): while a request with
+interactive priority (below PRIORITY_BATCH) is running or waiting, the batch-priority work of
+a step is held to that many tokens (a decode counts 1, a prefill chunk its length; the
+interactive requests' own tokens are not counted). On a CPU a step's time grows with its
+tokens, so this keeps the steps interactive requests share close to their idle cost. Batch
+requests left out of a step stay running and keep their blocks (paused, not preempted:
+they resume where they were); better-ranked ones get the budget first, a prefill is chunked
+to it, and waiting batch requests are admitted only within it (an interactive request
+waiting behind them is still admitted). Batch work never stops: it gets the budget every
+step, and all of the step's budget again at the first step without interactive requests.
 """
 
 from __future__ import annotations
@@ -57,6 +68,7 @@ import bisect
 import heapq
 from dataclasses import dataclass, field
 
+from rein.core.messages import PRIORITY_BATCH
 from rein.engine.block_pool import ROOT, BlockPool
 from rein.engine.request import Request, RequestStatus
 from rein.engine.window_blocks import WindowBlocks
@@ -101,14 +113,19 @@ DEFAULT_PRIORITY_AGING_STEPS = 128
 class Scheduler:
     def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  priority_aging_steps: int = DEFAULT_PRIORITY_AGING_STEPS,
-                 windows: WindowBlocks | None = None) -> None:
+                 windows: WindowBlocks | None = None, interactive_step_budget: int | None = None) -> None:
         if priority_aging_steps < 1:
             raise ValueError(f"priority_aging_steps must be at least 1, got {priority_aging_steps}")
+        if interactive_step_budget is not None and interactive_step_budget < 0:
+            raise ValueError(f"interactive_step_budget must be at least 0, got {interactive_step_budget}")
         self.pool = block_pool
         self.windows = windows
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.priority_aging_steps = priority_aging_steps
+        # Batch-priority tokens a step may hold while interactive requests are in (None: no limit).
+        self.interactive_step_budget = interactive_step_budget
+        self._num_waiting_interactive = 0   # waiting requests with priority below PRIORITY_BATCH
         self.running: list[Request] = []   # by rank, best first
         self._waiting: list[tuple[tuple[int, int, int], Request]] = []  # heap by rank
         self._num_waiting = 0
@@ -136,6 +153,16 @@ class Scheduler:
     def _push_waiting(self, request: Request) -> None:
         heapq.heappush(self._waiting, (self.rank(request), request))
         self._num_waiting += 1
+        self._num_waiting_interactive += request.priority < PRIORITY_BATCH
+
+    def _batch_budget(self) -> int | None:
+        """This step's budget for batch-priority tokens: the interactive step budget while an
+        interactive request is running or waiting, else None (no limit beyond the step's)."""
+        if self.interactive_step_budget is None:
+            return None
+        if self._num_waiting_interactive > 0 or any(r.priority < PRIORITY_BATCH for r in self.running):
+            return self.interactive_step_budget
+        return None
 
     def _add_running(self, request: Request) -> None:
         # Kept sorted by rank (ranks never change), so the worst is always last.
@@ -162,6 +189,7 @@ class Scheduler:
         else:
             # Left in the heap; skipped when it reaches the top.
             self._num_waiting -= 1
+            self._num_waiting_interactive -= request.priority < PRIORITY_BATCH
         request.status = status
         self._release(request)
 
@@ -173,10 +201,17 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         index = 0
         running, scheduled, block_size = self.running, out.scheduled, self.pool.block_size
+        batch_budget = self._batch_budget()
         while index < len(running) and budget > 0:
             request = running[index]
             computed = request.num_computed_tokens
             num_new = min(request.num_tokens - computed, budget)
+            if batch_budget is not None and request.priority >= PRIORITY_BATCH:
+                if batch_budget <= 0:
+                    index += 1
+                    continue   # paused for this step: it stays running and keeps its blocks
+                num_new = min(num_new, batch_budget)
+                batch_budget -= num_new
             # A decode whose next token still fits its last block needs no new block: the
             # common case, checked inline because it runs for every request every step.
             if (computed + num_new) > len(request.block_ids) * block_size \
@@ -189,10 +224,17 @@ class Scheduler:
         # No newcomers in a step whose running requests outgrew the pool: they would be
         # preempted next. (Preempting for a better-ranked newcomer is what admits it.)
         outgrew = bool(out.preempted)
+        deferred = []   # batch requests passed over this step for an interactive one behind them
         while self._waiting and not outgrew:
             request = self._waiting[0][1]
             if request.status.finished:
                 heapq.heappop(self._waiting)
+                continue
+            capped = batch_budget is not None and request.priority >= PRIORITY_BATCH
+            if capped and batch_budget <= 0:
+                if self._num_waiting_interactive <= 0:
+                    break
+                deferred.append(heapq.heappop(self._waiting))
                 continue
             if request.status == RequestStatus.PREEMPTED and any(p is request for p in out.preempted):
                 break   # preempted in this step to make room: not back before the next one
@@ -227,7 +269,7 @@ class Scheduler:
             if len(cached) < max_cached and self._computing_prefix(request, len(cached)):
                 break   # its next block is being computed by a running request: a cache hit soon
             computed = len(cached) * block_size if cached else request.num_computed_tokens
-            num_new = min(request.num_tokens - computed, budget)
+            num_new = min(request.num_tokens - computed, budget, batch_budget if capped else budget)
             needed = self.pool.blocks_for(computed + num_new) - len(request.block_ids) - len(cached)
             if needed + self.pool.num_unheld(cached) > self.pool.num_free:
                 refund = self._make_room(request, out)
@@ -237,6 +279,10 @@ class Scheduler:
                 continue
             heapq.heappop(self._waiting)
             self._num_waiting -= 1
+            if capped:
+                batch_budget -= num_new
+            else:
+                self._num_waiting_interactive -= request.priority < PRIORITY_BATCH
             if cached:
                 self._take_cached(request, cached)
             if self.pool.enable_caching and request.num_preemptions == 0:
@@ -248,6 +294,8 @@ class Scheduler:
             self._reserved_seqs += forks
             out.scheduled.append(ScheduledRequest(request, request.num_computed_tokens, num_new))
             budget -= num_new
+        for entry in deferred:
+            heapq.heappush(self._waiting, entry)
         if self.windows is not None:
             for s in scheduled:
                 self.windows.cover(s.request, s.end)

@@ -48,7 +48,8 @@ def test_the_commands_share_one_set_of_options(capsys):
     offline = engine_flags("run-batch")
     assert offline == engine_flags("generate")
     assert offline - engine_flags("worker") == {"--generation-config"}       # the API applies those
-    assert {"--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--gpu-memory-utilization",
+    assert {"--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--interactive-step-budget",
+            "--gpu-memory-utilization",
             "--kv-cache-memory", "--kv-cache-dtype", "--dtype", "--device", "--block-size", "--enable-prefix-caching",
             "--no-enable-prefix-caching", "--enforce-eager", "--no-enforce-eager", "--seed",
             "--generation-config", "--model-impl", "--tokenizer", "--revision", "--tokenizer-revision",

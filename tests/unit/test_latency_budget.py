@@ -1,0 +1,227 @@
+"""The interactive step budget (rein.engine.scheduler): while a request with interactive
+priority is running or waiting, a step holds at most the budgeted batch-priority tokens; the
+batch requests left out pause (running, blocks kept) and all run again once no interactive
+request is left. On the scheduler alone (no model), then through the whole engine (tiny model):
+greedy outputs are the same with the budget as without, and every request finishes."""
+
+from __future__ import annotations
+
+import pytest
+from unit_support import prompt_of
+
+from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+from rein.core.settings import load_engine_settings
+from rein.engine.block_pool import BlockPool
+from rein.engine.request import Request, RequestStatus
+from rein.engine.sampling_params import SamplingParams
+from rein.engine.scheduler import Scheduler
+
+INTERACTIVE, BATCH = PRIORITY_INTERACTIVE, PRIORITY_BATCH
+
+
+def request(rid: str, prompt_len: int = 8, max_tokens: int = 20, priority: int = BATCH,
+            first_token: int = 1) -> Request:
+    # Distinct prompts (by first_token) so that the prefix cache never mixes requests up.
+    prompt = [first_token * 1000 + i for i in range(prompt_len)]
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), priority=priority)
+
+
+class Driver:
+    """Runs the scheduler as the engine does, with a fake model (each sampled token a function
+    of the request and position)."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.finished: dict[str, int] = {}
+        self.plans = []
+
+    def step(self):
+        plan = self.scheduler.schedule()
+        self.plans.append(plan)
+        for s in plan.scheduled:
+            r = s.request
+            r.num_computed_tokens = s.end
+            if self.scheduler.pool.enable_caching:
+                self.scheduler.register_computed_blocks(r)
+            if s.samples:
+                r.output_token_ids.append(50_000 + r.num_output_tokens)
+                if r.num_output_tokens >= r.sampling_params.max_tokens:
+                    self.scheduler.finish(r, RequestStatus.FINISHED_LENGTH)
+                    self.finished[r.request_id] = self.scheduler.num_steps
+        return plan
+
+
+def batch_tokens(plan) -> int:
+    return sum(s.num_new_tokens for s in plan.scheduled if s.request.priority >= PRIORITY_BATCH)
+
+
+def has_interactive(plan) -> bool:
+    return any(s.request.priority < PRIORITY_BATCH for s in plan.scheduled)
+
+
+def make_scheduler(budget: int | None, max_num_seqs: int = 8, blocks: int = 200,
+                   max_num_batched_tokens: int = 256) -> Scheduler:
+    return Scheduler(BlockPool(blocks, 4), max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                     interactive_step_budget=budget)
+
+
+def test_steps_with_interactive_work_hold_at_most_the_budgeted_batch_tokens():
+    scheduler = make_scheduler(budget=2)
+    driver = Driver(scheduler)
+    batch = [request(f"b{i}", prompt_len=10, max_tokens=30, first_token=i + 1) for i in range(6)]
+    for r in batch:
+        scheduler.add(r)
+    for _ in range(3):   # prefill and a few decodes with no interactive request: no limit
+        plan = driver.step()
+    assert batch_tokens(plan) == 6
+    chat = request("chat", prompt_len=12, max_tokens=5, priority=INTERACTIVE, first_token=50)
+    scheduler.add(chat)
+    while "chat" not in driver.finished:
+        plan = driver.step()
+        assert has_interactive(plan)                       # it runs at every step it is in the engine
+        assert batch_tokens(plan) <= 2
+        # The batch requests left out are paused, not preempted: still running, blocks kept.
+        assert all(r.status == RequestStatus.RUNNING and r.block_ids for r in batch)
+    assert not any(p.preempted for p in driver.plans)
+    plan = driver.step()                                   # the first step without it: every batch request
+    assert batch_tokens(plan) == 6 and not has_interactive(plan)
+    while scheduler.has_unfinished():
+        driver.step()
+    assert set(driver.finished) == {"chat", *(r.request_id for r in batch)}
+    assert scheduler.pool.num_used == 0
+
+
+def test_the_budget_goes_to_the_best_ranked_batch_requests_and_chunks_their_prefill():
+    scheduler = make_scheduler(budget=3)
+    driver = Driver(scheduler)
+    scheduler.add(request("chat", prompt_len=6, max_tokens=40, priority=INTERACTIVE, first_token=50))
+    driver.step()
+    first = request("b0", prompt_len=10, first_token=1)
+    second = request("b1", prompt_len=10, first_token=2)
+    scheduler.add(first)
+    scheduler.add(second)
+    plan = driver.step()   # b0 admitted with a 3-token chunk of its prompt; b1 waits
+    assert [(s.request.request_id, s.num_new_tokens) for s in plan.scheduled] == [("chat", 1), ("b0", 3)]
+    assert second.status == RequestStatus.WAITING
+    for _ in range(3):
+        plan = driver.step()
+        assert batch_tokens(plan) <= 3
+    assert first.num_computed_tokens == 10 and first.num_output_tokens == 1   # prefilled in chunks of 3 (3+3+3+1)
+    assert second.num_computed_tokens == 2        # b1 admitted with what b0's last chunk left (1 + 2)
+
+
+def test_an_interactive_request_behind_an_aged_batch_request_is_still_admitted():
+    scheduler = make_scheduler(budget=1, max_num_seqs=8)
+    scheduler.priority_aging_steps = 1            # a batch request ages past interactive ones in 6 steps
+    driver = Driver(scheduler)
+    scheduler.add(request("chat0", prompt_len=6, max_tokens=100, priority=INTERACTIVE, first_token=50))
+    old = [request(f"old{i}", prompt_len=8, first_token=i + 1) for i in range(3)]
+    for r in old:
+        scheduler.add(r)
+    for _ in range(12):
+        driver.step()
+    # The old batch requests rank ahead of a new chat now; one batch token a step admits them slowly.
+    late = request("chat1", prompt_len=6, max_tokens=3, priority=INTERACTIVE, first_token=60)
+    scheduler.add(late)
+    assert scheduler.rank(late) > min(scheduler.rank(r) for r in old if r.status == RequestStatus.WAITING)
+    plan = driver.step()
+    assert "chat1" in {s.request.request_id for s in plan.scheduled}
+    assert batch_tokens(plan) <= 1
+    assert scheduler.num_waiting == sum(r.status == RequestStatus.WAITING for r in old)   # the rest still queue
+
+
+def test_off_by_default_and_without_interactive_work():
+    assert Scheduler(BlockPool(10, 4), 4, 64).interactive_step_budget is None
+    with pytest.raises(ValueError, match="interactive_step_budget"):
+        make_scheduler(budget=-1)
+    for budget in (None, 0):
+        scheduler = make_scheduler(budget=budget)
+        driver = Driver(scheduler)
+        for i in range(4):
+            scheduler.add(request(f"b{i}", prompt_len=5, max_tokens=4, first_token=i + 1))
+        plan = driver.step()
+        assert batch_tokens(plan) == 20               # batch work alone is never held back
+        if budget == 0:
+            scheduler.add(request("chat", prompt_len=5, max_tokens=2, priority=INTERACTIVE, first_token=50))
+            plan = driver.step()
+            assert [s.request.request_id for s in plan.scheduled] == ["chat"]   # 0: batch work pauses
+        while scheduler.has_unfinished():
+            driver.step()
+        assert scheduler.pool.num_used == 0
+
+
+def test_an_aborted_waiting_interactive_request_stops_holding_batch_work_back():
+    scheduler = make_scheduler(budget=1, max_num_seqs=2)
+    driver = Driver(scheduler)
+    batch = [request(f"b{i}", prompt_len=5, max_tokens=30, first_token=i + 1) for i in range(2)]
+    for r in batch:
+        scheduler.add(r)
+    driver.step()
+    chat = request("chat", prompt_len=5, max_tokens=2, priority=INTERACTIVE, first_token=50)
+    chat.arrival_step = 1_000                     # ranks behind both: it may not preempt them, so it waits
+    scheduler.add(chat)
+    assert batch_tokens(driver.step()) == 1       # held back while the chat waits
+    scheduler.finish(chat, RequestStatus.FINISHED_ABORTED)
+    assert batch_tokens(driver.step()) == 2
+
+
+def test_the_setting_reaches_the_engine_config(monkeypatch):
+    from rein.engine.config import EngineConfig
+
+    monkeypatch.setenv("REIN_INTERACTIVE_STEP_BUDGET", "12")
+    assert load_engine_settings().interactive_step_budget == 12
+    assert EngineConfig(model="m", device="cpu").interactive_step_budget is None
+    with pytest.raises(ValueError, match="interactive_step_budget"):
+        EngineConfig(model="m", device="cpu", interactive_step_budget=-1)
+
+
+# -- through the engine --------------------------------------------------------------------------
+
+
+def make_engine(model_dir, budget: int | None):
+    from rein.engine import EngineConfig, LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_memory="8MiB", max_model_len=256,
+                                    max_num_seqs=6, interactive_step_budget=budget))
+    assert engine.scheduler.interactive_step_budget == budget
+    return engine
+
+
+def run(engine, arrivals: dict[int, list[tuple]]):
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        plans.append(plan)
+        return plan
+
+    engine.scheduler.schedule = recording
+    tokens: dict[str, list[int]] = {}
+    step = 0
+    while step <= max(arrivals) or engine.has_unfinished():
+        for request_id, prompt, params, priority in arrivals.get(step, []):
+            engine.add_request(request_id, prompt, params, priority=priority)
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+        step += 1
+    return tokens, plans
+
+
+def test_greedy_outputs_are_the_same_with_the_budget_and_every_request_finishes(tiny_models):
+    model_dir = tiny_models("llama")
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    arrivals = {0: [(f"batch{i}", prompt_of(20 + 7 * i, seed=i), greedy, BATCH) for i in range(5)]}
+    for k, step in enumerate((3, 9, 10, 30)):
+        arrivals.setdefault(step, []).append(
+            (f"chat{k}", prompt_of(12, seed=100 + k), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
+             INTERACTIVE))
+    expected, _ = run(make_engine(model_dir, None), arrivals)
+    engine = make_engine(model_dir, 2)
+    got, plans = run(engine, arrivals)
+    assert got == expected and len(got) == 9 and all(len(v) == (24 if k.startswith("batch") else 6)
+                                                      for k, v in got.items())
+    held = [p for p in plans if has_interactive(p)]
+    assert held and all(batch_tokens(p) <= 2 for p in held)
+    assert any(batch_tokens(p) > 2 for p in plans if not has_interactive(p))   # the rest ran in full
+    assert engine.pool.num_used == 0 and not engine.has_unfinished()
