@@ -1,0 +1,292 @@
+"""Engine decode speed on a 0.5B-shaped model against the HBM bandwidth bound (part of gpu_check).
+
+    python bench/gpu_decode.py [--device cuda|cpu] [--hbm-tbps 4.8] [--batches 64,256] [--vocab 151936]
+
+A random-weight model of Qwen2-0.5B's shape (Qwen2ForCausalLM from transformers' own config
+class: hidden 896, 24 layers, 14 heads, 2 KV heads, head_dim 64, intermediate 4864, tied
+embeddings, q/k/v bias, the full 151,936-token vocabulary: 494M parameters) with the tiny
+model's tokenizer (token ids past its vocabulary decode to nothing). One engine (bf16
+weights and KV cache, CUDA graphs, max_num_seqs = the largest batch) runs, for each batch
+size B, B requests of 128 random prompt tokens, greedy, ignore_eos, all added at once; after
+the prefill steps every step is a decode of B rows. The first decode steps are a warm-up;
+over the next ones it takes the median of
+
+* the engine step (`engine.step()`: schedule, forward, sampling, detokenize), and
+* the runner's `execute` alone (synchronized before and after, as bench/attention_kernels.py's
+  DecodeProbe does; replaying the CUDA graph of the batch),
+
+and compares them with the bandwidth bound of the step: (weight bytes + K/V bytes read) /
+HBM bandwidth, where weight bytes = every parameter once in the weights' dtype (an untied
+input embedding left out: only its looked-up rows are read) and K/V bytes = the requests'
+context lengths summed x the cache's bytes per token (K and V, all layers). ratio = bound /
+step time (1.0 would be a step that only streams its bytes at the peak). Target: the batch-64
+engine step at >= 50% of the bound.
+
+With --device cpu (gpu_check's CPU mode) the same code runs on a tiny shape at batches 4 and
+8; the ratio is printed but not judged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+# Qwen2-0.5B (Qwen/Qwen2-0.5B config.json); max_position_embeddings cut to what the check uses.
+QWEN2_05B_SHAPE = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
+                   "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936}
+CPU_SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 4096}
+TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TARGET_RATIO = 0.5      # of the bound, for the batch-64 engine step
+TARGET_BATCH = 64
+BATCHED_TOKENS = 2048   # the engine's step budget (EngineConfig.max_num_batched_tokens default)
+
+
+def sizes(device: str) -> dict:
+    """What the check runs: the full shape on CUDA, a tiny one on CPU."""
+    if device == "cuda":
+        return {"shape": dict(QWEN2_05B_SHAPE), "batches": [64, 256], "prompt_len": 128, "warmup_steps": 8,
+                "timed_steps": 40, "dtype": "bfloat16", "name": "qwen2-0.5b-shape"}
+    return {"shape": dict(CPU_SHAPE), "batches": [4, 8], "prompt_len": 16, "warmup_steps": 2,
+            "timed_steps": 6, "dtype": "float32", "name": "qwen2-tiny-shape"}
+
+
+def build_model(out: Path, tokenizer_dir: Path, shape: dict, device: str, dtype: torch.dtype) -> Path:
+    """A random-weight Qwen2ForCausalLM of `shape` in `out` (safetensors), tokenizer files from
+    `tokenizer_dir`. Built on the meta device and materialised on `device` (fast random init);
+    N(0, 0.02) weights and biases, norms at 1, embeddings tied."""
+    import transformers
+
+    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
+        return out
+    tiny = json.loads((tokenizer_dir / "config.json").read_text())
+    config = transformers.Qwen2Config(
+        max_position_embeddings=4096, rms_norm_eps=1e-6,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        tie_word_embeddings=True, use_sliding_window=False, initializer_range=0.02,
+        bos_token_id=tiny["bos_token_id"], eos_token_id=tiny["eos_token_id"],
+        pad_token_id=tiny["pad_token_id"], **shape)
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    model.tie_weights()   # to_empty gives lm_head its own storage; share the embedding again
+    partial = out.with_name(out.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    model.save_pretrained(partial)
+    del model
+    for name in TOKENIZER_FILES:
+        if (tokenizer_dir / name).is_file():
+            shutil.copyfile(tokenizer_dir / name, partial / name)
+    shutil.rmtree(out, ignore_errors=True)
+    partial.rename(out)
+    return out
+
+
+class StepTimer:
+    """Per engine step: the step's wall time, and (for steps that only decode) the runner's
+    execute time, synchronized, with the batch and the summed context length."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.runner = engine.runner
+        self.cuda = self.runner.device.type == "cuda"
+        self.last: tuple[int, int, float] | None = None
+
+    def _sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.runner.device)
+
+    def __enter__(self) -> StepTimer:
+        execute = self.runner.execute
+
+        def timed(scheduled):
+            self._sync()
+            start = time.perf_counter()
+            result = execute(scheduled)
+            self._sync()
+            if all(s.num_new_tokens == 1 for s in scheduled):
+                self.last = (len(scheduled), sum(s.end for s in scheduled), time.perf_counter() - start)
+            else:
+                self.last = None
+            return result
+
+        self.runner.execute = timed   # an instance attribute shadowing the method; removed on exit
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.runner.execute
+
+    def step(self) -> tuple[int, int, float, float] | None:
+        """One engine step; (batch, context sum, step s, execute s) when it only decoded."""
+        self.last = None
+        start = time.perf_counter()
+        self.engine.step()
+        wall = time.perf_counter() - start
+        if self.last is None:
+            return None
+        batch, context, execute_s = self.last
+        return batch, context, wall, execute_s
+
+
+def max_tokens(batch: int, prompt_len: int, warmup_steps: int, timed_steps: int) -> int:
+    """Output tokens per request such that all `batch` requests still decode together for
+    warmup + timed steps after the last prefill: the prefill chunks (a 2048-token budget per
+    step) let the first requests start decoding that many steps earlier."""
+    prefill_steps = -(-batch * prompt_len // BATCHED_TOKENS)
+    return 1 + prefill_steps + warmup_steps + timed_steps + 2
+
+
+def run_batch(engine, batch: int, prompt_len: int, warmup_steps: int, timed_steps: int,
+              weight_bytes: int, kv_per_token: int, tbps: float, seed: int) -> dict:
+    from rein.engine import SamplingParams
+
+    rng = random.Random(seed)
+    params = SamplingParams(max_tokens=max_tokens(batch, prompt_len, warmup_steps, timed_steps),
+                            temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", [rng.randrange(10, 2000) for _ in range(prompt_len)], params)
+    decodes: list[tuple[int, int, float, float]] = []
+    started = time.perf_counter()
+    steps = 0
+    with StepTimer(engine) as timer:
+        while engine.has_unfinished():
+            record = timer.step()
+            steps += 1
+            if record is not None and record[0] == batch:
+                decodes.append(record)
+    wall = time.perf_counter() - started
+    if engine.pool.num_used:
+        raise RuntimeError(f"{engine.pool.num_used} KV blocks still in use after the batch-{batch} run")
+    timed = decodes[warmup_steps:warmup_steps + timed_steps]
+    if not timed:
+        raise RuntimeError(f"no decode-only steps of {batch} rows were seen ({steps} steps, "
+                           f"{engine.stats.preemptions} preemptions)")
+    step_s = statistics.median(r[2] for r in timed)
+    execute_s = statistics.median(r[3] for r in timed)
+    context = statistics.median(r[1] for r in timed)
+    nbytes = weight_bytes + context * kv_per_token
+    bound_s = nbytes / (tbps * 1e12)
+    return {
+        "batch": batch, "decode_steps_timed": len(timed), "median_context_sum": context,
+        "step_ms": 1e3 * step_s, "execute_ms": 1e3 * execute_s,
+        "bound_ms": 1e3 * bound_s, "weight_gb": weight_bytes / 1e9, "kv_gb": context * kv_per_token / 1e9,
+        "ratio": bound_s / step_s, "execute_ratio": bound_s / execute_s,
+        "decode_tokens_per_s": batch / step_s,
+        "wall_s": wall, "preemptions": engine.stats.preemptions,
+    }
+
+
+def decode_check(device: str, hbm_tbps: float, models_dir: Path, batches: list[int] | None = None,
+                 vocab: int | None = None, tokenizer_dir: Path | None = None, on_batch=None) -> dict:
+    """Build the model, run each batch, return a gpu_check part result (status, reason, figures);
+    `on_batch(result so far)` after each batch."""
+    from rein.engine import EngineConfig, LLMEngine
+    from rein.engine.tiny_model import ensure_tiny_model
+
+    plan = sizes(device)
+    if batches:
+        plan["batches"] = batches
+    if vocab:
+        plan["shape"]["vocab_size"] = vocab
+    dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[plan["dtype"]]
+    tokenizer_dir = tokenizer_dir or ensure_tiny_model(models_dir / "qwen2", arch="qwen2")
+    started = time.perf_counter()
+    model_dir = build_model(models_dir / f"{plan['name']}-v{plan['shape']['vocab_size']}", tokenizer_dir,
+                            plan["shape"], device, dtype)
+    build_s = time.perf_counter() - started
+    top = max(plan["batches"])
+    max_len = plan["prompt_len"] + max_tokens(top, plan["prompt_len"], plan["warmup_steps"], plan["timed_steps"])
+    max_model_len = 1 << (max_len - 1).bit_length()
+    from rein.engine.model_spec import ModelSpec
+
+    spec = ModelSpec.from_dir(model_dir)
+    kv_per_token = spec.kv_bytes_per_token(dtype)
+    kv_memory = int(1.2 * top * (max_len + 16) * kv_per_token) + (1 << 20)
+    started = time.perf_counter()
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device=device, dtype=plan["dtype"],
+                                    kv_cache_memory=kv_memory, max_model_len=max_model_len,
+                                    max_num_seqs=top, max_num_batched_tokens=BATCHED_TOKENS, seed=0))
+    load_s = time.perf_counter() - started
+    elem = torch.empty((), dtype=engine.runner.dtype).element_size()
+    weight_bytes = spec.num_parameters() * elem
+    if not spec.tie_word_embeddings:
+        weight_bytes -= spec.vocab_size * spec.hidden_size * elem
+    result: dict = {"model": plan["name"], "parameters": spec.num_parameters(), "dtype": plan["dtype"],
+                    "hbm_tbps": hbm_tbps, "cuda_graphs": engine.runner.decode_graphs is not None,
+                    "build_s": round(build_s, 1), "load_s": round(load_s, 1), "batches": {}}
+    print(f"decode: {plan['name']} ({spec.num_parameters() / 1e6:.0f}M parameters, {plan['dtype']}, "
+          f"vocab {spec.vocab_size}), CUDA graphs {result['cuda_graphs']}, built in {build_s:.1f} s, "
+          f"engine loaded in {load_s:.1f} s; bound = (weights + K/V read) / {hbm_tbps:g} TB/s", flush=True)
+    try:
+        for batch in plan["batches"]:
+            generated = engine.stats.generation_tokens
+            row = run_batch(engine, batch, plan["prompt_len"], plan["warmup_steps"], plan["timed_steps"],
+                            weight_bytes, kv_per_token, hbm_tbps, seed=batch)
+            row["run_tokens_per_s"] = (engine.stats.generation_tokens - generated) / row["wall_s"]
+            result["batches"][str(batch)] = row
+            if on_batch is not None:
+                on_batch(result)
+            print(f"decode: batch {batch:4d}: engine step {row['step_ms']:.3f} ms "
+                  f"({row['decode_tokens_per_s']:,.0f} tok/s), runner execute {row['execute_ms']:.3f} ms; "
+                  f"bound {row['bound_ms']:.3f} ms ({row['weight_gb']:.3f} GB weights + {row['kv_gb']:.3f} GB K/V); "
+                  f"step at {100 * row['ratio']:.1f}% of the bound (execute {100 * row['execute_ratio']:.1f}%); "
+                  f"whole run {row['run_tokens_per_s']:,.0f} tok/s incl. prefill", flush=True)
+    finally:
+        del engine
+        gc.collect()
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    judged = str(TARGET_BATCH) in result["batches"]
+    if device != "cuda":
+        result["status"] = "PASS"
+        result["reason"] = ("ran on CPU (tiny shape, batches " + ", ".join(result["batches"]) +
+                            "); the >= 50% target applies on CUDA only")
+    elif not judged:
+        result["status"] = "PASS"
+        result["reason"] = f"ran batches {', '.join(result['batches'])}; batch {TARGET_BATCH} not run, target not judged"
+    else:
+        row = result["batches"][str(TARGET_BATCH)]
+        figures = "; ".join(f"batch {b}: {r['step_ms']:.2f} ms/step, {r['decode_tokens_per_s']:,.0f} tok/s, "
+                            f"{100 * r['ratio']:.0f}% of the {r['bound_ms']:.2f} ms bound"
+                            for b, r in result["batches"].items())
+        result["status"] = "PASS" if row["ratio"] >= TARGET_RATIO else "FAIL"
+        result["reason"] = (figures + f" (target: batch {TARGET_BATCH} >= {100 * TARGET_RATIO:.0f}%"
+                            + ("" if row["ratio"] >= TARGET_RATIO else ", not met") + ")")
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=("cuda", "cpu"))
+    parser.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth for the bound, TB/s (H200: 4.8)")
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 64,256; CPU 4,8)")
+    parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default Qwen2's 151936)")
+    parser.add_argument("--models-dir", default=None, help="where the model is built (default: a temp dir)")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")] if args.batches else None
+    with tempfile.TemporaryDirectory(prefix="rein-gpu-decode-") as tmp:
+        result = decode_check(args.device, args.hbm_tbps, Path(args.models_dir or tmp), batches, args.vocab)
+    print(f"{result['status']}: {result['reason']}")
+    print(json.dumps(result))
+    return 0 if result["status"] != "FAIL" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
