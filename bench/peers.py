@@ -29,6 +29,8 @@ paragraphs below, tokenized by the model's tokenizer; 48 requests each by defaul
 * shared: one ~320-token system prompt + a short distinct user question, in the model's
           ChatML template (prefix caching counts here), 32 output tokens each;
 * long:   prompts 1000-1500 tokens, outputs 8-16 tokens (prefill-bound).
+* long4k (only when named): 6 prompts of 1000-4000 tokens, 32 output tokens each, HF at batch 1
+          (whatever --requests and --hf-batch-size say): long documents, attention-heavy prefill.
 * prefill, decode (only when named, e.g. `--workloads prefill,decode --requests 32`): the same
   prompts of 256 tokens with 1, resp. 65 output tokens; the script then prints each system's
   prefill time and its decode step time, (decode - prefill) / 64.
@@ -108,6 +110,9 @@ from rein.engine.engine import LLMEngine  # noqa: E402
 from rein.engine.model_spec import ModelSpec  # noqa: E402
 
 WORKLOADS = ("mixed", "shared", "long")
+# Not run by default: the long-prompt batch of issue 30 (summaries, RAG, extraction): 6 prompts of
+# 1,000-4,000 tokens, 32 output tokens each, HF at batch 1 (its fastest on these lengths).
+LONG4K, LONG4K_REQUESTS = "long4k", 6
 # Not run by default: a phase split. Both use the same prompts of PHASE_PROMPT tokens; prefill
 # asks one token of each, decode PHASE_STEPS + 1, so their difference is PHASE_STEPS decode steps.
 PHASE_WORKLOADS = ("prefill", "decode")
@@ -304,12 +309,16 @@ def make_workload(name: str, text: Text, n: int, hf_batch_size: int) -> Workload
     elif name == "long":
         prompts = [text.excerpt(rng, rng.randint(1000, 1500)) for _ in range(n)]
         olens = [rng.randint(8, 16) for _ in range(n)]
+    elif name == LONG4K:
+        prompts = [text.excerpt(rng, rng.randint(1000, 4000)) for _ in range(LONG4K_REQUESTS)]
+        olens = [32] * LONG4K_REQUESTS
+        hf_batch_size = 1
     elif name in PHASE_WORKLOADS:
         rng = random.Random(f"{SEED}-peers-phases")   # the same prompts for both
         prompts = [text.excerpt(rng, PHASE_PROMPT) for _ in range(n)]
         olens = [1 if name == "prefill" else PHASE_STEPS + 1] * n
     else:
-        raise SystemExit(f"unknown workload {name!r}: use {', '.join(WORKLOADS + PHASE_WORKLOADS)}")
+        raise SystemExit(f"unknown workload {name!r}: use {', '.join(WORKLOADS + (LONG4K,) + PHASE_WORKLOADS)}")
     return Workload(name, prompts, olens, hf_batch_size)
 
 
@@ -530,7 +539,8 @@ def print_table(name: str, row: dict, labels: dict[str, str], systems: list[str]
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--workloads", default=",".join(WORKLOADS),
-                    help="comma list: " + ", ".join(WORKLOADS + PHASE_WORKLOADS) + " (the last two: a phase split)")
+                    help="comma list: " + ", ".join(WORKLOADS + (LONG4K,) + PHASE_WORKLOADS)
+                         + " (long4k: 6 prompts of 1,000-4,000 tokens; the last two: a phase split)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma list: " + ", ".join(SYSTEMS))
     ap.add_argument("--requests", type=int, default=None, help="requests per workload (default 48; 6 with --quick)")
     ap.add_argument("--repeat", type=int, default=1, help="rounds; min/median/max over them")
