@@ -346,19 +346,57 @@ def ensure_tiny_llama(models_dir: Path) -> Path:
 
 
 def ensure_qwen2_05b_shape(models_dir: Path, tokenizer_dir: Path, device: str) -> Path:
-    """A random bf16 Qwen2ForCausalLM with Qwen2.5-0.5B's shapes and the tiny vocabulary.
+    """A random bf16 Qwen2ForCausalLM with Qwen2.5-0.5B's shapes and the tiny vocabulary."""
+    path = models_dir / "qwen2-0.5b-shape-vocab2048"
+    if not all((path / f).exists() for f in MODEL_FILES):
+        print(f"# building a Qwen2.5-0.5B-shaped random model into {path} ...", flush=True)
+    return build_qwen2_model(path, tokenizer_dir, device, QWEN2_05B_SHAPE, torch.bfloat16)
+
+
+def build_qwen2_model(path: Path, tokenizer_dir: Path, device: str, shape: dict, dtype: torch.dtype) -> Path:
+    """A random-weight Qwen2ForCausalLM of `shape` (Qwen2Config fields; the vocabulary is the
+    tokenizer's unless `shape` gives vocab_size) in `path`, unless one is there already.
 
     Built by transformers' own class (so it is a regular checkpoint), on the meta device
     and then materialised on `device`, where the random init is fast; N(0, 0.02) weights
-    and biases, norms at 1. Tokenizer and generation config come from `tokenizer_dir`.
+    and biases, norms at 1, embeddings tied. Tokenizer and generation config come from
+    `tokenizer_dir`. bench/gpu_decode.py builds its models here too.
     """
     import shutil
 
     import transformers
 
-    path = models_dir / "qwen2-0.5b-shape-vocab2048"
     if all((path / f).exists() for f in MODEL_FILES):
         return path
+    tiny = json.loads((tokenizer_dir / "config.json").read_text())
+    config = transformers.Qwen2Config(**{
+        "vocab_size": tiny["vocab_size"], "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+        "tie_word_embeddings": True, "use_sliding_window": False, "initializer_range": 0.02,
+        "bos_token_id": tiny["bos_token_id"], "eos_token_id": tiny["eos_token_id"],
+        "pad_token_id": tiny["pad_token_id"], **shape})
+    with torch.device("meta"):
+        model = transformers.Qwen2ForCausalLM(config)
+    model = model.to_empty(device=device).to(dtype)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
+    model.tie_weights()  # to_empty gives lm_head its own storage; share the embedding again
+    tmp = path.with_name(path.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    del model
+    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                 "special_tokens_map.json"):
+        if (tokenizer_dir / name).is_file():
+            shutil.copyfile(tokenizer_dir / name, tmp / name)
+    shutil.rmtree(path, ignore_errors=True)
+    tmp.rename(path)  # only a complete directory is ever reused
+    return path
     print(f"# building a Qwen2.5-0.5B-shaped random model into {path} ...", flush=True)
     tiny = json.loads((tokenizer_dir / "config.json").read_text())
     config = transformers.Qwen2Config(

@@ -32,7 +32,6 @@ import argparse
 import gc
 import json
 import random
-import shutil
 import statistics
 import sys
 import tempfile
@@ -46,7 +45,6 @@ QWEN2_05B_SHAPE = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_h
                    "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936}
 CPU_SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 4096}
-TOKENIZER_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 TARGET_RATIO = 0.5      # of the bound, for the batch-64 engine step
 TARGET_BATCH = 64
 BATCHED_TOKENS = 2048   # the engine's step budget (EngineConfig.max_num_batched_tokens default)
@@ -59,44 +57,6 @@ def sizes(device: str) -> dict:
                 "timed_steps": 40, "dtype": "bfloat16", "name": "qwen2-0.5b-shape"}
     return {"shape": dict(CPU_SHAPE), "batches": [4, 8], "prompt_len": 16, "warmup_steps": 2,
             "timed_steps": 6, "dtype": "float32", "name": "qwen2-tiny-shape"}
-
-
-def build_model(out: Path, tokenizer_dir: Path, shape: dict, device: str, dtype: torch.dtype) -> Path:
-    """A random-weight Qwen2ForCausalLM of `shape` in `out` (safetensors), tokenizer files from
-    `tokenizer_dir`. Built on the meta device and materialised on `device` (fast random init);
-    N(0, 0.02) weights and biases, norms at 1, embeddings tied."""
-    import transformers
-
-    if (out / "model.safetensors").is_file() and (out / "config.json").is_file():
-        return out
-    tiny = json.loads((tokenizer_dir / "config.json").read_text())
-    config = transformers.Qwen2Config(
-        max_position_embeddings=4096, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True, use_sliding_window=False, initializer_range=0.02,
-        bos_token_id=tiny["bos_token_id"], eos_token_id=tiny["eos_token_id"],
-        pad_token_id=tiny["pad_token_id"], **shape)
-    with torch.device("meta"):
-        model = transformers.Qwen2ForCausalLM(config)
-    model = model.to_empty(device=device).to(dtype)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
-    model.tie_weights()   # to_empty gives lm_head its own storage; share the embedding again
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    model.save_pretrained(partial)
-    del model
-    for name in TOKENIZER_FILES:
-        if (tokenizer_dir / name).is_file():
-            shutil.copyfile(tokenizer_dir / name, partial / name)
-    shutil.rmtree(out, ignore_errors=True)
-    partial.rename(out)
-    return out
 
 
 class StepTimer:
@@ -197,6 +157,8 @@ def decode_check(device: str, hbm_tbps: float, models_dir: Path, batches: list[i
                  vocab: int | None = None, tokenizer_dir: Path | None = None, on_batch=None) -> dict:
     """Build the model, run each batch, return a gpu_check part result (status, reason, figures);
     `on_batch(result so far)` after each batch."""
+    from attention_kernels import build_qwen2_model  # bench/ is on sys.path, as for gpu_check.py
+
     from rein.engine import EngineConfig, LLMEngine
     from rein.engine.tiny_model import ensure_tiny_model
 
@@ -208,8 +170,8 @@ def decode_check(device: str, hbm_tbps: float, models_dir: Path, batches: list[i
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[plan["dtype"]]
     tokenizer_dir = tokenizer_dir or ensure_tiny_model(models_dir / "qwen2", arch="qwen2")
     started = time.perf_counter()
-    model_dir = build_model(models_dir / f"{plan['name']}-v{plan['shape']['vocab_size']}", tokenizer_dir,
-                            plan["shape"], device, dtype)
+    model_dir = build_qwen2_model(models_dir / f"{plan['name']}-v{plan['shape']['vocab_size']}", tokenizer_dir,
+                                  device, plan["shape"], dtype)
     build_s = time.perf_counter() - started
     top = max(plan["batches"])
     max_len = plan["prompt_len"] + max_tokens(top, plan["prompt_len"], plan["warmup_steps"], plan["timed_steps"])

@@ -32,11 +32,11 @@ def prefix_ordered(items: Iterable[Item], key: Callable[[Item], Sequence[int]], 
     order."""
     window = max(1, window)
     source = iter(items)
-    pool: list[tuple[Sequence[int], int]] = []     # (key, arrival), sorted
-    held: dict[int, Item] = {}                      # arrival -> item, for those in the pool
+    # (key, arrival, item), sorted; arrivals are unique, so items are never compared
+    pool: list[tuple[list[int], int, Item]] = []
     entered: dict[int, int] = {}                    # arrival -> takes when it entered the pool
     arrivals: deque[int] = deque()                  # arrival order, taken ones dropped lazily
-    cursor: tuple[Sequence[int], int] | None = None
+    cursor: tuple[list[int], int, Item] | None = None
     taken = 0
     next_arrival = 0
     exhausted = False
@@ -48,28 +48,25 @@ def prefix_ordered(items: Iterable[Item], key: Callable[[Item], Sequence[int]], 
                 exhausted = True
                 break
             tokens = key(item)
-            entry = (tokens if isinstance(tokens, list) else list(tokens), next_arrival)
-            bisect.insort(pool, entry)
-            held[next_arrival] = item
+            bisect.insort(pool, (tokens if isinstance(tokens, list) else list(tokens), next_arrival, item))
             entered[next_arrival] = taken
             arrivals.append(next_arrival)
             next_arrival += 1
         if not pool:
             return
-        while arrivals[0] not in held:
+        while arrivals[0] not in entered:
             arrivals.popleft()
         oldest = arrivals[0]
         if taken - entered[oldest] >= 2 * window:
-            index = next(i for i, (_, arrival) in enumerate(pool) if arrival == oldest)
+            index = next(i for i, entry in enumerate(pool) if entry[1] == oldest)
         else:
             index = 0 if cursor is None else bisect.bisect_left(pool, cursor)
             if index == len(pool):
                 index = 0
         cursor = pool.pop(index)
-        arrival = cursor[1]
-        del entered[arrival]
+        del entered[cursor[1]]
         taken += 1
-        yield held.pop(arrival)
+        yield cursor[2]
 
 
 _END = object()

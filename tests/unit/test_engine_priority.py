@@ -6,7 +6,7 @@ generate when nothing preempts them, n > 1 choices included."""
 from __future__ import annotations
 
 import pytest
-from unit_support import prompt_of
+from unit_support import prompt_of, record_plans
 
 from rein.engine import EngineConfig, LLMEngine, SamplingParams
 
@@ -19,20 +19,6 @@ def make_engine(model_dir, **config) -> LLMEngine:
     config.setdefault("max_model_len", 256)
     config.setdefault("max_num_seqs", 4)
     return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **config))
-
-
-def record_plans(engine: LLMEngine) -> list:
-    """Keep every step's scheduler plan (to see who was scheduled from where)."""
-    plans = []
-    schedule = engine.scheduler.schedule
-
-    def recording():
-        plan = schedule()
-        plans.append(plan)
-        return plan
-
-    engine.scheduler.schedule = recording
-    return plans
 
 
 def run(engine: LLMEngine, arrivals: dict[int, list[tuple]]) -> tuple[dict, dict]:

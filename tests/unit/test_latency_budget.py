@@ -7,56 +7,22 @@ greedy outputs are the same with the budget as without, and every request finish
 from __future__ import annotations
 
 import pytest
-from unit_support import prompt_of
+from scheduler_support import BATCH, INTERACTIVE, Driver, request
+from unit_support import make_engine, prompt_of, record_plans
 
-from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.settings import load_engine_settings
 from rein.engine.block_pool import BlockPool
-from rein.engine.request import Request, RequestStatus
+from rein.engine.request import RequestStatus
 from rein.engine.sampling_params import SamplingParams
 from rein.engine.scheduler import Scheduler
 
-INTERACTIVE, BATCH = PRIORITY_INTERACTIVE, PRIORITY_BATCH
-
-
-def request(rid: str, prompt_len: int = 8, max_tokens: int = 20, priority: int = BATCH,
-            first_token: int = 1) -> Request:
-    # Distinct prompts (by first_token) so that the prefix cache never mixes requests up.
-    prompt = [first_token * 1000 + i for i in range(prompt_len)]
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens), priority=priority)
-
-
-class Driver:
-    """Runs the scheduler as the engine does, with a fake model (each sampled token a function
-    of the request and position)."""
-
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
-        self.finished: dict[str, int] = {}
-        self.plans = []
-
-    def step(self):
-        plan = self.scheduler.schedule()
-        self.plans.append(plan)
-        for s in plan.scheduled:
-            r = s.request
-            r.num_computed_tokens = s.end
-            if self.scheduler.pool.enable_caching:
-                self.scheduler.register_computed_blocks(r)
-            if s.samples:
-                r.output_token_ids.append(50_000 + r.num_output_tokens)
-                if r.num_output_tokens >= r.sampling_params.max_tokens:
-                    self.scheduler.finish(r, RequestStatus.FINISHED_LENGTH)
-                    self.finished[r.request_id] = self.scheduler.num_steps
-        return plan
-
 
 def batch_tokens(plan) -> int:
-    return sum(s.num_new_tokens for s in plan.scheduled if s.request.priority >= PRIORITY_BATCH)
+    return sum(s.num_new_tokens for s in plan.scheduled if s.request.priority >= BATCH)
 
 
 def has_interactive(plan) -> bool:
-    return any(s.request.priority < PRIORITY_BATCH for s in plan.scheduled)
+    return any(s.request.priority < BATCH for s in plan.scheduled)
 
 
 def make_scheduler(budget: int | None, max_num_seqs: int = 8, blocks: int = 200,
@@ -76,7 +42,7 @@ def test_steps_with_interactive_work_hold_at_most_the_budgeted_batch_tokens():
     assert batch_tokens(plan) == 6
     chat = request("chat", prompt_len=12, max_tokens=5, priority=INTERACTIVE, first_token=50)
     scheduler.add(chat)
-    while "chat" not in driver.finished:
+    while "chat/0" not in driver.finished:
         plan = driver.step()
         assert has_interactive(plan)                       # it runs at every step it is in the engine
         assert batch_tokens(plan) <= 2
@@ -87,7 +53,7 @@ def test_steps_with_interactive_work_hold_at_most_the_budgeted_batch_tokens():
     assert batch_tokens(plan) == 6 and not has_interactive(plan)
     while scheduler.has_unfinished():
         driver.step()
-    assert set(driver.finished) == {"chat", *(r.request_id for r in batch)}
+    assert set(driver.finished) == {"chat/0", *(f"{r.request_id}/0" for r in batch)}
     assert scheduler.pool.num_used == 0
 
 
@@ -178,25 +144,14 @@ def test_the_setting_reaches_the_engine_config(monkeypatch):
 # -- through the engine --------------------------------------------------------------------------
 
 
-def make_engine(model_dir, budget: int | None):
-    from rein.engine import EngineConfig, LLMEngine
-
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", kv_cache_memory="8MiB", max_model_len=256,
-                                    max_num_seqs=6, interactive_step_budget=budget))
+def budget_engine(model_dir, budget: int | None):
+    engine = make_engine(model_dir, max_num_seqs=6, interactive_step_budget=budget)
     assert engine.scheduler.interactive_step_budget == budget
     return engine
 
 
 def run(engine, arrivals: dict[int, list[tuple]]):
-    plans = []
-    schedule = engine.scheduler.schedule
-
-    def recording():
-        plan = schedule()
-        plans.append(plan)
-        return plan
-
-    engine.scheduler.schedule = recording
+    plans = record_plans(engine)
     tokens: dict[str, list[int]] = {}
     step = 0
     while step <= max(arrivals) or engine.has_unfinished():
@@ -216,8 +171,8 @@ def test_greedy_outputs_are_the_same_with_the_budget_and_every_request_finishes(
         arrivals.setdefault(step, []).append(
             (f"chat{k}", prompt_of(12, seed=100 + k), SamplingParams(max_tokens=6, temperature=0, ignore_eos=True),
              INTERACTIVE))
-    expected, _ = run(make_engine(model_dir, None), arrivals)
-    engine = make_engine(model_dir, 2)
+    expected, _ = run(budget_engine(model_dir, None), arrivals)
+    engine = budget_engine(model_dir, 2)
     got, plans = run(engine, arrivals)
     assert got == expected and len(got) == 9 and all(len(v) == (24 if k.startswith("batch") else 6)
                                                       for k, v in got.items())

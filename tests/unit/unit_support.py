@@ -15,6 +15,21 @@ def make_engine(model_dir, **config) -> LLMEngine:
     return LLMEngine(EngineConfig(model=str(model_dir), device="cpu", **config))
 
 
+def record_plans(engine: LLMEngine) -> list:
+    """A list that gets every scheduler plan `engine` makes from now on (to see who was
+    scheduled from where)."""
+    plans = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        plan = schedule()
+        plans.append(plan)
+        return plan
+
+    engine.scheduler.schedule = recording
+    return plans
+
+
 def prompt_of(length: int, seed: int = 0) -> list[int]:
     """`length` random token ids in [10, 2000), the same for the same `seed`."""
     rng = random.Random(seed)
