@@ -31,9 +31,10 @@ drifts by a quarter between runs. Greedy outputs are compared by custom_id as a 
 both answered the same requests (fp32 sums depend on which requests share a step, so a
 near-tie can go either way: a few differ). Per round: the 1-minute load average, the CPU
 seconds each side used while timed (the API and worker processes and the worker's engine
-process, read from /proc; this process for offline), and the engine's steps and output
-tokens per step (the worker's heartbeat; the offline engine's stats). `--profile-worker` samples the worker with py-spy (it slows the worker: use it to
-see where time goes, not for figures). The last line of stdout is one JSON object with
+process, read from /proc, and the rest of the machine's busy time: Postgres, Redis, this
+client; this process for offline), and the engine's steps and output tokens per step (the
+worker's heartbeat; the offline engine's stats). `--profile-worker` samples the worker and its
+engine process with py-spy (it slows the worker: use it to see where time goes, not for figures). The last line of stdout is one JSON object with
 every figure.
 """
 
@@ -130,6 +131,18 @@ def process_cpu_seconds(pid: int, *, children: bool = True) -> float | None:
     return total
 
 
+def machine_busy_seconds() -> float | None:
+    """CPU seconds every core has spent busy since boot (Linux /proc/stat: all but idle and
+    iowait), so that what the service's own processes do not account for (Postgres, Redis,
+    this client) shows as the rest."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
+    except (OSError, ValueError, IndexError):
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
 def child_pids(pid: int) -> list[int]:
     """The live processes whose parent is `pid` (Linux /proc)."""
     found = []
@@ -217,7 +230,8 @@ class Service:
     def cpu_seconds(self) -> dict[str, float | None]:
         """User + system CPU seconds each process has used so far (Linux /proc; None elsewhere)."""
         return {"api": process_cpu_seconds(self.api.pid), "worker": process_cpu_seconds(self.worker.pid),
-                "worker_process": process_cpu_seconds(self.worker.pid, children=False)}
+                "worker_process": process_cpu_seconds(self.worker.pid, children=False),
+                "machine": machine_busy_seconds()}
 
     def stop(self) -> None:
         for proc in self.procs:
@@ -261,11 +275,12 @@ def run_service(sandbox: Sandbox, model_dir: Path, input_path: Path, output_path
             # py-spy without pausing the worker (--nonblocking: pausing ~70 threads per sample
             # slowed it several-fold), sampling only the thread that holds the GIL (--gil): the
             # worker's Python work is serialised on the GIL, so that is where its time goes.
-            # --profile-all-threads samples every thread instead (waits included).
+            # --profile-all-threads samples every thread instead (waits included). --subprocesses:
+            # the engine process too (its stacks start with its own process line).
             mode = [] if args.profile_all_threads else ["--gil"]
             profiler = subprocess.Popen(["py-spy", "record", "--pid", str(service.worker.pid), "--format", "raw",
                                          "--output", args.profile_worker, "--rate", "100", "--nonblocking",
-                                         *mode],
+                                         "--subprocesses", *mode],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         heartbeat_key = keys.worker_heartbeat(service.hostname)
         with BatchClient(service.base_url, key) as client:
@@ -449,7 +464,7 @@ def report(args: argparse.Namespace, rounds: list[dict], max_tokens: dict[str, i
           f"greedy + ignore_eos ({expected_tokens} output tokens expected); {args.preset} llama, cpu fp32, "
           f"1 torch thread, max_num_seqs {args.max_num_seqs}, KV {args.kv_cache_memory}; {len(rounds)} "
           f"round(s), service and offline alternating")
-    print(f"  {'round':>5} {'service s':>9} {'offline s':>9} {'ratio':>7}  {'service CPU: api + worker (engine)':<36} "
+    print(f"  {'round':>5} {'service s':>9} {'offline s':>9} {'ratio':>7}  {'service CPU: api + worker (engine) + rest':<42} "
           f"{'offline CPU':>11}  {'tokens/step s|o':>15}  {'load 1m':>9}")
     for number, one in enumerate(rounds, 1):
         service, offline = one["service"], one["offline"]
@@ -457,9 +472,11 @@ def report(args: argparse.Namespace, rounds: list[dict], max_tokens: dict[str, i
         engine_cpu = (f" ({cpu['worker'] - cpu['worker_process']:.1f})"
                       if None not in (cpu["worker"], cpu["worker_process"]) and cpu["worker"] > cpu["worker_process"]
                       else "")
-        service_cpu = f"{cpu['api']} + {cpu['worker']}{engine_cpu}"
+        rest = (f" + {cpu['machine'] - cpu['api'] - cpu['worker']:.1f}"
+                if None not in (cpu["machine"], cpu["api"], cpu["worker"]) else "")
+        service_cpu = f"{cpu['api']} + {cpu['worker']}{engine_cpu}{rest}"
         print(f"  {number:>5} {service['wall_s']:>9.2f} {offline['wall_s']:>9.2f} {one['ratio']:>6.3f}x  "
-              f"{service_cpu:<36} {offline['cpu_s']:>11}  "
+              f"{service_cpu:<42} {offline['cpu_s']:>11}  "
               f"{service['engine']['output_tokens_per_step']:>7}|{offline['engine']['output_tokens_per_step']:<7}  "
               f"{max(service['load_1m'] + offline['load_1m']):>9.2f}")
     ratios = sorted(one["ratio"] for one in rounds)
@@ -472,8 +489,8 @@ def report(args: argparse.Namespace, rounds: list[dict], max_tokens: dict[str, i
           f"output tokens {last['output_tokens']} / {rounds[-1]['offline']['output_tokens']} (expected "
           f"{expected_tokens}); same greedy text for {last['same_greedy_text']}/{args.requests} (fp32 near-ties "
           f"follow the step's batch)")
-    print("  CPU: seconds while timed (Postgres and Redis not counted); the worker's includes its engine "
-          "process's (in brackets)")
+    print("  CPU: seconds while timed; the worker's includes its engine process's (in brackets); the rest is "
+          "every other process on the machine (Postgres, Redis, this client), from /proc/stat")
     print(json.dumps({
         "bench": "batch", "preset": args.preset, "requests": args.requests,
         "expected_output_tokens": expected_tokens, "max_num_seqs": args.max_num_seqs,

@@ -50,7 +50,8 @@ tenants, so one tenant's 50,000-line batches cannot starve another tenant's.
 A running job whose abort is never confirmed (its worker died) is marked cancelled after
 ABORT_GRACE_SECONDS; the worker's recorder only writes under a live `running` lease, so
 nothing is recorded or billed twice. The manager polls every REIN_BATCH_POLL_SECONDS and
-is woken at once when this process creates or cancels a batch.
+is woken at once when this process creates or cancels a batch, and when a worker has recorded
+batch lines (rein.batches.wakeup), at most every BATCH_WAKE_MIN_SECONDS.
 
 Beside it: the per-batch lock (rein.batches.locks), the batch's job rows (rein.batches.batch_jobs)
 and the fairness rules (rein.batches.fairness).
@@ -86,6 +87,7 @@ from rein.batches.fairness import feeding_shares, round_robin
 from rein.batches.locks import hold_batch_lock, try_lock_batch
 from rein.batches.output import write_result_files
 from rein.batches.validation import ValidLine, validate_lines
+from rein.batches.wakeup import BATCH_WAKE_MIN_SECONDS, BatchEventListener
 from rein.core.filestore import FileStore
 from rein.core.messages import PRIORITY_BATCH, JobMessage
 from rein.core.models import JOB_MESSAGE_COLUMNS, Batch, File, Job
@@ -128,6 +130,8 @@ class BatchManager:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rein-batch-manager", daemon=True)
+        # Workers' "batch lines recorded" (rein.batches.wakeup): a tick at once, not at the next poll.
+        self._events = BatchEventListener(redis, self.keys, self.wake)
         threads = settings.batch_validator_threads
         self._validator = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="rein-batch-validator")
         self._tenant_share = max(1, threads // 2)   # validations one tenant may have in flight
@@ -137,12 +141,14 @@ class BatchManager:
     # -- the loop ---------------------------------------------------------------------------
 
     def start(self) -> BatchManager:
+        self._events.start()
         self._thread.start()
         return self
 
     def stop(self, timeout: float = 30.0) -> None:
         self._stop.set()
         self._wake.set()
+        self._events.stop()
         if self._thread.is_alive():
             self._thread.join(timeout)
         self._validator.shutdown(wait=True, cancel_futures=True)
@@ -153,11 +159,14 @@ class BatchManager:
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.clear()
+            started = time.monotonic()
             try:
                 self.tick()
             except Exception:   # Postgres or Redis away: log, and try again next tick
                 log.exception("batch manager tick failed")
-            self._wake.wait(self.settings.batch_poll_seconds)
+            if self._wake.wait(self.settings.batch_poll_seconds):
+                # Woken (batch events come as fast as workers record lines): a few ticks a second at most.
+                self._stop.wait(BATCH_WAKE_MIN_SECONDS - (time.monotonic() - started))
 
     def tick(self) -> None:
         """One pass over every unfinished batch.

@@ -35,6 +35,11 @@ class RedisKeys:
         """Workers subscribe here to abort running jobs within one engine step."""
         return f"{self.prefix}:cancel"
 
+    def batch_events(self) -> str:
+        """Workers publish here when they have recorded batch lines; the batch managers wake at
+        once to feed the queue or finish the batch (rein.batches.wakeup)."""
+        return f"{self.prefix}:batch-events"
+
     def queue(self, model: str) -> str:
         """The Celery queue of a served model's interactive jobs (priority below PRIORITY_BATCH)."""
         return f"{self.prefix}.model.{model}"

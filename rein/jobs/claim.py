@@ -85,6 +85,7 @@ class Lease:
     prompt_tokens: int
     queue_seconds: float | None = None   # from the job's submission to this claim (database clock)
     deaths_seen: int = 0                 # deaths of its engine or worker the job was present at
+    batch_id: str | None = None          # the batch of a batch line
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ _CLAIM_SET_SQL = f"""status = 'running', attempt = attempt + 1, worker = %s, sta
 _CLAIM_SQL = f"""
 UPDATE jobs SET {_CLAIM_SET_SQL}
  WHERE id = %s AND cancel_requested_at IS NULL AND {_ATTEMPTS_LEFT_SQL} AND {_CLAIMABLE_SQL}
-RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, started_at, deaths_seen"""
+RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, started_at, deaths_seen, batch_id"""
 
 
 # claim_jobs: the same claim for several jobs in one statement. The rows are locked in id
@@ -138,7 +139,7 @@ UPDATE jobs SET {_CLAIM_SET_SQL}
   FROM target
  WHERE jobs.id = target.id AND cancel_requested_at IS NULL AND {_ATTEMPTS_LEFT_SQL} AND {_CLAIMABLE_SQL}
 RETURNING jobs.id, jobs.attempt, jobs.tenant, jobs.key_id, jobs.model, jobs.endpoint, jobs.prompt_tokens,
-          jobs.queued_at, jobs.started_at, jobs.deaths_seen"""
+          jobs.queued_at, jobs.started_at, jobs.deaths_seen, jobs.batch_id"""
 
 
 def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_for_seconds: float,
@@ -194,7 +195,7 @@ class GroupClaimer(GroupCommit[str, Claim]):
 def _lease(job_id: str, worker: str, row: Any) -> Lease:
     queue_seconds = (row.started_at - row.queued_at).total_seconds() if row.queued_at else None
     return Lease(job_id, row.attempt, worker, row.tenant, row.key_id, row.model, row.endpoint, row.prompt_tokens,
-                 queue_seconds, row.deaths_seen)
+                 queue_seconds, row.deaths_seen, row.batch_id)
 
 
 def not_claimed(sessions: sessionmaker[Session], job_id: str, max_attempts: int = MAX_ATTEMPTS) -> Claim:

@@ -50,6 +50,7 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery, bootsteps
@@ -61,6 +62,7 @@ from kombu.common import ignore_errors
 from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
+from rein.batches.wakeup import announce_batch_progress
 from rein.core.db import make_engine
 from rein.core.logging import configured_elsewhere, log_context
 from rein.core.redis_keys import RedisKeys
@@ -250,7 +252,8 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     context = WorkerContext(app=app, settings=settings, model_name=spec.model_name, worker_name=worker_name,
                             keys=keys, redis=redis, sessions=sessions, runner=runner, publisher=publisher,
                             metrics=metrics, reaper=Reaper(settings, sessions, redis, app),
-                            recorder=GroupRecorder(sessions),
+                            recorder=GroupRecorder(sessions, on_batch_lines=partial(
+                                announce_batch_progress, redis, keys)),
                             claimer=GroupClaimer(sessions, worker_name, settings.lease_seconds))
     context.keeper = EngineKeeper(context, make_runner)
     context.start()

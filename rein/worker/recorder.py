@@ -18,6 +18,8 @@ over the plain body; its text, token ids and logprobs columns hold the first ret
 The worker records through `GroupRecorder`: jobs that end together (a batch's lines end
 in the same engine steps) are written by one statement (`record_jobs`), with the same
 conditions and the same idempotence per job, so one round trip and one commit for the group.
+A group with batch lines in it is announced (`on_batch_lines`, rein.batches.wakeup), so the
+batch managers feed and finish at once.
 
 Postgres text and jsonb cannot hold U+0000, which a model can emit (a byte-level token
 for 0x00): `storable_text` drops it, here and in the published events alike, so the
@@ -27,6 +29,7 @@ streamed deltas still concatenate to the stored text.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import partial
@@ -120,12 +123,30 @@ class GroupRecorder(GroupCommit[tuple[Lease, JobRecord], bool]):
     that end together (a batch's lines, which end in the same engine steps) are written by one
     `record_jobs` statement; each caller gets its own answer or error, as from `record_job`."""
 
-    def __init__(self, sessions: sessionmaker[Session], max_group: int = 64) -> None:
+    def __init__(self, sessions: sessionmaker[Session], max_group: int = 64,
+                 on_batch_lines: Callable[[], None] | None = None) -> None:
         # The writers take turns: one held connection serves them all (no checkout, no pre-ping).
         db = HeldConnections(engine_of(sessions), shared=True)
-        super().__init__(write_many=lambda items: _recorded(record_jobs(sessions, items, db=db), items),
-                         write_one=lambda item: record_job(sessions, *item, db=db),
-                         key=lambda item: item[0].job_id, max_group=max_group, what="job records")
+        self._on_batch_lines = on_batch_lines
+
+        def write_many(items: list[tuple[Lease, JobRecord]]) -> list[bool]:
+            answers = _recorded(record_jobs(sessions, items, db=db), items)
+            self._announce([lease for (lease, _), recorded in zip(items, answers, strict=True) if recorded])
+            return answers
+
+        def write_one(item: tuple[Lease, JobRecord]) -> bool:
+            recorded = record_job(sessions, *item, db=db)
+            self._announce([item[0]] if recorded else [])
+            return recorded
+
+        super().__init__(write_many=write_many, write_one=write_one, key=lambda item: item[0].job_id,
+                         max_group=max_group, what="job records")
+
+    def _announce(self, recorded: list[Lease]) -> None:
+        # Once per written group with batch lines in it: the batch managers feed and finish
+        # at once (rein.batches.wakeup).
+        if self._on_batch_lines is not None and any(lease.batch_id is not None for lease in recorded):
+            self._on_batch_lines()
 
     def record(self, lease: Lease, record: JobRecord) -> bool:
         """`record_job`, written with whatever else waits."""

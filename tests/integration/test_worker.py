@@ -403,6 +403,24 @@ def test_group_recorder_answers_each_thread_and_groups_what_waits(make_job, db_s
     assert all(job_row(db_sessionmaker, lease.job_id).status == "succeeded" for lease in leases[:-1])
 
 
+def test_group_recorder_announces_recorded_batch_lines_only(make_job, db_sessionmaker):
+    """The batch managers are woken (rein.batches.wakeup) for a recorded batch line, not for an
+    interactive job nor for a line whose lease was lost."""
+    from dataclasses import replace
+
+    from rein.worker.recorder import GroupRecorder
+
+    announced: list[int] = []
+    recorder = GroupRecorder(db_sessionmaker, on_batch_lines=lambda: announced.append(1))
+    done = JobRecord(status="succeeded", text="x", token_ids=[1], finish_reason="stop", prompt_tokens=4,
+                     completion_tokens=1)
+    interactive, line, lost = (claim_job(db_sessionmaker, make_job().job_id, "w1", 600).lease for _ in range(3))
+    assert recorder.record(interactive, done) and announced == []
+    assert recorder.record(replace(line, batch_id="batch_x"), done) and announced == [1]
+    assert not recorder.record(replace(lost, batch_id="batch_x", attempt=lost.attempt + 1), done)
+    assert announced == [1]
+
+
 def test_expired_lease_is_reclaimed_and_the_stale_attempt_writes_nothing(make_job, db_sessionmaker):
     message = make_job()
     stale = claim_job(db_sessionmaker, message.job_id, "w1", 600).lease

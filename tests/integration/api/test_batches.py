@@ -206,6 +206,50 @@ def test_queue_window_feeds_as_workers_drain(make_client, make_key, tenant, db_s
     assert redis_client.llen(batch_queue) == 2
 
 
+def test_recorded_lines_wake_the_manager_before_its_next_poll(make_client, make_key, tenant, db_sessionmaker,
+                                                              redis_client, settings, tmp_path):
+    """A worker that records batch lines announces them (rein.batches.wakeup): with a 30 s poll,
+    the queue is topped up and the batch finished within a second of the records, which
+    without the announcement wait for the next poll."""
+    from rein.batches.wakeup import announce_batch_progress
+    from rein.core.redis_keys import RedisKeys
+    from rein.jobs.claim import claim_job
+    from rein.worker.recorder import GroupRecorder, JobRecord
+
+    client = make_client(files_dir=str(tmp_path / "files"), batch_queue_window=2, batch_poll_seconds=30)
+    manager = client.app.state.batch_manager
+    wait_for(manager._events.subscribed.is_set, 10, "the manager's batch event subscription")
+    key = make_key(tenant, "batch")
+    batch = create(client, key, jsonl(*(line(f"r{i}") for i in range(3))))   # woken by the create
+    wait_for(lambda: sum(1 for j in batch_jobs(db_sessionmaker, batch["id"]) if j.sent_at) == 2, 10,
+             "the first window sent")
+    announced = []
+    recorder = GroupRecorder(db_sessionmaker, on_batch_lines=lambda: (
+        announced.append(1), announce_batch_progress(redis_client, RedisKeys.from_settings(settings))))
+    plain = GroupRecorder(db_sessionmaker)   # no announcement: the manager waits for its poll
+    done = JobRecord(status="succeeded", text="ok", token_ids=[1], finish_reason="stop", prompt_tokens=2,
+                     completion_tokens=1)
+
+    def run_sent(with_recorder: GroupRecorder) -> None:
+        for job in batch_jobs(db_sessionmaker, batch["id"]):
+            if job.sent_at and job.status == "queued":
+                lease = claim_job(db_sessionmaker, job.id, "w1", 600).lease
+                assert lease is not None and lease.batch_id == batch["id"]
+                assert with_recorder.record(lease, done)
+
+    redis_client.delete(queue_keys(settings, "tiny")[PRIORITY_BATCH])   # a worker took both messages
+    run_sent(plain)
+    time.sleep(1.0)
+    assert sum(1 for j in batch_jobs(db_sessionmaker, batch["id"]) if j.sent_at) == 2   # still waiting for the poll
+    manager.wake()                                    # as the poll would
+    wait_for(lambda: all(j.sent_at for j in batch_jobs(db_sessionmaker, batch["id"])), 5, "the last line sent")
+    started = time.monotonic()
+    run_sent(recorder)
+    assert announced == [1]
+    wait_status(client, key, batch["id"], "completed", timeout=10)
+    assert time.monotonic() - started < 5
+
+
 @pytest.mark.parametrize("order", ["prefix", "file"])
 def test_lines_sharing_a_prompt_prefix_are_sent_together(make_client, make_key, tenant, db_sessionmaker,
                                                          redis_client, settings, tmp_path, order):
