@@ -326,6 +326,7 @@ def main() -> int:
         "interactive_step_budget": args.interactive_step_budget, "service_env": dict(args.service_env or []),
         "idle_s": {"p50": round(pct(idle, 50), 4), "p99": round(pct(idle, 99), 4)},
         "busy_s": {"p50": round(pct(busy, 50), 4), "p99": round(pct(busy, 99), 4)},
+        "busy_each_s": [round(x, 3) for x in busy],   # in the order the chats were sent
         "batch_alone": [alone_1, alone_2], "batch_with_chats": mixed, "preemptions": preemptions,
         "step_ms": step_ms,
         "ratios": {k: round(v, 3) for k, v in ratios.items()}, "pass": passed,

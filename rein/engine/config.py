@@ -76,8 +76,8 @@ class EngineConfig:
     interactive_step_budget: while a request with interactive priority (below PRIORITY_BATCH) is
     in the engine, a step holds at most this many batch-priority tokens (decodes 1 each, prefill
     chunks their length), so that interactive requests' steps cost near what they cost idle; the
-    batch requests left out pause (keeping their KV blocks). None: no such limit
-    (rein.engine.scheduler).
+    batch requests left out pause (keeping their KV blocks), and batch prefill chunks stay held
+    for a while after (rein.engine.scheduler). None: no such limit.
     """
 
     model: str

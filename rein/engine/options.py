@@ -71,7 +71,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("max_num_batched_tokens", "token budget of one step (prefill chunks + decodes)", int, "N"),
     EngineOption("interactive_step_budget", "while interactive requests (priority below batch) are in the engine, "
                  "hold a step's batch-priority work to N tokens (decodes 1 each, prefill chunks their length) so "
-                 "interactive token latency stays near idle; the batch requests left out pause for that step",
+                 "interactive token latency stays near idle; the batch requests left out pause for that step, "
+                 "and batch prefill stays within 4N tokens a step for 64 steps after",
                  int, "N", shown_default="off"),
     EngineOption("gpu_memory_utilization", "without --kv-cache-memory, on CUDA: the share of the device's total "
                  "memory rein fills; the KV cache gets what is free after the weights less (1 - FRACTION) x total",

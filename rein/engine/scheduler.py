@@ -59,7 +59,14 @@ requests left out of a step stay running and keep their blocks (paused, not pree
 they resume where they were); better-ranked ones get the budget first, a prefill is chunked
 to it, and waiting batch requests are admitted only within it (an interactive request
 waiting behind them is still admitted). Batch work never stops: it gets the budget every
-step, and all of the step's budget again at the first step without interactive requests.
+step, and its decodes all run again at the first step without interactive requests. Its
+prefill chunks stay within HOLD_PREFILL_FACTOR x the budget for INTERACTIVE_HOLD_STEPS more
+steps: interactive requests come in runs (a conversation's turns, a user's next question),
+and one arriving then waits for the step in progress, which without the hold could be a full
+step of batch prefill, many times a decode step's time. The factor was measured
+(bench/priority.py, docs/benchmarks.md): holding batch prefill to the budget itself cost the
+batch a fifth of its throughput, 8x the budget raised the chats' median by a third, 4x did
+neither.
 """
 
 from __future__ import annotations
@@ -108,6 +115,10 @@ class SchedulerOutput:
 
 # A priority level counts as this many engine steps of waiting (see the module docstring).
 DEFAULT_PRIORITY_AGING_STEPS = 128
+# After the last interactive request, batch prefill chunks stay held for this many steps (the module docstring): about 1-3 s of 10-50 ms steps.
+INTERACTIVE_HOLD_STEPS = 64
+# ... within this many times the budget (the module docstring).
+HOLD_PREFILL_FACTOR = 4
 
 
 class Scheduler:
@@ -126,6 +137,7 @@ class Scheduler:
         # Batch-priority tokens a step may hold while interactive requests are in (None: no limit).
         self.interactive_step_budget = interactive_step_budget
         self._num_waiting_interactive = 0   # waiting requests with priority below PRIORITY_BATCH
+        self._interactive_step = -INTERACTIVE_HOLD_STEPS - 1   # the last step with interactive requests in
         self.running: list[Request] = []   # by rank, best first
         self._waiting: list[tuple[tuple[int, int, int], Request]] = []  # heap by rank
         self._num_waiting = 0
@@ -155,14 +167,20 @@ class Scheduler:
         self._num_waiting += 1
         self._num_waiting_interactive += request.priority < PRIORITY_BATCH
 
-    def _batch_budget(self) -> int | None:
-        """This step's budget for batch-priority tokens: the interactive step budget while an
-        interactive request is running or waiting, else None (no limit beyond the step's)."""
-        if self.interactive_step_budget is None:
-            return None
+    def _batch_budget(self) -> tuple[int | None, bool]:
+        """This step's budget for batch-priority tokens and whether decodes are outside it: the
+        interactive step budget while an interactive request is running or waiting; for
+        prefill chunks alone in the INTERACTIVE_HOLD_STEPS after; else None (no limit beyond
+        the step's)."""
+        budget = self.interactive_step_budget
+        if budget is None:
+            return None, False
         if self._num_waiting_interactive > 0 or any(r.priority < PRIORITY_BATCH for r in self.running):
-            return self.interactive_step_budget
-        return None
+            self._interactive_step = self.num_steps
+            return budget, False
+        if self.num_steps - self._interactive_step <= INTERACTIVE_HOLD_STEPS:
+            return budget * HOLD_PREFILL_FACTOR, True
+        return None, False
 
     def _add_running(self, request: Request) -> None:
         # Kept sorted by rank (ranks never change), so the worst is always last.
@@ -201,12 +219,13 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         index = 0
         running, scheduled, block_size = self.running, out.scheduled, self.pool.block_size
-        batch_budget = self._batch_budget()
+        batch_budget, decodes_free = self._batch_budget()
         while index < len(running) and budget > 0:
             request = running[index]
             computed = request.num_computed_tokens
             num_new = min(request.num_tokens - computed, budget)
-            if batch_budget is not None and request.priority >= PRIORITY_BATCH:
+            if batch_budget is not None and request.priority >= PRIORITY_BATCH \
+                    and not (decodes_free and num_new == 1):   # a decode in the hold: not counted
                 if batch_budget <= 0:
                     index += 1
                     continue   # paused for this step: it stays running and keeps its blocks

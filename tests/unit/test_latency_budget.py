@@ -180,3 +180,38 @@ def test_greedy_outputs_are_the_same_with_the_budget_and_every_request_finishes(
     assert held and all(batch_tokens(p) <= 2 for p in held)
     assert any(batch_tokens(p) > 2 for p in plans if not has_interactive(p))   # the rest ran in full
     assert engine.pool.num_used == 0 and not engine.has_unfinished()
+
+
+def test_batch_prefill_stays_held_for_the_hold_steps_after_the_last_chat():
+    """Interactive requests come in runs: for INTERACTIVE_HOLD_STEPS after the last one left, a
+    batch prefill is still chunked, to HOLD_PREFILL_FACTOR x the budget (so the next chat
+    meets a short step), while the batch's decodes all run again at once."""
+    from rein.engine.scheduler import HOLD_PREFILL_FACTOR, INTERACTIVE_HOLD_STEPS
+
+    held = 2 * HOLD_PREFILL_FACTOR
+    scheduler = make_scheduler(budget=2, blocks=400)
+    driver = Driver(scheduler)
+    batch = [request(f"b{i}", prompt_len=8, max_tokens=400, first_token=i + 1) for i in range(3)]
+    for r in batch:
+        scheduler.add(r)
+    driver.step()
+    scheduler.add(request("chat", prompt_len=6, max_tokens=2, priority=INTERACTIVE, first_token=50))
+    while "chat/0" not in driver.finished:
+        driver.step()
+    late = request("late", prompt_len=3 * held, max_tokens=2, first_token=90)
+    scheduler.add(late)
+    plan = driver.step()
+    assert not has_interactive(plan)
+    decodes = [s for s in plan.scheduled if s.request in batch]
+    assert len(decodes) == 3 and all(s.num_new_tokens == 1 for s in decodes)        # decodes: not held
+    assert [s.num_new_tokens for s in plan.scheduled if s.request is late] == [held]   # its prefill: held
+    while late.num_computed_tokens < late.num_prompt_tokens:
+        plan = driver.step()
+        assert all(s.num_new_tokens <= held for s in plan.scheduled if s.request is late)
+    # Past the hold, a batch prefill takes the whole step again.
+    while scheduler.num_steps - scheduler._interactive_step <= INTERACTIVE_HOLD_STEPS:
+        driver.step()
+    fresh = request("fresh", prompt_len=3 * held, max_tokens=2, first_token=95)
+    scheduler.add(fresh)
+    plan = driver.step()
+    assert [s.num_new_tokens for s in plan.scheduled if s.request is fresh] == [3 * held]
