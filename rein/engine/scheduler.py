@@ -115,9 +115,10 @@ class SchedulerOutput:
 
 # A priority level counts as this many engine steps of waiting (see the module docstring).
 DEFAULT_PRIORITY_AGING_STEPS = 128
-# After the last interactive request, batch prefill chunks stay held for this many steps (the module docstring): about 1-3 s of 10-50 ms steps.
+# After the last interactive request, batch prefill chunks stay within HOLD_PREFILL_FACTOR x
+# the interactive step budget for INTERACTIVE_HOLD_STEPS steps (about 1-3 s of 10-50 ms steps;
+# the module docstring).
 INTERACTIVE_HOLD_STEPS = 64
-# ... within this many times the budget (the module docstring).
 HOLD_PREFILL_FACTOR = 4
 
 
@@ -169,9 +170,9 @@ class Scheduler:
 
     def _batch_budget(self) -> tuple[int | None, bool]:
         """This step's budget for batch-priority tokens and whether decodes are outside it: the
-        interactive step budget while an interactive request is running or waiting; for
-        prefill chunks alone in the INTERACTIVE_HOLD_STEPS after; else None (no limit beyond
-        the step's)."""
+        interactive step budget while an interactive request is running or waiting;
+        HOLD_PREFILL_FACTOR times it, for prefill chunks alone, in the INTERACTIVE_HOLD_STEPS
+        after; else None (no limit beyond the step's)."""
         budget = self.interactive_step_budget
         if budget is None:
             return None, False
