@@ -397,35 +397,6 @@ def build_qwen2_model(path: Path, tokenizer_dir: Path, device: str, shape: dict,
     shutil.rmtree(path, ignore_errors=True)
     tmp.rename(path)  # only a complete directory is ever reused
     return path
-    print(f"# building a Qwen2.5-0.5B-shaped random model into {path} ...", flush=True)
-    tiny = json.loads((tokenizer_dir / "config.json").read_text())
-    config = transformers.Qwen2Config(
-        vocab_size=tiny["vocab_size"], max_position_embeddings=32768, rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        tie_word_embeddings=True, use_sliding_window=False, initializer_range=0.02,
-        bos_token_id=tiny["bos_token_id"], eos_token_id=tiny["eos_token_id"],
-        pad_token_id=tiny["pad_token_id"], **QWEN2_05B_SHAPE)
-    with torch.device("meta"):
-        model = transformers.Qwen2ForCausalLM(config)
-    model = model.to_empty(device=device).to(torch.bfloat16)
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.fill_(1.0)
-            else:
-                param.normal_(0.0, 0.02, generator=gen)
-    model.tie_weights()  # to_empty gives lm_head its own storage; share the embedding again
-    tmp = path.with_name(path.name + ".partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    del model
-    for name in ("generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json"):
-        shutil.copyfile(tokenizer_dir / name, tmp / name)
-    shutil.rmtree(path, ignore_errors=True)
-    tmp.rename(path)  # only a complete directory is ever reused
-    return path
 
 
 class DecodeProbe:
