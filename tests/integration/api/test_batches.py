@@ -219,10 +219,12 @@ def test_recorded_lines_wake_the_manager_before_its_next_poll(make_client, make_
     client = make_client(files_dir=str(tmp_path / "files"), batch_queue_window=2, batch_poll_seconds=30)
     manager = client.app.state.batch_manager
     wait_for(manager._events.subscribed.is_set, 10, "the manager's batch event subscription")
+    ticks = count_ticks(manager)
     key = make_key(tenant, "batch")
     batch = create(client, key, jsonl(*(line(f"r{i}") for i in range(3))))   # woken by the create
     wait_for(lambda: sum(1 for j in batch_jobs(db_sessionmaker, batch["id"]) if j.sent_at) == 2, 10,
              "the first window sent")
+    wait_for(lambda: manager_settled(manager, ticks), 15, "the ticks woken by the create and its validation")
     announced = []
     recorder = GroupRecorder(db_sessionmaker, on_batch_lines=lambda: (
         announced.append(1), announce_batch_progress(redis_client, RedisKeys.from_settings(settings))))
@@ -248,6 +250,30 @@ def test_recorded_lines_wake_the_manager_before_its_next_poll(make_client, make_
     assert announced == [1]
     wait_status(client, key, batch["id"], "completed", timeout=15)
     assert time.monotonic() - started < 15      # well before the 30 s poll, even on a loaded machine
+
+
+def count_ticks(manager) -> list[int]:
+    """Count the manager's ticks from now on: [started, finished]."""
+    ticks = [0, 0]
+    tick = manager.tick
+
+    def counted_tick() -> None:
+        ticks[0] += 1
+        try:
+            tick()
+        finally:
+            ticks[1] += 1
+    manager.tick = counted_tick                  # _run calls self.tick()
+    return ticks
+
+
+def manager_settled(manager, ticks: list[int], quiet_seconds: float = 0.6) -> bool:
+    """No tick of the manager ran, started or was asked for over `quiet_seconds`. The create
+    and the end of its validation each wake the manager, so a woken tick can still be due after
+    the first window is sent: it would send the next line as soon as the queue is emptied."""
+    before = list(ticks)
+    time.sleep(quiet_seconds)
+    return ticks == before and before[0] == before[1] and not manager._wake.is_set()
 
 
 @pytest.mark.parametrize("order", ["prefix", "file"])
