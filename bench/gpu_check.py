@@ -102,7 +102,11 @@ def tiny_model(ctx: dict, arch: str) -> Path:
 
 
 def greedy_archs(cuda: bool) -> tuple[str, ...]:
-    return DENSE_ARCHS + MOE_ARCHS if cuda else ("llama",)
+    """The architectures greedy_tiny checks; REIN_GPU_CHECK_ARCHS (comma-separated) narrows
+    them, e.g. to rerun the MoE ones alone."""
+    archs = DENSE_ARCHS + MOE_ARCHS if cuda else ("llama",)
+    chosen = os.environ.get("REIN_GPU_CHECK_ARCHS")
+    return tuple(a for a in archs if a in chosen.split(",")) if chosen else archs
 
 
 def prepare_models(ctx: dict) -> None:

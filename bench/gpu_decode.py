@@ -153,10 +153,96 @@ def run_batch(engine, batch: int, prompt_len: int, warmup_steps: int, timed_step
     }
 
 
+def profile_batch(engine, batch: int, prompt_len: int, warmup_steps: int, steps: int, trace: Path | None) -> None:
+    """Where a decode step of `batch` rows spends its time: the step split into the runner's
+    parts, each synchronized and timed alone over the same decode (the plan and host copies,
+    the graph replay, the logits, sampling and the rest of the engine step), then
+    torch.profiler's CPU and CUDA tables over `steps` engine steps (and a Chrome trace to
+    `trace`)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from rein.engine import SamplingParams
+
+    runner = engine.runner
+    rng = random.Random(batch + 1)
+    params = SamplingParams(max_tokens=max_tokens(batch, prompt_len, warmup_steps, 2 * steps + 2),
+                            temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{batch}-{i}", [rng.randrange(10, 2000) for _ in range(prompt_len)], params)
+    decoded = 0
+    with StepTimer(engine) as timer:
+        while decoded < warmup_steps:
+            record = timer.step()
+            decoded += record is not None and record[0] == batch
+    sync = (lambda: torch.cuda.synchronize(runner.device)) if runner.device.type == "cuda" else (lambda: None)
+    graphs = runner.decode_graphs
+    parts: dict[str, list[float]] = {"engine step": [], "plan (python)": [], "graph replay (host copies + replay)": [],
+                                     "replay call (host side)": [], "replay alone": [], "logits": []}
+    plan_of = runner._plan
+    seen: list = []
+
+    def timed_plan(scheduled):
+        start = time.perf_counter()
+        out = plan_of(scheduled)
+        parts["plan (python)"].append(time.perf_counter() - start)
+        seen[:] = [out[0]]
+        return out
+
+    runner._plan = timed_plan          # an instance attribute shadowing the method; removed below
+    try:
+        for _ in range(steps):
+            sync()
+            start = time.perf_counter()
+            engine.step()
+            sync()
+            parts["engine step"].append(time.perf_counter() - start)
+    finally:
+        del runner._plan
+    # The runner's pieces, on the last step's plan: replaying it again writes the same K/V to
+    # the same slots, so the requests are unchanged.
+    if seen and not seen[0].prefill_lens and graphs is not None and graphs.fits(len(seen[0].decode_lens)):
+        plan = seen[0]
+        size = graphs.size_for(len(plan.input_ids))
+        with torch.inference_mode():      # as ModelRunner.execute runs
+            for _ in range(steps):
+                sync()
+                start = time.perf_counter()
+                hidden = graphs.run(plan.input_ids, plan.positions, plan.slots, plan.decode_lens, plan.decode_rows)
+                sync()
+                parts["graph replay (host copies + replay)"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                graphs.graphs[size].replay()
+                parts["replay call (host side)"].append(time.perf_counter() - start)
+                sync()
+                parts["replay alone"].append(time.perf_counter() - start)
+                start = time.perf_counter()
+                runner._logits(hidden, plan)
+                sync()
+                parts["logits"].append(time.perf_counter() - start)
+    print(f"profile: batch {batch}, medians over {steps} steps:", flush=True)
+    for name, values in parts.items():
+        if values:
+            print(f"profile:   {name:40s} {1e3 * statistics.median(values):8.3f} ms", flush=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            engine.step()
+        sync()
+    sort = "self_cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
+    while engine.has_unfinished():
+        engine.step()
+
+
 def decode_check(device: str, hbm_tbps: float, models_dir: Path, batches: list[int] | None = None,
-                 vocab: int | None = None, tokenizer_dir: Path | None = None, on_batch=None) -> dict:
+                 vocab: int | None = None, tokenizer_dir: Path | None = None, on_batch=None,
+                 profile_steps: int = 0, trace: Path | None = None) -> dict:
     """Build the model, run each batch, return a gpu_check part result (status, reason, figures);
-    `on_batch(result so far)` after each batch."""
+    `on_batch(result so far)` after each batch; with `profile_steps`, then `profile_batch` on
+    the first batch size."""
     from attention_kernels import build_qwen2_model  # bench/ is on sys.path, as for gpu_check.py
 
     from rein.engine import EngineConfig, LLMEngine
@@ -174,7 +260,8 @@ def decode_check(device: str, hbm_tbps: float, models_dir: Path, batches: list[i
                                   device, plan["shape"], dtype)
     build_s = time.perf_counter() - started
     top = max(plan["batches"])
-    max_len = plan["prompt_len"] + max_tokens(top, plan["prompt_len"], plan["warmup_steps"], plan["timed_steps"])
+    steps = max(plan["timed_steps"], 2 * profile_steps + 2)     # profile_batch's decodes
+    max_len = plan["prompt_len"] + max_tokens(top, plan["prompt_len"], plan["warmup_steps"], steps)
     max_model_len = 1 << (max_len - 1).bit_length()
     from rein.engine.model_spec import ModelSpec
 
@@ -210,6 +297,8 @@ def decode_check(device: str, hbm_tbps: float, models_dir: Path, batches: list[i
                   f"bound {row['bound_ms']:.3f} ms ({row['weight_gb']:.3f} GB weights + {row['kv_gb']:.3f} GB K/V); "
                   f"step at {100 * row['ratio']:.1f}% of the bound (execute {100 * row['execute_ratio']:.1f}%); "
                   f"whole run {row['run_tokens_per_s']:,.0f} tok/s incl. prefill", flush=True)
+        if profile_steps:
+            profile_batch(engine, plan["batches"][0], plan["prompt_len"], plan["warmup_steps"], profile_steps, trace)
     finally:
         del engine
         gc.collect()
@@ -241,10 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 64,256; CPU 4,8)")
     parser.add_argument("--vocab", type=int, default=None, help="vocabulary size (default Qwen2's 151936)")
     parser.add_argument("--models-dir", default=None, help="where the model is built (default: a temp dir)")
+    parser.add_argument("--profile", type=int, default=0, metavar="STEPS",
+                        help="after the timed runs, profile STEPS decode steps of the first batch size")
+    parser.add_argument("--trace", default=None, help="with --profile: write a Chrome trace here")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")] if args.batches else None
     with tempfile.TemporaryDirectory(prefix="rein-gpu-decode-") as tmp:
-        result = decode_check(args.device, args.hbm_tbps, Path(args.models_dir or tmp), batches, args.vocab)
+        result = decode_check(args.device, args.hbm_tbps, Path(args.models_dir or tmp), batches, args.vocab,
+                              profile_steps=args.profile, trace=Path(args.trace) if args.trace else None)
     print(f"{result['status']}: {result['reason']}")
     print(json.dumps(result))
     return 0 if result["status"] != "FAIL" else 1

@@ -324,6 +324,8 @@ class ModelRunner:
                                      plan.score_ks) if plan.score_rows else None
         if not plan.sample_rows:
             return None, prompt
+        if len(plan.sample_rows) == hidden.shape[0]:   # every row samples (rows only increase): no gather
+            return self.model.compute_logits(hidden), prompt
         return self.model.compute_logits(hidden[self._tensor(plan.sample_rows, torch.int64)]), prompt
 
     @staticmethod

@@ -167,7 +167,7 @@ def plan_tiles(m: int, n: int, k: int, group: int, sm_count: int | None,
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
     split_k = 1
-    if sm_count and tiles < sm_count:
+    if sm_count and 0 < tiles < sm_count:   # (no rows: no tiles, nothing to split)
         # About two programs per SM, each still walking at least 8 K-tiles.
         split_k = max(1, min(2 * sm_count // tiles, k_tiles // 8, 16))
     # Pipeline stages by shared memory: float32 x tiles are twice the size (a 128 x 128 x 64

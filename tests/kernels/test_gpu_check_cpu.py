@@ -52,3 +52,18 @@ def test_cpu_mode_passes_every_part_that_runs_without_cuda(tmp_path, tiny_models
     assert parts["n_choices_graphs"]["archs"]["llama"]["replayed_steps"] > 0
     assert set(parts["decode"]["batches"]) == {"4", "8"}
     assert all(row["step_ms"] > 0 and row["bound_ms"] > 0 for row in parts["decode"]["batches"].values())
+
+
+def test_decode_profile_runs_on_cpu(tmp_path, tiny_models, capsys, monkeypatch):
+    """bench/gpu_decode.py --profile (what found where an H200's decode step goes) runs its
+    timed parts and the profiler tables on CPU too."""
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))
+    import gpu_decode
+    trace = tmp_path / "trace.json"
+    result = gpu_decode.decode_check("cpu", 4.8, tmp_path / "models", batches=[4], tokenizer_dir=tiny_models("qwen2"),
+                                     profile_steps=3, trace=trace)
+    out = capsys.readouterr().out
+    assert result["status"] == "PASS" and set(result["batches"]) == {"4"}
+    assert "profile:   engine step" in out and "profile:   plan (python)" in out
+    assert "Self CPU time total" in out          # torch.profiler's table
+    assert trace.is_file() and json.loads(trace.read_text())["traceEvents"]

@@ -136,6 +136,8 @@ def test_tile_plan_follows_m_and_the_group():
     decode = tq.plan_tiles(1, 4096, 4096, 128, sm_count=132)
     assert decode.split_k > 1
     assert tq.plan_tiles(4096, 4096, 4096, 128, sm_count=132).split_k == 1
+    # No rows (an empty batch on a GPU): no tiles to count, none to split (the H200 found this).
+    assert tq.plan_tiles(0, 16, 32, 16, sm_count=132).split_k == 1
 
 
 def test_bad_inputs_are_refused_before_launch():
