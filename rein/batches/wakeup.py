@@ -16,12 +16,12 @@ listener reconnecting) still acts on its next poll.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 
 from redis import Redis
 from redis.exceptions import RedisError
 
+from rein.core.channel_listener import ChannelListener
 from rein.core.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
@@ -39,51 +39,10 @@ def announce_batch_progress(redis: Redis, keys: RedisKeys) -> None:
         log.debug("batch event not published: %s", exc)
 
 
-class BatchEventListener:
+class BatchEventListener(ChannelListener):
     """A thread subscribed to the batch event channel, calling `on_event()` for each message."""
 
     def __init__(self, redis: Redis, keys: RedisKeys, on_event: Callable[[], None],
                  wait_seconds: float = 0.5) -> None:
-        self.redis = redis
-        self.keys = keys
-        self.on_event = on_event
-        self.wait_seconds = wait_seconds     # a blocking read, well under redis-py's socket timeout
-        self.subscribed = threading.Event()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rein-batch-events", daemon=True)
-
-    def start(self) -> BatchEventListener:
-        self._thread.start()
-        return self
-
-    def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def _run(self) -> None:
-        backoff = 0.1
-        while not self._stop.is_set():
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=False)
-            try:
-                pubsub.subscribe(self.keys.batch_events())
-                backoff = 0.1
-                while not self._stop.is_set():
-                    message = pubsub.get_message(timeout=self.wait_seconds)
-                    if message is None:
-                        continue
-                    if message.get("type") == "subscribe":
-                        self.subscribed.set()
-                    elif message.get("type") == "message":
-                        self.on_event()
-            except RedisError as exc:
-                self.subscribed.clear()
-                log.warning("batch event listener lost Redis (%s); reconnecting in %.1f s", exc, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
-            finally:
-                try:
-                    pubsub.close()
-                except RedisError:
-                    pass
-        self.subscribed.clear()
+        super().__init__(redis, keys.batch_events(), lambda _data: on_event(), name="rein-batch-events",
+                         wait_seconds=wait_seconds)

@@ -33,8 +33,8 @@ import time
 from collections.abc import Callable
 
 from redis import Redis
-from redis.exceptions import RedisError
 
+from rein.core.channel_listener import ChannelListener
 from rein.core.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
@@ -44,12 +44,9 @@ HEARD_SECONDS = 600.0
 MAX_HEARD = 10_000
 
 
-
-
-
-
 class CancelListener:
-    """A thread subscribed to the cancel channel, calling `on_cancel(job_id)` for each message.
+    """A thread subscribed to the cancel channel (rein.core.channel_listener), calling
+    `on_cancel(job_id)` for each message.
 
     `running_jobs()` lists the jobs this worker runs; after every (re)subscription their
     flags are checked, so a cancel published while the listener was disconnected still
@@ -62,22 +59,19 @@ class CancelListener:
         self.keys = keys
         self.on_cancel = on_cancel
         self.running_jobs = running_jobs
-        self.wait_seconds = wait_seconds
-        self.subscribed = threading.Event()   # set once Redis confirmed the subscription
         self._lock = threading.Lock()
         self._generation = 0                  # subscriptions confirmed so far
         self._heard: dict[str, float] = {}    # job id -> when its cancel was heard (monotonic), oldest first
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="rein-cancel-listener", daemon=True)
+        self._channel = ChannelListener(redis, keys.cancel_channel(), self._cancel, name="rein-cancel-listener",
+                                        on_subscribed=self._resubscribed, wait_seconds=wait_seconds)
+        self.subscribed = self._channel.subscribed   # set once Redis confirmed the subscription
 
     def start(self) -> CancelListener:
-        self._thread.start()
+        self._channel.start()
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout)
+        self._channel.stop(timeout)
 
     def mark(self) -> int | None:
         """Taken before claiming a job, for `heard_since`; None while not subscribed."""
@@ -94,38 +88,12 @@ class CancelListener:
                 return None
             return False
 
-    def _run(self) -> None:
-        backoff = 0.1
-        while not self._stop.is_set():
-            # Subscribe confirmations are read here: subscribed means Redis has the subscription.
-            pubsub = self.redis.pubsub(ignore_subscribe_messages=False)
-            try:
-                pubsub.subscribe(self.keys.cancel_channel())
-                backoff = 0.1
-                while not self._stop.is_set():
-                    # Blocks on the socket up to wait_seconds: the bound on how long stop() waits.
-                    message = pubsub.get_message(timeout=self.wait_seconds)
-                    if message is None:
-                        continue
-                    if message.get("type") == "message":
-                        self._cancel(message["data"])
-                    elif message.get("type") == "subscribe":
-                        with self._lock:
-                            self._generation += 1
-                            self.subscribed.set()
-                        self._check_flags()
-            except RedisError as exc:
-                with self._lock:
-                    self.subscribed.clear()
-                log.warning("cancel listener lost Redis (%s); reconnecting in %.1f s", exc, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
-            finally:
-                try:
-                    pubsub.close()
-                except RedisError:
-                    pass
-        self.subscribed.clear()
+    def _resubscribed(self) -> None:
+        # Called before `subscribed` is set: a mark taken in between is None (ask Redis), never
+        # the old generation.
+        with self._lock:
+            self._generation += 1
+        self._check_flags()
 
     def _cancel(self, data: bytes | str) -> None:
         job_id = data.decode() if isinstance(data, bytes) else str(data)
@@ -151,5 +119,3 @@ class CancelListener:
         for job_id, flag in zip(jobs, flags, strict=True):
             if flag is not None:
                 self._cancel(job_id)
-
-
