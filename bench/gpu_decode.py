@@ -1,6 +1,7 @@
 """Engine decode speed on a 0.5B-shaped model against the HBM bandwidth bound (part of gpu_check).
 
     python bench/gpu_decode.py [--device cuda|cpu] [--hbm-tbps 4.8] [--batches 64,256] [--vocab 151936]
+                               [--profile STEPS [--trace trace.json]]
 
 A random-weight model of Qwen2-0.5B's shape (Qwen2ForCausalLM from transformers' own config
 class: hidden 896, 24 layers, 14 heads, 2 KV heads, head_dim 64, intermediate 4864, tied
@@ -24,6 +25,10 @@ engine step at >= 50% of the bound.
 
 With --device cpu (gpu_check's CPU mode) the same code runs on a tiny shape at batches 4 and
 8; the ratio is printed but not judged.
+
+--profile STEPS then splits a decode step of the first batch size (`profile_batch`: the plan,
+the host copies with the graph replay, the replay alone, the logits, each synchronized) and
+prints torch.profiler's tables over STEPS engine steps (docs/benchmarks.md has the H200's).
 """
 
 from __future__ import annotations
@@ -228,8 +233,8 @@ def profile_batch(engine, batch: int, prompt_len: int, warmup_steps: int, steps:
         for _ in range(steps):
             engine.step()
         sync()
-    sort = "self_cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=25), flush=True)
+    if runner.device.type == "cuda":
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25), flush=True)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
     if trace is not None:
         prof.export_chrome_trace(str(trace))
