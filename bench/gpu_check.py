@@ -410,7 +410,7 @@ def part_greedy_tiny(ctx: dict) -> dict:
             failures.append(f"{arch}: {', '.join(f'{k}={row[k]}' for k in bad)}")
         rows[arch] = row
         # The last architecture's time, not the longest: the first one compiles the Triton
-        # kernels (35 s on the H200, then 1-22 s each), and an MoE one compiles its own few.
+        # kernels (on the H200: 35 s, then 7-22 s each; the MoE ones, run alone, 31 s then 1-7 s).
         per_arch = row["seconds"]
         save_partial(ctx, {"archs": rows, "failures": failures})
         print(f"greedy_tiny: {arch:10s} {row}", flush=True)

@@ -9,7 +9,8 @@
 # Environment: OUT (the summary goes to $OUT/gpu_check.json, the CUDA tests' log beside it),
 # REIN_GPU_CHECK_PYTHON (the interpreter to use), REIN_GPU_CHECK_DEVICE (auto|cuda|cpu; --cpu
 # and --dry-run mean cpu: the same Python checks on tiny shapes), REIN_GPU_CHECK_TOTAL (seconds
-# for the whole script, default 470: under 8 minutes). Exit status 1 when a part failed.
+# for the whole script, default 470: under 8 minutes), REIN_GPU_CHECK_ARCHS (comma-separated:
+# greedy_tiny checks only these architectures). Exit status 1 when a part failed.
 set -u
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -248,7 +248,7 @@ def test_recorded_lines_wake_the_manager_before_its_next_poll(make_client, make_
     started = time.monotonic()
     run_sent(recorder)
     assert announced == [1]
-    wait_status(client, key, batch["id"], "completed", timeout=15)
+    wait_status(client, key, batch["id"], "completed", timeout=25)   # (a lost wake would wait for the 30 s poll)
     assert time.monotonic() - started < 15      # well before the 30 s poll, even on a loaded machine
 
 
