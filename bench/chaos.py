@@ -38,8 +38,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "e2e"), str(Path(__file__).resolve().parent)]
 
 from chaos_support import (  # noqa: E402  (the fault tests' helpers)
-    PostgresCluster,
-    RedisServer,
     Stack,
     hostname_of,
     running,
@@ -51,6 +49,7 @@ from chaos_support import (  # noqa: E402  (the fault tests' helpers)
 )
 from e2e_support import MODEL, run_service  # noqa: E402
 from intake import ensure_model  # noqa: E402  (bench helpers)
+from own_servers import PostgresCluster, RedisServer  # noqa: E402
 
 END_TIMEOUT = 600.0
 FAULTS = ("worker", "redis", "postgres", "api")

@@ -48,8 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "e2e"), str(Path(__file__).resolve().parent)]
 
 import httpx  # noqa: E402
-from chaos_support import PostgresCluster, RedisServer, Stack, tally, wait_ready  # noqa: E402
+from chaos_support import Stack, tally, wait_ready  # noqa: E402
 from e2e_support import MODEL, run_service  # noqa: E402
+from own_servers import PostgresCluster, RedisServer  # noqa: E402
 
 FAULTS = ("worker", "engine", "api", "redis-aof", "redis-empty", "postgres")
 POSTGRES_OUTAGE_SECONDS = 10.0

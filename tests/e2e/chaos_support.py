@@ -1,126 +1,19 @@
-"""What the fault tests (test_chaos.py) and bench/chaos.py share: a Redis server and a
-PostgreSQL cluster of their own, on free ports in a temp dir, so that killing them touches
-nothing else (never the machine's own services); the load (greedy completions of a fixed
-length) and the checks that every accepted job ended exactly once.
-
-`RedisServer` keeps nothing on disk unless asked (`aof=True`: an append-only file, fsynced
-every second, that a restart reloads): without it a restart comes back empty, as a Redis
-without AOF does after a crash or a failover. `PostgresCluster` is made with initdb (as the `postgres`
-user when the tests run as root, which initdb refuses) and started and stopped with pg_ctl.
+"""What the fault tests (test_chaos.py), bench/chaos.py and bench/soak.py share: the stack on
+servers of its own (tests/own_servers.py: killing them touches nothing else), the load (greedy
+completions of a fixed length) and the checks that every accepted job ended exactly once.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
-import pytest
 from e2e_support import MODEL, Service
+from own_servers import PostgresCluster, RedisServer
 from sqlalchemy.engine import make_url
-from support import connect_postgres, free_port, wait_for
-
-
-def _need(tool: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        message = f"{tool} is not installed: the fault tests start their own servers"
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)
-        pytest.skip(message)
-    return path
-
-
-class RedisServer:
-    def __init__(self, directory: Path, aof: bool = False) -> None:
-        self.binary = _need("redis-server")
-        self.directory = directory
-        self.aof = aof
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.directory.mkdir(parents=True, exist_ok=True)
-        log = open(self.directory / "redis.log", "ab")  # noqa: SIM115 (the server keeps it)
-        self.proc = subprocess.Popen(
-            [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-             "--appendonly", "yes" if self.aof else "no", "--appendfsync", "everysec",
-             "--dir", str(self.directory)], stdout=log, stderr=subprocess.STDOUT)
-        wait_for(self._answers, 20, f"redis-server on port {self.port}", interval=0.05)
-
-    def _answers(self) -> bool:
-        import redis
-
-        try:
-            return bool(redis.Redis(port=self.port, socket_connect_timeout=1).ping())
-        except redis.RedisError:
-            return False
-
-    def kill(self) -> None:
-        """SIGKILL: whatever it held is lost."""
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        self.kill()
-
-
-class PostgresCluster:
-    """A cluster in a new directory of the system's temp dir (which the `postgres` user can
-    reach, unlike a root-owned pytest temp dir), removed by `destroy`."""
-
-    def __init__(self) -> None:
-        self.initdb, self.pg_ctl = _need("initdb"), _need("pg_ctl")
-        self.directory = Path(tempfile.mkdtemp(prefix="rein-pg-"))
-        self.data = self.directory / "data"
-        self.port = free_port()
-
-    @property
-    def url(self) -> str:
-        """The maintenance database, as the e2e harness wants it."""
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
-
-    def _run(self, *args: str, timeout: float = 60) -> None:
-        command = list(args)
-        if os.geteuid() == 0:       # initdb and postgres refuse to run as root
-            command = ["runuser", "-u", "postgres", "--", *command]
-        done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-
-    def create(self) -> None:
-        if os.geteuid() == 0:
-            shutil.chown(self.directory, "postgres")
-        self._run(self.initdb, "-D", str(self.data), "-U", "postgres", "--auth=trust", "-E", "UTF8", "--no-sync")
-        self.start()
-
-    def start(self) -> None:
-        # fsync off: a test cluster, thrown away after the run.
-        self._run(self.pg_ctl, "-D", str(self.data), "-l", str(self.directory / "postgres.log"), "-w", "-o",
-                  f"-p {self.port} -c listen_addresses=127.0.0.1 -c unix_socket_directories={self.directory} "
-                  f"-c fsync=off -c max_connections=200", "start")
-
-    def stop(self, mode: str = "fast") -> None:
-        self._run(self.pg_ctl, "-D", str(self.data), "-m", mode, "-w", "stop")
-
-    def destroy(self) -> None:
-        try:
-            self.stop("immediate")
-        except RuntimeError:
-            pass
-        shutil.rmtree(self.directory, ignore_errors=True)
+from support import connect_postgres, wait_for
 
 
 @dataclass

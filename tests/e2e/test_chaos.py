@@ -22,8 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from chaos_support import (
-    PostgresCluster,
-    RedisServer,
     Stack,
     body,
     check_exactly_once,
@@ -36,6 +34,7 @@ from chaos_support import (
     wait_ready,
 )
 from e2e_support import MODEL, STARTUP_TIMEOUT, iter_events, run_service
+from own_servers import PostgresCluster, RedisServer
 from support import wait_for
 
 from rein.core.redis_keys import RedisKeys

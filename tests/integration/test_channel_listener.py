@@ -4,54 +4,17 @@ listener says when it is subscribed, subscribes again when Redis is back (callin
 
 from __future__ import annotations
 
-import os
-import shutil
-import signal
-import subprocess
-
-import pytest
+from own_servers import RedisServer
 from redis import Redis
-from support import free_port, wait_for
+from support import wait_for
 
 from rein.core.channel_listener import ChannelListener
 
 CHANNEL = "rein-test:channel-listener"
 
 
-class OwnRedis:
-    """A redis-server on a free port, nothing on disk; never the machine's own."""
-
-    def __init__(self, directory) -> None:
-        self.binary = shutil.which("redis-server")
-        if self.binary is None:
-            message = "redis-server is not installed: this test starts its own"
-            if os.environ.get("CI") == "true":
-                pytest.fail(message)
-            pytest.skip(message)
-        self.directory = directory
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.directory)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(self._answers, 20, f"redis-server on port {self.port}")
-
-    def _answers(self) -> bool:
-        try:
-            return bool(Redis(port=self.port, socket_connect_timeout=1).ping())
-        except Exception:   # noqa: BLE001 - not up yet
-            return False
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-
 def test_listener_subscribes_again_after_redis_comes_back(tmp_path):
-    server = OwnRedis(tmp_path)
+    server = RedisServer(tmp_path)
     server.start()
     client = Redis(port=server.port, socket_timeout=2, socket_connect_timeout=1)
     heard: list[bytes] = []
