@@ -25,7 +25,8 @@ step's batch work to N tokens while chats run: rein.engine.scheduler), then in o
 Figures: interactive p50 and p99 latency under the batch against idle (targets: p50 <= 1.5x,
 p99 <= 2x), and batch throughput (output tokens over the span from the batch's first job
 start to its last job end, read from the jobs table) with the chats against the mean of the
-two batch-alone runs (target: not lower by more than 10%). The worker's priority
+two batch-alone runs (target: not lower by more than 10%, or 15% with an interactive step
+budget, which shrinks the batch's steps on purpose). The worker's priority
 preemptions and the load average are printed; the last line of stdout is one JSON object.
 Figures from a shared machine are noisy: compare them within one run.
 """
@@ -49,7 +50,9 @@ from intake import Sandbox, check_loopback, ensure_model, pct  # noqa: E402
 MODEL_NAME = "tiny"
 MAX_MODEL_LEN = 1024
 IDLE_GAP_SECONDS = 0.2
-TARGET_P50, TARGET_P99, TARGET_BATCH = 1.5, 2.0, 0.9
+TARGET_P50, TARGET_P99 = 1.5, 2.0
+# The batch may give up more with an interactive step budget, which shrinks its steps on purpose.
+TARGET_BATCH, TARGET_BATCH_BUDGETED = 0.9, 0.85
 SEED = 0
 WORDS = ("river queue token batch engine model paged cache worker stream tenant harness rein "
          "prompt answer block request step budget sample decode prefill latency cloud night "
@@ -295,8 +298,9 @@ def main() -> int:
     ratios = {"p50": pct(busy, 50) / pct(idle, 50), "p99": pct(busy, 99) / pct(idle, 99),
               "batch": mixed["tokens_per_s"] / alone_tps,
               "batch_vs_faster_alone": mixed["tokens_per_s"] / max(alone_1["tokens_per_s"], alone_2["tokens_per_s"])}
+    target_batch = TARGET_BATCH if args.interactive_step_budget is None else TARGET_BATCH_BUDGETED
     passed = {"p50": ratios["p50"] <= TARGET_P50, "p99": ratios["p99"] <= TARGET_P99,
-              "batch": ratios["batch"] >= TARGET_BATCH}
+              "batch": ratios["batch"] >= target_batch}
 
     print()
     print(f"priority: {args.preset} llama, cpu fp32, {args.threads} torch thread(s), max_num_seqs "
@@ -311,7 +315,7 @@ def main() -> int:
     print(f"  {'batch throughput':<34} {'span s':>8} {'tok/s':>8}")
     for label, run in (("alone", alone_1), ("with the chats", mixed), ("alone again", alone_2)):
         print(f"  {label:<34} {run['span_s']:>8.2f} {run['tokens_per_s']:>8.1f}")
-    print(f"  {'ratio with chats / alone (>= 0.9)':<34} {ratios['batch']:>16.3f}x  "
+    print(f"  {f'ratio with chats / alone (>= {target_batch})':<34} {ratios['batch']:>16.3f}x  "
           f"{'PASS' if passed['batch'] else 'MISS'} (mean of the two alone runs; "
           f"{ratios['batch_vs_faster_alone']:.3f}x against the faster one)")
     print(f"  engine step, mean of the last heartbeat: idle {step_ms['idle']} ms, under the batch "
