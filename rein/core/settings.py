@@ -34,6 +34,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from rein.core.cpu_pinning import parse_cpu_list
+
 MODELS_FORMAT = "name=path_or_hub_id[@max_model_len][,name=...]"
 _MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
 
@@ -284,6 +286,9 @@ class Settings(BaseSettings):
     """Run the worker's engine in a child process of its own (rein.engine.process_client), so the
     step loop does not share the GIL with Celery, the task threads and the publisher; false: on
     a thread of the worker process."""
+    worker_engine_cpus: Annotated[frozenset[int] | None, NoDecode] = None
+    """Cores the worker's engine process runs on (a Linux CPU list: 3, 2-3, 0,4-7), the worker's
+    own threads then keeping to the others (rein.core.cpu_pinning); unset: no pinning."""
     worker_queued_slots: int | None = Field(None, ge=0)
     """Jobs a worker takes beyond max_num_seqs from both its model's queues: they wait in the
     engine, which starts one at the step after a running job ends, instead of after that job's
@@ -323,6 +328,11 @@ class Settings(BaseSettings):
     def _parse_models(cls, value: object) -> object:
         return parse_models(value) if isinstance(value, str) else value
 
+    @field_validator("worker_engine_cpus", mode="before")
+    @classmethod
+    def _parse_cpu_list(cls, value: object) -> object:
+        return parse_cpu_list(value) if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _check(self) -> Settings:
         names = [m.name for m in self.models]
@@ -339,6 +349,10 @@ class Settings(BaseSettings):
             raise ValueError(f"REIN_LEASE_RENEW_SECONDS ({self.lease_renew_seconds:g}) must be at most half of "
                              f"REIN_LEASE_SECONDS ({self.lease_seconds:g}), so that one late renewal does not "
                              f"lose a live worker its jobs")
+        if self.worker_engine_cpus is not None and not self.worker_engine_process:
+            raise ValueError("REIN_WORKER_ENGINE_CPUS pins the worker's engine process, but "
+                             "REIN_WORKER_ENGINE_PROCESS is false (the engine runs on a worker thread): "
+                             "unset one of them")
         return self
 
     @property

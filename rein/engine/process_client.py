@@ -38,6 +38,8 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from typing import Any
 
+import torch
+
 from rein.engine.client import EngineClient, EngineStoppedError, _Add
 from rein.engine.config import EngineConfig
 from rein.engine.core import EngineCore
@@ -81,11 +83,12 @@ class EngineView:
 
 class ProcessEngineClient(EngineClient):
     """An EngineClient over an engine built from `config` in a child process (see the module
-    docstring). `log_level` / `log_format`: rein's logging in the child (None: left as is)."""
+    docstring). `log_level` / `log_format`: rein's logging in the child (None: left as is).
+    `cpus`: the cores the child runs on (rein.core.cpu_pinning; None: wherever the parent may)."""
 
     def __init__(self, config: EngineConfig, name: str = "rein-engine", on_step: Any = None, *,
                  log_level: int | None = None, log_format: str | None = None,
-                 start_timeout: float = START_TIMEOUT_SECONDS) -> None:
+                 start_timeout: float = START_TIMEOUT_SECONDS, cpus: frozenset[int] | None = None) -> None:
         self._conn, child_conn = multiprocessing.Pipe(duplex=True)
         context = multiprocessing.get_context("spawn")
         # PR_SET_PDEATHSIG fires when the creating *thread* ends: ask for it only from the main
@@ -93,8 +96,15 @@ class ProcessEngineClient(EngineClient):
         death_signal = threading.current_thread() is threading.main_thread()
         self._process = context.Process(target=serve_engine, name=name, daemon=True,
                                         args=(config, child_conn, os.getpid(), death_signal, log_level,
-                                              log_format))
-        self._process.start()
+                                              log_format, cpus))
+        previous = os.sched_getaffinity(0) if cpus else None
+        if cpus:   # this thread only (Linux): the child, and every thread it starts, inherits the
+            os.sched_setaffinity(0, cpus)   # mask, and torch counts those cores for its threads
+        try:
+            self._process.start()
+        finally:
+            if previous is not None:
+                os.sched_setaffinity(0, previous)
         child_conn.close()
         ready = self._wait_ready(start_timeout)
         super().__init__(ready, name=name, on_step=on_step)   # self.engine: the EngineView
@@ -268,13 +278,15 @@ def _picklable(value: Any) -> bool:
 
 
 def serve_engine(config: EngineConfig, conn: Connection, parent_pid: int, death_signal: bool,
-                 log_level: int | None, log_format: str | None) -> None:
+                 log_level: int | None, log_format: str | None, cpus: frozenset[int] | None = None) -> None:
     """The child's main: build the engine, say ready, then step it for the parent until told
     to stop or the parent is gone."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if death_signal:
         _die_with_parent(parent_pid)
+    if cpus:   # the child started on them (ProcessEngineClient); an OMP_NUM_THREADS beyond them is cut
+        torch.set_num_threads(min(torch.get_num_threads(), len(cpus)))
     if log_format is not None:
         from rein.core.logging import configure_logging
 

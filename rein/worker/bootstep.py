@@ -4,6 +4,8 @@ cancel listener, the heartbeat, the lease keeper and a reaper, owned by one Cele
 The engine steps in a child process of its own (rein.engine.process_client, unless
 `Settings.worker_engine_process` is off or a test hands in an engine factory): the runner
 here keeps the request streams, and the heartbeat and metrics read its view of the engine.
+With `Settings.worker_engine_cpus` the engine process keeps to those cores and the worker's
+threads to the others (rein.core.cpu_pinning).
 
 `WorkerContext` owns and wires the parts, each in a module of its own: the job table (which
 task runs which leased job, rein.worker.job_table), the heartbeat (rein.worker.heartbeat),
@@ -63,6 +65,7 @@ from redis import Redis
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.batches.wakeup import announce_batch_progress
+from rein.core.cpu_pinning import check_engine_cpus, format_cpus, keep_worker_off
 from rein.core.db import make_engine
 from rein.core.logging import configured_elsewhere, log_context
 from rein.core.redis_keys import RedisKeys
@@ -224,6 +227,9 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
                                settings.job_timeout_seconds, background=True)
     on_step = compose_hooks(publisher.publish_step, metrics.observe_step)
     name = f"rein-engine-{spec.model_name}"
+    engine_cpus = settings.worker_engine_cpus if spec.engine_factory is None else None
+    if engine_cpus is not None:
+        check_engine_cpus(engine_cpus)
 
     def make_runner() -> EngineClient:
         runner: EngineClient
@@ -235,7 +241,8 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
             # The child logs as this process does when rein set logging up here.
             log_format = None if configured_elsewhere() else settings.log_format
             runner = ProcessEngineClient(spec.engine_config, name=name, on_step=on_step,
-                                         log_level=logging.getLogger().level, log_format=log_format)
+                                         log_level=logging.getLogger().level, log_format=log_format,
+                                         cpus=engine_cpus)
         else:
             from rein.engine.engine import LLMEngine  # torch, as above
 
@@ -243,6 +250,12 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
         return runner.start()
 
     runner = make_runner()
+    if engine_cpus is not None:
+        # After the engine process started (it pins itself); the threads started from here on
+        # take this mask from the ones that start them.
+        worker_cpus = keep_worker_off(engine_cpus)
+        log.info("engine process on CPU(s) %s, the worker's threads on %s", format_cpus(engine_cpus),
+                 format_cpus(worker_cpus) or "the same")
     engine = runner.engine
     metrics.attach(engine)
     # One connection per task thread at most; the claim and the record are short transactions.

@@ -161,3 +161,19 @@ def test_the_child_dies_with_a_killed_parent(model_dir, made_on):
 def test_a_model_that_cannot_load_fails_the_constructor(tmp_path):
     with pytest.raises(RuntimeError, match="engine could not start"):
         ProcessEngineClient(EngineConfig(model=str(tmp_path / "missing"), device="cpu"), start_timeout=120)
+
+
+def test_the_child_keeps_to_the_cores_it_is_given(runner, model_dir):
+    """REIN_WORKER_ENGINE_CPUS: every thread of the engine process (torch's included, started
+    by the first step) on the named core, with the same outputs."""
+    core = max(os.sched_getaffinity(0))
+    pinned = ProcessEngineClient(config(model_dir), cpus=frozenset({core})).start()
+    try:
+        streams = [client.submit(f"pin-{i}", PROMPTS[2], GREEDY, collect=True) for i, client in enumerate([runner, pinned])]
+        assert all(stream.wait(30) for stream in streams)
+        assert streams[1].collected.token_ids == streams[0].collected.token_ids
+        assert len(streams[1].collected.token_ids) == GREEDY.max_tokens
+        tasks = os.listdir(f"/proc/{pinned.pid}/task")
+        assert tasks and all(os.sched_getaffinity(int(task)) == {core} for task in tasks)
+    finally:
+        pinned.stop()

@@ -133,3 +133,12 @@ def test_setting_or_default_reads_one_setting_even_when_others_are_broken(monkey
         assert setting_or_default("cpu_kernels") is True   # the default, not a crash
     finally:
         get_settings.cache_clear()
+
+
+def test_engine_cpus_are_a_cpu_list(monkeypatch):
+    assert load_settings(worker_engine_cpus="2-3").worker_engine_cpus == {2, 3}
+    monkeypatch.setenv("REIN_WORKER_ENGINE_CPUS", "1,x")
+    with pytest.raises(SettingsError, match=r"REIN_WORKER_ENGINE_CPUS: .*'x' in '1,x' is not a CPU number"):
+        load_settings()
+    with pytest.raises(SettingsError, match="REIN_WORKER_ENGINE_PROCESS is false"):
+        load_settings(worker_engine_cpus="1", worker_engine_process=False)
