@@ -52,10 +52,11 @@ def available_cpus() -> frozenset[int]:
 
 def check_engine_cpus(cpus: frozenset[int]) -> None:
     """RuntimeError unless every core in `cpus` is one this process may run on."""
-    missing = sorted(cpus - available_cpus())
+    available = available_cpus()
+    missing = cpus - available
     if missing:
         raise RuntimeError(f"REIN_WORKER_ENGINE_CPUS names CPU(s) {format_cpus(missing)}, which this worker "
-                           f"cannot run on (it may use {format_cpus(available_cpus())}): name cores from that list")
+                           f"cannot run on (it may use {format_cpus(available)}): name cores from that list")
 
 
 def pin_this_process(cpus: Iterable[int]) -> None:

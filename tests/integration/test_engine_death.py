@@ -187,24 +187,23 @@ def test_a_pinned_engine_and_its_replacement_keep_their_cores(make_settings, tin
     config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
                           max_num_seqs=4)
 
-    def engine_masks(pid: int) -> list[set[int]]:
+    def thread_masks(pid: int) -> list[set[int]]:
         return [os.sched_getaffinity(int(task)) for task in os.listdir(f"/proc/{pid}/task")]
 
     context = build_context(make_worker_celery(settings), WorkerSpec(settings=settings, model_name=MODEL,
                                                                      engine_config=config),
                             f"pinned-{secrets.token_hex(3)}@test")
     try:   # this test process is the worker: its threads are moved off the engine's core
-        assert all(mask == cores - {engine_core} for mask in
-                   (os.sched_getaffinity(int(task)) for task in os.listdir("/proc/self/task")))
+        assert all(mask == cores - {engine_core} for mask in thread_masks(os.getpid()))
         assert process_job(context, make_job(max_tokens=4)) == "succeeded"
-        assert all(mask == {engine_core} for mask in engine_masks(context.runner.pid))
+        assert all(mask == {engine_core} for mask in thread_masks(context.runner.pid))
         old_pid = context.runner.pid
         os.kill(old_pid, signal.SIGKILL)
         support.wait_for(lambda: context.keeper.replacements == 1 and context.engine_ready.is_set(), WAIT,
                          "a new engine")
         assert process_job(context, make_job(max_tokens=4)) == "succeeded"
         assert context.runner.pid != old_pid
-        assert all(mask == {engine_core} for mask in engine_masks(context.runner.pid))
+        assert all(mask == {engine_core} for mask in thread_masks(context.runner.pid))
     finally:
         context.stop()
         pin_this_process(cores)   # the rest of the session runs on every core again
