@@ -1,4 +1,5 @@
-"""`rein api`: serve the intake API with uvicorn (refuses an unmigrated database first)."""
+"""`rein api`: serve the intake API with uvicorn (refuses placeholder passwords in its
+connection URLs and an unmigrated database first)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rein.core.logging import configure_logging
 from rein.core.settings import (
     SettingsError,
     load_settings,
+    refuse_placeholder_secrets,
     share_prometheus_multiproc_dir,
     share_settings_overrides,
 )
@@ -48,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
     overrides = {name: value for name, value in flags if value is not None}
     try:
         settings = load_settings(**overrides)
+        refuse_placeholder_secrets(settings)
         engine = make_engine(settings.database_url)
         try:
             check_migrations_current(engine)

@@ -2,6 +2,8 @@
 
 `--check` changes nothing: it says whether the database is current and exits 1 if not
 (for scripts and health checks). SQLAlchemy and Alembic are imported only when it runs.
+A database or Redis URL whose password is a placeholder (CHANGE-ME) is refused before
+anything connects (rein.core.settings.refuse_placeholder_secrets).
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rein.core.settings import SettingsError, load_settings
+from rein.core.settings import SettingsError, load_settings, refuse_placeholder_secrets
 
 # SQLAlchemy and Alembic (rein.core.db, rein.core.migrate) are imported inside the commands:
 # every `rein` command loads this module (rein.cli.main), and only these need them.
@@ -43,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _settings(args: argparse.Namespace):
     overrides = {"database_url": args.database_url} if args.database_url else {}
-    return load_settings(**overrides)
+    settings = load_settings(**overrides)
+    refuse_placeholder_secrets(settings)
+    return settings
 
 
 def _upgrade(args: argparse.Namespace) -> int:

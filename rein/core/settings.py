@@ -426,6 +426,32 @@ def describe_errors(exc: ValidationError) -> str:
     return "invalid configuration:\n  " + "\n  ".join(lines)
 
 
+# Passwords that stand for "put yours here" (deploy/k8s/base/secret.yaml ships CHANGE-ME),
+# compared lower-case with everything but letters and digits dropped. No setup, local ones
+# included, has a reason to run on one, so they are refused everywhere, not only in production.
+PLACEHOLDER_PASSWORDS = frozenset({"changeme", "changethis", "changeit", "replaceme", "placeholder",
+                                   "yourpassword", "setme", "fixme", "todo", "xxx", "xxxx", "xxxxxxxx"})
+
+
+def refuse_placeholder_secrets(settings: Settings) -> None:
+    """SettingsError naming each connection URL (REIN_DATABASE_URL, REIN_REDIS_URL) whose
+    password is a placeholder, for the commands that connect first (`rein migrate`, `rein api`)."""
+    from urllib.parse import urlsplit
+
+    problems = []
+    for field in ("database_url", "redis_url"):
+        try:
+            password = urlsplit(getattr(settings, field)).password
+        except ValueError:   # an unparsable URL is its client's to report
+            continue
+        if password is not None and re.sub(r"[^a-z0-9]", "", password.lower()) in PLACEHOLDER_PASSWORDS:
+            problems.append(f"REIN_{field.upper()}: its password is the placeholder {password!r}; put the "
+                            f"server's real password in the URL (Kubernetes: the Secret rein-services, "
+                            f"deploy/k8s/base/secret.yaml; compose: POSTGRES_PASSWORD and REDIS_PASSWORD in .env)")
+    if problems:
+        raise SettingsError("refusing placeholder secrets:\n  " + "\n  ".join(problems))
+
+
 @lru_cache(maxsize=1)
 def get_settings() -> Settings:
     """The process's settings, read from the environment once (`get_settings.cache_clear()` re-reads)."""

@@ -33,10 +33,13 @@ Why each setting:
 * No result backend: results, status and usage go to Postgres.
 * Every broker key lives under `settings.redis_key_prefix` (kombu's `global_keyprefix`),
   like every other key rein names, so deployments and test runs can share one Redis.
+* A `rediss://` URL (TLS) verifies the server's certificate, as redis-py does for the API's
+  and the worker's own clients (`broker_ssl`).
 """
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,6 +104,7 @@ def make_celery(settings: Any) -> Celery:
     app = Celery("rein", broker=settings.redis_url, set_as_current=False)
     app.conf.update(
         broker_connection_retry_on_startup=True,
+        broker_use_ssl=broker_ssl(settings.redis_url),
         broker_transport_options={
             "visibility_timeout": settings.visibility_timeout_seconds,
             "queue_order_strategy": "priority",
@@ -126,6 +130,29 @@ def make_celery(settings: Any) -> Celery:
     )
     app.rein_settings = settings
     return app
+
+
+def broker_ssl(redis_url: str) -> dict[str, Any] | None:
+    """Celery's `broker_use_ssl` for this Redis URL: None unless it is `rediss://`.
+
+    The URL's own `ssl_*` query parameters (ssl_cert_reqs, ssl_ca_certs, ssl_certfile,
+    ssl_keyfile, ssl_check_hostname), read as kombu reads them, with the server's certificate
+    required unless the URL says `ssl_cert_reqs=none`. Left alone, kombu connects to a
+    `rediss://` URL that names no ssl_* parameter with CERT_NONE (a warning, no verification),
+    while redis-py, whose clients the API and the worker run beside the broker, verifies by
+    default: one URL, one rule for every connection.
+    """
+    from kombu.utils.url import parse_url
+
+    try:
+        parts = parse_url(redis_url)
+    except KeyError as exc:   # kombu's parse_ssl_cert_reqs knows none, optional, required
+        raise ValueError(f"REIN_REDIS_URL: ssl_cert_reqs {exc} is not one of none, optional, required") from None
+    if parts["transport"] != "rediss":
+        return None
+    options = dict(parts.get("ssl") or {})
+    options.setdefault("ssl_cert_reqs", ssl.CERT_REQUIRED)
+    return options
 
 
 class JobRouter:
