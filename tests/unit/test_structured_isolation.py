@@ -20,6 +20,26 @@ def rule_chain(rules: int) -> str:
 BOMB = {"type": "grammar", "grammar": rule_chain(3500)}
 
 
+def ref_chain(refs: int, link: str = "pointer") -> dict:
+    """A schema whose `$defs` each name the next through `$ref` (a chain of 2,500 crashed
+    llguidance; so did 1,000 defs each holding the next in a property): `link` is how a def names
+    the next (a JSON pointer, in a property, an anchor, an `$id`)."""
+    def one(i: int) -> dict:
+        if i == refs:
+            named = {"anchor": {"$anchor": f"a{i}"}, "id": {"$id": f"https://x.test/d{i}"}}.get(link, {})
+            return {**named, "type": "string"}
+        if link == "pointer":
+            return {"$ref": f"#/$defs/d{i + 1}"}
+        if link == "property":
+            return {"type": "object", "properties": {"p": {"$ref": f"#/$defs/d{i + 1}"}}}
+        if link == "anchor":
+            return {"$anchor": f"a{i}", "$ref": f"#a{i + 1}"}
+        return {"$id": f"https://x.test/d{i}", "$ref": f"d{i + 1}"}
+
+    first = {"anchor": "#a0", "id": "https://x.test/d0"}.get(link, "#/$defs/d0")
+    return {"type": "json_schema", "schema": {"$defs": {f"d{i}": one(i) for i in range(refs + 1)}, "$ref": first}}
+
+
 @pytest.mark.parametrize("spec, words", [
     (BOMB, "3502 rules; rein takes at most 1000"),
     ({"type": "grammar", "grammar": "start: " + "(" * 70 + '"a"' + ")" * 70}, "nests brackets 70 deep"),
@@ -28,6 +48,11 @@ BOMB = {"type": "grammar", "grammar": rule_chain(3500)}
     ({"type": "json_schema", "schema": {"enum": list(range(300))}}, "schema.enum has 300 entries"),
     ({"type": "json_schema", "schema": {"anyOf": [{"type": "string", "pattern": "x{20000}"}]}},
      "schema.anyOf[0].pattern repeats 20000 times"),
+    (ref_chain(2500), "2500 $refs in a chain from schema.$defs.d0.$ref); rein takes at most 256"),
+    (ref_chain(1000, "property"), "3003 levels deep counting the schemas its $refs lead to (1000 $refs"),
+    (ref_chain(1500, "anchor"), "1500 $refs in a chain"),
+    (ref_chain(1500, "id"), "1500 $refs in a chain"),
+    (ref_chain(300), "303 levels deep counting the schemas its $refs lead to (300 $refs"),
 ])
 def test_caps_refuse_before_any_compiler(spec, words, monkeypatch):
     monkeypatch.setattr(validator, "pool", lambda: pytest.fail("the spec reached a compiler"))
@@ -42,6 +67,21 @@ def test_deep_schema_is_refused_without_recursion():
     for _ in range(5000):   # deeper than Python's recursion limit
         schema = {"type": "array", "items": schema}
     assert "levels deep" in limits.limits_problem({"type": "json_schema", "schema": schema})
+
+
+def test_schemas_with_refs_fit_the_caps():
+    """Named types a few levels deep, a recursive type (a cycle counts once around), a short chain."""
+    tree = {"$defs": {"node": {"type": "object", "properties": {
+        "name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}}},
+        "$ref": "#/$defs/node"}
+    people = {"$defs": {"address": {"type": "object", "properties": {"city": {"type": "string"}}},
+                        "person": {"type": "object", "properties": {"home": {"$ref": "#/$defs/address"},
+                                                                    "work": {"$ref": "#/$defs/address"}}}},
+              "type": "object", "properties": {"people": {"type": "array", "items": {"$ref": "#/$defs/person"}},
+                                               "self": {"$ref": "#"}}}
+    for schema in (tree, people, ref_chain(80, "property")["schema"], ref_chain(250)["schema"]):
+        assert limits.limits_problem({"type": "json_schema", "schema": schema}) is None
+    check_spec(ref_chain(80, "property"), "guided_json")   # and llguidance compiles it
 
 
 def test_real_specs_fit_the_caps():
