@@ -8,10 +8,14 @@ the same `prepare` the synchronous endpoints use, so it tokenizes each prompt on
 the token ids are kept for the jobs. A file with more than the batch limit of requests,
 or none, is refused as a whole.
 
-The file is read line by line (never whole), and each valid line is handed to `on_valid`
-as soon as it is checked (the batch manager COPYs it into the jobs table at once, so a
-50,000-line batch's token ids are never all held in memory; if a later line turns out bad,
-the manager rolls the whole transaction back). Errors are listed as OpenAI's batch `errors`
+The file is read line by line (never whole), each line under a length cap
+(rein.openai.batch_lines.read_lines, REIN_MAX_REQUEST_BYTES): a longer line is that line's
+error (`line_too_large`), skipped to its newline without being held or parsed, so checking a
+file holds at most one line of the cap's size and its parse (about 25 times its bytes) per
+validator thread, whatever the file holds. Each valid line is handed to `on_valid`
+as soon as it is checked (the batch manager spools its job row to a temporary file at once
+and COPYs them all into the jobs table once every line passed, so a 50,000-line batch's token
+ids are never all held in memory). Errors are listed as OpenAI's batch `errors`
 are: `{"code", "line", "message", "param"}`, up to MAX_REPORTED_ERRORS of them; once a line
 is bad, the others are still checked (to report them) but no longer handed on.
 """
@@ -26,7 +30,7 @@ from typing import Any
 from rein.jobs.errors import APIError
 from rein.jobs.prepare import Prepared, prepare
 from rein.jobs.registry import ModelRegistry
-from rein.openai.batch_lines import parse_batch_line
+from rein.openai.batch_lines import OversizedLine, parse_batch_line
 from rein.openai.embeddings import ParsedEmbeddings
 from rein.openai.errors import RequestError
 
@@ -55,6 +59,8 @@ class ValidLine:
             "prompt_token_ids": list(parsed.prompt_token_ids),
             "prompt_tokens": len(parsed.prompt_token_ids),
             "custom_id": self.custom_id, "batch_line": self.line,
+            # what the per-tenant cap on queued batch tokens counts (rein.batches.manager)
+            "requested_tokens": self.prepared.requested_tokens,
         }
 
 
@@ -76,17 +82,18 @@ class Validation:
             self.errors.append({"code": code, "line": line, "message": message, "param": param})
 
 
-def validate_lines(raw_lines: Iterable[bytes], endpoint: str, registry: ModelRegistry, max_requests: int,
-                   on_valid: Callable[[ValidLine], None] = lambda line: None,
+def validate_lines(raw_lines: Iterable[bytes | OversizedLine], endpoint: str, registry: ModelRegistry,
+                   max_requests: int, on_valid: Callable[[ValidLine], None] = lambda line: None,
                    before_line: Callable[[int], None] = lambda number: None) -> Validation:
-    """Check every line of a batch input file (see the module docstring). `before_line(number)`
+    """Check every line of a batch input file (see the module docstring): `raw_lines` as
+    `read_lines` gives them (an OversizedLine is that line's error). `before_line(number)`
     runs before each line, valid or not: the batch manager's deadline and stop checks raise from
     it, so a file whose first line is bad cannot run for hours checking the rest."""
     result = Validation()
     seen: set[str] = set()
     for number, raw in enumerate(raw_lines, start=1):
         before_line(number)
-        if not raw.strip():
+        if not isinstance(raw, OversizedLine) and not raw.strip():
             continue
         result.requests += 1
         if result.requests > max_requests:
@@ -94,6 +101,9 @@ def validate_lines(raw_lines: Iterable[bytes], endpoint: str, registry: ModelReg
                         f"the file holds more than {max_requests} requests, this deployment's limit per "
                         "batch (REIN_BATCH_MAX_REQUESTS): split it into several batches", number)
             return result
+        if isinstance(raw, OversizedLine):      # skipped unread (rein.openai.batch_lines.read_lines)
+            result.fail("line_too_large", raw.message(number), number)
+            continue
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as exc:

@@ -6,8 +6,11 @@ taken (at most `max_in_flight` requests are in the engine at once, so a file of 
 is never held in memory), and each output line is written and flushed the moment its
 request finishes. A bad input line (invalid JSON, missing fields, a malformed body, a
 prompt longer than the context) gets an error line naming its line number and never stops
-the run; blank lines are skipped. Every other line gets exactly one answer, success or
-error.
+the run; blank lines are skipped. A line longer than REIN_MAX_REQUEST_BYTES (the API's cap on a
+request, 16 MiB by default) gets a `line_too_large` error line and is skipped to its newline
+unread (rein.openai.batch_lines.read_lines): parsing takes about 25 times a line's bytes, so a
+200 MB line would otherwise need some 5 GiB. Every other line gets exactly one answer, success
+or error.
 
 Lines are taken in prefix order by default (rein.offline.prefix_order: lines whose prompts
 share a prefix run together, within a window of lines read ahead and tokenized), or in the
@@ -29,6 +32,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from rein.core.settings import setting_or_default
 from rein.engine.errors import EngineRequestError
 from rein.engine.generation_defaults import GenerationDefaults, load_generation_defaults
 from rein.engine.results import RequestResult
@@ -37,10 +41,12 @@ from rein.offline.embed import EmbeddingPart, finish_embeddings_part, take_embed
 from rein.offline.prefix_order import DEFAULT_WINDOW, ORDERS, prefix_ordered
 from rein.openai.batch_lines import (
     BatchLine,
+    OversizedLine,
     batch_error_line,
     batch_output_line,
     custom_id_of,
     parse_batch_line,
+    read_lines,
 )
 from rein.openai.choice_bodies import full_response
 from rein.openai.endpoints import EMBEDDINGS
@@ -116,18 +122,20 @@ def run_batch(
     generation_defaults: GenerationDefaults | None = None,
     order: str = "prefix",
     order_window: int = DEFAULT_WINDOW,
+    max_line_bytes: int | None = None,
 ) -> BatchSummary:
     """Answer every non-blank line of `input_path` into `output_path` (errors into `error_path`
     when given, else into the output file too) and return the counts. Sampling fields a line
     leaves out take `generation_defaults` (default: the engine's model's, per its generation_config).
     `order`: "prefix" takes lines sharing a prompt prefix together, within `order_window` lines
-    read ahead (rein.offline.prefix_order); "file" takes them in the file's order."""
+    read ahead (rein.offline.prefix_order); "file" takes them in the file's order. A line longer
+    than `max_line_bytes` (default REIN_MAX_REQUEST_BYTES) is an error line, never read whole."""
     if generation_defaults is None:
         generation_defaults = load_generation_defaults(engine.model_dir, engine.config.generation_config)
     batch = BatchRun(engine, model_name or default_model_name(engine),
-                     max_in_flight or default_max_in_flight(engine), order, order_window)
+                     max_in_flight or default_max_in_flight(engine), order, order_window, max_line_bytes)
     batch.generation_defaults = generation_defaults
-    total = count_requests(input_path)
+    total = count_requests(input_path, batch.max_line_bytes)
     with open(input_path, "rb") as source, open(output_path, "w", encoding="utf-8") as out, \
             (open(error_path, "w", encoding="utf-8") if error_path else nullcontext()) as err, \
             tqdm(total=total, unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True) as bar:
@@ -145,10 +153,10 @@ def default_model_name(engine: LLMEngine) -> str:
     return path.name if path.is_dir() else given
 
 
-def count_requests(path: str | Path) -> int:
-    """Non-blank lines, in one streaming pass (for the progress bar's total)."""
+def count_requests(path: str | Path, max_line_bytes: int) -> int:
+    """Non-blank lines, in one streaming pass (for the progress bar's total), each read under the cap."""
     with open(path, "rb") as f:
-        return sum(1 for line in f if line.strip())
+        return sum(1 for line in read_lines(f, max_line_bytes) if isinstance(line, OversizedLine) or line.strip())
 
 
 class BatchRun:
@@ -156,7 +164,7 @@ class BatchRun:
     embeddings lines (rein.offline.embed) answer through `answer` and `fail`."""
 
     def __init__(self, engine: LLMEngine, model_name: str, max_in_flight: int, order: str = "prefix",
-                 order_window: int = DEFAULT_WINDOW) -> None:
+                 order_window: int = DEFAULT_WINDOW, max_line_bytes: int | None = None) -> None:
         if order not in ORDERS:
             raise ValueError(f"order {order!r}: want one of {', '.join(ORDERS)}")
         self.engine = engine
@@ -164,6 +172,7 @@ class BatchRun:
         self.max_in_flight = max(1, max_in_flight)
         self.order = order
         self.order_window = order_window
+        self.max_line_bytes: int = max_line_bytes or setting_or_default("max_request_bytes")
         self.seen_ids: set[str] = set()
         self.generation_defaults: GenerationDefaults | None = None
         self.summary = BatchSummary()
@@ -173,7 +182,7 @@ class BatchRun:
         self.bar: tqdm
 
     def run(self, source: IO[bytes]) -> None:
-        lines: Iterable[_ReadLine] = (read for read in map(self._read, enumerate(source, start=1)) if read is not None)
+        lines: Iterable[_ReadLine] = (read for read in map(self._read, enumerate(read_lines(source, self.max_line_bytes), start=1)) if read is not None)
         if self.order == "prefix":
             lines = prefix_ordered(lines, _ReadLine.prompt_token_ids, self.order_window)
         drive(self.engine, lines, self._take, self._finish, self.max_in_flight)
@@ -181,9 +190,12 @@ class BatchRun:
 
     # -- input -----------------------------------------------------------------------------
 
-    def _read(self, item: tuple[int, bytes]) -> _ReadLine | None:
+    def _read(self, item: tuple[int, bytes | OversizedLine]) -> _ReadLine | None:
         """Read and check one input line (its prompt tokenized), or answer it with an error."""
         line_number, raw = item
+        if isinstance(raw, OversizedLine):     # skipped unread: its custom_id is unknown
+            self.fail(None, line_number, "line_too_large", raw.message(line_number))
+            return None
         if not raw.strip():
             return None
         try:

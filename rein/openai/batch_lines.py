@@ -1,18 +1,64 @@
 """Lines of OpenAI Batch files: one request per input line, one result or error per output line.
+
+Input lines are read under a length cap (`read_lines`): parsing JSON takes about 25 times a
+line's bytes, so a 200 MB one-line file would need some 5 GiB. A line longer than the cap is
+skipped to its newline, never held whole nor parsed, and comes out as an `OversizedLine`, which
+its reader answers as that line's error (`OversizedLine.message`).
 """
 
 from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import IO, Any
 
 from rein.core.input_checks import BadInput, check_json, json_type, text_problem
 from rein.openai.endpoints import BATCH_ENDPOINTS
 from rein.openai.errors import (
     RequestError,
 )
+
+# How much of an oversized line is read at a time while it is skipped.
+SKIP_CHUNK_BYTES = 1 << 16
+
+
+@dataclass(frozen=True)
+class OversizedLine:
+    """A line longer than the cap: skipped, so only its size is known."""
+
+    size: int
+    """The line's bytes, its newline not counted."""
+    limit: int
+    """The cap it passed (REIN_MAX_REQUEST_BYTES)."""
+
+    def message(self, line_number: int) -> str:
+        """The line's error: its number, its size, the limit, what to do."""
+        return (f"line {line_number}: the line is {self.size} bytes, over the limit of {self.limit} bytes per "
+                f"request line (REIN_MAX_REQUEST_BYTES, as for a request to the API), so it was not read. "
+                f"Make the request smaller (a shorter prompt or fewer messages), or ask the operator to "
+                f"raise REIN_MAX_REQUEST_BYTES")
+
+
+def read_lines(source: IO[bytes], max_line_bytes: int) -> Iterator[bytes | OversizedLine]:
+    """The lines of a binary file, each with its newline (the last may have none), as iterating
+    the file gives them, except that a line longer than `max_line_bytes` (its newline not
+    counted) comes as an OversizedLine: at most `max_line_bytes` + 1 bytes of it are read at
+    once, the rest is skipped SKIP_CHUNK_BYTES at a time. So reading holds at most one line of
+    the cap's size, whatever the file holds."""
+    while raw := source.readline(max_line_bytes + 1):
+        if len(raw) <= max_line_bytes or (len(raw) == max_line_bytes + 1 and raw[-1:] == b"\n"):
+            yield raw
+            continue
+        size = len(raw)
+        del raw
+        while rest := source.readline(SKIP_CHUNK_BYTES):
+            if rest[-1:] == b"\n":
+                size += len(rest) - 1
+                break
+            size += len(rest)
+        yield OversizedLine(size, max_line_bytes)
 
 
 @dataclass

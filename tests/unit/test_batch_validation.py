@@ -1,14 +1,18 @@
-"""validate_lines without services: what it hands on, what it reports, with the tiny model's tokenizer."""
+"""validate_lines without services: what it hands on, what it reports, with the tiny model's tokenizer;
+lines read under the length cap (read_lines), and the memory a long line costs."""
 
 from __future__ import annotations
 
+import io
 import json
+import tracemalloc
 
 import pytest
 
 from rein.batches.validation import MAX_REPORTED_ERRORS, validate_lines
 from rein.core.settings import Settings
 from rein.jobs.registry import ModelRegistry
+from rein.openai.batch_lines import OversizedLine, read_lines
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +92,72 @@ def test_before_line_runs_for_every_line_and_can_stop_it(registry):
     with pytest.raises(Deadline):
         validate_lines(lines, "/v1/chat/completions", registry, 100, before_line=before_line)
     assert seen == [1, 2, 3, 4]
+
+
+# -- lines under the length cap (rein.openai.batch_lines.read_lines) ------------------------------
+
+
+def test_a_line_past_the_cap_comes_as_its_size_and_the_others_as_they_are():
+    cap = 100
+    content = b"a" * 100 + b"\n" + b"b" * 101 + b"\n" + b"c\n" + b"d" * 250_000 + b"\n\n" + b"e" * 101
+    lines = list(read_lines(io.BytesIO(content), cap))
+    assert lines == [b"a" * 100 + b"\n", OversizedLine(101, cap), b"c\n", OversizedLine(250_000, cap), b"\n",
+                     OversizedLine(101, cap)]
+    assert list(read_lines(io.BytesIO(b"x\ny"), cap)) == [b"x\n", b"y"]   # as iterating the file gives them
+
+
+def test_a_line_past_the_cap_is_that_lines_error_and_the_others_are_checked(registry):
+    cap = 1024
+    lines = read_lines(io.BytesIO(b"".join(raw(chat("a"), {**chat("big"), "pad": "x" * 5000}, chat("c", model="nope"),
+                                               chat("d")))), cap)
+    handed = []
+    result = validate_lines(lines, "/v1/chat/completions", registry, 10, on_valid=handed.append)
+    assert result.requests == 4 and [v.custom_id for v in handed] == ["a"]
+    assert [(e["line"], e["code"]) for e in result.errors] == [(2, "line_too_large"), (3, "model_not_found")]
+    message = result.errors[0]["message"]
+    size = len(json.dumps({**chat("big"), "pad": "x" * 5000}))
+    assert message.startswith("line 2: ") and f"{size} bytes" in message and f"limit of {cap} bytes" in message
+    assert "REIN_MAX_REQUEST_BYTES" in message and "smaller" in message
+
+
+def test_validating_a_long_line_holds_a_bounded_amount_of_memory(registry, tmp_path):
+    """A 20 MB line under a 1 MiB cap: the validation's peak of Python allocations stays near the
+    cap (read in pieces, skipped, never parsed), far below the line (which json.loads would
+    need about 25 times of)."""
+    cap = 1 << 20
+    path = tmp_path / "in.jsonl"
+    long_line = json.dumps({**chat("long"), "pad": "x" * 20_000_000}).encode()   # a string: cheap to parse
+    path.write_bytes(b"".join(raw(chat("a"))) + long_line + b"\n" + b"".join(raw(chat("b"))))
+    del long_line
+    handed = []
+    tracemalloc.start()
+    try:
+        with open(path, "rb") as source:
+            result = validate_lines(read_lines(source, cap), "/v1/chat/completions", registry, 10,
+                                    on_valid=handed.append)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * cap, f"peak {peak / 2**20:.1f} MiB for a 20 MB line under a 1 MiB cap"
+    assert [(e["line"], e["code"]) for e in result.errors] == [(2, "line_too_large")]
+    assert [v.custom_id for v in handed] == ["a"]
+
+
+def test_run_batch_answers_a_line_past_the_cap_with_an_error_line(tiny_models, tmp_path):
+    """`rein run-batch` reads its input under the same cap: the long line gets an error line
+    naming it, and the lines around it are answered."""
+    from rein.engine.config import EngineConfig
+    from rein.engine.engine import LLMEngine
+    from rein.offline.run_batch import run_batch
+
+    engine = LLMEngine(EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="64MiB", max_num_seqs=2,
+                                    max_model_len=256))
+    src, out, err = tmp_path / "in.jsonl", tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    long_line = json.dumps({**chat("long"), "pad": "x" * 50_000})
+    src.write_bytes(b"".join(raw(chat("a"), long_line, chat("b"))))
+    summary = run_batch(engine, src, out, error_path=err, progress=False, max_line_bytes=10_000)
+    assert sorted(json.loads(x)["custom_id"] for x in out.read_text().splitlines()) == ["a", "b"]
+    [error] = [json.loads(x) for x in err.read_text().splitlines()]
+    assert error["error"]["code"] == "line_too_large" and error["custom_id"] is None
+    assert error["error"]["message"].startswith(f"line 2: the line is {len(long_line)} bytes")
+    assert (summary.requests_ok, summary.requests_failed) == (2, 1)
