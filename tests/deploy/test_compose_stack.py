@@ -4,16 +4,19 @@ Run by tests/deploy/run.sh (`make test-deploy`), which makes the local base imag
 wheelhouse and passes, in the environment, REIN_COMPOSE (`docker compose` or
 `docker-compose`), BASE_IMAGE, POSTGRES_IMAGE, REDIS_IMAGE and PIP_NO_INDEX=1: the image is
 built with no index and no registry. The stack runs as its own compose project
-(REIN_DEPLOY_PROJECT, default rein-deploy-test) with its own image tag, a random Postgres
-password, and the API on 127.0.0.1 at a free port, so it collides with nothing on the host
-(whose own Postgres and Redis hold 5432 and 6379). Leftovers of an interrupted run are removed
-first; `down -v` runs at the end whatever happened, after the services' logs are written to
+(REIN_DEPLOY_PROJECT, default rein-deploy-test) with its own image tag and the API on
+127.0.0.1 at a free port, so it collides with nothing on the host (whose own Postgres and
+Redis hold 5432 and 6379), and random Postgres and Redis passwords. Leftovers of an
+interrupted run are removed first; `down -v` runs at the end whatever happened, after the services' logs are written to
 REIN_DEPLOY_LOGS (a file; run.sh names one in its cache folder) and, when a test failed,
 their last lines printed.
 
 What it checks: the default model is SmolLM2-135M-Instruct (it knows the capital of France,
 streamed and not), a key made with the documented one-liner works, and a 20-line batch
 through Files and Batches completes every line although the worker is restarted mid-batch.
+And the hardening, as Docker applied it: every container without capabilities (but the few
+Postgres and Redis may add back), with no-new-privileges and a memory limit; Redis refuses a
+client without the password; the containers' memory in use after the batch is printed.
 """
 
 from __future__ import annotations
@@ -103,7 +106,8 @@ def wait_healthy(stack: Stack, services: tuple[str, ...], timeout: float) -> Non
 @pytest.fixture(scope="module")
 def stack(request: pytest.FixtureRequest):
     env = {**os.environ, "COMPOSE_PROJECT_NAME": PROJECT, "APP_IMAGE": f"{PROJECT}:latest",
-           "API_BIND": "127.0.0.1", "POSTGRES_PASSWORD": secrets.token_hex(16)}
+           "API_BIND": "127.0.0.1", "POSTGRES_PASSWORD": secrets.token_hex(16),
+           "REDIS_PASSWORD": secrets.token_hex(16)}
     for name in ("REIN_MODELS", "WORKER_MODEL", "REIN_KV_CACHE_MEMORY", "REIN_MAX_NUM_SEQS"):
         env.pop(name, None)   # the compose defaults are what is tested
     stack = Stack(env=env, port=free_port())
@@ -218,3 +222,26 @@ def test_a_batch_survives_a_worker_restart(stack: Stack) -> None:
     france = next(o for o in output if o["custom_id"] == "line-00")
     say(f"line-00 answer: {france['response']['body']['choices'][0]['message']['content'][:160]!r}")
     wait_healthy(stack, ("worker",), HEALTHY_TIMEOUT)   # and the restarted worker is healthy again
+
+
+def test_the_containers_run_hardened(stack: Stack) -> None:
+    """What compose.yaml asks for, as Docker applied it (tests/unit/test_compose.py checks the file)."""
+    for service in ("postgres", "redis", "api", "worker"):
+        out = subprocess.run(["docker", "inspect", "-f", "{{json .HostConfig}}", stack.container(service)],
+                             capture_output=True, text=True, check=True).stdout
+        host = json.loads(out)
+        assert [c.upper() for c in host.get("CapDrop") or []] in (["ALL"], ["CAP_ALL"]), (service, host.get("CapDrop"))
+        assert "no-new-privileges:true" in (host.get("SecurityOpt") or []), (service, host.get("SecurityOpt"))
+        assert host.get("Memory", 0) > 0, f"{service}: no memory limit"
+        assert not host.get("Privileged"), service
+    usage = subprocess.run(["docker", "stats", "--no-stream", "--format", "{{.Name}} {{.MemUsage}}",
+                            *(stack.container(s) for s in ("postgres", "redis", "api", "worker"))],
+                           capture_output=True, text=True, check=False).stdout.strip()
+    say("memory now (used / limit): " + "; ".join(usage.splitlines()))
+
+
+def test_redis_refuses_a_client_without_the_password(stack: Stack) -> None:
+    anonymous = stack.compose("exec", "-T", "redis", "sh", "-c", "unset REDISCLI_AUTH; redis-cli ping", check=False)
+    assert "NOAUTH" in anonymous.stdout + anonymous.stderr, anonymous
+    authenticated = stack.compose("exec", "-T", "redis", "redis-cli", "ping")
+    assert "PONG" in authenticated.stdout

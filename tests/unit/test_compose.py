@@ -1,7 +1,8 @@
 """compose.yaml, compose.gpu.yaml and the Dockerfile, checked statically (no Docker engine
 needed): the services and their order of start, health checks, Redis durability, the CPU
-default and the GPU override's reservations, and that every REIN_* name the deployment uses
-is a real setting. tests/deploy runs them for real (make test-deploy)."""
+default and the GPU override's reservations, that every REIN_* name the deployment uses
+is a real setting, and the hardening (no-new-privileges, capabilities, memory limits, Redis'
+password, Grafana without anonymous access). tests/deploy runs them for real (make test-deploy)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rein.core.settings import Settings
+from rein.core.settings import Settings, refuse_placeholder_secrets
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -107,7 +108,7 @@ def test_rein_services_point_at_the_compose_servers(services):
     for name in ("migrate", "api", "worker"):
         env = environment(services[name])
         assert "@postgres:5432/" in env["REIN_DATABASE_URL"], name
-        assert env["REIN_REDIS_URL"].startswith("redis://redis:6379"), name
+        assert re.fullmatch(r"redis://:[^@]+@redis:6379/\d+", env["REIN_REDIS_URL"]), name
         assert "smollm2=/opt/rein/models/smollm2-135m-instruct.gguf" in env["REIN_MODELS"], name
 
 
@@ -230,3 +231,86 @@ def test_dashboard_shows_every_metric_and_only_real_ones():
     shown = {name for name, kind in families.items() if any(name + s in used for s in suffixes[kind])}
     assert shown == set(families), f"metrics without a panel: {sorted(set(families) - shown)}"
     assert all(p.get("datasource", {}).get("uid", "prometheus") == "prometheus" for p in dashboard["panels"])
+
+
+# -- the hardening ---------------------------------------------------------------------------
+
+VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
+# The capabilities a service may add back after dropping all: the official postgres and redis
+# images start as root to own their data folder, then drop to their user with gosu.
+CAPABILITIES = {"postgres": {"CHOWN", "DAC_OVERRIDE", "FOWNER", "SETGID", "SETUID"},
+                "redis": {"CHOWN", "SETGID", "SETUID"}}
+# What each service needs at least (measured in tests/deploy: docker stats after the batch).
+MIN_MEMORY = {"worker": 4 * 1024**3, "api": 2 * 1024**3, "redis": 512 * 1024**2, "postgres": 512 * 1024**2}
+
+
+def resolve(text: str, env: dict[str, str] | None = None) -> str:
+    """compose's interpolation of ${VAR:-default} (and ${VAR}), with `env` as the environment."""
+    env = env or {}
+    return VARIABLE.sub(lambda m: env.get(m.group(1)) or (m.group(2) or ""), text)
+
+
+def memory_bytes(text: str) -> int:
+    number, unit = re.fullmatch(r"(\d+)([bkmg]?)", text.lower()).groups()
+    return int(number) * 1024 ** "bkmg".index(unit or "b")
+
+
+def test_every_service_is_hardened(services):
+    for name, service in services.items():
+        assert "no-new-privileges:true" in service.get("security_opt", []), f"{name}: no no-new-privileges"
+        assert service.get("cap_drop") == ["ALL"], f"{name}: capabilities not dropped"
+        assert set(service.get("cap_add", [])) <= CAPABILITIES.get(name, set()), f"{name}: {service['cap_add']}"
+        assert not service.get("privileged"), name
+        assert "mem_limit" in service, f"{name}: no memory limit"
+        limit = memory_bytes(resolve(str(service["mem_limit"])))
+        assert limit >= MIN_MEMORY.get(name, 256 * 1024**2), f"{name}: {service['mem_limit']}"
+
+
+def test_the_gpu_override_keeps_the_hardening(gpu_services):
+    for name, service in gpu_services.items():
+        assert not {"cap_add", "cap_drop", "security_opt", "privileged"} & set(service), name
+    assert memory_bytes(resolve(str(gpu_services["worker"]["mem_limit"]))) >= 16 * 1024**3
+
+
+def test_redis_requires_the_password_every_client_has(services):
+    command = services["redis"]["command"]
+    password = command[command.index("--requirepass") + 1]
+    assert VARIABLE.fullmatch(password), "the password comes from the environment (REDIS_PASSWORD)"
+    for name, service in services.items():
+        url = environment(service).get("REIN_REDIS_URL")
+        if url is not None:
+            assert url.startswith(f"redis://:{password}@"), name
+    # The health check asks with the password (redis-cli reads REDISCLI_AUTH) and wants PONG:
+    # a NOAUTH answer is not healthy.
+    assert environment(services["redis"])["REDISCLI_AUTH"] == password
+    assert "grep -q PONG" in healthcheck_text(services["redis"])
+    # Full, Redis refuses writes (noeviction) before the container's limit kills it.
+    maxmemory = memory_bytes(resolve(command[command.index("--maxmemory") + 1]).removesuffix("b"))
+    assert maxmemory < memory_bytes(resolve(str(services["redis"]["mem_limit"])))
+
+
+def test_the_default_passwords_are_warned_about_and_placeholders_refused(services):
+    """The defaults (`rein`, tolerable on a network nothing else reaches) start, with a warning
+    in migrate's log; a placeholder from the deployment files would stop migrate and the API."""
+    entrypoint = " ".join(services["migrate"]["entrypoint"])
+    assert "WARNING: POSTGRES_PASSWORD is the default" in entrypoint
+    assert "WARNING: REDIS_PASSWORD is the default" in entrypoint
+    env = environment(services["api"])
+    refuse_placeholder_secrets(Settings(database_url=resolve(env["REIN_DATABASE_URL"]),
+                                        redis_url=resolve(env["REIN_REDIS_URL"])))
+    placeholders = {"POSTGRES_PASSWORD": "CHANGE-ME", "REDIS_PASSWORD": "changeme"}
+    with pytest.raises(ValueError, match="REIN_DATABASE_URL.*\\n.*REIN_REDIS_URL"):
+        refuse_placeholder_secrets(Settings(database_url=resolve(env["REIN_DATABASE_URL"], placeholders),
+                                            redis_url=resolve(env["REIN_REDIS_URL"], placeholders)))
+
+
+def test_grafana_has_no_anonymous_access_and_no_default_password(services):
+    env = environment(services["grafana"])
+    assert env["GF_AUTH_ANONYMOUS_ENABLED"] == "false"
+    assert env["GF_USERS_ALLOW_SIGN_UP"] == "false"
+    # The admin password comes from GRAFANA_ADMIN_PASSWORD, with no default; the entrypoint
+    # refuses an empty one before Grafana would fall back to `admin`.
+    assert VARIABLE.fullmatch(env["GF_SECURITY_ADMIN_PASSWORD"]).groups() in (("GRAFANA_ADMIN_PASSWORD", ""),
+                                                                             ("GRAFANA_ADMIN_PASSWORD", None))
+    entrypoint = " ".join(services["grafana"]["entrypoint"])
+    assert '-z "$$GF_SECURITY_ADMIN_PASSWORD"' in entrypoint and "exit 1" in entrypoint
