@@ -492,3 +492,16 @@ def share_settings_overrides(**overrides: object) -> None:
     for name, value in overrides.items():
         text = ",".join(map(str, value)) if isinstance(value, tuple | list) else str(value)
         os.environ[f"REIN_{name.upper()}"] = text
+
+
+def swap_environment(values: dict[str, str | None]) -> dict[str, str | None]:
+    """Set (None: remove) these variables for a library that takes an option from the
+    environment alone (gloo's and NCCL's network interface, rein.engine.parallel.group);
+    returns what they were, to put back with a second call."""
+    previous = {name: os.environ.get(name) for name in values}
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    return previous

@@ -6,7 +6,7 @@ at construction (`native_model_class(spec)(spec, max_positions, group)`, or
 `rein.engine.loader.load_model(..., group=group)`), builds its layers at 1/N width and reads
 only its shard of each checkpoint tensor. `ranks` and `follower` run an engine's ranks as
 processes (rank 0 plans each step, the others follow); `shm_reduce` is the CPU ranks'
-shared-memory all-reduce.
+shared-memory all-reduce, over the private memory of `shared_memory`.
 """
 
 from rein.engine.parallel.group import (

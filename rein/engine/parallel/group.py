@@ -20,11 +20,19 @@ timeout, so a rank that died or hangs becomes an exception on the others, not a 
   NCCL watchdog aborts the communicator after the timeout and, under PyTorch's default
   TORCH_NCCL_ASYNC_ERROR_HANDLING, ends the process -- which its supervisor sees as a dead
   engine. `min_int` goes through a second, gloo group on the CPU (as vLLM's CPU group).
+
+Every rank is on this host, so the groups listen on the loopback interface only
+(`loopback_only`), and only tensors cross them: no object collective (`all_gather_object`,
+`broadcast_object_list`), which would unpickle whatever a peer, or anything that reached its
+port, sent.
 """
 
 from __future__ import annotations
 
+import os
 import socket
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Protocol
@@ -32,11 +40,15 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from rein.core.settings import swap_environment
 from rein.engine.parallel import shm_reduce
 
 # Long enough for a peer to compile its kernels (Triton's first launch) before it reaches a
 # collective; a rank that dies outright is noticed sooner (its connections close).
 DEFAULT_TIMEOUT_S = 300.0
+SYS_NET = "/sys/class/net"
+IFF_LOOPBACK = 0x8
+LOOPBACK_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 
 
 class ParallelGroup(Protocol):
@@ -76,6 +88,34 @@ class SingleRankGroup:
 SINGLE_RANK = SingleRankGroup()
 
 
+def loopback_interface() -> str:
+    """The name of this host's loopback network interface ("lo" on Linux)."""
+    try:
+        for interface in sorted(os.listdir(SYS_NET)):
+            flags = int((Path(SYS_NET) / interface / "flags").read_text(), 16)
+            if flags & IFF_LOOPBACK:
+                return interface
+    except (OSError, ValueError):
+        pass
+    return "lo"
+
+
+@contextmanager
+def loopback_only() -> Iterator[None]:
+    """Within it, the gloo and NCCL groups made listen on the loopback interface only.
+
+    Without it gloo listens on the address the host name resolves to (in a container, its
+    network address), and NCCL's bootstrap on the first non-loopback interface: reachable
+    from other hosts, for a group whose ranks are all on this one. Both read these variables
+    when a group is made (torch passes gloo no other way to choose its device); any value the
+    environment had is put back after."""
+    saved = swap_environment(dict.fromkeys(LOOPBACK_VARIABLES, loopback_interface()))
+    try:
+        yield
+    finally:
+        swap_environment(saved)
+
+
 def tcp_init_method(host: str = "127.0.0.1") -> str:
     """A `tcp://host:port` address on a port free now, for all ranks of one group on this host.
     Chosen before the ranks start (rank 0 then listens on it), so another process could take
@@ -111,18 +151,20 @@ class DistributedGroup:
         timeout = timedelta(seconds=timeout_s)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-            dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
-                                    timeout=timeout, device_id=self.device)
-            # Host-side agreements (min_int) without a device round trip: a CPU group for them.
-            self._cpu_group = dist.new_group(backend="gloo", timeout=timeout)
+            with loopback_only():
+                dist.init_process_group("nccl", init_method=init_method, rank=rank, world_size=world_size,
+                                        timeout=timeout, device_id=self.device)
+                # Host-side agreements (min_int) without a device round trip: a CPU group for them.
+                self._cpu_group = dist.new_group(backend="gloo", timeout=timeout)
         elif self.device.type == "cpu":
-            dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                                    timeout=timeout)
+            with loopback_only():
+                dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
+                                        timeout=timeout)
             self._cpu_group = dist.group.WORLD
             # The model's collectives through shared memory: gloo's TCP costs more than the split saves.
             # The ranks decide together (the least of their answers), or their collectives would not meet.
             if world_size > 1 and self.min_int(int(shm_reduce.available(world_size))):
-                self._shm = shm_reduce.ShmAllReduce(rank, world_size, timeout_s, self._cpu_group)
+                self._shm = shm_reduce.ShmAllReduce.join(rank, world_size, timeout_s, self._cpu_group)
         else:
             raise ValueError(f"tensor parallelism runs on CPU (gloo) or CUDA (NCCL), not {self.device.type}")
 

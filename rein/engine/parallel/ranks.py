@@ -144,7 +144,8 @@ class RankProcesses:
         return exc
 
     def send(self, plan: object) -> None:
-        """`plan` to every other rank: pickled once, written to each pipe."""
+        """`plan` to every other rank: pickled once, written to each pipe (an anonymous pipe to
+        a child process rein started, never a socket: nothing else can write what it unpickles)."""
         payload = pickle.dumps(plan, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for conn in self.conns:
