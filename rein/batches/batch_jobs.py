@@ -1,13 +1,14 @@
 """A batch's rows in the jobs table: written in bulk through COPY once its file is valid
 (`spool_job` while checking, `copy_jobs` at the end, each with its prefix order's `feed_key`),
-counted while open (`open_jobs`), and dropped on a cancel or expiry (`drop_batch_jobs`).
+counted while open (`open_jobs`), their tenants' tokens sent and not finished summed
+(`queued_batch_tokens`), and dropped on a cancel or expiry (`drop_batch_jobs`).
 """
 
 from __future__ import annotations
 
 import pickle
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from typing import IO, Any
 
@@ -22,7 +23,7 @@ from rein.jobs.cancel import request_cancel
 
 OPEN_JOB_STATUSES = ("queued", "running")
 COPY_COLUMNS = ("id", "tenant", "key_id", "model", "endpoint", "params", "prompt_token_ids",
-                "prompt_tokens", "priority", "batch_id", "custom_id", "batch_line", "feed_key")
+                "prompt_tokens", "priority", "batch_id", "custom_id", "batch_line", "feed_key", "requested_tokens")
 
 FEED_KEY_TOKENS = 128   # prompt tokens the prefix order looks at: a system prompt's worth
 
@@ -73,6 +74,20 @@ def copy_jobs(session: Session) -> Iterator[Callable[[dict[str, Any]], None]]:
 def open_jobs(session: Session, batch_id: str) -> int:
     return session.scalar(select(func.count()).where(Job.batch_id == batch_id,
                                                      Job.status.in_(OPEN_JOB_STATUSES))) or 0
+
+
+def queued_batch_tokens(session: Session, tenants: Collection[str]) -> dict[str, int]:
+    """Tenant -> the tokens (`requested_tokens`; a line copied before it existed: its prompt) of
+    its batch lines sent to a queue and not finished, waiting or running (a partial index holds
+    just those lines)."""
+    if not tenants:
+        return {}
+    rows = session.execute(
+        select(Job.tenant, func.sum(func.coalesce(Job.requested_tokens, Job.prompt_tokens)))
+        .where(Job.tenant.in_(list(tenants)), Job.batch_id.is_not(None), Job.sent_at.is_not(None),
+               Job.status.in_(OPEN_JOB_STATUSES))
+        .group_by(Job.tenant))
+    return {tenant: int(tokens or 0) for tenant, tokens in rows}
 
 
 def drop_batch_jobs(session: Session, redis: Redis, keys: RedisKeys, settings: Settings, batch_id: str) -> int:

@@ -1,10 +1,12 @@
 """Fairness between tenants when batches are fed to a model's queue: the order batches are
-visited (`round_robin`) and how a tick's queue room is shared (`feeding_shares`). Plain
+visited (`round_robin`), how a tick's queue room is shared (`feeding_shares`), and how many
+lines a tenant under its cap on queued batch tokens may send (`lines_within_tokens`). Plain
 functions, so their rules are tested without a database.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 
@@ -33,3 +35,19 @@ def feeding_shares(room: int, batches: list[tuple[str, str]]) -> dict[str, int]:
         for b, batch_id in enumerate(ids):
             shares[batch_id] = tenant_room // len(ids) + (1 if b < tenant_room % len(ids) else 0)
     return shares
+
+
+def lines_within_tokens(tokens: Sequence[int], room: int | None) -> int:
+    """How many of these lines (their tokens, in sending order) a tenant with `room` tokens left
+    under its cap on queued batch tokens may send now: lines while some room is left, so the
+    last one may pass the cap (a line larger than the whole cap still goes, when nothing else
+    of its tenant's is queued); none when no room is left; all of them when there is no cap (None)."""
+    if room is None:
+        return len(tokens)
+    count = 0
+    for line_tokens in tokens:
+        if room <= 0:
+            break
+        room -= line_tokens
+        count += 1
+    return count

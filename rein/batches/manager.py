@@ -13,7 +13,13 @@ replica is handling is skipped, not waited for), does the next step in one trans
   jobs exist or none do. A bad line: nothing is written and the batch is `failed`, with
   the bad lines listed. So a 50,000-line file holds no snapshot, row lock or `idle in
   transaction` connection for the minutes its check takes, and a cancel or a shutdown is
-  noticed between lines.
+  noticed between lines. Lines are read under REIN_MAX_REQUEST_BYTES (a longer one is that
+  line's error, skipped unread: rein.openai.batch_lines.read_lines), so a validation holds at
+  most one line of that size and its parse. Each start of a validation is counted in
+  `batches.validation_starts`, committed before the file is read, and taken back when it stops
+  without a verdict (a shutdown, an outage): a count left behind is a process that died
+  validating the batch (out of memory), and after MAX_VALIDATION_DEATHS of them the batch fails
+  (`validation_crashed`) instead of killing every replica in turn until its deadline.
 * in_progress: feed the model's queue. Batch jobs are not all sent at once: the manager
   keeps at most REIN_BATCH_QUEUE_WINDOW batch messages waiting on the model's queue (the
   priority-6 list), sending the next lines as workers drain it and stamping `sent_at`.
@@ -23,7 +29,10 @@ replica is handling is skipped, not waited for), does the next step in one trans
   (priority 0) are always taken first, and a cancel has few messages to skip. Lines go in
   prefix order (REIN_BATCH_ORDER, default `prefix`: by the prompt's first tokens, the jobs'
   `feed_key`), so the lines sharing a system prompt reach the workers together and run while
-  it is in their prefix cache, or in the file's order (`file`). A message
+  it is in their prefix cache, or in the file's order (`file`). A tenant whose batch lines sent
+  and not finished hold REIN_MAX_QUEUED_BATCH_TOKENS_PER_TENANT tokens (prompt + n x max_tokens
+  each) is sent no more until some finish; its lines wait, and the other tenants' batches share
+  the room. A message
   is sent before its `sent_at` commits: after a crash in between it is sent again, which
   the worker's claim lease makes harmless (the second delivery finds the job taken or
   finished). When no job is queued or running: `finalizing`.
@@ -72,7 +81,7 @@ from redis import Redis
 from redis.exceptions import RedisError
 from sqlalchemy import func, select, update
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import InterfaceError, OperationalError
+from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.batches.batch_jobs import (
@@ -80,10 +89,11 @@ from rein.batches.batch_jobs import (
     copy_jobs,
     drop_batch_jobs,
     open_jobs,
+    queued_batch_tokens,
     spool_job,
     spooled_jobs,
 )
-from rein.batches.fairness import feeding_shares, round_robin
+from rein.batches.fairness import feeding_shares, lines_within_tokens, round_robin
 from rein.batches.locks import hold_batch_lock, try_lock_batch
 from rein.batches.output import write_result_files
 from rein.batches.validation import ValidLine, validate_lines
@@ -96,12 +106,16 @@ from rein.core.settings import Settings
 from rein.engine.structured.validator import ValidatorUnavailable
 from rein.jobs.queues import enqueue_jobs, queue_keys
 from rein.jobs.registry import ModelRegistry
+from rein.openai.batch_lines import read_lines
 
 log = logging.getLogger(__name__)
 
 ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 ABORT_GRACE_SECONDS = 60
 STATUS_CHECK_SECONDS = 2.0     # how often a validation looks whether its batch was cancelled
+# Validations of one batch whose process died (out of memory, most likely) before the next start
+# fails the batch instead: a retry for a death that was not the file's doing, not a crash loop.
+MAX_VALIDATION_DEATHS = 2
 
 
 class _Superseded(Exception):
@@ -194,7 +208,13 @@ class BatchManager:
                 log.exception("batch %s: step failed; retrying next tick", row.id)
 
     def _feeding_shares(self, running: list[Any]) -> dict[str, int]:
-        """Batch id -> how many more of its lines may be sent this tick."""
+        """Batch id -> how many more of its lines may be sent this tick. A tenant at its cap on
+        queued batch tokens gets no share, so the others share all the room."""
+        cap = self.settings.max_queued_batch_tokens_per_tenant
+        if cap and running:
+            with self.sessions() as session:
+                queued = queued_batch_tokens(session, {row.tenant for row in running})
+            running = [row for row in running if queued.get(row.tenant, 0) < cap]
         by_model: dict[str, list[Any]] = {}
         for row in running:
             by_model.setdefault(row.model or "", []).append(row)
@@ -258,11 +278,43 @@ class BatchManager:
         with hold_batch_lock(self.sessions, batch_id) as lock:
             if lock is None:             # another manager is validating it
                 return
+            deaths = self._start_validation(batch_id)
+            if deaths is None:           # no longer validating
+                return
             try:
+                if deaths >= MAX_VALIDATION_DEATHS:
+                    raise _ValidationFailed(batch_id, [_crashed_error(deaths, self.settings.max_request_bytes)])
                 self._validate_locked(lock, batch_id)
             except _ValidationFailed as failed:
                 with self.sessions() as session, session.begin():
                     self._fail(session, failed.batch_id, failed.errors)
+            except Exception:
+                # Stopped without a verdict, by a shutdown, an outage or a bug, in a process alive to
+                # say so: not a death, so this start is taken back (a retry comes next tick).
+                self._forget_start(batch_id)
+                raise
+
+    def _start_validation(self, batch_id: str) -> int | None:
+        """Count this start of the batch's validation, committed before its file is read, so a
+        process that dies reading it (out of memory) leaves the count behind for the next one to
+        see. The starts before this one that never ended, each a process that died validating
+        the batch; None when the batch is no longer validating."""
+        with self.sessions() as session, session.begin():
+            starts = session.scalar(
+                update(Batch).where(Batch.id == batch_id, Batch.status == "validating")
+                .values(validation_starts=Batch.validation_starts + 1).returning(Batch.validation_starts))
+        return None if starts is None else starts - 1
+
+    def _forget_start(self, batch_id: str) -> None:
+        """Take back the start `_start_validation` counted (best effort: when Postgres is away too,
+        the start counts as a death)."""
+        try:
+            with self.sessions() as session, session.begin():
+                session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating",
+                                                    Batch.validation_starts > 0)
+                                .values(validation_starts=Batch.validation_starts - 1))
+        except SQLAlchemyError as exc:
+            log.warning("batch %s: its validation start was not taken back (%s)", batch_id, exc)
 
     def _validate_locked(self, lock: Connection, batch_id: str) -> None:
         with self.sessions() as session:
@@ -311,7 +363,8 @@ class BatchManager:
         with tempfile.TemporaryFile(prefix="rein-batch-") as spool:
             try:
                 with source:
-                    result = validate_lines(source, batch.endpoint, self.registry,
+                    lines = read_lines(source, self.settings.max_request_bytes)   # each under the cap
+                    result = validate_lines(lines, batch.endpoint, self.registry,
                                             self.settings.batch_max_requests, on_valid=store, before_line=check)
             except (_Superseded, _ValidationFailed, OperationalError, InterfaceError, RedisError,
                     ValidatorUnavailable):
@@ -374,11 +427,18 @@ class BatchManager:
             share = shares.get(batch.id, 0)
         if share <= 0:
             return
+        cap = self.settings.max_queued_batch_tokens_per_tenant
+        token_room = None
+        if cap:   # (again here: the tenant's other batches fed earlier in this tick count too)
+            token_room = cap - queued_batch_tokens(session, [batch.tenant]).get(batch.tenant, 0)
+            if token_room <= 0:
+                return           # its lines wait until the tenant's queued ones finish
         order = (Job.batch_line,) if self.settings.batch_order == "file" else (Job.feed_key, Job.batch_line)
         rows = session.execute(
-            select(*JOB_MESSAGE_COLUMNS)
+            select(*JOB_MESSAGE_COLUMNS, func.coalesce(Job.requested_tokens, Job.prompt_tokens).label("tokens"))
             .where(Job.batch_id == batch.id, Job.status == "queued", Job.sent_at.is_(None))
             .order_by(*order).limit(share)).all()
+        rows = rows[:lines_within_tokens([row.tokens for row in rows], token_room)]
         # The whole chunk in one pipeline.
         enqueue_jobs(self.celery, [JobMessage.for_job(row) for row in rows])
         if rows:
@@ -408,6 +468,15 @@ class BatchManager:
         session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == batch.status)
                         .values(output_file_id=output_id, error_file_id=error_id, **final))
         log.info("batch %s %s", batch.id, final["status"])
+
+
+def _crashed_error(deaths: int, max_line_bytes: int) -> dict[str, Any]:
+    return {"code": "validation_crashed", "line": None, "param": None,
+            "message": f"validation of this batch was started {deaths} times and its process died each time "
+                       f"(out of memory, most likely), so it is not tried again. Split the input file into "
+                       f"smaller batches, or make its largest requests smaller: checking a line takes about 25 "
+                       f"times its bytes in memory (lines over REIN_MAX_REQUEST_BYTES, {max_line_bytes} bytes, "
+                       f"are refused unread)"}
 
 
 def _timeout_error(seconds: float) -> dict[str, Any]:

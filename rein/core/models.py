@@ -166,6 +166,9 @@ class Job(Base):
     sent_at: Mapped[datetime | None]
     """When the job's message was last put on its queue (by intake, the batch manager or the
     reaper); NULL: not sent yet (batch lines wait for the batch manager)."""
+    requested_tokens: Mapped[int | None]
+    """A batch line's prompt + n x max_tokens (the most it may cost): what the per-tenant cap on
+    queued batch tokens counts (REIN_MAX_QUEUED_BATCH_TOKENS_PER_TENANT); NULL for other jobs."""
 
     result: Mapped[Result | None] = relationship(back_populates="job")
     usage: Mapped[Usage | None] = relationship(back_populates="job")
@@ -187,6 +190,10 @@ class Job(Base):
         # The batch manager's next lines in prefix order: only the lines not sent yet.
         Index("ix_jobs_batch_unsent", "batch_id", "feed_key", "batch_line",
               postgresql_where=text("status = 'queued' AND sent_at IS NULL")),
+        # The batch lines sent and not finished, per tenant: the queued batch token cap.
+        Index("ix_jobs_batch_in_flight", "tenant",
+              postgresql_where=text("batch_id IS NOT NULL AND sent_at IS NOT NULL "
+                                    "AND status IN ('queued', 'running')")),
     )
 
 
@@ -287,6 +294,10 @@ class Batch(Base):
     """The model of every line, known after validation."""
     status: Mapped[str] = mapped_column(server_default=text("'validating'"))
     request_total: Mapped[int] = mapped_column(server_default=text("0"))
+    validation_starts: Mapped[int] = mapped_column(server_default=text("0"))
+    """Validations started and not ended by the process that ran them: each start adds one,
+    committed before the file is read, and one that stops without a verdict (a shutdown, an
+    outage) takes it back; what stays counts the processes that died validating the batch."""
     errors: Mapped[dict[str, Any] | None]
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", server_default=text("'{}'::jsonb"))
     output_file_id: Mapped[str | None]

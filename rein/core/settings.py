@@ -226,6 +226,10 @@ class Settings(BaseSettings):
     of them (at least one), so another tenant's batch starts validating beside a large file."""
     batch_poll_seconds: float = Field(1.0, gt=0)
     """How often the API's batch manager looks for batch work (validation, feeding, finalizing)."""
+    max_queued_batch_tokens_per_tenant: int | None = Field(2_000_000, ge=0)
+    """Batch tokens (each line's prompt + n x max_tokens) one tenant may have sent to the queues and
+    not finished (waiting or running); at the cap the batch manager holds that tenant's further
+    lines back and goes on feeding the others' (the lines wait, they do not fail); 0: no cap."""
 
     # --- the engine (see rein.engine.config.EngineConfig, which validates them; EngineSettings below)
     max_num_seqs: int = Field(64, ge=1)

@@ -20,8 +20,8 @@ from rein.openai.errors import (
     RequestError,
 )
 
-# How much of an oversized line is read at a time while it is skipped.
-SKIP_CHUNK_BYTES = 1 << 16
+# Lines are read this much at a time; a longer one is measured before it is read whole.
+LINE_CHUNK_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -44,21 +44,39 @@ class OversizedLine:
 def read_lines(source: IO[bytes], max_line_bytes: int) -> Iterator[bytes | OversizedLine]:
     """The lines of a binary file, each with its newline (the last may have none), as iterating
     the file gives them, except that a line longer than `max_line_bytes` (its newline not
-    counted) comes as an OversizedLine: at most `max_line_bytes` + 1 bytes of it are read at
-    once, the rest is skipped SKIP_CHUNK_BYTES at a time. So reading holds at most one line of
-    the cap's size, whatever the file holds."""
-    while raw := source.readline(max_line_bytes + 1):
-        if len(raw) <= max_line_bytes or (len(raw) == max_line_bytes + 1 and raw[-1:] == b"\n"):
-            yield raw
+    counted) comes as an OversizedLine. The file is read LINE_CHUNK_BYTES at a time: a line
+    longer than that is first measured chunk by chunk without being kept, then, when within the
+    cap, read again whole (a file that cannot seek keeps its chunks until they pass the cap). So
+    an oversized line costs a chunk of memory, whatever its length, and any other line its own
+    bytes."""
+    seekable = source.seekable()
+    while piece := source.readline(LINE_CHUNK_BYTES):
+        if piece[-1:] == b"\n" or len(piece) < LINE_CHUNK_BYTES:      # the whole line (or the file's last)
+            size = len(piece) - (piece[-1:] == b"\n")
+            yield piece if size <= max_line_bytes else OversizedLine(size, max_line_bytes)
             continue
-        size = len(raw)
-        del raw
-        while rest := source.readline(SKIP_CHUNK_BYTES):
-            if rest[-1:] == b"\n":
-                size += len(rest) - 1
+        start = source.tell() - len(piece) if seekable else 0
+        pieces: list[bytes] | None = None if seekable else [piece]
+        size = len(piece)
+        del piece
+        while rest := source.readline(LINE_CHUNK_BYTES):
+            ended = rest[-1:] == b"\n"
+            size += len(rest) - ended
+            if pieces is not None:
+                if size <= max_line_bytes:
+                    pieces.append(rest)
+                else:
+                    pieces.clear()      # past the cap: nothing of it is kept
+            if ended:
                 break
-            size += len(rest)
-        yield OversizedLine(size, max_line_bytes)
+        if size > max_line_bytes:
+            yield OversizedLine(size, max_line_bytes)
+        elif pieces is not None:
+            yield b"".join(pieces)
+        else:
+            end = source.tell()
+            source.seek(start)
+            yield source.read(end - start)
 
 
 @dataclass

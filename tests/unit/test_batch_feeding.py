@@ -57,3 +57,12 @@ def test_one_tenants_batches_take_at_most_its_share_of_the_validator_threads(mon
     finally:
         release.set()
         manager._validator.shutdown(wait=True)
+
+
+def test_lines_within_tokens_sends_while_room_is_left():
+    from rein.batches.fairness import lines_within_tokens
+
+    assert lines_within_tokens([100, 100, 100, 100], 250) == 3     # the third passes the cap
+    assert lines_within_tokens([100, 100], 0) == 0 and lines_within_tokens([100], -5) == 0
+    assert lines_within_tokens([5000], 1) == 1                      # larger than the cap: alone
+    assert lines_within_tokens([100, 100], None) == 2               # no cap
