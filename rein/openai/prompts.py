@@ -6,6 +6,7 @@ after (the ids name tokens of the model).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from rein.core.input_checks import json_type
@@ -36,13 +37,15 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int,
     if tool_request is None:
         tool_request = parse_tools(body)
     plain = [_plain_message(m, i) for i, m in enumerate(messages)]
-    check_prompt_chars(sum(len(m["content"]) for m in plain) + template_chars(plain, tool_request),
+    template_kwargs = _chat_template_kwargs(body, tokenizer)
+    # The template may write every variable it is given into the prompt: they count too.
+    check_prompt_chars(sum(len(m["content"]) for m in plain) + template_chars(plain, tool_request)
+                       + (len(json.dumps(template_kwargs, ensure_ascii=False)) if template_kwargs else 0),
                        max_model_len, "messages")
     if not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model's tokenizer has no chat template; use /v1/completions with a prompt",
                            "messages")
     check_template(tokenizer.chat_template, tool_request)
-    template_kwargs = _chat_template_kwargs(body, tokenizer)
     if tool_request is not None and tool_request.template_tools is not None:
         template_kwargs["tools"] = tool_request.template_tools
     try:
@@ -72,7 +75,7 @@ _TEMPLATE_PROTECTED = frozenset({"bos_token", "eos_token", "unk_token", "sep_tok
 
 def _chat_template_kwargs(body: dict[str, Any], tokenizer: Any = None) -> dict[str, Any]:
     """vLLM's chat_template_kwargs: extra variables for the template (e.g. enable_thinking)."""
-    kwargs = get_field(body, "chat_template_kwargs", dict, {})
+    kwargs = dict(get_field(body, "chat_template_kwargs", dict, {}))   # a copy: tools are added to it
     special = set(getattr(tokenizer, "special_tokens_map", None) or {})
     for name in kwargs:
         if not name.isidentifier() or name in _TEMPLATE_RESERVED:

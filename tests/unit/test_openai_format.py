@@ -159,6 +159,23 @@ def test_chat_template_kwargs_reach_the_template(tokenizer):
     assert err.param == "chat_template_kwargs.tokenize"
 
 
+def test_chat_template_kwargs_count_in_the_prompt_size_cap(tokenizer, monkeypatch):
+    """The template may write every variable into the prompt: a huge one is refused before the
+    template (or the tokenizer) sees it, as long messages are."""
+    from rein.openai.limits import MAX_CHARS_PER_TOKEN
+
+    templated = AutoTokenizer.from_pretrained(tokenizer.name_or_path)
+    templated.chat_template = "{{ blob }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    body = {"messages": CHAT, "chat_template_kwargs": {"blob": "x" * (MAX_LEN * MAX_CHARS_PER_TOKEN)}}
+    monkeypatch.setattr(templated, "apply_chat_template", lambda *a, **k: pytest.fail("templated a huge prompt"))
+    err = error_of(CHAT_COMPLETIONS, body, templated)
+    assert err.code == "context_length_exceeded" and err.param == "messages" and "characters" in err.message
+    monkeypatch.undo()
+    small = {"messages": CHAT, "chat_template_kwargs": {"blob": "x" * 100}}
+    parse_request(CHAT_COMPLETIONS, small, templated, MAX_LEN)
+    assert small["chat_template_kwargs"] == {"blob": "x" * 100}   # the body is not changed
+
+
 def test_streamed_logprobs_are_refused_not_nulled(tokenizer):
     err = error_of(CHAT_COMPLETIONS, {"messages": CHAT, "stream": True, "logprobs": True}, tokenizer)
     assert err.param == "logprobs" and "not streamed" in err.message
