@@ -196,3 +196,70 @@ def test_a_tenant_at_its_queued_batch_token_cap_is_held_back_while_another_goes_
     wait_for(lambda: len(sent_jobs(db_sessionmaker, big["id"])) == 4, 30, "a fourth line sent")
     time.sleep(0.5)
     assert len(sent_jobs(db_sessionmaker, big["id"])) == 4
+
+
+# What a process run by the test does: validate one batch with a manager of its own, and be
+# SIGKILLed (as by the OOM killer) when the file is read.
+KILLED_VALIDATION = """
+import os, signal, sys
+from redis import Redis
+from sqlalchemy.orm import sessionmaker
+import rein.batches.manager as manager
+from rein.core.db import make_engine
+from rein.core.filestore import LocalFileStore
+from rein.core.settings import Settings
+from rein.jobs.queues import make_celery
+from rein.jobs.registry import ModelRegistry
+
+settings = Settings.model_validate_json(sys.argv[1])
+manager.validate_lines = lambda *args, **kwargs: os.kill(os.getpid(), signal.SIGKILL)
+sessions = sessionmaker(make_engine(settings.database_url), expire_on_commit=False)
+manager.BatchManager(settings, sessions, Redis.from_url(settings.redis_url), make_celery(settings),
+                     ModelRegistry.load(settings), LocalFileStore(settings.files_dir)).advance(sys.argv[2])
+"""
+
+
+def test_validations_killed_by_sigkill_leave_their_starts_and_the_next_manager_fails_the_batch(
+        make_settings, model_dir, make_key, tenant, tmp_path, db_sessionmaker, redis_client):
+    """Real processes, really killed while validating: each leaves its start counted in Postgres
+    and the batch `validating` (its advisory lock gone with its connection); after two, a manager
+    fails the batch instead of validating it."""
+    import subprocess
+    import sys
+    from datetime import timedelta
+
+    from sqlalchemy import func
+
+    from rein.batches.manager import BatchManager
+    from rein.core.filestore import LocalFileStore
+    from rein.core.keys import parse_key
+    from rein.core.models import File
+    from rein.jobs.queues import make_celery
+    from rein.jobs.registry import ModelRegistry
+
+    settings = make_settings(models=f"tiny={model_dir}@512", files_dir=str(tmp_path / "files"))
+    store = LocalFileStore(settings.files_dir)
+    key_id = parse_key(make_key(tenant, "batch"))[0]
+    file_id = f"file-{tenant}"
+    with db_sessionmaker.begin() as session:
+        session.add(File(id=file_id, tenant=tenant, key_id=key_id, filename="in.jsonl", purpose="batch",
+                         bytes=store.save(file_id, [jsonl(line("a"))])))
+        batch = Batch(tenant=tenant, key_id=key_id, endpoint="/v1/completions", input_file_id=file_id,
+                      completion_window="24h", expires_at=func.now() + timedelta(days=1))
+        session.add(batch)
+    for death in (1, 2):
+        run = subprocess.run([sys.executable, "-c", KILLED_VALIDATION, settings.model_dump_json(), batch.id],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == -9, run.stderr[-2000:]
+        with db_sessionmaker() as session:
+            row = session.get(Batch, batch.id)
+            assert (row.status, row.validation_starts) == ("validating", death)
+    manager = BatchManager(settings, db_sessionmaker, redis_client, make_celery(settings),
+                           ModelRegistry.load(settings), store)
+    manager.advance(batch.id)
+    with db_sessionmaker() as session:
+        row = session.get(Batch, batch.id)
+        assert row.status == "failed" and row.failed_at is not None
+        [error] = row.errors["data"]
+    assert error["code"] == "validation_crashed"
+    assert error["message"].startswith("validation of this batch was started 2 times and its process died")
