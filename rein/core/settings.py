@@ -158,6 +158,11 @@ class Settings(BaseSettings):
     tpm_completion_estimate: int = Field(256, ge=0)
     """Completion tokens charged against a key's TPM for a request without max_tokens (capped by
     what the context leaves); the charge is settled against the real usage when the job ends."""
+    tpm_burst_seconds: float = Field(10, gt=0, le=60)
+    """How much of a key's TPM its token bucket holds, in seconds of the limit (TPM x this / 60
+    tokens), refilled at TPM / 60 a second (rein.jobs.ratelimit). Small, so the TPM holds in every
+    minute: a bucket of the whole minute would allow twice the TPM in one. A request larger than
+    the bucket (up to the TPM) waits for a full bucket and leaves a debt."""
 
     @field_validator("allowed_origins", mode="before")
     @classmethod
