@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import uuid
 
 import jsonschema
 import pytest
@@ -20,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rein.engine import EngineConfig, EngineRequestError, LLMEngine, SamplingParams
-from rein.engine.structured.cache import GrammarCache
+from rein.engine.structured.cache import GrammarCache, GrammarError
 from rein.engine.structured.decoding import StructuredDecoding, prepare_grammar
 
 PERSON = {"type": "object", "properties": {
@@ -326,11 +327,82 @@ def test_a_held_n_request_aborted_ends_every_choice(model_dir):
     assert [o.finished for o in outputs].count(True) == 1 and not engine.has_unfinished()
 
 
-def test_a_bad_spec_is_refused_by_add_request(engine):
+def test_a_bad_spec_is_refused_by_add_request_once_checked(engine):
+    """Checked before it reaches the engine (the worker's task thread: prepare_grammar), a bad
+    spec is refused by add_request itself."""
+    bad = sampled({"type": "regex", "pattern": "(open"}, 0)
+    prepare_grammar(engine, bad)
     with pytest.raises(EngineRequestError) as info:
-        engine.add_request("bad", PROMPT, sampled({"type": "regex", "pattern": "(open"}, 0))
+        engine.add_request("bad", PROMPT, bad)
     assert info.value.param == "structured" and "unclosed" in str(info.value)
     assert "bad" not in engine.requests
+
+
+def slow_validators(monkeypatch, answer=None):
+    """A validator pool that takes until `release` is set to answer (a process still starting):
+    returns (asked, answered, release) events."""
+    from rein.engine.structured import validator
+
+    asked, answered, release = threading.Event(), threading.Event(), threading.Event()
+
+    class Starting:
+        size = 1
+
+        def problem(self, key):
+            asked.set()
+            release.wait(30)
+            answered.set()
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    monkeypatch.setattr(validator, "pool", lambda: Starting())
+    return asked, answered, release
+
+
+def test_the_step_thread_never_waits_for_a_validator(model_dir, monkeypatch):
+    """add_request and step return while the spec's check waits for a validator process; the
+    request is held meanwhile, and runs once its spec is checked and compiled."""
+    engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="8MiB", max_model_len=512))
+    asked, answered, release = slow_validators(monkeypatch)
+    spec = {"type": "regex", "pattern": f"[cd]{{3}}-{uuid.uuid4().hex[:6]}"}   # unchecked in this process
+    engine.add_request("held", PROMPT, sampled(spec, 1))
+    engine.add_request("free", PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    outputs = [o for _ in range(3) for o in engine.step()]
+    assert asked.wait(10) and not answered.is_set()   # the check is under way, on another thread
+    assert {o.request_id for o in outputs} == {"free"} and engine.grammars.has_held
+    release.set()
+    results: dict[str, list] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            results.setdefault(o.request_id, []).append(o)
+    assert re.fullmatch(spec["pattern"], "".join(o.text_delta for o in results["held"]))
+
+
+def test_a_spec_checked_on_the_compile_thread_ends_its_held_request_with_the_reason(model_dir, monkeypatch):
+    from rein.engine.structured.validator import ValidatorUnavailable
+
+    engine = LLMEngine(EngineConfig(model=str(model_dir), kv_cache_memory="8MiB", max_model_len=512))
+    _, _, release = slow_validators(monkeypatch, "the grammar crashed rein's grammar compiler")
+    bad = {"type": "regex", "pattern": f"[ef]{{2}}-{uuid.uuid4().hex[:6]}"}
+    engine.add_request("bad", PROMPT, sampled(bad, 1))   # held: not refused on the step thread
+    release.set()
+    outputs = []
+    while engine.has_unfinished():
+        outputs += engine.step()
+    assert [(o.finish_reason, o.finished) for o in outputs] == [("abort", True)]
+    assert "crashed rein's grammar compiler" in outputs[0].error and not outputs[0].new_token_ids
+    # No validator could answer: not a verdict, so not remembered; the next request asks again.
+    spec = {"type": "regex", "pattern": f"[gh]{{2}}-{uuid.uuid4().hex[:6]}"}
+    _, _, release = slow_validators(monkeypatch, ValidatorUnavailable("all 1 grammar validators stayed busy"))
+    release.set()
+    with pytest.raises(GrammarError, match="could not be checked: all 1 grammar validators"):
+        engine.grammars.prefetch(spec).result(10)
+    _, _, release = slow_validators(monkeypatch)
+    release.set()
+    prepare_grammar(engine, sampled(spec, 1))
+    engine.add_request("checked", PROMPT, sampled(spec, 1))
+    assert engine.num_waiting == 1 and not engine.grammars.has_held
 
 
 def test_prepare_grammar_compiles_before_submit(model_dir):

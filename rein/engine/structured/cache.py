@@ -12,6 +12,11 @@ one schema compiles it once. Bounded: past `max_entries` the least recently used
 entries are dropped (a request that already holds its grammar keeps it). A spec that
 fails to compile is remembered too, with its error, so it is not compiled again.
 
+`check` (the engine's: rein.engine.structured.decoding) runs on the pool's thread before the
+compile: the check in a validator process, which may wait for one to start, is never on the
+caller's thread. A check that could not answer (GrammarError with `remember` False) fails
+the callers of that compile, and the next prefetch of the spec starts it again.
+
 Torch-free: llguidance and a Hugging Face fast tokenizer are all it needs.
 """
 
@@ -21,6 +26,7 @@ import logging
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -38,6 +44,21 @@ class GrammarError(ValueError):
     """A spec that llguidance cannot compile for this tokenizer; the message says why."""
 
     param = "structured"
+    remember = True     # False: not a verdict on the spec (no validator could answer), asked again next time
+
+
+class GrammarCheckUnavailable(GrammarError):
+    """The spec could not be checked (no validator process, or past its deadline)."""
+
+    remember = False
+
+
+def _unanswered(future: Future[CompiledGrammar]) -> bool:
+    """A finished compile whose check could not answer (not a verdict to keep)."""
+    if not future.done() or future.cancelled():
+        return False
+    error = future.exception()
+    return isinstance(error, GrammarError) and not error.remember
 
 
 class CompiledGrammar:
@@ -63,7 +84,9 @@ class GrammarCache:
     tokenizer's are never allowed); `eos_token_ids` end a grammar where it may end."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: list[int] | tuple[int, ...],
-                 max_entries: int = DEFAULT_MAX_ENTRIES, threads: int = DEFAULT_THREADS) -> None:
+                 max_entries: int = DEFAULT_MAX_ENTRIES, threads: int = DEFAULT_THREADS,
+                 check: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self._check = check
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = sorted(set(eos_token_ids))
@@ -83,7 +106,7 @@ class GrammarCache:
         key = spec_key(spec)
         with self._lock:
             future = self._entries.get(key)
-            if future is not None:
+            if future is not None and not _unanswered(future):
                 self._entries.move_to_end(key)
                 return future
             future = self._pool.submit(self._compile, key, spec)
@@ -127,6 +150,8 @@ class GrammarCache:
     def _compile(self, key: str, spec: dict[str, Any]) -> CompiledGrammar:
         from llguidance import LLMatcher
 
+        if self._check is not None:
+            self._check(spec)             # raises GrammarError
         tokenizer = self.ll_tokenizer()   # built by the first compile, not counted in its time
         started = time.perf_counter()
         try:

@@ -3,11 +3,15 @@ requests, and the token masks of every step.
 
 The engine calls, in order of a request's life:
 
-* `attach(request)` in add_request: checks the spec (the memoized torch-free check of
-  rein.engine.structured.request; a bad one raises EngineRequestError naming `structured`),
-  starts its compile if no one has, and gives the request its own matcher when the
-  grammar is already compiled (True). Otherwise (False) the request is *held* here, out of
-  the scheduler, so no step ever samples it without its mask.
+* `attach(request)` in add_request: starts the spec's check and compile if no one has
+  (both on the grammar cache's threads: the check, the memoized one of
+  rein.engine.structured.request, may wait for a validator process to start, and the step
+  thread never waits for it), and gives the request its own matcher when they are done
+  (True; a spec that failed either raises EngineRequestError naming `structured`).
+  Otherwise (False) the request is *held* here, out of the scheduler, so no step ever
+  samples it without its mask; a held request whose spec fails is ended by `release`.
+  The worker's task thread (`prepare_grammar`) and the offline drivers start both before
+  the request reaches the engine, so a bad spec is usually refused by add_request itself.
 * `release(idle)` at the start of every step that has held requests: the requests whose
   grammar finished compiling, to hand to the scheduler, and those whose compile failed
   (to end as aborted). With nothing else to do (`idle`) it waits briefly for a compile
@@ -45,9 +49,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from rein.engine.errors import EngineRequestError
-from rein.engine.structured.cache import CompiledGrammar, GrammarCache, GrammarError
+from rein.engine.structured.cache import (
+    CompiledGrammar,
+    GrammarCache,
+    GrammarCheckUnavailable,
+    GrammarError,
+)
 from rein.engine.structured.kernels import apply_token_bitmask
-from rein.engine.structured.request import check_spec
+from rein.engine.structured.request import CheckTimedOut, check_spec
 from rein.engine.structured.validator import ValidatorUnavailable
 from rein.openai.errors import RequestError
 
@@ -77,10 +86,23 @@ def prepare_grammar(engine: Any, params: Any, timeout: float = GRAMMAR_WAIT_SECO
     if spec is None or grammars is None:   # None: an engine in another process compiles its own
         return
     try:
-        check_spec(spec)
-        grammars.prefetch(spec).result(timeout)
+        grammars.prefetch(spec).result(timeout)   # the check, then the compile
     except Exception:  # noqa: BLE001 - reported by add_request, with the request's context
         return
+
+
+def check_before_compile(spec: dict[str, Any]) -> None:
+    """The engine's check of a spec (rein.engine.structured.request.check_spec, in a validator
+    process), run on a grammar-cache thread before the compile: a spec that would crash the
+    compiler in this process stops here. GrammarError with the reason."""
+    try:
+        check_spec(spec, "structured")
+    except CheckTimedOut as exc:
+        raise GrammarCheckUnavailable(exc.message) from None
+    except RequestError as exc:
+        raise GrammarError(exc.message) from None
+    except ValidatorUnavailable as exc:
+        raise GrammarCheckUnavailable(f"the structured-output constraint could not be checked: {exc}") from None
 
 
 class GrammarNotReady(RuntimeError):
@@ -123,7 +145,7 @@ class StructuredDecoding:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         kwargs = {} if max_entries is None else {"max_entries": max_entries}
-        self.cache = GrammarCache(tokenizer, vocab_size, sorted(eos_token_ids), **kwargs)
+        self.cache = GrammarCache(tokenizer, vocab_size, sorted(eos_token_ids), check=check_before_compile, **kwargs)
         self.words = (vocab_size + 31) // 32
         self._held: dict[str, tuple[Request, Future[CompiledGrammar], float]] = {}
         self._bitmask = torch.empty((0, self.words), dtype=torch.int32)
@@ -158,14 +180,7 @@ class StructuredDecoding:
     def attach(self, request: Request) -> bool:
         """Give `request` its matcher now (True), or hold it until its grammar compiles (False)."""
         spec = request.sampling_params.structured
-        try:
-            check_spec(spec, "structured")   # in a validator process: a spec that would crash the compile stops here
-        except RequestError as exc:
-            raise EngineRequestError(exc.message, param="structured") from None
-        except ValidatorUnavailable as exc:
-            raise EngineRequestError(f"the structured-output constraint could not be checked: {exc}",
-                                     param="structured") from None
-        future = self.cache.prefetch(spec)
+        future = self.cache.prefetch(spec)   # checked first, on the cache's thread (check_before_compile)
         if future.done():
             request.grammar = self._matcher(future, spec)
             return True

@@ -37,7 +37,7 @@ import threading
 from collections import OrderedDict
 from typing import Any
 
-from rein.core.input_checks import json_type
+from rein.core.input_checks import MAX_JSON_DEPTH, BadInput, check_json, json_type
 from rein.engine.structured.limits import MAX_CHOICES, MAX_SPEC_CHARS, limits_problem, parser_limits
 from rein.openai.errors import RequestError
 
@@ -131,7 +131,11 @@ def grammar_text(spec: dict[str, Any]) -> str:
 def check_spec(spec: dict[str, Any], param: str = "structured") -> None:
     """Refuse (RequestError naming `param`) a spec past rein's caps (rein.engine.structured.limits) or
     one llguidance cannot compile or enforce (checked in a validator process,
-    rein.engine.structured.validator). ValidatorUnavailable when no validator could answer."""
+    rein.engine.structured.validator; CheckTimedOut when it took too long to tell).
+    ValidatorUnavailable when no validator could answer. The answer may wait for a validator
+    process to start (a fraction of a second): never called on the engine's step thread."""
+    from rein.engine.structured.validator import CompileTimeout
+
     key = spec_key(spec)
     if len(key) > MAX_SPEC_CHARS:
         raise RequestError(f"{param} is {len(key)} characters as JSON; rein takes at most {MAX_SPEC_CHARS}. "
@@ -139,9 +143,17 @@ def check_spec(spec: dict[str, Any], param: str = "structured") -> None:
     problem = limits_problem(spec)
     if problem:
         raise RequestError(f"{param} is too large: {problem}", param)
-    problem = spec_problem(key)
+    try:
+        problem = _spec_problem(key)
+    except CompileTimeout as exc:
+        raise CheckTimedOut(f"{param} cannot be enforced: {exc}", param) from None
     if problem:
         raise RequestError(f"{param} cannot be enforced: {problem}", param)
+
+
+class CheckTimedOut(RequestError):
+    """check_spec's refusal of a spec that did not compile within the validator's deadline: a
+    400 like any other, but not a verdict on the spec (on a less busy machine it may compile)."""
 
 
 # Memo of spec_problem: digest of the spec's key -> problem ("" when none). Digests, not the
@@ -154,19 +166,26 @@ _checked_lock = threading.Lock()
 def spec_problem(key: str) -> str | None:
     """What is wrong with the spec whose spec_key is `key`, in words, or None. Memoized:
     the same spec on many lines is compiled for checking once."""
+    from rein.engine.structured.validator import CompileTimeout
+
+    try:
+        return _spec_problem(key)
+    except CompileTimeout as exc:
+        return str(exc)   # not remembered: a busy machine's verdict
+
+
+def _spec_problem(key: str) -> str | None:
+    """spec_problem, raising CompileTimeout for a spec that did not compile in time."""
     digest = hashlib.blake2b(key.encode("utf-8", "surrogatepass"), digest_size=16).digest()
     with _checked_lock:
         known = _CHECKED.get(digest)
         if known is not None:
             _CHECKED.move_to_end(digest)
             return known or None
-    from rein.engine.structured.validator import CompileTimeout, pool
+    from rein.engine.structured.validator import pool
 
     validators = pool()
-    try:
-        problem = (validators.problem(key) if validators else find_problem(json.loads(key))) or ""
-    except CompileTimeout as exc:
-        return str(exc)   # not remembered: a busy machine's verdict
+    problem = (validators.problem(key) if validators else find_problem(json.loads(key))) or ""
     with _checked_lock:
         _CHECKED[digest] = problem
         if len(_CHECKED) > _CHECKED_MAX:
@@ -279,11 +298,7 @@ def _from_guided(name: str, value: Any, param: str | None = None) -> dict[str, A
     param = param or name
     if name == "guided_json":
         if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as exc:
-                raise RequestError(f"{param} is a string but not JSON ({exc.msg} at column {exc.colno}); give the "
-                                   "schema as an object or as JSON text", param) from None
+            value = _schema_from_text(value, param)
         if not isinstance(value, dict):
             raise RequestError(f"{param} must be a JSON schema object, got {json_type(value)}", param)
         return {"type": "json_schema", "schema": value}
@@ -298,6 +313,25 @@ def _from_guided(name: str, value: Any, param: str | None = None) -> dict[str, A
             raise RequestError(f"{param} holds {len(value)} choices; rein takes at most {MAX_CHOICES}", param)
         return {"type": "choice", "choices": list(value)}
     raise AssertionError(name)
+
+
+def _schema_from_text(text: str, param: str) -> Any:
+    """A schema given as JSON text, held to the body's own rules (rein.core.input_checks.check_json:
+    nesting at most MAX_JSON_DEPTH deep): text nested past Python's recursion limit makes
+    json.loads raise RecursionError, a 400 here rather than a 500."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"{param} is a string but not JSON ({exc.msg} at column {exc.colno}); give the "
+                           "schema as an object or as JSON text", param) from None
+    except RecursionError:
+        raise RequestError(f"{param} is JSON text nested too deeply to read; rein takes schemas nested at most "
+                           f"{MAX_JSON_DEPTH} levels deep", param) from None
+    try:
+        check_json(value, param)
+    except BadInput as exc:
+        raise RequestError(exc.message, param) from None
+    return value
 
 
 def _check_backend(backend: Any) -> None:
