@@ -240,7 +240,8 @@ VARIABLE = re.compile(r"\$\{(\w+)(?::-([^}]*))?\}")
 # images start as root to own their data folder, then drop to their user with gosu.
 CAPABILITIES = {"postgres": {"CHOWN", "DAC_OVERRIDE", "FOWNER", "SETGID", "SETUID"},
                 "redis": {"CHOWN", "SETGID", "SETUID"}}
-# What each service needs at least (measured in tests/deploy: docker stats after the batch).
+# What each service needs at least: tests/deploy's docker stats after its batch read the worker
+# 1.7 GiB, the API 0.34 GiB, Postgres 54 MiB, Redis 5 MiB (SmolLM2 on the CPU).
 MIN_MEMORY = {"worker": 4 * 1024**3, "api": 2 * 1024**3, "redis": 512 * 1024**2, "postgres": 512 * 1024**2}
 
 
