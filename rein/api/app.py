@@ -3,8 +3,8 @@
 At startup (the lifespan) the app refuses an unmigrated database with the migration
 check's message (`rein migrate` fixes it), loads each served model's tokenizer once,
 opens its Redis clients (sync for intake, asyncio for streams) and the Celery producer, and
-starts its background threads: the intake's group committer, the batch manager and a
-reaper (rein.jobs.reaper).
+starts its background threads: the intake's group committer, the batch manager, a
+reaper (rein.jobs.reaper) and the retention loop (rein.jobs.retention).
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ from rein.jobs.queues import make_celery
 from rein.jobs.ratelimit import RateLimiter
 from rein.jobs.reaper import Reaper
 from rein.jobs.registry import ModelRegistry
+from rein.jobs.retention import RetentionLoop
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Takes back expired leases and sends lost messages again (rein.jobs.reaper); the
         # workers run one too, and one pass at a time runs in the deployment.
         state.reaper = Reaper(settings, state.sessions, state.redis, state.celery, name="rein-api-reaper").start()
+        # Deletes results, output files and usage past their retention (rein.jobs.retention).
+        state.retention = RetentionLoop(settings, state.sessions, state.filestore).start()
         state.started_at = int(time.time())
         log.info("rein api ready: database at revision %s, models %s", revision,
                  ", ".join(e.name for e in registry) or "none")
@@ -98,6 +101,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             yield
         finally:
             await run_in_threadpool(state.reaper.stop)
+            await run_in_threadpool(state.retention.stop)
             await run_in_threadpool(state.batch_manager.stop)
             await run_in_threadpool(state.intake.stop)
             await state.async_redis.aclose()

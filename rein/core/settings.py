@@ -210,10 +210,24 @@ class Settings(BaseSettings):
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1)
     """Largest upload accepted by POST /v1/files (default 200 MiB)."""
     max_tenant_file_bytes: int = Field(10 * 1024**3, ge=1)
-    """Storage quota of one tenant: the total bytes of its uploaded files (purpose batch; the
-    output and error files its batches generate are not counted, so a batch can always write
-    its results). An upload past it gets 413 `storage_quota_exceeded`. Default 10 GiB: fifty
-    uploads of the default REIN_MAX_FILE_BYTES, while one tenant cannot fill a shared volume."""
+    """Storage quota of one tenant: the total bytes of its uploaded files, the output and error
+    files its batches generated and its stored job results (rein.jobs.retention.stored_bytes).
+    An upload past it gets 413 `storage_quota_exceeded`; a batch still writes its results past
+    it (they count toward the next upload). Default 10 GiB: fifty uploads of the default
+    REIN_MAX_FILE_BYTES, while one tenant cannot fill a shared volume."""
+    result_retention_days: float | None = Field(30, ge=0)
+    """Job results (the text, tokens and response a job produced) are deleted this many days
+    after the job ended; the job keeps its status, timings and usage. 0: kept."""
+    output_file_retention_days: float | None = Field(30, ge=0)
+    """Batch output and error files are deleted this many days after they were written (as
+    OpenAI's expire after 30 days). 0: kept."""
+    usage_retention_days: float | None = Field(400, ge=0)
+    """Usage rows (GET /v1/usage, accounting) are deleted this many days after their job ended:
+    longer than results, so a year of invoices can be checked. 0: kept."""
+    retention_interval_seconds: float = Field(3600, gt=0)
+    """How often each API process deletes what is past its retention (rein.jobs.retention)."""
+    retention_batch: int = Field(1000, ge=1)
+    """Rows one retention transaction deletes at most (a pass runs batches until none is left)."""
     batch_max_requests: int = Field(50_000, ge=1)
     """Most request lines in one batch input file."""
     batch_completion_window_seconds: float = Field(86_400, gt=0)

@@ -10,8 +10,10 @@ limit, so no more than the limit (plus the multipart overhead) is ever read or s
 Nothing is stored under the file's id unless the upload is accepted. Contents are streamed
 back chunk by chunk.
 
-The quota counts the tenant's uploads (purpose `batch`), not the output and error files its
-batches generate, so a batch can always write its results.
+The quota counts everything the tenant stores (rein.jobs.retention.stored_bytes): its uploads,
+the output and error files its batches generated and its stored job results. A batch writes
+its results whatever the quota (they count toward the next upload); what is past its
+retention expires (rein.jobs.retention).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from rein.core.input_checks import text_problem
 from rein.core.keys import KeyInfo
 from rein.core.models import File, new_file_id
 from rein.jobs.errors import APIError
+from rein.jobs.retention import StoredBytes, stored_bytes
 
 router = APIRouter(prefix="/v1/files", tags=["files"], route_class=CheckedRoute)
 
@@ -65,24 +68,21 @@ def _too_large(limit: int) -> APIError:
                     param="file", code="file_too_large")
 
 
-def _over_quota(used: int, quota: int, size: int | None = None) -> APIError:
+def _over_quota(used: StoredBytes, quota: int, size: int | None = None) -> APIError:
     this = "This upload" if size is None else f"This file of {size} bytes"
-    return APIError(413, f"{this} would take your stored files past your storage quota of {quota} bytes "
-                         f"({quota / 2**30:.1f} GiB, REIN_MAX_TENANT_FILE_BYTES): {used} bytes of uploaded "
-                         f"files are stored, so at most {max(quota - used, 0)} more bytes fit. Delete files you "
-                         "no longer need with DELETE /v1/files/{file_id} (GET /v1/files lists them).",
+    return APIError(413, f"{this} would take your storage past its quota of {quota} bytes ({quota / 2**30:.1f} "
+                         f"GiB, REIN_MAX_TENANT_FILE_BYTES): {used.total} bytes are stored ({used.uploads} in "
+                         f"uploaded files, {used.outputs} in batch output and error files, {used.results} in "
+                         f"job results), so at most {max(quota - used.total, 0)} more bytes fit. Delete files "
+                         "you no longer need with DELETE /v1/files/{file_id} (GET /v1/files lists them, output "
+                         "files included); results and output files also expire after this deployment's "
+                         "retention (REIN_RESULT_RETENTION_DAYS, REIN_OUTPUT_FILE_RETENTION_DAYS).",
                     param="file", code="storage_quota_exceeded")
 
 
-def stored_upload_bytes(session: Session, tenant: str) -> int:
-    """The bytes of the tenant's uploaded files: what its storage quota counts."""
-    return session.scalar(select(func.coalesce(func.sum(File.bytes), 0))
-                          .where(File.tenant == tenant, File.purpose.in_(UPLOAD_PURPOSES))) or 0
-
-
-def _used_bytes(sessions: sessionmaker[Session], tenant: str) -> int:
+def _used_bytes(sessions: sessionmaker[Session], tenant: str) -> StoredBytes:
     with sessions() as session:
-        return stored_upload_bytes(session, tenant)
+        return stored_bytes(session, tenant)
 
 
 def _insert_within_quota(sessions: sessionmaker[Session], row: File, quota: int) -> File:
@@ -97,8 +97,8 @@ def _insert_within_quota(sessions: sessionmaker[Session], row: File, quota: int)
     with sessions.begin() as session:
         session.execute(select(func.pg_advisory_xact_lock(cast(QUOTA_LOCK_NAMESPACE, Integer),
                                                           func.hashtext(row.tenant))))
-        used = stored_upload_bytes(session, row.tenant)
-        if used + row.bytes > quota:
+        used = stored_bytes(session, row.tenant)
+        if used.total + row.bytes > quota:
             raise _over_quota(used, quota, row.bytes)
         session.add(row)
     return row
@@ -118,10 +118,10 @@ async def upload_file(request: Request, key: BatchKey, sessions: SessionsDep, se
                        param="file", code="invalid_value")
     max_file, quota = settings.max_file_bytes, settings.max_tenant_file_bytes
     used = await run_in_threadpool(_used_bytes, sessions, key.tenant)
-    if used >= quota:
+    if used.total >= quota:
         raise _over_quota(used, quota)
     # This upload's room: the file limit, or what is left of the quota when that is less.
-    limit = min(max_file, quota - used)
+    limit = min(max_file, quota - used.total)
     refusal = _too_large(max_file) if limit == max_file else _over_quota(used, quota)
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:

@@ -155,12 +155,12 @@ def test_cut_off_or_malformed_bodies_store_nothing(make_client, make_key, tenant
 
 def test_tenant_storage_quota(make_client, make_key, tenant, tmp_path, db_sessionmaker):
     files_dir = tmp_path / "files"
-    client = make_client(files_dir=str(files_dir), max_file_bytes=1000, max_tenant_file_bytes=250)
+    client = make_client(files_dir=str(files_dir), max_file_bytes=1000, max_tenant_file_bytes=300)
     key, other = make_key(tenant, "batch"), make_key(f"{tenant}-other", "batch")
-    with db_sessionmaker.begin() as session:   # a batch's output: not counted against the quota
+    with db_sessionmaker.begin() as session:   # a batch's output: counted against the quota too
         key_id = session.scalar(select(ApiKey.key_id).where(ApiKey.tenant == tenant))
         session.add(File(id=new_file_id(), tenant=tenant, key_id=key_id, filename="out.jsonl",
-                         purpose="batch_output", bytes=10**9))
+                         purpose="batch_output", bytes=50))
 
     first = upload(client, key, b"a" * 100)
     assert first.status_code == 200, first.text
@@ -169,7 +169,8 @@ def test_tenant_storage_quota(make_client, make_key, tenant, tmp_path, db_sessio
     assert refused.status_code == 413, refused.text
     error = refused.json()["error"]
     assert error["code"] == "storage_quota_exceeded" and error["param"] == "file"
-    for part in ("200 bytes", "quota of 250 bytes", "REIN_MAX_TENANT_FILE_BYTES", "DELETE /v1/files/"):
+    for part in ("250 bytes are stored", "200 in uploaded files", "50 in batch output", "quota of 300 bytes",
+                 "REIN_MAX_TENANT_FILE_BYTES", "DELETE /v1/files/"):
         assert part in error["message"], error["message"]
     # The same upload chunked, without Content-Length: cut off once it passes the 50 bytes left.
     pulled = Pulled()
