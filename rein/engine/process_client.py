@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from rein.core.settings import swap_environment
 from rein.engine.client import EngineClient, EngineStoppedError, _Add
 from rein.engine.config import EngineConfig
 from rein.engine.core import EngineCore
@@ -100,9 +101,15 @@ class ProcessEngineClient(EngineClient):
         previous = os.sched_getaffinity(0) if cpus else None
         if cpus:   # this thread only (Linux): the child, and every thread it starts, inherits the
             os.sched_setaffinity(0, cpus)   # mask, and torch counts those cores for its threads
+        # PYTHONSAFEPATH: the child's interpreter starts as `python -c ...`, which would put the
+        # working directory first on sys.path, where a planted pickle.py is imported before any
+        # rein code runs. In its environment, the child's own children (grammar validators,
+        # tensor-parallel ranks) inherit it.
+        environment = swap_environment({"PYTHONSAFEPATH": "1"})
         try:
             self._process.start()
         finally:
+            swap_environment(environment)
             if previous is not None:
                 os.sched_setaffinity(0, previous)
         child_conn.close()

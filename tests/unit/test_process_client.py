@@ -177,3 +177,19 @@ def test_the_child_keeps_to_the_cores_it_is_given(runner, model_dir):
         assert tasks and all(os.sched_getaffinity(int(task)) == {core} for task in tasks)
     finally:
         pinned.stop()
+
+
+def test_a_module_planted_in_the_working_directory_is_not_imported(model_dir, tmp_path, monkeypatch):
+    """The child starts as `python -c ...`, which would put the working directory first on
+    sys.path: a pickle.py there ran before any rein code. The child starts with PYTHONSAFEPATH."""
+    marker = tmp_path / "planted-module-ran"
+    (tmp_path / "pickle.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit('planted')\n")
+    monkeypatch.chdir(tmp_path)
+    runner = ProcessEngineClient(config(model_dir), name="test-planted").start()
+    try:
+        stream = runner.submit("planted", [1, 2, 3], GREEDY, collect=True)
+        assert stream.wait(60)
+    finally:
+        runner.stop()
+    assert not marker.exists()
+    assert "PYTHONSAFEPATH" not in os.environ   # set for the child's start only

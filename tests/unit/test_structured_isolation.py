@@ -135,3 +135,15 @@ def test_llguidance_gets_rein_parser_limits(monkeypatch):
     monkeypatch.setitem(limits.PARSER_LIMITS, "max_grammar_size", 10)
     problem = find_problem(spec)
     assert problem and "grammar" in problem.lower(), problem
+
+
+def test_a_module_planted_in_the_working_directory_is_not_imported(tmp_path, monkeypatch):
+    """`python -m` puts the working directory first on sys.path: the validator process starts
+    with -P, so a json.py there is not imported in place of the standard library's."""
+    marker = tmp_path / "planted-module-ran"
+    (tmp_path / "json.py").write_text(f"open({str(marker)!r}, 'w').close()\nraise SystemExit('planted')\n")
+    monkeypatch.chdir(tmp_path)
+    pool = validator.ValidatorPool(size=1, timeout=30)
+    assert pool.problem(spec_key({"type": "regex", "pattern": "planted|not"})) is None
+    assert "unclosed" in pool.problem(spec_key({"type": "regex", "pattern": "(planted"}))
+    assert not marker.exists()

@@ -42,10 +42,12 @@ class CompileTimeout(Exception):
 class _Child:
     def __init__(self) -> None:
         # stderr to the parent's: a crash's message lands in the log of the process that asked.
-        # The child flushes each answer itself; it inherits this process's environment.
+        # The child flushes each answer itself; it inherits this process's environment. -P: the
+        # working directory is not put on sys.path (`-m` would put it first: a json.py there
+        # would be imported in place of the standard library's).
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rein.engine.structured.validator"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            text=True, encoding="utf-8", errors="surrogatepass")
+            [sys.executable, "-P", "-m", "rein.engine.structured.validator"], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, text=True, encoding="utf-8", errors="surrogatepass")
 
     def ask(self, key: str, deadline: float) -> tuple[str, str | None]:
         """("ok", problem) | ("crashed", None) | ("timeout", None)."""
