@@ -137,8 +137,12 @@ class Job(Base):
     """Attempts handed back for the infrastructure's fault (the worker's engine died, a warm
     shutdown, Redis or Postgres away), which do not count against the job's limit."""
     deaths_seen: Mapped[int] = mapped_column(server_default=text("0"))
-    """Deaths of its engine or worker the job was running at: such a job runs alone next time
-    (rein.jobs.claim)."""
+    """Deaths of its engine the job was running at (a worker that vanished whole counts none)."""
+    suspect_group: Mapped[str | None]
+    """After an engine death: the half of the jobs present this job is a suspect with; it shares
+    an engine only with jobs that are no suspects and its own group (rein.worker.suspects)."""
+    suspect_group_size: Mapped[int | None]
+    """How many jobs that group had: 1, the job runs alone."""
     worker: Mapped[str | None]
     """The worker holding (or last holding) the job."""
     lease_expires_at: Mapped[datetime | None]

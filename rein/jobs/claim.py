@@ -29,11 +29,15 @@ Lease semantics:
   are refunded (`attempts_refunded`): an attempt handed back because the worker's engine
   died, the worker shut down, or Redis or Postgres went away does not count, up to
   MAX_STARTS starts in all.
-* A job running when its worker's engine died, or its worker (its lease expired: the reaper
-  requeues it, the attempt refunded), is suspect (`deaths_seen`): its next attempt runs alone
-  in its engine (rein.worker.engine_keeper), so a request that kills engines or workers is
-  found out without charging the jobs beside it; one present at MAX_DEATHS_SEEN deaths is
-  failed (code `crashes_its_worker`).
+* A job running when its worker's engine died is a suspect: `release_job` hands it back with
+  `deaths_seen` + 1 and the suspect group the worker put it in (`suspect_group`, of
+  `suspect_group_size` jobs), which its next claim reads into the lease. The jobs present at
+  a death are split in halves, a suspect shares its engine only with jobs that are no suspects
+  and with its own group, and a job is failed as the cause (code `crashes_its_worker`) only
+  once it died alone in its engine after an earlier death (rein.worker.suspects). A worker
+  that vanished whole (its leases expired: a claim or the reaper takes the job back, the
+  attempt refunded) is no evidence against its jobs: no death is counted and their groups
+  stay as they were.
 * The worker claims through `GroupClaimer`: jobs whose messages arrive together are claimed
   by one statement (`claim_jobs`), under the same conditions, each caller told its own
   outcome (rein.jobs.group_commit).
@@ -57,7 +61,6 @@ from rein.jobs.group_commit import GroupCommit
 
 MAX_ATTEMPTS = 3          # attempts a job may spend (refunded ones not counted)
 MAX_STARTS = 20           # claims in all, refunded or not: a bound for a job that is always handed back
-MAX_DEATHS_SEEN = 3       # deaths of its engine or worker a job may be present at
 # The attempts a job has spent, in SQL: refunded ones do not count.
 SPENT_SQL = "(attempt - attempts_refunded)"
 
@@ -84,8 +87,10 @@ class Lease:
     endpoint: str
     prompt_tokens: int
     queue_seconds: float | None = None   # from the job's submission to this claim (database clock)
-    deaths_seen: int = 0                 # deaths of its engine or worker the job was present at
+    deaths_seen: int = 0                 # deaths of its engine the job was present at
     batch_id: str | None = None          # the batch of a batch line
+    suspect_group: str | None = None     # its suspect group after its last engine death (None: no suspect)
+    suspect_group_size: int | None = None   # how many jobs that group had (1: the job runs alone)
 
 
 @dataclass(frozen=True)
@@ -109,13 +114,14 @@ def _claimable():
 
 
 # A claimable `running` row is one whose lease expired: its worker died. Whoever takes it
-# first, the reaper (rein.jobs.reaper) or a claim, refunds that attempt and counts the death.
+# first, the reaper (rein.jobs.reaper) or a claim, refunds that attempt; no death is counted (a
+# worker gone whole is no evidence against the jobs it held).
 _LEASE_DIED_SQL = "CASE WHEN status = 'running' THEN 1 ELSE 0 END"
 # Attempts left, counting the expired attempt as refunded.
 _ATTEMPTS_LEFT_SQL = f"{SPENT_SQL} - {_LEASE_DIED_SQL} < %s AND attempt < {MAX_STARTS}"
 _CLAIM_SET_SQL = f"""status = 'running', attempt = attempt + 1, worker = %s, started_at = now(),
        first_token_at = NULL, finished_at = NULL, error = NULL,
-       attempts_refunded = attempts_refunded + {_LEASE_DIED_SQL}, deaths_seen = deaths_seen + {_LEASE_DIED_SQL},
+       attempts_refunded = attempts_refunded + {_LEASE_DIED_SQL},
        lease_expires_at = now() + make_interval(secs => %s)"""
 
 # The claim: one conditional UPDATE, its own transaction (rein.core.db.execute_one; every job
@@ -123,7 +129,8 @@ _CLAIM_SET_SQL = f"""status = 'running', attempt = attempt + 1, worker = %s, sta
 _CLAIM_SQL = f"""
 UPDATE jobs SET {_CLAIM_SET_SQL}
  WHERE id = %s AND cancel_requested_at IS NULL AND {_ATTEMPTS_LEFT_SQL} AND {_CLAIMABLE_SQL}
-RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, started_at, deaths_seen, batch_id"""
+RETURNING attempt, tenant, key_id, model, endpoint, prompt_tokens, queued_at, started_at, deaths_seen, batch_id,
+          suspect_group, suspect_group_size"""
 
 
 # claim_jobs: the same claim for several jobs in one statement. The rows are locked in id
@@ -139,7 +146,8 @@ UPDATE jobs SET {_CLAIM_SET_SQL}
   FROM target
  WHERE jobs.id = target.id AND cancel_requested_at IS NULL AND {_ATTEMPTS_LEFT_SQL} AND {_CLAIMABLE_SQL}
 RETURNING jobs.id, jobs.attempt, jobs.tenant, jobs.key_id, jobs.model, jobs.endpoint, jobs.prompt_tokens,
-          jobs.queued_at, jobs.started_at, jobs.deaths_seen, jobs.batch_id"""
+          jobs.queued_at, jobs.started_at, jobs.deaths_seen, jobs.batch_id, jobs.suspect_group,
+          jobs.suspect_group_size"""
 
 
 def claim_job(sessions: sessionmaker[Session], job_id: str, worker: str, lease_for_seconds: float,
@@ -195,7 +203,7 @@ class GroupClaimer(GroupCommit[str, Claim]):
 def _lease(job_id: str, worker: str, row: Any) -> Lease:
     queue_seconds = (row.started_at - row.queued_at).total_seconds() if row.queued_at else None
     return Lease(job_id, row.attempt, worker, row.tenant, row.key_id, row.model, row.endpoint, row.prompt_tokens,
-                 queue_seconds, row.deaths_seen, row.batch_id)
+                 queue_seconds, row.deaths_seen, row.batch_id, row.suspect_group, row.suspect_group_size)
 
 
 def not_claimed(sessions: sessionmaker[Session], job_id: str, max_attempts: int = MAX_ATTEMPTS) -> Claim:
@@ -255,17 +263,21 @@ def cancel_unstarted_job(sessions: sessionmaker[Session], job_id: str) -> bool:
     return row is not None
 
 
-def release_job(sessions: sessionmaker[Session], lease: Lease, *, engine_died: bool = False) -> bool:
+def release_job(sessions: sessionmaker[Session], lease: Lease, *,
+                suspect: tuple[str, int] | None = None) -> bool:
     """Hand an interrupted attempt back (status queued, about to be sent again: `sent_at` is
-    now), the attempt refunded; `engine_died`: it was running when its engine died (see the
-    module docstring). False when the lease was already lost."""
+    now), the attempt refunded. `suspect`: it was running when its engine died, and is now a
+    suspect of this (group, group size) (see the module docstring). False when the lease was
+    already lost."""
+    died = {} if suspect is None else {"deaths_seen": Job.deaths_seen + 1, "suspect_group": suspect[0],
+                                       "suspect_group_size": suspect[1]}
     with sessions.begin() as session:
         row = session.execute(
             update(Job)
             .where(Job.id == lease.job_id, Job.attempt == lease.attempt, Job.status == "running")
             .values(status="queued", worker=None, lease_expires_at=None, started_at=None,
                     first_token_at=None, sent_at=func.now(), attempts_refunded=Job.attempts_refunded + 1,
-                    deaths_seen=Job.deaths_seen + int(engine_died))
+                    **died)
             .returning(Job.id)
             .execution_options(synchronize_session=False)
         ).one_or_none()

@@ -7,10 +7,11 @@ FLUSHALL). The job row in Postgres outlives both, so one pass of the reaper, eve
 
 1. **Expired leases.** A `running` job whose lease ran out (its worker stopped renewing it,
    see rein.jobs.claim) goes back to `queued` with a new message, its attempt refunded (the
-   worker died, not the job) and the death counted in `deaths_seen`: its next attempt runs
-   alone, and one present at MAX_DEATHS_SEEN deaths is failed by its next claim as the likely
-   cause. One whose cancel was requested ends `cancelled`; one started MAX_STARTS times ends
-   `failed` (`too_many_attempts`).
+   worker died, not the job). No death is counted against it: a worker that vanished whole
+   took every job it held down at once, so it says nothing about which job, if any, was at
+   fault (an engine that dies under a live worker does: rein.worker.suspects). One whose
+   cancel was requested ends `cancelled`; one started MAX_STARTS times ends `failed`
+   (`too_many_attempts`).
 2. **Lost messages** (the outbox). A `queued` job that was sent (`sent_at`) over
    `Settings.requeue_unclaimed_seconds` ago, and whose message is not among those waiting on
    its queue, gets a new message. Which messages wait is read from the queue itself: its
@@ -90,7 +91,7 @@ UPDATE jobs SET
     finished_at = CASE WHEN cancel_requested_at IS NOT NULL OR attempt >= {MAX_STARTS} THEN now() END,
     error = CASE WHEN cancel_requested_at IS NULL AND attempt >= {MAX_STARTS}
                  THEN %(gave_up_error)s::jsonb END,
-    attempts_refunded = attempts_refunded + 1, deaths_seen = deaths_seen + 1,   -- as a claim would (rein.jobs.claim)
+    attempts_refunded = attempts_refunded + 1,   -- as a claim would (rein.jobs.claim)
     sent_at = now(), worker = NULL, lease_expires_at = NULL, started_at = NULL, first_token_at = NULL
  WHERE id IN (SELECT id FROM jobs WHERE status = 'running' AND lease_expires_at < now()
                ORDER BY lease_expires_at LIMIT {MAX_RESEND} FOR UPDATE SKIP LOCKED)

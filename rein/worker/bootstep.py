@@ -73,13 +73,14 @@ from rein.jobs.claim import GroupClaimer
 from rein.jobs.queues import interactive_slots, queued_slots
 from rein.jobs.reaper import Reaper
 from rein.worker.cancel import CancelListener
-from rein.worker.engine_keeper import EngineKeeper, SoloLock
+from rein.worker.engine_keeper import EngineKeeper
 from rein.worker.heartbeat import HEARTBEAT_SECONDS, Heartbeat
 from rein.worker.job_table import JobTable
 from rein.worker.leases import LeaseKeeper
 from rein.worker.metrics import WorkerMetrics, compose_hooks
 from rein.worker.publisher import INTERRUPTED, TokenPublisher
 from rein.worker.recorder import GroupRecorder
+from rein.worker.suspects import EngineRoster, SuspectGate
 
 if TYPE_CHECKING:
     from rein.engine.client import EngineClient
@@ -124,7 +125,9 @@ class WorkerContext:
     claimer: GroupClaimer | None = None     # None: each task claims its job alone (claim_job)
     keeper: EngineKeeper | None = None      # replaces a dead engine (rein.worker.engine_keeper)
     engine_ready: threading.Event = field(default_factory=threading.Event)   # clear while the engine is down
-    solo: SoloLock = field(default_factory=SoloLock)   # a job its engine died under runs alone
+    # Suspects of engine deaths (rein.worker.suspects): who shares the engine, who was in it when it died.
+    gate: SuspectGate = field(default_factory=SuspectGate)
+    roster: EngineRoster = field(default_factory=EngineRoster)
     jobs: JobTable = field(init=False)                 # the jobs the task threads run now
     heartbeat: Heartbeat = field(init=False)
     lease_keeper: LeaseKeeper = field(init=False)
@@ -225,7 +228,8 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     redis = Redis.from_url(settings.redis_url, health_check_interval=30)
     publisher = TokenPublisher(redis, keys, settings.stream_maxlen, settings.stream_ttl_seconds,
                                settings.job_timeout_seconds, background=True)
-    on_step = compose_hooks(publisher.publish_step, metrics.observe_step)
+    roster = EngineRoster()   # its step hook takes finished jobs out of the engine's roster
+    on_step = compose_hooks(publisher.publish_step, metrics.observe_step, roster.step)
     name = f"rein-engine-{spec.model_name}"
     engine_cpus = settings.worker_engine_cpus if spec.engine_factory is None else None
     if engine_cpus is not None:
@@ -264,7 +268,7 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
     sessions = sessionmaker(db, expire_on_commit=False)
     context = WorkerContext(app=app, settings=settings, model_name=spec.model_name, worker_name=worker_name,
                             keys=keys, redis=redis, sessions=sessions, runner=runner, publisher=publisher,
-                            metrics=metrics, reaper=Reaper(settings, sessions, redis, app),
+                            metrics=metrics, reaper=Reaper(settings, sessions, redis, app), roster=roster,
                             recorder=GroupRecorder(sessions, on_batch_lines=partial(
                                 announce_batch_progress, redis, keys)),
                             claimer=GroupClaimer(sessions, worker_name, settings.lease_seconds))

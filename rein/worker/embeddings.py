@@ -29,6 +29,7 @@ from rein.openai.response import usage_body
 from rein.worker.job_end import (
     ABORT_GRACE_SECONDS,
     abort_if_cancelled,
+    after_engine_death,
     error_body,
     fail_job,
     hand_back,
@@ -59,24 +60,27 @@ def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease, ca
     except (TypeError, ValueError) as exc:
         return fail_job(context, lease, f"invalid embeddings parameters: {exc}", "invalid_request_error",
                         "invalid_pooling_params")
-    try:
-        streams = context.runner.submit_group(job_id, inputs, params, message.priority)
-    except EngineStoppedError:   # the engine died before the job reached it: not a suspect
-        return hand_back(context, message, lease)
-    except Exception as exc:  # the engine refused an input (EngineRequestError, ...)
-        index = getattr(exc, "index", None)
-        where = f"input[{index}]: " if index is not None and len(inputs) > 1 else ""
-        return fail_job(context, lease, f"{where}{exc}", "invalid_request_error",
-                        getattr(exc, "code", None) or "engine_refused")
-    abort_if_cancelled(context, job_id, cancel_mark)
-    deadline = time.monotonic() + context.settings.job_timeout_seconds
-    try:
-        timed_out = not _wait_all(streams, deadline)
-        if timed_out:
-            context.runner.abort(job_id)
-            _wait_all(streams, time.monotonic() + ABORT_GRACE_SECONDS)
-    except EngineStoppedError:
-        return hand_back(context, message, lease, engine_died=not context.jobs.is_interrupted(job_id))
+    runner = context.runner
+    # Aboard the engine from before the submit: if it dies, this job was present (rein.worker.suspects).
+    with context.roster.aboard(runner, lease):
+        try:
+            streams = runner.submit_group(job_id, inputs, params, message.priority)
+        except EngineStoppedError:   # the engine died before the job reached it: not a suspect
+            return hand_back(context, message, lease)
+        except Exception as exc:  # the engine refused an input (EngineRequestError, ...)
+            index = getattr(exc, "index", None)
+            where = f"input[{index}]: " if index is not None and len(inputs) > 1 else ""
+            return fail_job(context, lease, f"{where}{exc}", "invalid_request_error",
+                            getattr(exc, "code", None) or "engine_refused")
+        abort_if_cancelled(context, job_id, cancel_mark)
+        deadline = time.monotonic() + context.settings.job_timeout_seconds
+        try:
+            timed_out = not _wait_all(streams, deadline)
+            if timed_out:
+                context.runner.abort(job_id)
+                _wait_all(streams, time.monotonic() + ABORT_GRACE_SECONDS)
+        except EngineStoppedError:
+            return after_engine_death(context, message, lease, runner)
     finals: list[RequestOutput | None] = [stream.collected.final for stream in streams]
     if any(final is None for final in finals):   # the engine never confirmed the abort
         return fail_job(context, lease, "the job ran past its time limit and the engine did not stop it",

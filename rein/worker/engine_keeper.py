@@ -1,5 +1,5 @@
-"""A worker's engine, kept alive: a dead engine is noticed and replaced, and a job it died
-under runs alone next time.
+"""A worker's engine, kept alive: a dead engine is noticed and replaced, and the jobs it died
+under come back as suspects.
 
 The engine runs in a child process (rein.engine.process_client). The kernel's OOM killer, a
 crash in native code or a request that breaks it can end that process while the worker lives
@@ -14,18 +14,18 @@ dead engine until every job it saw had spent its attempts. Now:
   keeps the worker's Celery connection, its threads and their messages, and works the same
   under compose, systemd or a bare `rein worker`.
 * The jobs that were running get EngineStoppedError and are handed back with their attempt
-  refunded and their `deaths_seen` counted (rein.jobs.claim). Such a job's next attempt
-  holds `SoloLock.exclusive()`: it starts once the jobs running beside it are done and runs
-  alone, so a request that kills the engine keeps doing so alone, and is failed after
-  MAX_DEATHS_SEEN deaths without costing anyone else an attempt.
+  refunded. A death under a live worker is evidence: the worker knows exactly which jobs
+  were in the engine, and those become suspects, split in halves (rein.worker.suspects). A
+  suspect's next attempt runs only beside jobs that are no suspects and its own half, so a
+  request that kills the engine is narrowed down death by death and failed once it died
+  alone, without running every job present alone and without charging anyone an attempt.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -37,47 +37,6 @@ log = logging.getLogger(__name__)
 CHECK_SECONDS = 0.5
 FIRST_RETRY_SECONDS = 1.0
 MAX_RETRY_SECONDS = 60.0
-
-
-class SoloLock:
-    """Shared for ordinary jobs, exclusive for a job that must run alone. An exclusive waiter
-    stops new shared holders (so it is not starved) and waits for the current ones to end."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._shared = 0
-        self._exclusive = False
-        self._exclusive_waiting = 0
-
-    @contextmanager
-    def shared(self) -> Iterator[None]:
-        with self._cond:
-            while self._exclusive or self._exclusive_waiting:
-                self._cond.wait()
-            self._shared += 1
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._shared -= 1
-                self._cond.notify_all()
-
-    @contextmanager
-    def exclusive(self) -> Iterator[None]:
-        with self._cond:
-            self._exclusive_waiting += 1
-            try:
-                while self._exclusive or self._shared:
-                    self._cond.wait()
-            finally:
-                self._exclusive_waiting -= 1
-            self._exclusive = True
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._exclusive = False
-                self._cond.notify_all()
 
 
 class EngineKeeper:

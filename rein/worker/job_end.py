@@ -24,6 +24,7 @@ from rein.worker.recorder import JobRecord, record_job
 
 if TYPE_CHECKING:
     from rein.worker.bootstep import WorkerContext
+    from rein.worker.suspects import Suspicion
 
 log = logging.getLogger(__name__)
 
@@ -106,16 +107,34 @@ def settle_tpm(context: WorkerContext, job_id: str, key_id: str | None, used_tok
         log.warning("job %s: could not settle its token charge (%s)", job_id, exc)
 
 
-def hand_back(context: WorkerContext, message: JobMessage, lease: Lease, *, engine_died: bool = False) -> str:
+def hand_back(context: WorkerContext, message: JobMessage, lease: Lease, *,
+              suspicion: Suspicion | None = None) -> str:
     """The attempt was interrupted, not finished: back to queued (the attempt refunded), with a
-    new message. `engine_died`: the job was running when its engine died."""
+    new message. `suspicion`: the job was running when its engine died, and is now a suspect
+    of that group (rein.worker.suspects)."""
     context.publisher.forget(message.job_id)
-    if release_job(context.sessions, lease, engine_died=engine_died):
+    suspect = None if suspicion is None else (suspicion.group, suspicion.size)
+    if release_job(context.sessions, lease, suspect=suspect):
         requeue(context, message)
         log.info("job %s attempt %d interrupted%s: handed back to the queue", message.job_id, lease.attempt,
-                 " by its engine's death" if engine_died else "")
+                 "" if suspicion is None else f" by its engine's death (death {lease.deaths_seen + 1}, a "
+                 f"suspect of {suspicion.size})")
         return "requeued"
     return "lease lost"
+
+
+def after_engine_death(context: WorkerContext, message: JobMessage, lease: Lease, runner: Any) -> str:
+    """`runner`'s engine died while the job was in it: hand it back as a suspect of its half of the
+    jobs present, or fail it when the death isolates it as the cause (rein.worker.suspects). A
+    job interrupted meanwhile (lease lost, warm shutdown) is only handed back."""
+    if context.jobs.is_interrupted(lease.job_id):
+        return hand_back(context, message, lease)
+    death = context.roster.death(runner)
+    if death.isolates(lease):
+        return fail_job(context, lease, f"the engine running this job died {lease.deaths_seen + 1} times, the "
+                        f"last time with this job alone in it: the request likely crashes it, and it will not "
+                        f"be tried again", "server_error", "crashes_its_worker")
+    return hand_back(context, message, lease, suspicion=death.suspicion_of(lease.job_id))
 
 
 def requeue(context: WorkerContext, message: JobMessage) -> None:

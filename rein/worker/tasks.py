@@ -11,8 +11,10 @@ How an attempt ends:
 * interrupted (warm shutdown, broker connection lost, Redis or Postgres away, lease lost,
   the engine died) — handed back, the attempt refunded: the job row returns to `queued` and
   a fresh message is queued for it (or, when the lease was lost, nothing: another attempt has
-  the job). A job its engine or worker died under runs alone next time (WorkerContext.solo),
-  and one present at MAX_DEATHS_SEEN deaths is failed (`crashes_its_worker`).
+  the job). A job its engine died under comes back a suspect and shares its next engine only
+  with jobs that are no suspects and its own suspect group (WorkerContext.gate); one that died
+  alone after an earlier death is failed as the cause (`crashes_its_worker`,
+  rein.worker.suspects).
 
 While the engine is down (its process died and a new one is starting) a task waits for it
 before claiming: nothing is claimed that cannot run, and the worker takes no more messages
@@ -38,11 +40,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 from rein.core.logging import log_context
 from rein.core.messages import PRIORITY_BATCH, JobMessage
 from rein.engine.sampling_params import SamplingParams
-from rein.jobs.claim import (
-    MAX_DEATHS_SEEN,
-    ClaimOutcome,
-    claim_job,
-)
+from rein.jobs.claim import ClaimOutcome, claim_job
 from rein.jobs.queues import TASK_NAME
 from rein.jobs.results import response_logprobs
 from rein.openai.choice_bodies import response_extra
@@ -54,6 +52,7 @@ from rein.worker.embeddings import run_embeddings
 from rein.worker.job_end import (
     ABORT_GRACE_SECONDS,
     abort_if_cancelled,
+    after_engine_death,
     error_body,
     fail_job,
     hand_back,
@@ -139,14 +138,8 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
     with context.jobs.tracking(claim.lease), log_context(attempt=claim.lease.attempt):
         try:
             started = time.monotonic()
-            if claim.lease.deaths_seen >= MAX_DEATHS_SEEN:
-                return fail_job(context, claim.lease, f"the engine or worker running this job died "
-                                f"{claim.lease.deaths_seen} times (with the job alone after the first): the request "
-                                f"likely crashes it, and it will not be tried again", "server_error",
-                                "crashes_its_worker")
-            # A job its engine or worker died under runs alone (the others wait), so a request that
-            # kills engines is found out without charging the jobs beside it.
-            with context.solo.exclusive() if claim.lease.deaths_seen else context.solo.shared():
+            # A suspect of an engine death runs beside no other suspect group (rein.worker.suspects).
+            with context.gate.admit(claim.lease.suspect_group, claim.lease.suspect_group_size):
                 outcome = _run_claimed(context, message, claim.lease, cancel_mark)
             log.info("job %s attempt %d ended: %s after %.3f s", job_id, claim.lease.attempt, outcome,
                      time.monotonic() - started)
@@ -197,20 +190,22 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
         return fail_job(context, lease, f"invalid sampling parameters: {exc}", "invalid_request_error",
                         "invalid_sampling_params")
     prepare_grammar(context.runner, params)   # structured outputs compile here, off the engine thread
-    try:
-        stream = context.runner.submit(job_id, message.prompt_token_ids, params, message.priority,
-                                       collect=True)
-    except EngineStoppedError:   # the engine died before the job reached it: not a suspect
-        return hand_back(context, message, lease)
-    except Exception as exc:  # the engine refused the request (EngineRequestError, ...)
-        return fail_job(context, lease, str(exc), "invalid_request_error", getattr(exc, "code", None)
-                     or "engine_refused")
-    abort_if_cancelled(context, job_id, cancel_mark)
-    deadline = time.monotonic() + context.settings.job_timeout_seconds
-    try:
-        timed_out = _wait(context, job_id, stream, deadline)
-    except EngineStoppedError:
-        return hand_back(context, message, lease, engine_died=not context.jobs.is_interrupted(job_id))
+    runner = context.runner
+    # Aboard the engine from before the submit: if it dies, this job was present (rein.worker.suspects).
+    with context.roster.aboard(runner, lease):
+        try:
+            stream = runner.submit(job_id, message.prompt_token_ids, params, message.priority, collect=True)
+        except EngineStoppedError:   # the engine died before the job reached it: not a suspect
+            return hand_back(context, message, lease)
+        except Exception as exc:  # the engine refused the request (EngineRequestError, ...)
+            return fail_job(context, lease, str(exc), "invalid_request_error", getattr(exc, "code", None)
+                            or "engine_refused")
+        abort_if_cancelled(context, job_id, cancel_mark)
+        deadline = time.monotonic() + context.settings.job_timeout_seconds
+        try:
+            timed_out = _wait(context, job_id, stream, deadline)
+        except EngineStoppedError:
+            return after_engine_death(context, message, lease, runner)
     collected = stream.collected
     final = collected.final
     if final is None:   # the engine never confirmed the abort of a timed-out job

@@ -1,6 +1,7 @@
 """A worker whose engine process dies (SIGKILL, as the OOM killer would): the jobs it ran go
-back with their attempts refunded, the worker says `down` and takes nothing meanwhile, a new
-engine starts, and the jobs succeed; a job present at every death is failed alone. A
+back with their attempts refunded, as suspects split in halves, the worker says `down` and
+takes nothing meanwhile, a new engine starts, and the jobs succeed; a job that dies alone after
+an earlier death is failed as the cause (tests/integration/test_poison.py: one among 32). A
 tensor-parallel engine is one engine: a rank killed mid-step takes the whole group down, and
 it is replaced as one (rein.engine.parallel.ranks).
 
@@ -19,9 +20,7 @@ import pytest
 import support
 
 from rein.engine.parallel.shm_reduce import process_alive
-from rein.jobs.claim import MAX_DEATHS_SEEN
 from rein.worker.app import make_worker_celery
-from rein.worker.engine_keeper import SoloLock
 
 WAIT = 120.0
 MODEL = "tiny"
@@ -101,9 +100,12 @@ def test_a_killed_engine_is_replaced_and_its_jobs_spend_no_attempt(process_conte
     support.wait_for(lambda: not any(process_alive(pid) for pid in ranks), WAIT,
                      "the other ranks gone")
     assert outcomes == ["requeued"] * 3
-    for message in messages:
-        row = job_row(db_sessionmaker, message.job_id)
+    rows = [job_row(db_sessionmaker, message.job_id) for message in messages]
+    for row in rows:
         assert (row.status, row.attempt, row.attempts_refunded, row.deaths_seen) == ("queued", 1, 1, 1)
+    # The three present are suspects, in halves: two together, one alone.
+    assert sorted(row.suspect_group_size for row in rows) == [1, 2, 2]
+    assert len({row.suspect_group for row in rows}) == 2
     # A job that arrives while the engine is down waits for the new one, spending nothing.
     [fresh], fresh_outcome = run_all(context, [make_job(max_tokens=4, model=model)])
     assert context.heartbeat.beat()["state"] == "down" or context.keeper.replacements == 1
@@ -115,7 +117,7 @@ def test_a_killed_engine_is_replaced_and_its_jobs_spend_no_attempt(process_conte
     fresh.join(WAIT)
     assert fresh_outcome == ["succeeded"]
 
-    # Redelivered: each runs alone (it was there when the engine died) and succeeds.
+    # Redelivered: the suspects run by their halves and succeed.
     threads, outcomes = run_all(context, [replace(m, sampling={**m.sampling, "max_tokens": 8}) for m in messages])
     for thread in threads:
         thread.join(WAIT)
@@ -125,51 +127,28 @@ def test_a_killed_engine_is_replaced_and_its_jobs_spend_no_attempt(process_conte
         assert (row.status, row.attempt - row.attempts_refunded) == ("succeeded", 1)
 
 
-def test_a_job_present_at_every_engine_death_is_failed_as_the_cause(process_context, make_job, db_sessionmaker):
-    from sqlalchemy import update
-
-    from rein.core.models import Job
+def test_a_job_that_dies_alone_again_is_failed_as_the_cause(process_context, make_job, db_sessionmaker):
+    """Alone at its first death, a job is only a suspect of one; dying alone again, it is the cause."""
     from rein.worker.tasks import process_job
 
-    message = make_job(max_tokens=4)
-    with db_sessionmaker.begin() as session:
-        session.execute(update(Job).where(Job.id == message.job_id).values(deaths_seen=MAX_DEATHS_SEEN,
-                                                                          attempt=3, attempts_refunded=3))
-    assert process_job(process_context, message) == "failed"
-    row = job_row(db_sessionmaker, message.job_id)
-    assert row.error["code"] == "crashes_its_worker" and "likely crashes it" in row.error["message"]
-
-
-def test_solo_lock_runs_an_exclusive_holder_alone():
-    lock, events = SoloLock(), []
-    first_in = threading.Event()
-    release_first = threading.Event()
-
-    def shared(name, hold=None):
-        with lock.shared():
-            events.append(f"{name} in")
-            if hold is not None:
-                first_in.set()
-                hold.wait(10)
-            events.append(f"{name} out")
-
-    def exclusive():
-        with lock.exclusive():
-            events.append("solo in")
-            events.append("solo out")
-
-    a = threading.Thread(target=shared, args=("a", release_first))
-    a.start()
-    first_in.wait(10)
-    solo = threading.Thread(target=exclusive)
-    solo.start()
-    support.wait_for(lambda: lock._exclusive_waiting == 1, 10, "the exclusive waiter")
-    b = threading.Thread(target=shared, args=("b",))   # arrives after the exclusive waiter: waits for it
-    b.start()
-    release_first.set()
-    for thread in (a, solo, b):
-        thread.join(10)
-    assert events == ["a in", "a out", "solo in", "solo out", "b in", "b out"]
+    context = process_context
+    message = make_job(max_tokens=900)
+    for death in (1, 2):
+        [thread], outcome = run_all(context, [message])
+        support.wait_for(lambda: context.engine.num_running == 1, WAIT, "the job running")
+        os.kill(context.runner.pid, signal.SIGKILL)
+        thread.join(WAIT)
+        support.wait_for(lambda d=death: context.keeper.replacements == d and context.engine_ready.is_set(), WAIT,
+                         "a new engine")
+        row = job_row(db_sessionmaker, message.job_id)
+        if death == 1:
+            assert outcome == ["requeued"]
+            assert (row.status, row.deaths_seen, row.suspect_group_size, row.attempts_refunded) == ("queued", 1, 1, 1)
+    assert outcome == ["failed"]
+    assert row.status == "failed" and row.error["code"] == "crashes_its_worker"
+    assert "2 times, the last time with this job alone" in row.error["message"]
+    # The jobs after it run as before.
+    assert process_job(context, make_job(max_tokens=4)) == "succeeded"
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")

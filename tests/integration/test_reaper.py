@@ -105,8 +105,8 @@ def test_expired_leases_are_queued_again_cancelled_or_given_up(make_job, reaper,
 
     requeued = row(db_sessionmaker, lost)
     assert requeued.status == "queued" and requeued.worker is None and requeued.lease_expires_at is None
-    # Its worker died, not the job: the attempt is refunded and the death counted (it runs alone next).
-    assert (requeued.attempt, requeued.attempts_refunded, requeued.deaths_seen) == (1, 1, 1)
+    # Its worker vanished whole, not the job's fault: the attempt is refunded, no death counted.
+    assert (requeued.attempt, requeued.attempts_refunded, requeued.deaths_seen) == (1, 1, 0)
     assert queued_messages(redis_client, settings, model) == [lost]       # one new message
     assert row(db_sessionmaker, cancelled).status == "cancelled"
     gave_up = row(db_sessionmaker, exhausted)
@@ -115,8 +115,31 @@ def test_expired_leases_are_queued_again_cancelled_or_given_up(make_job, reaper,
 
     # The new attempt runs it; the dead worker's late redelivery finds it held and does nothing.
     lease = claim_job(db_sessionmaker, lost, "w2", 30).lease
-    assert (lease.attempt, lease.deaths_seen) == (2, 1)
+    assert (lease.attempt, lease.deaths_seen, lease.suspect_group) == (2, 0, None)
     assert claim_job(db_sessionmaker, lost, "dead-worker", 30).lease is None
+
+
+def test_a_worker_gone_whole_counts_no_death_against_its_jobs(make_job, reaper, db_sessionmaker):
+    """A worker SIGKILLed with its jobs: whether the reaper or the next claim takes an expired
+    lease back, the attempt is refunded and the job's engine deaths and suspect group stay as
+    they were (rein.worker.suspects: only an engine dying under a live worker is evidence)."""
+    fresh, suspect = make_job(), make_job()
+    with db_sessionmaker.begin() as session:
+        session.execute(update(Job).where(Job.id == suspect)
+                        .values(deaths_seen=1, suspect_group="d.0.1", suspect_group_size=4))
+    for worker in ("dead-1", "dead-2"):
+        for job_id in (fresh, suspect):
+            claim_job(db_sessionmaker, job_id, worker, 300)
+            expire_lease(db_sessionmaker, job_id)
+        if worker == "dead-1":
+            reaper.reap(take_leases=True)         # the reaper takes the first worker's leases back
+    # The second worker's: its jobs' next claim takes them back.
+    leases = {job_id: claim_job(db_sessionmaker, job_id, "w3", 30).lease for job_id in (fresh, suspect)}
+    assert (leases[fresh].attempt, leases[fresh].deaths_seen, leases[fresh].suspect_group) == (3, 0, None)
+    assert (leases[suspect].attempt, leases[suspect].deaths_seen, leases[suspect].suspect_group,
+            leases[suspect].suspect_group_size) == (3, 1, "d.0.1", 4)
+    for job_id in (fresh, suspect):
+        assert row(db_sessionmaker, job_id).attempts_refunded == 2
 
 
 def test_after_a_postgres_outage_leases_are_not_taken_before_workers_could_renew(make_job, reaper,

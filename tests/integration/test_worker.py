@@ -429,9 +429,9 @@ def test_expired_lease_is_reclaimed_and_the_stale_attempt_writes_nothing(make_jo
                         .values(lease_expires_at=func.now() - func.make_interval(0, 0, 0, 0, 0, 1)))
     fresh = claim_job(db_sessionmaker, message.job_id, "w2", 600).lease
     assert fresh.attempt == 2 and fresh.worker == "w2"
-    # w1 died, not the job: as when the reaper takes the lease, the attempt is refunded and the
-    # death counted (the new attempt runs alone).
-    assert fresh.deaths_seen == 1 and job_row(db_sessionmaker, message.job_id).attempts_refunded == 1
+    # w1 died, not the job: as when the reaper takes the lease, the attempt is refunded and no
+    # death is counted against the job (rein.worker.suspects).
+    assert fresh.deaths_seen == 0 and job_row(db_sessionmaker, message.job_id).attempts_refunded == 1
     done = JobRecord(status="succeeded", text="x", token_ids=[1], finish_reason="stop", prompt_tokens=4,
                      completion_tokens=1)
     assert not record_job(db_sessionmaker, stale, done)

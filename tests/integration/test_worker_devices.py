@@ -180,7 +180,9 @@ def test_a_killed_engine_worker_is_started_again_and_its_jobs_end_once(engines):
     os.kill(pids[victim], signal.SIGKILL)
     jobs = wait_all_ended(engines, job_ids)
     assert {job.status for job in jobs} == {"succeeded"}, [(job.id, job.status, job.error) for job in jobs]
-    assert any(job.deaths_seen for job in jobs)          # the job it was running came back through its lease
+    # The job it was running came back through its lease, refunded, and no death is counted
+    # against it (a worker gone whole is no evidence: rein.worker.suspects).
+    assert any(job.attempts_refunded for job in jobs) and not any(job.deaths_seen for job in jobs)
     assert usage_counts(engines, job_ids) == dict.fromkeys(job_ids, 1)   # billed once each
     # The supervisor started the victim's worker again: a new process, beating with its engine up.
     support.wait_for(lambda: (engines.beat(victim) or {}).get("state") == "up"
