@@ -16,7 +16,8 @@ from rein.core.filestore import LocalFileStore
 from rein.core.models import File, Job, Result, Usage, new_file_id
 from rein.jobs.retention import RetentionLoop, expire_once, stored_bytes
 
-NOW = datetime(2030, 6, 1, tzinfo=UTC)
+# Now: the other tests' rows (the database is shared) are fresh, only this module's are aged.
+NOW = datetime.now(UTC)
 
 
 @pytest.fixture
@@ -74,8 +75,8 @@ def test_results_files_and_usage_expire_after_their_retention(make_settings, db_
     new_file = _output_file(db_sessionmaker, store, tenant, key_id, 6)
 
     report = expire_once(settings, db_sessionmaker, store, now=NOW)
-    assert (report.results, report.files) == (6, 1)
-    assert report.usage >= 1            # the ancient one (and any other test's, on the shared database)
+    # At least these (another test's aged rows may still be there on the shared database).
+    assert report.results >= 6 and report.files >= 1 and report.usage >= 1
     with db_sessionmaker() as session:
         assert session.scalars(select(Result.job_id).where(Result.job_id.in_([*old, ancient, recent]))).all() == [
             recent]
@@ -150,7 +151,7 @@ def test_stored_bytes_count_uploads_outputs_and_results(db_sessionmaker, make_jo
 def test_retention_loop_runs_in_the_background(make_settings, db_sessionmaker, make_job, store):
     settings = make_settings(result_retention_days=1, output_file_retention_days=0, usage_retention_days=0,
                              retention_interval_seconds=0.05)
-    job_id = _finished_job(db_sessionmaker, make_job, (NOW - datetime.now(UTC)).days + 3)   # 2-3 days ago
+    job_id = _finished_job(db_sessionmaker, make_job, 3)
     loop = RetentionLoop(settings, db_sessionmaker, store).start()
     try:
         deadline = threading.Event()
