@@ -226,6 +226,9 @@ class Result(Base):
 
     job: Mapped[Job] = relationship(back_populates="result")
 
+    # Retention's oldest results first (rein.jobs.retention).
+    __table_args__ = (Index("ix_results_created_at", "created_at"),)
+
 
 class Usage(Base):
     """Token accounting: exactly one row per job (unique on job_id), written with the result."""
@@ -252,6 +255,7 @@ class Usage(Base):
             name="tokens_valid",
         ),
         Index("ix_usage_tenant_created_at", "tenant", "created_at"),
+        Index("ix_usage_created_at", "created_at"),       # retention (rein.jobs.retention)
     )
 
 
@@ -273,6 +277,8 @@ class File(Base):
         CheckConstraint(_in("purpose", FILE_PURPOSES), name="purpose_valid"),
         CheckConstraint("bytes >= 0", name="bytes_nonnegative"),
         Index("ix_files_tenant_created_at", "tenant", "created_at", "id"),
+        # Retention's oldest output and error files first (rein.jobs.retention).
+        Index("ix_files_output_created_at", "created_at", postgresql_where=text("purpose = 'batch_output'")),
     )
 
 

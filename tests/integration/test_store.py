@@ -30,7 +30,7 @@ from rein.core.models import ApiKey, Base, Job, Result, Usage
 from rein.core.settings import Settings
 
 TABLES = {"api_keys", "jobs", "results", "usage", "alembic_version", "files", "batches"}
-HEAD = "0007"   # the newest migration
+HEAD = "0009"   # the newest migration
 
 
 def engine_for(url: str):
