@@ -353,7 +353,7 @@ class RateLimiter:
         now = time.time() if now is None else now
         window = int(now // WINDOW_SECONDS)
         counters: list[str] = []
-        args: list[int] = []
+        args: list[int | str] = []
         queues: dict[tuple[str, ...], int] = {}
         tenant_slots: dict[tuple[str, tuple[str, ...]], int] = {}
         tenant_counts: list[int] = []
