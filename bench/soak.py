@@ -15,16 +15,21 @@ tiny random-weight llama. For `--minutes`, three loads run side by side:
 Every `--fault-every` seconds one fault, each kind once per round in an order drawn with `--seed`:
 
 * worker: SIGKILL one worker (a new one is started, as a supervisor would);
-* engine: SIGKILL the engine process of one worker (the worker replaces it);
+* engine: SIGKILL the engine process of one worker whose engine is up (the worker replaces it;
+  one killed while its worker still starts ends that worker, which is then started again);
 * api: SIGKILL `rein api` and start it again;
 * redis-aof: SIGKILL redis-server and start it again on its append-only file;
 * redis-empty: SIGKILL redis-server and start it again with no data (its AOF deleted);
 * postgres: crash Postgres (`pg_ctl stop -m immediate`), start it again 10 s later.
 
 Then the load stops and the soak waits for every accepted job and the batch to end. It
-prints: jobs accepted, succeeded, failed, lost (not ended), billed twice, batch lines failed,
-HTTP 500s, streams cut by an API kill (a connection to a killed process cannot end cleanly),
-streams cut otherwise (must be 0), and the seconds to drain. The last line of stdout is one
+prints: jobs accepted, succeeded, failed, failed as poison (`crashes_its_worker`: a job the
+engine deaths isolated as their cause, rein.worker.suspects; the soak sends none, so must be 0),
+lost (not ended), billed twice, batch lines failed, HTTP 500s, streams cut by an API kill (a
+connection to a killed process cannot end cleanly), streams cut otherwise (must be 0), the
+seconds to drain, the longest and the 99th percentile of the jobs' and lines' times from
+queued to finished, and the most of them still queued or running at the moments the load
+stopped and 60 s later. The last line of stdout is one
 JSON object with the figures; the exit status is 0 when every job and line succeeded, nothing
 was lost or billed twice and no 500 was answered. tests/e2e/test_soak.py runs a 2-minute soak.
 """
@@ -69,6 +74,7 @@ class Figures:
     streams_cut_by_api_kill: int = 0
     streams_cut_otherwise: int = 0
     faults: list[str] = field(default_factory=list)
+    workers_restarted: int = 0        # workers that exited by themselves, started again as a supervisor would
     api_kills: list[float] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -80,6 +86,11 @@ class Soak:
         self.stop = threading.Event()
         self.random = random.Random(args.seed)
         self.batch_id: str | None = None
+        self.left_at_stop: int | None = None
+        # Each worker's log (its engine is up once it says so): the first two are run_service's.
+        self.worker_logs = {proc.pid: stack.service.logs / ("worker.log" if n == 0 else f"worker{n}.log")
+                            for n, proc in enumerate(stack.service.workers)}
+        self.left_after_60s: int | None = None
 
     # -- load ----------------------------------------------------------------------------------
 
@@ -168,6 +179,10 @@ class Soak:
         faults = [f.strip() for f in self.args.faults.split(",") if f.strip()]
         deck: list[str] = []
         while not self.stop.wait(self.args.fault_every):
+            restarted = self._replace_dead_workers()
+            if restarted:
+                self.figures.workers_restarted += restarted
+                self.log(f"soak: {restarted} worker(s) had exited by themselves; started again")
             if not deck:   # every kind once, in a seeded order, before any comes again
                 deck = self.random.sample(faults, len(faults))
             fault = deck.pop()
@@ -186,12 +201,24 @@ class Soak:
         victim.send_signal(signal.SIGKILL)
         victim.wait(10)
         service.workers.remove(victim)
+        self._spawn_worker()
+
+    def _spawn_worker(self) -> None:
         name = f"soak-worker-{time.monotonic_ns()}@localhost"
-        service.workers.append(service.spawn(name, "worker", "--model", MODEL, "--hostname", name))
+        worker = self.stack.service.spawn(name, "worker", "--model", MODEL, "--hostname", name)
+        self.stack.service.workers.append(worker)
+        self.worker_logs[worker.pid] = self.stack.service.logs / f"{name}.log"
+
+    def _engine_up(self, worker) -> bool:
+        log = self.worker_logs.get(worker.pid)
+        return worker.poll() is None and log is not None and b"engine ready for" in log.read_bytes()
 
     def _engine(self) -> None:
         service = self.stack.service
-        worker = self.random.choice([p for p in service.workers if p.poll() is None])
+        ready = [p for p in service.workers if self._engine_up(p)]
+        if not ready:
+            raise RuntimeError("no worker has its engine up (all still starting)")
+        worker = self.random.choice(ready)
         children = engine_processes(worker.pid)
         if not children:
             raise RuntimeError(f"worker {worker.pid} has no engine process (still starting?)")
@@ -235,16 +262,27 @@ class Soak:
             thread.join(120)
         stopped = time.monotonic()
         self._replace_dead_workers()
+        self.left_at_stop = self._left()
         wait_ready(self.stack.service, 300)
         drained = self._drain(stopped)
         return self._report(drained)
 
-    def _replace_dead_workers(self) -> None:
+    def _left(self) -> int | None:
+        """Accepted jobs and batch lines not ended yet (None while Postgres cannot be read)."""
+        try:
+            with self.stack.db() as conn:
+                return conn.execute("SELECT count(*) FROM jobs WHERE (id = ANY(%s) OR batch_id = %s) AND status "
+                                    "IN ('queued', 'running')", (self.figures.accepted, self.batch_id)).fetchone()[0]
+        except Exception:  # noqa: BLE001 - Postgres may be restarting
+            return None
+
+    def _replace_dead_workers(self) -> int:
         service = self.stack.service
-        for proc in [p for p in service.workers if p.poll() is not None]:
+        dead = [p for p in service.workers if p.poll() is not None]
+        for proc in dead:
             service.workers.remove(proc)
-            name = f"soak-worker-{time.monotonic_ns()}@localhost"
-            service.workers.append(service.spawn(name, "worker", "--model", MODEL, "--hostname", name))
+            self._spawn_worker()
+        return len(dead)
 
     def _ended(self) -> bool:
         with self.stack.db() as conn:
@@ -256,8 +294,12 @@ class Soak:
     def _drain(self, since: float) -> float | None:
         deadline = since + DRAIN_TIMEOUT
         while time.monotonic() < deadline:
+            if self.left_after_60s is None and time.monotonic() - since >= 60:
+                self.left_after_60s = self._left()
             try:
                 if self._ended():
+                    if self.left_after_60s is None:
+                        self.left_after_60s = 0
                     return time.monotonic() - since
             except Exception:  # noqa: BLE001 - Postgres may still be starting
                 pass
@@ -275,17 +317,25 @@ class Soak:
                                                (self.batch_id,)).fetchone()
             by_status = dict(conn.execute("SELECT status, count(*) FROM jobs WHERE batch_id = %s GROUP BY status",
                                           (self.batch_id,)).fetchall())
+            job_seconds = conn.execute(
+                "SELECT max(s), percentile_cont(0.99) WITHIN GROUP (ORDER BY s) FROM (SELECT extract(epoch FROM "
+                "finished_at - queued_at) AS s FROM jobs WHERE (id = ANY(%s) OR batch_id = %s) "
+                "AND finished_at IS NOT NULL) t", (self.figures.accepted, self.batch_id)).fetchone()
         f = self.figures
         return {"minutes": self.args.minutes, "fault_every": self.args.fault_every, "seed": self.args.seed,
                 "faults": f.faults, "accepted": counts["accepted"], "succeeded": counts["succeeded"], "failed": failed,
                 "lost": counts["accepted"] - counts["ended"], "billed_twice": counts["billed_twice"],
-                "failure_codes": dict(failures), "batch_status": batch_status, "batch_lines": lines,
+                "failure_codes": dict(failures), "failed_as_poison": dict(failures).get("crashes_its_worker", 0),
+                "batch_status": batch_status, "batch_lines": lines,
                 "batch_lines_succeeded": by_status.get("succeeded", 0),
                 "batch_lines_failed": lines - by_status.get("succeeded", 0), "http_500": f.http_500,
                 "refused_and_retried": f.refused, "streams_done": f.streams_done,
                 "streams_error_event": f.streams_error_event, "streams_cut_by_api_kill": f.streams_cut_by_api_kill,
-                "streams_cut_otherwise": f.streams_cut_otherwise,
-                "drain_seconds": None if drained is None else round(drained, 1)}
+                "streams_cut_otherwise": f.streams_cut_otherwise, "workers_restarted": f.workers_restarted,
+                "drain_seconds": None if drained is None else round(drained, 1),
+                "job_seconds_max": None if job_seconds[0] is None else round(float(job_seconds[0]), 1),
+                "job_seconds_p99": None if job_seconds[1] is None else round(float(job_seconds[1]), 1),
+                "left_at_stop": self.left_at_stop, "left_after_60s": self.left_after_60s}
 
 
 def engine_processes(worker_pid: int) -> list[int]:
@@ -348,9 +398,10 @@ def main() -> int:
     report = soak(args, ensure_model("tiny"), log=lambda line: print(line, file=sys.stderr))
     print(f"\nsoak: {args.minutes:g} min, a fault every {args.fault_every:g} s (seed {args.seed}): "
           f"{', '.join(report['faults'])}\n")
-    for name in ("accepted", "succeeded", "failed", "lost", "billed_twice", "batch_lines", "batch_lines_failed",
-                 "http_500", "streams_done", "streams_error_event", "streams_cut_by_api_kill",
-                 "streams_cut_otherwise", "drain_seconds"):
+    for name in ("accepted", "succeeded", "failed", "failed_as_poison", "lost", "billed_twice", "batch_lines",
+                 "batch_lines_failed", "http_500", "streams_done", "streams_error_event", "streams_cut_by_api_kill",
+                 "streams_cut_otherwise", "workers_restarted", "drain_seconds", "left_at_stop", "left_after_60s", "job_seconds_max",
+                 "job_seconds_p99"):
         print(f"  {name:26} {report[name]}")
     if report["failure_codes"]:
         print(f"  failures by code:          {report['failure_codes']}")
