@@ -1,7 +1,13 @@
-"""Unauthenticated floods: 15 MB bodies with a made-up key, while another tenant's calls go on.
+"""Floods of 15 MB bodies the API must refuse, while another tenant's calls go on.
 
-    python bench/auth_flood.py [--senders 4] [--seconds 20] [--body-mb 15] [--calls 200]
-                               [--redis-url URL] [--postgres-url URL]
+    python bench/auth_flood.py [--flood-key made-up|no-scope|scoped] [--senders 4] [--seconds 20]
+                               [--body-mb 15] [--calls 200] [--redis-url URL] [--postgres-url URL]
+
+`--flood-key` is the key the flood sends: `made-up` (the default; 401 from the header),
+`no-scope`, a valid key of another tenant with only the `usage` scope (403 from the header,
+the body never read), or `scoped`, a valid key with the `inference` scope (its bodies are
+read, two at a time at most, and refused unparsed: 400, or 429 beyond the key's large-body
+slots). The issue's run: `--flood-key no-scope --senders 8`.
 
 A throwaway database and Redis key prefix, and `rein api` on a free loopback port (as
 bench/intake.py: its Sandbox and ApiProcess), serving the tiny llama. Two phases:
@@ -10,15 +16,17 @@ bench/intake.py: its Sandbox and ApiProcess), serving the tiny llama. Two phases
 * flood: `--senders` threads each send, again and again for `--seconds`, a POST
   /v1/chat/completions whose body is `--body-mb` MB of nested empty objects
   (`[{}, {}, ...]`, what took 3.1 s to refuse and ~500 MB of memory when the body was
-  parsed before the key was checked) with `Authorization: Bearer made-up`; meanwhile the real
-  key calls GET /v1/models as in the quiet phase.
+  parsed before the key was checked) with the flood key; meanwhile the real key calls GET
+  /v1/models as in the quiet phase.
 
-The API answers 401 from the header alone and closes the connection, so a sender usually
-sees either the 401 or its upload cut short: both count as refused. Printed: the real key's
-p50 / p99 / max latency in both phases and their ratio, the refusals per second and their
-latency, and the API's peak resident memory (from /proc). The last line of stdout is one
-JSON object with every figure; the exit status is 1 when the real key's p99 under the flood
-passes TARGET_P99_MS or a flood request was answered anything but 401.
+The API answers 401 or 403 from the header alone and closes the connection, so a sender
+usually sees either that answer or its upload cut short: both count as refused. Printed: the
+real key's p50 / p99 / max latency in both phases and their ratio, the refusals per second
+and their latency, and the API's resident memory before the flood and its peak during it
+(from /proc; the peak is reset before the flood where the kernel allows). The last line of
+stdout is one JSON object with every figure; the exit status is 1 when the real key's p99
+under the flood passes TARGET_P99_MS, the peak grew by TARGET_RSS_GROWTH_MB or more, or a
+flood request was answered anything but the refusals its key should get.
 """
 
 from __future__ import annotations
@@ -38,6 +46,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from intake import ApiProcess, Sandbox, check_loopback, ensure_model, pct  # noqa: E402
 
 TARGET_P99_MS = 250.0     # the other tenant's calls under the flood (3,000 ms before auth moved first)
+TARGET_RSS_GROWTH_MB = 400.0   # the API's peak over its resident memory before the flood
+# What each flood key's requests may be answered ("None": the upload was cut, then the answer lost).
+REFUSALS = {"made-up": {"401", "None"}, "no-scope": {"403", "None"}, "scoped": {"400", "429", "None"}}
 
 
 def timed_calls(base_url: str, key: str, count: int, stop: threading.Event | None = None) -> list[float]:
@@ -58,10 +69,10 @@ def timed_calls(base_url: str, key: str, count: int, stop: threading.Event | Non
     return latencies
 
 
-def flood(port: int, body: bytes, until: float, results: dict, lock: threading.Lock) -> None:
-    """Send the big body with a made-up key until `until`, on raw sockets (so a cut upload is
-    seen as such); tally statuses and latencies in `results`."""
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer made-up\r\n"
+def flood(port: int, bearer: str, body: bytes, until: float, results: dict, lock: threading.Lock) -> None:
+    """Send the big body with `bearer` until `until`, on raw sockets (so a cut upload is seen as
+    such); tally statuses and latencies in `results`."""
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {bearer}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\nConnection: close\r\n\r\n").encode()
     while time.monotonic() < until:
         started = time.perf_counter()
@@ -87,11 +98,21 @@ def flood(port: int, body: bytes, until: float, results: dict, lock: threading.L
             results["bytes_sent"].append(sent)
 
 
-def peak_rss_mb(pid: int) -> float:
+def memory_mb(pid: int, field: str) -> float:
+    """VmHWM (peak) or VmRSS (now) of a process, in MB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Set the process' VmHWM back to its VmRSS (Linux 4.0+, as its owner or root)."""
+    try:
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
 
 
 def summary(latencies: list[float]) -> dict:
@@ -101,6 +122,8 @@ def summary(latencies: list[float]) -> dict:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--flood-key", choices=sorted(REFUSALS), default="made-up",
+                        help="the key the flood sends (default made-up)")
     parser.add_argument("--senders", type=int, default=4, help="flooding threads (default 4)")
     parser.add_argument("--seconds", type=float, default=20.0, help="flood duration (default 20)")
     parser.add_argument("--body-mb", type=float, default=15.0, help="size of each flood body (default 15)")
@@ -126,6 +149,11 @@ def main() -> int:
         try:
             with sessionmaker(engine).begin() as session:
                 key = create_key(session, name="bench-auth", tenant="bench", scopes="inference").key
+                flood_bearer = {
+                    "made-up": "made-up",
+                    "no-scope": create_key(session, name="bench-flood", tenant="flood", scopes="usage").key,
+                    "scoped": create_key(session, name="bench-flood", tenant="flood", scopes="inference").key,
+                }[args.flood_key]
         finally:
             engine.dispose()
         api = ApiProcess(sandbox, model_dir, Path(tempfile.mkdtemp(prefix="rein-bench-auth-")) / "api.log")
@@ -137,8 +165,11 @@ def main() -> int:
         body = b"[" + b"{}," * (count - 1) + b"{}]"
         results: dict = {"latencies": [], "statuses": {}, "bytes_sent": []}
         lock = threading.Lock()
+        rss_before = memory_mb(api.proc.pid, "VmRSS")
+        peak_reset = reset_peak_rss(api.proc.pid)
         until = time.monotonic() + args.seconds
-        senders = [threading.Thread(target=flood, args=(api.port, body, until, results, lock), daemon=True)
+        senders = [threading.Thread(target=flood, args=(api.port, flood_bearer, body, until, results, lock),
+                                    daemon=True)
                    for _ in range(args.senders)]
         for thread in senders:
             thread.start()
@@ -148,7 +179,9 @@ def main() -> int:
         loud = timed_calls(api.base_url, key, 1_000_000, stop)   # until the flood ends
         for thread in senders:
             thread.join()
+        peak = memory_mb(api.proc.pid, "VmHWM")
         report = {
+            "flood_key": args.flood_key,
             "body_bytes": len(body), "senders": args.senders, "flood_seconds": args.seconds,
             "quiet": summary(quiet), "under_flood": summary(loud),
             "p99_ratio": round(pct(loud, 99) / pct(quiet, 99), 2),
@@ -157,8 +190,10 @@ def main() -> int:
             "flood_statuses": results["statuses"],
             "flood_latency": summary(results["latencies"]),
             "flood_mean_bytes_sent": round(statistics.mean(results["bytes_sent"])),
-            "api_peak_rss_mb": round(peak_rss_mb(api.proc.pid), 1),
-            "target_p99_ms": TARGET_P99_MS,
+            "api_rss_before_mb": round(rss_before, 1),
+            "api_peak_rss_mb": round(peak, 1),
+            "api_peak_growth_mb": round(peak - rss_before, 1) if peak_reset else None,
+            "target_p99_ms": TARGET_P99_MS, "target_rss_growth_mb": TARGET_RSS_GROWTH_MB,
         }
     finally:
         if api is not None:
@@ -167,7 +202,7 @@ def main() -> int:
         sandbox.drop_database()
     q, u = report["quiet"], report["under_flood"]
     print(f"body: {report['body_bytes'] / 1e6:.1f} MB of nested empty objects, {args.senders} senders, "
-          f"{args.seconds:g} s, made-up key")
+          f"{args.seconds:g} s, flood key: {args.flood_key}")
     print(f"real key, quiet:       p50 {q['p50_ms']:7.2f} ms  p99 {q['p99_ms']:7.2f} ms  max {q['max_ms']:7.2f} ms"
           f"  ({q['calls']} calls)")
     print(f"real key, under flood: p50 {u['p50_ms']:7.2f} ms  p99 {u['p99_ms']:7.2f} ms  max {u['max_ms']:7.2f} ms"
@@ -175,10 +210,14 @@ def main() -> int:
     print(f"flood: {report['flood_requests']} requests ({report['flood_per_second']}/s), statuses "
           f"{report['flood_statuses']}, p50 {report['flood_latency']['p50_ms']} ms, "
           f"{report['flood_mean_bytes_sent'] / 1e6:.1f} MB sent per request on average")
-    print(f"API peak RSS: {report['api_peak_rss_mb']} MB")
+    growth = report["api_peak_growth_mb"]
+    print(f"API resident memory: {report['api_rss_before_mb']} MB before the flood, peak "
+          f"{report['api_peak_rss_mb']} MB" + (f" (+{growth} MB; target < {TARGET_RSS_GROWTH_MB:g})"
+                                               if growth is not None else " (peak not reset: since start)"))
     print(json.dumps(report))
-    refused_only = set(report["flood_statuses"]) <= {"401", "None"}
-    return 0 if u["p99_ms"] <= TARGET_P99_MS and refused_only else 1
+    refused_only = set(report["flood_statuses"]) <= REFUSALS[args.flood_key]
+    memory_held = growth is None or growth < TARGET_RSS_GROWTH_MB
+    return 0 if u["p99_ms"] <= TARGET_P99_MS and refused_only and memory_held else 1
 
 
 if __name__ == "__main__":

@@ -79,6 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             timeout=STREAM_POOL_WAIT_SECONDS, socket_timeout=STREAM_SOCKET_TIMEOUT))
         state.stream_slots = StreamSlots(settings.max_streams_per_key)
         state.download_slots = StreamSlots(settings.max_downloads_per_key)
+        state.large_body_slots = StreamSlots(settings.max_large_bodies_per_key)
         state.celery = make_celery(settings)
         state.key_cache = KeyCache(settings.auth_cache_seconds)
         state.limiter = RateLimiter(state.redis, RedisKeys.from_settings(settings), settings)

@@ -2,7 +2,10 @@
 
 Before FastAPI parses or validates anything, and before any other dependency (a database
 session) runs, the route authenticates an API route's key from its header alone (401 before
-a byte of the body is read; rein.api.auth remembers answers for a second), then:
+a byte of the body is read; rein.api.auth remembers answers for a second) and checks the
+scopes the route's dependencies demand (403 naming the scope, the body still unread). A
+body that may pass 64 KiB then takes one of its key's large-body slots (429 beyond
+REIN_MAX_LARGE_BODIES_PER_KEY at once). Then:
 
 - every query parameter (declared or not) and every path parameter, and the header
   parameters the route declares (Idempotency-Key, Last-Event-ID): no NUL character, no
@@ -10,8 +13,10 @@ a byte of the body is read; rein.api.auth remembers answers for a second), then:
 - the declared scalar query parameters, strictly as the schema types them: an integer is
   digits (pydantic alone would take "1.0" or " 1"), a number is finite, a date is
   YYYY-MM-DD (pydantic alone would take "0", a Unix time, or a datetime at midnight);
-- the JSON body, every key and value at any depth (rein.core.input_checks.check_json): text
-  Postgres and the tokenizer can take, finite numbers, integers within 64 bits.
+- the JSON body: its parse bounded before it starts (rein.core.json_budget: the arrays,
+  objects and values it would build), then every key and value at any depth
+  (rein.core.input_checks.check_json): text Postgres and the tokenizer can take, finite
+  numbers, integers within 64 bits.
 
 A failure is a 400 in OpenAI's shape whose `param` names the parameter or the JSON path
 (`messages[0].content`, `body.metadata.tag`). Values within these limits then meet each
@@ -38,13 +43,18 @@ from fastapi.dependencies.models import Dependant
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials
 
-from rein.api.deps import authenticate_request
+from rein.api.deps import authenticate_request, scope_missing
+from rein.api.streams import StreamSlots
 from rein.core.input_checks import BadInput, check_json, check_text, text_problem
+from rein.core.json_budget import parse_json_within_budget
+from rein.core.keys import KeyInfo
 from rein.jobs.errors import APIError, unauthorized
 
 API_PREFIX = "/v1/"
-# Bodies up to this size are parsed on the event loop (well under a millisecond).
+# Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones
+# take one of their key's large-body slots.
 INLINE_PARSE_MAX_BYTES = 64 * 1024
+LARGE_BODY_RETRY_AFTER = 1
 _INTEGER = re.compile(r"[+-]?\d{1,19}")
 _DIGITS = re.compile(r"[+-]?\d+")
 _DATE = re.compile(r"\d{4}-\d{2}-\d{2}")
@@ -57,24 +67,73 @@ class CheckedRoute(APIRoute):
         handler = super().get_route_handler()
         query_kinds, headers = _declared_params(self.dependant)
         has_json_body = self.body_field is not None and not _is_form(self)
+        # Decided on the route's own path template, not the request's path: behind a proxy's
+        # root path (REIN_API_ROOT_PATH) the request's path is /rein/v1/..., the route's is not.
+        needs_key = self.path.startswith(API_PREFIX)
+        scopes = _required_scopes(self.dependant)
 
         async def checked(request: Request) -> Response:
-            if request.url.path.startswith(API_PREFIX):
-                # The key first, from the header alone: a client without a valid key cannot make
-                # the API read, let alone parse, a body. The route's dependency finds it checked.
+            release = None
+            if needs_key:
+                # The key and its scopes first, from the header alone: a client without a valid
+                # key, or whose key lacks the route's scope, cannot make the API read a body.
                 bearer = _bearer_token(request.headers.get("authorization"))
                 if bearer is None:
                     raise unauthorized("You didn't provide an API key. Send it as `Authorization: Bearer <key>`.")
-                await authenticate_request(request, HTTPAuthorizationCredentials(scheme="Bearer", credentials=bearer))
+                key = await authenticate_request(request, HTTPAuthorizationCredentials(scheme="Bearer",
+                                                                                       credentials=bearer))
+                for scope in scopes:
+                    if scope not in key.scopes:
+                        raise scope_missing(scope)
+                if has_json_body and _may_be_large(request):
+                    release = take_large_body_slot(request, key)
             try:
-                check_params(request, query_kinds, headers)
-                if has_json_body:
-                    await check_json_body(request)
-            except BadInput as exc:
-                raise APIError(400, exc.message, param=exc.param, code="invalid_value") from None
-            return await handler(request)
+                try:
+                    check_params(request, query_kinds, headers)
+                    if has_json_body:
+                        await check_json_body(request)
+                except BadInput as exc:
+                    raise APIError(400, exc.message, param=exc.param, code="invalid_value") from None
+                return await handler(request)
+            finally:
+                if release is not None:
+                    release()
 
         return checked
+
+
+def _may_be_large(request: Request) -> bool:
+    """Whether the body may pass INLINE_PARSE_MAX_BYTES: its Content-Length says so, or it has
+    none (a chunked body is as large as the client makes it, up to REIN_MAX_REQUEST_BYTES)."""
+    length = request.headers.get("content-length")
+    if length is None:
+        return "chunked" in request.headers.get("transfer-encoding", "").lower()
+    try:
+        return int(length) > INLINE_PARSE_MAX_BYTES
+    except ValueError:
+        return True
+
+
+def take_large_body_slot(request: Request, key: KeyInfo) -> Callable[[], None]:
+    """One of the key's slots for a large body read and parsed at once in this API process
+    (REIN_MAX_LARGE_BODIES_PER_KEY), or 429 `too_many_large_requests` with Retry-After. A body
+    costs its bytes, and its parse a small multiple of them (rein.core.json_budget): the slots
+    bound what one key's concurrent large bodies can take of the process' memory."""
+    slots: StreamSlots = request.app.state.large_body_slots
+    if not slots.acquire(key.key_id):
+        raise APIError(429, f"This key is already sending {slots.per_key} request bodies over "
+                            f"{INLINE_PARSE_MAX_BYTES // 1024} KiB to this server at once, its limit "
+                            f"(REIN_MAX_LARGE_BODIES_PER_KEY). Wait for one to be answered, or retry after "
+                            f"{LARGE_BODY_RETRY_AFTER} s; for many requests, upload a batch file.",
+                       type="requests", code="too_many_large_requests",
+                       headers={"Retry-After": str(LARGE_BODY_RETRY_AFTER)})
+    return lambda: slots.release(key.key_id)
+
+
+def _required_scopes(dependant: Dependant) -> tuple[str, ...]:
+    """The scopes the route's dependencies demand (rein.api.deps.require_scope marks them)."""
+    found = (getattr(current.call, "required_scope", None) for current in _dependants(dependant))
+    return tuple(dict.fromkeys(scope for scope in found if scope is not None))
 
 
 def _bearer_token(value: str | None) -> str | None:
@@ -103,22 +162,23 @@ def check_params(request: Request, query_kinds: dict[str, type], headers: tuple[
 
 
 async def check_json_body(request: Request) -> None:
-    """The JSON body, when there is one FastAPI will read as JSON (BadInput at the first bad value).
-    A body past INLINE_PARSE_MAX_BYTES is parsed and walked in the thread pool, so the event loop
-    (every other request of the process) does not wait for it."""
+    """The JSON body, when there is one FastAPI will read as JSON (BadInput at the first bad value,
+    or when its parse would pass the caps of rein.core.json_budget). A body past
+    INLINE_PARSE_MAX_BYTES is parsed and walked in the thread pool, so the event loop (every
+    other request of the process) does not wait for it."""
     raw = await request.body()
     if not raw or not _is_json(request.headers.get("content-type")):
         return
     try:
         body = (_parse_and_check(raw) if len(raw) <= INLINE_PARSE_MAX_BYTES
                 else await run_in_threadpool(_parse_and_check, raw))
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return   # not JSON that can be read: FastAPI reports it as a 400 in its own words
     request._json = body   # Starlette's cache of request.json(): FastAPI's own parse reuses it
 
 
 def _parse_and_check(raw: bytes) -> Any:
-    body = json.loads(raw)
+    body = parse_json_within_budget(raw)
     check_json(body)
     return body
 

@@ -101,21 +101,30 @@ async def current_key(request: Request, credentials: BearerDep) -> KeyInfo:
 CurrentKey = Annotated[KeyInfo, Depends(current_key)]
 
 
+def scope_missing(scope: str) -> APIError:
+    """The 403 for a key without `scope`, naming it."""
+    return APIError(403, f"API scope is not declared: {scope}", type="permission_error",
+                    code="insufficient_scope")
+
+
 def require_scope(scope: str) -> Callable[..., Awaitable[KeyInfo]]:
     """A dependency: the current key, which must hold `scope` (403 naming it otherwise).
 
-    It authenticates itself rather than depending on `current_key`: every level of nested
-    dependencies costs FastAPI a resolution on each request, and these guard the intake path.
+    The route class finds the scope on the dependency (`required_scope`) and checks it from
+    the header, before the body is read (rein.api.checked_route); this check stays for a
+    route served without that class. It authenticates itself rather than depending on
+    `current_key`: every level of nested dependencies costs FastAPI a resolution on each
+    request, and these guard the intake path.
     """
 
     async def check(request: Request, credentials: BearerDep) -> KeyInfo:
         key = await authenticate_request(request, credentials)
         if scope not in key.scopes:
-            raise APIError(403, f"API scope is not declared: {scope}", type="permission_error",
-                           code="insufficient_scope")
+            raise scope_missing(scope)
         return key
 
     check.__name__ = f"require_{scope}_scope"
+    check.required_scope = scope   # type: ignore[attr-defined]
     return check
 
 

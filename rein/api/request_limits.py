@@ -45,7 +45,7 @@ class RequestLimits:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path: str = scope.get("path", "")
+        path = route_path(scope)
         headers: dict[bytes, bytes] = {}
         for name, value in scope.get("headers", ()):
             headers.setdefault(name.lower(), value)
@@ -57,6 +57,16 @@ class RequestLimits:
             await too_large_response(self.max_bytes)(scope, receive, send)
             return
         await self.app(scope, _counted(receive, self.max_bytes), send)
+
+
+def route_path(scope: Scope) -> str:
+    """The request's path as the routes see it: without the root path a proxy serves the API
+    under (REIN_API_ROOT_PATH), which ASGI servers leave at the front of `path`."""
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root):len(root) + 1] in ("", "/"):
+        return path[len(root):]
+    return path
 
 
 def _content_length(value: bytes | None) -> int | None:

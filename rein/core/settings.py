@@ -135,6 +135,9 @@ class Settings(BaseSettings):
     max_request_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     """Largest request body the API reads (413 beyond, before parsing it; chunked bodies are
     counted as they arrive). File uploads are bounded by REIN_MAX_FILE_BYTES instead."""
+    max_large_bodies_per_key: int = Field(2, ge=1)
+    """Request bodies over 64 KiB one key may have an API process read and parse at once (429
+    `too_many_large_requests` beyond): what one key's big bodies can take of its memory."""
     max_queue_depth: int = Field(1000, ge=1)
     """Backpressure: above this many queued jobs for a model, new jobs get 503 with Retry-After."""
     tenant_queue_share: float = Field(0.5, gt=0, le=1)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from rein.core.input_checks import BadInput, check_json, json_type, text_problem
+from rein.core.json_budget import parse_json_within_budget
 from rein.openai.endpoints import BATCH_ENDPOINTS
 from rein.openai.errors import (
     RequestError,
@@ -93,7 +94,11 @@ def parse_batch_line(line: str, line_number: int) -> BatchLine:
     if problem is not None:
         raise RequestError(f"line {line_number}: the line {problem}", None, "invalid_json_line")
     try:
-        obj = json.loads(line)
+        # Bounded like an API body (rein.core.json_budget): a line within the length cap can
+        # still hold millions of empty arrays, each far larger parsed than written.
+        obj = parse_json_within_budget(line, "The line")
+    except BadInput as exc:
+        raise RequestError(f"line {line_number}: {exc.message}", None, "invalid_json_line") from None
     except json.JSONDecodeError as exc:
         raise RequestError(f"line {line_number}: not valid JSON ({exc.msg} at column {exc.colno})", None,
                            "invalid_json_line") from exc
@@ -121,8 +126,8 @@ def parse_batch_line(line: str, line_number: int) -> BatchLine:
 def custom_id_of(line: str) -> str | None:
     """The custom_id of a line that failed to parse, when it can still be read."""
     try:
-        obj = json.loads(line)
-    except json.JSONDecodeError:
+        obj = parse_json_within_budget(line)
+    except (json.JSONDecodeError, BadInput):
         return None
     custom_id = obj.get("custom_id") if isinstance(obj, dict) else None
     # One that cannot be written back (a NUL, a lone surrogate) is as good as missing.

@@ -12,6 +12,9 @@ e2e_support; one stack for the module).
   REIN_MAX_STREAMS_PER_KEY streams gets 429 `too_many_streams` for one more. The figures
   (time to open all, to complete all, CPU while they wait, latencies) are printed for notes.
 - A 50 MB body is refused before it is read (REIN_MAX_REQUEST_BYTES, 413; 401 without a key).
+- Eight 15 MB bodies at once from a valid key without the route's scope: each 403 before its
+  body is read; from a key with the scope: each refused (400 unparsed, or 429 past the key's
+  large-body slots), with the API's peak resident memory bounded.
 
 File descriptors: 1,000 streams are 1,000 sockets in this process and about 2,000 in the
 API's (a client socket and, while it reads, a Redis connection per follower). The module's
@@ -39,12 +42,13 @@ import signal
 import socket
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 import pytest
-from e2e_support import MODEL, Service, result_text, run_service, submit
+from e2e_support import MODEL, REIN, REPO, Service, result_text, run_service, submit
 from support import wait_for
 
 pytestmark = pytest.mark.slow
@@ -385,4 +389,68 @@ def test_a_fifty_megabyte_body_is_refused_before_it_is_read(service: Service) ->
     assert sent < BIG_BODY, "the whole body was read before the 413"
     print(f"\nchunked 50 MB body with a key: 413 after {sent / CHUNK:.0f} MiB sent")
     with service.client("b") as b:    # and the API serves on
+        assert b.get("/v1/models").status_code == 200
+
+
+FLOOD_BODY = b"[" + b"[]," * (5_000_000 - 1) + b"[]]"    # 15 MB; 399 MiB per 16 MiB when it was parsed
+FLOOD_SENDERS = 8
+FLOOD_PEAK_GROWTH_MB = 400
+
+
+def _create_key(service: Service, tenant: str, scopes: str) -> str:
+    import subprocess
+
+    created = subprocess.run([*REIN, "keys", "create", "--name", f"flood-{scopes}", "--tenant", tenant,
+                              "--scopes", scopes], env=service.env, cwd=REPO, capture_output=True, text=True,
+                             timeout=120, check=True)
+    return created.stdout.strip().splitlines()[-1]
+
+
+def _send_flood_body(service: Service, key: str) -> tuple[int, int]:
+    """POST the 15 MB body 1 MiB at a time until the response comes: (status, bytes sent by then)."""
+    host, port = service.base_url.removeprefix("http://").split(":")
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\nAuthorization: Bearer {key}\r\n"
+            f"Content-Type: application/json\r\nContent-Length: {len(FLOOD_BODY)}\r\n\r\n").encode()
+    with socket.create_connection((host, int(port)), timeout=60) as sock:
+        sock.sendall(head)
+        sent = 0
+        try:
+            while sent < len(FLOOD_BODY) and not select.select([sock], [], [], 0.01)[0]:
+                sock.sendall(FLOOD_BODY[sent:sent + CHUNK])
+                sent += min(CHUNK, len(FLOOD_BODY) - sent)
+        except OSError:
+            pass
+        response = http.client.HTTPResponse(sock)
+        response.begin()
+        return response.status, sent
+
+
+def _memory_mb(pid: int, field: str) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def test_eight_fifteen_megabyte_bodies_from_valid_keys(service: Service) -> None:
+    """Without the scope, each body is refused (403) after at most a chunk or two of it was sent;
+    with it, each is refused unparsed (400) or past the key's slots (429), and the API's peak
+    resident memory grows by less than FLOOD_PEAK_GROWTH_MB (it grew by 1.7-3.1 GB before)."""
+    usage_only = _create_key(service, "flood", "usage")
+    scoped = _create_key(service, "flood", "inference")
+    pid = service.api.pid
+    Path(f"/proc/{pid}/clear_refs").write_text("5")     # VmHWM back to VmRSS (we own the process)
+    before = _memory_mb(pid, "VmRSS")
+    with ThreadPoolExecutor(FLOOD_SENDERS) as pool:
+        refused = list(pool.map(lambda _: _send_flood_body(service, usage_only), range(FLOOD_SENDERS)))
+    assert {status for status, _ in refused} == {403}, refused
+    assert max(sent for _, sent in refused) <= 2 * CHUNK, refused
+    with ThreadPoolExecutor(FLOOD_SENDERS) as pool:
+        answered = list(pool.map(lambda _: _send_flood_body(service, scoped), range(FLOOD_SENDERS)))
+    assert {status for status, _ in answered} <= {400, 429} and 400 in {s for s, _ in answered}, answered
+    growth = _memory_mb(pid, "VmHWM") - before
+    print(f"\neight 15 MB bodies: without the scope {[s for s, _ in refused]}, with it "
+          f"{[s for s, _ in answered]}; API peak RSS +{growth:.0f} MB over {before:.0f} MB")
+    assert growth < FLOOD_PEAK_GROWTH_MB
+    with service.client("b") as b:
         assert b.get("/v1/models").status_code == 200
