@@ -103,6 +103,8 @@ def test_jobs_route_to_their_model_queue(app, settings):
 
 
 def test_job_task_is_registered_late_acked(app):
+    import rein.worker.tasks  # noqa: F401  (a shared task: registered when its module is imported)
+
     task = app.tasks[TASK_NAME]
     assert task.acks_late is True and task.reject_on_worker_lost is True and task.ignore_result is True
 
