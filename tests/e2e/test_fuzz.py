@@ -16,6 +16,13 @@ Random data alone seldom reaches what broke the API before, so the run's config
 64 bits, extreme floats) for the fields that reach Postgres or the engine, and real ids for
 the object parameters. The checks themselves are Schemathesis's, unmodified.
 
+Schemathesis draws values of a field's own shape and size; what broke the API's memory and
+stack was bodies far larger or deeper than any schema says. `test_large_and_deep_bodies`
+sends those too, from Hypothesis strategies of its own (derandomized): arrays and objects a
+few thousand levels deep, arrays of up to two million small values, strings of up to 15 MB,
+each put in a field of a valid request of every JSON operation. Every answer must be a 4xx
+(or a 2xx, where the request still fits), and the API must go on answering.
+
 The run is reproducible: a fixed seed, a fixed number of examples per operation, one
 worker thread, and no time-based repetition (`--max-time` would make the number of cases
 depend on the machine's speed). The phases are examples, coverage (every schema boundary,
@@ -37,8 +44,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 from e2e_support import MODEL, Service, run_service, submit
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 pytestmark = pytest.mark.slow
 
@@ -163,3 +173,61 @@ def test_fuzz_openapi(service: Service, tmp_path: Path) -> None:
         f"Schemathesis found failures (exit {done.returncode}, {took:.0f} s); {where}\n"
         f"to reproduce a case, run its curl line with -H 'Authorization: Bearer {service.keys['a']}' "
         f"while the service runs\n{done.stdout}\n{done.stderr}{service.diagnostics()}")
+
+
+# -- large and deep bodies --------------------------------------------------------------------
+
+HOLE = '"__fragment__"'
+# A valid request of each JSON operation, with one field's value left as a HOLE for a fragment.
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+BODIES = [
+    ("/v1/chat/completions", CHAT | {"messages": [{"role": "user", "content": "__fragment__"}]}),
+    ("/v1/chat/completions", CHAT | {"messages": "__fragment__"}),
+    ("/v1/chat/completions", CHAT | {"tools": "__fragment__"}),
+    ("/v1/chat/completions", CHAT | {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": "__fragment__"}}}),
+    ("/v1/chat/completions", CHAT | {"logit_bias": "__fragment__"}),
+    ("/v1/chat/completions", CHAT | {"stop": "__fragment__"}),
+    ("/v1/completions", {"model": MODEL, "prompt": "__fragment__", "max_tokens": 2}),
+    ("/v1/embeddings", {"model": MODEL, "input": "__fragment__"}),
+    ("/v1/jobs", {"endpoint": "/v1/chat/completions", "body": CHAT, "metadata": "__fragment__"}),
+    ("/v1/jobs", {"endpoint": "/v1/completions", "body": "__fragment__"}),
+    ("/v1/batches", {"input_file_id": "__fragment__", "endpoint": "/v1/completions", "completion_window": "24h"}),
+]
+ATOMS = ["[]", "{}", "0", "1.5", '"ab"', '{"a":[]}', "null"]
+
+
+def _deep(depth: int, kind: str) -> str:
+    return ("[" * depth + "]" * depth) if kind == "list" else ('{"a":' * depth + "{}" + "}" * depth)
+
+
+fragments = st.one_of(
+    st.builds(_deep, st.integers(50, 5_000), st.sampled_from(["list", "object"])),
+    st.builds(lambda atom, count: "[" + ",".join([atom] * count) + "]",
+              st.sampled_from(ATOMS), st.integers(1_000, 2_000_000)),
+    st.builds(lambda count: '"' + "x" * count + '"', st.integers(100_000, 15_000_000)),
+)
+
+
+@settings(max_examples=30, derandomize=True, deadline=None, database=None,
+          suppress_health_check=list(HealthCheck))
+@given(body=st.sampled_from(BODIES), fragment=fragments)
+def _large_and_deep(client: httpx.Client, seen: list, body, fragment: str) -> None:
+    path, template = body
+    content = json.dumps(template).replace(HOLE, fragment, 1).encode()
+    response = client.post(path, content=content, headers={"Content-Type": "application/json"})
+    seen.append((path, len(content), response.status_code))
+    assert response.status_code < 500, (path, len(content), fragment[:80], response.text[:500])
+    assert client.get("/v1/models").status_code == 200
+
+
+def test_large_and_deep_bodies(service: Service) -> None:
+    seen: list[tuple[str, int, int]] = []
+    with service.client("a", timeout=120) as client:
+        _large_and_deep(client, seen)
+    statuses: dict[int, int] = {}
+    for _, _, status in seen:
+        statuses[status] = statuses.get(status, 0) + 1
+    print(f"\nlarge and deep bodies: {len(seen)} requests, up to {max(n for _, n, _ in seen) / 1e6:.1f} MB, "
+          f"statuses {dict(sorted(statuses.items()))}")
+    assert any(status in (400, 413) for status in statuses)
