@@ -126,6 +126,23 @@ def install_error_handlers(app: FastAPI) -> None:
                        "validator_unavailable"),
             status_code=503, headers={"Retry-After": str(UNAVAILABLE_RETRY_AFTER)})
 
+    # Safety nets for input that reached a parser without a bound: JSON nested past Python's
+    # recursion limit, a codec named by the request that is unknown or not a text encoding
+    # (exactly LookupError: its subclasses KeyError and IndexError are rein's own bugs, 500s).
+    @app.exception_handler(RecursionError)
+    async def _too_deep(request: Request, exc: RecursionError) -> JSONResponse:
+        log.warning("%s %s: input nested too deeply to read (RecursionError)", request.method, request.url.path)
+        return JSONResponse(error_body("The request holds a value nested too deeply to read; flatten it.",
+                                       INVALID_REQUEST, None, "invalid_value"), status_code=400)
+
+    @app.exception_handler(LookupError)
+    async def _unknown_codec(request: Request, exc: LookupError) -> JSONResponse:
+        if type(exc) is not LookupError:
+            raise exc   # KeyError, IndexError: on to the 500 handler below
+        log.warning("%s %s: %s", request.method, request.url.path, exc)
+        return JSONResponse(error_body(f"The request names an encoding rein cannot use ({exc}); send utf-8.",
+                                       INVALID_REQUEST, None, "invalid_value"), status_code=400)
+
     @app.exception_handler(RequestTooLarge)
     async def _too_large(request: Request, exc: RequestTooLarge) -> JSONResponse:
         return too_large_response(exc.limit)

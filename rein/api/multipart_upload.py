@@ -65,7 +65,7 @@ class _Parts:
     def decode(self, raw: bytes | bytearray) -> str:
         try:
             return raw.decode(self.charset)
-        except UnicodeDecodeError:
+        except UnicodeError:    # a decode error, or a codec that refuses to decode at all ("undefined")
             return raw.decode("latin-1")
 
     def on_part_begin(self) -> None:
@@ -120,10 +120,17 @@ class _Parts:
 
 
 def _charset(params: dict[bytes, bytes]) -> str:
+    """The body's charset; latin-1 for one Python does not know. A codec that is not a text
+    encoding (rot13, base64, zlib: bytes.decode raises LookupError for them) is a 400."""
+    name = params.get(b"charset", b"utf-8").decode("latin-1")
     try:
-        return codecs.lookup(params.get(b"charset", b"utf-8").decode("latin-1")).name
+        codec = codecs.lookup(name)
     except LookupError:
         return "latin-1"
+    if not getattr(codec, "_is_text_encoding", True):
+        raise _bad(f"The multipart/form-data charset {name[:40]!r} is not a text encoding: send the body "
+                   f"as utf-8 (or leave the charset out).", None)
+    return codec.name
 
 
 async def receive_upload(request: Request, store: FileStore, file_id: str, *, file_field: str,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rein.core.input_checks import json_type
+from rein.core.input_checks import BadInput, check_json, json_type
 from rein.openai.errors import RequestError
 
 # Every field a body may hold. A field outside these is refused, as OpenAI refuses an
@@ -87,3 +87,21 @@ def get_field(body: dict[str, Any], name: str, kind: type | tuple[type, ...], de
     raise RequestError(f"{name} must be {wanted}, got {json_type(value)} {json.dumps(value)[:50]}", name)
 
 
+
+
+def json_from_text(text: str, param: str) -> Any:
+    """The JSON value in a string field (a tool call's `arguments`), held to the rules of the body
+    itself (rein.core.input_checks.check_json: nesting at most MAX_JSON_DEPTH deep, storable
+    text, numbers in range). RequestError naming `param` otherwise: text nested past Python's
+    recursion limit makes json.loads raise RecursionError, which is the sender's fault, not a 500."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RequestError(f"{param} is not valid JSON ({exc.msg} at column {exc.colno})", param) from None
+    except RecursionError:
+        raise RequestError(f"{param} holds JSON nested too deeply to read; flatten it", param) from None
+    try:
+        check_json(value, param)
+    except BadInput as exc:
+        raise RequestError(exc.message, param) from None
+    return value

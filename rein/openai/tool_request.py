@@ -14,6 +14,7 @@ from typing import Any
 from rein.core.input_checks import json_type
 from rein.engine.structured.request import check_spec
 from rein.openai.errors import RequestError
+from rein.openai.fields import json_from_text
 from rein.openai.tool_parsers import TOOL_CALL_END
 
 MAX_TOOLS = 128            # OpenAI's limit on `tools`
@@ -292,11 +293,10 @@ def _template_call(call: Any, where: str) -> dict[str, Any]:
     arguments = function.get("arguments", "{}")
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments.strip() else {}
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"{where}.function.arguments is not valid JSON ({exc.msg} at column {exc.colno}): "
-                         f"send the arguments the tool call was made with, a JSON object as a string",
-                         f"{where}.function.arguments") from None
+            arguments = json_from_text(arguments, f"{where}.function.arguments") if arguments.strip() else {}
+        except RequestError as exc:
+            raise RequestError(f"{exc.message}: send the arguments the tool call was made with, a JSON object "
+                               f"as a string", exc.param) from None
     if not isinstance(arguments, dict):
         raise RequestError(f"{where}.function.arguments must be a JSON object (as a string), got {json_type(arguments)}",
                      f"{where}.function.arguments")
