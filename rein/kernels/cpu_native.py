@@ -14,7 +14,10 @@ No library offers this for a current torch (vLLM keeps its CPU kernels inside vL
 extension pins older torch releases), so rein carries some 550 lines of C. The shared object
 is built with the system C compiler into `REIN_CACHE_DIR/kernels/` (a name hashed from the
 source, the flags and the CPU), once per machine; processes that start together may each
-build it, and the last atomic rename wins. -march=native makes the build this CPU's: AVX-512
+build it, and the last atomic rename wins. That folder is private to the user (0700; one that
+another user owns or that group or others may write is refused, and torch's code used), and
+the library's SHA-256, recorded beside it at build time, is checked before every load: a
+library changed since it was built is built again rather than loaded. -march=native makes the build this CPU's: AVX-512
 or AVX2+FMA code where it has them, plain loops (vectorized by the compiler as far as the CPU
 allows) elsewhere, so every x86-64 CPU runs them. Where there is no compiler, the build fails,
 the tensors are not float32, or REIN_CPU_KERNELS=0 or REIN_CPU_FAST_PATHS=0, callers get None
@@ -29,6 +32,7 @@ import logging
 import os
 import platform
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
@@ -224,6 +228,94 @@ def quantized_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) 
     return out if rc == 0 else None
 
 
+def library_path() -> Path:
+    """The built library, checked: in a private folder (`private_folder`), the SHA-256 recorded
+    when it was built. Built first when it is missing or fails the check. OSError when no
+    library can be had (no compiler, a folder rein may not use)."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise OSError("no C compiler (cc or gcc) on PATH")
+    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
+    flags = (*FLAGS, f"-march={MARCH}")
+    digest = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    folder = private_folder(cache_root() / "kernels")
+    target = folder / f"rein_cpu_kernels-{digest}.so"
+    problem = _file_problem(target) if target.exists() else "not built yet"
+    if problem is None:
+        return target
+    if problem != "not built yet":
+        log.warning("native CPU kernels %s: %s; building them again", target, problem)
+    with tempfile.TemporaryDirectory(dir=folder) as tmp:
+        built = Path(tmp) / target.name
+        _build(compiler, flags, built)
+        checksum = Path(tmp) / (target.name + CHECKSUM_SUFFIX)
+        checksum.write_text(_sha256(built) + "\n")
+        # The library first, then its checksum: a process that reads them between the two
+        # renames finds them not matching and builds its own.
+        os.replace(built, target)
+        os.replace(checksum, _checksum_path(target))
+    log.info("built native CPU kernels: %s", target)
+    problem = _file_problem(target)
+    if problem is not None:
+        raise OSError(f"{target}: {problem}")
+    return target
+
+
+CHECKSUM_SUFFIX = ".sha256"
+
+
+def private_folder(path: Path) -> Path:
+    """`path`, created 0700 if missing. Refused (OSError) when it is not a folder, when another
+    user owns it, or when its group or others may write it (they could put a library there);
+    one this user owns that others may only read is made 0700."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise OSError(f"{path} is not a folder (a link or a file): rein loads native code only from a folder of "
+                      f"its own; remove it")
+    if info.st_uid != os.geteuid():
+        raise OSError(f"{path} belongs to user id {info.st_uid}, not to this process's ({os.geteuid()}): rein "
+                      f"loads native code only from a folder of its own user; remove it or set REIN_CACHE_DIR")
+    if info.st_mode & 0o022:
+        raise OSError(f"{path} may be written by its group or others (mode {stat.S_IMODE(info.st_mode):o}): rein "
+                      f"loads native code only from a private folder; remove it (rein makes it again, 0700)")
+    if info.st_mode & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def _build(compiler: str, flags: tuple[str, ...], out: Path) -> None:
+    proc = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(out), "-lm"],
+                          capture_output=True, text=True, timeout=120)
+    if proc.returncode != 0:
+        raise OSError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
+
+
+def _checksum_path(library: Path) -> Path:
+    return library.with_name(library.name + CHECKSUM_SUFFIX)
+
+
+def _sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _file_problem(library: Path) -> str | None:
+    """Why `library` may not be loaded, or None: it must be a file of this user that only this
+    user may write, whose SHA-256 is the one recorded beside it when it was built."""
+    info = os.lstat(library)
+    if not stat.S_ISREG(info.st_mode):
+        return "not a plain file"
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        return "owned by another user or writable by others"
+    try:
+        recorded = _checksum_path(library).read_text().strip()
+    except OSError:
+        return "no checksum recorded at build time"
+    if _sha256(library) != recorded:
+        return "its SHA-256 is not the one recorded at build time (changed since)"
+    return None
+
+
 def _disabled_by() -> str:
     """The setting that turns the kernels off, or "": REIN_CPU_KERNELS, REIN_CPU_FAST_PATHS
     (rein.core.settings; both default on)."""
@@ -244,23 +336,7 @@ def _cpu_signature() -> str:
 
 
 def _load() -> ctypes.CDLL:
-    compiler = shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise OSError("no C compiler (cc or gcc) on PATH")
-    source = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    flags = (*FLAGS, f"-march={MARCH}")
-    digest = hashlib.sha256(source + " ".join(flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"rein_cpu_kernels-{digest}.so"
-    if not target.is_file():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-            built = Path(tmp) / target.name
-            proc = subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built), "-lm"],
-                                  capture_output=True, text=True, timeout=120)
-            if proc.returncode != 0:
-                raise OSError(f"{compiler} failed: {proc.stderr.strip()[-500:]}")
-            os.replace(built, target)
-        log.info("built native CPU kernels: %s", target)
+    target = library_path()
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention_f32
     p, i64 = ctypes.c_void_p, ctypes.c_int64
