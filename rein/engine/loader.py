@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
@@ -23,7 +24,13 @@ from pathlib import Path
 import torch
 
 from rein.engine.cpu_allocator import release_free_memory
-from rein.engine.model_files import TENSOR_INDEX, ModelFiles, ModelNotFoundError, require_gguf
+from rein.engine.model_files import (
+    TENSOR_INDEX,
+    DamagedGGUFFile,
+    ModelFiles,
+    ModelNotFoundError,
+    require_gguf,
+)
 from rein.engine.model_impl import TRANSFORMERS_FAMILY
 from rein.engine.model_spec import ModelSpec
 from rein.engine.models import native_model_class
@@ -78,6 +85,7 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
     # Read (pread) one tensor at a time rather than mapping the file: the pages of a mapping
     # count in this process's RSS while it lives, the file's size on top of the model's.
     file = open(gguf_path, "rb")  # noqa: SIM115  (closed when the getter's context ends)
+    file_bytes = os.fstat(file.fileno()).st_size
     report = LoadReport() if report is None else report
     # Types stored as blocks (not F32 / F16 / BF16 / integers): candidates to keep quantized.
     block_types = {int(t) for t, (block, _) in GGML_QUANT_SIZES.items() if block > 1}
@@ -116,9 +124,18 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
         if entry is None:
             return None
         item = np.dtype(entry["dtype"])
-        count = int(np.prod(entry["shape"]))
-        data = np.frombuffer(os.pread(file.fileno(), count * item.itemsize, entry["offset"]),
-                             dtype=item).reshape(entry["shape"])
+        length = math.prod(int(n) for n in entry["shape"]) * item.itemsize   # Python integers: no wrap-around
+        start = int(entry["offset"])
+        # The index was checked against the file when it was written (rein.engine.model_files);
+        # the file may have changed since (truncated under the same name).
+        if start < 0 or start + length > file_bytes:
+            raise DamagedGGUFFile(f"{gguf_path}: tensor {gguf_name!r} lies at bytes {start}..{start + length}, past "
+                                  f"the end of the file ({file_bytes} bytes): the file is truncated or damaged")
+        raw = os.pread(file.fileno(), length, start)
+        if len(raw) != length:
+            raise DamagedGGUFFile(f"{gguf_path}: tensor {gguf_name!r}: read {len(raw)} of its {length} bytes at "
+                                  f"{start}: the file is truncated or damaged")
+        data = np.frombuffer(raw, dtype=item).reshape(entry["shape"])
         if quantized and keep_quantized and entry["type"] in block_types and data.ndim == 2:
             weight = quantized_weight(gguf_name, entry, data, shard, hf_name)
             if weight is not None:

@@ -20,11 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from struct import error as struct_error
+from typing import TYPE_CHECKING, Any
 
 from rein.core.settings import cache_root
 
@@ -49,6 +51,11 @@ class ModelNotFoundError(FileNotFoundError):
 
 class GGUFSupportMissing(ValueError):
     """A GGUF file was given but the gguf package is not installed (the `rein[gguf]` extra)."""
+
+
+class DamagedGGUFFile(ValueError):
+    """A GGUF file whose header does not fit the file: a tensor past its end (a truncated
+    download), an impossible size or type. The message names the file and the tensor."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +167,7 @@ def gguf_view(gguf_path: Path) -> Path:
 def _write_view(gguf_path: Path, out: Path) -> None:
     from transformers import AutoConfig, AutoTokenizer
 
+    index = gguf_tensor_index(gguf_path)   # first: a damaged file is refused before anything else reads it
     folder, name = str(gguf_path.parent), gguf_path.name
     config = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
     config["rein_gguf_source"] = str(gguf_path)
@@ -168,19 +176,62 @@ def _write_view(gguf_path: Path, out: Path) -> None:
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2))
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(str(out))
-    _write_tensor_index(gguf_path, out)
+    (out / TENSOR_INDEX).write_text(json.dumps(index))
 
 
-def _write_tensor_index(gguf_path: Path, out: Path) -> None:
-    """Where each tensor lies in the file, so a load need not parse the metadata again
-    (gguf's reader takes seconds over a large vocabulary)."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(str(gguf_path))
-    index = {
-        "architecture": str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8"),
-        "tensors": {t.name: {"type": int(t.tensor_type), "offset": int(t.data_offset),
+def gguf_tensor_index(gguf_path: Path) -> dict:
+    """Where each tensor lies in the file (offset and bytes), so a load need not parse the
+    metadata again (gguf's reader takes seconds over a large vocabulary). DamagedGGUFFile
+    when the header does not fit the file (`checked_gguf_reader`)."""
+    reader = checked_gguf_reader(gguf_path)
+    try:
+        architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    except (KeyError, IndexError, UnicodeDecodeError) as exc:
+        raise DamagedGGUFFile(f"{gguf_path}: the GGUF header names no general.architecture ({exc})") from None
+    return {
+        "architecture": architecture,
+        "tensors": {t.name: {"type": int(t.tensor_type), "offset": int(t.data_offset), "bytes": int(t.n_bytes),
                              "dtype": t.data.dtype.str, "shape": list(t.data.shape)}
                     for t in reader.tensors},
     }
-    (out / TENSOR_INDEX).write_text(json.dumps(index))
+
+
+def checked_gguf_reader(gguf_path: Path) -> Any:
+    """gguf's GGUFReader over the file, once every tensor's data is known to lie inside it:
+    its offset plus its size (computed in Python integers, so a huge dimension cannot wrap
+    around) within the file's length, its type one gguf knows, its elements whole blocks.
+    gguf's own reader maps the file and would slice past its end without a word (a
+    truncated download read as a shorter tensor, or failing later in a reshape)."""
+    require_gguf()
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader
+
+    class CheckedReader(GGUFReader):
+        def _build_tensors(self, start_offs: int, fields: list) -> None:
+            size = len(self.data)
+            for field in fields:
+                _, name_data, _, dims, raw_type, offset = field.parts
+                name = bytes(name_data).decode("utf-8", "replace")
+                where = f"{gguf_path}: tensor {name!r}"
+                try:
+                    kind = GGMLQuantizationType(int(raw_type[0]))
+                    block, type_bytes = GGML_QUANT_SIZES[kind]
+                except (ValueError, KeyError):
+                    raise DamagedGGUFFile(f"{where} has type {int(raw_type[0])}, which no GGUF type is") from None
+                elements = math.prod(int(d) for d in dims)
+                if elements % block:
+                    raise DamagedGGUFFile(f"{where} holds {elements} values, not whole blocks of {block} "
+                                          f"({kind.name})")
+                start = int(start_offs) + int(offset[0])
+                end = start + elements // block * type_bytes
+                if end > size:
+                    raise DamagedGGUFFile(
+                        f"{where} lies at bytes {start}..{end}, past the end of the file ({size} bytes): the file is "
+                        f"truncated or damaged; fetch it again")
+            super()._build_tensors(start_offs, fields)
+
+    try:
+        return CheckedReader(str(gguf_path))
+    except DamagedGGUFFile:
+        raise
+    except (ValueError, IndexError, KeyError, OverflowError, struct_error) as exc:
+        raise DamagedGGUFFile(f"{gguf_path} is not a readable GGUF file: {type(exc).__name__}: {exc}") from None
