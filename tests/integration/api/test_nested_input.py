@@ -60,6 +60,15 @@ def test_deeply_nested_json_text_is_a_400(client, key, path, levels, words):
         assert post(with_call_arguments('{"city": "Paris"}')).status_code == 202
 
 
+def test_a_ref_chain_that_crashed_the_grammar_compiler_is_a_400(client, key):
+    """2,500 `$defs` each naming the next through `$ref` crashed llguidance: refused by the cap on
+    a schema's depth counted through its $refs (rein.engine.structured.limits), before any compiler."""
+    defs = {f"d{i}": {"$ref": f"#/$defs/d{i + 1}"} for i in range(2500)} | {"d2500": {"type": "string"}}
+    body = chat_body(guided_json={"$defs": defs, "$ref": "#/$defs/d0"})
+    response = client.post("/v1/jobs", json={"endpoint": "/v1/chat/completions", "body": body}, headers=auth(key))
+    refused(response, "guided_json", "2500 $refs in a chain", "rein takes at most 256")
+
+
 def multipart(charset: str) -> tuple[bytes, dict[str, str]]:
     boundary = "rein-test-boundary"
     body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
