@@ -41,7 +41,7 @@ class _Child:
         # Its own session: a terminal's Ctrl-C reaches only `rein up`, which then stops the
         # children in order (SIGTERM, a grace period, SIGKILL) instead of all at once.
         self.proc = subprocess.Popen(
-            [sys.executable, "-u", "-m", "rein.cli.main", *argv], stdin=subprocess.DEVNULL,
+            [sys.executable, "-P", "-u", "-m", "rein.cli.main", *argv], stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
             text=True, errors="replace", bufsize=1)
         self._prefix = f"{name:<{width}} | "

@@ -213,7 +213,7 @@ def engine_worker_argv(args: argparse.Namespace, served: ServedModel, group: Eng
                        metrics_port: int) -> list[str]:
     """The command line of one engine's worker: this one's engine flags, its own device, node
     name and metrics port (the supervisor's flags left out)."""
-    argv = [sys.executable, "-m", "rein.cli.main", *(["-v"] if getattr(args, "verbose", False) else []),
+    argv = [sys.executable, "-P", "-m", "rein.cli.main", *(["-v"] if getattr(args, "verbose", False) else []),
             "worker", "--model", served.name, "--hostname", name, "--loglevel", args.loglevel,
             "--metrics-port", str(metrics_port), "--device", group.device]
     for option in options_for("worker"):

@@ -95,8 +95,8 @@ def test_each_engine_worker_runs_this_command_on_its_own_device(settings):
     ports = engine_metrics_ports(settings.worker_metrics_port, len(groups))
     assert ports == [9100, 9101] and engine_metrics_ports(None, 2) == [0, 0]
     argv = engine_worker_argv(args, served, groups[1], names[1], ports[1])
-    assert argv[:3] == [sys.executable, "-m", "rein.cli.main"]
-    child = parser.parse_args(argv[3:])
+    assert argv[:4] == [sys.executable, "-P", "-m", "rein.cli.main"]   # -P: the working directory is not on sys.path
+    child = parser.parse_args(argv[4:])
     assert child.verbose and child.devices is None and child.data_parallel_size is None
     assert (child.model, child.hostname, child.loglevel, child.metrics_port) == ("llama", "llama-cuda1@box", "debug",
                                                                                  9101)
@@ -115,7 +115,7 @@ def test_a_tensor_parallel_engine_worker_gets_its_first_device_and_the_size(sett
     assert [g.devices for g in groups] == [("cuda:4", "cuda:5"), ("cuda:6", "cuda:7")]
     names = engine_node_names(args.hostname, served.name, groups)
     assert names == ["llama-cuda4@box", "llama-cuda6@box"]
-    child = parser.parse_args(engine_worker_argv(args, served, groups[1], names[1], 0)[3:])
+    child = parser.parse_args(engine_worker_argv(args, served, groups[1], names[1], 0)[4:])
     # Rank 0 on cuda:6; rein.engine.parallel.ranks puts rank 1 on cuda:7.
     resolved = worker_settings(child, settings, served)
     assert (resolved.device, resolved.tensor_parallel_size) == ("cuda:6", 2)

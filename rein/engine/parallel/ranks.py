@@ -102,7 +102,7 @@ class RankProcesses:
             for rank in range(1, world_size):
                 ours, theirs = Pipe()
                 process = subprocess.Popen(
-                    [sys.executable, "-m", "rein.engine.parallel.follower", str(theirs.fileno()), str(os.getpid())],
+                    [sys.executable, "-P", "-m", "rein.engine.parallel.follower", str(theirs.fileno()), str(os.getpid())],
                     pass_fds=(theirs.fileno(),))
                 theirs.close()
                 processes.append(process)
