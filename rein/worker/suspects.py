@@ -25,8 +25,8 @@ death does not say which of the jobs present did it, so the worker narrows it do
   earlier death too (`EngineDeath.isolates`). A job that happened to be alone at a single
   unrelated crash is only a suspect of one, run alone once more.
 
-A poison job among N present at its first death is failed after about log2(N) + 2 deaths (N
-halves to one, which then dies alone), each refunded to every job present. The other jobs
+A poison job among N present at its first death is failed after at most about log2(N) + 1
+deaths (N halves to one, which then dies alone: 7 for 64), each refunded to every job present. The other jobs
 run in groups side by side, one engine restart per death; before, each ran alone after the
 first death, one after another, and the worker's other jobs waited behind each.
 """
