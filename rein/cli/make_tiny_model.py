@@ -24,7 +24,7 @@ from rein.engine.tiny_model import (
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "make-tiny-model",
-        help="write a random-weight model (llama/qwen2/qwen3/mistral) for tests and benchmarks",
+        help="write a random-weight model (" + "/".join(ARCHS) + ") for tests and benchmarks",
         description=__doc__.splitlines()[0],
     )
     parser.add_argument("dir", metavar="DIR", help="output directory (created if missing)")

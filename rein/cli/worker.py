@@ -1,4 +1,4 @@
-"""`rein worker --model NAME`: a Celery worker serving one model from its queue.
+"""`rein worker [--model NAME] [--devices LIST]`: a Celery worker serving one model from its queue.
 
 NAME is a served model (REIN_MODELS); without --model, the first one. The worker uses
 the threads pool with one thread per engine sequence (--max-num-seqs / REIN_MAX_NUM_SEQS,
