@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO := demo
 
-.PHONY: demo test test-fallback install lint bench clean
+.PHONY: demo test check test-fallback install lint bench clean
 
 install: $(VENV)/.installed
 
@@ -21,6 +21,10 @@ demo: install
 
 test: install
 	$(BIN)/pytest -q
+
+# The inner loop: the tiers that need no services (unit, kernels), on every core.
+check: install
+	$(BIN)/pytest -q -n auto tests/unit tests/kernels
 
 # The engine's tiers on torch's code alone, as on a CPU that runs none of rein's fast paths.
 test-fallback: install

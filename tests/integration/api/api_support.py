@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -15,6 +16,17 @@ from rein.core.redis_keys import RedisKeys
 
 def auth(key: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}"}
+
+
+def line(custom_id: str, prompt: str = "hello", url: str = "/v1/completions", **body) -> dict[str, Any]:
+    """One batch input line (a completion of 4 tokens of the tiny model unless `body` says otherwise)."""
+    return {"custom_id": custom_id, "method": "POST", "url": url,
+            "body": {"model": "tiny", "prompt": prompt, "max_tokens": 4, **body}}
+
+
+def jsonl(*lines: dict | str) -> bytes:
+    """A batch input file of these lines (a str is written as it is)."""
+    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
 
 
 def chat_body(content: str = "Hello there", **extra: Any) -> dict[str, Any]:

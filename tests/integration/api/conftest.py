@@ -66,3 +66,18 @@ def make_key(db_sessionmaker) -> Callable[..., str]:
 @pytest.fixture
 def fake_worker(redis_client, settings, db_sessionmaker) -> FakeWorker:
     return FakeWorker(redis_client, RedisKeys.from_settings(settings), db_sessionmaker)
+
+
+@pytest.fixture
+def end_leftover_batches(db_sessionmaker) -> Iterator[None]:
+    """Every app's batch manager works on every unfinished batch in the run's database: end
+    this test's leftovers so that they do not feed the queues of the next test (the batch
+    modules use it for every test)."""
+    yield
+    from sqlalchemy import update
+
+    from rein.batches.manager import ACTIVE_STATUSES
+    from rein.core.models import Batch
+
+    with db_sessionmaker.begin() as session:
+        session.execute(update(Batch).where(Batch.status.in_(ACTIVE_STATUSES)).values(status="cancelled"))

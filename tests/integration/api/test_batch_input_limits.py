@@ -12,9 +12,9 @@ import time
 import tracemalloc
 
 import pytest
-from api_support import auth
+from api_support import auth, jsonl, line
 from redis.exceptions import ConnectionError as RedisConnectionError
-from sqlalchemy import select, update
+from sqlalchemy import select
 from support import wait_for
 
 from rein.core.messages import PRIORITY_BATCH
@@ -23,25 +23,7 @@ from rein.jobs.queues import queue_keys
 
 FAST = {"batch_poll_seconds": 0.05}
 
-
-def line(custom_id: str, prompt: str = "hello", **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions",
-            "body": {"model": "tiny", "prompt": prompt, "max_tokens": 4, **body}}
-
-
-def jsonl(*lines: dict | str) -> bytes:
-    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
-
-
-@pytest.fixture(autouse=True)
-def end_leftover_batches(db_sessionmaker):
-    """Every app's batch manager works on every unfinished batch in the run's database: end
-    this test's leftovers so that they do not feed the queues of the next test."""
-    yield
-    from rein.batches.manager import ACTIVE_STATUSES
-
-    with db_sessionmaker.begin() as session:
-        session.execute(update(Batch).where(Batch.status.in_(ACTIVE_STATUSES)).values(status="cancelled"))
+pytestmark = pytest.mark.usefixtures("end_leftover_batches")
 
 
 def create(client, key: str, content: bytes) -> dict:

@@ -10,7 +10,7 @@ import json
 import time
 
 import pytest
-from api_support import auth
+from api_support import auth, jsonl, line
 from sqlalchemy import select, update
 from support import queued_job_ids, wait_for
 
@@ -20,26 +20,7 @@ from rein.jobs.queues import queue_keys
 
 FAST = {"batch_poll_seconds": 0.05}
 
-
-def line(custom_id: str, prompt: str = "hello", url: str = "/v1/completions", **body) -> dict:
-    return {"custom_id": custom_id, "method": "POST", "url": url,
-            "body": {"model": "tiny", "prompt": prompt, "max_tokens": 4, **body}}
-
-
-def jsonl(*lines: dict | str) -> bytes:
-    return "".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines).encode()
-
-
-@pytest.fixture(autouse=True)
-def end_leftover_batches(db_sessionmaker):
-    """Every app's batch manager works on every unfinished batch in the run's database: end
-    this test's leftovers so that they do not feed the queues of the next test."""
-    yield
-    from rein.batches.manager import ACTIVE_STATUSES
-    from rein.core.models import Batch
-
-    with db_sessionmaker.begin() as session:
-        session.execute(update(Batch).where(Batch.status.in_(ACTIVE_STATUSES)).values(status="cancelled"))
+pytestmark = pytest.mark.usefixtures("end_leftover_batches")
 
 
 @pytest.fixture
