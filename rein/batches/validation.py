@@ -11,8 +11,8 @@ or none, is refused as a whole.
 The file is read line by line (never whole), each line under a length cap
 (rein.openai.batch_lines.read_lines, REIN_MAX_REQUEST_BYTES): a longer line is that line's
 error (`line_too_large`), skipped to its newline without being held or parsed, so checking a
-file holds at most one line of the cap's size and its parse (about 25 times its bytes) per
-validator thread, whatever the file holds. Each valid line is handed to `on_valid`
+file holds at most one line of the cap's size and its parse (bounded before it starts,
+rein.core.json_budget) per validator thread, whatever the file holds. Each valid line is handed to `on_valid`
 as soon as it is checked (the batch manager spools its job row to a temporary file at once
 and COPYs them all into the jobs table once every line passed, so a 50,000-line batch's token
 ids are never all held in memory). Errors are listed as OpenAI's batch `errors`

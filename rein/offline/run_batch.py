@@ -8,8 +8,8 @@ request finishes. A bad input line (invalid JSON, missing fields, a malformed bo
 prompt longer than the context) gets an error line naming its line number and never stops
 the run; blank lines are skipped. A line longer than REIN_MAX_REQUEST_BYTES (the API's cap on a
 request, 16 MiB by default) gets a `line_too_large` error line and is skipped to its newline
-unread (rein.openai.batch_lines.read_lines): parsing takes about 25 times a line's bytes, so a
-200 MB line would otherwise need some 5 GiB. Every other line gets exactly one answer, success
+unread (rein.openai.batch_lines.read_lines): unbounded, json.loads of a 200 MB line of `[],`
+would need some 5 GiB. Every other line gets exactly one answer, success
 or error.
 
 Lines are taken in prefix order by default (rein.offline.prefix_order: lines whose prompts

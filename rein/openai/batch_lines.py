@@ -1,7 +1,7 @@
 """Lines of OpenAI Batch files: one request per input line, one result or error per output line.
 
-Input lines are read under a length cap (`read_lines`): parsing JSON takes about 25 times a
-line's bytes, so a 200 MB one-line file would need some 5 GiB. A line longer than the cap is
+Input lines are read under a length cap (`read_lines`): unbounded, json.loads of a 200 MB
+one-line file of `[],` would need some 5 GiB. A line longer than the cap is
 skipped to its newline, never held whole nor parsed, and comes out as an `OversizedLine`, which
 its reader answers as that line's error (`OversizedLine.message`).
 """
