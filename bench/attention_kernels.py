@@ -22,7 +22,7 @@ holding all of them):
   (greedy, ignore_eos; 64 requests with --quick), all added at once, max_num_seqs 256, the
   default 2048-token step budget, the same kv_cache_memory for both caches (the bf16
   cache's need for the whole workload + 10%). Two random-weight models, built once into
-  --models-dir: the tiny llama of `rein.engine.tiny_model` (2 layers, hidden 64) and a model of
+  --models-dir: the tiny llama of `rein.fixtures.tiny_model` (2 layers, hidden 64) and a model of
   Qwen2.5-0.5B's shapes (Qwen2ForCausalLM: hidden 896, 24 layers, 14 heads, 2 KV heads,
   head_dim 64, intermediate 4864, tied embeddings, q/k/v bias) but the tiny 2048-token
   vocabulary and tokenizer instead of 151936, so its embedding is 1.8M parameters, not
@@ -340,7 +340,7 @@ QWEN2_05B_SHAPE = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_h
 
 
 def ensure_tiny_llama(models_dir: Path) -> Path:
-    from rein.engine.tiny_model import ensure_tiny_model
+    from rein.fixtures.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(models_dir / "llama-tiny", arch="llama", seed=0, preset="tiny")
 
@@ -551,7 +551,7 @@ def engine_figures(peak: float, deadline: float, quick: bool, models_dir: Path) 
     import random
     import traceback
 
-    from rein.engine.model_spec import ModelSpec
+    from rein.model.spec import ModelSpec
 
     requests = 64 if quick else ENGINE_REQUESTS
     rng = random.Random(0)

@@ -141,8 +141,8 @@ def main() -> int:
         from sqlalchemy.orm import sessionmaker
         from sqlalchemy.pool import NullPool
 
-        from rein.core.db import make_engine
-        from rein.core.keys import create_key
+        from rein.store.db import make_engine
+        from rein.store.keys import create_key
 
         sandbox.migrate()
         engine = make_engine(sandbox.database_url, poolclass=NullPool)

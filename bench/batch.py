@@ -8,7 +8,7 @@ beside the same file through `rein run-batch`'s runner in this process.
 The workload is generated from a fixed seed: `--requests` /v1/completions lines, prompts of
 4 to 120 random words, max_tokens 16 to 64, greedy with ignore_eos (every request produces
 exactly its max_tokens, so both sides do the same work and output tokens are comparable).
-The model is the tiny llama (.cache/bench-models/llama-tiny, rein.engine.tiny_model; `--preset
+The model is the tiny llama (.cache/bench-models/llama-tiny, rein.fixtures.tiny_model; `--preset
 small` for the larger one, .cache/bench-models/llama-small) capped at 512
 tokens of context; both engines have the same settings (device cpu, fp32, --max-num-seqs,
 2048 batched tokens a step, --kv-cache-memory) and one torch thread (the worker gets
@@ -253,9 +253,9 @@ def run_service(sandbox: Sandbox, model_dir: Path, input_path: Path, output_path
     from sqlalchemy.pool import NullPool
 
     from rein.cli.batch import BatchClient
-    from rein.core.db import make_engine
-    from rein.core.keys import create_key
-    from rein.core.redis_keys import RedisKeys
+    from rein.store.db import make_engine
+    from rein.store.keys import create_key
+    from rein.store.redis_keys import RedisKeys
 
     report = sandbox.migrate()
     phase(f"database {sandbox.db_name}: migrated to {report.after}; redis prefix {sandbox.prefix!r}")

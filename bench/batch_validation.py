@@ -83,15 +83,15 @@ def main() -> None:
     from sqlalchemy.orm import sessionmaker
 
     from rein.batches.manager import BatchManager
-    from rein.core.db import make_engine, psycopg_conninfo
-    from rein.core.filestore import LocalFileStore
-    from rein.core.keys import create_key
-    from rein.core.migrate import upgrade
-    from rein.core.models import Batch, File, Job
     from rein.core.settings import Settings
-    from rein.engine.tiny_model import ensure_tiny_model
+    from rein.fixtures.tiny_model import ensure_tiny_model
     from rein.jobs.queues import make_celery
     from rein.jobs.registry import ModelRegistry
+    from rein.store.db import make_engine, psycopg_conninfo
+    from rein.store.filestore import LocalFileStore
+    from rein.store.keys import create_key
+    from rein.store.migrate import upgrade
+    from rein.store.tables import Batch, File, Job
 
     model = ensure_tiny_model(MODEL_DIR, arch="llama", seed=0, preset="tiny")
     run = secrets.token_hex(4)

@@ -103,7 +103,7 @@ def _wait(predicate, what: str, timeout: float = 120.0) -> None:
 
 
 def _replace_dead_workers(stack: Stack) -> None:
-    from rein.core.redis_keys import RedisKeys
+    from rein.store.redis_keys import RedisKeys
 
     service = stack.service
     for proc in [p for p in service.workers if p.poll() is not None]:

@@ -4,7 +4,7 @@
 
 SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, hidden 576, intermediate
 1536, 30 layers), float32, random data, glibc malloc set up as the engine sets it
-(rein.engine.cpu_allocator). Each figure is the best of --repeat timings of
+(rein.model.cpu_allocator). Each figure is the best of --repeat timings of
 CPU time (time.process_time: what the thread itself spent, so neighbours on a shared
 machine disturb it less than wall time), and each pair is taken back to back:
 
@@ -17,10 +17,10 @@ machine disturb it less than wall time), and each pair is taken back to back:
   `cpu_native.paged_prefill_attention` against the reference (torch's flash kernel);
 * a layer's element-wise work at 32 rows (a decode step) and 2048 rows (a prefill step):
   RMSNorm, rotary on the fused Q/K projection, residual add + RMSNorm, SiLU-and-multiply and
-  the last residual add, as rein.engine.models.llama runs them with and without the kernels;
+  the last residual add, as rein.model.architectures.llama runs them with and without the kernels;
 * the projections of all 30 layers (weights streamed from memory, not cache): oneDNN on the
   dense weight (before) against oneDNN on the weight prepacked at load
-  (rein.engine.models.linear.pack_weights), and torch's F.linear (MKL) for reference.
+  (rein.model.architectures.linear.pack_weights), and torch's F.linear (MKL) for reference.
 
 Prints one line per figure and, last, one JSON object with all of them.
 """
@@ -38,9 +38,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rein.engine.cpu_allocator import keep_freed_memory  # noqa: E402
-from rein.engine.models.rope import apply_rotary  # noqa: E402
 from rein.kernels import cpu_native, reference  # noqa: E402
+from rein.model.architectures.rope import apply_rotary  # noqa: E402
+from rein.model.cpu_allocator import keep_freed_memory  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM, HIDDEN, INTER, LAYERS, BLOCK = 9, 3, 64, 576, 1536, 30, 16
 PROJECTIONS = [(HIDDEN, (HEADS + 2 * KV_HEADS) * HEAD_DIM), (HEADS * HEAD_DIM, HIDDEN), (HIDDEN, 2 * INTER),

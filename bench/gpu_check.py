@@ -17,7 +17,7 @@ reason, and the run goes on after a failure. Parts, in the order they run:
 * bitmask: the structured-output token-bitmask Triton kernel against the torch
   implementation (vocabularies of SmolLM2, Qwen2, Gemma 3), its time per call, and a
   `choice`-constrained request through the engine beside unconstrained ones.
-* greedy_tiny: per architecture of rein.engine.tiny_model (dense and MoE), the engine's
+* greedy_tiny: per architecture of rein.fixtures.tiny_model (dense and MoE), the engine's
   greedy tokens in fp32 (Triton path on CUDA) equal Hugging Face generate(), also with a
   16-token step budget (chunked prefill) and for prompts sharing their first blocks (prefix
   caching, with hits); bf16 and the int8 KV cache run end to end (their token agreement
@@ -97,7 +97,7 @@ def cuda_mode(ctx: dict) -> bool:
 
 def tiny_model(ctx: dict, arch: str) -> Path:
     """The tiny `arch` model, built once into the run's models dir (parts share it)."""
-    from rein.engine.tiny_model import ensure_tiny_model
+    from rein.fixtures.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(Path(ctx["models_dir"]) / arch, arch=arch)
 
@@ -115,7 +115,7 @@ def prepare_models(ctx: dict) -> None:
     trained once (a part building its own would train it again, ~6 s)."""
     started = time.perf_counter()
     try:
-        from rein.engine.tiny_model import ensure_tiny_model
+        from rein.fixtures.tiny_model import ensure_tiny_model
 
         for arch in dict.fromkeys(greedy_archs(cuda_mode(ctx)) + ("llama", "qwen2")):
             ensure_tiny_model(Path(ctx["models_dir"]) / arch, arch=arch)
@@ -502,7 +502,7 @@ def part_n_choices_graphs(ctx: dict) -> dict:
 
 def cached_model_path(name: str) -> tuple[Path | None, list[str]]:
     """Where `rein fetch-model NAME` put the file, without fetching; (path or None, places looked)."""
-    from rein.engine.packaged_models import default_models_dir, installed_path, packaged_model
+    from rein.fixtures.packaged_models import default_models_dir, installed_path, packaged_model
 
     model = packaged_model(name)
     found = installed_path(model)

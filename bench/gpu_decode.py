@@ -251,7 +251,7 @@ def decode_check(device: str, hbm_tbps: float, models_dir: Path, batches: list[i
     from attention_kernels import build_qwen2_model  # bench/ is on sys.path, as for gpu_check.py
 
     from rein.engine import EngineConfig, LLMEngine
-    from rein.engine.tiny_model import ensure_tiny_model
+    from rein.fixtures.tiny_model import ensure_tiny_model
 
     plan = sizes(device)
     if batches:
@@ -268,7 +268,7 @@ def decode_check(device: str, hbm_tbps: float, models_dir: Path, batches: list[i
     steps = max(plan["timed_steps"], 2 * profile_steps + 2)     # profile_batch's decodes
     max_len = plan["prompt_len"] + max_tokens(top, plan["prompt_len"], plan["warmup_steps"], steps)
     max_model_len = 1 << (max_len - 1).bit_length()
-    from rein.engine.model_spec import ModelSpec
+    from rein.model.spec import ModelSpec
 
     spec = ModelSpec.from_dir(model_dir)
     kv_per_token = spec.kv_bytes_per_token(dtype)

@@ -5,7 +5,7 @@
 
 The same seeded greedy workload (--prompts prompts of 16-128 random non-special tokens,
 --max-tokens output tokens each, ignore_eos, logprobs=5) runs through LLMEngine twice on
-the random-weight llama model(s) built by `rein.engine.tiny_model.make_tiny_model` (reused from
+the random-weight llama model(s) built by `rein.fixtures.tiny_model.make_tiny_model` (reused from
 --out-dir when present): once with a full-precision cache (fp32 on CPU, bf16 on CUDA; the
 model dtype is the engine's "auto" either way) and once with kv_cache_dtype="int8", both
 with the same kv_cache_memory. Reported:
@@ -52,9 +52,9 @@ import torch
 
 from rein.engine.config import EngineConfig
 from rein.engine.engine import LLMEngine
-from rein.engine.model_spec import ModelSpec
 from rein.engine.sampling_params import SamplingParams
-from rein.engine.tiny_model import ensure_tiny_model
+from rein.fixtures.tiny_model import ensure_tiny_model
+from rein.model.spec import ModelSpec
 
 SEED = 0
 BLOCK_SIZE = 16

@@ -4,13 +4,13 @@
                            [--interval-ms 2] [--api-workers 1] [--redis-url URL] [--postgres-url URL]
 
 Everything runs on loopback, in a throwaway Postgres database `rein_bench_<random>` (migrated
-with rein.core.migrate.upgrade, dropped at the end even on failure) and under a unique Redis
+with rein.store.migrate.upgrade, dropped at the end even on failure) and under a unique Redis
 key prefix `rein_bench_<random>:` (every key under it deleted at the end), so it shares the
 servers with anything else safely. No worker runs: accepted jobs just wait in their queue
 until the prefix is deleted.
 
 * API intake: `rein api` (uvicorn, as deployed) in a subprocess on a free port, serving the
-  tiny llama (.cache/bench-models/llama-tiny, built with rein.engine.tiny_model.make_tiny_model if
+  tiny llama (.cache/bench-models/llama-tiny, built with rein.fixtures.tiny_model.make_tiny_model if
   missing) for its tokenizer, REIN_MAX_QUEUE_DEPTH=100000 so backpressure never answers.
   `--jobs` POST /v1/jobs (a small /v1/completions body) over `--concurrency` keep-alive
   connections at once (a minimal asyncio HTTP/1.1 client, see post_jobs): jobs/s = jobs /
@@ -99,7 +99,7 @@ def free_port() -> int:
 
 def ensure_model(preset: str = "tiny") -> Path:
     """The bench's random-weight llama of this preset (built once under .cache/bench-models)."""
-    from rein.engine.tiny_model import ensure_tiny_model
+    from rein.fixtures.tiny_model import ensure_tiny_model
 
     return ensure_tiny_model(MODEL_DIR.with_name(f"llama-{preset}"), arch="llama", seed=0, preset=preset)
 
@@ -181,13 +181,13 @@ class Sandbox:
     def _admin(self):
         import psycopg
 
-        from rein.core.db import psycopg_conninfo
+        from rein.store.db import psycopg_conninfo
 
         return psycopg.connect(autocommit=True, connect_timeout=5, **psycopg_conninfo(self.server_url))
 
     def migrate(self):
-        from rein.core.migrate import upgrade
         from rein.core.settings import Settings
+        from rein.store.migrate import upgrade
 
         self.created = True   # from here on, drop it whatever happens
         return upgrade(Settings(database_url=self.database_url))
@@ -372,11 +372,12 @@ def raw_sends(app, message_for, n: int, concurrency: int) -> Run:
 
 def raw_message_factory(model_dir: Path, tenant: str, key_id: str):
     """Builds the JobMessage the API would send for BODY (same parser, same tokenizer)."""
-    from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
-    from rein.core.models import new_job_id
+    from rein.core.priorities import PRIORITY_INTERACTIVE
     from rein.core.settings import ServedModel
     from rein.jobs.registry import load_model
     from rein.openai.request import parse_request
+    from rein.store.messages import JobMessage
+    from rein.store.tables import new_job_id
 
     entry = load_model(ServedModel(name=MODEL_NAME, source=str(model_dir), max_model_len=MAX_MODEL_LEN))
     parsed = parse_request(ENDPOINT, dict(BODY), entry.tokenizer, entry.max_model_len)
@@ -399,8 +400,8 @@ async def stream_latency(base_url: str, key: str, job_id: str, settings, events:
     import httpx
     import redis
 
-    from rein.core.redis_keys import RedisKeys
-    from rein.engine.outputs import RequestOutput
+    from rein.engine.step_outputs import RequestOutput
+    from rein.store.redis_keys import RedisKeys
     from rein.worker.publisher import TokenPublisher
 
     sent: dict[int, float] = {}
@@ -502,10 +503,10 @@ def main() -> int:
         from sqlalchemy.orm import sessionmaker
         from sqlalchemy.pool import NullPool
 
-        from rein.core.db import make_engine
-        from rein.core.keys import create_key
         from rein.core.settings import Settings
         from rein.jobs.queues import make_celery, queue_keys
+        from rein.store.db import make_engine
+        from rein.store.keys import create_key
 
         report = sandbox.migrate()
         phase(f"database {sandbox.db_name}: migrated to {report.after}; redis prefix {sandbox.prefix!r}")

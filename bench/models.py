@@ -9,7 +9,7 @@ runs three ways in one process, one after another on the same threads:
 
 * rein native: `LLMEngine(model_impl="rein")`;
 * rein Transformers backend: `LLMEngine(model_impl="transformers")`, the model's own
-  transformers modeling code with rein's paged attention (rein.engine.models.transformers_backend);
+  transformers modeling code with rein's paged attention (rein.model.architectures.transformers_backend);
 * HF static: `generate()` on batches of --hf-batch-size in arrival order (bench/throughput.py).
 
 It prints output tokens/s and the ratios the issue sets targets for (Transformers backend over
@@ -45,7 +45,7 @@ from throughput import (  # noqa: E402
 
 from rein.engine.config import EngineConfig  # noqa: E402
 from rein.engine.engine import LLMEngine  # noqa: E402
-from rein.engine.model_spec import ModelSpec  # noqa: E402
+from rein.model.spec import ModelSpec  # noqa: E402
 
 MODELS = {"smollm2": None, "gemma3": "gemma3-270m"}   # bench name -> packaged model (None: SmolLM2)
 KV_AT = 8192

@@ -6,7 +6,7 @@ The peers' mixed workload (bench/peers.py: prompts of 16-384 tokens cut from its
 output tokens, greedy, EOS ignored) runs in one process, one engine after the other:
 
 * TP=1 with as many torch threads as this process has cores;
-* TP=N (each of --sizes) with the cores split between the ranks (rein.engine.parallel.ranks:
+* TP=N (each of --sizes) with the cores split between the ranks (rein.engine.rank_processes:
   cores // N threads each; one thread per rank on a 2-core machine at N=2), gloo between them.
 
 vLLM's CPU backend splits a model across cores and sockets this way. It prints output tok/s of

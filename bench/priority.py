@@ -225,9 +225,9 @@ def main() -> int:
     from sqlalchemy.pool import NullPool
 
     from rein.cli.batch import BatchClient
-    from rein.core.db import make_engine
-    from rein.core.keys import create_key
-    from rein.core.redis_keys import RedisKeys
+    from rein.store.db import make_engine
+    from rein.store.keys import create_key
+    from rein.store.redis_keys import RedisKeys
 
     work_dir = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="rein-bench-priority-"))
     work_dir.mkdir(parents=True, exist_ok=True)

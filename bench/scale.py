@@ -84,7 +84,7 @@ class Counters:
         import psycopg
         import redis
 
-        from rein.core.db import psycopg_conninfo
+        from rein.store.db import psycopg_conninfo
 
         self.db_name = sandbox.db_name
         self.stats = psycopg.connect(autocommit=True,
@@ -109,7 +109,7 @@ class Counters:
         commands, which the caller subtracts."""
         from kombu.transport.redis import Channel
 
-        from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+        from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
         from rein.jobs.queues import queue_keys
 
         lists = queue_keys(settings, MODEL_NAME)
@@ -140,7 +140,7 @@ class JobsTable:
         import psycopg
         from sqlalchemy.engine import make_url
 
-        from rein.core.db import psycopg_conninfo
+        from rein.store.db import psycopg_conninfo
 
         self.conn = psycopg.connect(autocommit=True, **psycopg_conninfo(make_url(database_url)))
         self.queries = 0
@@ -210,7 +210,7 @@ def pgbench(server_url, clients: int, seconds: int) -> dict | None:
     import psycopg
     from psycopg import sql
 
-    from rein.core.db import psycopg_conninfo
+    from rein.store.db import psycopg_conninfo
 
     if shutil.which("pgbench") is None:
         return None
@@ -377,10 +377,10 @@ def measure(args: argparse.Namespace, work_dir: Path, phase) -> dict:
     from sqlalchemy.orm import sessionmaker
     from sqlalchemy.pool import NullPool
 
-    from rein.core.db import make_engine
-    from rein.core.keys import create_key
-    from rein.core.redis_keys import RedisKeys
     from rein.core.settings import Settings
+    from rein.store.db import make_engine
+    from rein.store.keys import create_key
+    from rein.store.redis_keys import RedisKeys
 
     model_dir = ensure_model("tiny")
     redis_proc, redis_port = start_redis(work_dir)

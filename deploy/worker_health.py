@@ -18,7 +18,7 @@ import sys
 def main() -> int:
     from redis import Redis
 
-    from rein.core.redis_keys import RedisKeys
+    from rein.store.redis_keys import RedisKeys
     from rein.core.settings import get_settings
 
     settings = get_settings()

@@ -1,6 +1,6 @@
-"""Alembic environment for rein (configured in code by rein.core.migrate; no alembic.ini).
+"""Alembic environment for rein (configured in code by rein.store.migrate; no alembic.ini).
 
-`rein.core.migrate.upgrade` hands in an open connection (config.attributes["connection"]),
+`rein.store.migrate.upgrade` hands in an open connection (config.attributes["connection"]),
 inside a transaction that holds the migration lock. Run any other way, the URL comes from
 the config's sqlalchemy.url, else from the settings (REIN_DATABASE_URL).
 """
@@ -11,7 +11,7 @@ from alembic import context
 from sqlalchemy import create_engine
 from sqlalchemy.pool import NullPool
 
-from rein.core.models import Base
+from rein.store.tables import Base
 
 config = context.config
 target_metadata = Base.metadata

@@ -5,8 +5,8 @@ and the API process) never imports torch:
 
     from rein import LLM, SamplingParams
 
-`rein.RequestOutput` is the vLLM-shaped result of one prompt (`rein.offline.outputs.GenerationOutput`),
-not the engine's per-step `rein.engine.outputs.RequestOutput`.
+`rein.RequestOutput` is the vLLM-shaped result of one prompt (`rein.offline.llm_outputs.GenerationOutput`),
+not the engine's per-step `rein.engine.step_outputs.RequestOutput`.
 """
 
 from __future__ import annotations
@@ -18,12 +18,12 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "LLM": ("rein.offline.llm", "LLM"),
     "SamplingParams": ("rein.engine.sampling_params", "SamplingParams"),
-    "PoolingParams": ("rein.engine.pooling_config", "PoolingParams"),
+    "PoolingParams": ("rein.model.pooling_config", "PoolingParams"),
     "EmbeddingRequestOutput": ("rein.offline.embed", "EmbeddingRequestOutput"),
-    "GenerationOutput": ("rein.offline.outputs", "GenerationOutput"),
-    "RequestOutput": ("rein.offline.outputs", "GenerationOutput"),
-    "CompletionOutput": ("rein.offline.outputs", "CompletionOutput"),
-    "Logprob": ("rein.offline.outputs", "Logprob"),
+    "GenerationOutput": ("rein.offline.llm_outputs", "GenerationOutput"),
+    "RequestOutput": ("rein.offline.llm_outputs", "GenerationOutput"),
+    "CompletionOutput": ("rein.offline.llm_outputs", "CompletionOutput"),
+    "Logprob": ("rein.offline.llm_outputs", "Logprob"),
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]

@@ -14,10 +14,10 @@ def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]
     """`tiny_models(arch="llama", preset="tiny", seed=0, embedding=None)` -> directory of a
     random-weight model (`embedding="last" | "mean" | "cls"`: an embedding model).
 
-    Each (arch, preset, seed) is built once per session (see rein.engine.tiny_model) into a
+    Each (arch, preset, seed) is built once per session (see rein.fixtures.tiny_model) into a
     session temp dir; the directories are shared, so treat them as read-only.
     """
-    from rein.engine.tiny_model import make_tiny_model
+    from rein.fixtures.tiny_model import make_tiny_model
 
     built: dict[tuple[str, str, int, str | None], Path] = {}
 

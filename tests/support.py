@@ -25,7 +25,7 @@ def connect_postgres(url, dbname: str | None = None):
     """An autocommit psycopg connection to the server of a SQLAlchemy URL (or another database on it)."""
     import psycopg
 
-    from rein.core.db import psycopg_conninfo
+    from rein.store.db import psycopg_conninfo
 
     info = psycopg_conninfo(url) | ({"dbname": dbname} if dbname else {})
     return psycopg.connect(autocommit=True, connect_timeout=5, **info)

@@ -32,15 +32,15 @@ from rein.api.request_limits import RequestLimits
 from rein.api.routes import batches, embeddings, files, health, jobs, openai, usage
 from rein.api.streams import STREAM_SOCKET_TIMEOUT, StreamSlots
 from rein.batches.manager import BatchManager
-from rein.core.db import check_migrations_current, make_engine
-from rein.core.filestore import LocalFileStore
-from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings, get_settings
 from rein.jobs.queues import make_celery
 from rein.jobs.ratelimit import RateLimiter
 from rein.jobs.reaper import Reaper
 from rein.jobs.registry import ModelRegistry
 from rein.jobs.retention import RetentionLoop
+from rein.store.db import check_migrations_current, make_engine
+from rein.store.filestore import LocalFileStore
+from rein.store.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
 

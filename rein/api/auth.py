@@ -20,7 +20,7 @@ import time
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.core.keys import InvalidKeyError, KeyInfo, authenticate
+from rein.store.keys import InvalidKeyError, KeyInfo, authenticate
 
 MAX_ENTRIES = 10_000
 

@@ -47,8 +47,8 @@ from rein.api.deps import authenticate_request, scope_missing
 from rein.api.streams import StreamSlots
 from rein.core.input_checks import BadInput, check_json, check_text, text_problem
 from rein.core.json_budget import parse_json_within_budget
-from rein.core.keys import KeyInfo
 from rein.jobs.errors import APIError, unauthorized
+from rein.store.keys import KeyInfo
 
 API_PREFIX = "/v1/"
 # Bodies up to this size are parsed on the event loop (well under a millisecond); larger ones

@@ -22,9 +22,9 @@ from redis.asyncio import Redis as AsyncRedis
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.auth import KeyCache, authenticate_and_remember, key_digest
-from rein.core.keys import InvalidKeyError, KeyInfo
 from rein.core.settings import Settings
 from rein.jobs.errors import APIError, unauthorized
+from rein.store.keys import InvalidKeyError, KeyInfo
 
 if TYPE_CHECKING:
     from rein.jobs.registry import ModelRegistry

@@ -22,10 +22,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rein.api.conventions import headers_for
 from rein.api.request_limits import RequestTooLarge, too_large_response
-from rein.core.db import DatabaseUnavailableError
 from rein.engine.structured.validator import ValidatorUnavailable
 from rein.jobs.errors import INVALID_REQUEST, APIError, error_body
 from rein.openai.errors import RequestError
+from rein.store.db import DatabaseUnavailableError
 
 log = logging.getLogger(__name__)
 

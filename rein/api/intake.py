@@ -19,7 +19,7 @@ load, the requests that arrive while a commit is in flight go together in the ne
 The three round trips and their fixed costs (the Lua call, the INSERT, kombu's pipeline)
 are then paid once per group rather than once per job, and intake no longer needs a thread
 per request contending for the GIL (bench/intake.py measures it). The committer keeps its
-Postgres connection between groups (rein.core.db.HeldConnections) instead of checking one
+Postgres connection between groups (rein.store.db.HeldConnections) instead of checking one
 out of the pool, with its pre-ping, for each.
 """
 
@@ -43,10 +43,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.jobs import check_metadata, find_job_by_idempotency_key, same_request_or_conflict
-from rein.core.db import HeldConnections, engine_of
-from rein.core.keys import KeyInfo
-from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
-from rein.core.models import Job, new_job_id
+from rein.core.priorities import PRIORITY_INTERACTIVE
 from rein.core.settings import Settings
 from rein.engine.structured.request import BODY_FIELDS as STRUCTURED_BODY_FIELDS
 from rein.jobs.errors import APIError
@@ -64,6 +61,10 @@ from rein.jobs.ratelimit import (
 )
 from rein.jobs.registry import ModelRegistry
 from rein.openai.embeddings import ParsedEmbeddings
+from rein.store.db import HeldConnections, engine_of
+from rein.store.keys import KeyInfo
+from rein.store.messages import JobMessage
+from rein.store.tables import Job, new_job_id
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class JobIntake:
         self.limiter = limiter
         self.registry = registry
         self._queue_keys: dict[str, tuple[str, ...]] = {}
-        # The committer's own connection, kept between groups (rein.core.db.HeldConnections).
+        # The committer's own connection, kept between groups (rein.store.db.HeldConnections).
         self._db = HeldConnections(engine_of(sessions))
         self._committer: GroupCommit[Submission, Accepted] | None = None
 
@@ -203,7 +204,7 @@ class JobIntake:
         prompt = list(parsed.prompt_token_ids)
         params = {"body": body, "sampling": sampling, "logprobs_mode": parsed.logprobs_mode, "stream": parsed.stream}
         shape = parsed.shape.to_dict()
-        if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.choices); plain jobs store none
+        if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.response_shape); plain jobs store none
             params["shape"] = shape
         job = NewJob(id=new_job_id(), tenant=key.tenant, key_id=key.key_id, model=model, endpoint=endpoint,
                      params=params,
@@ -384,7 +385,7 @@ SELECT model, tenant, count(*) FROM jobs
  GROUP BY model, tenant"""
 
 
-# The INSERT as SQL text (see rein.core.db.execute_all: building and compiling it with
+# The INSERT as SQL text (see rein.store.db.execute_all: building and compiling it with
 # SQLAlchemy per call cost more CPU than the rest of the write). The columns are checked
 # against the mapped table, so it cannot drift from the schema; the database fills in the
 # rest (status, times).

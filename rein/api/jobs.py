@@ -14,9 +14,9 @@ from sqlalchemy import func, select, tuple_, update
 from sqlalchemy.orm import Session, selectinload
 
 from rein.batches.schemas import MAX_METADATA_KEY_LEN, MAX_METADATA_VALUE_LEN
-from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.jobs.errors import APIError, not_found
 from rein.jobs.fields import MAX_METADATA_PAIRS
+from rein.store.tables import FINISHED_JOB_STATUSES, Job
 
 # -- the repository: every tenant-scoped query ------------------------------------------------
 

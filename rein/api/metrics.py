@@ -41,10 +41,10 @@ from prometheus_client import (
 from redis.exceptions import RedisError
 
 from rein.api.deps import BearerDep, require_scope
-from rein.core.keys import parse_key
-from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.settings import Settings
 from rein.jobs.queues import PRIORITY_STEPS, queue_keys
+from rein.store.keys import parse_key
 
 log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from python_multipart import MultipartParser
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import parse_options_header
 
-from rein.core.filestore import FileStore, FileTooLargeError, NewFile
 from rein.jobs.errors import APIError
+from rein.store.filestore import FileStore, FileTooLargeError, NewFile
 
 BUFFER_BYTES = 1 << 20
 

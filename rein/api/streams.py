@@ -36,11 +36,11 @@ from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 
-from rein.core.messages import STREAM_FIELD, event_id
-from rein.core.models import FINISHED_JOB_STATUSES, Job
-from rein.core.redis_keys import RedisKeys
 from rein.openai.response import usage_body
 from rein.openai.tools import stream_for
+from rein.store.messages import STREAM_FIELD, event_id
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import FINISHED_JOB_STATUSES, Job
 
 # XREAD blocks this long, well under the socket timeout of the API's async Redis client
 # (STREAM_SOCKET_TIMEOUT): a read that waits its full block must not look like a dead socket.

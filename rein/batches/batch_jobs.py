@@ -16,10 +16,10 @@ from redis import Redis
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from rein.core.models import Job, new_job_id
-from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
 from rein.jobs.cancel import request_cancel
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import Job, new_job_id
 
 OPEN_JOB_STATUSES = ("queued", "running")
 COPY_COLUMNS = ("id", "tenant", "key_id", "model", "endpoint", "params", "prompt_token_ids",

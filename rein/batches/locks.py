@@ -13,7 +13,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.core.db import engine_of
+from rein.store.db import engine_of
 
 # Namespace of the per-batch advisory locks ("batc"), beside rein migrate's lock.
 LOCK_NAMESPACE = 0x62617463

@@ -42,7 +42,7 @@ replica is handling is skipped, not waited for), does the next step in one trans
   stay in the output and in usage; the others become `batch_expired` error lines.
 * cancelling (set by POST /v1/batches/{id}/cancel): the same drop as expiry; once nothing
   runs, `cancelled`, with completed results kept.
-* finalizing: once nothing runs, write the output and error files (rein.batches.output)
+* finalizing: once nothing runs, write the output and error files (rein.batches.result_files)
   and set the final status, in one transaction.
 
 Isolation: validations run on threads of their own (REIN_BATCH_VALIDATOR_THREADS), so a large
@@ -95,18 +95,19 @@ from rein.batches.batch_jobs import (
 )
 from rein.batches.fairness import feeding_shares, lines_within_tokens, round_robin
 from rein.batches.locks import hold_batch_lock, try_lock_batch
-from rein.batches.output import write_result_files
+from rein.batches.result_files import write_result_files
 from rein.batches.validation import ValidLine, validate_lines
 from rein.batches.wakeup import BATCH_WAKE_MIN_SECONDS, BatchEventListener
-from rein.core.filestore import FileStore
-from rein.core.messages import PRIORITY_BATCH, JobMessage
-from rein.core.models import JOB_MESSAGE_COLUMNS, Batch, File, Job
-from rein.core.redis_keys import RedisKeys
+from rein.core.priorities import PRIORITY_BATCH
 from rein.core.settings import Settings
 from rein.engine.structured.validator import ValidatorUnavailable
 from rein.jobs.queues import enqueue_jobs, queue_keys
 from rein.jobs.registry import ModelRegistry
 from rein.openai.batch_lines import read_lines
+from rein.store.filestore import FileStore
+from rein.store.messages import JobMessage
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import JOB_MESSAGE_COLUMNS, Batch, File, Job
 
 log = logging.getLogger(__name__)
 

@@ -24,8 +24,8 @@ from rein.batches.schemas import (
     InputTokensDetails,
     OutputTokensDetails,
 )
-from rein.core.models import Batch, File, Job, Usage
 from rein.jobs.errors import APIError, not_found
+from rein.store.tables import Batch, File, Job, Usage
 
 Row = TypeVar("Row", File, Batch)
 

@@ -49,9 +49,9 @@ class ValidLine:
         params = {"body": self.prepared.body, "sampling": dataclasses.asdict(parsed.params),
                   "logprobs_mode": parsed.logprobs_mode, "stream": False}
         shape = parsed.shape.to_dict()
-        if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.choices)
+        if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.response_shape)
             params["shape"] = shape
-        if isinstance(parsed, ParsedEmbeddings):   # an embeddings line's inputs (rein.core.messages)
+        if isinstance(parsed, ParsedEmbeddings):   # an embeddings line's inputs (rein.store.messages)
             params["input_lengths"] = parsed.input_lengths
         return {
             "model": self.prepared.entry.name, "endpoint": self.prepared.endpoint,

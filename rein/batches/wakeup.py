@@ -21,8 +21,8 @@ from collections.abc import Callable
 from redis import Redis
 from redis.exceptions import RedisError
 
-from rein.core.channel_listener import ChannelListener
-from rein.core.redis_keys import RedisKeys
+from rein.store.channel_listener import ChannelListener
+from rein.store.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ import shutil
 import sys
 import tempfile
 
+from rein.cli.engine_flags import add_engine_options
 from rein.core.logging import configure_logging
 from rein.core.settings import (
     SettingsError,
@@ -16,7 +17,7 @@ from rein.core.settings import (
     share_prometheus_multiproc_dir,
     share_settings_overrides,
 )
-from rein.engine.options import API, add_engine_options, options_for
+from rein.engine.options import API, options_for
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -41,7 +42,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # SQLAlchemy loads when the API starts, not with every command.
-    from rein.core.db import StoreError, check_migrations_current, make_engine
+    from rein.store.db import StoreError, check_migrations_current, make_engine
 
     flags = (("api_host", args.host), ("api_port", args.port), ("api_workers", args.workers),
              ("api_root_path", args.root_path), ("forwarded_allow_ips", args.forwarded_allow_ips),

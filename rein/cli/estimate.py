@@ -1,7 +1,7 @@
 """`rein estimate --model DIR --memory 24GiB`: how much KV cache, and how many requests, fit.
 
 Reads the config only (config.json, or a GGUF file's metadata), no weights. The arithmetic is the engine's own
-(`rein.engine.capacity`, `EngineConfig`'s dtype rules, the runner's max_model_len rule),
+(`rein.model.capacity`, `EngineConfig`'s dtype rules, the runner's max_model_len rule),
 so the estimate and the pool the engine builds agree. Memory for activations and the CUDA
 context is not counted: leave some headroom. A windowed model's sliding-window layers get
 storage of their own sized from --max-num-seqs and --max-num-batched-tokens (as the
@@ -14,8 +14,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from rein.engine.model_files import resolve_model
 from rein.engine.options import DTYPES, KV_CACHE_DTYPES, MODEL_IMPLS, QUANTIZATIONS
+from rein.model.files import resolve_model
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -69,8 +69,8 @@ class EstimateError(ValueError):
 def _by_layer_kind(spec, capacity, max_num_seqs: int, max_num_batched_tokens: int) -> list[str]:
     """A windowed model's KV per token split by layer kind, what a request at max_model_len
     holds of each, and whether its windowed layers get storage of their own
-    (rein.engine.capacity): why not, when they do not."""
-    from rein.engine.capacity import windowed_pool_bound
+    (rein.model.capacity): why not, when they do not."""
+    from rein.model.capacity import windowed_pool_bound
 
     per_layer = capacity.bytes_per_token // spec.num_layers
     windowed = spec.windowed_layers
@@ -106,7 +106,7 @@ def _by_layer_kind(spec, capacity, max_num_seqs: int, max_num_batched_tokens: in
 
 def _load_spec(model: str, model_impl: str, trust_remote_code: bool):
     """The spec the engine would run under `--model-impl`, and the folder holding config.json."""
-    from rein.engine.model_impl import spec_for  # torch: not at every command's start-up
+    from rein.model.implementation import spec_for  # torch: not at every command's start-up
 
     if Path(model).expanduser().exists():  # a model directory or a GGUF file (its shapes)
         directory = resolve_model(model).directory
@@ -158,11 +158,11 @@ def estimate(args: argparse.Namespace) -> str:
 
     import torch  # here and below: torch loads for `rein estimate` only
 
-    from rein.engine.capacity import kv_capacity
     from rein.engine.config import EngineConfig, parse_bytes
-    from rein.engine.model_impl import TRANSFORMERS_FAMILY
     from rein.engine.model_runner import decide_max_model_len
-    from rein.engine.quant.checkpoint import estimated_weight_bytes
+    from rein.model.capacity import kv_capacity
+    from rein.model.implementation import TRANSFORMERS_FAMILY
+    from rein.model.quant.checkpoint import estimated_weight_bytes
 
     try:
         memory = parse_bytes(args.memory)

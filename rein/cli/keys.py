@@ -9,10 +9,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rein.core.redis_keys import RedisKeys
 from rein.core.settings import SettingsError, load_settings
+from rein.store.redis_keys import RedisKeys
 
-# SQLAlchemy and Redis (rein.core.db, rein.core.keys, rein.jobs.cancel) are imported inside the
+# SQLAlchemy and Redis (rein.store.db, rein.store.keys, rein.jobs.cancel) are imported inside the
 # commands: every `rein` command loads this module (rein.cli.main), and only these need them.
 
 
@@ -69,7 +69,7 @@ def _session_factory(args: argparse.Namespace):
     from sqlalchemy.orm import sessionmaker
     from sqlalchemy.pool import NullPool
 
-    from rein.core.db import check_migrations_current, make_engine
+    from rein.store.db import check_migrations_current, make_engine
 
     overrides = {"database_url": args.database_url} if args.database_url else {}
     engine = make_engine(load_settings(**overrides).database_url, poolclass=NullPool)
@@ -79,7 +79,7 @@ def _session_factory(args: argparse.Namespace):
 
 def _guard(action):
     def run(args: argparse.Namespace) -> int:
-        from rein.core.db import StoreError
+        from rein.store.db import StoreError
 
         try:
             return action(args)
@@ -101,8 +101,8 @@ def _limit(value: int | None) -> str:
 
 @_guard
 def run_create(args: argparse.Namespace) -> int:
-    from rein.core.db import session_scope
-    from rein.core.keys import create_key
+    from rein.store.db import session_scope
+    from rein.store.keys import create_key
 
     with session_scope(_session_factory(args)) as session:
         created = create_key(session, name=args.name, scopes=args.scopes, tenant=args.tenant,
@@ -120,8 +120,8 @@ def run_create(args: argparse.Namespace) -> int:
 
 @_guard
 def run_list(args: argparse.Namespace) -> int:
-    from rein.core.db import session_scope
-    from rein.core.keys import list_keys
+    from rein.store.db import session_scope
+    from rein.store.keys import list_keys
 
     with session_scope(_session_factory(args)) as session:
         keys = list_keys(session, tenant=args.tenant, include_revoked=not args.active)
@@ -138,8 +138,8 @@ def run_list(args: argparse.Namespace) -> int:
 
 @_guard
 def run_revoke(args: argparse.Namespace) -> int:
-    from rein.core.db import session_scope
-    from rein.core.keys import KeyNotFoundError, revoke_key
+    from rein.store.db import session_scope
+    from rein.store.keys import KeyNotFoundError, revoke_key
 
     try:
         with session_scope(_session_factory(args)) as session:

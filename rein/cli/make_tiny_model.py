@@ -1,7 +1,7 @@
 """`rein make-tiny-model DIR`: write a random-weight model of a real architecture.
 
 The model (plus a locally trained byte-level BPE tokenizer) loads with transformers'
-Auto classes and with rein; see rein.engine.tiny_model. `--embedding` writes an embedding model
+Auto classes and with rein; see rein.fixtures.tiny_model. `--embedding` writes an embedding model
 shaped like Qwen3-Embedding (sentence-transformers pooling files; `--pooling` picks the
 pooling, last token by default; the arch defaults to qwen3). torch is imported only when the command
 runs, so `rein --help` stays fast.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from rein.engine.tiny_model import (
+from rein.fixtures.tiny_model import (
     ARCHS,
     EMBEDDING_POOLINGS,
     PRESETS,

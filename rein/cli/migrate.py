@@ -13,7 +13,7 @@ import sys
 
 from rein.core.settings import SettingsError, load_settings, refuse_placeholder_secrets
 
-# SQLAlchemy and Alembic (rein.core.db, rein.core.migrate) are imported inside the commands:
+# SQLAlchemy and Alembic (rein.store.db, rein.store.migrate) are imported inside the commands:
 # every `rein` command loads this module (rein.cli.main), and only these need them.
 
 
@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from sqlalchemy.exc import SQLAlchemyError
 
-    from rein.core.db import StoreError
+    from rein.store.db import StoreError
 
     try:
         return _check(args) if args.check else _upgrade(args)
@@ -51,7 +51,7 @@ def _settings(args: argparse.Namespace):
 
 
 def _upgrade(args: argparse.Namespace) -> int:
-    from rein.core.migrate import upgrade
+    from rein.store.migrate import upgrade
 
     report = upgrade(_settings(args))
     if report.created_database:
@@ -67,8 +67,8 @@ def _upgrade(args: argparse.Namespace) -> int:
 def _check(args: argparse.Namespace) -> int:
     from sqlalchemy.pool import NullPool
 
-    from rein.core.db import DatabaseNotMigratedError, database_name, make_engine
-    from rein.core.db import check_migrations_current as check
+    from rein.store.db import DatabaseNotMigratedError, database_name, make_engine
+    from rein.store.db import check_migrations_current as check
 
     settings = _settings(args)
     engine = make_engine(settings.database_url, poolclass=NullPool)

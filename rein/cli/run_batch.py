@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from rein.engine.options import (
+from rein.cli.engine_flags import (
     CLIError,
     add_engine_options,
     add_model_option,

@@ -35,9 +35,9 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from rein.core.messages import PRIORITY_BATCH
-from rein.core.redis_keys import RedisKeys
+from rein.core.priorities import PRIORITY_BATCH
 from rein.core.settings import Settings, SettingsError, load_settings
+from rein.store.redis_keys import RedisKeys
 
 if TYPE_CHECKING:
     from redis import Redis

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
 
     try:
-        from rein.core.migrate import upgrade  # SQLAlchemy and Alembic: not at start-up
+        from rein.store.migrate import upgrade  # SQLAlchemy and Alembic: not at start-up
 
         report = upgrade(settings)
     except Exception as exc:  # an unreachable server or a bad URL: one line, not a traceback

@@ -18,7 +18,7 @@ Several engines on one host: `--devices 0,1,2,3` (ranges `0-7`; `all` GPUs; `cpu
 process per engine, each this command on its own device with the node name MODEL-cuda0@HOST
 (MODEL-cpu0@HOST, ...) and metrics port PORT + its position. With `--tensor-parallel-size N`
 an engine is N consecutive devices (`--devices 0-7 --tensor-parallel-size 2`: four engines);
-a lone worker with it runs one engine of N ranks (rein.engine.parallel.ranks).
+a lone worker with it runs one engine of N ranks (rein.engine.rank_processes).
 """
 
 from __future__ import annotations
@@ -28,11 +28,12 @@ import logging
 import sys
 from typing import TYPE_CHECKING, Any
 
-from rein.core.redis_keys import RedisKeys
+from rein.cli.engine_flags import CLIError, add_engine_options
 from rein.core.settings import SettingsError, get_settings
 from rein.engine.generation_defaults import load_generation_defaults
-from rein.engine.model_files import resolve_model
-from rein.engine.options import CLIError, add_engine_options, options_for, resolve_engine_values
+from rein.engine.options import options_for, resolve_engine_values
+from rein.model.files import resolve_model
+from rein.store.redis_keys import RedisKeys
 from rein.worker.device_check import device_problem
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     # SQLAlchemy, Celery and torch (the engine) load only when a worker starts, not with every command.
-    from rein.core.db import StoreError, check_migrations_current, make_engine
+    from rein.store.db import StoreError, check_migrations_current, make_engine
 
     try:
         environment = get_settings()
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     # a restart policy, again and again): refuse before connecting to anything. A
     # tensor-parallel engine's ranks use the devices after --device too. (The import brings
     # torch, which checking a CUDA device imports anyway.)
-    from rein.engine.parallel.ranks import rank_device
+    from rein.engine.rank_processes import rank_device
 
     size = settings.tensor_parallel_size
     for device in [rank_device(settings.device, rank) for rank in range(size)] if size > 1 else [settings.device]:

@@ -1,1 +1,1 @@
-"""What the API and the worker share: settings, the database (models, sessions, migrations) and API keys."""
+"""Process-wide basics: settings (REIN_* variables), logging, input checks, CPU pinning."""

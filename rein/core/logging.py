@@ -42,7 +42,7 @@ JOB_FIELDS = ("job_id", "key_id", "model", "worker")
 
 _context: ContextVar[Mapping[str, Any]] = ContextVar("rein_log_context", default=MappingProxyType({}))
 
-# rein_<key id>_<secret> (rein.core.keys): keep the id, which names the key, drop the secret.
+# rein_<key id>_<secret> (rein.store.keys): keep the id, which names the key, drop the secret.
 _KEY_SECRET = re.compile(r"\b(rein_[0-9a-f]{4,}_)[0-9A-Za-z]{8,}")
 REDACTED = "<redacted>"
 

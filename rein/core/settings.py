@@ -339,7 +339,7 @@ class Settings(BaseSettings):
     false: torch's code alone, on any CPU."""
     cpu_mallopt: bool = True
     """On CPU, raise glibc malloc's mmap and trim thresholds at engine start so large step tensors
-    reuse heap memory (rein.engine.cpu_allocator); false: leave malloc alone."""
+    reuse heap memory (rein.model.cpu_allocator); false: leave malloc alone."""
     cpu_kernels: bool = True
     """On CPU, build rein's C attention kernels with the system compiler at first use (into
     cache_dir/kernels) and run decode attention on them (rein.kernels.cpu_native); false, or no
@@ -522,7 +522,7 @@ def share_settings_overrides(**overrides: object) -> None:
 
 def swap_environment(values: dict[str, str | None]) -> dict[str, str | None]:
     """Set (None: remove) these variables for a library that takes an option from the
-    environment alone (gloo's and NCCL's network interface, rein.engine.parallel.group);
+    environment alone (gloo's and NCCL's network interface, rein.model.parallel.group);
     returns what they were, to put back with a second call."""
     previous = {name: os.environ.get(name) for name in values}
     for name, value in values.items():

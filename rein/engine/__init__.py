@@ -17,12 +17,12 @@ _EXPORTS = {
     "EngineStats": "rein.engine.engine",
     "EngineStoppedError": "rein.engine.client",
     "LLMEngine": "rein.engine.engine",
-    "PoolingParams": "rein.engine.pooling_config",
-    "RequestOutput": "rein.engine.outputs",
+    "PoolingParams": "rein.model.pooling_config",
+    "RequestOutput": "rein.engine.step_outputs",
     "RequestStream": "rein.engine.client",
     "SamplingParams": "rein.engine.sampling_params",
     "SamplingParamsError": "rein.engine.sampling_params",
-    "TokenLogprob": "rein.engine.outputs",
+    "TokenLogprob": "rein.engine.step_outputs",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,7 +1,7 @@
 """A thread-safe front for the engine: one background thread owns it and steps it; any
 thread submits requests and reads each request's outputs from its own stream.
 
-The engine thread runs the engine core loop (rein.engine.core): it blocks on its command
+The engine thread runs the engine core loop (rein.engine.loop): it blocks on its command
 queue when idle (no polling), drains every pending command before each step (so requests
 join at every step), and hands each step's outputs to the streams. `stop()` aborts whatever is left and joins the thread
 promptly — a worker's warm shutdown depends on it.
@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from rein.engine.core import EngineCore
 from rein.engine.engine import LLMEngine
-from rein.engine.outputs import RequestOutput
-from rein.engine.results import RequestResult
+from rein.engine.loop import EngineCore
+from rein.engine.request_result import RequestResult
 from rein.engine.sampling_params import SamplingParams
+from rein.engine.step_outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 

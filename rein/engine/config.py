@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from rein.engine.generation_defaults import check_generation_config
-from rein.engine.quant.checkpoint import check_quantization
+from rein.model.quant.checkpoint import check_quantization
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
-MODEL_IMPLS = ("auto", "rein", "transformers")   # as rein.engine.model_impl.MODEL_IMPLS
+MODEL_IMPLS = ("auto", "rein", "transformers")   # as rein.model.implementation.MODEL_IMPLS
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,
@@ -60,19 +60,19 @@ class EngineConfig:
     generation_config.json; vllm or none: built-in; or a folder), rein.engine.generation_defaults.
     The engine itself applies none: they are filled into SamplingParams when a request is parsed.
     model_impl (vLLM's name): rein runs native code only, transformers the model's own transformers
-    modeling code with rein's attention (rein.engine.models.transformers_backend), auto native
+    modeling code with rein's attention (rein.model.architectures.transformers_backend), auto native
     code where rein has it, else transformers.
     tokenizer: a tokenizer directory or hub id used instead of the model's (vLLM's names from here on);
     tokenizer_revision its hub revision. revision: the hub revision of a `model` given as a hub id.
     chat_template: a Jinja template, as a file path or inline, set on the tokenizer in place of its
-    own, so every chat prompt is built with it (rein.engine.tokenizer_files).
+    own, so every chat prompt is built with it (rein.model.tokenizer_files).
     trust_remote_code: let transformers import and run the Python files of a model or tokenizer
     whose config names them (`auto_map`); without it such a model is refused, saying so.
     tensor_parallel_size: ranks the model is sharded over, one process and device each
-    (rein.engine.parallel.ranks); on CUDA, devices `device`, `device` + 1, ...
+    (rein.engine.rank_processes); on CUDA, devices `device`, `device` + 1, ...
     quantization (vLLM's name): auto keeps the checkpoint's own (GGUF blocks, AWQ, GPTQ kept
     quantized; float stays float), none dequantizes everything to `dtype`, int8 / int4 /
-    int4-gN quantize a float checkpoint's projections at load (rein.engine.quant.checkpoint).
+    int4-gN quantize a float checkpoint's projections at load (rein.model.quant.checkpoint).
     interactive_step_budget: while a request with interactive priority (below PRIORITY_BATCH) is
     in the engine, a step holds at most this many batch-priority tokens (decodes 1 each, prefill
     chunks their length), so that interactive requests' steps cost near what they cost idle; the

@@ -34,7 +34,7 @@ import time
 import torch
 from torch import nn
 
-from rein.engine.attention import AttentionMetadata, LayerCache
+from rein.model.attention import AttentionMetadata, LayerCache
 
 log = logging.getLogger(__name__)
 

@@ -28,20 +28,20 @@ from rein.engine.block_pool import BlockPool
 from rein.engine.config import EngineConfig
 from rein.engine.detokenizer import IncrementalDetokenizer
 from rein.engine.errors import ContextLengthExceeded, EngineRequestError
-from rein.engine.model_files import resolve_model
-from rein.engine.model_impl import TRANSFORMERS_FAMILY, spec_for
 from rein.engine.model_runner import ModelRunner
-from rein.engine.outputs import RequestOutput, TokenLogprob
-from rein.engine.parallel.layers import attention_heads
-from rein.engine.parallel.ranks import RankProcesses, rank_device
 from rein.engine.pooler import add_pooling_request, finish_requests
-from rein.engine.pooling_config import PoolingParams, read_pooling_config
+from rein.engine.rank_processes import RankProcesses, rank_device
 from rein.engine.request import ChoiceGroup, Request, RequestStatus
 from rein.engine.sampler import Sampler, SamplingBatch, make_generator
 from rein.engine.sampling_params import SamplingParams
 from rein.engine.scheduler import Scheduler
+from rein.engine.step_outputs import RequestOutput, TokenLogprob
 from rein.engine.structured.decoding import StructuredDecoding
-from rein.engine.tokenizer_files import TokenizerOptions
+from rein.model.files import resolve_model
+from rein.model.implementation import TRANSFORMERS_FAMILY, spec_for
+from rein.model.parallel.layers import attention_heads
+from rein.model.pooling_config import PoolingParams, read_pooling_config
+from rein.model.tokenizer_files import TokenizerOptions
 
 log = logging.getLogger(__name__)
 

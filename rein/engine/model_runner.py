@@ -11,7 +11,7 @@ It also copies KV blocks on request (`copy_blocks`): the choices of an n > 1 req
 each need their own copy of the prompt's partly filled last block.
 
 Sliding-window layers get caches of their own when the capacity arithmetic says so
-(rein.engine.capacity): smaller tensors indexed by windowed blocks, which
+(rein.model.capacity): smaller tensors indexed by windowed blocks, which
 rein.engine.window_blocks lends to the logical blocks their windows cover. Each step then
 also translates the slots and block tables through that map (AttentionMetadata.windowed).
 """
@@ -25,27 +25,27 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rein.engine.attention import AttentionMetadata, LayerCache
 from rein.engine.block_pool import BlockPool
-from rein.engine.capacity import KVCapacity, kv_capacity
 from rein.engine.config import EngineConfig
-from rein.engine.cpu_allocator import keep_freed_memory
 from rein.engine.cuda_graphs import DecodeGraphs
-from rein.engine.loader import load_model
-from rein.engine.model_files import ModelFiles
-from rein.engine.model_spec import ModelSpec
-from rein.engine.outputs import TokenLogprob
-from rein.engine.parallel.group import SINGLE_RANK, ParallelGroup
-from rein.engine.parallel.layers import attention_heads
 from rein.engine.pooler import gather
 from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
 from rein.engine.scheduler import ScheduledRequest
+from rein.engine.step_outputs import TokenLogprob
 from rein.engine.window_blocks import WindowBlocks
 from rein.kernels import cpu_native, cpu_paths
+from rein.model.attention import AttentionMetadata, LayerCache
+from rein.model.capacity import KVCapacity, kv_capacity
+from rein.model.cpu_allocator import keep_freed_memory
+from rein.model.files import ModelFiles
+from rein.model.loader import load_model
+from rein.model.parallel.group import SINGLE_RANK, ParallelGroup
+from rein.model.parallel.layers import attention_heads
+from rein.model.spec import ModelSpec
 
 if TYPE_CHECKING:
-    from rein.engine.parallel.ranks import RankProcesses
+    from rein.engine.rank_processes import RankProcesses
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,7 @@ class CapacityError(ValueError):
 @dataclass
 class StepPlan:
     """One step's forward pass as plain lists, built by rank 0 from the scheduled requests and
-    run by every rank (rein.engine.parallel.ranks sends it to the others). Rows: decodes first
+    run by every rank (rein.engine.rank_processes sends it to the others). Rows: decodes first
     (sorted by context length), then prefill chunks."""
 
     input_ids: list[int]
@@ -113,7 +113,7 @@ def decide_max_model_len(spec: ModelSpec, requested: int | None) -> int:
 class ModelRunner:
     """See the module docstring. Under tensor parallelism every rank has one, built with the
     rank's `group`; rank 0's also has `ranks`, the other ranks' processes it sends each step to
-    (rein.engine.parallel.ranks), and the others run `follow` instead of `execute`."""
+    (rein.engine.rank_processes), and the others run `follow` instead of `execute`."""
 
     def __init__(self, config: EngineConfig, files: ModelFiles, spec: ModelSpec,
                  group: ParallelGroup = SINGLE_RANK, ranks: RankProcesses | None = None) -> None:
@@ -135,7 +135,7 @@ class ModelRunner:
                                 trust_remote_code=config.trust_remote_code, group=group,
                                 quantization=config.quantization)
         if self.device.type == "cpu":
-            # Large step tensors reuse heap memory (rein.engine.cpu_allocator) -- from here on,
+            # Large step tensors reuse heap memory (rein.model.cpu_allocator) -- from here on,
             # so the load's one-off buffers went back to the system; the log names every fast
             # path this CPU takes (rein.kernels.cpu_paths).
             malloc = "heap reuse" if keep_freed_memory() else "glibc defaults"

@@ -13,7 +13,6 @@ No torch import at module top: `rein --help` builds every parser.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -21,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 from rein.core.settings import EngineSettings, load_engine_settings
 
 if TYPE_CHECKING:
-    from rein.engine.config import EngineConfig
+    pass
 
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")  # as rein.engine.config
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 MODEL_IMPLS = ("auto", "rein", "transformers")   # as rein.engine.config
-# As rein.engine.quant.checkpoint.QUANTIZATIONS (a test checks), which imports torch.
+# As rein.model.quant.checkpoint.QUANTIZATIONS (a test checks), which imports torch.
 QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "awq", "gptq",
                  "gguf")
 
@@ -127,36 +126,6 @@ def options_by_name(name: str) -> EngineOption:
     return next(option for option in ENGINE_OPTIONS if option.name == name)
 
 
-def add_model_option(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, metavar="MODEL",
-                        help="a Hugging Face model directory, a GGUF file (needs rein[gguf]) or a hub id")
-
-
-def add_engine_options(parser: argparse.ArgumentParser, command: str) -> None:
-    """The engine options `command` takes, as flags whose argparse default is None (not given)."""
-    group = parser.add_argument_group("engine", "flag > REIN_* variable > default")
-    for option in options_for(command):
-        default = option.default
-        shown = option.shown_default or (str(default).lower() if isinstance(default, bool) else default)
-        help_text = f"{option.help} (default: {shown}; {option.variable})".replace("%", "%%")
-        if option.boolean:
-            group.add_argument(option.flag, dest=option.name, action=argparse.BooleanOptionalAction,
-                               default=None, help=help_text)
-        else:
-            group.add_argument(option.flag, dest=option.name, type=option.type, choices=option.choices,
-                               metavar=option.metavar, default=None, help=help_text)
-    if command in options_by_name("enable_prefix_caching").commands:
-        # The spelling rein had before vLLM's; hidden.
-        group.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-                           default=None, help=argparse.SUPPRESS)
-
-
-def add_served_model_name_option(parser: argparse.ArgumentParser) -> None:
-    """`rein run-batch` only: the worker's model name is its REIN_MODELS key, `generate` prints text alone."""
-    parser.add_argument("--served-model-name", default=None, metavar="NAME",
-                        help="`model` in responses when a line gives none (default: the model directory name)")
-
-
 def resolve_engine_values(given: Mapping[str, Any], variables: EngineSettings | None = None,
                           names: tuple[str, ...] = ENGINE_OPTION_NAMES) -> dict[str, Any]:
     """Each option's value: `given` (flags or keywords; None = not given) > REIN_* > default.
@@ -166,43 +135,3 @@ def resolve_engine_values(given: Mapping[str, Any], variables: EngineSettings | 
     """
     variables = variables if variables is not None else load_engine_settings()
     return {name: given[name] if given.get(name) is not None else getattr(variables, name) for name in names}
-
-
-def engine_config_from_args(args: argparse.Namespace, command: str,
-                            variables: EngineSettings | None = None) -> EngineConfig:
-    """Raises ValueError (with the engine's message) for an invalid combination or variable."""
-    from rein.engine.config import EngineConfig
-
-    names = tuple(option.name for option in options_for(command))
-    return EngineConfig(model=args.model, **resolve_engine_values(vars(args), variables, names))
-
-
-def build_engine(args: argparse.Namespace, command: str):
-    """The engine for these args; configuration and model errors become `CLIError`."""
-    from rein.engine.engine import LLMEngine
-
-    try:
-        return LLMEngine(engine_config_from_args(args, command))
-    except (ValueError, FileNotFoundError) as exc:  # bad sizes, missing model, capacity errors, SettingsError
-        raise CLIError(str(exc)) from exc
-
-
-def generation_defaults_of(engine: Any):
-    """The sampling defaults of the engine's model under its `generation_config`, logged once
-    (CLIError for an unreadable generation_config.json)."""
-    import logging
-
-    from rein.engine.generation_defaults import GenerationConfigError, load_generation_defaults
-
-    try:
-        defaults = load_generation_defaults(engine.model_dir, engine.config.generation_config)
-    except GenerationConfigError as exc:
-        raise CLIError(str(exc)) from exc
-    logging.getLogger("rein.engine.generation_defaults").info(
-        "generation defaults for model %s: %s", engine.config.model, defaults.describe())
-    return defaults
-
-
-class CLIError(Exception):
-    """A user error the command reports on one line (exit status 2)."""
-

@@ -26,10 +26,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from rein.engine.errors import EngineRequestError
-from rein.engine.outputs import RequestOutput
-from rein.engine.pooling_config import CLS, LAST, MEAN, PoolingError, PoolingParams
 from rein.engine.request import Request, RequestStatus
 from rein.engine.sampling_params import SamplingParams
+from rein.engine.step_outputs import RequestOutput
+from rein.model.pooling_config import CLS, LAST, MEAN, PoolingError, PoolingParams
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine

@@ -43,9 +43,9 @@ import torch
 from rein.core.settings import swap_environment
 from rein.engine.client import EngineClient, EngineStoppedError, _Add
 from rein.engine.config import EngineConfig
-from rein.engine.core import EngineCore
 from rein.engine.engine import EngineStats
-from rein.engine.outputs import RequestOutput
+from rein.engine.loop import EngineCore
+from rein.engine.step_outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -331,7 +331,7 @@ class _ChildLoop:
         return replace(engine.stats), engine.num_running, engine.num_waiting, engine.pool.num_free
 
     def run(self) -> None:
-        """The engine core loop (rein.engine.core), its commands from the parent's pipe and its
+        """The engine core loop (rein.engine.loop), its commands from the parent's pipe and its
         outputs, with the engine's state, back through it."""
         conn = self.conn
         EngineCore(self.engine, self._drain,

@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from rein.engine.outputs import TokenLogprob
+from rein.engine.step_outputs import TokenLogprob
 
 # Rows scored at a time: [rows, vocab] float32 logits exist only for one slice, so a long
 # prefill chunk of a 150k-vocabulary model needs ~150 MB here, not gigabytes.

@@ -76,7 +76,7 @@ import bisect
 import heapq
 from dataclasses import dataclass, field
 
-from rein.core.messages import PRIORITY_BATCH
+from rein.core.priorities import PRIORITY_BATCH
 from rein.engine.block_pool import ROOT, BlockPool
 from rein.engine.request import Request, RequestStatus
 from rein.engine.window_blocks import WindowBlocks

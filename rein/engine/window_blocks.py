@@ -166,7 +166,7 @@ class WindowBlocks:
         if not self._evictable:
             raise WindowPoolExhausted(
                 f"all {self.num_blocks} windowed KV blocks are held by running requests; "
-                f"their bound (rein.engine.capacity.windowed_pool_bound) should have prevented that")
+                f"their bound (rein.model.capacity.windowed_pool_bound) should have prevented that")
         logical, _ = self._evictable.popitem(last=False)
         block, self.physical[logical] = self.physical[logical], -1
         return block

@@ -6,8 +6,8 @@ from redis import Redis
 from sqlalchemy import func, update
 from sqlalchemy.orm import Session
 
-from rein.core.models import Batch, Job
-from rein.core.redis_keys import RedisKeys
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import Batch, Job
 
 
 def request_cancel(redis: Redis, keys: RedisKeys, job_id: str, flag_ttl_seconds: int) -> None:

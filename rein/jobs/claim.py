@@ -55,9 +55,9 @@ from typing import Any
 from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.core.db import HeldConnections, engine_of, execute_all, execute_one
-from rein.core.models import FINISHED_JOB_STATUSES, Job
 from rein.jobs.group_commit import GroupCommit
+from rein.store.db import HeldConnections, engine_of, execute_all, execute_one
+from rein.store.tables import FINISHED_JOB_STATUSES, Job
 
 MAX_ATTEMPTS = 3          # attempts a job may spend (refunded ones not counted)
 MAX_STARTS = 20           # claims in all, refunded or not: a bound for a job that is always handed back
@@ -124,7 +124,7 @@ _CLAIM_SET_SQL = f"""status = 'running', attempt = attempt + 1, worker = %s, sta
        attempts_refunded = attempts_refunded + {_LEASE_DIED_SQL},
        lease_expires_at = now() + make_interval(secs => %s)"""
 
-# The claim: one conditional UPDATE, its own transaction (rein.core.db.execute_one; every job
+# The claim: one conditional UPDATE, its own transaction (rein.store.db.execute_one; every job
 # runs it, so it is SQL text), for a claimable job with no cancel requested and attempts left.
 _CLAIM_SQL = f"""
 UPDATE jobs SET {_CLAIM_SET_SQL}

@@ -46,8 +46,9 @@ from typing import Any
 from celery import Celery
 from kombu.utils.uuid import uuid
 
-from rein.core.messages import PRIORITY_BATCH, JobMessage
-from rein.core.redis_keys import RedisKeys
+from rein.core.priorities import PRIORITY_BATCH
+from rein.store.messages import JobMessage
+from rein.store.redis_keys import RedisKeys
 
 TASK_NAME = "rein.run_job"
 PRIORITY_STEPS = list(range(10))

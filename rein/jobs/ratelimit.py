@@ -50,9 +50,9 @@ from dataclasses import dataclass
 from redis import Redis
 from redis.commands.core import Script
 
-from rein.core.keys import KeyInfo
-from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
+from rein.store.keys import KeyInfo
+from rein.store.redis_keys import RedisKeys
 
 WINDOW_SECONDS = 60
 MICROS = 1_000_000

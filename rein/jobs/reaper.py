@@ -51,10 +51,10 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.core.messages import JobMessage
-from rein.core.models import JOB_MESSAGE_COLUMNS
 from rein.jobs.claim import MAX_STARTS, too_many_attempts_error
 from rein.jobs.queues import enqueue_jobs, queue_keys
+from rein.store.messages import JobMessage
+from rein.store.tables import JOB_MESSAGE_COLUMNS
 
 log = logging.getLogger(__name__)
 

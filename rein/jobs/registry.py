@@ -5,7 +5,7 @@ Loaded once at startup (transformers' AutoTokenizer needs no torch), so a reques
 tokenizes. The context length is REIN_MODELS' `@N` when given, else REIN_MAX_MODEL_LEN,
 otherwise the model's `config.json` `max_position_embeddings` (or the tokenizer's
 model_max_length). The tokenizer and its chat template are chosen as the engine's are
-(REIN_TOKENIZER, REIN_CHAT_TEMPLATE, REIN_TRUST_REMOTE_CODE: rein.engine.tokenizer_files), so the
+(REIN_TOKENIZER, REIN_CHAT_TEMPLATE, REIN_TRUST_REMOTE_CODE: rein.model.tokenizer_files), so the
 API builds the prompts a worker would. The sampling defaults are the model's generation_config.json under
 REIN_GENERATION_CONFIG (rein.engine.generation_defaults), passed to parse_request, so a job's
 params are fixed, defaults included, when the API accepts it.
@@ -25,8 +25,8 @@ from rein.engine.generation_defaults import (
     GenerationDefaults,
     load_generation_defaults,
 )
-from rein.engine.model_files import resolve_model
-from rein.engine.tokenizer_files import TokenizerOptions
+from rein.model.files import resolve_model
+from rein.model.tokenizer_files import TokenizerOptions
 
 log = logging.getLogger(__name__)
 

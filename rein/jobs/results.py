@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from rein.core.models import Job, Result
 from rein.openai.embeddings import job_embeddings_body
 from rein.openai.endpoints import EMBEDDINGS
 from rein.openai.response import build_response
 from rein.openai.tools import apply_tool_calls
+from rein.store.tables import Job, Result
 
 
 def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str, Any]:

@@ -38,8 +38,8 @@ from sqlalchemy import delete, func, select, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.core.filestore import FileStore
-from rein.core.models import File, Job, Result, Usage
+from rein.store.filestore import FileStore
+from rein.store.tables import File, Job, Result, Usage
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Which CPU fast paths this machine can run: probed once per process, named in the load log.
 
 rein's CPU forward has three fast paths beside plain torch:
-- oneDNN linears (rein.engine.models.linear), with float32 weights prepacked at load. oneDNN
+- oneDNN linears (rein.model.architectures.linear), with float32 weights prepacked at load. oneDNN
   has no low-precision inner product on every CPU: on an AVX2-only CPU (no AVX-512-BF16,
   AMX or AVX-NE-CONVERT) `mkldnn._linear_pointwise` raises "could not create a primitive
   descriptor" for bfloat16 and float16. So each dtype is tried once on a tiny input, checked
@@ -9,7 +9,7 @@ rein's CPU forward has three fast paths beside plain torch:
 - rein's C kernels (rein.kernels.cpu_native): built with -march=native for this CPU, with
   AVX2+FMA or AVX-512 code where the compiler targets them and plain loops otherwise, so they
   build and run on any x86-64 (or other) CPU with a C compiler; float32 only.
-- glibc malloc thresholds (rein.engine.cpu_allocator).
+- glibc malloc thresholds (rein.model.cpu_allocator).
 
 REIN_CPU_FAST_PATHS=0 turns all three off (torch alone), for a machine where one misbehaves
 and for the tests, which run the fallback on every machine. REIN_CPU_KERNELS and

@@ -1,7 +1,7 @@
 """A layer's element-wise work, fused, on whichever device the tensors are: rein's C kernels for
 float32 CPU tensors (rein.kernels.cpu_native), Triton kernels on CUDA
 (rein.kernels.triton_elementwise). Each function returns None (rotary_: False) where neither
-applies, and the caller runs torch's code (rein.engine.models.llama)."""
+applies, and the caller runs torch's code (rein.model.architectures.llama)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ between (RMSNorm alone: square, mean, add, rsqrt, two multiplies, two casts); at
 step is a string of such launches. Each kernel here reads its inputs once and writes once, one
 program per row (or per token and head for rotary).
 
-The arithmetic mirrors the torch code in rein.engine.models.llama and rope (and so Hugging
+The arithmetic mirrors the torch code in rein.model.architectures.llama and rope (and so Hugging
 Face's): statistics and rotations in float32, the normalized value rounded to the activation
 dtype before the weight multiplies it, SiLU rounded before the product with `up`, the residual
 sum rounded before it is normalized. Launched without host synchronization, so CUDA graphs can

@@ -15,7 +15,7 @@ A step's T tokens each go to k experts: T * k (token, expert) pairs. As vLLM's f
 3. SiLU-and-multiply between the two (rein.kernels.triton_elementwise), and the k rows of
    each token summed at the end.
 
-The torch reference is rein.engine.models.moe.grouped_experts (tests/kernels/test_triton_moe.py
+The torch reference is rein.model.architectures.moe.grouped_experts (tests/kernels/test_triton_moe.py
 compares them under the Triton interpreter). float32 runs IEEE products (tf32 would lose
 about three decimal digits against the reference); fp16/bf16 accumulate in float32.
 """

@@ -3,7 +3,7 @@
 does not import torch; building an engine does."""
 
 from rein.offline.llm import LLM
-from rein.offline.outputs import CompletionOutput, GenerationOutput, Logprob
+from rein.offline.llm_outputs import CompletionOutput, GenerationOutput, Logprob
 from rein.offline.run_batch import BatchSummary, format_summary, run_batch
 
 __all__ = ["LLM", "BatchSummary", "CompletionOutput", "GenerationOutput", "Logprob", "format_summary", "run_batch"]

@@ -2,8 +2,8 @@
 
 `drive` takes work items one at a time from any iterable, but only while fewer than
 `max_in_flight` requests are in the engine, so memory stays bounded however long the
-input is. It runs the engine core loop (rein.engine.core) in the calling thread, gathers
-each request's outputs (a rein.engine.results.RequestResult, whose `state` is what `admit`
+input is. It runs the engine core loop (rein.engine.loop) in the calling thread, gathers
+each request's outputs (a rein.engine.request_result.RequestResult, whose `state` is what `admit`
 returned with its id), and hands every finished request back once. The caller decides what
 an item is, how it becomes an engine request (`admit`), and what to do with the result
 (`finish`); the loop itself is the same for both front ends.
@@ -17,12 +17,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, TypeVar
 
-from rein.engine.core import EngineCore
-from rein.engine.results import RequestResult
+from rein.engine.loop import EngineCore
+from rein.engine.request_result import RequestResult
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
-    from rein.engine.outputs import RequestOutput
+    from rein.engine.step_outputs import RequestOutput
 
 Item = TypeVar("Item")
 State = TypeVar("State")

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from rein.engine.errors import EngineRequestError
-from rein.engine.pooling_config import PoolingError, PoolingParams
-from rein.engine.results import RequestResult
+from rein.engine.request_result import RequestResult
+from rein.model.pooling_config import PoolingError, PoolingParams
 from rein.offline.driver import drive
 from rein.offline.prompts import as_prompt_list, read_prompt
 from rein.openai.batch_lines import BatchLine

@@ -12,7 +12,7 @@ naming its index before any request runs), then drive the engine through
 most `max_in_flight` requests are in the engine at once, however many prompts are given.
 Outputs come back in input order.
 
-The result classes are vLLM's (rein.offline.outputs); prompts are read as vLLM reads them
+The result classes are vLLM's (rein.offline.llm_outputs); prompts are read as vLLM reads them
 (rein.offline.prompts).
 
 Choices where rein differs from vLLM:
@@ -48,11 +48,11 @@ from tqdm import tqdm
 from rein.engine.errors import EngineRequestError
 from rein.engine.generation_defaults import load_generation_defaults
 from rein.engine.options import ENGINE_OPTION_NAMES, resolve_engine_values
-from rein.engine.results import RequestResult
+from rein.engine.request_result import RequestResult
 from rein.engine.sampling_params import SamplingParams
 from rein.offline.driver import default_max_in_flight, drive
 from rein.offline.embed import EmbeddingRequestOutput, embed
-from rein.offline.outputs import GenerationOutput, TokenTexts, completion_output, logprob_dict
+from rein.offline.llm_outputs import GenerationOutput, TokenTexts, completion_output, logprob_dict
 from rein.offline.prompts import (
     Conversation,
     Prompt,
@@ -67,7 +67,7 @@ from rein.openai.prompts import chat_prompt
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
-    from rein.engine.pooling_config import PoolingParams
+    from rein.model.pooling_config import PoolingParams
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +108,9 @@ class LLM:
     at once; default 4 x max_num_seqs). An engine argument not given takes its REIN_*
     variable (REIN_MAX_NUM_SEQS, ...) when set, else the default shown in the signature.
     `tensor_parallel_size` shards the model over that many processes, one device each (on CUDA
-    `device` and the ones after it; rein.engine.parallel.ranks); `quantization` keeps a
+    `device` and the ones after it; rein.engine.rank_processes); `quantization` keeps a
     checkpoint's quantized weights (auto), dequantizes them (none) or quantizes a float one
-    (int8, int4, int4-gN: rein.engine.quant.checkpoint); `pipeline_parallel_size` must
+    (int8, int4, int4-gN: rein.model.quant.checkpoint); `pipeline_parallel_size` must
     be 1; `disable_log_stats` is
     accepted and changes nothing. Any other vLLM argument raises
     TypeError rather than being silently ignored.

@@ -35,7 +35,7 @@ from tqdm import tqdm
 from rein.core.settings import setting_or_default
 from rein.engine.errors import EngineRequestError
 from rein.engine.generation_defaults import GenerationDefaults, load_generation_defaults
-from rein.engine.results import RequestResult
+from rein.engine.request_result import RequestResult
 from rein.offline.driver import default_max_in_flight, drive
 from rein.offline.embed import EmbeddingPart, finish_embeddings_part, take_embeddings_line
 from rein.offline.prefix_order import DEFAULT_WINDOW, ORDERS, prefix_ordered
@@ -48,7 +48,7 @@ from rein.openai.batch_lines import (
     parse_batch_line,
     read_lines,
 )
-from rein.openai.choice_bodies import full_response
+from rein.openai.choices_response import full_response
 from rein.openai.endpoints import EMBEDDINGS
 from rein.openai.errors import INVALID_REQUEST, RequestError
 from rein.openai.request import ParsedRequest, parse_request
@@ -257,7 +257,7 @@ class BatchRun:
                 pending.endpoint, done.request_id, pending.model_name, prompt_tokens, done.text,
                 done.token_ids, done.finish_reason, done.logprobs if parsed.logprobs_mode is not None else None,
                 self.engine.tokenizer, parsed.logprobs_mode, int(time.time()), cached_tokens=done.num_cached_tokens)
-        else:   # n > 1, best_of, echo, prompt logprobs (rein.openai.choice_bodies)
+        else:   # n > 1, best_of, echo, prompt logprobs (rein.openai.choices_response)
             body = full_response(pending.endpoint, done.request_id, pending.model_name, done,
                                  parsed.prompt_token_ids, self.engine.tokenizer, parsed.logprobs_mode, parsed.shape,
                                  int(time.time()))

@@ -14,7 +14,7 @@ effect). Limits follow OpenAI's: at most 2048 inputs, each non-empty and within 
 context, at most 300,000 tokens in all. Strings are tokenized with the tokenizer's special
 tokens, as vLLM does (Qwen3-Embedding's tokenizer appends the end-of-text token its
 last-token pooling reads). `dimensions` needs a model that declares Matryoshka support
-(rein.engine.pooling_config). Every malformed request raises `RequestError` naming the parameter.
+(rein.model.pooling_config). Every malformed request raises `RequestError` naming the parameter.
 
 A job stores its vectors as floats (`results.response = {"data": [...]}`); the encoding is
 applied when the body is built, so the stored result is the same whatever was asked.
@@ -30,18 +30,18 @@ from pathlib import Path
 from typing import Any
 
 from rein.core.input_checks import json_type
-from rein.engine.pooling_config import (
+from rein.model.pooling_config import (
     PoolingConfig,
     PoolingError,
     PoolingParams,
     read_pooling_config,
 )
-from rein.openai.choices import ResponseShape
 from rein.openai.endpoints import EMBEDDINGS
 from rein.openai.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
 from rein.openai.fields import is_int
 from rein.openai.limits import MAX_CHARS_PER_TOKEN
 from rein.openai.prompts import check_token_ids
+from rein.openai.response_shape import ResponseShape
 
 MAX_INPUTS = 2048                # OpenAI's limit on inputs per request
 MAX_TOTAL_TOKENS = 300_000       # OpenAI's limit on the tokens of all inputs of a request

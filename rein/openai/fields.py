@@ -36,7 +36,7 @@ _STRUCTURED_OUTPUT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "gu
                              "guided_decoding_backend", "guided_whitespace_pattern", "structured_outputs")
 
 
-# Parsed for /v1/completions (rein.openai.choice_fields); on chat, neutral values only.
+# Parsed for /v1/completions (rein.openai.choices_request); on chat, neutral values only.
 _COMPLETION_CHOICE_FIELDS = frozenset({"echo", "best_of"})
 
 

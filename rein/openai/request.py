@@ -4,7 +4,7 @@ Shared by the offline batch runner and the HTTP API, so it imports no web framew
 nothing from the engine that needs torch: a request body becomes prompt token ids plus
 `SamplingParams` (`parse_request`). The pieces live beside it: which fields a body may hold
 and their JSON types (rein.openai.fields), the prompt (rein.openai.prompts), the choices'
-fields (rein.openai.choice_fields), the caps (rein.openai.limits). Each field is checked
+fields (rein.openai.choices_request), the caps (rein.openai.limits). Each field is checked
 once, here or in those modules; the engine checks only what it alone knows.
 
 Every malformed request raises `RequestError`, whose message says what was wrong and
@@ -24,8 +24,8 @@ Choices made where OpenAI is silent or rein differs:
   model ended its answer.
 * Completions `text_offset` counts characters from the start of the returned text, token
   by token (with `echo`, from the start of the prompt's tokens).
-* n > 1, best_of, echo and vLLM's prompt_logprobs: rein.openai.choice_fields parses them into
-  SamplingParams and a `rein.openai.choices.ResponseShape`; rein.openai.choice_bodies builds their body.
+* n > 1, best_of, echo and vLLM's prompt_logprobs: rein.openai.choices_request parses them into
+  SamplingParams and a `rein.openai.response_shape.ResponseShape`; rein.openai.choices_response builds their body.
   Each choice may use max_tokens beside the shared prompt (vLLM's context check).
 * Tools (`tools`, `tool_choice`, tool messages) are read by rein.openai.tool_request and answered
   by rein.openai.tools: its docstring says what each tool_choice does and which finish_reason it gives.
@@ -39,8 +39,7 @@ from typing import TYPE_CHECKING, Any
 from rein.core.input_checks import json_type
 from rein.engine.sampling_params import SamplingParams, SamplingParamsError
 from rein.engine.structured.request import structured_from_body
-from rein.openai.choice_fields import check_response_size, choice_fields
-from rein.openai.choices import ResponseShape
+from rein.openai.choices_request import check_response_size, choice_fields
 from rein.openai.endpoints import CHAT_COMPLETIONS, ENDPOINTS
 from rein.openai.errors import RequestError, context_length_error
 from rein.openai.fields import get_field, is_int, refuse_unsupported
@@ -55,6 +54,7 @@ from rein.openai.limits import (
     MIN_REPETITION_PENALTY,
 )
 from rein.openai.prompts import chat_prompt, check_token_ids, completion_prompt
+from rein.openai.response_shape import ResponseShape
 from rein.openai.tool_request import parse_tools, sampling_fields
 
 if TYPE_CHECKING:
@@ -69,7 +69,7 @@ class ParsedRequest:
     # None: the response carries `logprobs: null`; k >= 0: logprobs with k alternatives per token.
     logprobs_mode: int | None
     stream: bool = False
-    # n > 1, best_of, echo, prompt logprobs: how the choices become the body (rein.openai.choices).
+    # n > 1, best_of, echo, prompt logprobs: how the choices become the body (rein.openai.response_shape).
     shape: ResponseShape = field(default_factory=ResponseShape)
 
 

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS
 
 if TYPE_CHECKING:
-    from rein.engine.outputs import TokenLogprob
+    from rein.engine.step_outputs import TokenLogprob
 
 _FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "length"}
 

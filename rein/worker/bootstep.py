@@ -66,12 +66,12 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.batches.wakeup import announce_batch_progress
 from rein.core.cpu_pinning import check_engine_cpus, format_cpus, keep_worker_off
-from rein.core.db import make_engine
 from rein.core.logging import configured_elsewhere, log_context
-from rein.core.redis_keys import RedisKeys
 from rein.jobs.claim import GroupClaimer
 from rein.jobs.queues import interactive_slots, queued_slots
 from rein.jobs.reaper import Reaper
+from rein.store.db import make_engine
+from rein.store.redis_keys import RedisKeys
 from rein.worker.cancel import CancelListener
 from rein.worker.engine_keeper import EngineKeeper
 from rein.worker.heartbeat import HEARTBEAT_SECONDS, Heartbeat

@@ -34,8 +34,8 @@ from collections.abc import Callable
 
 from redis import Redis
 
-from rein.core.channel_listener import ChannelListener
-from rein.core.redis_keys import RedisKeys
+from rein.store.channel_listener import ChannelListener
+from rein.store.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ MAX_HEARD = 10_000
 
 
 class CancelListener:
-    """A thread subscribed to the cancel channel (rein.core.channel_listener), calling
+    """A thread subscribed to the cancel channel (rein.store.channel_listener), calling
     `on_cancel(job_id)` for each message.
 
     `running_jobs()` lists the jobs this worker runs; after every (re)subscription their

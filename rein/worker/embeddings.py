@@ -22,10 +22,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from rein.core.messages import JobMessage
-from rein.engine.pooling_config import PoolingParams
+from rein.model.pooling_config import PoolingParams
 from rein.openai.embeddings import split_inputs, stored_response
 from rein.openai.response import usage_body
+from rein.store.messages import JobMessage
 from rein.worker.job_end import (
     ABORT_GRACE_SECONDS,
     abort_if_cancelled,
@@ -39,7 +39,7 @@ from rein.worker.recorder import JobRecord
 
 if TYPE_CHECKING:
     from rein.engine.client import CollectingStream
-    from rein.engine.outputs import RequestOutput
+    from rein.engine.step_outputs import RequestOutput
     from rein.jobs.claim import Lease
     from rein.worker.bootstep import WorkerContext
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from redis import Redis
 from redis.exceptions import RedisError
 
-from rein.core.redis_keys import RedisKeys
+from rein.store.redis_keys import RedisKeys
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine

@@ -15,11 +15,11 @@ from typing import TYPE_CHECKING, Any
 from redis.exceptions import RedisError
 from sqlalchemy.exc import InterfaceError, OperationalError
 
-from rein.core.messages import JobMessage
 from rein.jobs.cancel import is_cancel_requested
 from rein.jobs.claim import Lease, release_job
 from rein.jobs.queues import enqueue_job
 from rein.jobs.ratelimit import settle_tokens
+from rein.store.messages import JobMessage
 from rein.worker.recorder import JobRecord, record_job
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
-    from rein.engine.outputs import RequestOutput
+    from rein.engine.step_outputs import RequestOutput
 
 log = logging.getLogger(__name__)
 

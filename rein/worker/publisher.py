@@ -63,10 +63,10 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import NoScriptError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from rein.core.messages import STREAM_FIELD, TokenEvent
-from rein.core.redis_keys import RedisKeys
-from rein.engine.outputs import RequestOutput
+from rein.engine.step_outputs import RequestOutput
 from rein.openai.response import usage_body
+from rein.store.messages import STREAM_FIELD, TokenEvent
+from rein.store.redis_keys import RedisKeys
 from rein.worker.recorder import storable_text
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ shape (it needs the tokenizer, which the worker has and the API need not load).
 `response_body(job, result)` rebuilds exactly the body the synchronous endpoint returns
 (tool calls are parsed out of the stored text there, from the job's own request body).
 A request with more than one plain choice (n > 1, best_of, echo, prompt logprobs) also
-stores `results.response`: the body's `choices` and `usage` (rein.openai.choice_bodies), merged
+stores `results.response`: the body's `choices` and `usage` (rein.openai.choices_response), merged
 over the plain body; its text, token ids and logprobs columns hold the first returned choice.
 
 The worker records through `GroupRecorder`: jobs that end together (a batch's lines end
@@ -37,9 +37,9 @@ from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from rein.core.db import HeldConnections, engine_of, execute_all, execute_one
 from rein.jobs.claim import Lease
 from rein.jobs.group_commit import GroupCommit
+from rein.store.db import HeldConnections, engine_of, execute_all, execute_one
 
 
 def storable_text(text: str) -> str:
@@ -71,7 +71,7 @@ class JobRecord:
     cached_tokens: int = 0
     first_token_at: datetime | None = None
     error: dict[str, Any] | None = None           # {"message", "type", "code"} when failed
-    # Body parts beyond the plain one-choice answer (rein.openai.choice_bodies.response_extra, or an
+    # Body parts beyond the plain one-choice answer (rein.openai.choices_response.response_extra, or an
     # embeddings job's `data`); None: plain.
     response: dict[str, Any] | None = None
 
@@ -166,7 +166,7 @@ def _json(value: Any) -> str | None:
 
 
 # The record: the job's status, its result and its usage in one statement (so one transaction
-# and one round trip; rein.core.db.execute_one). The result and usage rows are written only
+# and one round trip; rein.store.db.execute_one). The result and usage rows are written only
 # when the UPDATE matched, i.e. while this attempt still holds the job, and each at most once.
 _RECORD_SQL = """
 WITH done AS (

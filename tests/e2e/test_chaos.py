@@ -37,7 +37,7 @@ from e2e_support import MODEL, STARTUP_TIMEOUT, iter_events, run_service
 from own_servers import PostgresCluster, RedisServer
 from support import wait_for
 
-from rein.core.redis_keys import RedisKeys
+from rein.store.redis_keys import RedisKeys
 
 pytestmark = pytest.mark.slow
 

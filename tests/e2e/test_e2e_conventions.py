@@ -19,8 +19,8 @@ import pytest
 from e2e_support import MAX_MODEL_LEN, MODEL, REIN, REPO, Service, run_service
 from support import wait_for
 
-from rein.core.redis_keys import RedisKeys
 from rein.jobs.ratelimit import tpm_charge_key
+from rein.store.redis_keys import RedisKeys
 
 pytestmark = pytest.mark.slow
 

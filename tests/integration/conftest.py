@@ -32,7 +32,7 @@ from rein.core.settings import Settings, get_settings
 if TYPE_CHECKING:
     import redis
 
-    from rein.core.messages import JobMessage
+    from rein.store.messages import JobMessage
 
 RUN_ID = secrets.token_hex(4)
 POSTGRES_URL = os.environ.get("REIN_TEST_POSTGRES_URL",
@@ -88,7 +88,7 @@ def make_database(postgres_url: URL) -> Iterator[Callable[..., str]]:
 @pytest.fixture(scope="session")
 def database_url(make_database: Callable[..., str]) -> str:
     """URL of this run's database, migrated to the latest revision."""
-    from rein.core.migrate import upgrade
+    from rein.store.migrate import upgrade
 
     url = make_database()
     upgrade(Settings(database_url=url))
@@ -159,7 +159,7 @@ def settings_env(settings: Settings, monkeypatch: pytest.MonkeyPatch) -> Iterato
 @pytest.fixture(scope="session")
 def db_engine(settings: Settings) -> Iterator[Engine]:
     """An engine on this run's migrated database."""
-    from rein.core.db import make_engine
+    from rein.store.db import make_engine
 
     engine = make_engine(settings.database_url)
     yield engine
@@ -205,8 +205,9 @@ def tenant() -> str:
 @pytest.fixture
 def make_job(db_sessionmaker, tenant) -> Callable[..., JobMessage]:
     """Insert a queued job (and its tenant's key) and return its queue message."""
-    from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
-    from rein.core.models import ApiKey, Job
+    from rein.core.priorities import PRIORITY_INTERACTIVE
+    from rein.store.messages import JobMessage
+    from rein.store.tables import ApiKey, Job
 
     key_id = f"k{secrets.token_hex(6)}"
     with db_sessionmaker.begin() as session:

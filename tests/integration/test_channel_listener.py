@@ -1,4 +1,4 @@
-"""rein.core.channel_listener against a Redis of the test's own, killed and started again: the
+"""rein.store.channel_listener against a Redis of the test's own, killed and started again: the
 listener says when it is subscribed, subscribes again when Redis is back (calling
 `on_subscribed` each time), and a message whose handler fails does not end it."""
 
@@ -8,7 +8,7 @@ from own_servers import RedisServer
 from redis import Redis
 from support import wait_for
 
-from rein.core.channel_listener import ChannelListener
+from rein.store.channel_listener import ChannelListener
 
 CHANNEL = "rein-test:channel-listener"
 

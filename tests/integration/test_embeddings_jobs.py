@@ -12,12 +12,12 @@ import struct
 import pytest
 from support import wait_for
 
-from rein.core.messages import STREAM_FIELD, JobMessage, TokenEvent
-from rein.core.models import ApiKey, Job, Result, Usage
-from rein.core.redis_keys import RedisKeys
-from rein.engine.pooling_config import PoolingConfig
 from rein.jobs.results import response_body
+from rein.model.pooling_config import PoolingConfig
 from rein.openai.embeddings import parse_embeddings_request
+from rein.store.messages import STREAM_FIELD, JobMessage, TokenEvent
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import ApiKey, Job, Result, Usage
 from rein.worker.app import make_worker_celery
 
 MODEL = "tiny-embed"

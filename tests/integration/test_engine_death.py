@@ -3,7 +3,7 @@ back with their attempts refunded, as suspects split in halves, the worker says 
 takes nothing meanwhile, a new engine starts, and the jobs succeed; a job that dies alone after
 an earlier death is failed as the cause (tests/integration/test_poison.py: one among 32). A
 tensor-parallel engine is one engine: a rank killed mid-step takes the whole group down, and
-it is replaced as one (rein.engine.parallel.ranks).
+it is replaced as one (rein.engine.rank_processes).
 
 Real Redis and Postgres, a real engine child process; the task is `process_job` called on
 this test's threads, a message "redelivered" by calling it again."""
@@ -19,7 +19,7 @@ from dataclasses import replace
 import pytest
 import support
 
-from rein.engine.parallel.shm_reduce import process_alive
+from rein.model.parallel.shm_reduce import process_alive
 from rein.worker.app import make_worker_celery
 
 WAIT = 120.0
@@ -27,7 +27,7 @@ MODEL = "tiny"
 
 
 def job_row(sessions, job_id: str):
-    from rein.core.models import Job
+    from rein.store.tables import Job
 
     with sessions() as session:
         return session.get(Job, job_id)
@@ -47,7 +47,7 @@ def rank_pids(engine_pid: int) -> list[int]:
                 command = cmdline.read()
         except (OSError, IndexError, ValueError):
             continue
-        if parent == engine_pid and b"rein.engine.parallel.follower" in command:
+        if parent == engine_pid and b"rein.engine.rank_follower" in command:
             pids.append(int(entry))
     return pids
 

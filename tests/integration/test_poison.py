@@ -126,7 +126,7 @@ class Broker:
 
 
 def test_a_poison_job_among_32_is_failed_alone_and_the_others_succeed(worker, make_job, db_sessionmaker):
-    from rein.core.models import Job
+    from rein.store.tables import Job
 
     model = f"m{secrets.token_hex(3)}"   # no Celery worker consumes it: the requeued messages stay put
     messages = [make_job(max_tokens=MAX_TOKENS, model=model, prompt=[5, 6, 7 + i]) for i in range(JOBS)]

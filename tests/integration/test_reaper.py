@@ -11,11 +11,11 @@ import pytest
 from sqlalchemy import func, select, update
 from support import queued_job_ids
 
-from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
-from rein.core.models import ApiKey, Job
+from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.jobs.claim import MAX_STARTS, claim_job, renew_leases
 from rein.jobs.queues import queue_keys
 from rein.jobs.reaper import Reaper
+from rein.store.tables import ApiKey, Job
 from rein.worker.app import make_worker_celery
 
 
@@ -156,8 +156,8 @@ def test_after_a_postgres_outage_leases_are_not_taken_before_workers_could_renew
 
 def test_lost_messages_are_sent_again_but_the_queue_is_not_flooded(make_job, reaper, db_sessionmaker,
                                                                    redis_client, settings, model, celery):
-    from rein.core.messages import JobMessage
     from rein.jobs.queues import enqueue_job
+    from rein.store.messages import JobMessage
 
     oldest, older, waiting = make_job(sent_ago=90), make_job(sent_ago=60), make_job(sent_ago=30)
     fresh = make_job(sent_ago=1)            # sent a moment ago: within the bound, left alone

@@ -28,9 +28,10 @@ from urllib.parse import quote
 import pytest
 from support import free_port, wait_for
 
-from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
+from rein.core.priorities import PRIORITY_INTERACTIVE
 from rein.core.settings import Settings
 from rein.jobs.queues import enqueue_job, make_celery, queue_keys
+from rein.store.messages import JobMessage
 
 PASSWORD = "tls-test-password"
 

@@ -12,9 +12,9 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from sqlalchemy import func, select
 
-from rein.core.filestore import LocalFileStore
-from rein.core.models import File, Job, Result, Usage, new_file_id
 from rein.jobs.retention import RetentionLoop, expire_once, stored_bytes
+from rein.store.filestore import LocalFileStore
+from rein.store.tables import File, Job, Result, Usage, new_file_id
 
 # Now: the other tests' rows (the database is shared) are fresh, only this module's are aged.
 NOW = datetime.now(UTC)

@@ -17,17 +17,17 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.pool import NullPool
 
 from rein.cli.main import main
-from rein.core import keys
-from rein.core.db import (
+from rein.core.settings import Settings
+from rein.store import keys
+from rein.store.db import (
     DatabaseNotMigratedError,
     HeldConnections,
     check_migrations_current,
     make_engine,
     session_scope,
 )
-from rein.core.migrate import current_revision, head_revision, upgrade
-from rein.core.models import ApiKey, Base, Job, Result, Usage
-from rein.core.settings import Settings
+from rein.store.migrate import current_revision, head_revision, upgrade
+from rein.store.tables import ApiKey, Base, Job, Result, Usage
 
 TABLES = {"api_keys", "jobs", "results", "usage", "alembic_version", "files", "batches"}
 HEAD = "0009"   # the newest migration
@@ -393,7 +393,7 @@ def _backend_pid(held: HeldConnections) -> int:
 
 def test_held_connection_is_kept_while_busy_and_returned_when_idle(db_engine, monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr("rein.core.db.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("rein.store.db.time.monotonic", lambda: clock[0])
     held = HeldConnections(db_engine, idle_seconds=1.0)
     first = _backend_pid(held)
     clock[0] += 0.5
@@ -449,7 +449,7 @@ def test_held_connections_are_per_thread(db_engine):
 def test_a_failed_statement_does_not_carry_its_parameters(db_engine):
     """What a failed INSERT puts in its error, and so in any log line: the statement, never its
     bound values (prompts, other tenants' data)."""
-    from rein.core.db import execute_all
+    from rein.store.db import execute_all
 
     prompt = "a tenant's secret prompt, zebrafinch"
     with pytest.raises(Exception) as failed:
@@ -462,8 +462,8 @@ def test_a_failed_statement_does_not_carry_its_parameters(db_engine):
 def test_revoke_with_cancel_work_cancels_what_the_key_started(settings_env, tenant, db_sessionmaker, capsys):
     import redis
 
-    from rein.core.models import Batch
-    from rein.core.redis_keys import RedisKeys
+    from rein.store.redis_keys import RedisKeys
+    from rein.store.tables import Batch
 
     with db_sessionmaker.begin() as session:
         key = keys.create_key(session, name="leaving", scopes="inference,batch", tenant=tenant).info

@@ -11,10 +11,10 @@ import pytest
 from support import wait_for
 
 from rein.cli.main import main
-from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
-from rein.core.redis_keys import RedisKeys
+from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.settings import get_settings
 from rein.jobs.queues import queue_keys
+from rein.store.redis_keys import RedisKeys
 from rein.worker.app import make_worker_celery
 
 

@@ -13,20 +13,19 @@ import pytest
 import support
 from sqlalchemy import func, select, update
 
-from rein.core.messages import (
-    PRIORITY_BATCH,
-    PRIORITY_INTERACTIVE,
-    STREAM_FIELD,
-    JobMessage,
-    TokenEvent,
-)
-from rein.core.models import Job, Result, Usage
-from rein.core.redis_keys import RedisKeys
+from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.jobs.cancel import is_cancel_requested, request_cancel
 from rein.jobs.claim import ClaimOutcome, cancel_unstarted_job, claim_job, release_job
 from rein.jobs.queues import enqueue_job, queue_keys, worker_queues
 from rein.jobs.results import response_body
 from rein.openai.response import usage_body
+from rein.store.messages import (
+    STREAM_FIELD,
+    JobMessage,
+    TokenEvent,
+)
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import Job, Result, Usage
 from rein.worker.app import make_worker_celery
 from rein.worker.cancel import CancelListener
 from rein.worker.publisher import TokenPublisher
@@ -121,7 +120,7 @@ def test_publisher_sends_one_pipeline_per_step_with_gapless_ids(engine, redis_cl
 
 
 def test_open_stream_expires_past_the_longest_job(redis_client, keys):
-    from rein.engine.outputs import RequestOutput
+    from rein.engine.step_outputs import RequestOutput
 
     publisher = TokenPublisher(redis_client, keys, stream_maxlen=1000, stream_ttl_seconds=60,
                                job_timeout_seconds=600)
@@ -138,7 +137,7 @@ def test_open_stream_expires_past_the_longest_job(redis_client, keys):
 def test_publisher_keeps_events_while_redis_is_away_and_sends_them_in_order(redis_client, redis_url, keys):
     from redis import Redis
 
-    from rein.engine.outputs import RequestOutput
+    from rein.engine.step_outputs import RequestOutput
     from rein.worker import publisher as publisher_module
 
     broken = Redis(host="127.0.0.1", port=1, socket_connect_timeout=0.2)   # nothing listens there
@@ -160,7 +159,7 @@ def test_publisher_keeps_events_while_redis_is_away_and_sends_them_in_order(redi
 def test_a_lost_stream_is_not_recreated_from_the_middle(redis_client, keys):
     """Redis lost the job's stream (restarted empty): later events do not start a new stream
     at seq 3, which followers would read as a gap; a new attempt's first event does."""
-    from rein.engine.outputs import RequestOutput
+    from rein.engine.step_outputs import RequestOutput
 
     publisher = TokenPublisher(redis_client, keys, stream_maxlen=1000, stream_ttl_seconds=60, job_timeout_seconds=60)
     job_id = f"job_lost_{secrets.token_hex(4)}"
@@ -179,7 +178,7 @@ def test_a_lost_stream_is_not_recreated_from_the_middle(redis_client, keys):
 def test_a_batch_jobs_deltas_are_coalesced_into_fewer_events(redis_client, keys):
     """coalesce=True holds a choice's deltas until batch_event_seconds have passed (or it ends):
     fewer events, the same text and token ids, seq without gaps."""
-    from rein.engine.outputs import RequestOutput
+    from rein.engine.step_outputs import RequestOutput
 
     publisher = TokenPublisher(redis_client, keys, stream_maxlen=1000, stream_ttl_seconds=60,
                                job_timeout_seconds=60, batch_event_seconds=3600)
@@ -209,7 +208,7 @@ def test_a_batch_jobs_deltas_are_coalesced_into_fewer_events(redis_client, keys)
 def test_a_coalesced_jobs_held_choices_go_out_before_its_end(redis_client, keys):
     """n > 1: a choice's end sends what it held; a cancel (abort) sends every choice's held
     deltas before the final event, so each choice's text is complete."""
-    from rein.engine.outputs import RequestOutput
+    from rein.engine.step_outputs import RequestOutput
 
     publisher = TokenPublisher(redis_client, keys, stream_maxlen=1000, stream_ttl_seconds=60,
                                job_timeout_seconds=60, batch_event_seconds=3600)
@@ -231,7 +230,7 @@ def test_the_sender_thread_sends_in_order_and_flush_waits_for_it(redis_client, k
     """background=True: events are queued by the engine thread and sent by the sender thread;
     flush() returns once everything queued so far is in Redis; after stop() the publisher
     sends on the caller's thread."""
-    from rein.engine.outputs import RequestOutput
+    from rein.engine.step_outputs import RequestOutput
 
     publisher = TokenPublisher(redis_client, keys, stream_maxlen=1000, stream_ttl_seconds=60,
                                job_timeout_seconds=60, background=True)

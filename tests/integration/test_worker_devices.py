@@ -28,10 +28,11 @@ import support
 from sqlalchemy import func, select
 from sqlalchemy.orm import sessionmaker
 
-from rein.core.messages import PRIORITY_INTERACTIVE, JobMessage
-from rein.core.models import ApiKey, Job, Usage
-from rein.core.redis_keys import RedisKeys
+from rein.core.priorities import PRIORITY_INTERACTIVE
 from rein.core.settings import Settings
+from rein.store.messages import JobMessage
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import ApiKey, Job, Usage
 
 MODEL = "tiny"
 START_TIMEOUT = 180.0   # two workers import torch and load an engine each, on a busy machine
@@ -72,8 +73,8 @@ class Engines:
 def engines(make_database, redis_url, tiny_models, tmp_path_factory) -> Iterator[Engines]:
     import redis
 
-    from rein.core.db import make_engine
-    from rein.core.migrate import upgrade
+    from rein.store.db import make_engine
+    from rein.store.migrate import upgrade
 
     database_url = make_database()
     prefix = f"rein_test_dp_{secrets.token_hex(4)}"

@@ -13,8 +13,8 @@ from kernel_builds import use_c_kernels
 
 from rein import kernels
 from rein.core.settings import get_settings
-from rein.engine.models.rope import apply_rotary
 from rein.kernels import cpu_native, cpu_paths, reference
+from rein.model.architectures.rope import apply_rotary
 
 
 @pytest.fixture(scope="module")

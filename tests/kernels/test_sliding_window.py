@@ -171,8 +171,8 @@ def test_dispatch_validates_the_window():
 
 
 def test_engine_attention_passes_the_window_to_both_kernels():
-    """rein.engine.attention.paged_attention: a step of two decodes and a prefill chunk."""
-    from rein.engine.attention import AttentionMetadata, LayerCache, paged_attention
+    """rein.model.attention.paged_attention: a step of two decodes and a prefill chunk."""
+    from rein.model.attention import AttentionMetadata, LayerCache, paged_attention
 
     query, k, v, tables, cu, lens = prefill_inputs([(1, 40), (1, 17), (12, 70)], seed=15)
     meta = AttentionMetadata(

@@ -1,5 +1,5 @@
 """The Triton element-wise kernels (rein.kernels.triton_elementwise) against the torch code they
-replace in rein.engine.models.llama and rope. Without a GPU they run under the Triton
+replace in rein.model.architectures.llama and rope. Without a GPU they run under the Triton
 interpreter on CPU tensors (TRITON_INTERPRET set before the kernels are defined), tiny shapes."""
 
 import os
@@ -13,8 +13,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from rein.engine.models.rope import apply_rotary  # noqa: E402
 from rein.kernels import triton_elementwise as tew  # noqa: E402
+from rein.model.architectures.rope import apply_rotary  # noqa: E402
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 F32, F16 = torch.float32, torch.float16
@@ -22,7 +22,7 @@ TOL = {F32: dict(atol=2e-6, rtol=2e-6), F16: dict(atol=2e-3, rtol=2e-3)}
 
 
 def torch_rms_norm(x, weight, eps):
-    """rein.engine.models.llama.RMSNorm's torch branch."""
+    """rein.model.architectures.llama.RMSNorm's torch branch."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))

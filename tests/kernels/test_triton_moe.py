@@ -1,5 +1,5 @@
 """The Triton fused MoE (rein.kernels.triton_moe) against its torch reference,
-rein.engine.models.moe.grouped_experts. Without a GPU it runs under the Triton interpreter on
+rein.model.architectures.moe.grouped_experts. Without a GPU it runs under the Triton interpreter on
 CPU tensors (TRITON_INTERPRET set before the kernels are defined), tiny shapes."""
 
 import os
@@ -13,8 +13,8 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from rein.engine.models.moe import grouped_experts, route  # noqa: E402
 from rein.kernels import triton_moe  # noqa: E402
+from rein.model.architectures.moe import grouped_experts, route  # noqa: E402
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 F32, F16 = torch.float32, torch.float16

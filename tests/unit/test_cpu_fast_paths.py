@@ -1,6 +1,6 @@
-"""The CPU fast paths of the forward: oneDNN linears and packed weights (rein.engine.models.linear)
+"""The CPU fast paths of the forward: oneDNN linears and packed weights (rein.model.architectures.linear)
 as probed per dtype (rein.kernels.cpu_paths), the glibc allocator settings
-(rein.engine.cpu_allocator) and the flash-kernel prefill attention of the reference kernels,
+(rein.model.cpu_allocator) and the flash-kernel prefill attention of the reference kernels,
 each against the plain computation it replaces. The tests hold on every x86-64 CPU: they check
 the path this one can run, and the fallback (REIN_CPU_FAST_PATHS=0, or a oneDNN that refuses)
 on every machine."""
@@ -12,10 +12,10 @@ import math
 import pytest
 import torch
 
-from rein.engine import cpu_allocator
-from rein.engine.models import linear as linear_module
-from rein.engine.models.linear import Linear, linear
 from rein.kernels import cpu_paths, reference
+from rein.model import cpu_allocator
+from rein.model.architectures import linear as linear_module
+from rein.model.architectures.linear import Linear, linear
 
 FLOAT32_ON_ONEDNN = cpu_paths.probe_onednn(torch.float32) is None
 needs_onednn_float32 = pytest.mark.skipif(not FLOAT32_ON_ONEDNN, reason="float32 does not run on oneDNN here")
@@ -175,9 +175,9 @@ def test_packed_weights_give_the_same_outputs():
 def test_loaded_cpu_model_logits_equal_on_both_paths(tiny_models, arch, fast_paths):
     """Packed for oneDNN where float32 runs there, dense otherwise; the logits are the plain
     product with the head either way."""
-    from rein.engine.loader import load_model
-    from rein.engine.model_files import resolve_model
-    from rein.engine.model_spec import ModelSpec
+    from rein.model.files import resolve_model
+    from rein.model.loader import load_model
+    from rein.model.spec import ModelSpec
 
     files = resolve_model(tiny_models(arch=arch))
     spec = ModelSpec.from_dir(files.directory)

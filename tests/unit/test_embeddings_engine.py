@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rein.engine import EngineConfig, EngineRequestError, LLMEngine, SamplingParams
-from rein.engine.pooling_config import PoolingParams, read_pooling_config
+from rein.model.pooling_config import PoolingParams, read_pooling_config
 
 TOLERANCE = 1e-4
 PROMPTS = [[11, 22, 33, 44, 55], list(range(100, 180)), [7], list(range(300, 337))]

@@ -1,5 +1,5 @@
 """/v1/embeddings requests and responses (rein.openai.embeddings), the pooling config read
-from a model's files (rein.engine.pooling_config) and the pooling math (rein.engine.pooler)."""
+from a model's files (rein.model.pooling_config) and the pooling math (rein.engine.pooler)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,8 @@ import struct
 import pytest
 import torch
 
-from rein.core.messages import JobMessage
 from rein.engine.pooler import finish_vector, gather
-from rein.engine.pooling_config import (
+from rein.model.pooling_config import (
     PoolingConfig,
     PoolingError,
     PoolingParams,
@@ -31,6 +30,7 @@ from rein.openai.embeddings import (
     stored_response,
 )
 from rein.openai.errors import RequestError
+from rein.store.messages import JobMessage
 
 MATRYOSHKA = PoolingConfig(hidden_size=64, is_matryoshka=True)
 

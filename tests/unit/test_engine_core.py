@@ -1,10 +1,10 @@
-"""The engine core loop (rein.engine.core): what every client of the engine runs."""
+"""The engine core loop (rein.engine.loop): what every client of the engine runs."""
 
 from __future__ import annotations
 
 from unit_support import make_engine, prompt_of
 
-from rein.engine.core import EngineCore
+from rein.engine.loop import EngineCore
 from rein.engine.sampling_params import SamplingParams
 
 

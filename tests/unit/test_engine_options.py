@@ -10,17 +10,12 @@ from dataclasses import fields
 
 import pytest
 
+from rein.cli.engine_flags import CLIError, engine_config_from_args
 from rein.cli.main import build_parser
 from rein.cli.worker import served_model_for, worker_engine_config, worker_hostname, worker_settings
 from rein.core.settings import EngineSettings, Settings, load_engine_settings
 from rein.engine.config import EngineConfig
-from rein.engine.options import (
-    ENGINE_OPTIONS,
-    CLIError,
-    engine_config_from_args,
-    options_for,
-    resolve_engine_values,
-)
+from rein.engine.options import ENGINE_OPTIONS, options_for, resolve_engine_values
 from rein.offline.llm import LLM
 
 pytestmark = pytest.mark.usefixtures("clean_rein_env")
@@ -190,8 +185,8 @@ def test_worker_takes_celery_flags(settings):
 
 
 def test_the_quantization_choices_are_the_engines():
-    """options.py lists them without importing torch; rein.engine.quant.checkpoint owns them."""
+    """options.py lists them without importing torch; rein.model.quant.checkpoint owns them."""
     from rein.engine.options import QUANTIZATIONS
-    from rein.engine.quant.checkpoint import QUANTIZATIONS as ENGINE_QUANTIZATIONS
+    from rein.model.quant.checkpoint import QUANTIZATIONS as ENGINE_QUANTIZATIONS
 
     assert QUANTIZATIONS == ENGINE_QUANTIZATIONS

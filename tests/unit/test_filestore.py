@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rein.core.filestore import FileTooLargeError, LocalFileStore
+from rein.store.filestore import FileTooLargeError, LocalFileStore
 
 
 def test_save_open_size_delete(tmp_path):

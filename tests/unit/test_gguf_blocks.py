@@ -1,4 +1,4 @@
-"""GGUF's quantized blocks repacked into rein's QuantizedWeight (rein.engine.quant.gguf_blocks):
+"""GGUF's quantized blocks repacked into rein's QuantizedWeight (rein.model.quant.gguf_blocks):
 for every type rein keeps quantized, random blocks (every bit pattern is a valid block; the
 fp16 scale fields set to finite values) dequantize through rein's form to exactly what the
 gguf package's own dequantizer gives, and multiply like the dequantized matrix."""
@@ -8,8 +8,8 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, dequantize
 
-from rein.engine.quant.gguf_blocks import repack, supported_types
 from rein.kernels.quantized import quantized_linear
+from rein.model.quant.gguf_blocks import repack, supported_types
 
 # Byte offsets of each block's fp16 fields (ggml-quants.h's block structs).
 FP16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0],

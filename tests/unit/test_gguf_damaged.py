@@ -1,6 +1,6 @@
 """A GGUF file whose header does not fit the file is refused with the tensor named, before any
-reader maps data past its end (rein.engine.model_files.checked_gguf_reader) and again when a
-tensor is read (rein.engine.loader.gguf_tensors). The files are small ones written here with
+reader maps data past its end (rein.model.files.checked_gguf_reader) and again when a
+tensor is read (rein.model.loader.gguf_tensors). The files are small ones written here with
 gguf's own writer, then truncated or given a corrupt offset."""
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ import torch
 
 gguf = pytest.importorskip("gguf")
 
-from rein.engine.loader import gguf_tensors  # noqa: E402
-from rein.engine.model_files import (  # noqa: E402
+from rein.model.files import (  # noqa: E402
     TENSOR_INDEX,
     DamagedGGUFFile,
     checked_gguf_reader,
     gguf_tensor_index,
     gguf_view,
 )
+from rein.model.loader import gguf_tensors  # noqa: E402
 
 EMBEDDING = "token_embd.weight"
 NORM = "output_norm.weight"

@@ -34,7 +34,7 @@ import pytest
 import yaml
 from kombu.transport.redis import Channel
 
-from rein.core.messages import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.settings import Settings, load_settings
 from rein.jobs.queues import broker_ssl, queue_keys, queued_slots
 

@@ -1,16 +1,11 @@
 """rein's packages form layers, and an import only goes down them.
 
-    core ← kernels ← engine ← openai ← jobs ← batches ← {api, worker, offline} ← cli
+    core ← {kernels, fixtures} ← model ← engine ← openai ← store ← jobs ← batches
+         ← {api, worker, offline} ← cli
 
 Each package may import the ones below it, never one above, and api, worker and offline never
-import each other. `rein.openai.errors` is a leaf shared with the engine (the one client-error
-type and context-length message): any layer may import it, and it imports nothing of rein.
-Every import of `rein` is counted, at module level and inside functions alike, read from
-the source (nothing is imported).
-
-KNOWN lists the back-arrows still to remove, each with its reason. The test fails on any
-other back-arrow, and on a known one that is gone (remove it from the list), so the list only
-shrinks.
+import each other; there are no exceptions. Every import of `rein` is counted, at module
+level and inside functions alike, read from the source (nothing is imported).
 """
 
 from __future__ import annotations
@@ -21,11 +16,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2] / "rein"
 
-LAYERS = [{"core"}, {"kernels"}, {"engine"}, {"openai"}, {"jobs"}, {"batches"}, {"api", "worker", "offline"},
-          {"cli"}]
-LEAVES = {"rein.openai.errors"}
-
-KNOWN: dict[tuple[str, str], str] = {}
+LAYERS = [{"core"}, {"kernels", "fixtures"}, {"model"}, {"engine"}, {"openai"}, {"store"}, {"jobs"}, {"batches"},
+          {"api", "worker", "offline"}, {"cli"}]
 
 
 def module_name(path: Path) -> str:
@@ -79,33 +71,15 @@ def test_every_module_is_in_a_package_of_some_layer():
 
 
 def test_imports_only_go_down_the_layers():
-    wrong, seen_known = [], set()
-    for source, target in arrows():
-        if target in LEAVES:
-            continue
-        up = layer(package(target)) > layer(package(source))
-        sideways = layer(package(target)) == layer(package(source))
-        if up or sideways:
-            if (source, target) in KNOWN:
-                seen_known.add((source, target))
-            else:
-                wrong.append(f"{source} -> {target}")
+    wrong = [f"{source} -> {target}" for source, target in arrows()
+             if layer(package(target)) >= layer(package(source))]
     assert wrong == [], "imports that go up (or across) the layers:\n" + "\n".join(sorted(wrong))
-    gone = set(KNOWN) - seen_known
-    assert not gone, f"these known back-arrows are gone: remove them from KNOWN: {sorted(gone)}"
-
-
-def test_leaves_import_nothing_of_rein():
-    imports = rein_imports()
-    for leaf in LEAVES:
-        assert not imports.get(leaf), f"{leaf} must import nothing of rein, imports {imports[leaf]}"
 
 
 def test_no_circles_between_packages():
     graph: dict[str, set[str]] = defaultdict(set)
     for source, target in arrows():
-        if target not in LEAVES and (source, target) not in KNOWN:
-            graph[package(source)].add(package(target))
+        graph[package(source)].add(package(target))
 
     def reaches(start: str, goal: str) -> bool:
         stack, seen = [start], set()

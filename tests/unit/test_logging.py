@@ -26,7 +26,7 @@ from rein.core.logging import (
     use_json,
 )
 
-KEY = "rein_0123456789ab_" + "S3cr3t" * 7 + "x"    # the shape rein.core.keys.format_key makes
+KEY = "rein_0123456789ab_" + "S3cr3t" * 7 + "x"    # the shape rein.store.keys.format_key makes
 
 
 class _Terminal(io.StringIO):

@@ -19,7 +19,7 @@ from rein.api.metrics import APIMetrics, MetricsMiddleware
 from rein.api.metrics import router as metrics_router
 from rein.core.settings import Settings
 from rein.engine.engine import EngineStats
-from rein.engine.outputs import RequestOutput
+from rein.engine.step_outputs import RequestOutput
 from rein.jobs.errors import APIError
 from rein.worker.metrics import WorkerMetrics, compose_hooks
 

@@ -1,4 +1,4 @@
-"""The flags users bring their own models with (rein.engine.tokenizer_files): --tokenizer,
+"""The flags users bring their own models with (rein.model.tokenizer_files): --tokenizer,
 --revision / --tokenizer-revision, --chat-template (a file or inline) and --trust-remote-code,
 through `rein generate`, `rein.LLM` and the API's model registry, with no network."""
 
@@ -13,15 +13,15 @@ import pytest
 
 from rein.cli.main import main
 from rein.core.settings import ServedModel, SettingsError, load_settings
-from rein.engine.model_impl import spec_for
-from rein.engine.tokenizer_files import (
+from rein.jobs.registry import ModelLoadError, load_model
+from rein.model.implementation import spec_for
+from rein.model.tokenizer_files import (
     ChatTemplateError,
     RemoteCodeRequired,
     TokenizerOptions,
     load_tokenizer,
     read_chat_template,
 )
-from rein.jobs.registry import ModelLoadError, load_model
 from rein.offline.llm import LLM
 from rein.openai.prompts import chat_prompt
 

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from rein.engine.config import EngineConfig, parse_bytes
-from rein.engine.model_files import (
+from rein.model.architectures.rope import inverse_frequencies
+from rein.model.files import (
     GGUFSupportMissing,
     ModelNotFoundError,
     resolve_model,
 )
-from rein.engine.model_spec import ModelSpec, UnsupportedModelError
-from rein.engine.models.rope import inverse_frequencies
+from rein.model.spec import ModelSpec, UnsupportedModelError
 
 
 def test_unsupported_architecture_names_the_supported_ones(tiny_models, tmp_path):
@@ -111,7 +111,7 @@ def test_gguf_without_the_gguf_package_names_the_extra(tmp_path, monkeypatch):
 def test_a_gguf_view_is_read_once_and_again_when_the_file_changes(tmp_path, monkeypatch):
     """The config/tokenizer view of a GGUF file is cached by path, size and mtime."""
     from rein.core.settings import get_settings
-    from rein.engine import model_files
+    from rein.model import files as model_files
 
     monkeypatch.setenv("REIN_CACHE_DIR", str(tmp_path / "cache"))
     get_settings.cache_clear()

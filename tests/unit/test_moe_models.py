@@ -1,4 +1,4 @@
-"""Mixture-of-experts models natively (rein.engine.models.moe, moe_family): the router and the
+"""Mixture-of-experts models natively (rein.model.architectures.moe, moe_family): the router and the
 grouped experts against transformers' and a per-token reference, the MoE fields of ModelSpec,
 and whole tiny Qwen3-MoE / Qwen2-MoE / Mixtral / OLMoE models whose greedy tokens and logits
 equal Hugging Face's through the engine, with prefix caching and preemption."""
@@ -14,10 +14,10 @@ from transformers import AutoModelForCausalLM
 
 from rein.engine.config import EngineConfig
 from rein.engine.engine import LLMEngine
-from rein.engine.model_spec import ModelSpec, UnsupportedModelError
-from rein.engine.models.moe import SparseMoeBlock, grouped_experts, route
 from rein.engine.sampling_params import SamplingParams
-from rein.engine.tiny_model import MOE_ARCHS, model_summary
+from rein.fixtures.tiny_model import MOE_ARCHS, model_summary
+from rein.model.architectures.moe import SparseMoeBlock, grouped_experts, route
+from rein.model.spec import ModelSpec, UnsupportedModelError
 
 MAX_TOKENS = 10
 # float32 end to end; the differences are the order of additions (oneDNN's matmuls, C kernels).
@@ -149,8 +149,8 @@ def test_a_checkpoint_with_transformers_in_memory_names_loads_the_same(tiny_mode
 
     from safetensors.torch import save_file
 
-    from rein.engine.loader import load_model
-    from rein.engine.model_files import resolve_model
+    from rein.model.files import resolve_model
+    from rein.model.loader import load_model
 
     model_dir = tiny_models("mixtral")
     state = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).state_dict()

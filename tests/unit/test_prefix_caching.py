@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from rein.engine import EngineConfig, LLMEngine, SamplingParams
-from rein.engine.model_spec import ModelSpec
+from rein.model.spec import ModelSpec
 
 BLOCK = 16
 

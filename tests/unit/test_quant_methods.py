@@ -1,4 +1,4 @@
-"""rein.engine.quant.methods: int8 / int4 quantization at load, and AWQ / GPTQ checkpoints
+"""rein.model.quant.methods: int8 / int4 quantization at load, and AWQ / GPTQ checkpoints
 repacked into QuantizedWeight.
 
 The AWQ and GPTQ checks pack random integers with small packers written here from the formats'
@@ -14,7 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rein.engine.quant.methods import (
+from rein.kernels.quantized import QuantizedWeight
+from rein.model.quant.methods import (
     QuantizationConfig,
     awq_weight,
     gptq_weight,
@@ -23,7 +24,6 @@ from rein.engine.quant.methods import (
     quantize_int8,
     read_quantization_config,
 )
-from rein.kernels.quantized import QuantizedWeight
 
 AWQ_PACK_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]   # AutoAWQ: nibble i of a word holds column 8c + this[i]
 

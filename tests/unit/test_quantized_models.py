@@ -1,7 +1,7 @@
 """Models with quantized weights in the engine: `--quantization int8 / int4-gN` made at load, and
 AWQ / GPTQ 4-bit checkpoints, each against the same model written as a float checkpoint of its
 dequantized weights, and on two tensor-parallel ranks. The projections must really be held
-quantized (rein.engine.models.linear), the greedy tokens must be the same, and the logprobs
+quantized (rein.model.architectures.linear), the greedy tokens must be the same, and the logprobs
 within float32 rounding of each other.
 
 The models are random-weight tiny ones: llama (GQA, untied head) and qwen2 (q/k/v bias, tied
@@ -22,9 +22,9 @@ from test_quant_methods import awq_pack, gptq_pack_qweight, gptq_pack_zeros_v1_a
 
 from rein.engine.config import EngineConfig
 from rein.engine.engine import LLMEngine
-from rein.engine.models.linear import Linear
-from rein.engine.quant.methods import quantize_int4, quantize_int8
 from rein.engine.sampling_params import SamplingParams
+from rein.model.architectures.linear import Linear
+from rein.model.quant.methods import quantize_int4, quantize_int8
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LOGPROB_TOLERANCE = 1e-3

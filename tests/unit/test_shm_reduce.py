@@ -1,4 +1,4 @@
-"""The CPU ranks' shared memory and gloo group are private to the engine (rein.engine.parallel).
+"""The CPU ranks' shared memory and gloo group are private to the engine (rein.model.parallel).
 
 In this process: the memory rank 0 makes is a nameless memfd of mode 0600 with its pages
 reserved, a reservation that fails says how much was needed and how much there is, and a peer
@@ -29,9 +29,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from rein.engine.parallel import DistributedGroup, file_init_method, shared_memory
-from rein.engine.parallel.shared_memory import SharedMemoryError
-from rein.engine.parallel.shm_reduce import process_alive
+from rein.model.parallel import DistributedGroup, file_init_method, shared_memory
+from rein.model.parallel.shared_memory import SharedMemoryError
+from rein.model.parallel.shm_reduce import process_alive
 
 SIOCGIFADDR = 0x8915
 

@@ -25,14 +25,14 @@ import pytest
 import torch
 from unit_support import save_tiny_hf_model
 
-from rein.engine.attention import AttentionMetadata, LayerCache
-from rein.engine.loader import load_model
-from rein.engine.model_files import resolve_model
-from rein.engine.model_spec import ModelSpec
-from rein.engine.models import native_model_class
-from rein.engine.parallel import SINGLE_RANK, DistributedGroup, file_init_method, tcp_init_method
-from rein.engine.parallel.layers import attention_heads
-from rein.engine.parallel.shm_reduce import SLOT_BYTES
+from rein.model.architectures import native_model_class
+from rein.model.attention import AttentionMetadata, LayerCache
+from rein.model.files import resolve_model
+from rein.model.loader import load_model
+from rein.model.parallel import SINGLE_RANK, DistributedGroup, file_init_method, tcp_init_method
+from rein.model.parallel.layers import attention_heads
+from rein.model.parallel.shm_reduce import SLOT_BYTES
+from rein.model.spec import ModelSpec
 
 BLOCK = 8
 BLOCKS_PER_REQUEST = 4
@@ -103,7 +103,7 @@ def tp_rank(rank: int, init_method: str, cases: dict[str, str], out: str) -> Non
     group = DistributedGroup(rank, 2, init_method, timeout_s=60)
     try:
         smallest = group.min_int(10 + rank)
-        # Larger than a shared-memory slot: through gloo instead (rein.engine.parallel.shm_reduce).
+        # Larger than a shared-memory slot: through gloo instead (rein.model.parallel.shm_reduce).
         big = group.all_reduce_(torch.full((SLOT_BYTES // 4 + 1,), float(rank + 1)))
         small = group.all_reduce_(torch.arange(6.0).reshape(2, 3) * (rank + 1))
         gathered = group.all_gather(torch.full((2, 3), float(rank)))

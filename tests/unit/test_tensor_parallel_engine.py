@@ -1,4 +1,4 @@
-"""The whole engine under tensor parallelism (rein.engine.parallel.ranks): with two ranks (gloo,
+"""The whole engine under tensor parallelism (rein.engine.rank_processes): with two ranks (gloo,
 on CPU) a workload that exercises prefix caching, chunked prefill, preemption, n > 1, prompt
 logprobs and structured outputs gives the same tokens as one rank, and logprobs within 1e-4;
 the step plans, the block pool and the preemptions are rank 0's alone, so they are the same
@@ -19,9 +19,9 @@ import pytest
 
 from rein.engine.config import EngineConfig
 from rein.engine.engine import LLMEngine
-from rein.engine.parallel.ranks import RankDiedError, rank_device
-from rein.engine.parallel.shm_reduce import process_alive
+from rein.engine.rank_processes import RankDiedError, rank_device
 from rein.engine.sampling_params import SamplingParams
+from rein.model.parallel.shm_reduce import process_alive
 
 LOGPROB_TOLERANCE = 1e-4
 # Per rank: with two ranks each holds half the KV heads, so half the memory gives the same
@@ -121,7 +121,7 @@ def test_ranks_take_the_devices_after_rank_zeros():
 
 
 def test_a_rank_that_cannot_start_fails_the_engine_at_once(tiny_models, monkeypatch, tmp_path):
-    from rein.engine.parallel import ranks
+    from rein.engine import rank_processes as ranks
 
     broken = tmp_path / "python"
     broken.write_text("#!/bin/sh\necho 'no torch here' >&2\nexit 3\n")

@@ -1,4 +1,4 @@
-"""rein.engine.tiny_model and `rein make-tiny-model`: random-weight models of real architectures."""
+"""rein.fixtures.tiny_model and `rein make-tiny-model`: random-weight models of real architectures."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from rein.engine.tiny_model import ARCHS, PRESETS, VOCAB_SIZE, make_tiny_model, model_summary
+from rein.fixtures.tiny_model import ARCHS, PRESETS, VOCAB_SIZE, make_tiny_model, model_summary
 
 EXPECTED_FILES = (
     "config.json",
@@ -173,7 +173,7 @@ def test_deterministic_for_a_seed_and_different_for_another(tiny_models, tmp_pat
 
 
 def test_tokenizer_trains_deterministically():
-    from rein.engine.tiny_tokenizer import train_tokenizer
+    from rein.fixtures.tiny_tokenizer import train_tokenizer
 
     cached = train_tokenizer(VOCAB_SIZE)
     train_tokenizer.cache_clear()
@@ -329,7 +329,7 @@ def test_cli_builds_an_embedding_model(tmp_path, capsys):
     """Shaped like Qwen3-Embedding: a *ForCausalLM config, base-model weights without lm_head,
     sentence-transformers pooling files, a tokenizer appending the end-of-text token."""
     from rein.cli.main import main
-    from rein.engine.pooling_config import read_pooling_config
+    from rein.model.pooling_config import read_pooling_config
 
     out = tmp_path / "embed"
     assert main(["make-tiny-model", str(out), "--embedding", "--pooling", "mean"]) == 0
@@ -349,7 +349,7 @@ def test_cli_builds_an_embedding_model(tmp_path, capsys):
 
 
 def test_ensure_tiny_model_reuses_a_complete_build_and_rebuilds_a_partial_one(tmp_path):
-    from rein.engine.tiny_model import MODEL_FILES, ensure_tiny_model
+    from rein.fixtures.tiny_model import MODEL_FILES, ensure_tiny_model
 
     out = ensure_tiny_model(tmp_path / "m")
     weights = out / "model.safetensors"

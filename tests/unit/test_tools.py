@@ -13,7 +13,6 @@ import pytest
 from transformers import AutoTokenizer
 
 from rein.api.streams import StreamEvent, openai_chunk_stream
-from rein.core.models import Job, Result
 from rein.jobs.results import response_body
 from rein.openai import tool_parsers, tool_request, tools
 from rein.openai.endpoints import CHAT_COMPLETIONS
@@ -21,6 +20,7 @@ from rein.openai.errors import RequestError
 from rein.openai.prompts import chat_prompt
 from rein.openai.request import parse_request
 from rein.openai.response import build_response
+from rein.store.tables import Job, Result
 
 MAX_LEN = 2048
 WEATHER = {"type": "function", "function": {

@@ -1,4 +1,4 @@
-"""The Transformers backend (rein.engine.models.transformers_backend): architectures rein has no
+"""The Transformers backend (rein.model.architectures.transformers_backend): architectures rein has no
 native code for run their own transformers modeling code inside rein's engine.
 
 Tiny random models built with transformers' config classes (no hub) and saved into a temp
@@ -22,9 +22,9 @@ from transformers import AutoModelForCausalLM
 
 from rein.engine.config import EngineConfig
 from rein.engine.engine import LLMEngine
-from rein.engine.model_impl import spec_for
-from rein.engine.model_spec import UnsupportedModelError
 from rein.engine.sampling_params import SamplingParams
+from rein.model.implementation import spec_for
+from rein.model.spec import UnsupportedModelError
 
 MAX_TOKENS = 8
 VOCAB = 2048   # the tiny llama tokenizer's
@@ -176,9 +176,9 @@ def test_spec_reads_windows_and_kv_heads_from_transformers_config(tmp_path):
 def test_tensor_by_tensor_loading_equals_transformers_own(tmp_path, tokenizer_dir, monkeypatch):
     """The GGUF path (parameters built on the meta device, filled one tensor at a time, tied
     again) gives the model transformers' from_pretrained gives: fed here from safetensors."""
-    from rein.engine import loader
-    from rein.engine.model_files import ModelFiles
-    from rein.engine.models.transformers_backend import load_transformers_model
+    from rein.model import loader
+    from rein.model.architectures.transformers_backend import load_transformers_model
+    from rein.model.files import ModelFiles
 
     model_dir = save_model(ARCHITECTURES["gemma"](), tmp_path / "gemma", tokenizer_dir)
     spec = spec_for(model_dir, "transformers")

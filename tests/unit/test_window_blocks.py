@@ -9,11 +9,11 @@ import random
 import pytest
 
 from rein.engine.block_pool import ROOT, BlockPool
-from rein.engine.capacity import windowed_pool_bound
 from rein.engine.request import ChoiceGroup, Request, RequestStatus
 from rein.engine.sampling_params import SamplingParams
 from rein.engine.scheduler import Scheduler
 from rein.engine.window_blocks import WindowBlocks, WindowPoolExhausted
+from rein.model.capacity import windowed_pool_bound
 
 
 def _request(rid: str, prompt: list[int], max_tokens: int = 8, n: int = 1, priority: int = 0) -> Request:

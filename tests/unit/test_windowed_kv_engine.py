@@ -21,13 +21,13 @@ import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, Gemma3TextConfig
 from unit_support import save_tiny_hf_model, windowed_copy
 
-from rein.engine.capacity import kv_capacity, windowed_pool_bound
 from rein.engine.config import EngineConfig
 from rein.engine.cuda_graphs import DecodeGraphs
 from rein.engine.engine import LLMEngine
-from rein.engine.model_impl import spec_for
-from rein.engine.model_spec import ModelSpec
 from rein.engine.sampling_params import SamplingParams
+from rein.model.capacity import kv_capacity, windowed_pool_bound
+from rein.model.implementation import spec_for
+from rein.model.spec import ModelSpec
 
 BLOCK = 4
 SEQS = 4

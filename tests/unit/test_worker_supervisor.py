@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import pytest
 
+from rein.cli.engine_flags import CLIError
 from rein.cli.main import build_parser, main
 from rein.cli.worker import (
     engine_metrics_ports,
@@ -22,7 +23,6 @@ from rein.cli.worker import (
     worker_settings,
 )
 from rein.core.settings import Settings
-from rein.engine.options import CLIError
 from rein.worker.supervisor import Child, EngineGroup, Supervisor, parse_devices, plan_engines
 
 pytestmark = pytest.mark.usefixtures("clean_rein_env")
@@ -116,7 +116,7 @@ def test_a_tensor_parallel_engine_worker_gets_its_first_device_and_the_size(sett
     names = engine_node_names(args.hostname, served.name, groups)
     assert names == ["llama-cuda4@box", "llama-cuda6@box"]
     child = parser.parse_args(engine_worker_argv(args, served, groups[1], names[1], 0)[4:])
-    # Rank 0 on cuda:6; rein.engine.parallel.ranks puts rank 1 on cuda:7.
+    # Rank 0 on cuda:6; rein.engine.rank_processes puts rank 1 on cuda:7.
     resolved = worker_settings(child, settings, served)
     assert (resolved.device, resolved.tensor_parallel_size) == ("cuda:6", 2)
     assert child.devices is None

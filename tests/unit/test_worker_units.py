@@ -8,18 +8,17 @@ import threading
 
 import pytest
 
-from rein.core.messages import (
-    PRIORITY_BATCH,
-    PRIORITY_INTERACTIVE,
+from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+from rein.core.settings import Settings
+from rein.jobs.queues import PRIORITY_STEPS, TASK_NAME, JobRouter, make_celery, queue_keys
+from rein.openai.response import usage_body
+from rein.store.messages import (
     STREAM_FIELD,
     JobMessage,
     TokenEvent,
     event_id,
 )
-from rein.core.redis_keys import RedisKeys
-from rein.core.settings import Settings
-from rein.jobs.queues import PRIORITY_STEPS, TASK_NAME, JobRouter, make_celery, queue_keys
-from rein.openai.response import usage_body
+from rein.store.redis_keys import RedisKeys
 from rein.worker.recorder import JobRecord
 
 

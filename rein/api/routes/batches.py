@@ -27,7 +27,6 @@ from rein.api.routes.files import BatchKey, download_response
 from rein.api.schemas import ErrorResponse
 from rein.batches.batch_jobs import drop_batch_jobs
 from rein.batches.locks import lock_batch_waiting
-from rein.batches.output import Kind, batch_line_pages
 from rein.batches.repository import (
     batch_public,
     batches_public,
@@ -35,16 +34,17 @@ from rein.batches.repository import (
     get_file_for_tenant,
     list_for_tenant,
 )
+from rein.batches.result_files import Kind, batch_line_pages
 from rein.batches.schemas import (
     BatchCreate,
     BatchList,
     BatchObject,
 )
-from rein.core.keys import KeyInfo
-from rein.core.models import Batch
-from rein.core.redis_keys import RedisKeys
 from rein.jobs.errors import APIError
 from rein.jobs.ratelimit import RateLimitExceeded
+from rein.store.keys import KeyInfo
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import Batch
 
 router = APIRouter(prefix="/v1/batches", tags=["batches"], route_class=CheckedRoute)
 
@@ -132,7 +132,7 @@ def _lines_response(request: Request, sessions: Any, key: KeyInfo, batch_id: str
         get_batch_for_tenant(session, key.tenant, batch_id)
 
     def stream() -> Iterator[bytes]:
-        # A page of rows at a time, each in its own short session (rein.batches.output).
+        # A page of rows at a time, each in its own short session (rein.batches.result_files).
         for line in batch_line_pages(sessions, lambda session: get_batch_for_tenant(session, key.tenant, batch_id),
                                      kind):
             yield line.encode()

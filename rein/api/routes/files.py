@@ -33,12 +33,12 @@ from rein.api.multipart_upload import receive_upload
 from rein.api.schemas import ErrorResponse
 from rein.batches.repository import file_public, get_file_for_tenant, list_for_tenant
 from rein.batches.schemas import FileDeleted, FileList, FileObject
-from rein.core.filestore import FileStore, FileTooLargeError
 from rein.core.input_checks import text_problem
-from rein.core.keys import KeyInfo
-from rein.core.models import File, new_file_id
 from rein.jobs.errors import APIError
 from rein.jobs.retention import StoredBytes, stored_bytes
+from rein.store.filestore import FileStore, FileTooLargeError
+from rein.store.keys import KeyInfo
+from rein.store.tables import File, new_file_id
 
 router = APIRouter(prefix="/v1/files", tags=["files"], route_class=CheckedRoute)
 

@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse
 
 from rein.api.checked_route import CheckedRoute
 from rein.api.schemas import Health, Readiness
-from rein.core.db import DatabaseNotMigratedError, check_migrations_current
+from rein.store.db import DatabaseNotMigratedError, check_migrations_current
 
 log = logging.getLogger(__name__)
 

@@ -39,17 +39,17 @@ from rein.api.schemas import (
     JobUsage,
 )
 from rein.api.streams import StreamSlots, follow_events, job_event_stream
-from rein.core.keys import KeyInfo
 from rein.core.logging import log_context
-from rein.core.messages import STREAM_FIELD, TokenEvent, event_id
-from rein.core.models import Job
-from rein.core.redis_keys import RedisKeys
 from rein.core.settings import Settings
 from rein.jobs.cancel import request_cancel
 from rein.jobs.errors import APIError
 from rein.jobs.ratelimit import settle_tokens
 from rein.jobs.results import response_body
 from rein.openai.response import usage_body
+from rein.store.keys import KeyInfo
+from rein.store.messages import STREAM_FIELD, TokenEvent, event_id
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import Job
 
 log = logging.getLogger(__name__)
 

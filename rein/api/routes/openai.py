@@ -53,18 +53,18 @@ from rein.api.schemas import (
     ModelPublic,
 )
 from rein.api.streams import StreamEvent, follow_events, openai_chunk_stream
-from rein.core.keys import KeyInfo
 from rein.core.logging import log_context
-from rein.core.models import FINISHED_JOB_STATUSES, Job
-from rein.core.redis_keys import RedisKeys
-from rein.engine.results import RequestResult
+from rein.engine.request_result import RequestResult
 from rein.jobs.errors import INVALID_REQUEST, APIError, error_body
 from rein.jobs.results import response_body
-from rein.openai.choice_bodies import full_response
-from rein.openai.choices import ResponseShape
+from rein.openai.choices_response import full_response
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
 from rein.openai.response import build_response
+from rein.openai.response_shape import ResponseShape
 from rein.openai.tools import apply_tool_calls
+from rein.store.keys import KeyInfo
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import FINISHED_JOB_STATUSES, Job
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
                 return None
 
     events = follow_events(redis, keys, job.id, 0, lambda: run_in_threadpool(load))
-    shape = ResponseShape.from_dict((job.params or {}).get("shape"))   # n > 1, echo (rein.openai.choices)
+    shape = ResponseShape.from_dict((job.params or {}).get("shape"))   # n > 1, echo (rein.openai.response_shape)
     if release is not None:
         options = body.get("stream_options") or {}
         return SlotStreamingResponse(

@@ -11,7 +11,7 @@ from sqlalchemy import func, select
 from rein.api.checked_route import CheckedRoute
 from rein.api.deps import SessionDep, UsageKey
 from rein.api.schemas import ErrorResponse, UsageBucket, UsageReport
-from rein.core.models import Usage
+from rein.store.tables import Usage
 
 router = APIRouter(prefix="/v1", tags=["usage"], route_class=CheckedRoute)
 

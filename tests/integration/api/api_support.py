@@ -9,9 +9,9 @@ from typing import Any
 
 from sqlalchemy import select, update
 
-from rein.core.messages import STREAM_FIELD, TokenEvent, event_id
-from rein.core.models import Job, Result, Usage
-from rein.core.redis_keys import RedisKeys
+from rein.store.messages import STREAM_FIELD, TokenEvent, event_id
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import Job, Result, Usage
 
 
 def auth(key: str) -> dict[str, str]:

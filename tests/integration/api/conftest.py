@@ -16,8 +16,8 @@ import pytest
 from api_support import FakeWorker
 from fastapi.testclient import TestClient
 
-from rein.core.keys import create_key, revoke_key
-from rein.core.redis_keys import RedisKeys
+from rein.store.keys import create_key, revoke_key
+from rein.store.redis_keys import RedisKeys
 
 
 @pytest.fixture(scope="session")
@@ -77,7 +77,7 @@ def end_leftover_batches(db_sessionmaker) -> Iterator[None]:
     from sqlalchemy import update
 
     from rein.batches.manager import ACTIVE_STATUSES
-    from rein.core.models import Batch
+    from rein.store.tables import Batch
 
     with db_sessionmaker.begin() as session:
         session.execute(update(Batch).where(Batch.status.in_(ACTIVE_STATUSES)).values(status="cancelled"))

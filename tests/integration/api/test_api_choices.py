@@ -13,9 +13,9 @@ import pytest
 from api_support import auth, chat_body
 from sqlalchemy import select, update
 
-from rein.core.messages import TokenEvent
-from rein.core.models import Job, Result, Usage
-from rein.core.redis_keys import RedisKeys
+from rein.store.messages import TokenEvent
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import Job, Result, Usage
 
 
 @pytest.fixture

@@ -11,8 +11,9 @@ import pytest
 from api_support import auth, chat_body
 from prometheus_client.parser import text_string_to_metric_families
 
-from rein.core.messages import PRIORITY_BATCH, JobMessage
+from rein.core.priorities import PRIORITY_BATCH
 from rein.jobs.queues import enqueue_job
+from rein.store.messages import JobMessage
 
 
 @pytest.fixture(autouse=True)

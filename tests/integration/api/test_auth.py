@@ -77,7 +77,7 @@ def test_a_bad_key_is_refused_before_the_body_is_read(client, make_key, tenant, 
 
 def test_a_key_revoked_while_in_use_is_refused_within_the_auth_cache_time(make_client, make_key,
                                                                           tenant, db_sessionmaker):
-    from rein.core.keys import parse_key, revoke_key
+    from rein.store.keys import parse_key, revoke_key
 
     ttl = 0.5
     client = make_client(auth_cache_seconds=ttl)

@@ -17,9 +17,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from sqlalchemy import select
 from support import wait_for
 
-from rein.core.messages import PRIORITY_BATCH
-from rein.core.models import Batch, Job
+from rein.core.priorities import PRIORITY_BATCH
 from rein.jobs.queues import queue_keys
+from rein.store.tables import Batch, Job
 
 FAST = {"batch_poll_seconds": 0.05}
 
@@ -187,8 +187,8 @@ import os, signal, sys
 from redis import Redis
 from sqlalchemy.orm import sessionmaker
 import rein.batches.manager as manager
-from rein.core.db import make_engine
-from rein.core.filestore import LocalFileStore
+from rein.store.db import make_engine
+from rein.store.filestore import LocalFileStore
 from rein.core.settings import Settings
 from rein.jobs.queues import make_celery
 from rein.jobs.registry import ModelRegistry
@@ -213,11 +213,11 @@ def test_validations_killed_by_sigkill_leave_their_starts_and_the_next_manager_f
     from sqlalchemy import func
 
     from rein.batches.manager import BatchManager
-    from rein.core.filestore import LocalFileStore
-    from rein.core.keys import parse_key
-    from rein.core.models import File
     from rein.jobs.queues import make_celery
     from rein.jobs.registry import ModelRegistry
+    from rein.store.filestore import LocalFileStore
+    from rein.store.keys import parse_key
+    from rein.store.tables import File
 
     settings = make_settings(models=f"tiny={model_dir}@512", files_dir=str(tmp_path / "files"))
     store = LocalFileStore(settings.files_dir)

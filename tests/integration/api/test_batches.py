@@ -14,9 +14,9 @@ from api_support import auth, jsonl, line
 from sqlalchemy import select, update
 from support import queued_job_ids, wait_for
 
-from rein.core.messages import PRIORITY_BATCH
-from rein.core.models import Job
+from rein.core.priorities import PRIORITY_BATCH
 from rein.jobs.queues import queue_keys
+from rein.store.tables import Job
 
 FAST = {"batch_poll_seconds": 0.05}
 
@@ -193,8 +193,8 @@ def test_recorded_lines_wake_the_manager_before_its_next_poll(make_client, make_
     the queue is topped up and the batch finished at once (0.2 s between woken ticks), which
     without the announcement wait for the next poll."""
     from rein.batches.wakeup import announce_batch_progress
-    from rein.core.redis_keys import RedisKeys
     from rein.jobs.claim import claim_job
+    from rein.store.redis_keys import RedisKeys
     from rein.worker.recorder import GroupRecorder, JobRecord
 
     client = make_client(files_dir=str(tmp_path / "files"), batch_queue_window=2, batch_poll_seconds=30)
@@ -286,7 +286,7 @@ def test_lines_sharing_a_prompt_prefix_are_sent_together(make_client, make_key, 
 
 
 def test_cancel_mid_batch(batch_client, make_key, tenant, db_sessionmaker, fake_worker, redis_client, settings):
-    from rein.core.redis_keys import RedisKeys
+    from rein.store.redis_keys import RedisKeys
 
     key = make_key(tenant, "batch")
     batch = create(batch_client, key, jsonl(*(line(f"r{i}") for i in range(4))))
@@ -548,8 +548,8 @@ def test_output_is_read_a_page_at_a_time_holding_no_session_between_pages(batch_
                                                                           db_sessionmaker, fake_worker):
     """A slow reader of a batch's output holds no database connection while it reads: the rows
     come a page at a time, each page in a session closed before its lines go out."""
-    from rein.batches.output import batch_line_pages
     from rein.batches.repository import get_batch_for_tenant
+    from rein.batches.result_files import batch_line_pages
 
     key = make_key(tenant, "batch,inference")
     batch = create(batch_client, key, jsonl(*(line(f"c{i}", f"p{i}") for i in range(5))))
@@ -585,7 +585,7 @@ def test_output_is_read_a_page_at_a_time_holding_no_session_between_pages(batch_
 
 
 def test_downloads_per_key_are_capped(make_client, make_key, tenant, tmp_path):
-    from rein.core.keys import parse_key
+    from rein.store.keys import parse_key
 
     client = make_client(files_dir=str(tmp_path / "files"), max_downloads_per_key=1)
     key = make_key(tenant, "batch,inference")

@@ -16,9 +16,9 @@ import pytest
 from api_support import auth, chat_body
 from sqlalchemy import select
 
-from rein.core.models import Job
-from rein.core.redis_keys import RedisKeys
 from rein.jobs.ratelimit import reset_duration, settle_tokens
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import Job
 
 RESET = re.compile(r"^(\d+ms|\d+s|1m0s)$")
 

@@ -15,10 +15,10 @@ import pytest
 from api_support import auth
 from sqlalchemy import select, update
 
-from rein.core.messages import JobMessage, TokenEvent
-from rein.core.models import Job, Result, Usage
 from rein.openai.embeddings import split_inputs, stored_response
 from rein.openai.response import usage_body
+from rein.store.messages import JobMessage, TokenEvent
+from rein.store.tables import Job, Result, Usage
 
 VECTORS = [[0.6, 0.8, 0.0, 0.0], [0.0, 0.0, 1.0, 0.0]]
 
@@ -94,7 +94,7 @@ def serve_embeddings(sessions, redis, keys, tenant: str, vectors: list[list[floa
 @pytest.mark.parametrize("encoding_format", ["float", "base64"])
 def test_embeddings_answer_from_the_stored_vectors(embed_client, key, tenant, db_sessionmaker, redis_client,
                                                    settings, encoding_format):
-    from rein.core.redis_keys import RedisKeys
+    from rein.store.redis_keys import RedisKeys
 
     keys = RedisKeys.from_settings(settings)
     worker = serve_embeddings(db_sessionmaker, redis_client, keys, tenant, VECTORS)

@@ -8,8 +8,8 @@ import time
 import pytest
 from api_support import auth, chat_body
 
-from rein.core.messages import TokenEvent
-from rein.core.redis_keys import RedisKeys
+from rein.store.messages import TokenEvent
+from rein.store.redis_keys import RedisKeys
 
 
 def _events(text: str) -> list[tuple[int | None, str]]:

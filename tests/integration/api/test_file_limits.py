@@ -21,7 +21,7 @@ import anyio
 from api_support import auth
 from sqlalchemy import select
 
-from rein.core.models import ApiKey, File, new_file_id
+from rein.store.tables import ApiKey, File, new_file_id
 
 BOUNDARY = "rein-test-boundary"
 TAIL = f"\r\n--{BOUNDARY}--\r\n".encode()

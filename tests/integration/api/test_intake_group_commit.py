@@ -17,10 +17,10 @@ import pytest
 from api_support import auth, chat_body
 from sqlalchemy import select
 
-from rein.core.keys import authenticate
-from rein.core.models import Job
 from rein.jobs.errors import APIError
 from rein.jobs.queues import make_celery, queue_keys
+from rein.store.keys import authenticate
+from rein.store.tables import Job
 
 
 @pytest.fixture(autouse=True)

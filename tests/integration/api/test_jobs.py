@@ -9,9 +9,9 @@ from api_support import auth, chat_body
 from sqlalchemy import func, select, update
 from transformers import AutoTokenizer
 
-from rein.core.models import Job
-from rein.core.redis_keys import RedisKeys
 from rein.jobs.queues import queue_keys
+from rein.store.redis_keys import RedisKeys
+from rein.store.tables import Job
 
 
 def _create(client, key, body=None, headers=None, endpoint="/v1/chat/completions"):

@@ -18,8 +18,8 @@ from api_support import auth
 from support import wait_for
 
 from rein.core.logging import configure_logging, remove_handler
-from rein.core.messages import JobMessage
 from rein.jobs.queues import queue_keys
+from rein.store.messages import JobMessage
 from rein.worker.app import make_worker_celery
 
 WORKER = "logs@test"

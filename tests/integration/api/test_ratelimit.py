@@ -10,9 +10,9 @@ import pytest
 import redis
 from api_support import auth, chat_body
 
-from rein.core.keys import KeyInfo
-from rein.core.redis_keys import RedisKeys
 from rein.jobs.ratelimit import RateLimiter, RateLimitExceeded
+from rein.store.keys import KeyInfo
+from rein.store.redis_keys import RedisKeys
 
 
 @pytest.fixture(autouse=True)
@@ -45,7 +45,7 @@ def test_tpm_counts_prompt_plus_max_tokens(make_client, make_key, tenant, db_ses
     key = make_key(tenant, tpm=100)
     first = _post(client, key, max_tokens=40)
     assert first.status_code == 202
-    from rein.core.models import Job
+    from rein.store.tables import Job
 
     prompt = db_session.get(Job, first.json()["id"]).prompt_tokens
     budget_left = 100 - (prompt + 40)

@@ -14,7 +14,7 @@ from api_support import auth, chat_body
 
 from rein.api.routes.jobs import SlotStreamingResponse, take_stream_slot
 from rein.api.streams import StreamSlots
-from rein.core.keys import parse_key
+from rein.store.keys import parse_key
 
 PIECES = [("Hel", [10]), ("lo", [11]), (" wor", [12, 13]), ("ld", [14])]
 

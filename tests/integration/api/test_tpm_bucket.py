@@ -22,9 +22,9 @@ import heapq
 
 import redis
 
-from rein.core.keys import KeyInfo
-from rein.core.redis_keys import RedisKeys
 from rein.jobs.ratelimit import Admission, RateLimiter, RateLimitExceeded, settle_tokens
+from rein.store.keys import KeyInfo
+from rein.store.redis_keys import RedisKeys
 
 TPM = 10_000
 CONCURRENCY = 4

@@ -9,8 +9,8 @@ from api_support import auth
 from fastapi.testclient import TestClient
 from sqlalchemy import update
 
-from rein.core.db import DatabaseNotMigratedError
-from rein.core.models import Job, Usage
+from rein.store.db import DatabaseNotMigratedError
+from rein.store.tables import Job, Usage
 
 
 def _job_with_usage(session, tenant, key_id, model, prompt, completion, when):
@@ -112,7 +112,7 @@ def test_cancel_running_job_sets_flag_only(client, make_key, tenant, db_sessionm
     with db_sessionmaker.begin() as session:
         session.execute(update(Job).where(Job.id == job_id).values(status="running", attempt=1))
     pubsub = redis_client.pubsub()
-    from rein.core.redis_keys import RedisKeys
+    from rein.store.redis_keys import RedisKeys
 
     keys = RedisKeys.from_settings(settings)
     pubsub.subscribe(keys.cancel_channel())

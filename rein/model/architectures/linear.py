@@ -1,0 +1,84 @@
+"""Linear layers whose CPU matmuls go through oneDNN instead of the default BLAS.
+
+PyTorch's CPU wheels run `F.linear` on float32 through MKL's sgemm. On the machine rein's
+benchmarks ran on (AMD EPYC with AVX-512) that reached about 85 GFLOPS on one core, half of
+oneDNN's matmul (`torch.ops.mkldnn._linear_pointwise`, what inductor emits for CPU linears),
+which ran near the core's AVX-512 peak -- most likely MKL taking its AVX2 path on a non-Intel
+CPU (MKL_ENABLE_INSTRUCTIONS=AVX512 and MKL_DEBUG_CPU_TYPE=5 changed nothing). oneDNN took half
+the time of `F.linear` for every step shape from 8 rows up: SmolLM2's four projections of one layer,
+1 thread, 32 rows 2.6 -> 1.35 ms, 64 rows 5.0 -> 2.4 ms, 2048 rows 152 -> 70 ms
+(bench/profile_step.py shows the effect on whole steps). Matmuls are most of a CPU step, so
+this is the largest single CPU speed-up. Results are float32 both ways; only the order of the
+additions differs (differences of about 1e-7 relative).
+
+Once loaded, a CPU float32 model's Linear weights are prepacked (`pack_weights`): oneDNN
+reorders each weight once into its blocked layout, which it otherwise redoes inside every call.
+The packed tensor replaces the dense one (no second copy in memory) and serves every row count.
+Measured on the second benchmark machine (Intel Xeon with AVX-512, 1 thread, SmolLM2's 30
+layers with weights streamed from memory, best of 4): 8 rows 63-74 -> 53-58 ms, 32 rows 92-102
+-> 81-84 ms, 64 rows 127-143 -> 122-142 ms, 2048 rows 3164-3225 -> 3022-3030 ms (MKL's sgemm
+there: 2826-2887 ms at 2048 rows but 101-113 at 32; vLLM's CPU build likewise packs for oneDNN).
+The embedding table stays dense (a lookup); a tied head gets a packed copy of it
+(LlamaFamilyModel.pack_cpu_weights). Everything else -- CUDA, float16, a dtype oneDNN has no
+primitive for on this CPU (bfloat16 without AVX-512-BF16 or AMX: rein.kernels.cpu_paths
+probes each dtype once), a single row on a dense weight, autograd, REIN_CPU_FAST_PATHS=0 --
+keeps `F.linear`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from rein.kernels.cpu_paths import onednn_dtypes
+from rein.kernels.quantized import CpuPanels, QuantizedWeight, quantized_linear
+
+# Below this many rows F.linear is as fast (a decode step of one or two requests).
+MIN_ROWS = 4
+
+
+# Row count oneDNN tunes a packed layout for; any count runs on it (a decode step's size).
+PACK_ROWS_HINT = 32
+
+
+def pack_weights(model: nn.Module) -> int:
+    """Replace every float32 CPU `Linear` weight of `model` by oneDNN's packed copy; returns
+    how many were packed (0 where float32 does not run on oneDNN here). For inference only:
+    packed weights take no grad."""
+    if torch.float32 not in onednn_dtypes():
+        return 0
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if (isinstance(module, Linear) and weight is not None and weight.numel() and not weight.is_mkldnn
+                and weight.device.type == "cpu" and weight.dtype == torch.float32):
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
+            module.weight = nn.Parameter(packed, requires_grad=False)
+            count += 1
+    return count
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., in] @ weight[out, in].T (+ bias): oneDNN on CPU where it pays, else F.linear."""
+    if weight.is_mkldnn or (   # packed by pack_weights: oneDNN for every row count
+            x.device.type == "cpu" and weight.dtype == x.dtype and x.dtype in onednn_dtypes()
+            and x.numel() >= MIN_ROWS * x.shape[-1] and not (torch.is_grad_enabled() and weight.requires_grad)):
+        if x.dim() != 2:
+            shape = x.shape
+            out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), weight, bias, "none", [], "")
+            return out.view(*shape[:-1], weight.shape[0])
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return nn.functional.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear (same parameters and state_dict names) computed by `linear`, or by
+    `rein.kernels.quantized.quantized_linear` once loaded with a quantized weight (`quantized`
+    set, the float `weight` then an empty stand-in: rein.model.architectures.weights)."""
+
+    quantized: QuantizedWeight | CpuPanels | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:
+            return quantized_linear(x, self.quantized, self.bias)
+        return linear(x, self.weight, self.bias)

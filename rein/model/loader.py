@@ -1,0 +1,295 @@
+"""Load a model's weights into rein's native model: safetensors (float, or AWQ / GPTQ 4-bit), or
+a GGUF file. Finding the files is `rein.model.files`.
+
+A GGUF file's projection and embedding weights stay in their quantized blocks, repacked for
+rein's kernels (rein.model.quant.gguf_blocks); its other tensors, types rein has no kernel
+for, and everything under `--quantization none` are dequantized one tensor at a time to the
+engine's dtype. AWQ / GPTQ projections stay 4-bit the same way, and `--quantization int8 |
+int4` quantizes a float checkpoint's projections as they are read (rein.model.quant).
+
+Under tensor parallelism (a `group` of several ranks) each rank builds its 1/N-wide model and
+reads only its shard of each tensor: a slice of the safetensors file, or of a GGUF tensor
+(whole groups of a quantized one; a cut through a group dequantizes it first)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+import torch
+
+from rein.model.architectures import native_model_class
+from rein.model.architectures.rope import RotaryEmbedding
+from rein.model.architectures.weights import Shard, TensorGetter
+from rein.model.cpu_allocator import release_free_memory
+from rein.model.files import (
+    TENSOR_INDEX,
+    DamagedGGUFFile,
+    ModelFiles,
+    ModelNotFoundError,
+    require_gguf,
+)
+from rein.model.implementation import TRANSFORMERS_FAMILY
+from rein.model.parallel.group import SINGLE_RANK, ParallelGroup
+from rein.model.quant.checkpoint import (
+    CHECKPOINT_METHODS,
+    LoadReport,
+    packed_checkpoint,
+    quantized_at_load,
+    resident_bytes,
+    shard_of,
+)
+from rein.model.quant.methods import read_quantization_config
+from rein.model.spec import ModelSpec
+
+log = logging.getLogger(__name__)
+
+
+@contextmanager
+def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quantized: bool = True,
+                 report: LoadReport | None = None) -> Iterator[TensorGetter]:
+    """A getter of Hugging Face-named tensors read from the GGUF file when asked for, so the
+    whole checkpoint is never held in memory next to the model: repacked quantized where the
+    caller takes that (and `keep_quantized`), else dequantized to `dtype`.
+
+    Names are mapped with gguf's own tensor-name table and the tensors undone the way
+    transformers does (its tensor processors reverse llama.cpp's q/k permutation: a reordering
+    of rows, which a quantized weight takes as it is)."""
+    require_gguf()
+    import numpy as np
+    from gguf import (
+        GGML_QUANT_SIZES,
+        MODEL_ARCH_NAMES,
+        GGMLQuantizationType,
+        dequantize,
+        get_tensor_name_map,
+    )
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    from rein.model.quant.gguf_blocks import repack
+
+    config = json.loads((directory / "config.json").read_text())
+    index = json.loads((directory / TENSOR_INDEX).read_text())
+    architecture = index["architecture"]
+    arch = next((key for key, value in MODEL_ARCH_NAMES.items() if value == architecture), None)
+    if arch is None:
+        raise ModelNotFoundError(f"{gguf_path}: GGUF architecture {architecture!r} is unknown to the gguf package")
+    names = get_tensor_name_map(arch, config["num_hidden_layers"])
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=config)
+    tensors = index["tensors"]
+    # Read (pread) one tensor at a time rather than mapping the file: the pages of a mapping
+    # count in this process's RSS while it lives, the file's size on top of the model's.
+    file = open(gguf_path, "rb")  # noqa: SIM115  (closed when the getter's context ends)
+    file_bytes = os.fstat(file.fileno()).st_size
+    report = LoadReport() if report is None else report
+    # Types stored as blocks (not F32 / F16 / BF16 / integers): candidates to keep quantized.
+    block_types = {int(t) for t, (block, _) in GGML_QUANT_SIZES.items() if block > 1}
+
+    def row_order(gguf_name: str, rows: int) -> tuple[bool, torch.Tensor | None]:
+        """What the tensor processor does to a matrix's rows: (True, None) nothing, (True,
+        order) a reordering, (False, None) something else (the tensor is dequantized)."""
+        probe = np.arange(rows, dtype=np.float64).reshape(rows, 1)
+        order = np.asarray(processor.process(weights=probe, name=gguf_name).weights).reshape(-1)
+        if order.shape != (rows,) or not np.array_equal(np.sort(order), probe[:, 0]):
+            return False, None
+        if np.array_equal(order, probe[:, 0]):
+            return True, None
+        return True, torch.from_numpy(order.astype(np.int64))
+
+    def quantized_weight(gguf_name: str, entry: dict, data, shard: Shard | None, hf_name: str):
+        qtype = GGMLQuantizationType(entry["type"])
+        block, type_bytes = GGML_QUANT_SIZES[qtype]
+        rows, row_bytes = data.shape
+        weight = repack(data, qtype.name, rows, row_bytes // type_bytes * block)
+        reorder, order = row_order(gguf_name, rows) if weight is not None else (False, None)
+        if weight is not None and reorder:
+            if order is not None:
+                weight = weight.permute_rows(order)
+            weight = shard_of(weight, shard, hf_name)
+            if weight is not None:
+                report.quantized[qtype.name] += 1
+                return weight
+        report.dequantized[qtype.name] += 1
+        return None
+
+    def get(hf_name: str, shard: Shard | None = None, quantized: bool = False) -> torch.Tensor | None:
+        stem, _, suffix = hf_name.rpartition(".")
+        gguf_name = f"{names.get_name(stem)}.{suffix}"
+        entry = tensors.get(gguf_name)
+        if entry is None:
+            return None
+        item = np.dtype(entry["dtype"])
+        length = math.prod(int(n) for n in entry["shape"]) * item.itemsize   # Python integers: no wrap-around
+        start = int(entry["offset"])
+        # The index was checked against the file when it was written (rein.model.files);
+        # the file may have changed since (truncated under the same name).
+        if start < 0 or start + length > file_bytes:
+            raise DamagedGGUFFile(f"{gguf_path}: tensor {gguf_name!r} lies at bytes {start}..{start + length}, past "
+                                  f"the end of the file ({file_bytes} bytes): the file is truncated or damaged")
+        raw = os.pread(file.fileno(), length, start)
+        if len(raw) != length:
+            raise DamagedGGUFFile(f"{gguf_path}: tensor {gguf_name!r}: read {len(raw)} of its {length} bytes at "
+                                  f"{start}: the file is truncated or damaged")
+        data = np.frombuffer(raw, dtype=item).reshape(entry["shape"])
+        if quantized and keep_quantized and entry["type"] in block_types and data.ndim == 2:
+            weight = quantized_weight(gguf_name, entry, data, shard, hf_name)
+            if weight is not None:
+                return weight
+        weights = dequantize(data, GGMLQuantizationType(entry["type"]))
+        weights = processor.process(weights=weights, name=gguf_name).weights
+        if shard is not None:
+            weights = weights[shard.slices(weights.shape, hf_name)]   # copied below: only the shard stays
+        return torch.from_numpy(np.array(weights, copy=True)).to(dtype)
+
+    try:
+        yield get
+    finally:
+        file.close()
+
+
+@contextmanager
+def safetensors_tensors(directory: Path) -> Iterator[TensorGetter]:
+    from safetensors import safe_open
+
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(
+            f"{directory} has no *.safetensors weights (rein loads safetensors and GGUF)")
+    with ExitStack() as stack:
+        where: dict[str, object] = {}
+        for file in files:
+            handle = stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            for name in handle.keys():
+                where[name] = handle
+
+        def get(name: str, shard: Shard | None = None, quantized: bool = False) -> torch.Tensor | None:
+            handle = where.get(name)
+            if handle is None:
+                return None
+            if shard is None:
+                return handle.get_tensor(name)
+            part = handle.get_slice(name)   # reads only the shard's bytes
+            return part[shard.slices(part.get_shape(), name)]
+
+        yield get
+
+
+def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: torch.dtype,
+               device: torch.device, trust_remote_code: bool = False, group: ParallelGroup = SINGLE_RANK,
+               quantization: str = "auto"):
+    """Build the native model on `device` in `dtype` and fill it from the checkpoint (or, for
+    the "transformers" family, the model transformers builds, from the repository's own code
+    under `trust_remote_code`: rein.model.architectures.transformers_backend). With a `group` of
+    several ranks, this rank's shard of it (rein.model.parallel). `quantization`: see
+    rein.model.quant.checkpoint."""
+    if spec.family == TRANSFORMERS_FAMILY:
+        if group.world_size > 1:
+            raise ValueError(f"tensor parallelism (size {group.world_size}) needs one of rein's native models; "
+                             f"{spec.architecture} runs on the Transformers backend, which has none: use size 1")
+        if quantization not in ("auto", "none") or read_quantization_config(_config(files)) is not None:
+            raise ValueError(f"{spec.architecture} runs on the Transformers backend, which rein does not "
+                             f"quantize: use one of rein's native architectures or --quantization auto "
+                             f"with a float checkpoint")
+        from rein.model.architectures.transformers_backend import load_transformers_model
+
+        model = load_transformers_model(files, spec, dtype, device, trust_remote_code)
+        if device.type == "cpu":
+            model.pack_cpu_weights()
+        return model
+
+    with torch.device("meta"):
+        model = native_model_class(spec)(spec, max_positions, group)
+    materialize(model, device, dtype)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build_table()  # rope tables stay fp32
+    report = LoadReport()
+    with checkpoint_tensors(files, dtype, quantization, report) as get:
+        model.load_hf_weights(_base_model_names(get))
+    model.eval()
+    if device.type == "cpu":
+        model.pack_cpu_weights()   # oneDNN's blocked layout, once (rein.model.architectures.linear)
+        release_free_memory()      # the load's freed buffers back to the system
+    log.info("%s", report.describe(resident_bytes(model)))
+    return model
+
+
+def materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Real storage for a model built on the meta device, straight on `device`, floating point
+    in `dtype`, not initialized. Not nn.Module.to_empty: on the CPU its copies came back with
+    their pages touched (109 of an embedding's 113 MB resident before a weight was read), and a
+    weight that then arrives quantized should never have cost its float size."""
+    made: dict[int, torch.Tensor] = {}
+
+    def real(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = torch.empty(t.shape, dtype=dtype if t.is_floating_point() else t.dtype, device=device)
+        return made[id(t)]
+
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:
+                module._parameters[name] = torch.nn.Parameter(real(param), requires_grad=param.requires_grad)
+        for name, buffer in list(module._buffers.items()):
+            if buffer is not None and buffer.is_meta:
+                module._buffers[name] = real(buffer)
+
+
+@contextmanager
+def checkpoint_tensors(files: ModelFiles, dtype: torch.dtype, quantization: str = "auto",
+                       report: LoadReport | None = None) -> Iterator[TensorGetter]:
+    """The checkpoint's tensor getter for `quantization` (rein.model.quant.checkpoint)."""
+    report = LoadReport() if report is None else report
+    packed = read_quantization_config(_config(files)) if files.gguf is None else None
+    if quantization in CHECKPOINT_METHODS:
+        found = "gguf" if files.gguf is not None else (packed.method if packed is not None else "none")
+        if found != quantization:
+            raise ValueError(f"--quantization {quantization} names the checkpoint's method, but this checkpoint is "
+                             f"{'not quantized' if found == 'none' else found.upper()}: use --quantization auto")
+        quantization = "auto"
+    if packed is not None and quantization not in ("auto", "none"):
+        raise ValueError(f"the checkpoint is already quantized ({packed.method.upper()} {packed.bits}-bit): "
+                         f"drop --quantization {quantization} (or use auto, or none to dequantize it)")
+    if files.gguf is not None:
+        source = gguf_tensors(files.gguf, files.directory, dtype, keep_quantized=quantization != "none",
+                              report=report)
+    else:
+        source = safetensors_tensors(files.directory)
+    with source as get:
+        if packed is not None:
+            get = packed_checkpoint(get, packed, dtype, report)
+            if quantization == "none":
+                get = _floats_only(get)
+        if quantization not in ("auto", "none"):
+            get = quantized_at_load(get, quantization, report)
+        yield get
+
+
+def _floats_only(get: TensorGetter) -> TensorGetter:
+    def lookup(name: str, shard: Shard | None = None, quantized: bool = False):
+        return get(name, shard)
+    return lookup
+
+
+def _config(files: ModelFiles) -> dict:
+    path = files.directory / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _base_model_names(get: TensorGetter) -> TensorGetter:
+    """A getter that also finds `model.X` saved as plain `X`: checkpoints saved from the base
+    model (transformers' AutoModel, as sentence-transformers and Qwen3-Embedding ship them)
+    lack the causal LM's `model.` prefix, which transformers itself tolerates."""
+
+    def lookup(name: str, shard: Shard | None = None, quantized: bool = False):
+        tensor = get(name, shard, quantized)
+        if tensor is None and name.startswith("model."):
+            tensor = get(name.removeprefix("model."), shard, quantized)
+        return tensor
+
+    return lookup
