@@ -323,7 +323,7 @@ def run_service(sandbox: Sandbox, model_dir: Path, input_path: Path, output_path
 
 
 def engine_steps(service: Service, heartbeat_key: str) -> tuple[int, int]:
-    """(engine steps, output tokens) so far, from the worker's heartbeat (rein.worker.bootstep)."""
+    """(engine steps, output tokens) so far, from the worker's heartbeat (rein.worker.heartbeat)."""
     import redis
 
     client = redis.Redis.from_url(service.env["REIN_REDIS_URL"])

@@ -1,6 +1,6 @@
 """A rein worker container's health check: healthy while its worker beats with its engine up.
 
-The worker writes a heartbeat to Redis every 5 s (rein.worker.bootstep), under the Celery
+The worker writes a heartbeat to Redis every 5 s (rein.worker.heartbeat), under the Celery
 node name MODEL@HOST, HOST being this container's hostname; the key expires 15 s after the
 last beat. Healthy means a beat of a worker of this host exists and says `up` (the engine is
 loaded and stepping); `down` while the model loads or after an engine death, and no beat at

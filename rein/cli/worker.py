@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
 
     from rein.jobs.queues import queued_slots, worker_queues
     from rein.worker.app import make_worker_celery
-    from rein.worker.bootstep import EngineThreadPool, WorkerSpec, configure_worker
+    from rein.worker.bootstep import EngineThreadPool, configure_worker
+    from rein.worker.context import WorkerSpec
 
     try:
         # The bootstep loads the engine; a model that cannot be found fails here, in one line.

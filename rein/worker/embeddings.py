@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from rein.engine.client import CollectingStream
     from rein.engine.step_outputs import RequestOutput
     from rein.jobs.claim import Lease
-    from rein.worker.bootstep import WorkerContext
+    from rein.worker.context import WorkerContext
 
 log = logging.getLogger(__name__)
 

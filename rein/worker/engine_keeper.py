@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from rein.engine.client import EngineClient
-    from rein.worker.bootstep import WorkerContext
+    from rein.worker.context import WorkerContext
 
 log = logging.getLogger(__name__)
 

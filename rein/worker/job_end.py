@@ -23,7 +23,7 @@ from rein.store.messages import JobMessage
 from rein.worker.recorder import JobRecord, record_job
 
 if TYPE_CHECKING:
-    from rein.worker.bootstep import WorkerContext
+    from rein.worker.context import WorkerContext
     from rein.worker.suspects import Suspicion
 
 log = logging.getLogger(__name__)

@@ -4,7 +4,7 @@ A task adds its job while it runs it (`tracking`). The cancel listener asks for 
 job ids, the lease keeper for the leases to renew, Celery's terminate (by thread) for the
 job to interrupt, and a task whether its aborted job was interrupted (hand it back) rather
 than cancelled (record it). The table only keeps the books: interrupting a job in the
-engine is the worker context's (rein.worker.bootstep).
+engine is the worker context's (rein.worker.context).
 """
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ from rein.openai.endpoints import EMBEDDINGS
 from rein.openai.response import usage_body
 from rein.openai.response_shape import ResponseShape, returned_choices
 from rein.store.messages import JobMessage
-from rein.worker.bootstep import worker_context
+from rein.worker.context import worker_context
 from rein.worker.embeddings import run_embeddings
 from rein.worker.job_end import (
     ABORT_GRACE_SECONDS,
@@ -68,7 +68,7 @@ if TYPE_CHECKING:
     from rein.engine.client import CollectingStream
     from rein.engine.request_result import RequestResult
     from rein.jobs.claim import Lease
-    from rein.worker.bootstep import WorkerContext
+    from rein.worker.context import WorkerContext
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ MODEL = "tiny-embed"
 def context(make_settings, tiny_models):
     """`context(pooling="last", **engine)`: a worker context on a tiny embedding model, without Celery."""
     from rein.engine import EngineConfig, LLMEngine
-    from rein.worker.bootstep import WorkerSpec, build_context
+    from rein.worker.context import WorkerSpec, build_context
 
     built = []
 

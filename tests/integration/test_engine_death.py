@@ -57,7 +57,7 @@ def process_context(request, make_settings, tiny_models):
     """A worker context (no Celery consumer) whose engine runs in a child process (with one
     more rank, a grandchild, under tensor parallelism)."""
     from rein.engine import EngineConfig
-    from rein.worker.bootstep import WorkerSpec, build_context
+    from rein.worker.context import WorkerSpec, build_context
 
     settings = make_settings(worker_engine_process=True)
     config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
@@ -157,7 +157,7 @@ def test_a_pinned_engine_and_its_replacement_keep_their_cores(make_settings, tin
     the others, and a replacement engine pinned like the first."""
     from rein.core.cpu_pinning import pin_this_process
     from rein.engine import EngineConfig
-    from rein.worker.bootstep import WorkerSpec, build_context
+    from rein.worker.context import WorkerSpec, build_context
     from rein.worker.tasks import process_job
 
     cores = os.sched_getaffinity(0)

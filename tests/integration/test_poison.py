@@ -34,7 +34,7 @@ SLOTS = 20          # as a worker's: max_num_seqs + its queued and interactive s
 @pytest.fixture
 def worker(make_settings, tiny_models):
     from rein.engine import EngineConfig
-    from rein.worker.bootstep import WorkerSpec, build_context
+    from rein.worker.context import WorkerSpec, build_context
 
     settings = make_settings(worker_engine_process=True)
     config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="32MiB", max_model_len=512,

@@ -90,7 +90,7 @@ def test_top_says_when_redis_is_unreachable(top_env, monkeypatch, capsys):
 
 def test_a_real_workers_heartbeat_shows_up_then_stopped(top_env, make_settings, tiny_models, capsys):
     from rein.engine import EngineConfig, LLMEngine
-    from rein.worker.bootstep import WorkerSpec, build_context
+    from rein.worker.context import WorkerSpec, build_context
 
     settings = make_settings(max_num_seqs=2)
     config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="8MiB", max_model_len=256,

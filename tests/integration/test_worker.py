@@ -621,7 +621,8 @@ class InProcessWorker:
 def worker_app(make_settings, tiny_models) -> Iterator:
     """The app of an in-process worker for MODEL (tiny model, 4 threads); the shutdown test stops it."""
     from rein.engine import EngineConfig, LLMEngine
-    from rein.worker.bootstep import WorkerSpec, configure_worker
+    from rein.worker.bootstep import configure_worker
+    from rein.worker.context import WorkerSpec
 
     settings = make_settings(job_timeout_seconds=60, max_num_seqs=4, stream_ttl_seconds=300)
     config = EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="16MiB", max_model_len=1024,
@@ -822,7 +823,7 @@ def test_process_job_without_a_broker_fails_a_job_past_its_time_limit(make_setti
                                                                      db_sessionmaker, redis_client):
     """The task's logic is a plain function: run it on a context built without Celery."""
     from rein.engine import EngineConfig, LLMEngine
-    from rein.worker.bootstep import WorkerSpec, build_context
+    from rein.worker.context import WorkerSpec, build_context
     from rein.worker.tasks import process_job
 
     settings = make_settings(job_timeout_seconds=1)
@@ -860,7 +861,7 @@ def test_process_job_without_a_broker_fails_a_job_past_its_time_limit(make_setti
 def plain_context(make_settings, tiny_models):
     """`plain_context(**settings)`: a worker context built without Celery (stopped after the test)."""
     from rein.engine import EngineConfig, LLMEngine
-    from rein.worker.bootstep import WorkerSpec, build_context
+    from rein.worker.context import WorkerSpec, build_context
 
     built = []
 

@@ -54,7 +54,7 @@ def run_queue(context, settings, model: str, stop: threading.Event) -> None:
 def test_a_jobs_lines_carry_its_ids_and_no_secret_or_prompt(make_client, make_key, tenant, model_dir,
                                                             log_buffer):
     from rein.engine import EngineConfig, LLMEngine
-    from rein.worker.bootstep import WorkerSpec, build_context
+    from rein.worker.context import WorkerSpec, build_context
 
     model = f"m{secrets.token_hex(3)}"
     client = make_client(models=f"{model}={model_dir}@512")
