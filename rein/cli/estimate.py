@@ -14,8 +14,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from rein.engine.options import DTYPES, KV_CACHE_DTYPES, MODEL_IMPLS, QUANTIZATIONS
+from rein.engine.options import DTYPES, KV_CACHE_DTYPES
 from rein.model.files import resolve_model
+from rein.model.implementation_names import MODEL_IMPLS
+from rein.model.quant.names import QUANTIZATIONS
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

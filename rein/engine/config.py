@@ -12,10 +12,9 @@ from dataclasses import dataclass
 import torch
 
 from rein.engine.generation_defaults import check_generation_config
-from rein.model.quant.checkpoint import check_quantization
-
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
-MODEL_IMPLS = ("auto", "rein", "transformers")   # as rein.model.implementation.MODEL_IMPLS
+from rein.engine.options import DTYPES, KV_CACHE_DTYPES, check_tensor_parallel_size
+from rein.model.implementation_names import check_model_impl
+from rein.model.quant.names import check_quantization
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,
@@ -41,7 +40,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     try:
         return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
     except KeyError:
-        raise ValueError(f"unknown dtype {name!r}: use auto, float32, float16 or bfloat16") from None
+        raise ValueError(f"unknown dtype {name!r}: use {', '.join(DTYPES[:-1])} or {DTYPES[-1]}") from None
 
 
 @dataclass
@@ -112,8 +111,7 @@ class EngineConfig:
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} is not supported: use one of {', '.join(KV_CACHE_DTYPES)}"
             )
-        if self.model_impl not in MODEL_IMPLS:
-            raise ValueError(f"model_impl {self.model_impl!r} is not supported: use one of {', '.join(MODEL_IMPLS)}")
+        check_model_impl(self.model_impl)
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.kv_cache_memory is not None:
@@ -131,8 +129,7 @@ class EngineConfig:
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
         check_quantization(self.quantization)
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        check_tensor_parallel_size(self.tensor_parallel_size)
         if self.interactive_step_budget is not None and self.interactive_step_budget < 0:
             raise ValueError(f"interactive_step_budget must be at least 0, got {self.interactive_step_budget}")
         if self.max_model_len is not None and self.max_model_len < 1:

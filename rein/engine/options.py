@@ -15,19 +15,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rein.core.settings import EngineSettings, load_engine_settings
+from rein.model.implementation_names import MODEL_IMPLS
+from rein.model.quant.names import QUANTIZATIONS
 
-if TYPE_CHECKING:
-    pass
-
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")  # as rein.engine.config
+# The names --dtype and --kv-cache-dtype take, here and in EngineConfig (rein.engine.config),
+# which resolves them to torch dtypes; defined here because this module imports no torch.
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-MODEL_IMPLS = ("auto", "rein", "transformers")   # as rein.engine.config
-# As rein.model.quant.checkpoint.QUANTIZATIONS (a test checks), which imports torch.
-QUANTIZATIONS = ("auto", "none", "int8", "int4", "int4-g32", "int4-g64", "int4-g128", "int4-g256", "awq", "gptq",
-                 "gguf")
+KV_CACHE_DTYPES = (*DTYPES, "int8")
 
 WORKER = "worker"
 OFFLINE = ("run-batch", "generate")        # the commands with an engine in the process
@@ -135,3 +132,12 @@ def resolve_engine_values(given: Mapping[str, Any], variables: EngineSettings | 
     """
     variables = variables if variables is not None else load_engine_settings()
     return {name: given[name] if given.get(name) is not None else getattr(variables, name) for name in names}
+
+
+def check_tensor_parallel_size(size: int, name: str = "tensor_parallel_size") -> int:
+    """`size` if it is at least 1; else ValueError naming `name` (the keyword, or the flag for a
+    caller that reads flags). The one check: EngineConfig's, and the worker supervisor's, which
+    splits devices into engines before any engine is configured."""
+    if size < 1:
+        raise ValueError(f"{name} must be at least 1, got {size}")
+    return size

@@ -23,6 +23,22 @@ class SamplingParamsError(ValueError):
         self.param = param
 
 
+def check_max_tokens(value: int, name: str = "max_tokens") -> None:
+    """SamplingParamsError unless `value` is at least 1: the one check of a completion's token
+    budget, SamplingParams' and the wire format's (`name`: max_tokens or max_completion_tokens)."""
+    if value < 1:
+        raise SamplingParamsError(name, f"{name} must be at least 1, got {value}")
+
+
+def fits_context(prompt_tokens: int, max_tokens: int, max_model_len: int) -> bool:
+    """Whether a prompt of `prompt_tokens` and a completion of up to `max_tokens` fit in a context
+    of `max_model_len` tokens: the one rule. Each caller words its own refusal: the wire format's
+    context_length_exceeded when a request is parsed (rein.openai.request), `rein.LLM`'s ValueError
+    naming the prompt before any prompt runs, the engine's ContextLengthExceeded when a request is
+    added."""
+    return prompt_tokens + max_tokens <= max_model_len
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token and when to stop.
@@ -67,7 +83,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
-        self._check(self.max_tokens >= 1, "max_tokens", f"max_tokens must be at least 1, got {self.max_tokens}")
+        check_max_tokens(self.max_tokens)
         self._check(0.0 <= self.temperature <= 2.0, "temperature",
                     f"temperature must be between 0 and 2, got {self.temperature}")
         self._check(0.0 < self.top_p <= 1.0, "top_p", f"top_p must be in (0, 1], got {self.top_p}")

@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any
 
 from rein.model import tokenizer_files
+from rein.model.implementation_names import check_model_impl
 from rein.model.spec import ModelSpec, UnsupportedModelError
 
-MODEL_IMPLS = ("auto", "rein", "transformers")
 TRANSFORMERS_FAMILY = "transformers"
 # The layer kinds rein's paged KV cache serves; any other kind in `layer_types` keeps some
 # other state (mamba, linear attention, convolutions) or another mask (chunked attention).
@@ -33,8 +33,7 @@ def spec_for(model_dir: str | Path, model_impl: str = "auto", trust_remote_code:
     `transformers` the Transformers backend, `auto` native code where rein has it (and can run
     the config's features), else the Transformers backend. `trust_remote_code`: the backend
     may run the repository's own modeling code (a model that needs it is refused without)."""
-    if model_impl not in MODEL_IMPLS:
-        raise ValueError(f"model_impl {model_impl!r} is not one of {', '.join(MODEL_IMPLS)}")
+    check_model_impl(model_impl)
     if model_impl == "transformers":
         return transformers_spec(model_dir, trust_remote_code)
     try:
@@ -48,6 +47,16 @@ def spec_for(model_dir: str | Path, model_impl: str = "auto", trust_remote_code:
             return transformers_spec(model_dir, trust_remote_code)
         except UnsupportedModelError as backend:
             raise UnsupportedModelError(f"{backend} (and rein's native code: {native})") from None
+
+
+def check_shardable(spec: ModelSpec, tensor_parallel_size: int) -> None:
+    """ValueError when the model of `spec` cannot be sharded over `tensor_parallel_size` ranks
+    because the Transformers backend runs it (its modeling code is never sharded): the one check,
+    for the engine before it starts any rank and for the loader."""
+    if tensor_parallel_size > 1 and spec.family == TRANSFORMERS_FAMILY:
+        raise ValueError(f"tensor_parallel_size {tensor_parallel_size} needs one of rein's native models; "
+                         f"{spec.architecture} runs on the Transformers backend, which is not sharded: use "
+                         f"tensor_parallel_size 1")
 
 
 def transformers_spec(model_dir: str | Path, trust_remote_code: bool = False) -> ModelSpec:

@@ -34,10 +34,9 @@ from rein.model.files import (
     ModelNotFoundError,
     require_gguf,
 )
-from rein.model.implementation import TRANSFORMERS_FAMILY
+from rein.model.implementation import TRANSFORMERS_FAMILY, check_shardable
 from rein.model.parallel.group import SINGLE_RANK, ParallelGroup
 from rein.model.quant.checkpoint import (
-    CHECKPOINT_METHODS,
     LoadReport,
     packed_checkpoint,
     quantized_at_load,
@@ -45,6 +44,7 @@ from rein.model.quant.checkpoint import (
     shard_of,
 )
 from rein.model.quant.methods import read_quantization_config
+from rein.model.quant.names import CHECKPOINT_METHODS
 from rein.model.spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -188,9 +188,7 @@ def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: to
     several ranks, this rank's shard of it (rein.model.parallel). `quantization`: see
     rein.model.quant.checkpoint."""
     if spec.family == TRANSFORMERS_FAMILY:
-        if group.world_size > 1:
-            raise ValueError(f"tensor parallelism (size {group.world_size}) needs one of rein's native models; "
-                             f"{spec.architecture} runs on the Transformers backend, which has none: use size 1")
+        check_shardable(spec, group.world_size)
         if quantization not in ("auto", "none") or read_quantization_config(_config(files)) is not None:
             raise ValueError(f"{spec.architecture} runs on the Transformers backend, which rein does not "
                              f"quantize: use one of rein's native architectures or --quantization auto "

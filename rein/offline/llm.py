@@ -49,7 +49,7 @@ from rein.engine.errors import EngineRequestError
 from rein.engine.generation_defaults import load_generation_defaults
 from rein.engine.options import ENGINE_OPTION_NAMES, resolve_engine_values
 from rein.engine.request_result import RequestResult
-from rein.engine.sampling_params import SamplingParams
+from rein.engine.sampling_params import SamplingParams, fits_context
 from rein.offline.driver import default_max_in_flight, drive
 from rein.offline.embed import EmbeddingRequestOutput, embed
 from rein.offline.llm_outputs import GenerationOutput, TokenTexts, completion_output, logprob_dict
@@ -268,8 +268,8 @@ class LLM:
                     raise TypeError(f"sampling_params[{index}] must be a SamplingParams, got {type(p).__name__}")
         limit = self.engine.max_model_len
         for index, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
-            needed = len(prompt.token_ids) + p.max_tokens
-            if needed > limit:
+            if not fits_context(len(prompt.token_ids), p.max_tokens, limit):
+                needed = len(prompt.token_ids) + p.max_tokens
                 raise ValueError(
                     f"{what} {index} is too long for the context: {len(prompt.token_ids)} prompt tokens + "
                     f"max_tokens {p.max_tokens} = {needed} tokens, but max_model_len is {limit}. Shorten the "

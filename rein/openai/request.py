@@ -37,7 +37,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from rein.core.input_checks import json_type
-from rein.engine.sampling_params import SamplingParams, SamplingParamsError
+from rein.engine.sampling_params import (
+    SamplingParams,
+    SamplingParamsError,
+    check_max_tokens,
+    fits_context,
+)
 from rein.engine.structured.request import structured_from_body
 from rein.openai.choices_request import check_response_size, choice_fields
 from rein.openai.endpoints import CHAT_COMPLETIONS, ENDPOINTS
@@ -172,13 +177,16 @@ def _max_tokens(body: dict[str, Any], prompt_tokens: int, max_model_len: int, ch
     reaches it, with the same message: rein.openai.errors.context_length_message.)"""
     for name in ("max_tokens", "max_completion_tokens"):
         value = get_field(body, name, int)
-        if value is not None and value < 1:
-            raise RequestError(f"{name} must be at least 1, got {value}", name)
+        try:
+            if value is not None:
+                check_max_tokens(value, name)
+        except SamplingParamsError as exc:
+            raise RequestError(str(exc), exc.param) from None
     param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = get_field(body, param, int)
     if max_tokens is None:
         max_tokens = max(max_model_len - prompt_tokens, 1) if chat else COMPLETIONS_DEFAULT_MAX_TOKENS
-    if prompt_tokens + max_tokens > max_model_len:
+    if not fits_context(prompt_tokens, max_tokens, max_model_len):
         raise context_length_error(max_model_len, prompt_tokens, max_tokens, chat)
     return max_tokens, param
 

@@ -38,6 +38,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rein.engine.options import check_tensor_parallel_size
+
 log = logging.getLogger(__name__)
 
 # `rein worker` exits 2 when it refuses to start (rein.cli.worker; argparse's errors too): a
@@ -114,8 +116,7 @@ def plan_engines(devices: tuple[str, ...] | None, data_parallel_size: int | None
     `device` (cpu; cuda: indices 0 to N-1), each of `tensor_parallel_size` devices. ValueError
     for a combination that does not fit. A tensor-parallel engine runs its ranks on consecutive
     CUDA indices from its --device on (rein.engine.rank_processes), so a group must be consecutive."""
-    if tensor_parallel_size < 1:
-        raise ValueError(f"--tensor-parallel-size must be at least 1, got {tensor_parallel_size}")
+    check_tensor_parallel_size(tensor_parallel_size, "--tensor-parallel-size")
     if data_parallel_size is not None and data_parallel_size < 1:
         raise ValueError(f"--data-parallel-size must be at least 1, got {data_parallel_size}")
     if devices is None:

@@ -184,9 +184,31 @@ def test_worker_takes_celery_flags(settings):
         worker_args("--generation-config", "vllm")     # the API's to apply: REIN_GENERATION_CONFIG
 
 
-def test_the_quantization_choices_are_the_engines():
-    """options.py lists them without importing torch; rein.model.quant.checkpoint owns them."""
-    from rein.engine.options import QUANTIZATIONS
-    from rein.model.quant.checkpoint import QUANTIZATIONS as ENGINE_QUANTIZATIONS
+def test_the_flags_choices_are_the_names_the_engine_checks():
+    """--quantization, --model-impl, --dtype and --kv-cache-dtype list the very tuples EngineConfig
+    checks against, each defined once in a module without torch (rein.model.quant.names,
+    rein.model.implementation_names, rein.engine.options): every name listed is taken, others refused."""
+    from rein.engine.options import DTYPES, KV_CACHE_DTYPES, options_by_name
+    from rein.model.implementation_names import MODEL_IMPLS
+    from rein.model.quant.names import QUANTIZATIONS
 
-    assert QUANTIZATIONS == ENGINE_QUANTIZATIONS
+    checked = {"quantization": QUANTIZATIONS, "model_impl": MODEL_IMPLS, "dtype": DTYPES,
+               "kv_cache_dtype": KV_CACHE_DTYPES}
+    for name, names in checked.items():
+        assert options_by_name(name).choices is names
+        for value in names:
+            config = EngineConfig(model="unused", device="cpu", **{name: value})
+            assert config.torch_dtype is not None and config.cache_torch_dtype is not None
+        with pytest.raises(ValueError, match="nonesuch"):   # --dtype is refused when it is resolved
+            assert EngineConfig(model="unused", device="cpu", **{name: "nonesuch"}).torch_dtype
+
+
+def test_a_tensor_parallel_size_below_one_is_refused_by_the_one_check():
+    """EngineConfig and the worker supervisor (which splits devices into engines before any engine
+    is configured) share rein.engine.options.check_tensor_parallel_size; the supervisor names the flag."""
+    from rein.worker.supervisor import plan_engines
+
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size must be at least 1, got 0$"):
+        EngineConfig(model="unused", device="cpu", tensor_parallel_size=0)
+    with pytest.raises(ValueError, match=r"^--tensor-parallel-size must be at least 1, got 0$"):
+        plan_engines(None, 2, 0, "cpu")

@@ -1,6 +1,6 @@
-"""How a checkpoint's tensors reach the model quantized: the `--quantization` choices, the
-getters that hand out `QuantizedWeight`s (AWQ/GPTQ checkpoints, weights quantized at load), and
-what the load log reports about the result.
+"""How a checkpoint's tensors reach the model quantized: the getters that hand out
+`QuantizedWeight`s (AWQ/GPTQ checkpoints, weights quantized at load), and what the load log
+reports about the result. The `--quantization` names are rein.model.quant.names'.
 
 A model's projections ask their getter for `quantized=True` tensors (rein.model.architectures.weights);
 every other tensor is asked for as float. The getters here wrap the checkpoint's own:
@@ -33,29 +33,11 @@ from rein.model.quant.methods import (
     quantize_int4,
     quantize_int8,
 )
+from rein.model.quant.names import int4_group
 
 log = logging.getLogger(__name__)
 
-# --quantization: "auto" keeps what the checkpoint has (GGUF blocks, AWQ, GPTQ; float stays
-# float), "none" dequantizes everything to --dtype, int8 / int4 quantize float weights at load.
-# "awq", "gptq", "gguf" (vLLM's names for the checkpoint's own method) mean auto once the
-# checkpoint is seen to be one.
-INT4_GROUPS = (32, 64, 128, 256)
-CHECKPOINT_METHODS = ("awq", "gptq", "gguf")
-QUANTIZATIONS = ("auto", "none", "int8", "int4", *(f"int4-g{g}" for g in INT4_GROUPS), *CHECKPOINT_METHODS)
-DEFAULT_INT4_GROUP = 128
 UNQUANTIZED = ("embed_tokens.weight", "lm_head.weight")   # never quantized at load
-
-
-def check_quantization(value: str) -> str:
-    if value not in QUANTIZATIONS:
-        raise ValueError(f"quantization {value!r} is not one rein knows; choose one of {', '.join(QUANTIZATIONS)}")
-    return value
-
-
-def int4_group(method: str) -> int:
-    """The group size of an int4 method name ("int4": the default, "int4-g64": 64)."""
-    return int(method.removeprefix("int4-g")) if method.startswith("int4-g") else DEFAULT_INT4_GROUP
 
 
 @dataclass
