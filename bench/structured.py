@@ -106,7 +106,7 @@ def small_schema(i: int) -> dict:
 
 def section_compile(engine: LLMEngine, args: argparse.Namespace) -> dict:
     from rein.engine.structured.cache import GrammarCache
-    from rein.engine.structured.request import _find_problem
+    from rein.engine.structured.spec import find_problem
 
     cache = GrammarCache(engine.tokenizer, engine.spec.vocab_size, sorted(engine.eos_token_ids), threads=1)
     started = time.perf_counter()
@@ -115,7 +115,7 @@ def section_compile(engine: LLMEngine, args: argparse.Namespace) -> dict:
     rows = {}
     for name, spec in REPRESENTATIVE.items():
         started = time.perf_counter()
-        assert _find_problem(spec) is None, name
+        assert find_problem(spec) is None, name
         check_ms = (time.perf_counter() - started) * 1e3
         compiled = cache.wait(spec)
         rows[name] = {"compile_ms": compiled.seconds * 1e3, "intake_check_ms": check_ms}

@@ -45,7 +45,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from rein.api.jobs import check_metadata, find_job_by_idempotency_key, same_request_or_conflict
 from rein.core.priorities import PRIORITY_INTERACTIVE
 from rein.core.settings import Settings
-from rein.engine.structured.request import BODY_FIELDS as STRUCTURED_BODY_FIELDS
 from rein.jobs.errors import APIError
 from rein.jobs.group_commit import GroupCommit
 from rein.jobs.prepare import Prepared, prepare
@@ -61,6 +60,7 @@ from rein.jobs.ratelimit import (
 )
 from rein.jobs.registry import ModelRegistry
 from rein.openai.embeddings import ParsedEmbeddings
+from rein.openai.structured_fields import BODY_FIELDS as STRUCTURED_BODY_FIELDS
 from rein.store.db import HeldConnections, engine_of
 from rein.store.keys import KeyInfo
 from rein.store.messages import JobMessage

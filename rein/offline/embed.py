@@ -25,7 +25,8 @@ from rein.offline.driver import drive
 from rein.offline.prompts import as_prompt_list, read_prompt
 from rein.openai.batch_lines import BatchLine
 from rein.openai.embeddings import ParsedEmbeddings, embeddings_body, parse_embeddings_request
-from rein.openai.errors import INVALID_REQUEST, RequestError
+from rein.openai.engine_errors import request_error
+from rein.openai.errors import RequestError
 
 if TYPE_CHECKING:
     from rein.offline.llm import LLM
@@ -144,9 +145,9 @@ def take_embeddings_line(run: BatchRun, batch_line: BatchLine, line_number: int)
         except EngineRequestError as exc:
             for other, _ in added:
                 engine.abort(other)
-            code = INVALID_REQUEST if exc.code == "invalid_request" else exc.code
+            refused = request_error(exc)
             where = f"input[{index}]: " if len(parsed.inputs) > 1 else ""
-            run.fail(batch_line.custom_id, line_number, code, f"{where}{exc}")
+            run.fail(batch_line.custom_id, line_number, refused.code, f"{where}{refused.message}")
             return None
         added.append((part_id, EmbeddingPart(line, index)))
     return added

@@ -50,7 +50,8 @@ from rein.openai.batch_lines import (
 )
 from rein.openai.choices_response import full_response
 from rein.openai.endpoints import EMBEDDINGS
-from rein.openai.errors import INVALID_REQUEST, RequestError
+from rein.openai.engine_errors import request_error
+from rein.openai.errors import RequestError
 from rein.openai.request import ParsedRequest, parse_request
 from rein.openai.response import build_response
 from rein.openai.tools import apply_tool_calls
@@ -233,8 +234,8 @@ class BatchRun:
         try:
             self.engine.add_request(request_id, parsed.prompt_token_ids, parsed.params)
         except EngineRequestError as exc:
-            code = INVALID_REQUEST if exc.code == "invalid_request" else exc.code
-            self.fail(batch_line.custom_id, line_number, code, str(exc))
+            refused = request_error(exc)
+            self.fail(batch_line.custom_id, line_number, refused.code, refused.message)
             return None
         return request_id, _Pending(batch_line.custom_id, line_number, batch_line.url,
                                     parsed.model or self.model_name, parsed, batch_line.body)

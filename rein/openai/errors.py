@@ -1,6 +1,6 @@
-"""The client-error type of the wire format, and the one context-length message: a leaf (it imports
-nothing from rein), so the engine and the structured-output checks raise the same error the
-API answers with.
+"""The client-error type of the wire format, and the API's context-length message: a leaf (it
+imports nothing from rein). The engine raises its own errors (rein.engine.errors); how they read
+here is rein.openai.engine_errors.
 """
 
 from __future__ import annotations
@@ -28,12 +28,11 @@ class RequestError(ValueError):
                           "code": self.code}}
 
 
-def context_length_message(max_model_len: int, prompt_tokens: int, max_tokens: int,
-                           chat: bool | None = None) -> str:
-    """OpenAI's wording for prompt + completion longer than the context: the one message, for
-    the API's check (`chat`: messages or a prompt) and the engine's (None: the prompt)."""
-    where, what = {True: ("in the messages", "messages"), False: ("in your prompt", "prompt"),
-                   None: ("in the prompt", "prompt")}[chat]
+def context_length_message(max_model_len: int, prompt_tokens: int, max_tokens: int, chat: bool) -> str:
+    """OpenAI's wording for prompt + completion longer than the context, for the API's check
+    (`chat`: messages or a prompt; the engine's own refusal, rein.engine.errors.ContextLengthExceeded,
+    says "in the prompt")."""
+    where, what = ("in the messages", "messages") if chat else ("in your prompt", "prompt")
     return (f"This model's maximum context length is {max_model_len} tokens. However, you requested "
             f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} {where}, {max_tokens} in the completion). "
             f"Please reduce the length of the {what} or completion.")

@@ -53,7 +53,7 @@ def refuse_unsupported(body: dict[str, Any], chat: bool) -> None:
         if name in known or name in _NO_EFFECT_FIELDS:
             continue
         if name in _STRUCTURED_OUTPUT_FIELDS:
-            continue   # parsed (and checked) by rein.engine.structured.request
+            continue   # parsed (and checked) by rein.openai.structured_fields
         where = "/v1/chat/completions" if chat else "/v1/completions"
         raise RequestError(f"Unrecognized request argument supplied: {name} (rein's {where} does not "
                            f"take it; remove it)", name)

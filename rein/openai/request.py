@@ -43,7 +43,6 @@ from rein.engine.sampling_params import (
     check_max_tokens,
     fits_context,
 )
-from rein.engine.structured.request import structured_from_body
 from rein.openai.choices_request import check_response_size, choice_fields
 from rein.openai.endpoints import CHAT_COMPLETIONS, ENDPOINTS
 from rein.openai.errors import RequestError, context_length_error
@@ -60,6 +59,7 @@ from rein.openai.limits import (
 )
 from rein.openai.prompts import chat_prompt, check_token_ids, completion_prompt
 from rein.openai.response_shape import ResponseShape
+from rein.openai.structured_fields import structured_from_body
 from rein.openai.tool_request import parse_tools, sampling_fields
 
 if TYPE_CHECKING:
@@ -174,7 +174,7 @@ def _max_tokens(body: dict[str, Any], prompt_tokens: int, max_model_len: int, ch
     """The completion's token budget and the field that gave it: the one check of max_tokens and
     max_completion_tokens. Both are checked, though max_completion_tokens wins when both are
     given. (The engine, which owns the context, checks prompt + max_tokens again when a request
-    reaches it, with the same message: rein.openai.errors.context_length_message.)"""
+    reaches it, in its own words: rein.engine.errors.ContextLengthExceeded.)"""
     for name in ("max_tokens", "max_completion_tokens"):
         value = get_field(body, name, int)
         try:

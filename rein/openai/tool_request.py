@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from rein.core.input_checks import json_type
-from rein.engine.structured.request import check_spec
 from rein.openai.errors import RequestError
 from rein.openai.fields import json_from_text
+from rein.openai.structured_fields import check_spec
 from rein.openai.tool_parsers import TOOL_CALL_END
 
 MAX_TOOLS = 128            # OpenAI's limit on `tools`

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from rein.model.pooling_config import PoolingParams
 from rein.openai.embeddings import split_inputs, stored_response
+from rein.openai.engine_errors import job_error_code
 from rein.openai.response import usage_body
 from rein.store.messages import JobMessage
 from rein.worker.job_end import (
@@ -71,7 +72,7 @@ def run_embeddings(context: WorkerContext, message: JobMessage, lease: Lease, ca
             index = getattr(exc, "index", None)
             where = f"input[{index}]: " if index is not None and len(inputs) > 1 else ""
             return fail_job(context, lease, f"{where}{exc}", "invalid_request_error",
-                            getattr(exc, "code", None) or "engine_refused")
+                            job_error_code(exc) or "engine_refused")
         abort_if_cancelled(context, job_id, cancel_mark)
         deadline = time.monotonic() + context.settings.job_timeout_seconds
         try:

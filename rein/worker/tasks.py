@@ -45,6 +45,7 @@ from rein.jobs.queues import TASK_NAME
 from rein.jobs.results import response_logprobs
 from rein.openai.choices_response import response_extra
 from rein.openai.endpoints import EMBEDDINGS
+from rein.openai.engine_errors import job_error_code
 from rein.openai.response import usage_body
 from rein.openai.response_shape import ResponseShape, returned_choices
 from rein.store.messages import JobMessage
@@ -199,7 +200,7 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
         except EngineStoppedError:   # the engine died before the job reached it: not a suspect
             return hand_back(context, message, lease)
         except Exception as exc:  # the engine refused the request (EngineRequestError, ...)
-            return fail_job(context, lease, str(exc), "invalid_request_error", getattr(exc, "code", None)
+            return fail_job(context, lease, str(exc), "invalid_request_error", job_error_code(exc)
                             or "engine_refused")
         abort_if_cancelled(context, job_id, cancel_mark)
         deadline = time.monotonic() + context.settings.job_timeout_seconds

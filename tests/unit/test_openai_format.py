@@ -202,14 +202,27 @@ def test_context_length_in_openai_wording(tokenizer):
 
 
 def test_the_engine_refuses_in_the_same_words():
-    """One context-length message (rein.openai.errors), whether the API or the engine refuses."""
-    from rein.engine.errors import ContextLengthExceeded
+    """The engine's refusal (rein.engine.errors) reads on the wire as the API's own
+    (rein.openai.engine_errors): OpenAI's words, param and code."""
+    from rein.engine.errors import ContextLengthExceeded, EngineRequestError
+    from rein.openai.engine_errors import job_error_code, request_error
 
     refused = ContextLengthExceeded(512, 500, 20)
-    assert refused.code == "context_length_exceeded" and refused.param == "max_tokens"
+    assert refused.param == "max_tokens" and not hasattr(refused, "code")
     assert str(refused) == (
         "This model's maximum context length is 512 tokens. However, you requested 520 tokens "
         "(500 in the prompt, 20 in the completion). Please reduce the length of the prompt or completion.")
+    answer = request_error(refused)
+    assert answer.to_dict() == {"error": {"message": str(refused), "type": "invalid_request_error",
+                                          "param": "max_tokens", "code": "context_length_exceeded"}}
+    assert job_error_code(refused) == "context_length_exceeded"
+
+    other = EngineRequestError("the prompt is empty: give at least one token", param="prompt")
+    assert request_error(other).to_dict()["error"] == {
+        "message": "the prompt is empty: give at least one token", "type": "invalid_request_error",
+        "param": "prompt", "code": "invalid_request_error"}
+    assert job_error_code(other) == "invalid_request"       # a job's error has always said so
+    assert job_error_code(RuntimeError("not the engine's refusal")) is None
 
 
 # -- responses ------------------------------------------------------------------------------

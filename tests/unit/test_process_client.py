@@ -19,6 +19,7 @@ from rein.engine.engine import LLMEngine
 from rein.engine.errors import ContextLengthExceeded
 from rein.engine.process_client import ProcessEngineClient
 from rein.engine.sampling_params import SamplingParams
+from rein.openai.engine_errors import job_error_code
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 PROMPTS = [[1, 2, 3, 4], [5, 6, 7], list(range(10, 40)), [8] * 20]
@@ -77,8 +78,9 @@ def test_outputs_equal_the_in_thread_runner(runner, model_dir):
 def test_a_refused_request_raises_the_engine_error_in_the_caller(runner):
     with pytest.raises(ContextLengthExceeded) as refused:
         runner.submit("too-long", [1] * 200, GREEDY)
-    assert refused.value.code == "context_length_exceeded" and refused.value.param == "max_tokens"
+    assert refused.value.param == "max_tokens" and refused.value.max_model_len == 128
     assert "maximum context length is 128 tokens" in str(refused.value)
+    assert job_error_code(refused.value) == "context_length_exceeded"   # its fields crossed the pipe too
     assert runner.alive      # the engine goes on
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from rein.engine.errors import StructuredSpecError
 from rein.engine.structured import limits, validator
-from rein.engine.structured.request import check_spec, spec_key
-from rein.openai.errors import RequestError
+from rein.engine.structured.spec import check_spec, spec_key
 
 
 def rule_chain(rules: int) -> str:
@@ -56,7 +56,7 @@ def ref_chain(refs: int, link: str = "pointer") -> dict:
 ])
 def test_caps_refuse_before_any_compiler(spec, words, monkeypatch):
     monkeypatch.setattr(validator, "pool", lambda: pytest.fail("the spec reached a compiler"))
-    with pytest.raises(RequestError) as caught:
+    with pytest.raises(StructuredSpecError) as caught:
         check_spec(spec, "guided_grammar")
     assert caught.value.param == "guided_grammar"
     assert words in caught.value.message and "too large" in caught.value.message
@@ -103,16 +103,16 @@ def test_a_crash_in_the_compiler_costs_only_that_spec():
 
 
 def test_a_compile_past_the_deadline_is_refused_and_not_remembered(monkeypatch):
-    from rein.engine.structured import request
+    from rein.engine.structured import spec
 
     slow = validator.ValidatorPool(size=1, timeout=0.001)   # less than a process takes to start
     with pytest.raises(validator.CompileTimeout, match="took longer than 0.001 s"):
         slow.problem(spec_key({"type": "regex", "pattern": "a+"}))
     monkeypatch.setattr(validator, "pool", lambda: slow)
     key = spec_key({"type": "regex", "pattern": "c+d"})
-    assert "took longer" in request.spec_problem(key)
+    assert "took longer" in spec.spec_problem(key)
     monkeypatch.setattr(validator, "pool", lambda: validator.ValidatorPool(size=1, timeout=30))
-    assert request.spec_problem(key) is None        # asked again, not answered from the memo
+    assert spec.spec_problem(key) is None        # asked again, not answered from the memo
 
 
 def test_no_validator_process_is_unavailable_not_invalid(monkeypatch):
@@ -127,7 +127,7 @@ def test_no_validator_process_is_unavailable_not_invalid(monkeypatch):
 def test_llguidance_gets_rein_parser_limits(monkeypatch):
     """The validator runs llguidance under PARSER_LIMITS: shrunk here, a plain schema no longer
     fits them (the worker's compile: tests/unit/test_structured_engine.py)."""
-    from rein.engine.structured.request import find_problem
+    from rein.engine.structured.spec import find_problem
 
     spec = {"type": "json_schema", "schema": {"type": "object", "properties": {
         f"field_{i}": {"type": "string"} for i in range(20)}}}

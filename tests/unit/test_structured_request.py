@@ -1,4 +1,4 @@
-"""Structured-output fields of request bodies (rein.engine.structured.request, through
+"""Structured-output fields of request bodies (rein.openai.structured_fields, through
 rein.openai.request.parse_request): the spec each spelling gives, and 400s naming the parameter."""
 
 from __future__ import annotations
@@ -8,10 +8,13 @@ import sys
 
 import pytest
 
-from rein.engine.structured.request import MAX_CHOICES, check_spec, spec_key, spec_problem
+from rein.engine.errors import StructuredSpecError
+from rein.engine.structured.limits import MAX_CHOICES
+from rein.engine.structured.spec import spec_key, spec_problem
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS
 from rein.openai.errors import RequestError
 from rein.openai.request import parse_request
+from rein.openai.structured_fields import check_spec
 
 MAX_LEN = 256
 CHAT = [{"role": "user", "content": "Give me JSON"}]
@@ -135,6 +138,20 @@ def test_checks_are_memoized_per_spec():
     assert info.value.param == "x"
 
 
+def test_the_engine_refuses_a_spec_in_its_own_type_and_the_wire_says_it_as_a_400():
+    from rein.engine.structured.spec import check_spec as engine_check
+
+    bad = {"type": "regex", "pattern": "wire-("}
+    with pytest.raises(StructuredSpecError) as refused:
+        engine_check(bad, "structured_outputs.regex")
+    assert not isinstance(refused.value, RequestError)
+    with pytest.raises(RequestError) as answered:
+        check_spec(bad, "structured_outputs.regex")
+    assert (answered.value.message, answered.value.param, answered.value.code) == (
+        refused.value.message, "structured_outputs.regex", "invalid_request_error")
+    assert answered.value.message.startswith("structured_outputs.regex cannot be enforced: ")
+
+
 def test_key_keeps_property_order():
     a = {"type": "json_schema", "schema": {"properties": {"a": {}, "b": {}}}}
     b = {"type": "json_schema", "schema": {"properties": {"b": {}, "a": {}}}}
@@ -143,8 +160,8 @@ def test_key_keeps_property_order():
 
 def test_parsing_stays_torch_free():
     # The API process parses and checks bodies; it must not import torch (nor xgrammar, which would).
-    code = ("import sys, rein.openai.request as f, rein.engine.structured.request as r;"
-            "r.check_spec({'type': 'json_schema', 'schema': {'type': 'object'}});"
+    code = ("import sys, rein.openai.request as f, rein.openai.structured_fields as r;"
+            "r.check_spec({'type': 'json_schema', 'schema': {'type': 'object'}}, 'guided_json');"
             "print('torch' in sys.modules, 'xgrammar' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

@@ -1,10 +1,11 @@
 """Structured outputs: decoding constrained to a JSON schema, any JSON object, a regex, a
 list of choices or a grammar.
 
-A request asks for it through OpenAI's `response_format`, vLLM's `structured_outputs` or
-vLLM's older `guided_*` fields; `rein.engine.structured.request` turns those into one plain-JSON
-`structured` spec (SamplingParams.structured) and refuses what cannot be enforced with a
-400 naming the parameter. The engine keeps a `rein.engine.structured.decoding.StructuredDecoding`
+A request asks for it with one plain-JSON `structured` spec (SamplingParams.structured;
+`rein.engine.structured.spec`, which refuses what cannot be enforced with a StructuredSpecError
+naming where the spec came from). The wire's spellings (OpenAI's `response_format`, vLLM's
+`structured_outputs` and older `guided_*` fields) become that spec in
+rein.openai.structured_fields, above the engine. The engine keeps a `rein.engine.structured.decoding.StructuredDecoding`
 (`engine.grammars`): a cache of compiled grammars (compiled once per distinct spec, in a
 background thread, never on the step loop) and, every step, the token masks of the
 constrained rows applied to their logits (`rein.engine.structured.kernels`: torch on CPU, a
@@ -15,8 +16,8 @@ Library: llguidance, chosen over xgrammar by measurement (SmolLM2-135M's tokeniz
 
 * Correctness. llguidance refuses JSON-schema keywords it cannot enforce (`not`,
   `uniqueItems`, `contains`, `propertyNames`, `dependentRequired`, `if`/`then`/`else`, and
-  `oneOf` whose branches overlap), which becomes a 400 naming them. xgrammar accepts them
-  and silently ignores them: constrained outputs of `allOf`, `not`, `contains` and
+  `oneOf` whose branches overlap), which becomes a refusal naming them (a 400 at the API).
+  xgrammar accepts them and silently ignores them: constrained outputs of `allOf`, `not`, `contains` and
   `if/then` schemas failed `jsonschema` validation (3/3, 2/3, 6/6, 2/6 of the sampled
   outputs). Every output llguidance let through validated. "Every output validates" is the
   promise, so the library that refuses what it cannot keep wins.
@@ -37,6 +38,6 @@ Library: llguidance, chosen over xgrammar by measurement (SmolLM2-135M's tokeniz
 * Both leave the mask application to the caller's kernel (xgrammar ships CPU/CUDA/Triton
   kernels, llguidance a torch.compile one); rein has its own (rein.engine.structured.kernels).
 
-This package's `__init__` imports nothing: `rein.engine.structured.request` is imported by the
+This package's `__init__` imports nothing: `rein.engine.structured.spec` is imported by the
 torch-free API process.
 """

@@ -7,7 +7,7 @@ never waits for a compile. The worker's task thread and the offline drivers call
 `prefetch` (or `wait`) as they take requests, so most grammars are compiled before their
 request reaches the engine.
 
-Keyed by the spec's JSON (rein.engine.structured.request.spec_key): a batch of 10,000 lines with
+Keyed by the spec's JSON (rein.engine.structured.spec.spec_key): a batch of 10,000 lines with
 one schema compiles it once. Bounded: past `max_entries` the least recently used finished
 entries are dropped (a request that already holds its grammar keeps it). A spec that
 fails to compile is remembered too, with its error, so it is not compiled again.
@@ -32,7 +32,7 @@ from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from rein.engine.structured.limits import parser_limits
-from rein.engine.structured.request import grammar_text, spec_key
+from rein.engine.structured.spec import grammar_text, spec_key
 
 log = logging.getLogger(__name__)
 

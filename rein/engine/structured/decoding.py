@@ -5,7 +5,7 @@ The engine calls, in order of a request's life:
 
 * `attach(request)` in add_request: starts the spec's check and compile if no one has
   (both on the grammar cache's threads: the check, the memoized one of
-  rein.engine.structured.request, may wait for a validator process to start, and the step
+  rein.engine.structured.spec, may wait for a validator process to start, and the step
   thread never waits for it), and gives the request its own matcher when they are done
   (True; a spec that failed either raises EngineRequestError naming `structured`).
   Otherwise (False) the request is *held* here, out of the scheduler, so no step ever
@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from rein.engine.errors import EngineRequestError
+from rein.engine.errors import CheckTimedOut, EngineRequestError, StructuredSpecError
 from rein.engine.structured.cache import (
     CompiledGrammar,
     GrammarCache,
@@ -56,9 +56,8 @@ from rein.engine.structured.cache import (
     GrammarError,
 )
 from rein.engine.structured.kernels import apply_token_bitmask
-from rein.engine.structured.request import CheckTimedOut, check_spec
+from rein.engine.structured.spec import check_spec
 from rein.engine.structured.validator import ValidatorUnavailable
-from rein.openai.errors import RequestError
 
 if TYPE_CHECKING:
     from rein.engine.request import Request
@@ -92,14 +91,14 @@ def prepare_grammar(engine: Any, params: Any, timeout: float = GRAMMAR_WAIT_SECO
 
 
 def check_before_compile(spec: dict[str, Any]) -> None:
-    """The engine's check of a spec (rein.engine.structured.request.check_spec, in a validator
+    """The engine's check of a spec (rein.engine.structured.spec.check_spec, in a validator
     process), run on a grammar-cache thread before the compile: a spec that would crash the
     compiler in this process stops here. GrammarError with the reason."""
     try:
         check_spec(spec, "structured")
     except CheckTimedOut as exc:
         raise GrammarCheckUnavailable(exc.message) from None
-    except RequestError as exc:
+    except StructuredSpecError as exc:
         raise GrammarError(exc.message) from None
     except ValidatorUnavailable as exc:
         raise GrammarCheckUnavailable(f"the structured-output constraint could not be checked: {exc}") from None

@@ -10,7 +10,7 @@ child is replaced and the calling process (the API, a batch validator, the worke
 When no child can be started at all, ValidatorUnavailable says so (a 503 at the API).
 
 The pool starts its children on first use; a child is plain Python with llguidance (no torch),
-some 40 MB and 0.2 s to start. Callers memoize answers per spec (rein.engine.structured.request), so a
+some 40 MB and 0.2 s to start. Callers memoize answers per spec (rein.engine.structured.spec), so a
 batch of 10,000 lines with one schema sends it here once. REIN_STRUCTURED_VALIDATORS=0 checks
 in the calling process instead (no isolation).
 """
@@ -82,7 +82,7 @@ class ValidatorPool:
         self._cond = threading.Condition()
 
     def problem(self, key: str) -> str | None:
-        """What is wrong with the spec whose spec_key is `key` (rein.engine.structured.request), or None."""
+        """What is wrong with the spec whose spec_key is `key` (rein.engine.structured.spec), or None."""
         deadline = time.monotonic() + self.timeout
         child = self._take(deadline)
         outcome = "crashed"
@@ -146,7 +146,7 @@ def pool() -> ValidatorPool | None:
 
 def _serve() -> None:
     """The child: one spec key a line in, {"problem": str | null} a line out, until stdin ends."""
-    from rein.engine.structured.request import find_problem
+    from rein.engine.structured.spec import find_problem
 
     for line in sys.stdin:
         try:

@@ -1,7 +1,7 @@
 """JSON inside strings, and charsets, reach parsers the body checks do not bound: a tool call's
 `arguments`, a `guided_json` schema given as text, a multipart body's `charset`. Each is a 400
 in OpenAI's shape naming the field (rein.openai.fields.json_from_text,
-rein.engine.structured.request, rein.api.multipart_upload), and rein.api.errors turns any
+rein.openai.structured_fields, rein.api.multipart_upload), and rein.api.errors turns any
 RecursionError or codec LookupError that still gets through into a 400, never a 500."""
 
 from __future__ import annotations
