@@ -1,17 +1,20 @@
 """The engine's front door and step loop: add_request / abort / step.
 
-Each step: the scheduler picks requests and token counts, the model runner runs one
-forward pass, the sampler picks the next token of every request that finished its
-prompt, the detokenizer turns it into a text delta, and stop conditions end requests
-(their blocks go back to the pool at once). The engine knows nothing of queues,
-databases or Celery; a caller drives `step()` (directly, or through `EngineClient`).
+Each step is schedule -> execute -> update -> outputs: the scheduler picks requests and
+token counts, the model runner runs one forward pass, the sampler picks the next token of
+every request that finished its prompt and the detokenizer turns it into a text delta, the
+scheduler applies all of it to the requests (`Scheduler.update`: computed tokens, blocks,
+stops; a finished request's blocks go back at once), and the engine makes the outputs. The
+engine never touches blocks (the scheduler's KV cache manager owns them) and knows nothing of
+queues, databases or Celery; a caller drives `step()` (directly, or through `EngineClient`).
 
 A request with n > 1 choices is prefilled once, as choice 0; in the step that computes
 its last prompt token it forks (`_fork`): choices 1..n-1 become requests of their own
-that share the prompt's KV blocks, and all n draw their first token from the same
-logits row, each with its own generator (seed + index). Every output names its choice
-(`index`); `finish_reason` ends that choice and `finished` only the last one to end.
-`self.requests` maps a request id to its choice 0, whose `group` lists all choices.
+that share the prompt's KV blocks (`Scheduler.fork`, from `update`), and all n draw their
+first token from the same logits row, each with its own generator (seed + index). Every
+output names its choice (`index`); `finish_reason` ends that choice and `finished` only the
+last one to end. `self.requests` maps a request id to its choice 0, whose `group` lists all
+choices.
 """
 
 from __future__ import annotations
@@ -28,15 +31,17 @@ from rein.engine.block_pool import BlockPool
 from rein.engine.config import EngineConfig
 from rein.engine.detokenizer import IncrementalDetokenizer
 from rein.engine.errors import ContextLengthExceeded, EngineRequestError
-from rein.engine.model_runner import ModelRunner
-from rein.engine.pooler import add_pooling_request, finish_requests
+from rein.engine.kv_cache_manager import KVCacheManager
+from rein.engine.model_runner import ModelRunner, StepResult
+from rein.engine.pooler import add_pooling_request, pooled_outputs
 from rein.engine.rank_processes import RankProcesses, rank_device
 from rein.engine.request import ChoiceGroup, Request, RequestStatus
-from rein.engine.sampler import Sampler, SamplingBatch, make_generator
+from rein.engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from rein.engine.sampling_params import SamplingParams
-from rein.engine.scheduler import Scheduler
+from rein.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput, StepUpdate
 from rein.engine.step_outputs import RequestOutput, TokenLogprob
 from rein.engine.structured.decoding import StructuredDecoding
+from rein.engine.window_blocks import WindowBlocks
 from rein.model.files import resolve_model
 from rein.model.implementation import TRANSFORMERS_FAMILY, spec_for
 from rein.model.parallel.layers import attention_heads
@@ -101,12 +106,13 @@ class LLMEngine:
             self.runner = ModelRunner(config, self.files, self.spec)
         self.pooling_config = read_pooling_config(self.model_dir)   # for embedding requests
         self.max_model_len = self.runner.max_model_len
-        self.pool = BlockPool(self.runner.capacity.num_blocks, config.block_size,
-                              enable_caching=config.enable_prefix_caching)
-        # The sliding-window layers' own storage, when the runner gave them one (None otherwise).
-        self.windows = self.runner.window_blocks(self.pool)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens,
-                                   windows=self.windows, interactive_step_budget=config.interactive_step_budget)
+        capacity = self.runner.capacity
+        kv_cache = KVCacheManager.create(capacity.num_blocks, config.block_size, config.enable_prefix_caching,
+                                         capacity.num_windowed_blocks, capacity.window)
+        self.runner.attach(kv_cache)
+        self.scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
+                                   interactive_step_budget=config.interactive_step_budget,
+                                   max_model_len=self.max_model_len)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (
@@ -222,6 +228,16 @@ class LLMEngine:
         return self.scheduler.num_running
 
     @property
+    def pool(self) -> BlockPool:
+        """The KV block pool, to read (usage, free blocks: metrics, `rein top`, tests)."""
+        return self.scheduler.kv_cache.pool
+
+    @property
+    def windows(self) -> WindowBlocks | None:
+        """The windowed layers' block map, to read; None when they have no storage of their own."""
+        return self.scheduler.kv_cache.windows
+
+    @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
@@ -229,15 +245,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         started = time.perf_counter()
-        outputs: list[RequestOutput] = []
-        if self._aborted:
-            outputs, self._aborted = self._aborted, []
-            for out in outputs:
-                if out.finished:
-                    self.requests.pop(out.request_id, None)
-        if self.grammars.has_held:
-            outputs.extend(self._release_compiled())
-
+        outputs = self._between_steps()
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         self.stats.prefix_cache_queries += plan.prefix_cache_queries
@@ -247,39 +255,38 @@ class LLMEngine:
         forward_start = time.perf_counter()
         result = self.runner.execute(plan.scheduled)
         forward_seconds = time.perf_counter() - forward_start
-
-        self.stats.scheduled_requests += len(plan.scheduled)
-        caching, block_size, windows = self.pool.enable_caching, self.pool.block_size, self.windows
-        for s in plan.scheduled:
-            request = s.request
-            self.stats.scheduled_tokens += s.end - s.start
-            request.num_computed_tokens = s.end
-            self.stats.prompt_tokens += max(0, min(s.end, request.num_prompt_tokens) - s.start)
-            if caching and s.end // block_size > request.num_registered_blocks:
-                self.scheduler.register_computed_blocks(request)
-            if windows is not None:   # after registering: a cached block's windowed data may stay
-                windows.advance(request)
-        if result.prompt_logprobs:
-            for request, first, entries in result.prompt_logprobs:
-                # A recompute after preemption scores the same tokens again: replace them.
-                del request.prompt_logprobs[first:]
-                request.prompt_logprobs.extend(entries)
-        self._record_kv_utilization()
-        if result.sampling:
-            outputs.extend(self._sample_and_update(result.logits, result.sampling))
-        if result.pooled:
-            outputs.extend(finish_requests(self, result.pooled))
-
-        elapsed = time.perf_counter() - started
-        self.stats.steps += 1
-        self.stats.step_seconds += elapsed
-        self.stats.forward_seconds += forward_seconds
+        output, sampled, deltas = self._sample(result)
+        update = self.scheduler.update(plan, output)
+        outputs.extend(self._token_outputs(output, sampled, deltas, update))
+        outputs.extend(self._pooled_outputs(result))
+        self._record(plan, update, len(output.sampled), time.perf_counter() - started, forward_seconds)
         return outputs
 
-    def _sample_and_update(self, logits: torch.Tensor, sampling: list[Request]) -> list[RequestOutput]:
+    def _between_steps(self) -> list[RequestOutput]:
+        """The outputs of requests ended between steps: aborted ones, and those whose grammar
+        failed to compile (the ones whose grammar compiled are scheduled from now on)."""
+        outputs: list[RequestOutput] = []
+        if self._aborted:
+            outputs, self._aborted = self._aborted, []
+            for out in outputs:
+                if out.finished:
+                    self.requests.pop(out.request_id, None)
+        if self.grammars.has_held:
+            outputs.extend(self._release_compiled())
+        return outputs
+
+    def _sample(self, result: StepResult) -> tuple[ModelOutput, SamplerOutput | None, list[str]]:
+        """Fork the n > 1 requests that finished their prompt, sample every sampling row, and
+        run each token through its choice's detokenizer and grammar: what the scheduler's update
+        needs (with the step's prompt logprobs and pooled requests), the sampler's output (for
+        logprobs) and each row's text delta."""
+        output = ModelOutput(prompt_logprobs=result.prompt_logprobs, pooled=[r for r, _ in result.pooled])
+        if not result.sampling:
+            return output, None, []
         # The hot loop of the step on CPU (one pass per sampled request), kept lean on purpose.
+        logits, sampling = result.logits, result.sampling
         if self._num_unforked:
-            logits, sampling = self._fork(logits, sampling)
+            logits, sampling = self._fork(logits, sampling, output.forks)
         batch = SamplingBatch(
             params=[r.sampling_params for r in sampling],
             generators=[r.generator for r in sampling],
@@ -289,54 +296,80 @@ class LLMEngine:
         )
         self.grammars.apply_masks(logits, sampling)
         sampled = self.sampler(logits, batch)
-        now = time.monotonic()
+        output.sampled, output.token_ids = sampling, sampled.token_ids
+        deltas = []
+        append = deltas.append
+        for row, (request, token) in enumerate(zip(sampling, sampled.token_ids, strict=True)):
+            detokenizer = request.detokenizer
+            append(detokenizer.add_token(token))
+            if detokenizer.stopped:
+                output.stop_strings[row] = detokenizer.stop_string
+            if request.grammar is not None and request.grammar.accept(token):
+                output.complete.add(row)
+        return output, sampled, deltas
+
+    def _token_outputs(self, output: ModelOutput, sampled: SamplerOutput | None, deltas: list[str],
+                       update: StepUpdate) -> list[RequestOutput]:
+        """One output per sampled row, after the scheduler's update (which ended some choices)."""
+        if sampled is None:
+            return []
         outputs = []
         append = outputs.append
+        ended = update.ended
         logprobs, top_logprobs = sampled.logprobs, sampled.top_logprobs
-        for row, (request, token) in enumerate(zip(sampling, sampled.token_ids, strict=True)):
-            output_ids = request.output_token_ids
-            output_ids.append(token)
-            if request.first_token_time is None:
-                request.first_token_time = now
+        for row, (request, token, delta) in enumerate(zip(output.sampled, output.token_ids, deltas, strict=True)):
             logprob = None
             if logprobs is not None and request.sampling_params.logprobs is not None:
                 logprob = [TokenLogprob(token, logprobs[row], top_logprobs[row] if top_logprobs else [])]
-            detokenizer = request.detokenizer
-            delta = detokenizer.add_token(token)
-            status = self._stop_status(request, token, len(output_ids))
-            if request.grammar is not None and request.grammar.accept(token):
-                status = RequestStatus.FINISHED_STOPPED   # the grammar is complete: nothing may follow
-            finished = status is not None
+            if request.is_finished and not request.detokenizer.stopped:
+                delta += request.detokenizer.finish()  # release text held back for a stop string
+            finished = row in ended
             if finished:
-                if not detokenizer.stopped:
-                    delta += detokenizer.finish()  # release text held back for a stop string
-                self.scheduler.finish(request, status)
-                if request.group is not None:   # the request ends with its last choice
-                    request.group.num_unfinished -= 1
-                    finished = request.group.num_unfinished == 0
-                if finished:
-                    self.requests.pop(request.request_id, None)
-                    self.stats.finished += 1
-            output = RequestOutput(
+                self.requests.pop(request.request_id, None)
+                self.stats.finished += 1
+            out = RequestOutput(
                 request.request_id, [token], delta, finished, request.finish_reason,
-                request.stop_reason, len(request.prompt_token_ids), len(output_ids), logprob,
+                request.stop_reason, len(request.prompt_token_ids), len(request.output_token_ids), logprob,
                 request.num_cached_tokens, request.index,
             )
             if request.prompt_logprobs is not None:   # all gathered: they go with the first token
-                output.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
-            append(output)
-        self.stats.generation_tokens += len(sampling)
+                out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
+            append(out)
         return outputs
 
-    def _fork(self, logits: torch.Tensor, sampling: list[Request]) -> tuple[torch.Tensor, list[Request]]:
-        """Fork the n > 1 requests among `sampling` that just computed their prompt into
-        their n choices: the new choices join the scheduler's running requests (sharing
-        the prompt's blocks; the partly filled last block is copied for each) and get rows
-        of their own, copies of their parent's, in the logits and the sampling list, so
-        every choice's first token comes from the same prompt logits."""
+    def _pooled_outputs(self, result: StepResult) -> list[RequestOutput]:
+        """The outputs of the embedding requests the update ended (their prompt is done)."""
+        if not result.pooled:
+            return []
+        for request, _ in result.pooled:
+            self.requests.pop(request.request_id, None)
+        self.stats.finished += len(result.pooled)
+        return pooled_outputs(result.pooled)
+
+    def _record(self, plan: SchedulerOutput, update: StepUpdate, num_sampled: int, seconds: float,
+                forward_seconds: float) -> None:
+        stats = self.stats
+        stats.scheduled_requests += len(plan.scheduled)
+        stats.scheduled_tokens += plan.num_batched_tokens
+        stats.prompt_tokens += plan.num_prompt_tokens
+        stats.generation_tokens += num_sampled
+        if update.kv_utilization is not None:
+            stats.peak_kv_utilization = max(stats.peak_kv_utilization, update.kv_utilization)
+        if update.kv_usage is not None:
+            stats.peak_kv_usage = max(stats.peak_kv_usage, update.kv_usage)
+        stats.steps += 1
+        stats.step_seconds += seconds
+        stats.forward_seconds += forward_seconds
+
+    def _fork(self, logits: torch.Tensor, sampling: list[Request],
+              forks: list[tuple[Request, list[Request]]]) -> tuple[torch.Tensor, list[Request]]:
+        """Make the choices of the n > 1 requests among `sampling` that just computed their
+        prompt (appended to `forks`, for the scheduler's update to start them: they share the
+        prompt's blocks) and give them rows of their own, copies of their parent's, in the
+        logits and the sampling list, so every choice's first token comes from the same prompt
+        logits."""
         rows: list[int] = []
         expanded: list[Request] = []
-        copies: list[tuple[int, int]] = []
         for row, request in enumerate(sampling):
             rows.append(row)
             expanded.append(request)
@@ -357,27 +390,12 @@ class LLMEngine:
                     child.grammar = request.grammar.fork()
                 children.append(child)
             group.choices.extend(children)
-            copies.extend(self.scheduler.fork(request, children))
+            forks.append((request, children))
             rows.extend([row] * len(children))
             expanded.extend(children)
-        self.runner.copy_blocks(copies)
         if len(rows) == len(sampling):
             return logits, sampling
         return logits.index_select(0, torch.tensor(rows, dtype=torch.long, device=logits.device)), expanded
-
-    def _stop_status(self, request: Request, token: int, num_output: int) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.detokenizer.stopped:
-            request.stop_reason = request.detokenizer.stop_string
-            return RequestStatus.FINISHED_STOPPED
-        if token in request.eos_token_ids:
-            return RequestStatus.FINISHED_STOPPED
-        if params.stop_token_ids and token in params.stop_token_ids:
-            request.stop_reason = token
-            return RequestStatus.FINISHED_STOPPED
-        if num_output >= params.max_tokens or num_output + len(request.prompt_token_ids) >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
-        return None
 
     def _end_request(self, request: Request) -> list[RequestOutput]:
         """Abort every unfinished choice of `request` (held for its grammar, waiting, running
@@ -430,15 +448,3 @@ class LLMEngine:
             finish_reason=request.finish_reason, num_prompt_tokens=request.num_prompt_tokens,
             num_output_tokens=request.num_output_tokens, num_cached_tokens=request.num_cached_tokens,
             index=request.index)
-
-    def _record_kv_utilization(self) -> None:
-        # Tokens whose K/V sit in the cache after this step's forward, against the slots the
-        # running requests' blocks provide: only the last, partly filled block is wasted.
-        running = self.scheduler.running
-        if not running:
-            return
-        slots = sum(len(r.block_ids) for r in running) * self.pool.block_size
-        tokens = sum(r.num_computed_tokens for r in running)
-        if slots:
-            self.stats.peak_kv_utilization = max(self.stats.peak_kv_utilization, tokens / slots)
-        self.stats.peak_kv_usage = max(self.stats.peak_kv_usage, self.pool.usage)

@@ -7,8 +7,11 @@ from the block tables, runs the model, and returns logits only for the requests 
 sample a token this step (plus, for requests asking for prompt logprobs, the scores of
 the prompt tokens this step computed: rein.engine.prompt_logprobs).
 
-It also copies KV blocks on request (`copy_blocks`): the choices of an n > 1 request
-each need their own copy of the prompt's partly filled last block.
+The blocks themselves belong to the KV cache manager (rein.engine.kv_cache_manager), which
+the engine attaches (`attach`); each step this module reads from it what the requests'
+block ids do not say: the block copies queued since the last step (the choices of an n > 1
+request each need their own copy of the prompt's partly filled last block), made before the
+forward, and the windowed block map.
 
 Sliding-window layers get caches of their own when the capacity arithmetic says so
 (rein.model.capacity): smaller tensors indexed by windowed blocks, which
@@ -25,7 +28,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rein.engine.block_pool import BlockPool
 from rein.engine.config import EngineConfig
 from rein.engine.cuda_graphs import DecodeGraphs
 from rein.engine.pooler import gather
@@ -33,7 +35,6 @@ from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
 from rein.engine.scheduler import ScheduledRequest
 from rein.engine.step_outputs import TokenLogprob
-from rein.engine.window_blocks import WindowBlocks
 from rein.kernels import cpu_native, cpu_paths
 from rein.model.attention import AttentionMetadata, LayerCache
 from rein.model.capacity import KVCapacity, kv_capacity
@@ -45,6 +46,7 @@ from rein.model.parallel.layers import attention_heads
 from rein.model.spec import ModelSpec
 
 if TYPE_CHECKING:
+    from rein.engine.kv_cache_manager import KVCacheManager
     from rein.engine.rank_processes import RankProcesses
 
 log = logging.getLogger(__name__)
@@ -82,7 +84,7 @@ class StepPlan:
     windowed_slots: list[int] | None = None
     windowed_decode_rows: list[list[int]] | None = None
     windowed_prefill_rows: list[list[int]] | None = None
-    # Block copies rank 0 made since the last step (n > 1 forks), for the other ranks to make first.
+    # Block copies queued since the last step (n > 1 forks): every rank makes them before the forward.
     copies: list[tuple[int, int]] = field(default_factory=list)
     windowed_copies: list[tuple[int, int]] | None = None
 
@@ -121,8 +123,7 @@ class ModelRunner:
         self.spec = spec
         self.group = group
         self.ranks = ranks
-        self._pending_copies: list[tuple[int, int]] = []
-        self._pending_windowed: list[tuple[int, int]] = []
+        self.kv_cache: KVCacheManager | None = None   # rank 0's, set by attach()
         # This rank's share of the KV heads, which its cache holds (all of them on one rank).
         self.cache_spec = dataclasses.replace(spec, num_kv_heads=attention_heads(spec, group.world_size)[1]) \
             if group.world_size > 1 else spec
@@ -147,7 +148,6 @@ class ModelRunner:
                 f"{self.max_model_len}: give it more memory (kv_cache_memory / gpu_memory_utilization) "
                 f"or lower max_model_len")
         self.caches = self._allocate_cache()
-        self.windows: WindowBlocks | None = None   # set by window_blocks() with windowed storage
         # Float32 decode attention on the CPU runs rein's C kernel when it builds (rein.kernels.cpu_native).
         self._native_decode = (self.device.type == "cpu" and self.dtype == torch.float32
                                and self.cache_dtype == torch.float32 and cpu_native.library() is not None)
@@ -161,13 +161,16 @@ class ModelRunner:
                 max_blocks_per_seq=-(-self.max_model_len // self.block_size), device=self.device,
                 windowed=self.capacity.num_windowed_blocks > 0)
 
-    def window_blocks(self, pool: BlockPool) -> WindowBlocks | None:
-        """The windowed layers' block map over the engine's block pool, when they have storage
-        of their own (None otherwise: every layer is indexed by the pool's blocks)."""
-        if not self.capacity.num_windowed_blocks:
-            return None
-        self.windows = WindowBlocks(pool, self.capacity.num_windowed_blocks, self.capacity.window)
-        return self.windows
+    def attach(self, kv_cache: KVCacheManager) -> None:
+        """Use the block ids of `kv_cache` (made for this runner's capacity): each step makes the
+        block copies it queued and translates through its windowed map. Rank 0 only; the other
+        ranks get both with each plan."""
+        if kv_cache.num_blocks != self.capacity.num_blocks or \
+                (kv_cache.windows is not None) != (self.capacity.num_windowed_blocks > 0):
+            raise ValueError(f"the KV cache manager's {kv_cache.num_blocks} blocks do not match this "
+                             f"runner's cache ({self.capacity.num_blocks} blocks, "
+                             f"{self.capacity.num_windowed_blocks} windowed)")
+        self.kv_cache = kv_cache
 
     def _size_cache(self) -> KVCapacity:
         memory = self.config.kv_cache_memory
@@ -208,10 +211,11 @@ class ModelRunner:
         """Run one step's forward pass (on every rank, under tensor parallelism) and return what
         rank 0 samples from."""
         plan, local = self._plan(scheduled)
+        copies = self.kv_cache.take_copies() if self.kv_cache is not None else None
+        if copies is not None:   # nothing read or wrote these blocks since they were queued
+            plan.copies, plan.windowed_copies = copies
+            self._copy(plan.copies, plan.windowed_copies)
         if self.ranks is not None:
-            plan.copies, plan.windowed_copies, self._pending_copies = self._pending_copies, None, []
-            if self.windows is not None:
-                plan.windowed_copies, self._pending_windowed = self._pending_windowed, []
             try:
                 self.ranks.send(plan)
                 hidden = self._forward(plan)
@@ -282,12 +286,11 @@ class ModelRunner:
             prefill_rows=self._block_rows(prefills) if prefills else [])
         if scoring:
             plan.score_rows, plan.score_targets, plan.score_ks = self._score_rows(scoring)
-        windows = self.windows
-        if windows is not None:
-            physical = windows.physical
+        physical = self.kv_cache.window_map if self.kv_cache is not None else None
+        if physical is not None:
             plan.windowed_slots = [physical[slot // bs] * bs + slot % bs for slot in slots]
-            plan.windowed_decode_rows = self._windowed_rows(plan.decode_rows)
-            plan.windowed_prefill_rows = self._windowed_rows(plan.prefill_rows)
+            plan.windowed_decode_rows = _windowed_rows(plan.decode_rows, physical)
+            plan.windowed_prefill_rows = _windowed_rows(plan.prefill_rows, physical)
         return plan, (sampling, scoring, pooling)
 
     def _forward(self, plan: StepPlan) -> torch.Tensor:
@@ -353,22 +356,6 @@ class ModelRunner:
             offset += stop - start
         return out
 
-    @torch.inference_mode()
-    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copy whole KV blocks, source -> destination, in every layer's cache (and the int8
-        scales). The other ranks of a tensor-parallel engine copy theirs before the next step's
-        forward (they come with its plan): nothing reads the blocks in between."""
-        if not pairs:
-            return
-        windowed = None
-        if self.windows is not None:   # both blocks are held there (rein.engine.window_blocks.fork)
-            physical = self.windows.physical
-            windowed = [(physical[a], physical[b]) for a, b in pairs]
-        self._copy(pairs, windowed)
-        if self.ranks is not None:
-            self._pending_copies.extend(pairs)
-            self._pending_windowed.extend(windowed or ())
-
     def _copy(self, pairs: list[tuple[int, int]], windowed: list[tuple[int, int]] | None) -> None:
         """One index_copy_ per tensor, on CPU and CUDA alike. The cache tensors keep their
         addresses, so the CUDA graphs stay valid."""
@@ -398,17 +385,17 @@ class ModelRunner:
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
         return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
 
-    def _windowed_rows(self, rows: list[list[int]]) -> list[list[int]]:
-        """Block rows translated to the windowed storage; blocks no window holds map to 0
-        (the kernels never read a block wholly before a query's window)."""
-        physical = self.windows.physical
-        return [[max(physical[block], 0) for block in row] for row in rows]
-
     @staticmethod
     def _block_rows(group: list[ScheduledRequest]) -> list[list[int]]:
         """The requests' block ids, each padded with 0 to the longest."""
         width = max(len(s.request.block_ids) for s in group)
         return [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in group]
+
+
+def _windowed_rows(rows: list[list[int]], physical: list[int]) -> list[list[int]]:
+    """Block rows translated to the windowed storage; blocks no window holds map to 0
+    (the kernels never read a block wholly before a query's window)."""
+    return [[max(physical[block], 0) for block in row] for row in rows]
 
 
 def _offsets(counts: list[int]) -> list[int]:

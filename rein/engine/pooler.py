@@ -13,9 +13,10 @@ the request's rows of each step, and never computes its logits:
 * CLS pooling keeps the row of position 0.
 
 Mean and CLS need positions the prefix cache would skip, so those requests do not look
-it up (`Request.skip_prefix_cache`). When the prompt is done the engine finishes the
-request with one output whose `embedding` is the vector: normalized, cut to `dimensions`
-(Matryoshka) and normalized again, as the model's pooling config and the request say.
+it up (`Request.skip_prefix_cache`). When the prompt is done the scheduler finishes the
+request (Scheduler.update) and the engine makes its one output, whose `embedding` is the
+vector: normalized, cut to `dimensions` (Matryoshka) and normalized again, as the model's
+pooling config and the request say.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rein.engine.errors import EngineRequestError
-from rein.engine.request import Request, RequestStatus
+from rein.engine.request import Request
 from rein.engine.sampling_params import SamplingParams
 from rein.engine.step_outputs import RequestOutput
 from rein.model.pooling_config import CLS, LAST, MEAN, PoolingError, PoolingParams
@@ -107,15 +108,13 @@ def finish_vector(vector: torch.Tensor, normalize: bool, dimensions: int | None)
     return vector
 
 
-def finish_requests(engine: LLMEngine, done: list[tuple[Request, torch.Tensor]]) -> list[RequestOutput]:
-    """End the embedding requests whose prompt is done: one finished output each, with the vector."""
+def pooled_outputs(done: list[tuple[Request, torch.Tensor]]) -> list[RequestOutput]:
+    """The one finished output of each embedding request whose prompt is done (the scheduler
+    ended them: Scheduler.update), with its vector."""
     outputs = []
     for request, pooled in done:
         state: PoolingState = request.pooling
         vector = finish_vector(pooled, state.normalize, state.dimensions)
-        engine.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
-        engine.requests.pop(request.request_id, None)
-        engine.stats.finished += 1
         outputs.append(RequestOutput(
             request_id=request.request_id, new_token_ids=[], text_delta="", finished=True, finish_reason="stop",
             num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=0,

@@ -4,9 +4,10 @@ Status is data: an enum where every state past RUNNING is a finished one, each m
 an OpenAI finish reason (`stop | length | abort`).
 
 A request with SamplingParams.n > 1 starts as ONE Request (choice 0) that carries a
-`ChoiceGroup`; when its prompt is computed it forks into n choices (rein.engine.engine:
-`LLMEngine._fork`), each a Request of its own from then on (own output, blocks, generator),
-sharing the prompt's full KV blocks through the pool's reference counts.
+`ChoiceGroup`; when its prompt is computed it forks into n choices (the engine makes them,
+`LLMEngine._fork`; the scheduler starts them, `Scheduler.fork`), each a Request of its own
+from then on (own output, blocks, generator), sharing the prompt's full KV blocks through
+the pool's reference counts.
 """
 
 from __future__ import annotations
@@ -129,6 +130,25 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return self.status.finish_reason
+
+    def check_stop(self, token: int, stop_string: str | None, max_model_len: int | None) -> RequestStatus | None:
+        """The finished status the just appended output `token` gives the request, or None: a
+        stop string its text matched (`stop_string`), an end-of-sequence or stop token, or
+        max_tokens / max_model_len reached. Sets `stop_reason` for a stop string or stop token."""
+        if stop_string is not None:
+            self.stop_reason = stop_string
+            return RequestStatus.FINISHED_STOPPED
+        if token in self.eos_token_ids:
+            return RequestStatus.FINISHED_STOPPED
+        params = self.sampling_params
+        if params.stop_token_ids and token in params.stop_token_ids:
+            self.stop_reason = token
+            return RequestStatus.FINISHED_STOPPED
+        num_output = len(self.output_token_ids)
+        if num_output >= params.max_tokens or (
+                max_model_len is not None and num_output + len(self.prompt_token_ids) >= max_model_len):
+            return RequestStatus.FINISHED_LENGTH
+        return None
 
     @property
     def num_unforked_choices(self) -> int:

@@ -32,12 +32,13 @@ room. A preempted request's full blocks stay in the prefix cache when caching is
 were registered as they were computed, and freed blocks are handed out least recently freed
 first), so it resumes by cache hits and recomputes only its last, partly filled block.
 
-Windowed layers (rein.engine.window_blocks, when the model runner gives them storage of their
-own): the scheduler tells that storage which blocks each step writes, which blocks a request
-takes from the prefix cache or its parent choice, and which it lets go of. A prefix hit is
-trimmed to the blocks whose windowed data is still there for the first new query's window.
-The storage is sized so that running requests never exhaust it: batching and preemption are
-decided by the block pool alone, as for a model without windows.
+Blocks: the scheduler asks its KV cache manager (rein.engine.kv_cache_manager) for them and
+gives them back; the manager keeps the block pool and the windowed layers' storage in step.
+
+After a step, `update` applies everything the step did to the requests (as vLLM v1's
+`update_from_output`): computed tokens, the prefix cache's new blocks and the windows' moves,
+the forks of n > 1 requests, each sampled token and the stops it causes (finished requests
+leave and free their blocks), finished embedding requests. The engine then only makes outputs.
 
 No starvation — an aging rule, not a reserved share: the rank counts a priority level as
 `priority_aging_steps` engine steps of waiting. A request with priority 6 ranks as if it had
@@ -74,10 +75,12 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import time
 from dataclasses import dataclass, field
 
 from rein.core.priorities import PRIORITY_BATCH
-from rein.engine.block_pool import ROOT, BlockPool
+from rein.engine.block_pool import BlockPool
+from rein.engine.kv_cache_manager import KVCacheManager
 from rein.engine.request import Request, RequestStatus
 from rein.engine.window_blocks import WindowBlocks
 
@@ -110,8 +113,40 @@ class SchedulerOutput:
         return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
+    def num_prompt_tokens(self) -> int:
+        """Prompt tokens this step computes (recomputes included)."""
+        return sum(max(0, min(s.end, s.request.num_prompt_tokens) - s.start) for s in self.scheduled)
+
+    @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+
+@dataclass
+class ModelOutput:
+    """What one step computed, as `Scheduler.update` applies it: the engine builds it from the
+    model runner's result and the sampler's tokens. Row i: `sampled[i]` drew `token_ids[i]`."""
+
+    sampled: list[Request] = field(default_factory=list)   # in logits-row order, forked choices included
+    token_ids: list[int] = field(default_factory=list)
+    # n > 1 requests whose prompt this step finished, each with its new choices (in `sampled` too).
+    forks: list[tuple[Request, list[Request]]] = field(default_factory=list)
+    stop_strings: dict[int, str] = field(default_factory=dict)   # rows whose text matched a stop string
+    complete: set[int] = field(default_factory=set)   # rows whose structured output is complete
+    # Prompt logprobs (request, first prompt index scored, entries), None when no request asked.
+    prompt_logprobs: list[tuple[Request, int, list]] | None = None
+    pooled: list[Request] = field(default_factory=list)   # embedding requests whose prompt is done
+
+
+@dataclass
+class StepUpdate:
+    """What `Scheduler.update` tells the engine for its outputs and stats."""
+
+    ended: set[int] = field(default_factory=set)   # rows of ModelOutput.sampled whose output ends the request
+    # After the forward, before forks and stops (None without running requests): tokens
+    # stored / slots the running requests' blocks provide, and the share of blocks in use.
+    kv_utilization: float | None = None
+    kv_usage: float | None = None
 
 
 # A priority level counts as this many engine steps of waiting (see the module docstring).
@@ -124,15 +159,25 @@ HOLD_PREFILL_FACTOR = 4
 
 
 class Scheduler:
-    def __init__(self, block_pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
+    """Queues, the per-step plan and the state changes after each step (module docstring).
+    `kv_cache`: the KV cache manager; a bare BlockPool (with `windows`, its windowed map, if
+    any) is wrapped in one, for tests and tools that build the pieces themselves.
+    `max_model_len`: a request that reaches it ends with `length` (None: no such limit)."""
+
+    def __init__(self, kv_cache: KVCacheManager | BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  priority_aging_steps: int = DEFAULT_PRIORITY_AGING_STEPS,
-                 windows: WindowBlocks | None = None, interactive_step_budget: int | None = None) -> None:
+                 windows: WindowBlocks | None = None, interactive_step_budget: int | None = None,
+                 max_model_len: int | None = None) -> None:
         if priority_aging_steps < 1:
             raise ValueError(f"priority_aging_steps must be at least 1, got {priority_aging_steps}")
         if interactive_step_budget is not None and interactive_step_budget < 0:
             raise ValueError(f"interactive_step_budget must be at least 0, got {interactive_step_budget}")
-        self.pool = block_pool
-        self.windows = windows
+        if isinstance(kv_cache, BlockPool):
+            kv_cache = KVCacheManager(kv_cache, windows)
+        elif windows is not None and windows is not kv_cache.windows:
+            raise ValueError("give the windowed blocks to the KV cache manager, not the scheduler")
+        self.kv_cache = kv_cache
+        self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.priority_aging_steps = priority_aging_steps
@@ -148,6 +193,16 @@ class Scheduler:
         self.num_steps = 0   # the aging clock: schedule() calls
         # Sequence slots kept for the choices running n > 1 requests will fork into.
         self._reserved_seqs = 0
+
+    @property
+    def pool(self) -> BlockPool:
+        """The KV cache manager's block pool (read it; ask the manager for blocks)."""
+        return self.kv_cache.pool
+
+    @property
+    def windows(self) -> WindowBlocks | None:
+        """The KV cache manager's windowed map, if the windowed layers have storage of their own."""
+        return self.kv_cache.windows
 
     # -- queue ---------------------------------------------------------------------------------
 
@@ -220,7 +275,7 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         index = 0
-        running, scheduled, block_size = self.running, out.scheduled, self.pool.block_size
+        running, scheduled, block_size = self.running, out.scheduled, self.kv_cache.block_size
         batch_budget, decodes_free = self._batch_budget()
         while index < len(running) and budget > 0:
             request = running[index]
@@ -280,19 +335,17 @@ class Scheduler:
             # the last token is always computed, since its logits give the next token.
             # Prompt logprobs need the logits of every prompt position, and mean/CLS pooling
             # every prompt position's hidden state: no lookup for them (vLLM's rule).
+            kv = self.kv_cache
             max_cached = (request.num_tokens - 1) // block_size \
-                if self.pool.enable_caching and request.prompt_logprobs is None \
+                if kv.enable_caching and request.prompt_logprobs is None \
                 and not request.skip_prefix_cache else 0
-            cached = self.pool.find_prefix(request.tokens(0, max_cached * block_size), max_cached) \
-                if max_cached else []
-            if cached and self.windows is not None:
-                del cached[self.windows.usable_prefix(cached):]
+            cached = kv.find_cached(request, max_cached)
             if len(cached) < max_cached and self._computing_prefix(request, len(cached)):
                 break   # its next block is being computed by a running request: a cache hit soon
             computed = len(cached) * block_size if cached else request.num_computed_tokens
             num_new = min(request.num_tokens - computed, budget, batch_budget if capped else budget)
-            needed = self.pool.blocks_for(computed + num_new) - len(request.block_ids) - len(cached)
-            if needed + self.pool.num_unheld(cached) > self.pool.num_free:
+            needed = kv.blocks_for(computed + num_new) - len(request.block_ids) - len(cached)
+            if not kv.can_allocate(needed, cached):
                 refund = self._make_room(request, out)
                 if refund is None:
                     break
@@ -306,10 +359,10 @@ class Scheduler:
                 self._num_waiting_interactive -= request.priority < PRIORITY_BATCH
             if cached:
                 self._take_cached(request, cached)
-            if self.pool.enable_caching and request.num_preemptions == 0:
+            if kv.enable_caching and request.num_preemptions == 0:
                 out.prefix_cache_queries += request.num_prompt_tokens
                 out.prefix_cache_hits += request.num_cached_tokens
-            request.block_ids.extend(self.pool.allocate(needed))
+            kv.allocate(request, needed)
             request.status = RequestStatus.RUNNING
             self._add_running(request)
             self._reserved_seqs += forks
@@ -317,9 +370,7 @@ class Scheduler:
             budget -= num_new
         for entry in deferred:
             heapq.heappush(self._waiting, entry)
-        if self.windows is not None:
-            for s in scheduled:
-                self.windows.cover(s.request, s.end)
+        self.kv_cache.cover((s.request, s.end) for s in scheduled)
         return out
 
     def _computing_prefix(self, request: Request, num_cached: int) -> bool:
@@ -327,7 +378,7 @@ class Scheduler:
         (block `num_cached` of the same leading tokens) and has not registered it yet. The
         waiting request then waits for it -- a step or a few, in rank order -- and takes it
         from the prefix cache, rather than computing the same tokens alongside."""
-        end = (num_cached + 1) * self.pool.block_size
+        end = (num_cached + 1) * self.kv_cache.block_size
         leading = None
         for running in self.running:
             if running.num_computed_tokens >= end or running.num_prompt_tokens < end:
@@ -353,8 +404,8 @@ class Scheduler:
             return None
         # Its first chunk, not counting cache hits (which only lower the need).
         first_chunk_end = min(request.num_tokens, request.num_computed_tokens + self.max_num_batched_tokens)
-        blocks_needed = self.pool.blocks_for(first_chunk_end) - len(request.block_ids)
-        if blocks_needed > self.pool.num_free + sum(len(v.block_ids) for v in victims):
+        blocks_needed = self.kv_cache.blocks_for(first_chunk_end) - len(request.block_ids)
+        if blocks_needed > self.kv_cache.num_free + sum(len(v.block_ids) for v in victims):
             return None
         victim = victims[0]
         self.running.remove(victim)
@@ -395,81 +446,105 @@ class Scheduler:
         return 0
 
     def _take_cached(self, request: Request, blocks: list[int]) -> None:
-        self.pool.share(blocks)
-        request.block_ids = list(blocks)
-        request.num_computed_tokens = len(blocks) * self.pool.block_size
-        request.num_registered_blocks = len(blocks)
-        request.cache_parent = (blocks[-1], self.pool.generation(blocks[-1]))
+        self.kv_cache.take_cached(request, blocks)
+        request.num_computed_tokens = len(blocks) * self.kv_cache.block_size
         if request.num_preemptions == 0:
             request.num_cached_tokens = min(request.num_computed_tokens, request.num_prompt_tokens)
-        if self.windows is not None:
-            self.windows.take(request, len(blocks))
 
     def register_computed_blocks(self, request: Request) -> None:
-        """Offer the request's newly completed blocks to the prefix cache (after a step)."""
-        size = self.pool.block_size
-        full = request.num_computed_tokens // size
-        parent, tokens, blocks = request.cache_parent, request.tokens, request.block_ids
-        windows = self.windows
-        for i in range(request.num_registered_blocks, full):
-            parent = self.pool.cache_block(blocks[i], parent, tokens(i * size, (i + 1) * size))
-            if windows is not None and parent[0] != blocks[i]:   # cached already: see window_blocks
-                windows.twin(blocks[i], parent[0])
-        request.cache_parent = parent
-        request.num_registered_blocks = full
+        """Offer the request's newly completed blocks to the prefix cache (`update` does it
+        after each step; tests that drive the scheduler alone call it)."""
+        self.kv_cache.register_computed(request)
 
     def _grow(self, request: Request, num_new: int, out: SchedulerOutput) -> bool:
         """Give `request` blocks for `num_new` more tokens, preempting the newest running
         requests as needed. False if `request` itself had to be preempted."""
-        needed = self.pool.blocks_for(request.num_computed_tokens + num_new) - len(request.block_ids)
-        while needed > self.pool.num_free:
+        kv = self.kv_cache
+        needed = kv.blocks_for(request.num_computed_tokens + num_new) - len(request.block_ids)
+        while needed > kv.num_free:
             victim = self.running.pop()
             self._preempt(victim)
             out.preempted.append(victim)
             if victim is request:
                 return False
-        if needed > 0:
-            request.block_ids.extend(self.pool.allocate(needed))
+        kv.allocate(request, needed)
         return True
+
+    # -- after the step ----------------------------------------------------------------------------
+
+    def update(self, plan: SchedulerOutput, output: ModelOutput) -> StepUpdate:
+        """Apply what the step of `plan` computed (`output`) to its requests, in this order:
+        computed tokens (and with them the prefix cache's new blocks and the windows' moves),
+        prompt logprobs, the forks of n > 1 requests, then each sampled token: appended, and
+        the stop it causes, if any, ends its choice (its blocks go back at once; the request
+        ends with its last choice). Embedding requests whose prompt is done end last."""
+        kv = self.kv_cache
+        for s in plan.scheduled:
+            request = s.request
+            request.num_computed_tokens = s.end
+            kv.mark_computed(request)
+        if output.prompt_logprobs:
+            for request, first, entries in output.prompt_logprobs:
+                # A recompute after preemption scores the same tokens again: replace them.
+                del request.prompt_logprobs[first:]
+                request.prompt_logprobs.extend(entries)
+        # Measured after the forward, before forks and stops change who holds what.
+        if self.running:
+            update = StepUpdate(kv_utilization=kv.slot_utilization(self.running), kv_usage=kv.usage)
+        else:
+            update = StepUpdate()
+        for parent, children in output.forks:
+            self.fork(parent, children)
+        now = time.monotonic()
+        ended, stop_strings, complete, max_len = update.ended, output.stop_strings, output.complete, self.max_model_len
+        for row, (request, token) in enumerate(zip(output.sampled, output.token_ids, strict=True)):
+            request.output_token_ids.append(token)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            status = request.check_stop(token, stop_strings.get(row) if stop_strings else None, max_len)
+            if complete and row in complete:
+                status = RequestStatus.FINISHED_STOPPED   # the grammar is complete: nothing may follow
+            if status is None:
+                continue
+            self.finish(request, status)
+            group = request.group
+            if group is not None:   # the request ends with its last choice
+                group.num_unfinished -= 1
+                if group.num_unfinished:
+                    continue
+            ended.add(row)
+        for request in output.pooled:
+            self.finish(request, RequestStatus.FINISHED_STOPPED)
+        return update
 
     def fork(self, parent: Request, children: list[Request]) -> list[tuple[int, int]]:
         """Start `children` (choices 1..n-1 of the running `parent`, whose prompt was just
-        computed and which each hold their first sampled token) as running requests.
+        computed) as running requests; `update` calls it for the step's forks.
 
         Each child shares the parent's full blocks (one more reference each) and gets a new
         block for the parent's partly filled last one, if any: the returned (source,
-        destination) block pairs must be copied in the KV cache before the next forward
-        (copy-on-write, done up front since every choice writes its next token there).
-        A child that finds no free block, or no sequence slot (n > max_num_seqs), waits
-        instead, like a preempted request: it recomputes the prompt and its first token
-        when admitted (finding the prompt's cached blocks, with prefix caching)."""
+        destination) block pairs are copied in the KV cache before the next forward (the KV
+        cache manager queues them for the model runner; copy-on-write done up front, since
+        every choice writes its next token there). A child that finds no free block, or no
+        sequence slot (n > max_num_seqs), waits instead, like a preempted request: it
+        recomputes the prompt and its first token when admitted (finding the prompt's cached
+        blocks, with prefix caching)."""
         self._reserved_seqs -= parent.num_unforked_choices
         parent.group.forked = True
         for child in children:   # the same age as their parent
             child.arrival_step = parent.arrival_step
-        size = self.pool.block_size
-        computed = parent.num_computed_tokens
-        full = computed // size
-        partial = parent.block_ids[full] if computed % size else None
-        shared = parent.block_ids[:full]
+        kv = self.kv_cache
         copies: list[tuple[int, int]] = []
         for child in children:
-            if len(self.running) >= self.max_num_seqs or (partial is not None and self.pool.num_free == 0):
+            if len(self.running) >= self.max_num_seqs or not kv.can_fork(parent):
                 child.num_preemptions = 1   # its usage numbers are the parent's, counted already
                 child.status = RequestStatus.PREEMPTED
                 self._push_waiting(child)
                 continue
-            self.pool.share(shared)
-            child.block_ids = list(shared)
-            if partial is not None:
-                [block] = self.pool.allocate(1)
-                child.block_ids.append(block)
-                copies.append((partial, block))
-            if self.windows is not None:
-                self.windows.fork(parent, child)
-            child.num_computed_tokens = computed
-            child.num_registered_blocks = parent.num_registered_blocks
-            child.cache_parent = parent.cache_parent
+            copy = kv.fork(parent, child)
+            if copy is not None:
+                copies.append(copy)
+            child.num_computed_tokens = parent.num_computed_tokens
             child.status = RequestStatus.RUNNING
             self._add_running(child)
         return copies
@@ -484,10 +559,4 @@ class Scheduler:
         self._push_waiting(request)
 
     def _release(self, request: Request) -> None:
-        if self.windows is not None:
-            self.windows.release(request)
-        if request.block_ids:
-            self.pool.free(request.block_ids)
-            request.block_ids = []
-        request.num_registered_blocks = 0
-        request.cache_parent = ROOT
+        self.kv_cache.free(request)

@@ -4,9 +4,9 @@ driver that runs the scheduler as the engine does (imported by name, as unit_sup
 from __future__ import annotations
 
 from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
-from rein.engine.request import ChoiceGroup, Request, RequestStatus
+from rein.engine.request import ChoiceGroup, Request
 from rein.engine.sampling_params import SamplingParams
-from rein.engine.scheduler import Scheduler
+from rein.engine.scheduler import ModelOutput, Scheduler
 
 INTERACTIVE, BATCH = PRIORITY_INTERACTIVE, PRIORITY_BATCH
 
@@ -23,8 +23,9 @@ def request(rid: str, prompt_len: int = 8, max_tokens: int = 20, priority: int =
 
 
 class Driver:
-    """Runs the scheduler as the engine does, with a fake model: each sampled token is a
-    function of the request and position, so a recomputed request samples nothing new."""
+    """Runs the scheduler as the engine does (schedule, then update with the step's tokens),
+    with a fake model: each sampled token is a function of the request and position, so a
+    recomputed request samples nothing new; requests end on max_tokens."""
 
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
@@ -34,16 +35,12 @@ class Driver:
     def step(self):
         plan = self.scheduler.schedule()
         self.plans.append(plan)
-        for s in plan.scheduled:
-            r = s.request
-            r.num_computed_tokens = s.end
-            if self.scheduler.pool.enable_caching:
-                self.scheduler.register_computed_blocks(r)
-            if s.samples:
-                r.output_token_ids.append(50_000 + r.num_output_tokens)
-                if r.num_output_tokens >= r.sampling_params.max_tokens:
-                    self.scheduler.finish(r, RequestStatus.FINISHED_LENGTH)
-                    self.finished[f"{r.request_id}/{r.index}"] = self.scheduler.num_steps
+        sampled = [s.request for s in plan.scheduled if s.samples]
+        tokens = [50_000 + r.num_output_tokens for r in sampled]
+        self.scheduler.update(plan, ModelOutput(sampled=sampled, token_ids=tokens))
+        for r in sampled:
+            if r.is_finished:
+                self.finished[f"{r.request_id}/{r.index}"] = self.scheduler.num_steps
         return plan
 
     def run(self, steps: int) -> None:

@@ -57,22 +57,23 @@ def test_n_choices_share_one_prefill_and_free_every_block(model_dir):
     lasts = {c.block_ids[2] for c in choices}
     assert len(lasts) == 4 and all(engine.pool.ref_count(b) == 1 for b in lasts)
     assert engine.pool.num_used == 2 + 4
-    # The copied blocks hold the parent's prompt K/V (the 5 prompt slots).
+    # The copies are made before the next forward (queued by the KV cache manager): then the
+    # copied blocks hold the parent's prompt K/V (the 5 prompt slots).
     parent_last = choices[0].block_ids[2]
+    seen = list(first) + engine.step()
     for cache in engine.runner.caches:
         for c in choices[1:]:
             assert torch.equal(cache.k[c.block_ids[2], :5], cache.k[parent_last, :5])
             assert torch.equal(cache.v[c.block_ids[2], :5], cache.v[parent_last, :5])
 
-    seen = list(first)
     results = drain(engine, seen)
     check_request_outputs(seen, "r", 4)
     assert engine.stats.prompt_tokens == 37   # prefilled once, not four times
     assert engine.stats.generation_tokens == 4 * 20
     texts = {results[("r", i)]["text"] for i in range(4)}
     assert len(texts) == 4, "four seeded choices should differ"
-    assert all(results[("r", i)]["finish"] == "length" and len(results[("r", i)]["tokens"]) == 19
-               for i in range(4))   # plus the first token each, from the first step
+    assert all(results[("r", i)]["finish"] == "length" and len(results[("r", i)]["tokens"]) == 18
+               for i in range(4))   # plus the first two tokens each, from the first two steps
     assert engine.pool.num_free == engine.pool.num_blocks
     assert "r" not in engine.requests and not engine.has_unfinished()
 
