@@ -19,16 +19,19 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	BIN=$(BIN) DEMO=$(DEMO) bash examples/demo.sh
 
+# Every tier CI runs, a worker per core (pytest-xdist): a file's tests stay together, the
+# real-model tier on one worker (tests/conftest.py); each test's tier is a marker (-m unit).
 test: install
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n auto --dist loadgroup
 
 # The inner loop: the tiers that need no services (unit, kernels), on every core.
 check: install
 	$(BIN)/pytest -q -n auto tests/unit tests/kernels
 
-# The engine's tiers on torch's code alone, as on a CPU that runs none of rein's fast paths.
+# The tests a CPU fast path can change (FAST_PATH_FILES in tests/support.py) on torch's
+# code alone, as on a CPU that runs none of rein's fast paths.
 test-fallback: install
-	REIN_CPU_FAST_PATHS=0 $(BIN)/pytest -q tests/unit tests/kernels tests/real
+	REIN_CPU_FAST_PATHS=0 $(BIN)/pytest -q -n auto --dist loadgroup -m fast_path tests/unit tests/kernels tests/real
 
 # compose.yaml for real: local images, an offline image build, SmolLM2 answering, a batch
 # across a worker restart (tests/deploy/run.sh; needs root or sudo for docker and apt).

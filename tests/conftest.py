@@ -1,4 +1,5 @@
-"""Shared pytest fixtures."""
+"""Shared pytest fixtures, and the tiers: each test is marked with its directory's tier
+(unit, integration, e2e, kernels, real, deploy), so `-m "unit or kernels"` picks tiers."""
 
 from __future__ import annotations
 
@@ -7,6 +8,33 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from support import FAST_PATH_FILES, TIERS
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    for tier in TIERS:
+        config.addinivalue_line("markers", f"{tier}: a test of tests/{tier}/")
+    config.addinivalue_line("markers", "fast_path: its outcome depends on REIN_CPU_FAST_PATHS (make test-fallback)")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # One torch thread per xdist worker (set before torch is imported): `make test` runs a
+        # worker per core, and two workers of two threads each on two cores spin against
+        # each other. Real-tier and e2e code that wants its own thread count still sets it.
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    root = Path(__file__).parent
+    for item in items:
+        relative = item.path.relative_to(root).as_posix()
+        tier = relative.split("/", 1)[0]
+        if tier in TIERS:
+            item.add_marker(getattr(pytest.mark, tier))
+        if relative in FAST_PATH_FILES:
+            item.add_marker(pytest.mark.fast_path)
+        # Under `--dist loadgroup` (make test): a file's tests stay on one worker, so its module
+        # fixtures (an e2e stack) start once; the real tier shares one worker, so each real
+        # model loads once per run.
+        item.add_marker(pytest.mark.xdist_group("real" if tier == "real" else relative))
 
 
 @pytest.fixture(scope="session")

@@ -82,3 +82,21 @@ def queued_job_ids(client, list_key: str) -> list[str]:
         args, _kwargs, _embed = json.loads(base64.b64decode(envelope["body"]))
         ids.append(args[0]["job_id"])
     return ids
+
+
+# The suite's tiers, one per directory of tests/ (tests/conftest.py marks each test with its own).
+TIERS = ("unit", "integration", "e2e", "kernels", "real", "deploy")
+
+# The files whose outcome REIN_CPU_FAST_PATHS can change (rein.kernels.cpu_paths): the CPU
+# kernels against torch, and the model tests that compare rein's forward (oneDNN linears,
+# native attention and element-wise kernels) with Hugging Face's or a reference. `make
+# test-fallback` runs these alone with the fast paths off; the rest of the suite asserts
+# scheduling, formats and services, the same on either path.
+FAST_PATH_FILES = frozenset({
+    "kernels/test_cpu_native.py", "kernels/test_sliding_window.py",
+    "unit/test_cpu_fast_paths.py", "unit/test_cpu_native_library.py", "unit/test_engine_dtypes.py",
+    "unit/test_engine_parity.py", "unit/test_embeddings_engine.py", "unit/test_moe_models.py",
+    "unit/test_quantized_models.py", "unit/test_sliding_window_models.py", "unit/test_tensor_parallel.py",
+    "unit/test_transformers_backend.py", "unit/test_windowed_kv_engine.py",
+    "real/test_hf_parity.py",
+})

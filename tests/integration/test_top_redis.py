@@ -48,7 +48,9 @@ def put_beat(redis, keys: RedisKeys, name: str, model: str, *, age: float, alive
 
 def test_top_once_shows_queues_by_priority_and_workers_by_state(top_env, redis_client, capsys):
     keys = RedisKeys.from_settings(top_env)
-    redis_client.delete(keys.workers())     # workers that earlier tests of this run left behind
+    redis_client.delete(keys.workers())     # workers and queued messages earlier tests of this run left
+    for model in ("tiny", "idle", "extra"):
+        redis_client.delete(*queue_keys(top_env, model))
     tiny_lists = queue_keys(top_env, "tiny")
     redis_client.rpush(tiny_lists[PRIORITY_INTERACTIVE], "m1", "m2")
     redis_client.rpush(tiny_lists[PRIORITY_BATCH], "m3", "m4", "m5")
