@@ -2,9 +2,11 @@
 which hold a known prefix (automatic prefix caching).
 
 No torch here: blocks are plain integer ids into the cache tensors owned by the model
-runner, so this module is testable anywhere. Requests get blocks as their tokens grow
-(never their maximum length up front) and give them back on finish, abort or preemption.
-Reference counts let several requests share a block.
+runner, so this module is testable anywhere. The KV cache manager
+(rein.engine.kv_cache_manager) owns the pool and hands its blocks to the scheduler's
+requests: they get blocks as their tokens grow (never their maximum length up front) and
+give them back on finish, abort or preemption. Reference counts let several requests share
+a block.
 
 Prefix caching (`enable_caching`): a block whose slots are all computed is registered
 under a key naming its exact contents — (its predecessor's block id and generation, its

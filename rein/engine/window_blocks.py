@@ -29,7 +29,10 @@ The storage is sized from a bound on what running requests can hold at once
 (`capacity.windowed_pool_bound`), so it never runs dry and the scheduler needs no rule of its
 own for it; running out anyway is a bug, reported as WindowPoolExhausted.
 
-No torch here, like the block pool.
+Its one owner is the KV cache manager (rein.engine.kv_cache_manager), which makes it beside
+the block pool and calls it as the scheduler's requests take, grow and let go of blocks; the
+model runner only reads `physical` (the manager's `window_map`). No torch here, like the
+block pool.
 """
 
 from __future__ import annotations
