@@ -349,3 +349,30 @@ def test_forks_on_cuda_with_graphs_give_the_eager_tokens(model_dir):
     got, _ = run_mixed(engine)
     assert got == expected
     assert engine.pool.num_used == 0
+
+
+def test_a_fork_copy_queued_for_blocks_freed_and_handed_out_again_is_harmless(model_dir):
+    """A fork's block copy waits for the next forward (the KV cache manager queues it). When the
+    choices are aborted in between and their blocks go to a new request, the copy is made
+    before that request writes them: its greedy tokens are those of an engine that never forked."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompt = prompt_of(50, seed=5)   # 4 blocks: all the pool has
+    roomy = make_engine(model_dir)
+    roomy.add_request("b", prompt, greedy)
+    expected = drain(roomy)[("b", 0)]["tokens"]
+
+    block_bytes = roomy.spec.kv_bytes_per_token(torch.float32) * BLOCK
+    tiny = make_engine(model_dir, kv_cache_memory=4 * block_bytes, max_model_len=64)
+    assert tiny.pool.num_blocks == 4
+    tiny.add_request("a", prompt_of(20, seed=6), SamplingParams(n=2, max_tokens=5, temperature=1.0, seed=3))
+    tiny.step()   # prefill and fork: the child's copy of block 2 of 2 is queued
+    parent, child = tiny.requests["a"].group.choices
+    source, copy = parent.block_ids[1], child.block_ids[1]
+    assert tiny.pool.num_used == 3 and tiny.abort("a")
+    b = tiny.add_request("b", prompt, greedy)
+    first = tiny.step()
+    assert {source, copy} <= set(b.block_ids), "the new request must get the copy's blocks"
+    got = drain(tiny)
+    got[("b", 0)]["tokens"][:0] = [t for o in first if o.request_id == "b" for t in o.new_token_ids]
+    assert got[("b", 0)]["tokens"] == expected
+    assert tiny.pool.num_free == tiny.pool.num_blocks
