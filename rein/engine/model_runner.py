@@ -208,11 +208,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
-        """Run one step's forward pass (on every rank, under tensor parallelism) and return what
-        rank 0 samples from."""
+        """Make the block copies the forks queued, run one step's forward pass (on every rank,
+        under tensor parallelism) and return what rank 0 samples from."""
         plan, local = self._plan(scheduled)
         copies = self.kv_cache.take_copies() if self.kv_cache is not None else None
-        if copies is not None:   # nothing read or wrote these blocks since they were queued
+        # No forward ran since they were queued, so their sources hold what the fork saw; a
+        # block freed and handed out again meanwhile is written by this forward only, after.
+        if copies is not None:
             plan.copies, plan.windowed_copies = copies
             self._copy(plan.copies, plan.windowed_copies)
         if self.ranks is not None:
