@@ -37,13 +37,13 @@ from rein.engine.pooler import add_pooling_request, pooled_outputs
 from rein.engine.rank_processes import RankProcesses, rank_device
 from rein.engine.request import ChoiceGroup, Request, RequestStatus
 from rein.engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
-from rein.engine.sampling_params import SamplingParams
+from rein.engine.sampling_params import SamplingParams, fits_context
 from rein.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput, StepUpdate
 from rein.engine.step_outputs import RequestOutput, TokenLogprob
 from rein.engine.structured.decoding import StructuredDecoding
 from rein.engine.window_blocks import WindowBlocks
 from rein.model.files import resolve_model
-from rein.model.implementation import TRANSFORMERS_FAMILY, spec_for
+from rein.model.implementation import TRANSFORMERS_FAMILY, check_shardable, spec_for
 from rein.model.parallel.layers import attention_heads
 from rein.model.pooling_config import PoolingParams, read_pooling_config
 from rein.model.tokenizer_files import TokenizerOptions
@@ -131,9 +131,7 @@ class LLMEngine:
         size = config.tensor_parallel_size
         # Rank 0's device with its index: NCCL binds each rank to one (rank r takes index + r).
         config = dataclasses.replace(config, device=rank_device(config.device, 0))
-        if self.spec.family == TRANSFORMERS_FAMILY:
-            raise ValueError(f"tensor_parallel_size {size} needs one of rein's native models; {self.spec.architecture} "
-                             f"runs on the Transformers backend, which is not sharded: use tensor_parallel_size 1")
+        check_shardable(self.spec, size)
         attention_heads(self.spec, size)
         # CUDA graphs would capture NCCL collectives, which every rank must then replay in
         # lockstep; not done yet, so each decode step launches its kernels (and collectives) eagerly.
@@ -167,7 +165,7 @@ class LLMEngine:
         if not self.runner.model.can_generate:
             raise EngineRequestError("this model's checkpoint has no lm_head weights: it computes embeddings "
                                      "only (/v1/embeddings)", param="model")
-        if len(token_ids) + params.max_tokens > self.max_model_len:
+        if not fits_context(len(token_ids), params.max_tokens, self.max_model_len):
             raise ContextLengthExceeded(self.max_model_len, len(token_ids), params.max_tokens)
         if params.logit_bias:
             bad = next((t for t in params.logit_bias if not 0 <= t < vocab), None)
