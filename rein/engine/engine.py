@@ -38,7 +38,8 @@ from rein.engine.rank_processes import RankProcesses, rank_device
 from rein.engine.request import ChoiceGroup, Request, RequestStatus
 from rein.engine.sampler import Sampler, SamplerOutput, SamplingBatch, make_generator
 from rein.engine.sampling_params import SamplingParams, fits_context
-from rein.engine.scheduler import ModelOutput, Scheduler, SchedulerOutput, StepUpdate
+from rein.engine.scheduler import Scheduler
+from rein.engine.scheduler_output import ModelOutput, SchedulerOutput, StepUpdate
 from rein.engine.step_outputs import RequestOutput, TokenLogprob
 from rein.engine.structured.decoding import StructuredDecoding
 from rein.engine.window_blocks import WindowBlocks

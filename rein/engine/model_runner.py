@@ -33,7 +33,7 @@ from rein.engine.cuda_graphs import DecodeGraphs
 from rein.engine.pooler import gather
 from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
-from rein.engine.scheduler import ScheduledRequest
+from rein.engine.scheduler_output import ScheduledRequest
 from rein.engine.step_outputs import TokenLogprob
 from rein.kernels import cpu_native, cpu_paths
 from rein.model.attention import AttentionMetadata, LayerCache

@@ -76,78 +76,13 @@ from __future__ import annotations
 import bisect
 import heapq
 import time
-from dataclasses import dataclass, field
 
 from rein.core.priorities import PRIORITY_BATCH
 from rein.engine.block_pool import BlockPool
 from rein.engine.kv_cache_manager import KVCacheManager
 from rein.engine.request import Request, RequestStatus
+from rein.engine.scheduler_output import ModelOutput, ScheduledRequest, SchedulerOutput, StepUpdate
 from rein.engine.window_blocks import WindowBlocks
-
-
-class ScheduledRequest:
-    """One request's share of a step: positions [start, end) are computed. `samples` is true
-    when the step reaches the request's last token, so it yields a new one. Plain slots, as
-    the model runner reads these fields for every request of every step."""
-
-    __slots__ = ("request", "start", "num_new_tokens", "end", "samples")
-
-    def __init__(self, request: Request, start: int, num_new_tokens: int) -> None:
-        self.request = request
-        self.start = start
-        self.num_new_tokens = num_new_tokens
-        self.end = start + num_new_tokens
-        self.samples = self.end == request.num_tokens
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-    prefix_cache_queries: int = 0   # prompt tokens of the requests admitted for the first time
-    prefix_cache_hits: int = 0      # of those, tokens taken from the prefix cache
-    priority_preemptions: int = 0   # of `preempted`, those preempted for a better-ranked waiting request
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        """Prompt tokens this step computes (recomputes included)."""
-        return sum(max(0, min(s.end, s.request.num_prompt_tokens) - s.start) for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled
-
-
-@dataclass
-class ModelOutput:
-    """What one step computed, as `Scheduler.update` applies it: the engine builds it from the
-    model runner's result and the sampler's tokens. Row i: `sampled[i]` drew `token_ids[i]`."""
-
-    sampled: list[Request] = field(default_factory=list)   # in logits-row order, forked choices included
-    token_ids: list[int] = field(default_factory=list)
-    # n > 1 requests whose prompt this step finished, each with its new choices (in `sampled` too).
-    forks: list[tuple[Request, list[Request]]] = field(default_factory=list)
-    stop_strings: dict[int, str] = field(default_factory=dict)   # rows whose text matched a stop string
-    complete: set[int] = field(default_factory=set)   # rows whose structured output is complete
-    # Prompt logprobs (request, first prompt index scored, entries), None when no request asked.
-    prompt_logprobs: list[tuple[Request, int, list]] | None = None
-    pooled: list[Request] = field(default_factory=list)   # embedding requests whose prompt is done
-
-
-@dataclass
-class StepUpdate:
-    """What `Scheduler.update` tells the engine for its outputs and stats."""
-
-    ended: set[int] = field(default_factory=set)   # rows of ModelOutput.sampled whose output ends the request
-    # After the forward, before forks and stops (None without running requests): tokens
-    # stored / slots the running requests' blocks provide, and the share of blocks in use.
-    kv_utilization: float | None = None
-    kv_usage: float | None = None
-
 
 # A priority level counts as this many engine steps of waiting (see the module docstring).
 DEFAULT_PRIORITY_AGING_STEPS = 128

@@ -6,7 +6,8 @@ from __future__ import annotations
 from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.engine.request import ChoiceGroup, Request
 from rein.engine.sampling_params import SamplingParams
-from rein.engine.scheduler import ModelOutput, Scheduler
+from rein.engine.scheduler import Scheduler
+from rein.engine.scheduler_output import ModelOutput
 
 INTERACTIVE, BATCH = PRIORITY_INTERACTIVE, PRIORITY_BATCH
 

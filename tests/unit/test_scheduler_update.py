@@ -9,7 +9,8 @@ import pytest
 from rein.engine.kv_cache_manager import KVCacheManager
 from rein.engine.request import ChoiceGroup, Request, RequestStatus
 from rein.engine.sampling_params import SamplingParams
-from rein.engine.scheduler import ModelOutput, Scheduler
+from rein.engine.scheduler import Scheduler
+from rein.engine.scheduler_output import ModelOutput
 
 EOS = 7
 
