@@ -1,7 +1,7 @@
 """Two commits side by side: offline throughput and `rein run-batch` tokens/s of this checkout
 against another commit, in alternating rounds on the same machine, models and inputs.
 
-    python bench/ab_commits.py --base REV [--rounds 3] [--requests 64] [--max-tokens 64]
+    python bench/ab_commits.py --base REV [--rounds 3] [--requests 256] [--max-tokens 64]
                                [--out-dir DIR] [--skip throughput|run-batch]
 
 The base commit is checked out into a temporary git worktree; each measurement runs in a
@@ -12,7 +12,8 @@ on a shared machine falls on both alike; each side's median round is compared.
 * throughput: each side's bench/throughput.py, rein alone (`--skip static,batch`), on the
   `small` random-weight model and the `mixed` workload; its `rein_tps`.
 * run-batch: `rein run-batch` on one JSONL file of completions (greedy, ignore_eos, the same
-  max_tokens for each) on the same `small` model; the `output: N tokens/s` of its summary.
+  max_tokens for each) on the same `small` model; the `output: N tokens/s` of its summary
+  (stderr).
 
 Prints every round and the medians with head/base ratios; the last line of stdout is one JSON
 object with every figure.
@@ -38,13 +39,14 @@ def run(cmd: list[str], root: Path, cwd: Path) -> str:
     done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         sys.exit(f"failed ({done.returncode}): {' '.join(cmd)}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
-    return done.stdout
+    return done.stdout + done.stderr
 
 
 def throughput(root: Path, out_dir: Path) -> float:
     out = run([sys.executable, str(root / "bench" / "throughput.py"), "--models", "small", "--workloads", "mixed",
                "--skip", "static,batch", "--out-dir", str(out_dir)], root, out_dir)
-    return json.loads(out.strip().splitlines()[-1])["results"]["small"]["mixed"]["rein_tps"]
+    last = next(line for line in reversed(out.splitlines()) if line.startswith("{"))
+    return json.loads(last)["results"]["small"]["mixed"]["rein_tps"]
 
 
 def run_batch(root: Path, out_dir: Path, model: Path, lines: Path) -> float:
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="the commit to compare with (e.g. HEAD~5, a hash)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=64, help="run-batch lines")
+    ap.add_argument("--requests", type=int, default=256, help="run-batch lines")
     ap.add_argument("--max-tokens", type=int, default=64, help="each run-batch line's max_tokens")
     ap.add_argument("--out-dir", default=".cache/bench-models", help="where the models are built/reused")
     ap.add_argument("--skip", default="", help="comma list: throughput, run-batch")
