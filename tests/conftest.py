@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -100,3 +101,58 @@ def cpu_fast_paths_on(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """REIN_CPU_FAST_PATHS=1 for one test, whatever the suite runs with (`make test-fallback`
     runs it with 0): the fast paths this CPU can run."""
     yield from _set_cpu_fast_paths(monkeypatch, on=True)
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The endpoint URL of an S3-compatible server for this run: moto's own HTTP server
+    (`python -m moto.server`, from the dev extra) on a free port, as a subprocess, so the tests
+    talk real HTTP through boto3 as against AWS or MinIO. Skips with the reason when it cannot
+    start (fails under CI=true, like the other services)."""
+    import subprocess
+    import sys
+    import urllib.request
+
+    from support import free_port, unreachable
+
+    port = free_port()
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                   stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                urllib.request.urlopen(f"{url}/moto-api/", timeout=1).close()
+                break
+            except OSError as exc:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    process.kill()
+                    unreachable(f"moto's S3 server (log: {log.read_text()[-500:]!r})", exc)
+                time.sleep(0.1)
+        yield url
+    finally:
+        process.terminate()
+        process.wait(10)
+
+
+@pytest.fixture
+def s3_bucket(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """A new, empty bucket on the test's S3 server, with the standard AWS_* variables pointing
+    boto3 (and every S3 tool) at it for this test; the bucket's name."""
+    import secrets
+
+    from rein.store import s3
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "test")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "test")
+    monkeypatch.setenv("AWS_REGION", "us-east-1")
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(s3, "_clients", {})     # a client built from these variables
+    bucket = f"rein-test-{secrets.token_hex(4)}"
+    s3.s3_client().create_bucket(Bucket=bucket)
+    return bucket

@@ -39,7 +39,7 @@ from rein.jobs.reaper import Reaper
 from rein.jobs.registry import ModelRegistry
 from rein.jobs.retention import RetentionLoop
 from rein.store.db import check_migrations_current, make_engine
-from rein.store.filestore import LocalFileStore
+from rein.store.filestore import filestore_for
 from rein.store.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
@@ -86,7 +86,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Commits concurrent requests' jobs together (rein.api.intake).
         state.intake = JobIntake(settings, state.sessions, state.celery, state.limiter,
                                  registry).start()
-        state.filestore = LocalFileStore(settings.files_dir)
+        state.filestore = filestore_for(settings)
         # Validates, feeds, expires and finalizes batches (all state in Postgres, see its docstring).
         state.batch_manager = BatchManager(settings, state.sessions, state.redis, state.celery, registry,
                                            state.filestore).start()

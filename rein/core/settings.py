@@ -209,7 +209,12 @@ class Settings(BaseSettings):
 
     # --- files and batches (see rein.batches)
     files_dir: str = "data/files"
-    """Directory (a volume in compose) holding uploaded and generated files, one file per id."""
+    """Directory (a volume in compose) holding uploaded and generated files, one file per id
+    (when REIN_FILES_URL is unset)."""
+    files_url: str | None = None
+    """Where uploaded and generated files live: a directory path, or `s3://bucket/prefix` for
+    S3-compatible object storage (endpoint and credentials from the standard AWS_* variables),
+    which every API replica on any host shares. Unset: REIN_FILES_DIR."""
     max_file_bytes: int = Field(200 * 1024 * 1024, ge=1)
     """Largest upload accepted by POST /v1/files (default 200 MiB)."""
     max_tenant_file_bytes: int = Field(10 * 1024**3, ge=1)

@@ -1,11 +1,12 @@
 """Where file bytes live: a directory (a volume in compose) behind a small `FileStore` interface.
 
 Files (uploaded batch inputs, generated batch outputs and error files) are stored one per
-id under `settings.files_dir`; their metadata (tenant, name, purpose, size) is a row in the
+id under `settings.files_url` (or `files_dir`); their metadata (tenant, name, purpose, size) is a row in the
 `files` table, and tenant checks happen there, never here. A directory was chosen over
 Postgres large objects because outputs are written and read as streams of lines, a volume
-is easy to back up or move to network storage, and Postgres stays small. Another backend
-(object storage) only has to provide the methods of `FileStore`.
+is easy to back up or move to network storage, and Postgres stays small. Object storage
+(`REIN_FILES_URL=s3://bucket/prefix`, rein.store.s3) provides the same methods, for API
+replicas on several hosts; `filestore_for` picks one from the settings.
 
 Writes are atomic: bytes go to a temporary file in the same directory, renamed into place
 when complete, so a reader never sees half a file and a crash leaves no partial one under
@@ -22,7 +23,10 @@ import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    from rein.core.settings import Settings
 
 _SAFE_ID = re.compile(r"[A-Za-z0-9_-]{1,128}")
 
@@ -70,6 +74,18 @@ class FileStore(Protocol):
 
     def delete(self, file_id: str) -> None:
         """Remove file_id's bytes (no error when already gone)."""
+
+
+def filestore_for(settings: Settings) -> FileStore:
+    """The store REIN_FILES_URL names (a path, or s3://bucket/prefix), else REIN_FILES_DIR."""
+    url = settings.files_url or settings.files_dir
+    if url.startswith("s3://"):
+        from rein.store.s3 import S3FileStore  # boto3 only where object storage is used
+
+        return S3FileStore(url)
+    if "://" in url:
+        raise ValueError(f"REIN_FILES_URL={url}: want a directory path or s3://bucket/prefix")
+    return LocalFileStore(url)
 
 
 class LocalFileStore:
