@@ -34,10 +34,12 @@ def _need(tool: str) -> str:
 
 
 class RedisServer:
-    def __init__(self, directory: Path, aof: bool = False) -> None:
+    def __init__(self, directory: Path, aof: bool = False, extra_args: tuple[str, ...] = ()) -> None:
+        """`extra_args`: more redis-server options (a replica's `--replicaof HOST PORT`)."""
         self.binary = _need("redis-server")
         self.directory = directory
         self.aof = aof
+        self.extra_args = extra_args
         self.port = free_port()
         self.proc: subprocess.Popen | None = None
 
@@ -51,7 +53,7 @@ class RedisServer:
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
              "--appendonly", "yes" if self.aof else "no", "--appendfsync", "everysec",
-             "--dir", str(self.directory)], stdout=log, stderr=subprocess.STDOUT)
+             "--dir", str(self.directory), *self.extra_args], stdout=log, stderr=subprocess.STDOUT)
         wait_for(self._answers, 20, f"redis-server on port {self.port}", interval=0.05)
 
     def _answers(self) -> bool:
@@ -70,6 +72,95 @@ class RedisServer:
 
     def stop(self) -> None:
         self.kill()
+
+
+class RedisSentinelGroup:
+    """A Redis primary, one replica (`--replicaof`) and three `redis-server --sentinel`
+    processes (quorum 2) watching them as master `MASTER_NAME`, quick to fail over: the primary
+    is down after `down_after_ms` without an answer, a failover retried after `failover_timeout_ms`.
+    `url` is rein's `redis+sentinel://` form; `start` returns once the sentinels know the
+    replica and each other, so a failover can start as soon as the primary dies."""
+
+    MASTER_NAME = "reinmaster"
+
+    def __init__(self, directory: Path, sentinels: int = 3, down_after_ms: int = 1000,
+                 failover_timeout_ms: int = 3000) -> None:
+        self.directory = directory
+        # Diskless full sync: the replica is in sync in milliseconds, nothing written to disk.
+        sync = ("--repl-diskless-sync", "yes", "--repl-diskless-sync-delay", "0")
+        self.primary = RedisServer(directory / "primary", extra_args=sync)
+        self.replica = RedisServer(directory / "replica",
+                                   extra_args=("--replicaof", "127.0.0.1", str(self.primary.port), *sync))
+        self.sentinel_ports = [free_port() for _ in range(sentinels)]
+        self.down_after_ms, self.failover_timeout_ms = down_after_ms, failover_timeout_ms
+        self.sentinel_procs: list[subprocess.Popen] = []
+
+    @property
+    def url(self) -> str:
+        hosts = ",".join(f"127.0.0.1:{port}" for port in self.sentinel_ports)
+        return f"redis+sentinel://{hosts}/{self.MASTER_NAME}/0"
+
+    def start(self) -> None:
+        self.primary.start()
+        self.replica.start()
+        binary = _need("redis-server")
+        for n, port in enumerate(self.sentinel_ports):
+            where = self.directory / f"sentinel{n}"
+            where.mkdir(parents=True, exist_ok=True)
+            config = where / "sentinel.conf"     # a sentinel rewrites its config: a file of its own
+            config.write_text(
+                f"port {port}\nbind 127.0.0.1\ndir {where}\n"
+                f"sentinel monitor {self.MASTER_NAME} 127.0.0.1 {self.primary.port} 2\n"
+                f"sentinel down-after-milliseconds {self.MASTER_NAME} {self.down_after_ms}\n"
+                f"sentinel failover-timeout {self.MASTER_NAME} {self.failover_timeout_ms}\n"
+                f"sentinel parallel-syncs {self.MASTER_NAME} 1\n")
+            log = open(where / "sentinel.log", "ab")  # noqa: SIM115 (the server keeps it)
+            self.sentinel_procs.append(subprocess.Popen([binary, str(config), "--sentinel"],
+                                                        stdout=log, stderr=subprocess.STDOUT))
+        wait_for(self._ready, 40, "the sentinels to know the replica and each other", interval=0.1)
+
+    def _sentinel(self, port: int):
+        import redis
+
+        return redis.Redis(port=port, socket_connect_timeout=1, socket_timeout=2, decode_responses=True)
+
+    def _ready(self) -> bool:
+        import redis
+
+        try:
+            for port in self.sentinel_ports:
+                with self._sentinel(port) as sentinel:
+                    replicas = sentinel.execute_command("SENTINEL", "REPLICAS", self.MASTER_NAME)
+                    others = sentinel.execute_command("SENTINEL", "SENTINELS", self.MASTER_NAME)
+                    if not replicas or len(others) < len(self.sentinel_ports) - 1:
+                        return False
+                    if any("disconnected" in str(r) or "s_down" in str(r) for r in replicas):
+                        return False
+            with redis.Redis(port=self.replica.port, socket_connect_timeout=1) as replica:
+                return replica.info("replication").get("master_link_status") == "up"
+        except redis.RedisError:
+            return False
+
+    def master_port(self) -> int | None:
+        """The master's port as the first sentinel that answers reports it."""
+        import redis
+
+        for port in self.sentinel_ports:
+            try:
+                with self._sentinel(port) as sentinel:
+                    address = sentinel.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.MASTER_NAME)
+                    return int(address[1]) if address else None
+            except redis.RedisError:
+                continue
+        return None
+
+    def stop(self) -> None:
+        for proc in self.sentinel_procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(10)
+        self.primary.stop()
+        self.replica.stop()
 
 
 class PostgresCluster:

@@ -17,9 +17,6 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI
 from fastapi.concurrency import run_in_threadpool
 from fastapi.middleware.cors import CORSMiddleware
-from redis import Redis
-from redis.asyncio import BlockingConnectionPool as AsyncBlockingConnectionPool
-from redis.asyncio import Redis as AsyncRedis
 from sqlalchemy.orm import sessionmaker
 
 from rein.api.auth import KeyCache
@@ -40,6 +37,7 @@ from rein.jobs.registry import ModelRegistry
 from rein.jobs.retention import RetentionLoop
 from rein.store.db import check_migrations_current, make_engine
 from rein.store.filestore import filestore_for
+from rein.store.redis_client import async_redis_client, redis_client
 from rein.store.redis_keys import RedisKeys
 
 log = logging.getLogger(__name__)
@@ -70,13 +68,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.settings = settings
         state.sessions = sessionmaker(engine, expire_on_commit=False)
         state.registry = registry
-        state.redis = Redis.from_url(settings.redis_url)
+        state.redis = redis_client(settings.redis_url)
         # Event followers block in XREAD for BLOCK_MS (the socket timeout outlasts it), each on a
         # connection of its own: a pool as large as the streams served, where a stream beyond it
         # waits for a connection rather than failing.
-        state.async_redis = AsyncRedis(connection_pool=AsyncBlockingConnectionPool.from_url(
+        state.async_redis = async_redis_client(
             settings.redis_url, max_connections=settings.max_event_streams + STREAM_POOL_SPARE,
-            timeout=STREAM_POOL_WAIT_SECONDS, socket_timeout=STREAM_SOCKET_TIMEOUT))
+            timeout=STREAM_POOL_WAIT_SECONDS, socket_timeout=STREAM_SOCKET_TIMEOUT)
         state.stream_slots = StreamSlots(settings.max_streams_per_key)
         state.download_slots = StreamSlots(settings.max_downloads_per_key)
         state.large_body_slots = StreamSlots(settings.max_large_bodies_per_key)

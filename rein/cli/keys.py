@@ -157,12 +157,11 @@ def run_revoke(args: argparse.Namespace) -> int:
 
 
 def _cancel_work(session, args: argparse.Namespace, key_id: str) -> tuple[int, int, int]:
-    from redis import Redis
-
     from rein.jobs.cancel import cancel_work_of_key
+    from rein.store.redis_client import redis_client
 
     settings = load_settings(**({"database_url": args.database_url} if args.database_url else {}))
-    redis = Redis.from_url(settings.redis_url)
+    redis = redis_client(settings.redis_url)
     try:
         return cancel_work_of_key(session, redis, RedisKeys.from_settings(settings), key_id,
                                   settings.job_timeout_seconds + settings.stream_ttl_seconds)

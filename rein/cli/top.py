@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from rein.core.priorities import PRIORITY_BATCH
 from rein.core.settings import Settings, SettingsError, load_settings
+from rein.store.redis_client import redis_client, redis_location
 from rein.store.redis_keys import RedisKeys
 
 if TYPE_CHECKING:
@@ -224,20 +225,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
-def redis_location(url: str) -> str:
-    """host:port/db (or the socket path) of a Redis URL, without its credentials."""
-    from redis.connection import parse_url
-
-    try:
-        options = parse_url(url)
-    except ValueError:
-        return "(unparsable REIN_REDIS_URL)"
-    host = options.get("path") or f"{options.get('host', '127.0.0.1')}:{options.get('port', 6379)}"
-    return f"{host}/{options.get('db', 0)}"
-
-
 def run(args: argparse.Namespace) -> int:
-    from redis import Redis
     from redis.exceptions import RedisError
 
     if args.interval <= 0:
@@ -248,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    redis = Redis.from_url(settings.redis_url, socket_connect_timeout=3, socket_timeout=3)
+    redis = redis_client(settings.redis_url, socket_connect_timeout=3, socket_timeout=3)
     location = redis_location(settings.redis_url)
     where = f"redis {location}  prefix {settings.redis_key_prefix}"
     live = sys.stdout.isatty() and not args.json and not args.once

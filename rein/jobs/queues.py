@@ -34,12 +34,12 @@ Why each setting:
 * Every broker key lives under `settings.redis_key_prefix` (kombu's `global_keyprefix`),
   like every other key rein names, so deployments and test runs can share one Redis.
 * A `rediss://` URL (TLS) verifies the server's certificate, as redis-py does for the API's
-  and the worker's own clients (`broker_ssl`).
+  and the worker's own clients; a Sentinel URL becomes kombu's `sentinel://` transport
+  (rein.store.redis_client.broker_connection).
 """
 
 from __future__ import annotations
 
-import ssl
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,6 +48,7 @@ from kombu.utils.uuid import uuid
 
 from rein.core.priorities import PRIORITY_BATCH
 from rein.store.messages import JobMessage
+from rein.store.redis_client import broker_connection, broker_ssl  # noqa: F401 (broker_ssl: its home before)
 from rein.store.redis_keys import RedisKeys
 
 TASK_NAME = "rein.run_job"
@@ -102,10 +103,11 @@ def make_celery(settings: Any) -> Celery:
     """The Celery app for these settings (broker = settings.redis_url)."""
     _tolerate_channels_of_collected_connections()
     keys = RedisKeys.from_settings(settings)
-    app = Celery("rein", broker=settings.redis_url, set_as_current=False)
+    broker = broker_connection(settings.redis_url)   # a Sentinel URL: kombu's sentinel:// transport
+    app = Celery("rein", broker=broker.url, set_as_current=False)
     app.conf.update(
         broker_connection_retry_on_startup=True,
-        broker_use_ssl=broker_ssl(settings.redis_url),
+        broker_use_ssl=broker.use_ssl,
         broker_transport_options={
             "visibility_timeout": settings.visibility_timeout_seconds,
             "queue_order_strategy": "priority",
@@ -113,7 +115,7 @@ def make_celery(settings: Any) -> Celery:
             "sep": PRIORITY_SEP,
             # Every broker key (queues, unacked, bindings) under the deployment's prefix.
             "global_keyprefix": settings.redis_key_prefix,
-        },
+        } | broker.transport_options,
         result_backend=None,
         task_ignore_result=True,
         task_serializer="json",
@@ -131,29 +133,6 @@ def make_celery(settings: Any) -> Celery:
     )
     app.rein_settings = settings
     return app
-
-
-def broker_ssl(redis_url: str) -> dict[str, Any] | None:
-    """Celery's `broker_use_ssl` for this Redis URL: None unless it is `rediss://`.
-
-    The URL's own `ssl_*` query parameters (ssl_cert_reqs, ssl_ca_certs, ssl_certfile,
-    ssl_keyfile, ssl_check_hostname), read as kombu reads them, with the server's certificate
-    required unless the URL says `ssl_cert_reqs=none`. Left alone, kombu connects to a
-    `rediss://` URL that names no ssl_* parameter with CERT_NONE (a warning, no verification),
-    while redis-py, whose clients the API and the worker run beside the broker, verifies by
-    default: one URL, one rule for every connection.
-    """
-    from kombu.utils.url import parse_url
-
-    try:
-        parts = parse_url(redis_url)
-    except KeyError as exc:   # kombu's parse_ssl_cert_reqs knows none, optional, required
-        raise ValueError(f"REIN_REDIS_URL: ssl_cert_reqs {exc} is not one of none, optional, required") from None
-    if parts["transport"] != "rediss":
-        return None
-    options = dict(parts.get("ssl") or {})
-    options.setdefault("ssl_cert_reqs", ssl.CERT_REQUIRED)
-    return options
 
 
 class JobRouter:

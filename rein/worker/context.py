@@ -44,6 +44,7 @@ from rein.jobs.claim import GroupClaimer
 from rein.jobs.queues import interactive_slots, queued_slots
 from rein.jobs.reaper import Reaper
 from rein.store.db import make_engine
+from rein.store.redis_client import redis_client
 from rein.store.redis_keys import RedisKeys
 from rein.worker.cancel import CancelListener
 from rein.worker.engine_keeper import EngineKeeper
@@ -198,7 +199,7 @@ def build_context(app: Celery, spec: WorkerSpec, worker_name: str) -> WorkerCont
                                f"choose a free port with REIN_WORKER_METRICS_PORT or --metrics-port "
                                f"(0 serves none)") from exc
     keys = RedisKeys.from_settings(settings)
-    redis = Redis.from_url(settings.redis_url, health_check_interval=30)
+    redis = redis_client(settings.redis_url, health_check_interval=30)
     publisher = TokenPublisher(redis, keys, settings.stream_maxlen, settings.stream_ttl_seconds,
                                settings.job_timeout_seconds, background=True)
     roster = EngineRoster()   # its step hook takes finished jobs out of the engine's roster

@@ -25,6 +25,7 @@ from pathlib import Path
 import httpx
 from support import connect_postgres, delete_prefixed, free_port, unreachable, wait_for
 
+from rein.store.redis_client import redis_client as make_redis_client
 from rein.store.redis_keys import RedisKeys
 
 POSTGRES_URL = os.environ.get("REIN_TEST_POSTGRES_URL",
@@ -155,7 +156,8 @@ def run_service(tmp: Path, model_dir: Path, *, scopes: str = "inference,usage",
         connect_postgres(server).close()
     except psycopg.OperationalError as exc:
         unreachable(f"PostgreSQL at {server.host}:{server.port or 5432}", exc)
-    redis_client = redis.Redis.from_url(redis_url, socket_connect_timeout=5)
+    # rein's own client maker: a Sentinel URL (test_failover.py) works here as in the service.
+    redis_client = make_redis_client(redis_url, socket_connect_timeout=5)
     try:
         redis_client.ping()
     except redis.RedisError as exc:
