@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from rein.cli.engine_flags import (
     CLIError,
@@ -14,6 +13,7 @@ from rein.cli.engine_flags import (
     build_engine,
     generation_defaults_of,
 )
+from rein.offline.locations import check_input, check_output
 from rein.offline.prefix_order import DEFAULT_WINDOW, ORDERS
 from rein.offline.run_batch import format_summary, run_batch
 
@@ -25,10 +25,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "/v1/completions) with an in-process engine. Output lines follow OpenAI's batch "
                     "output format, in the order requests finish; bad lines get error lines naming "
                     "their line number.")
-    parser.add_argument("input", metavar="IN.jsonl", help="batch input file, one request per line")
-    parser.add_argument("-o", "--output", required=True, metavar="OUT.jsonl", help="where the answers go")
+    parser.add_argument("input", metavar="IN.jsonl",
+                        help="batch input file, one request per line: a path, s3://bucket/key or an "
+                             "https:// URL (streamed)")
+    parser.add_argument("-o", "--output", required=True, metavar="OUT.jsonl",
+                        help="where the answers go: a path or s3://bucket/key (S3 endpoint and credentials "
+                             "from AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION)")
     parser.add_argument("--errors", default=None, metavar="ERR.jsonl",
-                        help="write error lines here instead of into the output file")
+                        help="write error lines here instead of into the output file (a path or s3:// URL)")
     parser.add_argument("--max-in-flight", type=int, default=None, metavar="N",
                         help="requests read ahead into the engine (default 4 x --max-num-seqs)")
     parser.add_argument("--order", choices=ORDERS, default="prefix",
@@ -48,8 +52,13 @@ def run(args: argparse.Namespace) -> int:
     if args.order_window < 1:
         print(f"error: --order-window {args.order_window}: want at least 1 line", file=sys.stderr)
         return 2
-    if not Path(args.input).is_file():
-        print(f"error: input file {args.input} does not exist", file=sys.stderr)
+    try:
+        check_input(args.input)
+        for output in (args.output, args.errors):
+            if output:
+                check_output(output)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
         engine = build_engine(args, "run-batch")
@@ -62,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
                             error_path=args.errors, max_in_flight=args.max_in_flight,
                             progress=not args.no_progress, generation_defaults=defaults, order=args.order,
                             order_window=args.order_window)
+    except (FileNotFoundError, ValueError) as exc:   # a missing object or URL, a bad location
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"\ninterrupted: {args.output} holds the answers finished so far", file=sys.stderr)
         return 130

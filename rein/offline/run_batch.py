@@ -16,6 +16,9 @@ Lines are taken in prefix order by default (rein.offline.prefix_order: lines who
 share a prefix run together, within a window of lines read ahead and tokenized), or in the
 file's order. Output lines come in the order requests finish, not input order; match them by
 custom_id, as with OpenAI's Batch API.
+
+The input may be a path, an s3:// or an https:// URL, the outputs a path or an s3:// URL
+(rein.offline.locations): all streamed.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from rein.engine.generation_defaults import GenerationDefaults, load_generation_
 from rein.engine.request_result import RequestResult
 from rein.offline.driver import default_max_in_flight, drive
 from rein.offline.embed import EmbeddingPart, finish_embeddings_part, take_embeddings_line
+from rein.offline.locations import check_output, is_remote, open_input, open_output
 from rein.offline.prefix_order import DEFAULT_WINDOW, ORDERS, prefix_ordered
 from rein.openai.batch_lines import (
     BatchLine,
@@ -136,9 +140,13 @@ def run_batch(
     batch = BatchRun(engine, model_name or default_model_name(engine),
                      max_in_flight or default_max_in_flight(engine), order, order_window, max_line_bytes)
     batch.generation_defaults = generation_defaults
-    total = count_requests(input_path, batch.max_line_bytes)
-    with open(input_path, "rb") as source, open(output_path, "w", encoding="utf-8") as out, \
-            (open(error_path, "w", encoding="utf-8") if error_path else nullcontext()) as err, \
+    check_output(output_path)
+    if error_path:
+        check_output(error_path)
+    # A local file is counted first for the progress bar's total; a remote one is read once.
+    total = None if is_remote(input_path) else count_requests(input_path, batch.max_line_bytes)
+    with open_input(input_path) as source, open_output(output_path) as out, \
+            (open_output(error_path) if error_path else nullcontext()) as err, \
             tqdm(total=total, unit="req", file=sys.stderr, disable=not progress, dynamic_ncols=True) as bar:
         batch.out, batch.err, batch.bar = out, err or out, bar
         batch.run(source)
