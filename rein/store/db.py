@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from functools import lru_cache
 from types import SimpleNamespace
 from typing import Any
+from urllib.parse import quote
 
 from sqlalchemy import Connection, Engine, Row, create_engine
 from sqlalchemy.engine import URL, make_url
@@ -119,15 +120,50 @@ class HeldConnections:
             conn.close()
 
 
+def database_url(url: str | URL) -> URL:
+    """REIN_DATABASE_URL as a SQLAlchemy URL, where libpq's multi-host form is allowed too.
+
+    `postgresql+psycopg://user@h1:5432,h2:5432/rein?target_session_attrs=read-write` (which
+    SQLAlchemy cannot parse: the port would be "5432,h2:5432") becomes SQLAlchemy's own
+    multi-host form, `...@/rein?host=h1:5432&host=h2:5432&target_session_attrs=read-write`, which
+    its psycopg dialect hands to libpq as `host=h1,h2 port=5432,5432`: libpq tries the hosts in
+    order, and `target_session_attrs=read-write` skips a standby, so after a failover the pool's
+    next connection reaches the new primary. A host without a port gets 5432 (SQLAlchemy wants
+    all ports or none).
+    """
+    if isinstance(url, URL):
+        return url
+    scheme, sep, rest = url.partition("://")
+    netloc, slash, tail = rest.partition("/")
+    userinfo, at, hosts = netloc.rpartition("@")
+    if not sep or "," not in hosts:
+        return make_url(url)
+    path, _, query = tail.partition("?")
+    named = [host if host.rpartition(":")[2].isdigit() and not host.endswith("]") else f"{host}:5432"
+             for host in hosts.split(",") if host]
+    params = "&".join([*(f"host={quote(host, safe=':[]')}" for host in named), *([query] if query else [])])
+    return make_url(f"{scheme}://{userinfo}{at}/{path}?{params}")
+
+
+def server_location(url: str | URL) -> str:
+    """host:port of the URL's server, or each of its hosts (comma-separated), for messages."""
+    url = database_url(url)
+    hosts = url.query.get("host")
+    if hosts:
+        return ",".join((hosts,) if isinstance(hosts, str) else hosts)
+    return f"{url.host or 'localhost'}:{url.port or 5432}"
+
+
 def make_engine(url: str | URL, **kwargs: object) -> Engine:
-    """A SQLAlchemy engine; pre-ping so a restarted Postgres costs one retry, not an error.
+    """A SQLAlchemy engine (on `database_url(url)`: several hosts allowed); pre-ping so a
+    restarted Postgres costs one retry, not an error.
 
     `hide_parameters`: a failed statement's error (and so any log line quoting it) names the
     statement but not its bound values, which hold prompts and other tenants' data.
     """
     kwargs.setdefault("pool_pre_ping", True)
     kwargs.setdefault("hide_parameters", True)
-    return create_engine(url, **kwargs)
+    return create_engine(database_url(url), **kwargs)
 
 
 @lru_cache(maxsize=8)
@@ -160,15 +196,15 @@ def session_scope(factory: sessionmaker[Session] | None = None) -> Iterator[Sess
 
 
 def database_name(url: str | URL) -> str:
-    return make_url(url).database or ""
+    return database_url(url).database or ""
 
 
-def psycopg_conninfo(url: URL) -> dict[str, object]:
-    """Connection keywords for psycopg from a SQLAlchemy URL (query options included)."""
-    info: dict[str, object] = {k: v for k, v in
-                               {"host": url.host, "port": url.port, "user": url.username,
-                                "password": url.password, "dbname": url.database}.items() if v is not None}
-    info.update({k: v for k, v in url.query.items() if isinstance(v, str)})
+def psycopg_conninfo(url: str | URL) -> dict[str, object]:
+    """Connection keywords for psycopg from a SQLAlchemy URL (query options and several hosts
+    included): the ones SQLAlchemy's psycopg dialect connects with."""
+    url = database_url(url)
+    _, info = url.get_dialect()().create_connect_args(url)
+    info.pop("context", None)     # the dialect's type adapters, of no use to a plain connection
     return info
 
 
@@ -181,7 +217,7 @@ def ensure_database_exists(url: str | URL, maintenance_db: str = "postgres") -> 
     import psycopg
     from psycopg import errors, sql
 
-    url = make_url(url)
+    url = database_url(url)
     name = url.database
     if not name:
         raise StoreError(f"the database URL {url.render_as_string(hide_password=True)} names no database")
@@ -190,7 +226,7 @@ def ensure_database_exists(url: str | URL, maintenance_db: str = "postgres") -> 
         conn = psycopg.connect(autocommit=True, connect_timeout=10, **info)
     except psycopg.OperationalError as exc:
         raise DatabaseUnavailableError(
-            f"cannot connect to Postgres at {url.host}:{url.port or 5432} "
+            f"cannot connect to Postgres at {server_location(url)} "
             f"(database {maintenance_db}): {str(exc).strip()}") from exc
     with conn:
         exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
@@ -221,7 +257,7 @@ def check_migrations_current(engine: Engine) -> str:
             raise DatabaseNotMigratedError(
                 f"database {name} does not exist (need revision {head}): run `rein migrate`") from exc
         raise DatabaseUnavailableError(
-            f"cannot connect to Postgres at {engine.url.host}:{engine.url.port or 5432}: "
+            f"cannot connect to Postgres at {server_location(engine.url)}: "
             f"{str(exc.orig).strip()}") from exc
     if current == head:
         return current

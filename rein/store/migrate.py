@@ -49,7 +49,10 @@ def alembic_config(database_url: str | None = None):
 
     config = Config()
     config.set_main_option("script_location", str(migrations_dir()))
-    url = database_url or get_settings().database_url
+    from rein.store.db import database_url as parse_database_url
+
+    # Several hosts in libpq's form: SQLAlchemy's own form, which migrations/env.py can open.
+    url = parse_database_url(database_url or get_settings().database_url).render_as_string(hide_password=False)
     # ConfigParser treats '%' as interpolation; URL-encoded passwords contain it.
     config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return config

@@ -149,13 +149,14 @@ def run_service(tmp: Path, model_dir: Path, *, scopes: str = "inference,usage",
     import psycopg
     import redis
     from psycopg import sql
-    from sqlalchemy.engine import make_url
 
-    server = make_url(postgres_url)
+    from rein.store.db import database_url, server_location
+
+    server = database_url(postgres_url)    # several hosts allowed (test_failover.py)
     try:
         connect_postgres(server).close()
     except psycopg.OperationalError as exc:
-        unreachable(f"PostgreSQL at {server.host}:{server.port or 5432}", exc)
+        unreachable(f"PostgreSQL at {server_location(server)}", exc)
     # rein's own client maker: a Sentinel URL (test_failover.py) works here as in the service.
     redis_client = make_redis_client(redis_url, socket_connect_timeout=5)
     try:

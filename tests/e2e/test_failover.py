@@ -7,7 +7,8 @@ length, and the text a run without the fault gives (greedy requests); a submissi
 refused meanwhile was a 503, never a 500; and jobs submitted after the failover succeed.
 
 The API, two workers, the broker, the token streams and the rate limiter all reach Redis
-through the sentinels; Postgres is the shared test server (a fresh database).
+through the sentinels; Postgres is the shared test server (a fresh database), named by a
+multi-host URL whose first host is dead (REIN_DATABASE_URL's failover form).
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ from chaos_support import (
     wait_all_ended,
     wait_ready,
 )
-from e2e_support import run_service
+from e2e_support import POSTGRES_URL, run_service
 from own_servers import RedisSentinelGroup
+from sqlalchemy.engine import make_url
 from support import wait_for
 
 pytestmark = pytest.mark.slow
@@ -55,7 +57,11 @@ def group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisSentinelGro
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_models, group: RedisSentinelGroup) -> Iterator[Stack]:
     root = tmp_path_factory.mktemp("failover")
-    with run_service(root, tiny_models("llama"), redis_url=group.url, workers=2,
+    # Postgres with a dead first host, in libpq's form: every process skips it (rein.store.db).
+    server = make_url(POSTGRES_URL)
+    postgres_url = (f"postgresql+psycopg://{server.username}@127.0.0.1:1,{server.host}:{server.port or 5432}"
+                    f"/{server.database}?target_session_attrs=read-write")
+    with run_service(root, tiny_models("llama"), postgres_url=postgres_url, redis_url=group.url, workers=2,
                      extra_env=FAST_RECOVERY | {"REIN_MAX_NUM_SEQS": "8"}) as service:
         yield Stack(service, None, None)   # type: ignore[arg-type] (the Redis here is the group)
 
