@@ -273,8 +273,12 @@ def test_the_prometheus_queries_name_the_workers_model(clean_env: pytest.MonkeyP
     assert any("rein:queue_depth" in query for query in queries)
 
 
+# The variables every S3 tool reads, boto3 included (rein.store.s3): the API's object storage.
+S3_VARIABLES = {"AWS_ENDPOINT_URL", "AWS_REGION", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+
+
 def test_every_rein_variable_is_a_setting_and_parses(clean_env: pytest.MonkeyPatch) -> None:
-    known = {f"REIN_{name.upper()}" for name in Settings.model_fields}
+    known = {f"REIN_{name.upper()}" for name in Settings.model_fields} | S3_VARIABLES
     for doc, container in rein_containers():
         env = container_env(container)
         unknown = sorted(set(env) - known)
@@ -381,7 +385,7 @@ def covered(path: str, mounts: dict[str, dict]) -> dict | None:
 @pytest.mark.parametrize("doc", WORKLOADS, ids=lambda d: d["metadata"]["name"])
 def test_a_read_only_root_leaves_writable_what_rein_writes(doc: dict) -> None:
     """/tmp everywhere; the API and the workers also their caches and HOME (Triton's compiled
-    kernels), in volumes; the API its batch files, on the shared claim."""
+    kernels), in volumes; the API's batch files go to object storage, no shared claim."""
     component = doc["metadata"]["labels"]["app.kubernetes.io/component"]
     container = pod_spec(doc)["containers"][0]
     mounts = writable_mounts(doc, container)
@@ -390,9 +394,8 @@ def test_a_read_only_root_leaves_writable_what_rein_writes(doc: dict) -> None:
         volume = covered(path, mounts)
         assert volume is not None, f"{doc['metadata']['name']}: {what} ({path}) is on the read-only root"
         assert "emptyDir" in volume, volume
-    if component == "api":
-        files = container_env(container)["REIN_FILES_DIR"]
-        assert "persistentVolumeClaim" in covered(files, mounts), "batch files must be on the shared claim"
+    assert not any("persistentVolumeClaim" in volume for volume in pod_spec(doc).get("volumes", [])), \
+        "no claim: batch files are in object storage (REIN_FILES_URL)"
 
 
 @pytest.mark.parametrize("doc", [d for d in WORKLOADS if pod_spec(d).get("initContainers")],
@@ -561,6 +564,35 @@ def test_each_component_reaches_only_its_servers(servers: dict[str, tuple[dict, 
         assert not allowed("Egress", source, rein_pod("worker"), 9100)
         assert not allowed("Egress", source, rein_pod("api"), 8000)
         assert not allowed("Egress", source, pod("kube-system", component="apiserver"), 443)
+
+
+def test_the_api_keeps_its_files_in_object_storage_it_alone_reaches(clean_env: pytest.MonkeyPatch) -> None:
+    """Batch files in S3-compatible object storage (REIN_FILES_URL), read by boto3 from the
+    standard AWS_* variables, so API replicas on any nodes share them; no ReadWriteMany claim.
+    The API reaches the endpoint on 443; no other pod does."""
+    from rein.store import s3
+    from rein.store.filestore import filestore_for
+    from rein.store.s3 import S3FileStore
+
+    assert not find("PersistentVolumeClaim")
+    (container,) = pod_spec(the("Deployment", "rein-api"))["containers"]
+    env = container_env(container)
+    assert S3_VARIABLES <= set(env)
+    clean_env.setattr(s3, "_clients", {})     # this test's client, from the manifest's variables
+    settings = settings_of(container, clean_env)
+    assert settings.files_url.startswith("s3://")
+    store = filestore_for(settings)     # builds a client from the variables, sends nothing
+    assert isinstance(store, S3FileStore) and store.bucket and store.prefix
+    endpoint = urlparse(env["AWS_ENDPOINT_URL"])
+    assert endpoint.scheme == "https"
+    storage, port = managed(f"https://{endpoint.hostname}:{endpoint.port or 443}")
+    assert allowed("Egress", rein_pod("api"), storage, port)
+    assert not allowed("Egress", rein_pod("api"), storage, 80)
+    for component in ("worker", "migrate"):
+        assert not allowed("Egress", rein_pod(component), storage, port), component
+    for doc, other in rein_containers():      # the workers and migrations touch no files
+        if doc["metadata"]["name"] != "rein-api":
+            assert "REIN_FILES_URL" not in container_env(other) and "REIN_FILES_DIR" not in container_env(other)
 
 
 def test_the_policy_evaluator_sees_a_missing_policy() -> None:
