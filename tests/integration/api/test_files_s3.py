@@ -4,6 +4,8 @@ whose output and error files the first serves; a deleted file is gone for both."
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from api_support import auth, jsonl, line
 from sqlalchemy import select
@@ -56,3 +58,22 @@ def test_two_apps_share_one_bucket(make_client, make_key, tenant, tmp_path, s3_b
     assert second.get(f"/v1/files/{file_id}/content", headers=auth(key)).status_code == 404
     keys = [item["Key"] for item in s3_client().list_objects_v2(Bucket=s3_bucket)["Contents"]]
     assert f"rein/files/{file_id}" not in keys
+
+
+def test_upload_past_the_limit_leaves_nothing_in_the_bucket(make_client, make_key, tenant, tmp_path, s3_bucket):
+    """An upload refused at REIN_MAX_FILE_BYTES after a multipart part went up: 413 as with a
+    local directory, the upload aborted, no object; a file whose object is gone is a 404."""
+    client = make_client(files_dir=str(tmp_path / "files"), files_url=f"s3://{s3_bucket}/f",
+                         max_file_bytes=9 * 1024 * 1024)
+    key = make_key(tenant, "batch")
+    content = (b"x" * 1023 + b"\n") * (10 * 1024)              # 10 MiB: one 8 MiB part, then refused
+    response = client.post("/v1/files", headers=auth(key), data={"purpose": "batch"},
+                           files={"file": ("in.jsonl", io.BytesIO(content), "application/jsonl")})
+    assert response.status_code == 413 and response.json()["error"]["code"] == "file_too_large"
+    assert s3_client().list_objects_v2(Bucket=s3_bucket).get("Contents", []) == []
+    assert s3_client().list_multipart_uploads(Bucket=s3_bucket).get("Uploads", []) == []
+
+    file_id = upload(client, key, b'{"a": 1}\n')
+    s3_client().delete_object(Bucket=s3_bucket, Key=f"f/{file_id}")
+    missing = client.get(f"/v1/files/{file_id}/content", headers=auth(key))
+    assert missing.status_code == 404 and "missing from storage" in missing.json()["error"]["message"]
