@@ -18,6 +18,9 @@ Library: boto3, chosen over obstore by a measurement against moto's server (100 
 times are the test server's, a tie; what decided is that boto3's explicit multipart calls map
 one-to-one onto NewFile's write / commit / discard (obstore's writer has no abort), and that
 botocore reads the standard variables, AWS_ENDPOINT_URL included, with no code of ours.
+Through S3FileStore itself (100 MB saved in 1 MiB writes, read back in 64 KiB reads): 1.8 s up,
+0.13 s down, peak RSS +26 MiB, a few parts' worth (the part being filled and its copies on the
+way out), bounded by PART_BYTES, not by the file's size.
 """
 
 from __future__ import annotations
