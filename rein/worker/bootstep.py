@@ -15,7 +15,8 @@ max_num_seqs + queued_slots messages at once (prefetch 1 per slot, acks late; th
 slots' jobs wait in the engine for a sequence to end, see rein.jobs.queues), from both of the
 model's queues, so batch jobs alone could hold every slot while an interactive job waits on
 the queue. `InteractiveConsumer` is a second consumer, on a channel of its own
-with its own prefetch limit, that takes only the interactive queue, for up to
+with its own prefetch limit (each channel counts only the messages it popped:
+rein.worker.channel_delivery), that takes only the interactive queue, for up to
 `interactive_slots` more jobs, run by as many extra threads of the pool. Those jobs reach
 the engine while it is full of batch requests, and the engine's scheduler preempts a batch
 request for them (rein.engine.scheduler). Batch jobs never use the interactive slots, so
