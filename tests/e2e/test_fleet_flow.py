@@ -2,13 +2,13 @@
 and every other message stays on the broker, where a worker added under load takes its share.
 
 One worker (max_num_seqs 2: two running, one queued slot, one interactive slot, so at most 4
-messages held) is given 48 async jobs; two seconds later it is paused while a second worker
-starts, then both run. Checked on
-Redis itself, sampled all along: kombu's `unacked` hash (the messages workers hold) never
-exceeds the slots of the workers running, and the model's queue lists keep the backlog. At the
-end the second worker has run a fair share of the jobs that had not started when it came up.
+messages held) is given 48 async jobs; a second later it is paused (the tiny model would run
+the backlog down while a second worker starts) and a second worker starts, then both run.
+Checked on Redis itself, sampled all along: kombu's `unacked` hash (the messages workers hold)
+never exceeds the slots of the workers running, and the model's queue lists keep the backlog,
+which the API's `rein:queue_depth` reports. At the end the second worker has run a fair share
+of the jobs that had not started when it was added.
 """
-
 from __future__ import annotations
 
 import signal
@@ -20,6 +20,7 @@ from types import SimpleNamespace
 import pytest
 from chaos_support import body, hostname_of
 from e2e_support import MODEL, STARTUP_TIMEOUT, run_service
+from prometheus_client.parser import text_string_to_metric_families
 from sqlalchemy.engine import make_url
 from support import connect_postgres, wait_for
 
@@ -71,7 +72,8 @@ class BrokerSampler:
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory, tiny_models) -> Iterator:
     root = tmp_path_factory.mktemp("fleet")
-    with run_service(root, tiny_models("llama"), extra_env=PAUSE_TOLERANT | {"REIN_MAX_NUM_SEQS": str(MAX_NUM_SEQS)}) as svc:
+    env = PAUSE_TOLERANT | {"REIN_MAX_NUM_SEQS": str(MAX_NUM_SEQS)}
+    with run_service(root, tiny_models("llama"), scopes="inference,usage,admin", extra_env=env) as svc:
         yield svc
 
 
@@ -79,6 +81,14 @@ def job_rows(service, ids: list[str]) -> list[tuple[str, str, str | None]]:
     url = make_url(service.database_url)
     with connect_postgres(url, url.database) as conn:
         return conn.execute("SELECT id, status, worker FROM jobs WHERE id = ANY(%s)", (ids,)).fetchall()
+
+
+def queue_depth_metric(service) -> float:
+    """The API's `rein:queue_depth` for the model, both priorities (GET /metrics, admin scope)."""
+    with service.client("a") as client:
+        text = client.get("/metrics").raise_for_status().text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "rein:queue_depth" and sample.labels.get("model_name") == MODEL)
 
 
 def test_a_worker_added_under_load_takes_its_share_of_what_waits(service) -> None:
@@ -103,6 +113,7 @@ def test_a_worker_added_under_load_takes_its_share_of_what_waits(service) -> Non
             time.sleep(0.1)
             waiting_then = sum(status == "queued" for _, status, _ in job_rows(service, ids))
             on_broker_then = sampler.samples[-1][2]
+            depth_then = queue_depth_metric(service)
             sampler.workers_up = 2
             second = f"second-{hostname_of(service.worker)}"
             proc = service.spawn("worker-second", "worker", "--model", MODEL, "--hostname", second,
@@ -122,13 +133,16 @@ def test_a_worker_added_under_load_takes_its_share_of_what_waits(service) -> Non
     ran_second = sum(worker == second for _, _, worker in rows)
     alone, both = sampler.most_held(1), sampler.most_held(2)
     print(f"\nheld by one worker at most {alone} (slots {HELD}), by two {both}; when the second started "
-          f"{waiting_then} jobs had not started ({on_broker_then} messages on the broker); "
+          f"{waiting_then} jobs had not started ({on_broker_then} messages on the broker, "
+          f"rein:queue_depth {depth_then:g}); "
           f"the second ran {ran_second} of {JOBS}")
     assert waiting_then >= 8, "the first worker ran the backlog down before the second started: lengthen the jobs"
     # The broker's own count: what workers hold never exceeds their slots.
     assert alone <= HELD, f"one worker held {alone} messages, beyond its {HELD} slots"
     assert both <= 2 * HELD, f"two workers held {both} messages, beyond their {2 * HELD} slots"
-    # What had not started waited on the broker, and the second worker took its share of it.
+    # What had not started waited on the broker, where `rein:queue_depth` counts it, and the
+    # second worker took its share of it.
     assert on_broker_then >= waiting_then - HELD
+    assert depth_then == on_broker_then
     assert ran_second >= waiting_then // 4, (
         f"the second worker ran {ran_second} of the {waiting_then} jobs waiting when it started")
