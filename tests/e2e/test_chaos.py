@@ -129,8 +129,9 @@ def test_worker_sigkill(stack: Stack, expected: dict[int, str]) -> None:
     victim, victim_name = service.workers[-1], hostname_of(service.workers[-1])
     with service.client("a") as client:
         ids = submit_all(client)
-        # Kill it while it runs jobs and holds reserved messages.
-        wait_for(lambda: running_on(stack, ids, victim_name) >= 4, 60, f"{victim_name} to run jobs")
+        # Kill it while it runs jobs. Each worker now holds only its slots (the rest wait on the
+        # broker), so the victim's share may be small and short: any job running on it will do.
+        wait_for(lambda: running_on(stack, ids, victim_name) >= 1, 60, f"{victim_name} to run jobs")
         victim.send_signal(signal.SIGKILL)
         killed = time.monotonic()
         victim.wait(10)
