@@ -975,6 +975,11 @@ def test_warm_shutdown_hands_running_jobs_back_and_exits_promptly(worker_app, ma
                                                                  redis_client, keys):
     """Stops the module's worker: keep it the last test that uses `worker_app`."""
     settings = worker_app.rein_settings
+    # At least 20 ms a step: the job's 900 tokens take 18 s, past the stop's 10 s however fast
+    # the machine or slow the stop on a loaded one (else the job may end before it is handed back).
+    engine = worker_app.rein_context.engine
+    step = engine.step
+    engine.step = lambda: (time.sleep(0.02), step())[1]
     message = make_job(max_tokens=900)
     enqueue_job(worker_app, message)
     wait_for(lambda: stream_events(redis_client, keys, message.job_id), what="the job to run")
