@@ -88,6 +88,19 @@ def filestore_for(settings: Settings) -> FileStore:
     return LocalFileStore(url)
 
 
+def save_chunks(new: NewFile, chunks: Iterable[bytes], max_bytes: int | None = None) -> int:
+    """Write `chunks` into `new` and commit it (its size); past `max_bytes`, FileTooLargeError
+    and nothing stored: every store's `save`."""
+    try:
+        for chunk in chunks:
+            if max_bytes is not None and new.size + len(chunk) > max_bytes:
+                raise FileTooLargeError(max_bytes)
+            new.write(chunk)
+        return new.commit()
+    finally:
+        new.discard()
+
+
 class LocalFileStore:
     """A FileStore on a local directory, created at the first write (so an API that never
     stores a file starts even where the default directory cannot be created)."""
@@ -110,15 +123,7 @@ class LocalFileStore:
         return _LocalNewFile(os.fdopen(fd, "wb"), Path(tmp), target)
 
     def save(self, file_id: str, chunks: Iterable[bytes], max_bytes: int | None = None) -> int:
-        new = self.create(file_id)
-        try:
-            for chunk in chunks:
-                if max_bytes is not None and new.size + len(chunk) > max_bytes:
-                    raise FileTooLargeError(max_bytes)
-                new.write(chunk)
-            return new.commit()
-        finally:
-            new.discard()
+        return save_chunks(self.create(file_id), chunks, max_bytes)
 
     @contextmanager
     def writer(self, file_id: str) -> Iterator[IO[str]]:

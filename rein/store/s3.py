@@ -33,7 +33,7 @@ from contextlib import contextmanager
 from typing import IO, Any
 from urllib.parse import urlparse
 
-from rein.store.filestore import _SAFE_ID, FileTooLargeError, NewFile
+from rein.store.filestore import _SAFE_ID, NewFile, save_chunks
 
 log = logging.getLogger(__name__)
 
@@ -219,15 +219,7 @@ class S3FileStore:
         return ObjectUpload(self._client, self.bucket, self.key(file_id), self._part_bytes)
 
     def save(self, file_id: str, chunks: Iterable[bytes], max_bytes: int | None = None) -> int:
-        new = self.create(file_id)
-        try:
-            for chunk in chunks:
-                if max_bytes is not None and new.size + len(chunk) > max_bytes:
-                    raise FileTooLargeError(max_bytes)
-                new.write(chunk)
-            return new.commit()
-        finally:
-            new.discard()
+        return save_chunks(self.create(file_id), chunks, max_bytes)
 
     @contextmanager
     def writer(self, file_id: str) -> Iterator[IO[str]]:

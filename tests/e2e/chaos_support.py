@@ -27,6 +27,9 @@ class Stack:
         return connect_postgres(url, url.database)
 
 
+# Leases, the reaper and requeueing shortened so the fault tests recover in seconds.
+FAST_RECOVERY = {"REIN_LEASE_SECONDS": "12", "REIN_LEASE_RENEW_SECONDS": "4",
+                 "REIN_REAPER_INTERVAL_SECONDS": "1", "REIN_REQUEUE_UNCLAIMED_SECONDS": "6"}
 JOBS = 24                # per fault: more than the two workers' 2 x 8 slots, so some wait queued
 MAX_TOKENS = 160
 

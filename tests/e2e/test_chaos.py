@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from chaos_support import (
+    FAST_RECOVERY,
     Stack,
     body,
     check_exactly_once,
@@ -41,8 +42,6 @@ from rein.store.redis_keys import RedisKeys
 
 pytestmark = pytest.mark.slow
 
-FAST_RECOVERY = {"REIN_LEASE_SECONDS": "12", "REIN_LEASE_RENEW_SECONDS": "4",
-                 "REIN_REAPER_INTERVAL_SECONDS": "1", "REIN_REQUEUE_UNCLAIMED_SECONDS": "6"}
 RECOVERY_BOUND = 90.0    # seconds from the fault to the last job's end (target: 60 with the defaults)
 
 

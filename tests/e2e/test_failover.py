@@ -21,6 +21,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 from chaos_support import (
+    FAST_RECOVERY,
     Stack,
     body,
     running,
@@ -37,8 +38,6 @@ from support import wait_for
 
 pytestmark = pytest.mark.slow
 
-FAST_RECOVERY = {"REIN_LEASE_SECONDS": "12", "REIN_LEASE_RENEW_SECONDS": "4",
-                 "REIN_REAPER_INTERVAL_SECONDS": "1", "REIN_REQUEUE_UNCLAIMED_SECONDS": "6"}
 JOBS = 16
 MAX_TOKENS = 96
 RECOVERY_BOUND = 60.0    # seconds from the kill to the last job's end
