@@ -39,6 +39,7 @@ from rein.store.db import check_migrations_current, make_engine
 from rein.store.filestore import filestore_for
 from rein.store.redis_client import async_redis_client, redis_client
 from rein.store.redis_keys import RedisKeys
+from rein.store.s3 import check_files_url
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +62,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             # DatabaseNotMigratedError / DatabaseUnavailableError: the message says what to do.
             revision = await run_in_threadpool(check_migrations_current, engine)
             registry = await run_in_threadpool(ModelRegistry.load, settings)
+            await run_in_threadpool(check_files_url, settings)   # an unusable S3 bucket: refuse to start
         except BaseException:
             engine.dispose()
             raise

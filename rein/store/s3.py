@@ -1,6 +1,7 @@
 """Files on S3-compatible object storage (AWS S3, MinIO, R2, GCS's interoperability API):
-`S3FileStore` for `REIN_FILES_URL=s3://bucket/prefix`, and the streamed object reader and
-writer `rein run-batch` uses for `s3://` input and output.
+`S3FileStore` for `REIN_FILES_URL=s3://bucket/prefix`, the streamed object reader and
+writer `rein run-batch` uses for `s3://` input and output, and `check_files_url`, with which
+`rein api` refuses to start on a bucket it cannot use.
 
 The endpoint and credentials are the standard variables every S3 tool reads: `AWS_ENDPOINT_URL`
 (MinIO, R2, GCS; unset for AWS), `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`
@@ -30,10 +31,13 @@ import logging
 import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from rein.store.filestore import _SAFE_ID, NewFile, save_chunks
+
+if TYPE_CHECKING:
+    from rein.core.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -240,3 +244,91 @@ class S3FileStore:
 
     def delete(self, file_id: str) -> None:
         self._client.delete_object(Bucket=self.bucket, Key=self.key(file_id))   # no error when gone
+
+
+# -- the startup check ----------------------------------------------------------------------
+
+class BucketUnusableError(RuntimeError):
+    """REIN_FILES_URL's bucket cannot be used; the message, one line, says what failed and
+    what to change."""
+
+
+# What to change, by the S3 error code (or botocore exception name) the check got.
+_FIX_MISSING = ("create the bucket (e.g. `aws s3 mb s3://{bucket}`), name an existing one in REIN_FILES_URL, "
+                "or set AWS_ENDPOINT_URL to the server that holds it")
+_FIX_CREDENTIALS = ("set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or the profile or role) to credentials "
+                    "allowed to list, read and write s3://{bucket}/{prefix}")
+_FIX_ENDPOINT = ("set AWS_ENDPOINT_URL to the S3 server's address (unset for AWS itself) and check that the "
+                 "server is up and reachable from here")
+_FIXES = {
+    "NoSuchBucket": _FIX_MISSING,
+    "AccessDenied": _FIX_CREDENTIALS,
+    "AllAccessDisabled": _FIX_CREDENTIALS,
+    "InvalidAccessKeyId": _FIX_CREDENTIALS,
+    "SignatureDoesNotMatch": _FIX_CREDENTIALS,
+    "ExpiredToken": _FIX_CREDENTIALS,
+    "NoCredentialsError": _FIX_CREDENTIALS,
+    "PermanentRedirect": "set AWS_REGION to the bucket's region",
+    "AuthorizationHeaderMalformed": "set AWS_REGION to the bucket's region",
+}
+_FIX_OTHER = "check REIN_FILES_URL, AWS_ENDPOINT_URL, AWS_REGION and the credentials"
+
+
+def _failure(exc: Exception) -> tuple[str, str]:
+    """(a code for the fix table, the words for the error line) of what the check raised."""
+    from botocore.exceptions import (
+        ClientError,
+        ConnectTimeoutError,
+        EndpointConnectionError,
+        ReadTimeoutError,
+    )
+
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        code = str(error.get("Code") or exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", "?"))
+        message = error.get("Message")
+        return code, f"{code} ({message})" if message else code
+    if isinstance(exc, (EndpointConnectionError, ConnectTimeoutError)):
+        # botocore's message names the URL; the cause (connection refused, a timeout) is the point.
+        return "endpoint", f"cannot connect ({_root_cause(exc)})"
+    if isinstance(exc, ReadTimeoutError):
+        return "endpoint", "no answer in time (read timeout)"
+    return type(exc).__name__, f"{type(exc).__name__}: {exc}"
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The innermost cause's words, e.g. `[Errno 111] Connection refused`."""
+    while exc.__cause__ is not None or exc.__context__ is not None:
+        exc = exc.__cause__ or exc.__context__
+    text = str(exc).strip()
+    return text.rsplit(": ", 1)[-1] if "Errno" in text else text or type(exc).__name__
+
+
+def check_bucket(url: str, client: Any = None) -> None:
+    """Raise BucketUnusableError unless objects under `s3://bucket/prefix` can be listed: one
+    ListObjectsV2 of at most one key under the prefix, which proves the endpoint answers, the
+    bucket exists and the credentials may read there (unlike HeadBucket, whose errors carry no
+    code). Writes are not tried: a startup check should not leave objects behind."""
+    bucket, prefix = parse_s3_url(url)
+    client = client if client is not None else s3_client()
+    try:
+        client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1)
+    except Exception as exc:
+        code, what = _failure(exc)
+        fix = (_FIX_ENDPOINT if code == "endpoint" else _FIXES.get(code, _FIX_OTHER)).format(
+            bucket=bucket, prefix=prefix)
+        endpoint = getattr(client.meta, "endpoint_url", None) or "AWS"
+        line = f"REIN_FILES_URL={url}: bucket {bucket!r} at {endpoint} cannot be used: {what}; {fix}"
+        raise BucketUnusableError(" ".join(line.split())) from None    # one line, whatever S3 said
+
+
+def check_files_url(settings: Settings) -> None:
+    """At an API's startup: BucketUnusableError when REIN_FILES_URL names an S3 bucket that
+    cannot be used (nothing to check for a local directory, created at the first write).
+    Better refused at once, with what to change, than every upload and batch failing later."""
+    if settings.files_url and settings.files_url.startswith("s3://"):
+        try:
+            check_bucket(settings.files_url)
+        except BucketUnusableError as exc:
+            log.error("%s", exc)    # the one line to read, before the server's traceback
+            raise

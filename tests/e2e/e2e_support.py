@@ -187,10 +187,13 @@ def run_service(tmp: Path, model_dir: Path, *, scopes: str = "inference,usage",
     procs: list[subprocess.Popen] = []
     logs: list = []
 
-    def spawn(name: str, *args: str) -> subprocess.Popen:
+    def spawn(name: str, *args: str, cwd: Path = REPO, env_update: dict[str, str] | None = None) -> subprocess.Popen:
+        """`rein *args` logging to tmp/name.log, stopped at the end; `cwd` and `env_update` (over
+        the service's env) make another replica of a process (tests/e2e/test_api_replicas.py)."""
         log = open(tmp / f"{name}.log", "wb")  # noqa: SIM115 (closed at teardown)
         logs.append(log)
-        proc = subprocess.Popen([*REIN, *args], env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen([*REIN, *args], env=env | (env_update or {}), cwd=cwd, stdout=log,
+                                stderr=subprocess.STDOUT)
         procs.append(proc)
         return proc
 
