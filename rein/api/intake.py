@@ -43,8 +43,9 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.jobs import check_metadata, find_job_by_idempotency_key, same_request_or_conflict
-from rein.core.priorities import PRIORITY_INTERACTIVE
+from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.settings import Settings
+from rein.jobs.affinity import shard_of_prefix
 from rein.jobs.errors import APIError
 from rein.jobs.group_commit import GroupCommit
 from rein.jobs.prepare import Prepared, prepare
@@ -107,6 +108,8 @@ class NewJob:
     priority: int
     idempotency_key: str | None
     metadata_: dict[str, str]
+    shard: int = 0
+    """The batch queue shard its message goes to (rein.jobs.affinity); 0 below batch priority."""
     status: str | None = None
     attempt: int | None = None
     created_at: datetime | None = None
@@ -206,13 +209,15 @@ class JobIntake:
         shape = parsed.shape.to_dict()
         if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.response_shape); plain jobs store none
             params["shape"] = shape
+        # A job sent at batch priority waits on the batch shard of its prefix (rein.jobs.affinity).
+        shard = shard_of_prefix(prompt) if priority >= PRIORITY_BATCH and self.settings.batch_affinity else 0
         job = NewJob(id=new_job_id(), tenant=key.tenant, key_id=key.key_id, model=model, endpoint=endpoint,
                      params=params,
                      prompt_token_ids=prompt, prompt_tokens=len(prompt), priority=priority,
-                     idempotency_key=idempotency_key, metadata_=dict(metadata or {}))
+                     idempotency_key=idempotency_key, metadata_=dict(metadata or {}), shard=shard)
         message = JobMessage(job_id=job.id, model=model, endpoint=endpoint, prompt_token_ids=prompt,
                              sampling=sampling, priority=priority, logprobs_mode=parsed.logprobs_mode,
-                             tenant=key.tenant, key_id=key.key_id, shape=shape)
+                             tenant=key.tenant, key_id=key.key_id, shape=shape, shard=shard)
         if isinstance(parsed, ParsedEmbeddings):   # its inputs, one after the other in `prompt`
             job.params["input_lengths"] = message.input_lengths = parsed.input_lengths
         return Submission(key, prepared, job, message, metadata)
@@ -316,7 +321,7 @@ class JobIntake:
         for job in jobs:
             values += (job.id, job.tenant, job.key_id, job.model, job.endpoint, json.dumps(job.params),
                        "{" + ",".join(map(str, job.prompt_token_ids)) + "}", job.prompt_tokens,
-                       job.priority, job.idempotency_key, json.dumps(job.metadata_))
+                       job.priority, job.idempotency_key, json.dumps(job.metadata_), job.shard)
         by_id = {job.id: job for job in jobs}
         stored = set()
         rows = self._db.execute_all(_insert_sql(len(jobs)), tuple(values))
@@ -390,7 +395,7 @@ SELECT model, tenant, count(*) FROM jobs
 # against the mapped table, so it cannot drift from the schema; the database fills in the
 # rest (status, times).
 _INSERT_COLUMNS = ("id", "tenant", "key_id", "model", "endpoint", "params", "prompt_token_ids",
-                   "prompt_tokens", "priority", "idempotency_key", "metadata")
+                   "prompt_tokens", "priority", "idempotency_key", "metadata", "shard")
 _CASTS = {"params": "::jsonb", "prompt_token_ids": "::integer[]", "metadata": "::jsonb"}
 if not set(_INSERT_COLUMNS) <= set(Job.__table__.c.keys()):
     raise RuntimeError(f"the intake INSERT names columns jobs lacks: {set(_INSERT_COLUMNS) - set(Job.__table__.c.keys())}")

@@ -43,7 +43,7 @@ from redis.exceptions import RedisError
 from rein.api.deps import BearerDep, require_scope
 from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.settings import Settings
-from rein.jobs.queues import PRIORITY_STEPS, queue_keys
+from rein.jobs.queues import PRIORITY_STEPS, priority_lists
 from rein.store.keys import parse_key
 
 log = logging.getLogger(__name__)
@@ -102,10 +102,15 @@ class APIMetrics:
     async def refresh_queue_depth(self, redis: Any) -> None:
         """LLEN of every served model's priority lists, in one round trip (asyncio Redis)."""
         models = [m.name for m in self.settings.models]
+        # (model, step, how many lists it has: a batch step has one per shard, rein.jobs.affinity).
+        counts: list[tuple[str, int, int]] = []
         pipe = redis.pipeline(transaction=False)
         for model in models:
-            for key in queue_keys(self.settings, model):
-                pipe.llen(key)
+            for step in PRIORITY_STEPS:
+                lists = priority_lists(self.settings, model, step)
+                counts.append((model, step, len(lists)))
+                for key in lists:
+                    pipe.llen(key)
         try:
             lengths = await pipe.execute()
         except (RedisError, OSError) as exc:
@@ -114,15 +119,14 @@ class APIMetrics:
             self.queue_depth.clear()
             self._depth_labels.clear()
             return
-        steps = len(PRIORITY_STEPS)
-        for index, model in enumerate(models):
-            model_lengths = lengths[index * steps:(index + 1) * steps]
-            for step, depth in zip(PRIORITY_STEPS, model_lengths, strict=True):
-                labels = (model, PRIORITY_NAMES.get(step, str(step)))
-                # The API's two priorities always; another step once it has held a job.
-                if depth or step in PRIORITY_NAMES or labels in self._depth_labels:
-                    self._depth_labels.add(labels)
-                    self.queue_depth.labels(*labels).set(depth)
+        start = 0
+        for model, step, count in counts:
+            depth, start = sum(lengths[start:start + count]), start + count
+            labels = (model, PRIORITY_NAMES.get(step, str(step)))
+            # The API's two priorities always; another step once it has held a job.
+            if depth or step in PRIORITY_NAMES or labels in self._depth_labels:
+                self._depth_labels.add(labels)
+                self.queue_depth.labels(*labels).set(depth)
 
     def exposition(self) -> bytes:
         if self.settings.prometheus_multiproc_dir:

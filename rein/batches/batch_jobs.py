@@ -17,15 +17,16 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from rein.core.settings import Settings
+from rein.jobs.affinity import FEED_KEY_TOKENS  # prompt tokens the prefix order looks at
 from rein.jobs.cancel import request_cancel
 from rein.store.redis_keys import RedisKeys
 from rein.store.tables import Job, new_job_id
 
 OPEN_JOB_STATUSES = ("queued", "running")
 COPY_COLUMNS = ("id", "tenant", "key_id", "model", "endpoint", "params", "prompt_token_ids",
-                "prompt_tokens", "priority", "batch_id", "custom_id", "batch_line", "feed_key", "requested_tokens")
+                "prompt_tokens", "priority", "batch_id", "custom_id", "batch_line", "feed_key", "requested_tokens",
+                "shard")
 
-FEED_KEY_TOKENS = 128   # prompt tokens the prefix order looks at: a system prompt's worth
 
 
 def feed_key(prompt_token_ids: Sequence[int]) -> bytes:
@@ -52,18 +53,21 @@ def spooled_jobs(spool: IO[bytes]) -> Iterator[dict[str, Any]]:
 
 
 @contextmanager
-def copy_jobs(session: Session) -> Iterator[Callable[[dict[str, Any]], None]]:
-    """A function inserting one job row (a dict of COPY_COLUMNS but the id) through COPY, in
-    the session's transaction: several times faster than INSERTs for a 50,000-line batch,
-    and rows stream to Postgres as they come. Columns left out take their defaults."""
+def copy_jobs(session: Session, shard_of: Callable[[Sequence[int]], int] | None = None
+              ) -> Iterator[Callable[[dict[str, Any]], None]]:
+    """A function inserting one job row (a dict of COPY_COLUMNS but the id, feed_key and shard)
+    through COPY, in the session's transaction: several times faster than INSERTs for a
+    50,000-line batch, and rows stream to Postgres as they come. `shard_of`: a line's batch
+    queue shard from its prompt (rein.jobs.affinity.PrefixGroups.shard); None: shard 0."""
     from psycopg.types.json import Jsonb
 
     cursor = session.connection().connection.cursor()
     try:
         with cursor.copy(f"COPY jobs ({', '.join(COPY_COLUMNS)}) FROM STDIN") as copy:
             def write(row: dict[str, Any]) -> None:
-                row = row | {"id": new_job_id(), "params": Jsonb(row["params"]),
-                             "feed_key": feed_key(row["prompt_token_ids"])}
+                prompt = row["prompt_token_ids"]
+                row = row | {"id": new_job_id(), "params": Jsonb(row["params"]), "feed_key": feed_key(prompt),
+                             "shard": shard_of(prompt) if shard_of is not None else 0}
                 copy.write_row([row[column] for column in COPY_COLUMNS])
 
             yield write

@@ -22,14 +22,17 @@ replica is handling is skipped, not waited for), does the next step in one trans
   (`validation_crashed`) instead of killing every replica in turn until its deadline.
 * in_progress: feed the model's queue. Batch jobs are not all sent at once: the manager
   keeps at most REIN_BATCH_QUEUE_WINDOW batch messages waiting on the model's queue (the
-  priority-6 list), sending the next lines as workers drain it and stamping `sent_at`.
+  priority-6 lists), sending the next lines as workers drain it and stamping `sent_at`.
   A sent line whose message was lost (Redis restarted without its data, a dead worker's
   reserved messages) is sent again by the reaper (rein.jobs.reaper), as any job is.
   So 50,000 lines never fill the queue that backpressure measures, interactive jobs
   (priority 0) are always taken first, and a cancel has few messages to skip. Lines go in
   prefix order (REIN_BATCH_ORDER, default `prefix`: by the prompt's first tokens, the jobs'
   `feed_key`), so the lines sharing a system prompt reach the workers together and run while
-  it is in their prefix cache, or in the file's order (`file`). A tenant whose batch lines sent
+  it is in their prefix cache, or in the file's order (`file`). Each line waits on the batch
+  queue shard of its prefix (REIN_BATCH_AFFINITY, rein.jobs.affinity: the lines about one
+  document on one shard, which one worker takes first), chosen across the whole file while it
+  is checked; the window is split between the shards the batch has lines left on. A tenant whose batch lines sent
   and not finished hold REIN_MAX_QUEUED_BATCH_TOKENS_PER_TENANT tokens (prompt + n x max_tokens
   each) is sent no more until some finish; its lines wait, and the other tenants' batches share
   the room. A message
@@ -73,6 +76,7 @@ import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -101,7 +105,8 @@ from rein.batches.wakeup import BATCH_WAKE_MIN_SECONDS, BatchEventListener
 from rein.core.priorities import PRIORITY_BATCH
 from rein.core.settings import Settings
 from rein.engine.structured.validator import ValidatorUnavailable
-from rein.jobs.queues import enqueue_jobs, queue_keys
+from rein.jobs.affinity import BATCH_SHARDS, PrefixGroups
+from rein.jobs.queues import enqueue_jobs, priority_lists
 from rein.jobs.registry import ModelRegistry
 from rein.openai.batch_lines import read_lines
 from rein.store.filestore import FileStore
@@ -117,6 +122,15 @@ STATUS_CHECK_SECONDS = 2.0     # how often a validation looks whether its batch 
 # Validations of one batch whose process died (out of memory, most likely) before the next start
 # fails the batch instead: a retry for a death that was not the file's doing, not a crash loop.
 MAX_VALIDATION_DEATHS = 2
+
+
+@dataclass
+class Share:
+    """A batch's part of one tick's feeding: how many lines it may send, and the messages
+    waiting on each batch queue shard of its model (shared by the model's batches in a tick)."""
+
+    lines: int
+    waiting: list[int]
 
 
 class _Superseded(Exception):
@@ -152,6 +166,9 @@ class BatchManager:
         self._tenant_share = max(1, threads // 2)   # validations one tenant may have in flight
         self._validating: dict[str, str] = {}        # batch id -> tenant, submitted and not done
         self._validating_lock = threading.Lock()
+        # Batch id -> the batch queue shards it has no unsent line on (a line once sent is
+        # never unsent again), so the window goes to the shards that can use it.
+        self._drained: dict[str, set[int]] = {}
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -188,9 +205,10 @@ class BatchManager:
 
         Validations run on their own threads (`_validator`), each tenant's share at a time, so a
         large or slow file never holds up feeding and finishing the others. Batch lines are fed to
-        each model's queue in shares: the room on the queue is split evenly between the
-        tenants with running batches, then between each tenant's batches (`feeding_shares`),
-        and the batches are visited round-robin across tenants.
+        each model's queue in shares: the room on the queue is split evenly between the batch
+        shards with lines left (rein.jobs.affinity), then each shard's between the tenants with
+        running batches, then between each tenant's batches (`feeding_shares`), and the batches
+        are visited round-robin across tenants.
         """
         with self.sessions() as session:
             rows = session.execute(select(Batch.id, Batch.status, Batch.tenant, Batch.model)
@@ -208,9 +226,12 @@ class BatchManager:
             except Exception:
                 log.exception("batch %s: step failed; retrying next tick", row.id)
 
-    def _feeding_shares(self, running: list[Any]) -> dict[str, int]:
-        """Batch id -> how many more of its lines may be sent this tick. A tenant at its cap on
-        queued batch tokens gets no share, so the others share all the room."""
+    def _feeding_shares(self, running: list[Any]) -> dict[str, Share]:
+        """Batch id -> how many more of its lines may be sent this tick, with the messages
+        waiting on each of its model's batch shards (updated as lines are sent). A tenant at its
+        cap on queued batch tokens gets no share, so the others share all the room."""
+        self._drained = {batch_id: shards for batch_id, shards in self._drained.items()
+                         if batch_id in {row.id for row in running}}
         cap = self.settings.max_queued_batch_tokens_per_tenant
         if cap and running:
             with self.sessions() as session:
@@ -219,12 +240,20 @@ class BatchManager:
         by_model: dict[str, list[Any]] = {}
         for row in running:
             by_model.setdefault(row.model or "", []).append(row)
-        shares: dict[str, int] = {}
+        shares: dict[str, Share] = {}
         for model, batches in by_model.items():
-            waiting = self.redis.llen(queue_keys(self.settings, model)[PRIORITY_BATCH])
-            room = max(self.settings.batch_queue_window - waiting, 0)
-            shares |= feeding_shares(room, [(row.tenant, row.id) for row in batches])
+            waiting = self._waiting_by_shard(model)
+            room = max(self.settings.batch_queue_window - sum(waiting), 0)
+            for batch_id, share in feeding_shares(room, [(row.tenant, row.id) for row in batches]).items():
+                shares[batch_id] = Share(share, waiting)
         return shares
+
+    def _waiting_by_shard(self, model: str) -> list[int]:
+        """The batch messages waiting on each of the model's batch queue shards."""
+        pipe = self.redis.pipeline(transaction=False)
+        for key in priority_lists(self.settings, model, PRIORITY_BATCH):
+            pipe.llen(key)
+        return pipe.execute()
 
     def _validate_in_background(self, batch_id: str, tenant: str) -> None:
         """Validate on a validator thread, unless the batch is already there or its tenant holds
@@ -248,18 +277,18 @@ class BatchManager:
 
         self._validator.submit(run)
 
-    def advance(self, batch_id: str, shares: dict[str, int] | None = None) -> None:
+    def advance(self, batch_id: str, shares: dict[str, Share] | None = None) -> None:
         """Do the batch's next step, unless another manager holds it right now.
 
-        `shares`: how many lines each batch may send now (see `tick`); without it, a batch
-        may fill whatever room its model's queue has.
+        `shares`: how many lines each batch may send now, to each shard (see `tick`); without
+        it, a batch may fill whatever room its model's queue has.
         """
         try:
             self._advance(batch_id, shares)
         except _Superseded:
             pass
 
-    def _advance(self, batch_id: str, shares: dict[str, int] | None) -> None:
+    def _advance(self, batch_id: str, shares: dict[str, Share] | None) -> None:
         with self.sessions() as session, session.begin():
             if not try_lock_batch(session, batch_id):
                 return
@@ -356,9 +385,16 @@ class BatchManager:
                 if lock.scalar(select(Batch.status).where(Batch.id == batch.id)) != "validating":
                     raise _Superseded(batch.id)     # cancelled meanwhile
 
+        # Lines sharing a document get one batch queue shard (rein.jobs.affinity), found across
+        # the whole file: counted while it is checked, assigned when it is stored.
+        groups = PrefixGroups() if self.settings.batch_affinity else None
+
         def store(line: ValidLine) -> None:
             nonlocal last_line
-            spool_job(spool, line.job_values() | fixed)
+            values = line.job_values() | fixed
+            spool_job(spool, values)
+            if groups is not None:
+                groups.add(values["prompt_token_ids"])
             last_line = line.line
 
         with tempfile.TemporaryFile(prefix="rein-batch-") as spool:
@@ -384,7 +420,7 @@ class BatchManager:
             checked = time.monotonic() - started
             spool.seek(0)
             with self.sessions() as session, session.begin():
-                with copy_jobs(session) as write_job:
+                with copy_jobs(session, groups.shard if groups is not None else None) as write_job:
                     for row in spooled_jobs(spool):
                         write_job(row)
                 moved = session.execute(
@@ -403,7 +439,7 @@ class BatchManager:
                                 errors={"object": "list", "data": errors}))
         log.info("batch %s failed validation: %d errors", batch_id, len(errors))
 
-    def _progress(self, session: Session, batch: Batch, shares: dict[str, int] | None) -> None:
+    def _progress(self, session: Session, batch: Batch, shares: dict[str, Share] | None) -> None:
         expired = session.scalar(select(func.now() >= batch.expires_at))
         if expired:
             drop_batch_jobs(session, self.redis, self.keys, self.settings, batch.id)
@@ -420,13 +456,13 @@ class BatchManager:
             return
         self._feed(session, batch, shares)
 
-    def _feed(self, session: Session, batch: Batch, shares: dict[str, int] | None) -> None:
+    def _feed(self, session: Session, batch: Batch, shares: dict[str, Share] | None) -> None:
         if shares is None:
-            waiting = self.redis.llen(queue_keys(self.settings, batch.model or "")[PRIORITY_BATCH])
-            share = max(self.settings.batch_queue_window - waiting, 0)
+            waiting = self._waiting_by_shard(batch.model or "")
+            share = Share(max(self.settings.batch_queue_window - sum(waiting), 0), waiting)
         else:
-            share = shares.get(batch.id, 0)
-        if share <= 0:
+            share = shares.get(batch.id, Share(0, []))
+        if share.lines <= 0:
             return
         cap = self.settings.max_queued_batch_tokens_per_tenant
         token_room = None
@@ -434,16 +470,50 @@ class BatchManager:
             token_room = cap - queued_batch_tokens(session, [batch.tenant]).get(batch.tenant, 0)
             if token_room <= 0:
                 return           # its lines wait until the tenant's queued ones finish
-        order = (Job.batch_line,) if self.settings.batch_order == "file" else (Job.feed_key, Job.batch_line)
-        rows = session.execute(
-            select(*JOB_MESSAGE_COLUMNS, func.coalesce(Job.requested_tokens, Job.prompt_tokens).label("tokens"))
-            .where(Job.batch_id == batch.id, Job.status == "queued", Job.sent_at.is_(None))
-            .order_by(*order).limit(share)).all()
-        rows = rows[:lines_within_tokens([row.tokens for row in rows], token_room)]
+        rows = self._next_lines(session, batch.id, share, token_room)
         # The whole chunk in one pipeline.
         enqueue_jobs(self.celery, [JobMessage.for_job(row) for row in rows])
         if rows:
             session.execute(update(Job).where(Job.id.in_([row.id for row in rows])).values(sent_at=func.now()))
+
+    def _next_lines(self, session: Session, batch_id: str, share: Share, token_room: int | None) -> list[Any]:
+        """Up to `share.lines` of the batch's unsent lines, each shard's in the batch order, the
+        model's queue window split evenly between the shards the batch still has lines on (a
+        shard found short is left out and its part goes to the others, in this same call), and
+        while its tenant has `token_room` (None: no cap) under the queued batch token cap."""
+        order = (Job.batch_line,) if self.settings.batch_order == "file" else (Job.feed_key, Job.batch_line)
+        drained = self._drained.setdefault(batch_id, set())
+        shards = [shard for shard in (range(BATCH_SHARDS) if self.settings.batch_affinity else [0])
+                  if shard not in drained]
+        rows: list[Any] = []
+        taken = dict.fromkeys(shards, 0)      # each shard's lines found so far (not yet marked sent)
+        left = share.lines
+        while left > 0 and shards:
+            even = -(-self.settings.batch_queue_window // len(shards))
+            for shard in shards:
+                count = min(max(even - share.waiting[shard], 0), left)
+                if count <= 0:
+                    continue
+                found = session.execute(
+                    select(*JOB_MESSAGE_COLUMNS, func.coalesce(Job.requested_tokens, Job.prompt_tokens).label("tokens"))
+                    .where(Job.batch_id == batch_id, Job.shard == shard, Job.status == "queued",
+                           Job.sent_at.is_(None))
+                    .order_by(*order).offset(taken[shard]).limit(count)).all()
+                within = lines_within_tokens([row.tokens for row in found], token_room)
+                rows += found[:within]
+                if within < len(found):
+                    return rows          # the tenant's token room is used up
+                if token_room is not None:
+                    token_room -= sum(row.tokens for row in found)
+                taken[shard] += len(found)
+                share.waiting[shard] += len(found)
+                left -= len(found)
+                if len(found) < count:
+                    drained.add(shard)
+            if not drained.intersection(shards):
+                break                    # every shard took its part: the window is full
+            shards = [shard for shard in shards if shard not in drained]
+        return rows
 
     def _finish(self, session: Session, batch: Batch) -> None:
         """finalizing or cancelling: once no job is open, write the files and end the batch."""

@@ -150,6 +150,7 @@ def read_snapshot(redis: Redis, settings: Settings, now: float | None = None) ->
     steps = len(lengths) // len(model_names) if model_names else 0
     models = []
     for i, model in enumerate(model_names):
+        # queue_keys lists one key per interactive step, then the batch steps' (a key per shard).
         depths = lengths[i * steps:(i + 1) * steps]
         up = [w for w in workers if w.model == model and w.state in (UP, STALE)]
         models.append(ModelView(

@@ -246,6 +246,12 @@ class Settings(BaseSettings):
     """The order the batch manager sends a batch's lines in. prefix: by the prompts' first 128
     tokens (then line number), so lines sharing a system prompt run while it is in the prefix
     cache, whatever order the file has them in; file: the file's order."""
+    batch_affinity: bool = True
+    """Prefix affinity across workers (rein.jobs.affinity): batch work waits on one of several
+    shards of the model's batch queue by its prompt's prefix, and each worker takes its own
+    shards first, so the lines about one document are prefilled on one worker, not on each.
+    Off: all batch work on one shard, taken by whichever worker is free. Read by the API;
+    every worker consumes every shard either way."""
     batch_validation_timeout_seconds: float = Field(3600, gt=0)
     """A batch still `validating` this long after its creation fails (`validation_timeout`)."""
     batch_validator_threads: int = Field(2, ge=1, le=64)

@@ -23,7 +23,9 @@ Why each setting:
   rein.worker.bootstep.EngineThreadPool).
 * Two queues per served model, chosen by a router from the message's `model` and
   `priority`: interactive jobs (priority below PRIORITY_BATCH) on `RedisKeys.queue`, batch
-  jobs on `RedisKeys.batch_queue`. Redis priorities with ten steps, where lower is taken
+  jobs on `RedisKeys.batch_queue`, itself BATCH_SHARDS queues by the message's `shard`, a hash
+  of its prompt's prefix (rein.jobs.affinity: a worker takes its own shards first, so batch
+  lines sharing a document meet on one worker). Redis priorities with ten steps, where lower is taken
   first (kombu pops the step-0 lists of every queue a channel consumes before any step-6
   one), so interactive jobs (PRIORITY_INTERACTIVE = 0) overtake waiting batch jobs
   (PRIORITY_BATCH = 6). A worker consumes both with its max_num_seqs slots and the
@@ -47,6 +49,7 @@ from celery import Celery
 from kombu.utils.uuid import uuid
 
 from rein.core.priorities import PRIORITY_BATCH
+from rein.jobs.affinity import BATCH_SHARDS
 from rein.store.messages import JobMessage
 from rein.store.redis_client import broker_connection, broker_ssl  # noqa: F401 (broker_ssl: its home before)
 from rein.store.redis_keys import RedisKeys
@@ -110,7 +113,8 @@ def make_celery(settings: Any) -> Celery:
         broker_use_ssl=broker.use_ssl,
         broker_transport_options={
             "visibility_timeout": settings.visibility_timeout_seconds,
-            "queue_order_strategy": "priority",
+            # A channel's queues in the order its worker prefers (rein.jobs.affinity), not rotated.
+            "queue_order_strategy": "rein.jobs.affinity:AffinityCycle",
             "priority_steps": PRIORITY_STEPS,
             "sep": PRIORITY_SEP,
             # Every broker key (queues, unacked, bindings) under the deployment's prefix.
@@ -148,18 +152,21 @@ class JobRouter:
         message = args[0] if args else (kwargs or {}).get("message")
         if not isinstance(message, dict) or "model" not in message:
             raise ValueError(f"{TASK_NAME} needs a JobMessage dict with a 'model', got {message!r:.200}")
-        return {"queue": queue_for(self.keys, message["model"], message.get("priority", PRIORITY_BATCH))}
+        return {"queue": queue_for(self.keys, message["model"], message.get("priority", PRIORITY_BATCH),
+                                   message.get("shard", 0))}
 
 
-def queue_for(keys: RedisKeys, model: str, priority: int) -> str:
-    """The queue a job of this priority goes to: its model's interactive or batch queue."""
-    return keys.batch_queue(model) if priority >= PRIORITY_BATCH else keys.queue(model)
+def queue_for(keys: RedisKeys, model: str, priority: int, shard: int = 0) -> str:
+    """The queue a job of this priority goes to: its model's interactive queue, or the shard of
+    its batch queue (rein.jobs.affinity)."""
+    return keys.batch_queue(model, shard % BATCH_SHARDS) if priority >= PRIORITY_BATCH else keys.queue(model)
 
 
 def worker_queues(settings: Any, model: str) -> list[str]:
-    """The queues a worker of `model` consumes with its max_num_seqs slots (both)."""
+    """The queues a worker of `model` consumes with its max_num_seqs slots: the interactive
+    queue and every shard of the batch queue."""
     keys = RedisKeys.from_settings(settings)
-    return [keys.queue(model), keys.batch_queue(model)]
+    return [keys.queue(model), *(keys.batch_queue(model, shard) for shard in range(BATCH_SHARDS))]
 
 
 def queued_slots(settings: Any) -> int:
@@ -210,22 +217,27 @@ def enqueue_jobs(app: Celery, messages: Sequence[JobMessage]) -> None:
                                                   argsrepr=f"[{message.job_id}]", kwargsrepr="{}")
             # exchange "": kombu puts the message straight into the queue's list (what
             # send_task does for a direct queue). No retry: the batch is sent once, at its end.
-            producer.publish(body, exchange="", routing_key=queue_for(keys, message.model, message.priority),
+            producer.publish(body, exchange="",
+                             routing_key=queue_for(keys, message.model, message.priority, message.shard),
                              serializer="json",
                              headers=headers, priority=message.priority, retry=False, declare=[],
                              **properties)
 
 
-def queue_keys(settings: Any, model: str) -> list[str]:
-    """The Redis lists holding a model's queued messages, one per priority step, highest first
-    (element i: where messages of priority i wait, in the interactive or the batch queue).
+def priority_lists(settings: Any, model: str, step: int, shard: int | None = None) -> list[str]:
+    """The Redis lists where a model's messages of priority `step` wait: its interactive queue's
+    list of that step, or that step's list of each batch shard (of `shard` alone when given).
 
-    The sum of their LLEN is the queue depth (for backpressure and `rein top`). Kombu puts
-    every broker key under settings.redis_key_prefix (its `global_keyprefix`).
-    """
+    Kombu keeps one list per queue and priority step, `<queue>` for step 0 and
+    `<queue>:<step>` for the others, every key under settings.redis_key_prefix (its
+    `global_keyprefix`)."""
     keys = RedisKeys.from_settings(settings)
-    lists = []
-    for step in PRIORITY_STEPS:
-        queue = settings.redis_key_prefix + queue_for(keys, model, step)
-        lists.append(queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}")
-    return lists
+    shards = range(BATCH_SHARDS) if shard is None else [shard]
+    queues = [queue_for(keys, model, step, s) for s in shards] if step >= PRIORITY_BATCH else [keys.queue(model)]
+    return [settings.redis_key_prefix + (queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}") for queue in queues]
+
+
+def queue_keys(settings: Any, model: str) -> list[str]:
+    """Every Redis list holding a model's queued messages (each priority step's, `priority_lists`):
+    the sum of their LLEN is the queue depth (for backpressure and `rein top`)."""
+    return [key for step in PRIORITY_STEPS for key in priority_lists(settings, model, step)]

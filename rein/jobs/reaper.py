@@ -52,7 +52,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.jobs.claim import MAX_STARTS, too_many_attempts_error
-from rein.jobs.queues import enqueue_jobs, queue_keys
+from rein.jobs.queues import PRIORITY_STEPS, enqueue_jobs, priority_lists
 from rein.store.messages import JobMessage
 from rein.store.tables import JOB_MESSAGE_COLUMNS
 
@@ -208,8 +208,11 @@ class Reaper:
         for model, priority, _ in sql(_STALE_GROUPS_SQL, (bound_seconds,)).all():
             if len(lost) >= MAX_RESEND:
                 break
-            lists = queue_keys(self.settings, model)
-            waiting = self.redis.llen(lists[min(max(priority, 0), len(lists) - 1)])
+            step = min(max(priority, 0), PRIORITY_STEPS[-1])
+            with self.redis.pipeline(transaction=False) as pipe:
+                for key in priority_lists(self.settings, model, step):   # every batch shard's
+                    pipe.llen(key)
+                waiting = sum(pipe.execute())
             lost += sql(_LOST_SQL, (model, priority, waiting, bound_seconds, MAX_RESEND - len(lost))).all()
         return lost
 

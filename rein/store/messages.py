@@ -47,6 +47,8 @@ class JobMessage:
     # rein.openai.response_shape.ResponseShape.to_dict(): n > 1, best_of, echo, prompt logprobs; None: plain.
     shape: dict[str, Any] | None = None
     input_lengths: list[int] | None = None
+    # The batch queue shard it waits on (rein.jobs.affinity); 0 for interactive jobs.
+    shard: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies the token ids, a fifth of an enqueue's CPU.
@@ -64,7 +66,7 @@ class JobMessage:
                    prompt_token_ids=list(job.prompt_token_ids), sampling=job.params["sampling"],
                    priority=job.priority, logprobs_mode=job.params.get("logprobs_mode"),
                    tenant=job.tenant, key_id=job.key_id, shape=job.params.get("shape"),
-                   input_lengths=job.params.get("input_lengths"))
+                   input_lengths=job.params.get("input_lengths"), shard=job.shard)
 
 
 @dataclass

@@ -44,10 +44,12 @@ class RedisKeys:
         """The Celery queue of a served model's interactive jobs (priority below PRIORITY_BATCH)."""
         return f"{self.prefix}.model.{model}"
 
-    def batch_queue(self, model: str) -> str:
-        """The Celery queue of a served model's batch jobs (priority PRIORITY_BATCH and worse): a
-        queue of its own, so that a worker can keep slots for the interactive one."""
-        return f"{self.prefix}.model.{model}.batch"
+    def batch_queue(self, model: str, shard: int = 0) -> str:
+        """A Celery queue of a served model's batch jobs (priority PRIORITY_BATCH and worse): a
+        queue of its own, so that a worker can keep slots for the interactive one; one of
+        several shards, by prompt prefix (rein.jobs.affinity), shard 0 under the plain name."""
+        name = f"{self.prefix}.model.{model}.batch"
+        return f"{name}.{shard}" if shard else name
 
     def rate_limit(self, key_id: str, kind: str, window: int) -> str:
         return f"{self.prefix}:ratelimit:{key_id}:{kind}:{window}"

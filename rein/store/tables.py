@@ -26,6 +26,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    SmallInteger,
     Text,
     UniqueConstraint,
     func,
@@ -171,6 +172,10 @@ class Job(Base):
     """When the job's message was last put on its queue (by intake, the batch manager or the
     reaper); NULL: not sent yet (batch lines wait for the batch manager)."""
     requested_tokens: Mapped[int | None]
+    shard: Mapped[int] = mapped_column(SmallInteger(), server_default=text("0"))
+    """The batch queue shard the job's message goes to, by its prompt's prefix (rein.jobs.affinity):
+    batch lines sharing a document wait on one shard, which one worker takes first; 0 for
+    interactive jobs and with REIN_BATCH_AFFINITY off."""
     """A batch line's prompt + n x max_tokens (the most it may cost): what the per-tenant cap on
     queued batch tokens counts (REIN_MAX_QUEUED_BATCH_TOKENS_PER_TENANT); NULL for other jobs."""
 
@@ -192,7 +197,7 @@ class Job(Base):
         Index("ix_jobs_running_lease", "lease_expires_at", postgresql_where=text("status = 'running'")),
         Index("ix_jobs_queued_sent", "model", "priority", "sent_at", postgresql_where=text("status = 'queued'")),
         # The batch manager's next lines in prefix order: only the lines not sent yet.
-        Index("ix_jobs_batch_unsent", "batch_id", "feed_key", "batch_line",
+        Index("ix_jobs_batch_unsent", "batch_id", "shard", "feed_key", "batch_line",
               postgresql_where=text("status = 'queued' AND sent_at IS NULL")),
         # The batch lines sent and not finished, per tenant: the queued batch token cap.
         Index("ix_jobs_batch_in_flight", "tenant",
@@ -203,7 +208,7 @@ class Job(Base):
 
 # The columns a job's queue message is rebuilt from (rein.store.messages.JobMessage.for_job).
 JOB_MESSAGE_COLUMNS = (Job.id, Job.model, Job.endpoint, Job.prompt_token_ids, Job.params, Job.priority,
-                       Job.tenant, Job.key_id)
+                       Job.tenant, Job.key_id, Job.shard)
 
 
 class Result(Base):

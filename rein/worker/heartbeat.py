@@ -4,6 +4,10 @@ Each beat sets the worker's own key, which expires with the worker, and its entr
 workers registry (RedisKeys.workers), which stays: `rein top` shows a worker that stopped
 beating as LOST (rein.cli.top forgets it later). A worker that stops on purpose writes a
 last `stopped` entry instead.
+
+Each beat also reads the registry back: the workers of this model beating now decide which
+batch queue shards this one takes first (rein.jobs.affinity), so a worker added or lost
+changes the split within a beat or two.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from redis import Redis
 from redis.exceptions import RedisError
 
+from rein.jobs.affinity import prefer_queues, shard_order
 from rein.store.redis_keys import RedisKeys
 
 if TYPE_CHECKING:
@@ -46,6 +51,7 @@ class Heartbeat:
         self.stopping = stopping
         self.started_at = time.time() if started_at is None else started_at
         self._previous: tuple[float, int, int, float] | None = None   # time and totals at the last beat
+        self._shard_order: list[int] = []
         self._thread = threading.Thread(target=self._run, name="rein-heartbeat", daemon=True)
 
     def start(self) -> Heartbeat:
@@ -93,6 +99,17 @@ class Heartbeat:
         except RedisError:
             pass
 
+    def take_own_shards_first(self, workers: list[str]) -> None:
+        """Order this process's broker channels' queues: interactive, then the batch shards in
+        this worker's order among `workers` (rein.jobs.affinity.shard_order)."""
+        order = shard_order(self.worker_name, workers)
+        if order != self._shard_order:
+            self._shard_order = order
+            prefer_queues([self.keys.queue(self.model_name),
+                           *(self.keys.batch_queue(self.model_name, shard) for shard in order)])
+            log.info("batch shards taken in the order %s (%d workers of %s beating)", order,
+                     len(set(workers) | {self.worker_name}), self.model_name)
+
     def _run(self) -> None:
         key = self.keys.worker_heartbeat(self.worker_name)
         while not self.stopping.is_set():
@@ -102,7 +119,24 @@ class Heartbeat:
                 pipe.set(key, beat, ex=int(3 * HEARTBEAT_SECONDS))
                 pipe.hset(self.keys.workers(), self.worker_name, beat)
                 pipe.expire(self.keys.workers(), WORKER_REGISTRY_TTL_SECONDS)
-                pipe.execute()
+                pipe.hgetall(self.keys.workers())
+                registry = pipe.execute()[-1]
+                self.take_own_shards_first(live_workers(registry, self.model_name, time.time()))
             except (RedisError, RuntimeError) as exc:   # RuntimeError: engine dicts changed under us
                 log.debug("heartbeat skipped: %s", exc)
             self.stopping.wait(HEARTBEAT_SECONDS)
+
+
+def live_workers(registry: dict[bytes, bytes], model: str, now: float) -> list[str]:
+    """The workers of `model` beating now, from the workers registry: entries of that model,
+    not stopped, written within three beats."""
+    names = []
+    for name, raw in registry.items():
+        try:
+            beat = json.loads(raw)
+        except ValueError:
+            continue
+        if (beat.get("model") == model and beat.get("state") != "stopped"
+                and now - float(beat.get("time", 0)) < 3 * HEARTBEAT_SECONDS):
+            names.append(name.decode() if isinstance(name, bytes) else name)
+    return names

@@ -15,7 +15,8 @@ from sqlalchemy import select, update
 from support import queued_job_ids, wait_for
 
 from rein.core.priorities import PRIORITY_BATCH
-from rein.jobs.queues import queue_keys
+from rein.jobs.affinity import BATCH_SHARDS
+from rein.jobs.queues import priority_lists
 from rein.store.tables import Job
 
 FAST = {"batch_poll_seconds": 0.05}
@@ -71,6 +72,20 @@ def jsonl_lines(response) -> list[dict]:
     return [json.loads(x) for x in response.text.splitlines()]
 
 
+def batch_lists(settings) -> list[str]:
+    """The Redis lists of the tiny model's batch messages: one per shard (rein.jobs.affinity)."""
+    return priority_lists(settings, "tiny", PRIORITY_BATCH)
+
+
+def waiting_batch_messages(redis_client, settings) -> int:
+    return sum(redis_client.llen(key) for key in batch_lists(settings))
+
+
+def take_batch_messages(redis_client, settings) -> None:
+    """As workers taking every waiting batch message would."""
+    redis_client.delete(*batch_lists(settings))
+
+
 def test_validation_lists_every_bad_line(batch_client, make_key, tenant, db_sessionmaker):
     key = make_key(tenant, "batch")
     content = jsonl(
@@ -124,8 +139,7 @@ def test_batch_runs_to_completion(batch_client, make_key, tenant, db_sessionmake
     assert [(j.custom_id, j.batch_line, j.priority, j.status) for j in jobs] == [
         ("first", 1, PRIORITY_BATCH, "queued"), ("second", 2, PRIORITY_BATCH, "queued"),
         ("third", 3, PRIORITY_BATCH, "queued")]
-    batch_queue = queue_keys(settings, "tiny")[PRIORITY_BATCH]
-    assert redis_client.llen(batch_queue) == 3
+    assert waiting_batch_messages(redis_client, settings) == 3
     # The jobs are ordinary jobs too: GET /v1/jobs/{id} shows them, and the list filters them.
     assert batch_client.get(f"/v1/jobs/{jobs[0].id}", headers=auth(key)).json()["status"] == "queued"
     other = batch_client.post("/v1/jobs", headers=auth(key), json={
@@ -171,20 +185,21 @@ def test_batch_runs_to_completion(batch_client, make_key, tenant, db_sessionmake
 
 def test_queue_window_feeds_as_workers_drain(make_client, make_key, tenant, db_sessionmaker, redis_client,
                                              settings, tmp_path):
+    """The window holds across the batch queue's shards (rein.jobs.affinity: these short
+    prompts spread over them)."""
     client = make_client(files_dir=str(tmp_path / "files"), batch_queue_window=2, **FAST)
     key = make_key(tenant, "batch")
     batch = create(client, key, jsonl(*(line(f"r{i}") for i in range(5))))
     wait_status(client, key, batch["id"], "in_progress")
-    batch_queue = queue_keys(settings, "tiny")[PRIORITY_BATCH]
 
     def sent() -> int:
         return sum(1 for j in batch_jobs(db_sessionmaker, batch["id"]) if j.sent_at)
 
     wait_for(lambda: sent() == 2, 10, "two jobs sent")
-    assert redis_client.llen(batch_queue) == 2
-    redis_client.delete(batch_queue)             # a worker took both messages
+    assert waiting_batch_messages(redis_client, settings) == 2
+    take_batch_messages(redis_client, settings)             # a worker took both messages
     wait_for(lambda: sent() == 4, 10, "two more jobs sent")
-    assert redis_client.llen(batch_queue) == 2
+    assert waiting_batch_messages(redis_client, settings) == 2
 
 
 def test_recorded_lines_wake_the_manager_before_its_next_poll(make_client, make_key, tenant, db_sessionmaker,
@@ -220,7 +235,7 @@ def test_recorded_lines_wake_the_manager_before_its_next_poll(make_client, make_
                 assert lease is not None and lease.batch_id == batch["id"]
                 assert with_recorder.record(lease, done)
 
-    redis_client.delete(queue_keys(settings, "tiny")[PRIORITY_BATCH])   # a worker took both messages
+    take_batch_messages(redis_client, settings)   # a worker took both messages
     run_sent(plain)
     time.sleep(1.0)
     assert sum(1 for j in batch_jobs(db_sessionmaker, batch["id"]) if j.sent_at) == 2   # still waiting for the poll
@@ -261,14 +276,16 @@ def manager_settled(manager, ticks: list[int], quiet_seconds: float = 0.6) -> bo
 def test_lines_sharing_a_prompt_prefix_are_sent_together(make_client, make_key, tenant, db_sessionmaker,
                                                          redis_client, settings, tmp_path, order):
     """Two system prompts, their lines interleaved in the file: in prefix order (the default)
-    each window of sends holds one prompt's lines; in file order, the file's lines."""
-    client = make_client(files_dir=str(tmp_path / "files"), batch_queue_window=3, batch_order=order, **FAST)
+    each window of sends holds one prompt's lines; in file order, the file's lines. (On one
+    shard, affinity off: these short prompts would spread over the shards.)"""
+    client = make_client(files_dir=str(tmp_path / "files"), batch_queue_window=3, batch_order=order,
+                         batch_affinity=False, **FAST)
     key = make_key(tenant, "batch")
     systems = ["You are a careful translator. Translate the text into French:",
                "Summarize the following paragraph in one short sentence:"]
     batch = create(client, key, jsonl(*(line(f"r{i}", f"{systems[i % 2]} item {i}") for i in range(6))))
     wait_status(client, key, batch["id"], "in_progress")
-    batch_queue = queue_keys(settings, "tiny")[PRIORITY_BATCH]
+    batch_queue = priority_lists(settings, "tiny", PRIORITY_BATCH, shard=0)[0]
 
     def sent() -> list[str]:
         return sorted(j.custom_id for j in batch_jobs(db_sessionmaker, batch["id"]) if j.sent_at)
@@ -430,19 +447,19 @@ def test_lost_messages_are_sent_again(make_client, tmp_path, make_key, tenant, d
     key = make_key(tenant, "batch")
     batch = create(batch_client, key, jsonl(*(line(f"r{i}") for i in range(3))))
     wait_status(batch_client, key, batch["id"], "in_progress")
-    batch_queue = queue_keys(settings, "tiny")[PRIORITY_BATCH]
     ids = {j.id for j in batch_jobs(db_sessionmaker, batch["id"])}
 
     # (The test database is shared: other tests' unrun batch lines of this model may be sent
-    # again to the same list, so count only this batch's.)
+    # again to the same lists, so count only this batch's.)
     def on_queue() -> list[str]:
-        return [job_id for job_id in queued_job_ids(redis_client, batch_queue) if job_id in ids]
+        return [job_id for key in batch_lists(settings) for job_id in queued_job_ids(redis_client, key)
+                if job_id in ids]
 
     # Messages go out before their sent_at commits: wait for both.
     wait_for(lambda: sorted(on_queue()) == sorted(ids)
              and all(j.sent_at for j in batch_jobs(db_sessionmaker, batch["id"])), 10, "three messages sent")
     first_sent = {j.id: j.sent_at for j in batch_jobs(db_sessionmaker, batch["id"])}
-    redis_client.delete(batch_queue)              # Redis lost them; no worker took them
+    take_batch_messages(redis_client, settings)   # Redis lost them; no worker took them
 
     def sent_again() -> dict | None:
         again = {j.id: j.sent_at for j in batch_jobs(db_sessionmaker, batch["id"])}
@@ -504,8 +521,8 @@ def test_batch_lines_are_fed_fairly_across_tenants(make_client, make_key, tenant
                                                    redis_client, settings):
     """One tenant's two large batches fill the queue window first; once workers drain it, the
     room is shared: the other tenant's small batch gets half of it, not what the large ones
-    leave."""
-    client = make_client(files_dir=str(tmp_path / "files"), batch_queue_window=6, **FAST)
+    leave. (On one shard, affinity off: the split between shards comes first otherwise.)"""
+    client = make_client(files_dir=str(tmp_path / "files"), batch_queue_window=6, batch_affinity=False, **FAST)
     big_key, small_key = make_key(tenant, "batch"), make_key(f"{tenant}-small", "batch")
     big = [create(client, big_key, jsonl(*(line(f"r{i}") for i in range(20)))) for _ in range(2)]
     for batch in big:
@@ -520,7 +537,7 @@ def test_batch_lines_are_fed_fairly_across_tenants(make_client, make_key, tenant
     wait_status(client, small_key, small["id"], "in_progress")
     time.sleep(0.5)        # a tick that began before it was in_progress has ended
     before = [sent(b) for b in big]    # (stable: the full window leaves no room to feed)
-    redis_client.delete(queue_keys(settings, "tiny")[PRIORITY_BATCH])     # workers took them all
+    take_batch_messages(redis_client, settings)     # workers took them all
     # One tick advances the batches one after another, each in its own transaction: wait for
     # the whole window to be sent, not just the small tenant's part of it.
     wait_for(lambda: sent(small) + sum(sent(b) for b in big) - sum(before) == 6, 60, "the window refilled")
@@ -676,3 +693,33 @@ def test_a_cancel_stops_a_validation_between_lines(batch_client, make_key, tenan
     assert wait_status(batch_client, key, batch["id"], "cancelled")
     assert max(lines_seen) == 2            # the line after the cancel was not checked
     assert batch_jobs(db_sessionmaker, batch["id"]) == []
+
+
+def test_lines_about_one_document_wait_on_one_shard(make_client, make_key, tenant, db_sessionmaker, redis_client,
+                                                    settings, tmp_path):
+    """Affinity (rein.jobs.affinity): each document's questions get one batch queue shard, found
+    past the system prompt every line shares, and their messages wait on that shard's list;
+    the documents spread over several shards."""
+    import random
+
+    client = make_client(files_dir=str(tmp_path / "files"), batch_queue_window=64, **FAST)
+    key = make_key(tenant, "batch")
+    words = random.Random(7).choices(["alpha", "beta", "gamma", "delta", "kappa", "sigma", "omega", "theta"], k=600)
+    system = "Answer the question about the document below in one word. " * 6
+    documents = [" ".join(words[i * 100:(i + 1) * 100]) for i in range(6)]
+    questions = ["Who?", "What is it about?", "When?", "Where does it happen?"]
+    lines = [line(f"d{d}q{q}", f"{system}\n{document}\nQuestion: {question}")
+             for q, question in enumerate(questions) for d, document in enumerate(documents)]
+    batch = create(client, key, jsonl(*lines))
+    wait_status(client, key, batch["id"], "in_progress")
+    wait_for(lambda: all(j.sent_at for j in batch_jobs(db_sessionmaker, batch["id"])), 10, "every line sent")
+    jobs = batch_jobs(db_sessionmaker, batch["id"])
+    shards = {}
+    for job in jobs:
+        shards.setdefault(job.custom_id.split("q")[0], set()).add(job.shard)
+    assert all(len(s) == 1 for s in shards.values()), shards
+    assert len({s for (s,) in shards.values()}) >= 2, shards
+    assert all(0 <= job.shard < BATCH_SHARDS for job in jobs)
+    for job in jobs:
+        (waiting_on,) = priority_lists(settings, "tiny", PRIORITY_BATCH, shard=job.shard)
+        assert job.id in queued_job_ids(redis_client, waiting_on)
