@@ -9,7 +9,13 @@ import random
 import pytest
 
 from rein.jobs import affinity
-from rein.jobs.affinity import BATCH_SHARDS, PrefixGroups, shard_of_prefix, shard_order, shard_owners
+from rein.jobs.affinity import (
+    BATCH_SHARDS,
+    PrefixGroups,
+    shard_of_prefix,
+    shard_order,
+    shard_owners,
+)
 
 
 def documents_with_questions(documents: int, questions: int, system: int = 0, doc_tokens: int = 1000,
