@@ -43,6 +43,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     # SQLAlchemy loads when the API starts, not with every command.
     from rein.store.db import StoreError, check_migrations_current, make_engine
+    from rein.store.s3 import BucketUnusableError, check_files_url
 
     flags = (("api_host", args.host), ("api_port", args.port), ("api_workers", args.workers),
              ("api_root_path", args.root_path), ("forwarded_allow_ips", args.forwarded_allow_ips),
@@ -57,7 +58,10 @@ def run(args: argparse.Namespace) -> int:
             check_migrations_current(engine)
         finally:
             engine.dispose()
-    except (SettingsError, StoreError) as exc:
+        # Here too (the app checks again in each process): a refusal in one line, not under
+        # uvicorn's traceback.
+        check_files_url(settings, log_refusal=False)
+    except (SettingsError, StoreError, BucketUnusableError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -322,7 +322,7 @@ def check_bucket(url: str, client: Any = None) -> None:
         raise BucketUnusableError(" ".join(line.split())) from None    # one line, whatever S3 said
 
 
-def check_files_url(settings: Settings) -> None:
+def check_files_url(settings: Settings, log_refusal: bool = True) -> None:
     """At an API's startup: BucketUnusableError when REIN_FILES_URL names an S3 bucket that
     cannot be used (nothing to check for a local directory, created at the first write).
     Better refused at once, with what to change, than every upload and batch failing later."""
@@ -330,5 +330,6 @@ def check_files_url(settings: Settings) -> None:
         try:
             check_bucket(settings.files_url)
         except BucketUnusableError as exc:
-            log.error("%s", exc)    # the one line to read, before the server's traceback
+            if log_refusal:
+                log.error("%s", exc)    # the one line to read, before the server's traceback
             raise

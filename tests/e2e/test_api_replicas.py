@@ -161,6 +161,7 @@ def test_a_replica_refuses_a_missing_bucket(replicas: Replicas) -> None:
     code = replicas.refused.wait(STARTUP_TIMEOUT)
     log = (replicas.service.logs / "api-missing.log").read_text(errors="replace")
     assert code != 0, log
+    assert "Traceback" not in log, log       # refused by `rein api` itself, before uvicorn starts
     # One line says it all: the bucket, the S3 error, what to do.
     assert any(f"bucket '{replicas.missing_bucket}'" in line and "NoSuchBucket" in line
                and "create the bucket" in line for line in log.splitlines()), log

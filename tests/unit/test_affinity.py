@@ -139,3 +139,20 @@ def test_kombu_lists_the_preferred_queues_first_in_brpop() -> None:
                                  "q:6", "q.batch.1:6", "q.batch.2:6", "q.batch:6")
     finally:
         affinity._preference = previous
+
+
+def test_the_live_workers_of_a_model_are_those_beating_now() -> None:
+    import json
+
+    from rein.worker.heartbeat import HEARTBEAT_SECONDS, live_workers
+
+    now = 1000.0
+    registry = {
+        b"a@h": json.dumps({"model": "m", "state": "up", "time": now - 1}),
+        b"b@h": json.dumps({"model": "m", "state": "down", "time": now - 2}),      # restarting its engine
+        b"c@h": json.dumps({"model": "m", "state": "stopped", "time": now - 1}),
+        b"d@h": json.dumps({"model": "m", "state": "up", "time": now - 3 * HEARTBEAT_SECONDS - 1}),   # lost
+        b"e@h": json.dumps({"model": "other", "state": "up", "time": now}),
+        b"f@h": b"not json",
+    }
+    assert sorted(live_workers(registry, "m", now)) == ["a@h", "b@h"]

@@ -36,7 +36,7 @@ from kombu.transport.redis import Channel
 
 from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.settings import Settings, load_settings
-from rein.jobs.queues import broker_ssl, queue_keys, queued_slots
+from rein.jobs.queues import broker_ssl, priority_lists, queued_slots
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s" / "base"
@@ -247,11 +247,16 @@ def test_the_scaled_object_scales_the_worker_on_its_models_queues(clean_env: pyt
 
     check_triggers(scaled)
     lists = {trigger["name"]: trigger["metadata"]["listName"] for trigger in scaled["spec"]["triggers"]}
-    keys = queue_keys(settings, model)
-    # What rein's broker writes: kombu's list per priority step of each queue, and its hash of
-    # taken, unacknowledged messages, all under the prefix (kombu's global_keyprefix).
-    assert lists == {"interactive": keys[PRIORITY_INTERACTIVE], "batch": keys[PRIORITY_BATCH],
+    # What rein's broker writes: kombu's list per priority step of each queue (the batch queue's
+    # shards each), and its hash of taken, unacknowledged messages, all under the prefix
+    # (kombu's global_keyprefix).
+    (interactive,) = priority_lists(settings, model, PRIORITY_INTERACTIVE)
+    batch = {f"batch{shard}": key for shard, key in enumerate(priority_lists(settings, model, PRIORITY_BATCH))}
+    assert lists == {"interactive": interactive, **batch,
                      "in_flight": settings.redis_key_prefix + Channel.unacked_key}
+    # Replicas follow the sum of them all.
+    terms = scaled["spec"]["advanced"]["scalingModifiers"]["formula"].split(" + ")
+    assert sorted(terms) == sorted(lists)
     database = int(urlparse(settings.redis_url).path.lstrip("/") or 0)
     assert {t["metadata"]["databaseIndex"] for t in scaled["spec"]["triggers"]} == {str(database)}
 
