@@ -12,9 +12,12 @@
 #    dockerd that lost its images imports it again in seconds instead of re-running debootstrap.
 # 3. A wheelhouse for python 3.11 on linux x86_64, made with the host's pip (torch: the local
 #    CPU wheel this machine's pip finds; never a CUDA build), cached by a hash of what it holds,
-#    linked into deploy/wheelhouse/ for the build and removed from there at the end.
+#    linked into deploy/wheelhouse/ for the build and removed from there at the end. The same
+#    for deploy/images/s3 (moto's S3 server, its requirements.txt): its own small wheelhouse,
+#    linked into deploy/images/s3/wheelhouse/, and rein-local/s3:latest built from it.
 # 4. tests/deploy/test_compose_stack.py (pytest): builds rein's image with PIP_NO_INDEX=1, brings the
-#    CPU default up, asks SmolLM2, runs a batch across a worker restart, and tears down (-v).
+#    CPU default up, asks SmolLM2, runs a batch across a worker restart, then adds
+#    compose.s3.yaml (batch files in the s3 service) and runs a short batch, and tears down (-v).
 #
 # Cache: REIN_DEPLOY_CACHE (default ~/.cache/rein/docker); the services' logs of the last run
 # are left there in compose-test.log. Timings of each step are printed.
@@ -26,6 +29,7 @@ CACHE=${REIN_DEPLOY_CACHE:-$HOME/.cache/rein/docker}
 BASE_IMAGE=rein-base/debian:bookworm
 POSTGRES_IMAGE=rein-local/postgres:15
 REDIS_IMAGE=rein-local/redis:7
+S3_IMAGE=rein-local/s3:latest
 # Everything the images need from Debian: rein's (python3 with venv, a C compiler for its CPU
 # kernels), Postgres' and Redis'.
 BASE_PACKAGES=python3,python3-venv,gcc,libc6-dev,postgresql,redis-server
@@ -74,10 +78,10 @@ if ! docker info > /dev/null 2>&1; then
 fi
 took "docker ready (${COMPOSE}, server $(docker version -f '{{.Server.Version}}'))" "$t"
 
-ADDED_WHEELS=()
+ADDED_WHEELS=()     # paths under the repository, removed at the end
 cleanup() {
     local rc=$?
-    for name in "${ADDED_WHEELS[@]}"; do rm -f "deploy/wheelhouse/$name"; done
+    for path in "${ADDED_WHEELS[@]}"; do rm -f "$path"; done
     if [ -n "$DOCKERD_PID" ]; then
         log "stopping the dockerd this script started (pid $DOCKERD_PID)"
         as_root kill "$DOCKERD_PID" 2> /dev/null || true
@@ -206,9 +210,36 @@ for wheel in "$WHEELHOUSE"/*.whl; do
     name=$(basename "$wheel")
     [ -e "deploy/wheelhouse/$name" ] && continue
     ln "$wheel" "deploy/wheelhouse/$name" 2> /dev/null || cp "$wheel" "deploy/wheelhouse/$name"
-    ADDED_WHEELS+=("$name")
+    ADDED_WHEELS+=("deploy/wheelhouse/$name")
 done
 took "wheelhouse ($(ls "$WHEELHOUSE"/*.whl | wc -l) wheels, $(du -sh "$WHEELHOUSE" | cut -f 1))" "$t"
+
+# The s3 image's (deploy/images/s3/requirements.txt: moto's S3 server), cached apart: a change
+# to rein's requirements does not rebuild it, nor the image.
+t=$SECONDS
+s3_key=$(cat deploy/images/s3/requirements.txt <(echo "$image_python") | sha256sum | cut -c 1-12)
+S3_WHEELHOUSE=$CACHE/s3-wheelhouse-$s3_key
+if [ ! -f "$S3_WHEELHOUSE/.complete" ]; then
+    log "making the s3 image's wheelhouse $S3_WHEELHOUSE"
+    rm -rf "$S3_WHEELHOUSE"; mkdir -p "$S3_WHEELHOUSE"
+    if ! "$WHEEL_PY" -m pip wheel --quiet -w "$S3_WHEELHOUSE" -r deploy/images/s3/requirements.txt \
+            > "$CACHE/pip-wheel-s3.log" 2>&1; then
+        tail -n 20 "$CACHE/pip-wheel-s3.log"; exit 1
+    fi
+    touch "$S3_WHEELHOUSE/.complete"
+    find "$CACHE" -maxdepth 1 -name 's3-wheelhouse-*' ! -name "s3-wheelhouse-$s3_key" -exec rm -rf {} +
+fi
+for wheel in "$S3_WHEELHOUSE"/*.whl; do
+    name=$(basename "$wheel")
+    [ -e "deploy/images/s3/wheelhouse/$name" ] && continue
+    ln "$wheel" "deploy/images/s3/wheelhouse/$name" 2> /dev/null || cp "$wheel" "deploy/images/s3/wheelhouse/$name"
+    ADDED_WHEELS+=("deploy/images/s3/wheelhouse/$name")
+done
+if ! out=$(docker build -t "$S3_IMAGE" --build-arg BASE_IMAGE="$BASE_IMAGE" --build-arg PIP_NO_INDEX=1 \
+        deploy/images/s3 2>&1); then
+    echo "$out" | tail -n 30; exit 1
+fi
+took "s3 image $S3_IMAGE ($(ls "$S3_WHEELHOUSE"/*.whl | wc -l) wheels)" "$t"
 
 # -- 4. the compose test ---------------------------------------------------------------------
 
@@ -228,7 +259,7 @@ done
 took "build stages deps, models" "$t"
 t=$SECONDS
 REIN_DEPLOY_TEST=1 REIN_DEPLOY_LOGS="$CACHE/compose-test.log" REIN_COMPOSE="$COMPOSE" BASE_IMAGE="$BASE_IMAGE" POSTGRES_IMAGE="$POSTGRES_IMAGE" \
-    REDIS_IMAGE="$REDIS_IMAGE" PIP_NO_INDEX=1 \
+    REDIS_IMAGE="$REDIS_IMAGE" S3_IMAGE="$S3_IMAGE" PIP_NO_INDEX=1 \
     "$VENV/bin/pytest" -q -s -p no:cacheprovider tests/deploy/test_compose_stack.py
 took "compose test" "$t"
 # Earlier builds of the test image and its stages, untagged now: their layers are freed

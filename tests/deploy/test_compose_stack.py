@@ -1,9 +1,10 @@
-"""compose.yaml's CPU default, for real: built, started, asked, restarted mid-batch, torn down.
+"""compose.yaml's CPU default, for real: built, started, asked, restarted mid-batch, then
+with compose.s3.yaml's object storage, torn down.
 
 Run by tests/deploy/run.sh (`make test-deploy`), which makes the local base images and the
 wheelhouse and passes, in the environment, REIN_COMPOSE (`docker compose` or
-`docker-compose`), BASE_IMAGE, POSTGRES_IMAGE, REDIS_IMAGE and PIP_NO_INDEX=1: the image is
-built with no index and no registry. The stack runs as its own compose project
+`docker-compose`), BASE_IMAGE, POSTGRES_IMAGE, REDIS_IMAGE, S3_IMAGE (deploy/images/s3, moto's
+S3 server) and PIP_NO_INDEX=1: the image is built with no index and no registry. The stack runs as its own compose project
 (REIN_DEPLOY_PROJECT, default rein-deploy-test) with its own image tag and the API on
 127.0.0.1 at a free port, so it collides with nothing on the host (whose own Postgres and
 Redis hold 5432 and 6379), and random Postgres and Redis passwords. Leftovers of an
@@ -17,6 +18,9 @@ through Files and Batches completes every line although the worker is restarted 
 And the hardening, as Docker applied it: every container without capabilities (but the few
 Postgres and Redis may add back), with no-new-privileges and a memory limit; Redis refuses a
 client without the password; the containers' memory in use after the batch is printed.
+Last, compose.s3.yaml is added to the running stack (only the API is recreated, and the s3
+server and its one-shot bucket maker start): a file uploaded and a short batch's output land in
+the s3 service's bucket, listed there with boto3, and not in the API's local volume.
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import shlex
 import socket
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -60,9 +64,12 @@ class Stack:
     env: dict[str, str]
     port: int
     key: str = ""
+    # The compose files every command names: compose.s3.yaml is added by the S3 test, so that
+    # the logs and `down -v` at the end cover its services too.
+    files: list[Path] = field(default_factory=lambda: [ROOT / "compose.yaml"])
 
     def compose(self, *args: str, timeout: float = 900, check: bool = True) -> subprocess.CompletedProcess:
-        command = [*COMPOSE, "-p", PROJECT, "-f", str(ROOT / "compose.yaml"), *args]
+        command = [*COMPOSE, "-p", PROJECT, *(a for f in self.files for a in ("-f", str(f))), *args]
         result = subprocess.run(command, cwd=ROOT, env=self.env, capture_output=True, text=True, timeout=timeout)
         if check and result.returncode != 0:
             raise AssertionError(f"{shlex.join(command)} exited {result.returncode}:\n"
@@ -245,3 +252,68 @@ def test_redis_refuses_a_client_without_the_password(stack: Stack) -> None:
     assert "NOAUTH" in anonymous.stdout + anonymous.stderr, anonymous
     authenticated = stack.compose("exec", "-T", "redis", "redis-cli", "ping")
     assert "PONG" in authenticated.stdout
+
+
+# Lists the bucket from inside the s3 container, at moto's own port: what the server holds,
+# whatever the API believes it wrote.
+LIST_BUCKET = """
+import json, sys, boto3
+s3 = boto3.client("s3", endpoint_url="http://127.0.0.1:9000", region_name="us-east-1",
+                  aws_access_key_id=sys.argv[1], aws_secret_access_key=sys.argv[2])
+page = s3.list_objects_v2(Bucket=sys.argv[3])
+print(json.dumps({o["Key"]: o["Size"] for o in page.get("Contents", [])}))
+"""
+S3_LINES = 4
+
+
+def test_batch_files_in_the_s3_service(stack: Stack) -> None:
+    """compose.s3.yaml over the running stack: the API's files go to the s3 service's bucket,
+    which the one-shot s3-bucket made before the API (which refuses a missing bucket) started."""
+    stack.files.append(ROOT / "compose.s3.yaml")
+    stack.env.update(S3_ACCESS_KEY=secrets.token_hex(8), S3_SECRET_KEY=secrets.token_hex(16),
+                     S3_BUCKET="rein-deploy-test")
+    started = time.monotonic()
+    stack.compose("up", "-d", "--no-build")
+    wait_healthy(stack, ("api", "worker"), HEALTHY_TIMEOUT)
+    made = stack.state("s3-bucket")
+    assert made.get("Status") == "exited" and made.get("ExitCode") == 0, made
+    say(f"compose.s3.yaml added, api healthy again in {time.monotonic() - started:.1f} s: "
+        f"{stack.compose('logs', '--no-color', 's3-bucket').stdout.strip().splitlines()[-1]}")
+    for service in ("s3", "s3-bucket"):
+        host = json.loads(subprocess.run(["docker", "inspect", "-f", "{{json .HostConfig}}", stack.container(service)],
+                                         capture_output=True, text=True, check=True).stdout)
+        assert [c.upper() for c in host.get("CapDrop") or []] in (["ALL"], ["CAP_ALL"]), (service, host)
+        assert "no-new-privileges:true" in (host.get("SecurityOpt") or []) and host.get("Memory", 0) > 0, service
+
+    lines = [{"custom_id": f"s3-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "temperature": 0, "max_tokens": 16,
+                       "messages": [{"role": "user", "content": f"What is the capital of {country}?"}]}}
+             for i, country in enumerate(COUNTRIES[:S3_LINES])]
+    content = ("\n".join(json.dumps(line) for line in lines) + "\n").encode()
+    with stack.client() as client:
+        started = time.monotonic()
+        uploaded = client.files.create(file=("s3.jsonl", content), purpose="batch")
+        batch = client.batches.create(input_file_id=uploaded.id, endpoint="/v1/chat/completions",
+                                      completion_window="24h")
+        while batch.status not in ("completed", "failed", "expired", "cancelled"):
+            assert time.monotonic() - started < BATCH_TIMEOUT, f"batch still {batch.status}: {batch.request_counts}"
+            time.sleep(1)
+            batch = client.batches.retrieve(batch.id)
+        say(f"batch on S3 {batch.status} in {time.monotonic() - started:.1f} s: {batch.request_counts}")
+        assert batch.status == "completed", batch
+        assert batch.request_counts.completed == S3_LINES and batch.request_counts.failed == 0
+        output = client.files.content(batch.output_file_id).content
+        assert client.files.content(uploaded.id).content == content
+    assert sorted(json.loads(line)["custom_id"] for line in output.decode().splitlines()) == \
+        [line["custom_id"] for line in lines]
+
+    listed = stack.compose("exec", "-T", "s3", "python3", "-c", LIST_BUCKET, stack.env["S3_ACCESS_KEY"],
+                           stack.env["S3_SECRET_KEY"], stack.env["S3_BUCKET"])
+    objects = json.loads(listed.stdout.strip().splitlines()[-1])
+    say(f"bucket {stack.env['S3_BUCKET']} holds {len(objects)} objects: {objects}")
+    assert objects.get(f"files/{uploaded.id}") == len(content), objects
+    assert objects.get(f"files/{batch.output_file_id}") == len(output), objects
+    # ...and the API's local volume (mounted still, unused) got neither.
+    local = stack.compose("exec", "-T", "api", "find", "/data/files", "-name", f"*{uploaded.id}*",
+                          "-o", "-name", f"*{batch.output_file_id}*")
+    assert local.stdout.strip() == "", local.stdout
