@@ -560,6 +560,12 @@ class Fleet:
                     time.sleep(0.25)
         finally:
             client.close()
+        if len(self.workers) > 1:
+            # Each worker reads who else beats at its own next beat, and splits the batch queue's
+            # shards with them then (rein.jobs.affinity): a beat more, and every worker has.
+            from rein.worker.heartbeat import HEARTBEAT_SECONDS
+
+            time.sleep(HEARTBEAT_SECONDS + 1)
 
     def stop(self) -> None:
         self.service.stop()

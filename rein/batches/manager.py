@@ -32,11 +32,10 @@ replica is handling is skipped, not waited for), does the next step in one trans
   it is in their prefix cache, or in the file's order (`file`). Each line waits on the batch
   queue shard of its prefix (REIN_BATCH_AFFINITY, rein.jobs.affinity: the lines about one
   document on one shard, which one worker takes first), chosen across the whole file while it
-  is checked; the window is split between the shards the batch has lines left on. A tenant whose batch lines sent
-  and not finished hold REIN_MAX_QUEUED_BATCH_TOKENS_PER_TENANT tokens (prompt + n x max_tokens
-  each) is sent no more until some finish; its lines wait, and the other tenants' batches share
-  the room. A message
-  is sent before its `sent_at` commits: after a crash in between it is sent again, which
+  is checked; the window is split between the shards the batch has lines left on. A tenant
+  whose batch lines sent and not finished hold REIN_MAX_QUEUED_BATCH_TOKENS_PER_TENANT tokens
+  (prompt + n x max_tokens each) is sent no more until some finish; its lines wait, and the
+  other tenants' batches share the room. A message is sent before its `sent_at` commits: after a crash in between it is sent again, which
   the worker's claim lease makes harmless (the second delivery finds the job taken or
   finished). When no job is queued or running: `finalizing`.
 * Expiry: past `expires_at`, the queued jobs are cancelled and the running ones aborted
@@ -205,10 +204,11 @@ class BatchManager:
 
         Validations run on their own threads (`_validator`), each tenant's share at a time, so a
         large or slow file never holds up feeding and finishing the others. Batch lines are fed to
-        each model's queue in shares: the room on the queue is split evenly between the batch
-        shards with lines left (rein.jobs.affinity), then each shard's between the tenants with
-        running batches, then between each tenant's batches (`feeding_shares`), and the batches
-        are visited round-robin across tenants.
+        each model's queue in shares: the room on the queue is split evenly between the
+        tenants with running batches, then between each tenant's batches (`feeding_shares`),
+        then each batch's share between the batch queue shards it has lines on
+        (`_next_lines`, rein.jobs.affinity), and the batches are visited round-robin across
+        tenants.
         """
         with self.sessions() as session:
             rows = session.execute(select(Batch.id, Batch.status, Batch.tenant, Batch.model)
@@ -280,8 +280,8 @@ class BatchManager:
     def advance(self, batch_id: str, shares: dict[str, Share] | None = None) -> None:
         """Do the batch's next step, unless another manager holds it right now.
 
-        `shares`: how many lines each batch may send now, to each shard (see `tick`); without
-        it, a batch may fill whatever room its model's queue has.
+        `shares`: how many lines each batch may send now (see `tick`); without it, a batch
+        may fill whatever room its model's queue has.
         """
         try:
             self._advance(batch_id, shares)

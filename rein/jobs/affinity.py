@@ -31,13 +31,14 @@ from __future__ import annotations
 import hashlib
 import math
 from array import array
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Sequence
 
 BATCH_SHARDS = 8
 MIN_PREFIX_TOKENS = 32
 MAX_PREFIX_TOKENS = 32768
 MIN_GROUP = 8
-FEED_KEY_TOKENS = 128
+FEED_KEY_TOKENS = 128     # prompt tokens the batch prefix order looks at (rein.batches.batch_jobs.feed_key)
 
 
 def prefix_lengths(prompt_length: int) -> list[int]:
@@ -100,8 +101,6 @@ class PrefixGroups:
         return max(MIN_GROUP, math.ceil(self._lines / BATCH_SHARDS))
 
     def _count(self, value: int) -> int:
-        from bisect import bisect_left, bisect_right
-
         assert self._sorted is not None
         return bisect_right(self._sorted, value) - bisect_left(self._sorted, value)
 

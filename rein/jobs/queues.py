@@ -23,11 +23,11 @@ Why each setting:
   rein.worker.bootstep.EngineThreadPool).
 * Two queues per served model, chosen by a router from the message's `model` and
   `priority`: interactive jobs (priority below PRIORITY_BATCH) on `RedisKeys.queue`, batch
-  jobs on `RedisKeys.batch_queue`, itself BATCH_SHARDS queues by the message's `shard`, a hash
-  of its prompt's prefix (rein.jobs.affinity: a worker takes its own shards first, so batch
-  lines sharing a document meet on one worker). Redis priorities with ten steps, where lower is taken
-  first (kombu pops the step-0 lists of every queue a channel consumes before any step-6
-  one), so interactive jobs (PRIORITY_INTERACTIVE = 0) overtake waiting batch jobs
+  jobs on `RedisKeys.batch_queue`, itself BATCH_SHARDS queues by the message's `shard`, a
+  hash of its prompt's prefix (rein.jobs.affinity: a worker takes its own shards first, so
+  batch lines sharing a document meet on one worker). Redis priorities with ten steps, where
+  lower is taken first (kombu pops the step-0 lists of every queue a channel consumes before
+  any step-6 one), so interactive jobs (PRIORITY_INTERACTIVE = 0) overtake waiting batch jobs
   (PRIORITY_BATCH = 6). A worker consumes both with its max_num_seqs slots and the
   interactive queue alone with `interactive_slots` more (rein.worker.bootstep.
   InteractiveConsumer): batch jobs can never hold every slot, so an interactive job is

@@ -66,7 +66,7 @@ class JobMessage:
                    prompt_token_ids=list(job.prompt_token_ids), sampling=job.params["sampling"],
                    priority=job.priority, logprobs_mode=job.params.get("logprobs_mode"),
                    tenant=job.tenant, key_id=job.key_id, shape=job.params.get("shape"),
-                   input_lengths=job.params.get("input_lengths"), shard=job.shard)
+                   input_lengths=job.params.get("input_lengths"), shard=getattr(job, "shard", 0))
 
 
 @dataclass

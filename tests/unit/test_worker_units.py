@@ -10,6 +10,7 @@ import pytest
 
 from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
 from rein.core.settings import Settings
+from rein.jobs.affinity import BATCH_SHARDS
 from rein.jobs.queues import PRIORITY_STEPS, TASK_NAME, JobRouter, make_celery, queue_keys
 from rein.openai.response import usage_body
 from rein.store.messages import (
@@ -81,7 +82,8 @@ def test_visibility_timeout_outlasts_the_job_and_leases_are_short(app, settings)
 
 def test_interactive_outranks_batch_on_redis(app):
     options = app.conf.broker_transport_options
-    assert options["queue_order_strategy"] == "priority"
+    # kombu's queue order: the worker's preference, never rotated (tests/unit/test_affinity.py).
+    assert options["queue_order_strategy"] == "rein.jobs.affinity:AffinityCycle"
     steps = options["priority_steps"]
     assert steps == PRIORITY_STEPS
     # Redis transport: lower is served first; both priorities must land on distinct steps.
@@ -98,7 +100,14 @@ def test_jobs_route_to_their_model_queue(app, settings):
     with pytest.raises(ValueError, match="model"):
         JobRouter(RedisKeys("x"))(TASK_NAME, ({"job_id": "j"},), {}, {})
     assert queue_keys(settings, "qwen")[:2] == ["unit:unit.model.qwen", "unit:unit.model.qwen:1"]
-    assert len(queue_keys(settings, "qwen")) == len(PRIORITY_STEPS)
+    # Every priority step of the interactive queue, then the batch steps of each batch shard.
+    interactive, batch = PRIORITY_BATCH, len(PRIORITY_STEPS) - PRIORITY_BATCH
+    assert len(queue_keys(settings, "qwen")) == interactive + batch * BATCH_SHARDS
+    # A batch job goes to its shard's queue (rein.jobs.affinity); shard 0 keeps the plain name.
+    for shard, name in [(0, "unit.model.qwen.batch"), (3, "unit.model.qwen.batch.3")]:
+        message = JobMessage("job_2", "qwen", "/v1/completions", [1], {}, priority=PRIORITY_BATCH,
+                             shard=shard).to_dict()
+        assert app.amqp.router.route({}, TASK_NAME, args=(message,), kwargs={})["queue"].name == name
 
 
 def test_job_task_is_registered_late_acked(app):
