@@ -1,0 +1,24 @@
+"""LoRA adapters served beside their base model (issue 44).
+
+The pieces, and who uses them:
+
+* `LoRARequest` (request.py): which adapter a request runs under, vLLM's shape
+  (lora_name, lora_int_id, lora_path). The engine's requests carry one or None (the base).
+* `load_peft_adapter` (adapters.py): an adapter directory as PEFT saves it
+  (adapter_config.json + adapter_model.safetensors) read, checked against the base model and
+  turned into `LoRAWeights`: per layer and per rein module (the fused qkv_proj and gate_up_proj
+  included: a PEFT q_proj is a slice of rein's qkv_proj), the A [r, in] and B [out, r] matrices
+  with the scaling folded into B (lora_alpha / r, rsLoRA's lora_alpha / sqrt(r), and
+  rank_pattern / alpha_pattern per module). Anything wrong raises `AdapterError`, whose message
+  says what and what to change.
+* `LoRAModel` (layers.py): the model side. `enable_lora(model, max_loras, max_rank)` gives a
+  loaded rein model `max_loras` device slots; `activate(slot, weights)` copies an adapter into
+  a slot, `deactivate(slot)` empties it; `with lora_model.step(token_slots):` runs a forward in
+  which token t gets its slot's products added (token_slots[t] = -1: the base alone). The
+  products are grouped by adapter (one pair of matmuls per adapter in the step, on the rows
+  of its tokens).
+"""
+
+from rein.model.lora.request import LoRARequest
+
+__all__ = ["LoRARequest"]
