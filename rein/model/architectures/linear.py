@@ -27,6 +27,8 @@ keeps `F.linear`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -77,8 +79,15 @@ class Linear(nn.Linear):
     set, the float `weight` then an empty stand-in: rein.model.architectures.weights)."""
 
     quantized: QuantizedWeight | CpuPanels | None = None
+    # Set by rein.model.lora.layers on the projections an active LoRA adapter targets: called
+    # with (x, out), it adds the step's adapter products into out (None: no LoRA, no cost).
+    lora: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:
-            return quantized_linear(x, self.quantized, self.bias)
-        return linear(x, self.weight, self.bias)
+            out = quantized_linear(x, self.quantized, self.bias)
+        else:
+            out = linear(x, self.weight, self.bias)
+        if self.lora is not None:
+            return self.lora(x, out)
+        return out

@@ -19,6 +19,27 @@ The pieces, and who uses them:
   of its tokens).
 """
 
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
 from rein.model.lora.request import LoRARequest
 
-__all__ = ["LoRARequest"]
+# The torch-side names load on first use, so that importing LoRARequest stays light.
+_LAZY = {
+    "AdapterError": "rein.model.lora.adapters",
+    "LoRATarget": "rein.model.lora.adapters",
+    "LoRAWeights": "rein.model.lora.adapters",
+    "load_peft_adapter": "rein.model.lora.adapters",
+    "LoRAModel": "rein.model.lora.layers",
+    "enable_lora": "rein.model.lora.layers",
+}
+
+__all__ = ["LoRARequest", *_LAZY]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(import_module(_LAZY[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
