@@ -24,6 +24,7 @@ _EXPORTS = {
     "RequestOutput": ("rein.offline.llm_outputs", "GenerationOutput"),
     "CompletionOutput": ("rein.offline.llm_outputs", "CompletionOutput"),
     "Logprob": ("rein.offline.llm_outputs", "Logprob"),
+    "LoRARequest": ("rein.model.lora.request", "LoRARequest"),
 }
 
 __all__ = ["__version__", *sorted(_EXPORTS)]

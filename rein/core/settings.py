@@ -275,6 +275,14 @@ class Settings(BaseSettings):
     stays near idle; the batch requests left out pause for that step; unset: no such limit."""
     max_model_len: int | None = Field(None, ge=1)
     """Context length (prompt + completion); unset: the model's. A REIN_MODELS entry's @N wins for its model."""
+    enable_lora: bool = False
+    """Serve LoRA adapters beside the base model (rein.LLM's lora_request; issue 44)."""
+    max_loras: int = Field(8, ge=1)
+    """With enable_lora: the most adapters one engine step runs (device slots)."""
+    max_cpu_loras: int | None = Field(None, ge=1)
+    """With enable_lora: loaded adapters kept in host memory for later requests; unset: max_loras."""
+    max_lora_rank: int = Field(16, ge=1, le=256)
+    """With enable_lora: the largest adapter rank accepted (the device slots are this wide)."""
     kv_cache_memory: str | None = None
     """Bytes for the KV cache, e.g. 4GiB; unset: REIN_GPU_MEMORY_UTILIZATION on CUDA (1 GiB on CPU)."""
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
@@ -421,7 +429,7 @@ ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "interactive_step_bud
                  "kv_cache_memory", "gpu_memory_utilization", "device", "dtype", "kv_cache_dtype", "block_size",
                  "enforce_eager", "enable_prefix_caching", "seed", "generation_config", "model_impl", "tokenizer",
                  "revision", "tokenizer_revision", "chat_template", "trust_remote_code", "tensor_parallel_size",
-                 "quantization")
+                 "quantization", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank")
 
 
 class _EngineSettingsBase(BaseSettings):

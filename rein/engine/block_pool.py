@@ -17,6 +17,10 @@ but counts as free: the pool hands free blocks out least recently freed first, a
 cached block handed out is dropped from the cache then. Each hand-out also bumps the
 block's generation, so keys that named its old contents can no longer be reached.
 
+LoRA adapters: K and V computed under an adapter differ from the base model's for the same
+tokens, so each adapter's chains start from a root of their own (`prefix_root`): a prefix
+computed under one adapter is found only by requests of that adapter.
+
 `on_uncache`, when set, hears of every block that leaves the prefix cache (handed out
 again, or forgotten by `reset_cache`): the windowed layers' storage
 (rein.engine.window_blocks) keeps data for cached blocks and must drop it then.
@@ -29,6 +33,12 @@ from collections.abc import Callable, Sequence
 
 # The predecessor of a request's first block: no block, generation 0.
 ROOT: tuple[int, int] = (-1, 0)
+
+
+def prefix_root(lora_int_id: int = 0) -> tuple[int, int]:
+    """The predecessor of the first block of a request under LoRA adapter `lora_int_id` (0: the
+    base model, ROOT): no block id is negative, so the roots of different adapters never meet."""
+    return ROOT if lora_int_id == 0 else (-1 - lora_int_id, 0)
 
 BlockKey = tuple[int, int, tuple[int, ...]]
 
@@ -126,13 +136,14 @@ class BlockPool:
 
     # -- prefix caching ----------------------------------------------------------------------
 
-    def find_prefix(self, tokens: Sequence[int], max_blocks: int) -> list[int]:
+    def find_prefix(self, tokens: Sequence[int], max_blocks: int, root: tuple[int, int] = ROOT) -> list[int]:
         """The cached blocks holding tokens[0 : n * block_size] for the largest n <= max_blocks
-        (a chain from the first block; empty when caching is off). Takes nothing: `share` them."""
+        (a chain from the first block, whose predecessor is `root`: `prefix_root` of the request's
+        adapter; empty when caching is off). Takes nothing: `share` them."""
         if not self.enable_caching or not self._cached:
             return []
         size, cached, generations = self.block_size, self._cached, self._generations
-        parent, found = ROOT, []
+        parent, found = root, []
         for i in range(max_blocks):
             block = cached.get((*parent, tuple(tokens[i * size:(i + 1) * size])))
             if block is None:
@@ -146,8 +157,8 @@ class BlockPool:
         return sum(1 for block in blocks if self._ref_counts[block] == 0)
 
     def cache_block(self, block: int, parent: tuple[int, int], tokens: Sequence[int]) -> tuple[int, int]:
-        """Register a full block of `tokens` whose predecessor is `parent` (ROOT for a first
-        block); returns the (block, generation) to pass as the next block's parent. When the
+        """Register a full block of `tokens` whose predecessor is `parent` (the request's root,
+        `prefix_root`, for a first block); returns the (block, generation) to pass as the next block's parent. When the
         same prefix is cached already (another request computed it at the same time), that
         block stays the cached one and its link is returned, so the chain continues."""
         key = (*parent, tuple(tokens))

@@ -16,6 +16,8 @@ from rein.engine.options import DTYPES, KV_CACHE_DTYPES, check_tensor_parallel_s
 from rein.model.implementation_names import check_model_impl
 from rein.model.quant.names import check_quantization
 
+MAX_LORA_RANK = 256
+
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,
           "gib": 1024**3, "tib": 1024**4}
@@ -77,6 +79,11 @@ class EngineConfig:
     chunks their length), so that interactive requests' steps cost near what they cost idle; the
     batch requests left out pause (keeping their KV blocks), and batch prefill chunks stay held
     for a while after (rein.engine.scheduler). None: no such limit.
+    enable_lora, max_loras, max_cpu_loras, max_lora_rank (vLLM's names): serve LoRA adapters beside
+    the base model (rein.model.lora; requests carry a LoRARequest). At most `max_loras` distinct
+    adapters run in one step (the device slots; requests of other adapters wait), `max_cpu_loras`
+    (None: max_loras) loaded adapters are kept in host memory for later requests, and adapters of
+    rank above `max_lora_rank` are refused. Single rank only for now.
     """
 
     model: str
@@ -102,6 +109,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     quantization: str = "auto"
     interactive_step_budget: int | None = None
+    enable_lora: bool = False
+    max_loras: int = 8
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         check_generation_config(self.generation_config)   # a ValueError naming the choices
@@ -134,6 +145,24 @@ class EngineConfig:
             raise ValueError(f"interactive_step_budget must be at least 0, got {self.interactive_step_budget}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras must be at least 1, got {self.max_loras}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
+        if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
+            raise ValueError(f"max_lora_rank must be between 1 and {MAX_LORA_RANK}, got {self.max_lora_rank}")
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(f"enable_lora is not supported with tensor_parallel_size > 1 yet (got "
+                             f"{self.tensor_parallel_size}): serve LoRA adapters on one rank "
+                             f"(tensor_parallel_size=1)")
+
+    @property
+    def cpu_lora_capacity(self) -> int:
+        """Loaded adapters kept in host memory (max_cpu_loras, by default max_loras)."""
+        return self.max_cpu_loras if self.max_cpu_loras is not None else self.max_loras
 
     @property
     def torch_device(self) -> torch.device:

@@ -15,6 +15,12 @@ first token from the same logits row, each with its own generator (seed + index)
 output names its choice (`index`); `finish_reason` ends that choice and `finished` only the
 last one to end. `self.requests` maps a request id to its choice 0, whose `group` lists all
 choices.
+
+LoRA (EngineConfig.enable_lora): a request may name an adapter (`lora_request`). `add_request`
+loads it (from the runner's host cache, rein.engine.lora_slots) and the request holds the
+weights; a bad adapter, or an adapter on an engine without enable_lora, is that request's error
+(EngineRequestError, param "lora_request"), never the engine's. The scheduler keeps a step's
+adapters within max_loras; the runner puts them in the model's slots.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import logging
 import random
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -45,6 +52,7 @@ from rein.engine.structured.decoding import StructuredDecoding
 from rein.engine.window_blocks import WindowBlocks
 from rein.model.files import resolve_model
 from rein.model.implementation import TRANSFORMERS_FAMILY, check_shardable, spec_for
+from rein.model.lora.request import LoRARequest
 from rein.model.parallel.layers import attention_heads
 from rein.model.pooling_config import PoolingParams, read_pooling_config
 from rein.model.tokenizer_files import TokenizerOptions
@@ -113,7 +121,8 @@ class LLMEngine:
         self.runner.attach(kv_cache)
         self.scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    interactive_step_budget=config.interactive_step_budget,
-                                   max_model_len=self.max_model_len)
+                                   max_model_len=self.max_model_len,
+                                   max_loras=config.max_loras if config.enable_lora else None)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (
@@ -146,9 +155,11 @@ class LLMEngine:
     # -- requests --------------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: list[int] | str,
-                    params: SamplingParams | PoolingParams | None = None, priority: int = 0) -> Request:
+                    params: SamplingParams | PoolingParams | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> Request:
         """Queue a request; raises EngineRequestError (e.g. ContextLengthExceeded) if it cannot run.
-        PoolingParams make it an embedding request (rein.engine.pooler)."""
+        PoolingParams make it an embedding request (rein.engine.pooler). `lora_request`: the
+        LoRA adapter it runs under (None: the base model); loaded now, its errors are the request's."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise EngineRequestError(f"request id {request_id!r} is already in the engine", param="request_id")
@@ -162,6 +173,9 @@ class LLMEngine:
             raise EngineRequestError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
                                      param="prompt")
         if isinstance(params, PoolingParams):
+            if lora_request is not None:
+                raise EngineRequestError("LoRA adapters run generation requests only, not embeddings",
+                                         param="lora_request")
             return add_pooling_request(self, request_id, token_ids, params, priority)
         if not self.runner.model.can_generate:
             raise EngineRequestError("this model's checkpoint has no lm_head weights: it computes embeddings "
@@ -174,12 +188,15 @@ class LLMEngine:
                 raise EngineRequestError(
                     f"logit_bias names token id {bad}, outside the vocabulary (0..{vocab - 1}): "
                     f"use token ids of this model's tokenizer", param="logit_bias")
+        lora_weights = self._load_adapter(lora_request) if lora_request is not None else None
         request = Request(
             request_id=request_id,
             prompt_token_ids=token_ids,
             sampling_params=params,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             priority=priority,
+            lora_request=lora_request,
+            lora_weights=lora_weights,
         )
         ready = params.structured is None or self.grammars.attach(request)   # raises on a bad spec
         if params.prompt_logprobs is not None:
@@ -193,6 +210,23 @@ class LLMEngine:
         if ready:
             self.scheduler.add(request)
         return request
+
+    def _load_adapter(self, lora_request: LoRARequest) -> Any:
+        """The adapter's weights (the runner's host cache, else read now); EngineRequestError when
+        this engine serves no adapters or this one cannot be loaded."""
+        if not isinstance(lora_request, LoRARequest):
+            raise EngineRequestError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}",
+                                     param="lora_request")
+        slots = self.runner.lora
+        if slots is None:
+            raise EngineRequestError(
+                f"the request asks for LoRA adapter {lora_request.lora_name!r}, but this engine was started "
+                f"without LoRA: start it with enable_lora=True (and max_loras, max_lora_rank to fit the "
+                f"adapters)", param="lora_request")
+        try:
+            return slots.load(lora_request)
+        except (ValueError, OSError) as exc:   # AdapterError is a ValueError: what is wrong and what to do
+            raise EngineRequestError(str(exc), param="lora_request") from exc
 
     def _init_choice_state(self, choice: Request) -> None:
         """Create the per-choice helpers of a new request or of a forked choice: its
@@ -383,7 +417,8 @@ class LLMEngine:
                     sampling_params=request.sampling_params, eos_token_ids=request.eos_token_ids,
                     priority=request.priority, arrival_time=request.arrival_time,
                     arrival_order=request.arrival_order, index=index, group=group,
-                    num_cached_tokens=request.num_cached_tokens)
+                    num_cached_tokens=request.num_cached_tokens, lora_request=request.lora_request,
+                    lora_weights=request.lora_weights)
                 self._init_choice_state(child)
                 if request.grammar is not None:   # before the first token: the parent's start state
                     child.grammar = request.grammar.fork()

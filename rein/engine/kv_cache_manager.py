@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
-from rein.engine.block_pool import ROOT, BlockPool
+from rein.engine.block_pool import BlockPool
 from rein.engine.request import Request
 from rein.engine.window_blocks import WindowBlocks
 
@@ -104,7 +104,8 @@ class KVCacheManager:
         n <= max_blocks whose windowed data (if any) is still there. Takes nothing."""
         if max_blocks <= 0:
             return []
-        cached = self.pool.find_prefix(request.tokens(0, max_blocks * self.block_size), max_blocks)
+        cached = self.pool.find_prefix(request.tokens(0, max_blocks * self.block_size), max_blocks,
+                                       request.cache_root)
         if cached and self.windows is not None:
             del cached[self.windows.usable_prefix(cached):]
         return cached
@@ -210,4 +211,4 @@ class KVCacheManager:
             self.pool.free(request.block_ids)
             request.block_ids = []
         request.num_registered_blocks = 0
-        request.cache_parent = ROOT
+        request.cache_parent = request.cache_root

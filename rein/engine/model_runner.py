@@ -13,6 +13,12 @@ block ids do not say: the block copies queued since the last step (the choices o
 request each need their own copy of the prompt's partly filled last block), made before the
 forward, and the windowed block map.
 
+LoRA adapters (EngineConfig.enable_lora): the runner wraps the model in the model side's
+adapter slots (rein.model.lora.layers) and keeps them with `LoRASlots` (rein.engine.lora_slots:
+the host cache of loaded adapters and which adapter sits in which slot). A step whose requests
+use adapters gets them into slots first, and its forward runs inside `LoRAModel.step` with each
+token's slot (-1 for base-model tokens).
+
 Sliding-window layers get caches of their own when the capacity arithmetic says so
 (rein.model.capacity): smaller tensors indexed by windowed blocks, which
 rein.engine.window_blocks lends to the logical blocks their windows cover. Each step then
@@ -24,12 +30,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rein.engine.config import EngineConfig
 from rein.engine.cuda_graphs import DecodeGraphs
+from rein.engine.lora_slots import LoRASlots
 from rein.engine.pooler import gather
 from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
@@ -48,6 +55,7 @@ from rein.model.spec import ModelSpec
 if TYPE_CHECKING:
     from rein.engine.kv_cache_manager import KVCacheManager
     from rein.engine.rank_processes import RankProcesses
+    from rein.model.lora.request import LoRARequest
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +95,8 @@ class StepPlan:
     # Block copies queued since the last step (n > 1 forks): every rank makes them before the forward.
     copies: list[tuple[int, int]] = field(default_factory=list)
     windowed_copies: list[tuple[int, int]] | None = None
+    # Each row's LoRA slot (-1: the base model); None when no request of the step has an adapter.
+    lora_slots: list[int] | None = None
 
 
 @dataclass
@@ -152,6 +162,10 @@ class ModelRunner:
         self._native_decode = (self.device.type == "cpu" and self.dtype == torch.float32
                                and self.cache_dtype == torch.float32 and cpu_native.library() is not None)
         log.info("%s", self.capacity.describe())
+        self.lora_model = None
+        self.lora: LoRASlots | None = None
+        if config.enable_lora:
+            self._enable_lora()
         # Decode-only steps replay CUDA graphs (rein.engine.cuda_graphs); everything else,
         # and everything on CPU, runs eagerly.
         self.decode_graphs: DecodeGraphs | None = None
@@ -160,6 +174,20 @@ class ModelRunner:
                 self.model, self.caches, max_num_seqs=config.max_num_seqs,
                 max_blocks_per_seq=-(-self.max_model_len // self.block_size), device=self.device,
                 windowed=self.capacity.num_windowed_blocks > 0)
+
+    def _enable_lora(self) -> None:
+        """Give the model `max_loras` adapter slots; adapters are read as requests name them."""
+        from rein.model.lora.adapters import load_peft_adapter
+        from rein.model.lora.layers import enable_lora
+
+        config, model, spec = self.config, self.model, self.spec
+        self.lora_model = enable_lora(model, config.max_loras, config.max_lora_rank, self.device, self.dtype)
+
+        def load(lora_request: LoRARequest) -> Any:
+            return load_peft_adapter(lora_request.lora_path, model, spec, config.max_lora_rank,
+                                     lora_request.base_model_name or config.model)
+
+        self.lora = LoRASlots(load, self.lora_model, config.max_loras, config.cpu_lora_capacity)
 
     def attach(self, kv_cache: KVCacheManager) -> None:
         """Use the block ids of `kv_cache` (made for this runner's capacity): each step makes the
@@ -210,7 +238,8 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
         """Make the block copies the forks queued, run one step's forward pass (on every rank,
         under tensor parallelism) and return what rank 0 samples from."""
-        plan, local = self._plan(scheduled)
+        slot_of = self._adapter_slots(scheduled) if self.lora is not None else None
+        plan, local = self._plan(scheduled, slot_of)
         copies = self.kv_cache.take_copies() if self.kv_cache is not None else None
         # No forward ran since they were queued, so their sources hold what the fork saw; a
         # block freed and handed out again meanwhile is written by this forward only, after.
@@ -242,9 +271,17 @@ class ModelRunner:
             self._copy(plan.copies, plan.windowed_copies)
         self._logits(self._forward(plan), plan)
 
-    def _plan(self, scheduled: list[ScheduledRequest]) -> tuple[StepPlan, tuple[list, list, list]]:
+    def _adapter_slots(self, scheduled: list[ScheduledRequest]) -> dict[int, int] | None:
+        """lora_int_id -> slot for the step's adapters, each put in a slot (None: no adapter)."""
+        adapters = {s.request.lora_int_id: s.request.lora_weights for s in scheduled
+                    if s.request.lora_request is not None}
+        return self.lora.assign(adapters) if adapters else None
+
+    def _plan(self, scheduled: list[ScheduledRequest], slot_of: dict[int, int] | None = None
+              ) -> tuple[StepPlan, tuple[list, list, list]]:
         """The step as a StepPlan, and what only rank 0 needs: the requests that sample (in
-        logits-row order), the prompt-logprob chunks and the embedding requests' rows."""
+        logits-row order), the prompt-logprob chunks and the embedding requests' rows.
+        `slot_of`: the LoRA slot of each of the step's adapters (None: the step has none)."""
         # Decodes sorted by context length, so similar lengths sit in contiguous rows.
         decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.end)
         prefills = [s for s in scheduled if s.num_new_tokens > 1]
@@ -257,6 +294,7 @@ class ModelRunner:
         sampling: list[Request] = []
         scoring: list[tuple[Request, int, int, int]] = []   # prompt logprobs: see _score_rows
         pooling: list[tuple[Request, int, int, int, int]] = []   # embedding requests' rows
+        lora_slots: list[int] | None = [] if slot_of is not None else None
         for s in decodes + prefills:
             request, start, end = s.request, s.start, s.end
             row_start = len(input_ids)
@@ -270,6 +308,8 @@ class ModelRunner:
                 span = range(start, end)
                 positions.extend(span)
                 slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+            if lora_slots is not None:
+                lora_slots.extend([slot_of.get(request.lora_int_id, -1)] * (end - start))
             if request.pooling is not None:
                 pooling.append((request, row_start, len(input_ids), start, end))
             elif s.samples:
@@ -285,7 +325,7 @@ class ModelRunner:
             decode_lens=decode_lens, decode_rows=self._block_rows(decodes) if decodes else [],
             decode_groups=self._decode_groups(decode_lens),
             prefill_lens=[s.end for s in prefills], prefill_new=[s.num_new_tokens for s in prefills],
-            prefill_rows=self._block_rows(prefills) if prefills else [])
+            prefill_rows=self._block_rows(prefills) if prefills else [], lora_slots=lora_slots)
         if scoring:
             plan.score_rows, plan.score_targets, plan.score_ks = self._score_rows(scoring)
         physical = self.kv_cache.window_map if self.kv_cache is not None else None
@@ -298,11 +338,22 @@ class ModelRunner:
     def _forward(self, plan: StepPlan) -> torch.Tensor:
         """The final hidden states of the plan's rows: a CUDA graph replay for a decode-only
         step that fits one, else the model run eagerly."""
-        windowed = plan.windowed_slots is not None
+        if plan.lora_slots is not None:
+            # A step with LoRA tokens runs eagerly: the graphs were captured without the adapters'
+            # products, and replaying them would drop them. (Simplest correct choice; capturing
+            # graphs with the LoRA matmuls is left for later.)
+            with self.lora_model.step(torch.tensor(plan.lora_slots, dtype=torch.int64)):
+                return self._eager_forward(plan)
         graphs = self.decode_graphs
         if not plan.prefill_lens and graphs is not None and graphs.fits(len(plan.decode_lens)):
             return graphs.run(plan.input_ids, plan.positions, plan.slots, plan.decode_lens, plan.decode_rows,
-                              (plan.windowed_slots, plan.windowed_decode_rows) if windowed else None)
+                              (plan.windowed_slots, plan.windowed_decode_rows)
+                              if plan.windowed_slots is not None else None)
+        return self._eager_forward(plan)
+
+    def _eager_forward(self, plan: StepPlan) -> torch.Tensor:
+        """The plan's forward, kernel by kernel."""
+        windowed = plan.windowed_slots is not None
         decodes, prefills = bool(plan.decode_lens), bool(plan.prefill_lens)
         meta = AttentionMetadata(
             slot_mapping=self._tensor(plan.slots, torch.int64),

@@ -16,10 +16,13 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from rein.engine.block_pool import ROOT
+from rein.engine.block_pool import ROOT, prefix_root
 from rein.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from rein.model.lora.request import LoRARequest
 
 _arrival_counter = itertools.count()
 
@@ -96,6 +99,25 @@ class Request:
     pooling: Any = None
     # Not looked up in the prefix cache (mean/CLS pooling needs every prompt position computed).
     skip_prefix_cache: bool = False
+    # LoRA (rein.model.lora): the adapter the request runs under (None: the base model) and its
+    # loaded weights (engine-owned, opaque to the scheduler; held here, so an adapter stays loaded
+    # while a request needs it). Its prefix-cache chains start from the adapter's own root.
+    lora_request: LoRARequest | None = None
+    lora_weights: Any = None
+
+    def __post_init__(self) -> None:
+        if self.lora_request is not None:
+            self.cache_parent = self.cache_root
+
+    @property
+    def lora_int_id(self) -> int:
+        """The request's adapter id; 0 for the base model."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
+    @property
+    def cache_root(self) -> tuple[int, int]:
+        """The predecessor of the request's first block in the prefix cache (its adapter's root)."""
+        return prefix_root(self.lora_int_id)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -32,6 +32,11 @@ room. A preempted request's full blocks stay in the prefix cache when caching is
 were registered as they were computed, and freed blocks are handed out least recently freed
 first), so it resumes by cache hits and recomputes only its last, partly filled block.
 
+LoRA adapters (`max_loras`, when the engine serves them): the running requests use at most
+`max_loras` distinct adapters, so every step fits the model's adapter slots. A waiting request
+of another adapter is passed over (it keeps its place in the queue) until the running requests
+of some adapter are done; base-model requests and those of running adapters behind it go ahead.
+
 Blocks: the scheduler asks its KV cache manager (rein.engine.kv_cache_manager) for them and
 gives them back; the manager keeps the block pool and the windowed layers' storage in step.
 
@@ -97,12 +102,13 @@ class Scheduler:
     """Queues, the per-step plan and the state changes after each step (module docstring).
     `kv_cache`: the KV cache manager; a bare BlockPool (with `windows`, its windowed map, if
     any) is wrapped in one, for tests and tools that build the pieces themselves.
-    `max_model_len`: a request that reaches it ends with `length` (None: no such limit)."""
+    `max_model_len`: a request that reaches it ends with `length` (None: no such limit).
+    `max_loras`: the most distinct LoRA adapters among the running requests (None: no LoRA)."""
 
     def __init__(self, kv_cache: KVCacheManager | BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  priority_aging_steps: int = DEFAULT_PRIORITY_AGING_STEPS,
                  windows: WindowBlocks | None = None, interactive_step_budget: int | None = None,
-                 max_model_len: int | None = None) -> None:
+                 max_model_len: int | None = None, max_loras: int | None = None) -> None:
         if priority_aging_steps < 1:
             raise ValueError(f"priority_aging_steps must be at least 1, got {priority_aging_steps}")
         if interactive_step_budget is not None and interactive_step_budget < 0:
@@ -113,6 +119,7 @@ class Scheduler:
             raise ValueError("give the windowed blocks to the KV cache manager, not the scheduler")
         self.kv_cache = kv_cache
         self.max_model_len = max_model_len
+        self.max_loras = max_loras
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.priority_aging_steps = priority_aging_steps
@@ -249,6 +256,9 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.PREEMPTED and any(p is request for p in out.preempted):
                 break   # preempted in this step to make room: not back before the next one
+            if request.lora_request is not None and not self._adapter_fits(request):
+                deferred.append(heapq.heappop(self._waiting))
+                continue   # its adapter would be one too many: base and running adapters' requests go ahead
             if budget <= 0:
                 # Worse requests' chunks used the budget up: the worst of them skips this step.
                 refund = self._unschedule_worse(request, out)
@@ -308,6 +318,13 @@ class Scheduler:
         self.kv_cache.cover((s.request, s.end) for s in scheduled)
         return out
 
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether the LoRA `request` may run beside the running requests: its adapter is one of
+        theirs, or they use fewer than max_loras adapters."""
+        lora_id = request.lora_int_id
+        running = {r.lora_int_id for r in self.running if r.lora_request is not None}
+        return lora_id in running or len(running) < (self.max_loras or 0)
+
     def _computing_prefix(self, request: Request, num_cached: int) -> bool:
         """Whether a running request is computing the waiting `request`'s next uncached block
         (block `num_cached` of the same leading tokens) and has not registered it yet. The
@@ -316,8 +333,9 @@ class Scheduler:
         end = (num_cached + 1) * self.kv_cache.block_size
         leading = None
         for running in self.running:
-            if running.num_computed_tokens >= end or running.num_prompt_tokens < end:
-                continue   # computed it already (it is cached, or never will be), or never will
+            if running.num_computed_tokens >= end or running.num_prompt_tokens < end \
+                    or running.lora_request is not request.lora_request and running.cache_root != request.cache_root:
+                continue   # computed it already (it is cached, or never will be), never will, or another adapter
             leading = leading if leading is not None else request.tokens(0, end)
             if running.tokens(0, end) == leading:
                 return True

@@ -28,7 +28,10 @@ Choices where rein differs from vLLM:
   share the prompt's prefill; choice i samples with seed `seed + i`). `prompt_logprobs=k`
   fills `GenerationOutput.prompt_logprobs` as vLLM's: None for the first prompt token, then
   {token id: Logprob} with the prompt token and its top k alternatives.
-* No beam search, best_of, LoRA or multimodal inputs.
+* LoRA adapters (`enable_lora=True`, then `lora_request=` in `generate` and `chat`): a prompt
+  whose adapter cannot be loaded does not stop the others; its output has no tokens,
+  finish_reason "abort" and `error` saying what was wrong (logged too).
+* No beam search, best_of or multimodal inputs.
 """
 
 from __future__ import annotations
@@ -50,9 +53,16 @@ from rein.engine.generation_defaults import load_generation_defaults
 from rein.engine.options import ENGINE_OPTION_NAMES, resolve_engine_values
 from rein.engine.request_result import RequestResult
 from rein.engine.sampling_params import SamplingParams, fits_context
+from rein.model.lora.request import LoRARequest
 from rein.offline.driver import default_max_in_flight, drive
 from rein.offline.embed import EmbeddingRequestOutput, embed
-from rein.offline.llm_outputs import GenerationOutput, TokenTexts, completion_output, logprob_dict
+from rein.offline.llm_outputs import (
+    CompletionOutput,
+    GenerationOutput,
+    TokenTexts,
+    completion_output,
+    logprob_dict,
+)
 from rein.offline.prompts import (
     Conversation,
     Prompt,
@@ -102,7 +112,9 @@ class LLM:
     `revision` and `tokenizer_revision` (hub revisions), `chat_template` (a file path or an
     inline Jinja template, replacing the tokenizer's in `chat`), `trust_remote_code` (let
     transformers run the code of a model or tokenizer whose config needs it; without it such a
-    model raises ValueError saying so). rein's own: `device` ("auto", "cuda",
+    model raises ValueError saying so), `enable_lora`, `max_loras`, `max_cpu_loras`, `max_lora_rank`
+    (LoRA adapters, then named per prompt by `generate`'s and `chat`'s `lora_request`; single rank
+    only). rein's own: `device` ("auto", "cuda",
     "cuda:N", "cpu"), `kv_cache_memory` (bytes or a size such as "4GiB"; vLLM's
     `kv_cache_memory_bytes` is accepted for it), and `max_in_flight` (requests in the engine
     at once; default 4 x max_num_seqs). An engine argument not given takes its REIN_*
@@ -144,6 +156,10 @@ class LLM:
         max_in_flight: int | None = None,
         tensor_parallel_size: int = 1,
         quantization: str = "auto",
+        enable_lora: bool = False,
+        max_loras: int = 8,
+        max_cpu_loras: int | None = None,
+        max_lora_rank: int = 16,
         pipeline_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
@@ -193,6 +209,7 @@ class LLM:
         prompts: PromptType | Sequence[PromptType],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerationOutput]:
         """Complete each prompt; one output per prompt, in input order.
 
@@ -201,24 +218,27 @@ class LLM:
         SamplingParams for all prompts, a list with one per prompt, or None (the model's
         defaults, `get_default_sampling_params()`: its generation_config.json's temperature,
         top_p, top_k, min_p and repetition_penalty, max_tokens=16). As in vLLM, a SamplingParams
-        given is used as it is. Raises ValueError naming the first bad prompt.
+        given is used as it is. lora_request (vLLM's): the LoRA adapter every prompt runs under,
+        or a list with one per prompt (None: the base model); the engine needs enable_lora.
+        Raises ValueError naming the first bad prompt.
         """
         items = as_prompt_list(prompts)
         prepared = [read_prompt(index, prompt, self.engine.tokenizer, self.engine.spec.vocab_size)
                     for index, prompt in enumerate(items)]
-        return self._run(prepared, sampling_params, use_tqdm, "prompt")
+        return self._run(prepared, sampling_params, use_tqdm, "prompt", lora_request)
 
     def chat(
         self,
         messages: Conversation | Sequence[Conversation],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[GenerationOutput]:
         """Answer one conversation (a list of {"role", "content"} dicts) or a list of them.
 
         Each is rendered with the model's chat template and a generation prompt, exactly as
-        rein's /v1/chat/completions renders `messages`. Raises ValueError naming the first
-        bad conversation.
+        rein's /v1/chat/completions renders `messages`. lora_request: as `generate`'s. Raises
+        ValueError naming the first bad conversation.
         """
         conversations = [messages] if is_conversation(messages) else list(messages)
         tokenizer, max_model_len = self.engine.tokenizer, self.engine.max_model_len
@@ -234,7 +254,7 @@ class LLM:
             text = tokenizer.decode(token_ids, skip_special_tokens=False)
             prepared.append(checked_prompt(index, Prompt(text, token_ids), self.engine.spec.vocab_size,
                                            "conversation"))
-        return self._run(prepared, sampling_params, use_tqdm, "conversation")
+        return self._run(prepared, sampling_params, use_tqdm, "conversation", lora_request)
 
     def embed(
         self,
@@ -278,9 +298,26 @@ class LLM:
 
     # -- the run ---------------------------------------------------------------------------
 
+    @staticmethod
+    def _adapters_for(prompts: list[Prompt], lora_request: Any, what: str) -> list[LoRARequest | None]:
+        """One LoRARequest (or None) per prompt: `lora_request` for all, or its list, one per prompt."""
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            return [lora_request] * len(prompts)
+        if isinstance(lora_request, (str, bytes)) or not isinstance(lora_request, Sequence):
+            raise TypeError(f"lora_request must be a LoRARequest or a list of them, got {type(lora_request).__name__}")
+        adapters = list(lora_request)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(adapters)} LoRA requests for {len(prompts)} {what}s: give one "
+                             f"for all or one per {what}")
+        for index, adapter in enumerate(adapters):
+            if adapter is not None and not isinstance(adapter, LoRARequest):
+                raise TypeError(f"lora_request[{index}] must be a LoRARequest or None, got {type(adapter).__name__}")
+        return adapters
+
     def _run(self, prompts: list[Prompt], sampling_params: Any, use_tqdm: bool | Callable[..., tqdm],
-             what: str) -> list[GenerationOutput]:
+             what: str, lora_request: Any = None) -> list[GenerationOutput]:
         params = self._params_for(prompts, sampling_params, what)
+        adapters = self._adapters_for(prompts, lora_request, what)
         if not prompts:
             return []
         results: list[GenerationOutput | None] = [None] * len(prompts)
@@ -289,13 +326,26 @@ class LLM:
         totals = {"in": 0, "out": 0}
         started = time.perf_counter()
 
-        def admit(index: int) -> tuple[str, int]:
+        def admit(index: int) -> tuple[str, int] | None:
             request_id = str(next(self.request_counter))
             try:
-                self.engine.add_request(request_id, prompts[index].token_ids, params[index])
-            except EngineRequestError as exc:   # the checks above should have caught it
-                raise ValueError(f"{what} {index}: {exc}") from exc
+                self.engine.add_request(request_id, prompts[index].token_ids, params[index],
+                                        lora_request=adapters[index])
+            except EngineRequestError as exc:
+                if exc.param == "lora_request":   # its adapter: this prompt fails, the others run
+                    fail(index, request_id, exc.message)
+                    return None
+                raise ValueError(f"{what} {index}: {exc}") from exc   # the checks above should have caught it
             return request_id, index
+
+        def fail(index: int, request_id: str, error: str) -> None:
+            log.warning("%s %d failed: %s", what, index, error)
+            prompt = prompts[index]
+            results[index] = GenerationOutput(
+                request_id=request_id, prompt=prompt.text, prompt_token_ids=prompt.token_ids,
+                outputs=[CompletionOutput(index=0, text="", token_ids=[], cumulative_logprob=None, logprobs=None,
+                                          finish_reason="abort")], error=error)
+            bar.update(1)
 
         def finish(done: RequestResult) -> None:
             index = done.state
@@ -308,7 +358,8 @@ class LLM:
             results[index] = GenerationOutput(
                 request_id=done.request_id, prompt=prompt.text, prompt_token_ids=prompt.token_ids,
                 outputs=[completion_output(choice, params[index], texts) for choice in done.ordered()],
-                num_cached_tokens=done.num_cached_tokens, prompt_logprobs=prompt_logprobs)
+                num_cached_tokens=done.num_cached_tokens, prompt_logprobs=prompt_logprobs,
+                error=done.final.error if done.final is not None else None)
             totals["in"] += len(prompt.token_ids)
             totals["out"] += done.completion_tokens
             elapsed = max(time.perf_counter() - started, 1e-9)

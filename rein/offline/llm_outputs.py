@@ -62,7 +62,10 @@ class GenerationOutput:
     `CompletionOutput` per choice (SamplingParams.n), by index. `num_cached_tokens` counts
     prompt tokens taken from the prefix cache. `prompt_logprobs` (SamplingParams.prompt_logprobs
     = k): one entry per prompt token, None for the first, else {token id: Logprob} holding
-    the prompt token and the top k alternatives; None when not asked for.
+    the prompt token and the top k alternatives; None when not asked for. `error` (rein's own):
+    why the engine did not run or finish this prompt's request for a fault of its own (a LoRA
+    adapter that could not be loaded, a grammar that did not compile), else None; its outputs
+    then end with finish_reason "abort".
     """
 
     request_id: str
@@ -72,6 +75,7 @@ class GenerationOutput:
     finished: bool = True
     num_cached_tokens: int = 0
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None
 
 
 class TokenTexts:
