@@ -310,3 +310,26 @@ def test_transformers_backend_and_tensor_parallelism_are_refused(llama):
         load_peft_adapter(llama.adapter, sharded, llama.spec, 8, None)
     with pytest.raises(ValueError, match="--tensor-parallel-size 1"):
         LoRAModel(sharded, 2, 8, "cpu", torch.float32)
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return (got - want).abs().max().item() / max(1.0, want.abs().max().item())
+
+
+def test_a_quantized_base_takes_float_adapters(llama):
+    """int8 weights (quantized_linear) with float adapters: off PEFT's float logits by no more
+    than the int8 base alone is off the float base."""
+    model, spec = load_rein(llama.model_dir, quantization="int8")
+    assert any(getattr(m, "quantized", None) is not None for m in model.modules())
+    seqs = sequences(spec.vocab_size)
+    lora = enable_lora(model, max_loras=1, max_rank=8, device="cpu", dtype=torch.float32)
+    lora.activate(0, load_peft_adapter(llama.adapter, model, spec, 8, None))
+    got = prefill(model, spec, seqs, lora, [0, -1, 0, -1, 0])
+    for i, seq in enumerate(seqs):
+        base = prefill(model, spec, [seq])[0]
+        base_error = relative_error(base, peft_logits(llama.model_dir, None, seq))
+        if i % 2 == 0:   # the adapter's effect stands well above the int8 error
+            assert relative_error(got[i], base) > 2 * (3 * base_error + 1e-3)
+        want = peft_logits(llama.model_dir, llama.adapter if i % 2 == 0 else None, seq)
+        assert relative_error(got[i], want) <= 3 * base_error + 1e-3, f"sequence {i}"
+        assert base_error < 0.05
