@@ -333,8 +333,8 @@ class Scheduler:
         end = (num_cached + 1) * self.kv_cache.block_size
         leading = None
         for running in self.running:
-            if running.num_computed_tokens >= end or running.num_prompt_tokens < end \
-                    or running.lora_request is not request.lora_request and running.cache_root != request.cache_root:
+            if (running.num_computed_tokens >= end or running.num_prompt_tokens < end
+                    or running.cache_root != request.cache_root):
                 continue   # computed it already (it is cached, or never will be), never will, or another adapter
             leading = leading if leading is not None else request.tokens(0, end)
             if running.tokens(0, end) == leading:
