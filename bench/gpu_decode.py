@@ -186,9 +186,9 @@ def profile_batch(engine, batch: int, prompt_len: int, warmup_steps: int, steps:
     plan_of = runner._plan
     seen: list = []
 
-    def timed_plan(scheduled):
+    def timed_plan(scheduled, *rest):
         start = time.perf_counter()
-        out = plan_of(scheduled)
+        out = plan_of(scheduled, *rest)
         parts["plan (python)"].append(time.perf_counter() - start)
         seen[:] = [out[0]]
         return out
