@@ -26,7 +26,7 @@ from rein.api.intake import JobIntake
 from rein.api.metrics import APIMetrics, MetricsMiddleware
 from rein.api.metrics import router as metrics_router
 from rein.api.request_limits import RequestLimits
-from rein.api.routes import batches, embeddings, files, health, jobs, openai, usage
+from rein.api.routes import batches, embeddings, files, health, jobs, lora, openai, usage
 from rein.api.streams import STREAM_SOCKET_TIMEOUT, StreamSlots
 from rein.batches.manager import BatchManager
 from rein.core.settings import Settings, get_settings
@@ -70,6 +70,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.settings = settings
         state.sessions = sessionmaker(engine, expire_on_commit=False)
         state.registry = registry
+        # Adapters registered at run time are read from Postgres (rein.jobs.adapters).
+        registry.adapters.sessions = state.sessions  # type: ignore[union-attr]  # load() gives a catalog
         state.redis = redis_client(settings.redis_url)
         # Event followers block in XREAD for BLOCK_MS (the socket timeout outlasts it), each on a
         # connection of its own: a pool as large as the streams served, where a stream beyond it
@@ -117,7 +119,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    for module in (openai, embeddings, jobs, files, batches, usage, health):
+    for module in (openai, embeddings, jobs, files, batches, usage, lora, health):
         app.include_router(module.router)
     # Prometheus: every response counted and timed by route template; GET /metrics.
     app.state.metrics = APIMetrics(settings)

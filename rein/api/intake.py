@@ -206,6 +206,9 @@ class JobIntake:
         sampling = {f.name: getattr(parsed.params, f.name) for f in dataclasses.fields(parsed.params)}
         prompt = list(parsed.prompt_token_ids)
         params = {"body": body, "sampling": sampling, "logprobs_mode": parsed.logprobs_mode, "stream": parsed.stream}
+        lora = prepared.lora
+        if lora is not None:   # a LoRA adapter's job: on its base model's queue (rein.jobs.adapters)
+            params["lora"] = lora
         shape = parsed.shape.to_dict()
         if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.response_shape); plain jobs store none
             params["shape"] = shape
@@ -215,9 +218,10 @@ class JobIntake:
                      params=params,
                      prompt_token_ids=prompt, prompt_tokens=len(prompt), priority=priority,
                      idempotency_key=idempotency_key, metadata_=dict(metadata or {}), shard=shard)
-        message = JobMessage(job_id=job.id, model=model, endpoint=endpoint, prompt_token_ids=prompt,
-                             sampling=sampling, priority=priority, logprobs_mode=parsed.logprobs_mode,
-                             tenant=key.tenant, key_id=key.key_id, shape=shape, shard=shard)
+        message = JobMessage(job_id=job.id, model=prepared.entry.queue_model, endpoint=endpoint,
+                             prompt_token_ids=prompt, sampling=sampling, priority=priority,
+                             logprobs_mode=parsed.logprobs_mode, tenant=key.tenant, key_id=key.key_id,
+                             shape=shape, shard=shard, lora=lora)
         if isinstance(parsed, ParsedEmbeddings):   # its inputs, one after the other in `prompt`
             job.params["input_lengths"] = message.input_lengths = parsed.input_lengths
         return Submission(key, prepared, job, message, metadata)
@@ -234,7 +238,7 @@ class JobIntake:
         queued = self._tenants_queued(submissions)
         estimate = self.settings.tpm_completion_estimate
         verdicts = self.limiter.admit(
-            [Admission(s.key, s.prepared.charged_tokens(estimate), self._queue(s.job.model),
+            [Admission(s.key, s.prepared.charged_tokens(estimate), self._queue(s.message.model),
                        queued.get((s.job.model, s.key.tenant), 0) if queued is not None else None,
                        job_id=s.job.id)
              for s in submissions],

@@ -279,6 +279,34 @@ class ModelPublic(BaseModel):
     created: int
     owned_by: str = "rein"
     max_model_len: int
+    root: str | None = None
+    """Where it comes from: a model's source, a LoRA adapter's path (as vLLM's /v1/models)."""
+    parent: str | None = None
+    """A LoRA adapter's base model; None for a model."""
+
+
+class LoadLoRAAdapterRequest(BaseModel):
+    """POST /v1/load_lora_adapter, vLLM's body, with rein's base_model_name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str = Field(description="The name requests pass as `model` to run under the adapter.")
+    lora_path: str = Field(description="The adapter, where every worker can read it: a PEFT directory "
+                                       "(adapter_config.json + adapter_model.safetensors) or a GGUF LoRA file.")
+    base_model_name: str | None = Field(None, description="The served model it runs over; unset: the one its "
+                                                          "adapter_config.json names, else the default model. "
+                                                          "Given, it also skips the check that the adapter "
+                                                          "was trained on that model.")
+    load_inplace: bool = Field(False, description="Replace an adapter already registered under lora_name.")
+
+
+class UnloadLoRAAdapterRequest(BaseModel):
+    """POST /v1/unload_lora_adapter, vLLM's body."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    lora_name: str
+    lora_int_id: int | None = Field(None, description="Accepted for vLLM's clients; the name decides.")
 
 
 class ModelList(BaseModel):

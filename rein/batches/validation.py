@@ -53,6 +53,8 @@ class ValidLine:
             params["shape"] = shape
         if isinstance(parsed, ParsedEmbeddings):   # an embeddings line's inputs (rein.store.messages)
             params["input_lengths"] = parsed.input_lengths
+        if self.prepared.lora is not None:   # a LoRA adapter's line (rein.jobs.adapters)
+            params["lora"] = self.prepared.lora
         return {
             "model": self.prepared.entry.name, "endpoint": self.prepared.endpoint,
             "params": params,
@@ -134,12 +136,17 @@ def validate_lines(raw_lines: Iterable[bytes | OversizedLine], endpoint: str, re
             result.fail(exc.code or "invalid_request", exc.message, number,
                         f"body.{exc.param}" if exc.param else "body")
             continue
-        model = prepared.entry.name
+        # A batch runs over one base model; its lines may name the base or any of its LoRA
+        # adapters (their jobs share the base model's queues).
+        model = prepared.entry.queue_model
         if result.model is None:
             result.model = model
         elif model != result.model:
-            result.fail("mismatched_model", f"model {model!r} differs from {result.model!r} on the earlier "
-                                            "lines: a batch runs one model", number, "body.model")
+            named = prepared.entry.name if prepared.entry.lora is None else \
+                f"{prepared.entry.name} (a LoRA adapter of {model})"
+            result.fail("mismatched_model", f"model {named!r} differs from {result.model!r} on the earlier "
+                                            "lines: a batch runs one model (and its LoRA adapters)", number,
+                        "body.model")
             continue
         if result.ok:
             on_valid(ValidLine(number, line.custom_id, prepared))

@@ -8,7 +8,7 @@ import shutil
 import sys
 import tempfile
 
-from rein.cli.engine_flags import add_engine_options
+from rein.cli.engine_flags import add_engine_options, add_lora_modules_option
 from rein.core.logging import configure_logging
 from rein.core.settings import (
     SettingsError,
@@ -37,6 +37,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "(default: REIN_ALLOWED_ORIGINS, none: no CORS headers)")
     # The API applies the model's generation defaults and checks the context length itself.
     add_engine_options(parser, API)
+    add_lora_modules_option(parser)
     parser.set_defaults(func=run)
 
 
@@ -47,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
 
     flags = (("api_host", args.host), ("api_port", args.port), ("api_workers", args.workers),
              ("api_root_path", args.root_path), ("forwarded_allow_ips", args.forwarded_allow_ips),
-             ("allowed_origins", args.allowed_origins),
+             ("allowed_origins", args.allowed_origins), ("lora_modules", args.lora_modules),
              *((option.name, getattr(args, option.name)) for option in options_for(API)))
     overrides = {name: value for name, value in flags if value is not None}
     try:

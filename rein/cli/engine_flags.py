@@ -48,6 +48,14 @@ def add_served_model_name_option(parser: argparse.ArgumentParser) -> None:
                         help="`model` in responses when a line gives none (default: the model directory name)")
 
 
+def add_lora_modules_option(parser: argparse.ArgumentParser) -> None:
+    """vLLM's --lora-modules (`rein api`, `rein run-batch`): adapters requests name as their model."""
+    parser.add_argument("--lora-modules", default=None, metavar="NAME=PATH",
+                        help="LoRA adapters served over the model, requests naming one as their model: "
+                             "name=path entries, comma separated, or JSON [{\"name\", \"path\", "
+                             "\"base_model_name\"}] (default: REIN_LORA_MODULES); turns --enable-lora on")
+
+
 def engine_config_from_args(args: argparse.Namespace, command: str,
                             variables: EngineSettings | None = None) -> EngineConfig:
     """Raises ValueError (with the engine's message) for an invalid combination or variable."""

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 from rein.cli.engine_flags import (
     CLIError,
     add_engine_options,
+    add_lora_modules_option,
     add_model_option,
     add_served_model_name_option,
     build_engine,
@@ -42,6 +44,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"lines read ahead and ordered by prompt prefix (default {DEFAULT_WINDOW}); "
                              "their tokenized prompts are held in memory")
     add_served_model_name_option(parser)
+    add_lora_modules_option(parser)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_model_option(parser)
     add_engine_options(parser, "run-batch")
@@ -61,6 +64,13 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     try:
+        adapters = lora_requests(args.lora_modules)
+    except ValueError as exc:
+        print(f"error: --lora-modules: {exc}", file=sys.stderr)
+        return 2
+    if adapters:
+        args.enable_lora = True
+    try:
         engine = build_engine(args, "run-batch")
         defaults = generation_defaults_of(engine)
     except CLIError as exc:
@@ -70,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         summary = run_batch(engine, args.input, args.output, model_name=args.served_model_name,
                             error_path=args.errors, max_in_flight=args.max_in_flight,
                             progress=not args.no_progress, generation_defaults=defaults, order=args.order,
-                            order_window=args.order_window)
+                            order_window=args.order_window, adapters=adapters)
     except (FileNotFoundError, ValueError) as exc:   # a missing object or URL, a bad location
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -79,3 +89,13 @@ def run(args: argparse.Namespace) -> int:
         return 130
     print(format_summary(summary), file=sys.stderr)
     return 0
+
+
+def lora_requests(text: str | None) -> dict[str, Any]:
+    """--lora-modules (else REIN_LORA_MODULES) as name -> LoRARequest; ValueError on a bad entry."""
+    from rein.core.settings import parse_lora_modules, setting_or_default
+    from rein.jobs.adapters import lora_int_id
+    from rein.model.lora.request import LoRARequest
+
+    modules = parse_lora_modules(text) if text else setting_or_default("lora_modules")
+    return {m.name: LoRARequest(m.name, lora_int_id(m.name, m.path), m.path) for m in modules}

@@ -11,11 +11,14 @@ Empty variables count as unset.
 
 Each entry is `name=path_or_hub_id[@max_model_len]`: the name clients send as `model`,
 a local Hugging Face model directory or a hub id, and optionally `@N` to cap the context
-length at N tokens (default: the model's own).
+length at N tokens (default: the model's own). An entry whose path is a PEFT LoRA adapter
+directory (it holds adapter_config.json) serves that adapter over a base model rather than a
+model of its own: it is moved to `lora_modules` (REIN_LORA_MODULES, vLLM's --lora-modules).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from functools import lru_cache
@@ -37,7 +40,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from rein.core.cpu_pinning import parse_cpu_list
 
 MODELS_FORMAT = "name=path_or_hub_id[@max_model_len][,name=...]"
-_MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
 
 
 class SettingsError(ValueError):
@@ -57,6 +60,65 @@ class ServedModel(BaseModel):
     """Context length cap in tokens; None: the model's own."""
 
 
+LORA_MODULES_FORMAT = 'name=path[,name=path] or JSON: [{"name": ..., "path": ..., "base_model_name": ...}]'
+
+
+class LoRAModule(BaseModel):
+    """One LoRA adapter served beside a base model (REIN_LORA_MODULES, or a REIN_MODELS entry
+    naming an adapter directory)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str
+    """What clients pass as `model` to run under the adapter."""
+    path: str
+    """The adapter: a PEFT directory (adapter_config.json + adapter_model.safetensors) or a GGUF
+    LoRA file, where every worker can read it."""
+    base_model_name: str | None = None
+    """The served model (a REIN_MODELS name) it runs over; None: the one its
+    adapter_config.json's base_model_name_or_path names, else the first served model."""
+
+
+def parse_lora_modules(text: str) -> tuple[LoRAModule, ...]:
+    """vLLM's --lora-modules forms: `name=path` entries (comma or space separated), or JSON, an
+    object or a list of them with name, path and optionally base_model_name."""
+    text = text.strip()
+    if text.startswith(("[", "{")):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"LoRA modules {text!r} are not valid JSON ({exc}): expected "
+                             f"{LORA_MODULES_FORMAT}") from exc
+        items = data if isinstance(data, list) else [data]
+        try:
+            modules = [LoRAModule.model_validate(item) for item in items]
+        except ValidationError as exc:
+            raise ValueError(f"LoRA modules {text!r}: each needs a name and a path ({exc.errors()[0]['msg']}): "
+                             f"expected {LORA_MODULES_FORMAT}") from exc
+    else:
+        modules = []
+        for entry in re.split(r"[,\s]+", text):
+            if not entry:
+                continue
+            name, sep, path = (part.strip() for part in entry.partition("="))
+            if not sep or not name or not path:
+                raise ValueError(f"LoRA module {entry!r} is not name=path: expected {LORA_MODULES_FORMAT}")
+            modules.append(LoRAModule(name=name, path=path))
+    for module in modules:
+        if not MODEL_NAME.fullmatch(module.name):
+            raise ValueError(f"LoRA module name {module.name!r} must start with a letter or digit and use only "
+                             f"letters, digits and . _ : / -")
+    names = [m.name for m in modules]
+    if len(set(names)) != len(names):
+        raise ValueError(f"LoRA module names must be unique, got {names}")
+    return tuple(modules)
+
+
+def is_adapter_directory(source: str) -> bool:
+    """Whether a REIN_MODELS source is a PEFT adapter directory rather than a model."""
+    return Path(source, "adapter_config.json").is_file()
+
+
 def parse_models(text: str) -> tuple[ServedModel, ...]:
     """'a=/m/a@4096,b=org/b' -> ServedModels; ValueError naming the bad entry and the format."""
     models: list[ServedModel] = []
@@ -71,7 +133,7 @@ def parse_models(text: str) -> tuple[ServedModel, ...]:
             raise ValueError(f"entry {entry!r} has no '=': expected {MODELS_FORMAT}, e.g. llama=/models/llama")
         if not name:
             raise ValueError(f"entry {entry!r} has no model name before '=': expected {MODELS_FORMAT}")
-        if not _MODEL_NAME.fullmatch(name):
+        if not MODEL_NAME.fullmatch(name):
             raise ValueError(
                 f"entry {entry!r}: model name {name!r} must start with a letter or digit and use only "
                 f"letters, digits and . _ : / - (expected {MODELS_FORMAT})"
@@ -113,6 +175,10 @@ class Settings(BaseSettings):
     # --- what is served
     models: Annotated[tuple[ServedModel, ...], NoDecode] = ()
     """REIN_MODELS: `name=path_or_hub_id[@max_model_len],...`; the first is the default."""
+    lora_modules: Annotated[tuple[LoRAModule, ...], NoDecode] = ()
+    """REIN_LORA_MODULES: LoRA adapters served over the models, vLLM's --lora-modules:
+    `name=path,...` or JSON `[{"name": ..., "path": ..., "base_model_name": ...}]`. Setting it
+    turns REIN_ENABLE_LORA on. More can be registered at run time (POST /v1/load_lora_adapter)."""
 
     # --- the API
     api_host: str = "127.0.0.1"
@@ -373,6 +439,35 @@ class Settings(BaseSettings):
     def _parse_models(cls, value: object) -> object:
         return parse_models(value) if isinstance(value, str) else value
 
+    @field_validator("lora_modules", mode="before")
+    @classmethod
+    def _parse_lora_modules(cls, value: object) -> object:
+        return parse_lora_modules(value) if isinstance(value, str) else value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _adapters_from_models(cls, data: Any) -> Any:
+        """REIN_MODELS entries naming an adapter directory join the LoRA modules (and turn LoRA on)."""
+        if not isinstance(data, dict) or not isinstance(data.get("models"), str):
+            return data
+        try:
+            models = parse_models(data["models"])
+        except ValueError:
+            return data          # the field's own validator reports it, under REIN_MODELS
+        adapters = [m for m in models if is_adapter_directory(m.source)]
+        if not adapters:
+            return data
+        for adapter in adapters:
+            if adapter.max_model_len is not None:
+                raise ValueError(f"REIN_MODELS entry {adapter.name!r} is a LoRA adapter ({adapter.source}): its "
+                                 f"context length is its base model's, drop the @{adapter.max_model_len}")
+        lora = data.get("lora_modules") or ()
+        if isinstance(lora, str):
+            lora = parse_lora_modules(lora)
+        return {**data, "models": tuple(m for m in models if m not in adapters),
+                "lora_modules": (*lora, *(LoRAModule(name=m.name, path=m.source) for m in adapters)),
+                "enable_lora": True}
+
     @field_validator("worker_engine_cpus", mode="before")
     @classmethod
     def _parse_cpu_list(cls, value: object) -> object:
@@ -390,6 +485,18 @@ class Settings(BaseSettings):
             raise ValueError(f"{', '.join(per_model)} name one model's files but REIN_MODELS serves "
                              f"{len(self.models)} ({', '.join(names)}): serve one model per deployment "
                              f"to set them, or leave them unset")
+        taken = set(names) & {m.name for m in self.lora_modules}
+        if taken:
+            raise ValueError(f"{', '.join(sorted(taken))} names both a model and a LoRA adapter: give the "
+                             f"adapter a name of its own")
+        for module in self.lora_modules:
+            if module.base_model_name is not None and module.base_model_name not in names:
+                raise ValueError(f"LoRA adapter {module.name!r} runs over base_model_name "
+                                 f"{module.base_model_name!r}, which REIN_MODELS does not serve (served: "
+                                 f"{', '.join(names) or 'none'})")
+        if self.lora_modules and not self.enable_lora:
+            # Naming adapters is asking for them: the engines need their slots.
+            object.__setattr__(self, "enable_lora", True)
         if self.lease_renew_seconds * 2 > self.lease_seconds:
             raise ValueError(f"REIN_LEASE_RENEW_SECONDS ({self.lease_renew_seconds:g}) must be at most half of "
                              f"REIN_LEASE_SECONDS ({self.lease_seconds:g}), so that one late renewal does not "

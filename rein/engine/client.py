@@ -111,6 +111,7 @@ class _Add:
     accepted: threading.Event
     error: BaseException | None = None
     group: str | None = None          # submit_group: aborting the group aborts this request
+    lora_request: Any = None          # rein.model.lora.LoRARequest: the adapter it runs under
 
 
 class EngineClient:
@@ -142,15 +143,17 @@ class EngineClient:
         return self._thread.is_alive()
 
     def submit(self, request_id: str, prompt: list[int] | str, params: SamplingParams | None = None,
-               priority: int = 0, *, collect: bool = False) -> RequestStream:
-        """Queue a request; validation errors (context length, ...) raise here, in the caller.
+               priority: int = 0, *, collect: bool = False, lora_request: Any = None) -> RequestStream:
+        """Queue a request; validation errors (context length, a bad LoRA adapter, ...) raise here,
+        in the caller.
 
         `collect=True` returns a CollectingStream: the outputs are gathered and handed over
-        at the end rather than one by one.
+        at the end rather than one by one. `lora_request`: the LoRA adapter it runs under.
         """
         self._check_running()
         stream = CollectingStream(request_id, self) if collect else RequestStream(request_id, self)
-        command = _Add(request_id, prompt, params or SamplingParams(), priority, stream, threading.Event())
+        command = _Add(request_id, prompt, params or SamplingParams(), priority, stream, threading.Event(),
+                       lora_request=lora_request)
         self._queue_add(command)
         self._wait_accepted(command)
         if command.error is not None:
@@ -235,7 +238,7 @@ class EngineClient:
             if isinstance(command, _Add):
                 try:
                     self.engine.add_request(command.request_id, command.prompt, command.params,
-                                            command.priority)
+                                            command.priority, lora_request=command.lora_request)
                     self._streams[command.request_id] = command.stream
                     if command.group is not None:
                         self._groups.setdefault(command.group, set()).add(command.request_id)

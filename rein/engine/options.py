@@ -111,16 +111,16 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("trust_remote_code", "let transformers run the Python code of a model or tokenizer whose "
                  "config needs it (auto_map); without it such a model is refused", boolean=True,
                  commands=(WORKER, *OFFLINE, API)),
-    # LoRA (issue 44): rein.LLM keywords and REIN_* variables only, for now (no flags: the worker,
-    # run-batch and generate have no way yet to name an adapter per request).
-    EngineOption("enable_lora", "serve LoRA adapters beside the base model (requests name one with a "
-                 "LoRARequest)", boolean=True, commands=()),
-    EngineOption("max_loras", "with enable_lora: the most distinct adapters one step runs (device slots); "
-                 "requests of other adapters wait", int, "N", commands=()),
-    EngineOption("max_cpu_loras", "with enable_lora: loaded adapters kept in host memory for later requests "
-                 "(at least max_loras)", int, "N", shown_default="max_loras", commands=()),
-    EngineOption("max_lora_rank", "with enable_lora: the largest adapter rank accepted (1-256)", int, "N",
-                 commands=()),
+    # LoRA (issue 44), vLLM's flags. The API checks adapters' ranks against --max-lora-rank.
+    EngineOption("enable_lora", "serve LoRA adapters beside the base model (requests name one as their "
+                 "model; on by itself when --lora-modules or REIN_LORA_MODULES names one)", boolean=True,
+                 commands=(WORKER, *OFFLINE, API)),
+    EngineOption("max_loras", "with LoRA: the most distinct adapters one step runs (device slots); "
+                 "requests of other adapters wait", int, "N", commands=(WORKER, *OFFLINE)),
+    EngineOption("max_cpu_loras", "with LoRA: loaded adapters kept in host memory for later requests "
+                 "(at least max_loras)", int, "N", shown_default="max_loras", commands=(WORKER, *OFFLINE)),
+    EngineOption("max_lora_rank", "with LoRA: the largest adapter rank accepted (1-256)", int, "N",
+                 commands=(WORKER, *OFFLINE, API)),
 )
 ENGINE_OPTION_NAMES = tuple(option.name for option in ENGINE_OPTIONS)
 

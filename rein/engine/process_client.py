@@ -157,7 +157,8 @@ class ProcessEngineClient(EngineClient):
         with self._groups_lock:
             self._pending[command.request_id] = command
         try:
-            self._send(("add", command.request_id, command.prompt, command.params, command.priority))
+            self._send(("add", command.request_id, command.prompt, command.params, command.priority,
+                        command.lora_request))
         except EngineStoppedError:
             with self._groups_lock:
                 self._pending.pop(command.request_id, None)
@@ -347,9 +348,9 @@ class _ChildLoop:
             block = False
             kind = message[0]
             if kind == "add":
-                _, request_id, prompt, params, priority = message
+                _, request_id, prompt, params, priority, lora_request = message
                 try:
-                    self.engine.add_request(request_id, prompt, params, priority)
+                    self.engine.add_request(request_id, prompt, params, priority, lora_request=lora_request)
                     error = None
                 except Exception as exc:   # a validation error: the caller raises it
                     error = portable_error(exc)

@@ -21,6 +21,11 @@ class Prepared:
     parsed: ParsedRequest | ParsedEmbeddings
 
     @property
+    def lora(self) -> dict[str, Any] | None:
+        """The LoRA adapter the request runs under, as jobs store it (params["lora"]); None: the base."""
+        return self.entry.lora.to_dict() if self.entry.lora is not None else None
+
+    @property
     def requested_tokens(self) -> int:
         """Prompt + max_tokens per generated choice: the most the request may cost (embeddings:
         their inputs)."""
@@ -60,6 +65,10 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Pre
         raise APIError(404, f"The model '{name}' does not exist or you do not have access to it "
                             f"(served: {served}).", param="model", code="model_not_found")
     if endpoint == EMBEDDINGS:
+        if entry.lora is not None:
+            raise RequestError(f"'{name}' is a LoRA adapter of {entry.lora.base!r}: adapters serve completions, "
+                               f"not embeddings; embed with model {entry.lora.base!r}", "model",
+                               code="model_not_supported")
         parsed: ParsedRequest | ParsedEmbeddings = parse_embeddings_request(
             body, entry.tokenizer, entry.max_model_len, model_pooling(entry.directory))
     else:

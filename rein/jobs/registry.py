@@ -1,5 +1,5 @@
 """The served models as the API needs them: each one's tokenizer, context length and
-sampling defaults.
+sampling defaults; and the LoRA adapters served over them (rein.jobs.adapters).
 
 Loaded once at startup (transformers' AutoTokenizer needs no torch), so a request only
 tokenizes. The context length is REIN_MODELS' `@N` when given, else REIN_MAX_MODEL_LEN,
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from rein.engine.generation_defaults import (
     GenerationDefaults,
     load_generation_defaults,
 )
+from rein.jobs.adapters import AdapterCatalog, AdapterRef
 from rein.model.files import resolve_model
 from rein.model.tokenizer_files import TokenizerOptions
 
@@ -43,22 +44,38 @@ class ModelEntry:
     max_model_len: int
     generation_defaults: GenerationDefaults = GenerationDefaults()
     directory: Path | None = None    # its files (the pooling config of /v1/embeddings)
+    lora: AdapterRef | None = None
+    """A LoRA adapter's entry: the adapter (its base model's tokenizer, length and defaults)."""
+
+    @property
+    def queue_model(self) -> str:
+        """The model whose queues its jobs wait on: an adapter's base, else its own name."""
+        return self.lora.base if self.lora is not None else self.name
 
 
 class ModelRegistry:
-    """name -> ModelEntry for every served model, in REIN_MODELS order."""
+    """name -> ModelEntry for every served model, in REIN_MODELS order; `get` also finds the
+    LoRA adapters of `adapters` (an entry of the base model's, with `lora` set)."""
 
-    def __init__(self, entries: list[ModelEntry]) -> None:
+    def __init__(self, entries: list[ModelEntry], adapters: AdapterCatalog | None = None) -> None:
         self._entries = {entry.name: entry for entry in entries}
+        self.adapters = adapters
 
     @classmethod
     def load(cls, settings: Settings) -> ModelRegistry:
+        """The served models; LoRA adapters are REIN_LORA_MODULES' until `adapters` is given a
+        catalog that also reads Postgres (the API's)."""
         return cls([load_model(model, settings.generation_config, settings.max_model_len,
                                TokenizerOptions.of(settings), settings.revision)
-                    for model in settings.models])
+                    for model in settings.models], AdapterCatalog.from_settings(settings))
 
     def get(self, name: str) -> ModelEntry | None:
-        return self._entries.get(name)
+        entry = self._entries.get(name)
+        if entry is not None or self.adapters is None:
+            return entry
+        adapter = self.adapters.get(name)
+        base = self._entries.get(adapter.base) if adapter is not None else None
+        return None if base is None else replace(base, name=adapter.name, lora=adapter)  # type: ignore[union-attr]
 
     def __iter__(self):
         return iter(self._entries.values())

@@ -128,17 +128,21 @@ def run_batch(
     order: str = "prefix",
     order_window: int = DEFAULT_WINDOW,
     max_line_bytes: int | None = None,
+    adapters: dict[str, Any] | None = None,
 ) -> BatchSummary:
     """Answer every non-blank line of `input_path` into `output_path` (errors into `error_path`
     when given, else into the output file too) and return the counts. Sampling fields a line
     leaves out take `generation_defaults` (default: the engine's model's, per its generation_config).
     `order`: "prefix" takes lines sharing a prompt prefix together, within `order_window` lines
     read ahead (rein.offline.prefix_order); "file" takes them in the file's order. A line longer
-    than `max_line_bytes` (default REIN_MAX_REQUEST_BYTES) is an error line, never read whole."""
+    than `max_line_bytes` (default REIN_MAX_REQUEST_BYTES) is an error line, never read whole.
+    `adapters`: LoRA adapters by name (rein.model.lora.LoRARequest); a line whose model names one runs
+    under it (the engine needs enable_lora), a line naming none of them runs on the base model."""
     if generation_defaults is None:
         generation_defaults = load_generation_defaults(engine.model_dir, engine.config.generation_config)
     batch = BatchRun(engine, model_name or default_model_name(engine),
-                     max_in_flight or default_max_in_flight(engine), order, order_window, max_line_bytes)
+                     max_in_flight or default_max_in_flight(engine), order, order_window, max_line_bytes,
+                     adapters)
     batch.generation_defaults = generation_defaults
     check_output(output_path)
     if error_path:
@@ -173,11 +177,14 @@ class BatchRun:
     embeddings lines (rein.offline.embed) answer through `answer` and `fail`."""
 
     def __init__(self, engine: LLMEngine, model_name: str, max_in_flight: int, order: str = "prefix",
-                 order_window: int = DEFAULT_WINDOW, max_line_bytes: int | None = None) -> None:
+                 order_window: int = DEFAULT_WINDOW, max_line_bytes: int | None = None,
+                 adapters: dict[str, Any] | None = None) -> None:
         if order not in ORDERS:
             raise ValueError(f"order {order!r}: want one of {', '.join(ORDERS)}")
         self.engine = engine
         self.model_name = model_name
+        # Lines whose model names a LoRA adapter run under it (name -> LoRARequest).
+        self.adapters = adapters or {}
         self.max_in_flight = max(1, max_in_flight)
         self.order = order
         self.order_window = order_window
@@ -240,7 +247,8 @@ class BatchRun:
             return take_embeddings_line(self, batch_line, line_number)
         request_id = uuid.uuid4().hex
         try:
-            self.engine.add_request(request_id, parsed.prompt_token_ids, parsed.params)
+            self.engine.add_request(request_id, parsed.prompt_token_ids, parsed.params,
+                                    lora_request=self.adapters.get(parsed.model) if parsed.model else None)
         except EngineRequestError as exc:
             refused = request_error(exc)
             self.fail(batch_line.custom_id, line_number, refused.code, refused.message)

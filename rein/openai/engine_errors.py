@@ -16,13 +16,17 @@ from rein.openai.errors import CONTEXT_LENGTH_EXCEEDED, INVALID_REQUEST, Request
 JOB_INVALID_REQUEST = "invalid_request"
 
 
+INVALID_LORA_ADAPTER = "invalid_lora_adapter"
+
+
 def job_error_code(exc: BaseException) -> str | None:
-    """OpenAI's code for a job the engine refused with `exc`: context_length_exceeded, or
-    invalid_request for any other EngineRequestError; None when `exc` is not the engine's refusal."""
+    """OpenAI's code for a job the engine refused with `exc`: context_length_exceeded,
+    invalid_lora_adapter, or invalid_request for any other EngineRequestError; None when `exc` is not the engine's refusal."""
     if isinstance(exc, ContextLengthExceeded):
         return CONTEXT_LENGTH_EXCEEDED
     if isinstance(exc, EngineRequestError):
-        return JOB_INVALID_REQUEST
+        # A LoRA adapter the engine could not load (a bad file, shapes of another base, ...).
+        return INVALID_LORA_ADAPTER if exc.param == "lora_request" else JOB_INVALID_REQUEST
     return None
 
 

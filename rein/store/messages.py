@@ -49,6 +49,9 @@ class JobMessage:
     input_lengths: list[int] | None = None
     # The batch queue shard it waits on (rein.jobs.affinity); 0 for interactive jobs.
     shard: int = 0
+    # The LoRA adapter it runs under (rein.jobs.adapters.AdapterRef.to_dict()), None: the base model.
+    # `model` is then the base model, whose queue it waits on; the job row's `model` the adapter.
+    lora: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies the token ids, a fifth of an enqueue's CPU.
@@ -62,11 +65,12 @@ class JobMessage:
     def for_job(cls, job: Any) -> JobMessage:
         """The message of a stored job (a `Job` or a row with its columns), to send it again:
         the job row holds everything the API put in the first message."""
-        return cls(job_id=job.id, model=job.model, endpoint=job.endpoint,
+        lora = job.params.get("lora")
+        return cls(job_id=job.id, model=lora["base"] if lora else job.model, endpoint=job.endpoint,
                    prompt_token_ids=list(job.prompt_token_ids), sampling=job.params["sampling"],
                    priority=job.priority, logprobs_mode=job.params.get("logprobs_mode"),
                    tenant=job.tenant, key_id=job.key_id, shape=job.params.get("shape"),
-                   input_lengths=job.params.get("input_lengths"), shard=getattr(job, "shard", 0))
+                   input_lengths=job.params.get("input_lengths"), shard=getattr(job, "shard", 0), lora=lora)
 
 
 @dataclass

@@ -40,6 +40,11 @@ class RedisKeys:
         once to feed the queue or finish the batch (rein.batches.wakeup)."""
         return f"{self.prefix}:batch-events"
 
+    def lora_events(self) -> str:
+        """The API publishes here when a LoRA adapter is registered or unloaded; workers read a
+        new one into their host cache at once (rein.worker.adapters)."""
+        return f"{self.prefix}:lora-events"
+
     def queue(self, model: str) -> str:
         """The Celery queue of a served model's interactive jobs (priority below PRIORITY_BATCH)."""
         return f"{self.prefix}.model.{model}"

@@ -1,5 +1,5 @@
 """The Postgres schema as SQLAlchemy 2 typed ORM classes: api_keys, jobs, results, usage,
-files and batches.
+files, batches and lora_adapters.
 
 The schema only ever changes through a migration (migrations/versions/); a test checks that
 these classes and the migrated database agree exactly.
@@ -334,3 +334,26 @@ class Batch(Base):
         # The manager's scan for batches with work to do.
         Index("ix_batches_status", "status"),
     )
+
+
+class LoRAAdapter(Base):
+    """A LoRA adapter registered for the whole fleet at run time (POST /v1/load_lora_adapter):
+    its jobs go to `base_model`'s queue and any worker serving that model runs them, reading the
+    adapter from `path`. Those named in REIN_LORA_MODULES are not stored: every process reads
+    them from its settings. Unloading deletes the row."""
+
+    __tablename__ = "lora_adapters"
+
+    name: Mapped[str] = mapped_column(primary_key=True)
+    """What requests pass as `model`."""
+    base_model: Mapped[str]
+    """The served model (a REIN_MODELS name) it runs over."""
+    path: Mapped[str]
+    """A PEFT adapter directory or a GGUF LoRA file every worker can read."""
+    lora_int_id: Mapped[int] = mapped_column(BigInteger())
+    """The engines' id of the adapter (rein.jobs.adapters.lora_int_id): one per name and path."""
+    base_model_name: Mapped[str | None]
+    """The base the adapter was checked against, passed on to the workers' own check."""
+    key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.key_id"))
+    """The admin key that registered it."""
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())

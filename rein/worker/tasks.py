@@ -40,6 +40,7 @@ from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 from rein.core.logging import log_context
 from rein.core.priorities import PRIORITY_BATCH
 from rein.engine.sampling_params import SamplingParams
+from rein.jobs.adapters import AdapterRef
 from rein.jobs.claim import ClaimOutcome, claim_job
 from rein.jobs.queues import TASK_NAME
 from rein.jobs.results import response_logprobs
@@ -173,6 +174,11 @@ def _process_job(context: WorkerContext, message: JobMessage) -> str:
                 raise
 
 
+def lora_request_of(message: JobMessage) -> Any:
+    """The engine's LoRARequest for a job run under a LoRA adapter (its message names it); None."""
+    return AdapterRef.from_dict(message.lora).lora_request() if message.lora else None
+
+
 def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, cancel_mark: int | None = None) -> str:
     # Both import torch: not at a worker module's import (the Celery app, the CLI).
     from rein.engine.client import EngineStoppedError
@@ -196,7 +202,8 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
     # Aboard the engine from before the submit: if it dies, this job was present (rein.worker.suspects).
     with context.roster.aboard(runner, lease):
         try:
-            stream = runner.submit(job_id, message.prompt_token_ids, params, message.priority, collect=True)
+            stream = runner.submit(job_id, message.prompt_token_ids, params, message.priority, collect=True,
+                                   lora_request=lora_request_of(message))
         except EngineStoppedError:   # the engine died before the job reached it: not a suspect
             return hand_back(context, message, lease)
         except Exception as exc:  # the engine refused the request (EngineRequestError, ...)

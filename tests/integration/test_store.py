@@ -29,8 +29,8 @@ from rein.store.db import (
 from rein.store.migrate import current_revision, head_revision, upgrade
 from rein.store.tables import ApiKey, Base, Job, Result, Usage
 
-TABLES = {"api_keys", "jobs", "results", "usage", "alembic_version", "files", "batches"}
-HEAD = "0010"   # the newest migration
+TABLES = {"api_keys", "jobs", "results", "usage", "alembic_version", "files", "batches", "lora_adapters"}
+HEAD = "0011"   # the newest migration
 
 
 def engine_for(url: str):

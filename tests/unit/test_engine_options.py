@@ -49,11 +49,14 @@ def test_the_commands_share_one_set_of_options(capsys):
             "--no-enable-prefix-caching", "--enforce-eager", "--no-enforce-eager", "--seed",
             "--generation-config", "--model-impl", "--tokenizer", "--revision", "--tokenizer-revision",
             "--chat-template", "--trust-remote-code", "--no-trust-remote-code", "--tensor-parallel-size",
-            "--quantization"} == offline
-    # what intake applies: the context length, sampling defaults, and the tokenizer and template it encodes with
+            "--quantization", "--enable-lora", "--no-enable-lora", "--max-loras", "--max-cpu-loras",
+            "--max-lora-rank"} == offline
+    # what intake applies: the context length, sampling defaults, the tokenizer and template it encodes
+    # with, and what it checks LoRA adapters against
     assert engine_flags("api") == {"--max-model-len", "--generation-config", "--tokenizer", "--revision",
                                    "--tokenizer-revision", "--chat-template", "--trust-remote-code",
-                                   "--no-trust-remote-code"}
+                                   "--no-trust-remote-code", "--enable-lora", "--no-enable-lora",
+                                   "--max-lora-rank"}
     for command in ("worker", "run-batch", "generate", "api"):
         with pytest.raises(SystemExit):
             build_parser().parse_args([command, "--help"])

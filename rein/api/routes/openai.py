@@ -56,6 +56,7 @@ from rein.api.streams import StreamEvent, follow_events, openai_chunk_stream
 from rein.core.logging import log_context
 from rein.engine.request_result import RequestResult
 from rein.jobs.errors import INVALID_REQUEST, APIError, error_body
+from rein.jobs.registry import ModelEntry
 from rein.jobs.results import response_body
 from rein.openai.choices_response import full_response
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
@@ -98,23 +99,34 @@ async def completions(payload: CompletionRequest, request: Request, key: Inferen
 
 @router.get("/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
 def list_models(key: CurrentKey, registry: RegistryDep, request: Request) -> ModelList:
-    """The served models (any valid key)."""
+    """The served models (any valid key), then the LoRA adapters over them, each with its `parent`."""
     created = request.app.state.started_at
-    return ModelList(data=[ModelPublic(id=e.name, created=created, max_model_len=e.max_model_len)
-                           for e in registry])
+    models = [_model_public(entry, created) for entry in registry]
+    if registry.adapters is not None:
+        for adapter in registry.adapters.registered():
+            entry = registry.get(adapter.name)
+            if entry is not None:
+                models.append(_model_public(entry, created))
+    return ModelList(data=models)
 
 
 @router.get("/models/{model:path}", response_model=ModelPublic,
             responses={401: {"model": ErrorResponse}, 404: {"model": ErrorResponse}})
 def retrieve_model(model: str, key: CurrentKey, registry: RegistryDep, request: Request) -> ModelPublic:
-    """One served model (the official client's `models.retrieve`)."""
+    """One served model or LoRA adapter (the official client's `models.retrieve`)."""
     entry = registry.get(model)
     if entry is None:
         served = ", ".join(e.name for e in registry) or "none"
         raise APIError(404, f"The model '{model}' does not exist (served: {served}).", param="model",
                        code="model_not_found")
-    return ModelPublic(id=entry.name, created=request.app.state.started_at,
-                       max_model_len=entry.max_model_len)
+    return _model_public(entry, request.app.state.started_at)
+
+
+def _model_public(entry: ModelEntry, created: int) -> ModelPublic:
+    if entry.lora is not None:
+        return ModelPublic(id=entry.name, created=created, max_model_len=entry.max_model_len,
+                           root=entry.lora.path, parent=entry.lora.base)
+    return ModelPublic(id=entry.name, created=created, max_model_len=entry.max_model_len, root=entry.source)
 
 
 async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: KeyInfo,

@@ -28,7 +28,7 @@ from rein.model.lora.request import LoRARequest
 
 # The torch-side names load on first use, so that importing LoRARequest stays light.
 _LAZY = {
-    "AdapterError": "rein.model.lora.adapters",
+    "AdapterError": "rein.model.lora.config",
     "LoRATarget": "rein.model.lora.adapters",
     "LoRAWeights": "rein.model.lora.adapters",
     "load_peft_adapter": "rein.model.lora.adapters",
