@@ -33,7 +33,15 @@ Tokens are gathered through the sorted index as triton_moe gathers rows, and x's
 to the adapter's dtype before the product (as rein.model.lora.layers does). On CUDA a half
 adapter's products run on tensor cores, buf rounded to the adapter's dtype for the expand;
 float32 adapters run IEEE products. Under the Triton interpreter (CPU tensors, the tests) bf16
-tiles are widened to float32 before tl.dot, whose interpreted bf16 product is wrong.
+tiles are widened to float32 before tl.dot, whose interpreted bf16 product is wrong, and the
+expand's add is done in float32 by hand for the same reason (the interpreter also rounds a
+float32 -> bf16 cast by truncation: one ulp where CUDA rounds to nearest).
+
+For a caller: every slot of lora_a / lora_b is read for its tokens, so a slot whose adapter does
+not target this projection must hold zeros there (or its tokens must be -1 for it). The offset
+is one for all slots: adapters that cover different parts of a fused output (one q only,
+another q, k and v) take one expand per part, or a lora_b zero outside each adapter's part.
+Values of token_slots outside [-1, max_loras) are the caller's to prevent.
 
 `reference_shrink` / `reference_expand` are the specification: a plain per-token loop.
 tests/kernels/test_triton_lora.py compares the kernels with them under the interpreter.

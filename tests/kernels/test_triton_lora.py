@@ -120,7 +120,7 @@ def test_prepare_puts_every_adapted_token_once_in_one_slot_tiles(values):
         assert all(values[t] == slot for t in order[start:start + length])
     covered = []
     real_tiles = 0
-    for slot, start, end in zip(batch.tile_slots.tolist(), batch.tile_starts.tolist(), batch.tile_ends.tolist()):
+    for slot, start, end in zip(batch.tile_slots.tolist(), batch.tile_starts.tolist(), batch.tile_ends.tolist(), strict=True):
         if slot < 0:
             continue
         real_tiles += 1
