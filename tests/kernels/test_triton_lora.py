@@ -214,6 +214,17 @@ def test_the_three_parts_of_a_fused_qkv_on_strided_views():
     assert torch.equal(wide[:, 68:], activations(21, 80, seed=6)[:, 68:])
 
 
+def test_column_major_operands():
+    # x, the adapters and out each stored transposed: no operand has unit column stride.
+    lora_a, lora_b = adapters((8, 16, 24, 4), 24, 40, 20)
+    lora_a = lora_a.transpose(1, 2).contiguous().transpose(1, 2)
+    lora_b = lora_b.transpose(1, 2).contiguous().transpose(1, 2)
+    x = activations(40, 21).t()
+    out = activations(30, 21, seed=2).t()
+    assert x.stride(1) != 1 and out.stride(1) != 1 and lora_a.stride(2) != 1 and lora_b.stride(2) != 1
+    check(x, lora_a, lora_b, slots_of(MIXED), out, 7)
+
+
 def test_64_token_tiles():
     values = ([0] * 50 + [1] * 20 + [-1] * 5)
     lora_a, lora_b = adapters((8, 16), 16, 24, 20)
