@@ -76,3 +76,24 @@ def peft_logits(hf_model_dir: str | Path, adapter_dir: str | Path | None, input_
     with torch.no_grad():
         ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(1, -1)
         return model(input_ids=ids).logits[0].float()
+
+
+def peft_greedy(hf_model_dir: str | Path, adapter_dir: str | Path | None, prompt: Sequence[int],
+                max_tokens: int) -> list[int]:
+    """The reference greedy answer: transformers (+ PEFT with `adapter_dir`), one argmax at a
+    time for `max_tokens` tokens (end of sequence ignored)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(hf_model_dir), dtype=torch.float32)
+    if adapter_dir is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, str(adapter_dir))
+    model.eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            ids.append(int(logits.argmax()))
+    return ids[len(prompt):]

@@ -202,6 +202,11 @@ class EngineClient:
         A submit_group group id aborts every request of the group."""
         self._commands.put(("abort", request_id))
 
+    def lora_event(self, event: str, lora_request: Any) -> None:
+        """A LoRA adapter registered ("load") or unloaded ("unload") for the fleet: the engine reads
+        it into its host cache or drops it there (LLMEngine.lora_event), between two steps."""
+        self._commands.put(("lora", event, lora_request))
+
     def stop(self, timeout: float = 10.0) -> None:
         """Abort everything left, end the thread and wait for it."""
         self._stopping.set()
@@ -246,6 +251,9 @@ class EngineClient:
                 except Exception as exc:  # validation error: the caller raises it
                     command.error = exc
                 command.accepted.set()
+            elif command[0] == "lora":
+                _, event, lora_request = command
+                self.engine.lora_event(event, lora_request)
             else:
                 _, request_id = command
                 self.engine.abort(request_id)

@@ -228,6 +228,20 @@ class LLMEngine:
         except (ValueError, OSError) as exc:   # AdapterError is a ValueError: what is wrong and what to do
             raise EngineRequestError(str(exc), param="lora_request") from exc
 
+    def lora_event(self, event: str, lora_request: LoRARequest) -> None:
+        """An adapter registered ("load": read it into the host cache now, before its first request)
+        or unloaded ("unload": drop it from the host cache; requests holding it keep it). Never
+        raises: a bad adapter is reported to its requests when they come."""
+        if self.runner.lora is None:
+            return
+        if event == "unload":
+            self.runner.lora.forget(lora_request.lora_int_id)
+            return
+        try:
+            self._load_adapter(lora_request)
+        except EngineRequestError as exc:
+            log.warning("LoRA adapter %s announced but not loaded: %s", lora_request.lora_name, exc)
+
     def _init_choice_state(self, choice: Request) -> None:
         """Create the per-choice helpers of a new request or of a forked choice: its
         detokenizer (stop strings) and, when it samples, its generator, seeded `seed +

@@ -76,6 +76,11 @@ class LoRASlots:
             self._host.popitem(last=False)
         return weights
 
+    def forget(self, lora_int_id: int) -> None:
+        """Drop an adapter from the host cache (unloaded): read again if a request names it later.
+        Its device slot, if it has one, goes to the next adapter that needs a slot like any other."""
+        self._host.pop(lora_int_id, None)
+
     @property
     def loaded(self) -> list[int]:
         """The ids of the adapters in the host cache, least recently used first."""

@@ -164,6 +164,10 @@ class ProcessEngineClient(EngineClient):
                 self._pending.pop(command.request_id, None)
             raise
 
+    def lora_event(self, event: str, lora_request: Any) -> None:
+        """As EngineClient.lora_event, in the engine's process."""
+        self._send(("lora", event, lora_request))
+
     def _wait_accepted(self, command: _Add) -> None:
         while not command.accepted.wait(timeout=0.5):
             if not self.alive:
@@ -358,6 +362,8 @@ class _ChildLoop:
             elif kind == "abort":
                 for request_id in message[1]:
                     self.engine.abort(request_id)
+            elif kind == "lora":
+                self.engine.lora_event(message[1], message[2])
             elif kind == "stop":
                 return False
         return True

@@ -46,6 +46,7 @@ from rein.jobs.reaper import Reaper
 from rein.store.db import make_engine
 from rein.store.redis_client import redis_client
 from rein.store.redis_keys import RedisKeys
+from rein.worker.adapters import AdapterListener
 from rein.worker.cancel import CancelListener
 from rein.worker.engine_keeper import EngineKeeper
 from rein.worker.heartbeat import HEARTBEAT_SECONDS, Heartbeat
@@ -93,6 +94,7 @@ class WorkerContext:
     publisher: TokenPublisher
     metrics: WorkerMetrics | None = None
     listener: CancelListener | None = None
+    adapters: AdapterListener | None = None   # announcements of LoRA adapters (with REIN_ENABLE_LORA)
     stopping: threading.Event = field(default_factory=threading.Event)
     reaper: Reaper | None = None
     recorder: GroupRecorder | None = None   # None: each task records its job alone (record_job)
@@ -148,6 +150,8 @@ class WorkerContext:
     def start(self) -> None:
         self.engine_ready.set()
         self.listener = CancelListener(self.redis, self.keys, self.abort, self.jobs.running_jobs).start()
+        if self.settings.enable_lora:
+            self.adapters = AdapterListener(self.redis, self.keys, self.model_name, lambda: self.runner).start()
         self.heartbeat.start()
         self.lease_keeper.start()
         if self.reaper is not None:
@@ -170,6 +174,8 @@ class WorkerContext:
         self.publisher.close()
         if self.listener is not None:
             self.listener.stop()
+        if self.adapters is not None:
+            self.adapters.stop()
         self.engine_ready.set()   # tasks waiting for a new engine go on, see `stopping`, and requeue
         if self.keeper is not None:
             self.keeper.join(HEARTBEAT_SECONDS)

@@ -120,6 +120,14 @@ class WorkerMetrics:
             "rein:iteration_tokens_total",
             "Tokens (prefill chunks + decodes) computed in one engine step.",
             ITERATION_TOKENS_BUCKETS)
+        # Per LoRA adapter (vLLM reports adapters through a gauge's labels; counters sum better).
+        self.lora_requests = counter(
+            "rein:lora_requests", "Jobs run under a LoRA adapter, by adapter and outcome (succeeded, failed, "
+            "cancelled).", (*MODEL_LABEL, "lora_name", "status"))
+        self.lora_prompt_tokens = counter(
+            "rein:lora_prompt_tokens", "Prompt tokens of jobs run under a LoRA adapter.", (*MODEL_LABEL, "lora_name"))
+        self.lora_generation_tokens = counter(
+            "rein:lora_generation_tokens", "Tokens generated under a LoRA adapter.", (*MODEL_LABEL, "lora_name"))
         self._bind_children()
         self._engine: LLMEngine | None = None
         self._seen: tuple[int, float, int, int, int, int, int] = (0, 0.0, 0, 0, 0, 0, 0)
@@ -211,6 +219,13 @@ class WorkerMetrics:
         self._ttft.observe(max(first_token - accepted, 0.0))
         if num_output_tokens > 1:
             self._tpot.observe(max(finished - first_token, 0.0) / (num_output_tokens - 1))
+
+    def observe_lora_job(self, lora_name: str, status: str, prompt_tokens: int, output_tokens: int) -> None:
+        """One job run under LoRA adapter `lora_name` ended with `status` (task thread)."""
+        name = self.model_name
+        self.lora_requests.labels(name, lora_name, status).inc()
+        self.lora_prompt_tokens.labels(name, lora_name).inc(prompt_tokens)
+        self.lora_generation_tokens.labels(name, lora_name).inc(output_tokens)
 
     # -- serving -----------------------------------------------------------------------------
 
