@@ -184,3 +184,64 @@ def test_two_ranks_generate_with_adapters_what_one_rank_does(setup):
         if lora_id and prompt in base:
             assert ids[:8] != base[prompt][:8], f"adapter {lora_id} answers prompt {prompt} as the base does"
     assert two.runner.lora.num_activations == one.runner.lora.num_activations > len(adapters)
+
+
+# -- the other ranks' slots ------------------------------------------------------------------------
+
+
+class RecordingSlots:
+    def __init__(self) -> None:
+        self.slots: dict[int, object] = {}
+
+    def activate(self, slot, weights):
+        self.slots[slot] = weights
+
+    def deactivate(self, slot):
+        self.slots.pop(slot, None)
+
+
+def test_a_follower_places_each_adapter_where_rank_zero_assigned_it():
+    from rein.engine.lora_slots import LoRASlots
+
+    def load(request):
+        return f"{request.lora_int_id}@{request.lora_path}"
+
+    def adapter(lora_id, path=None):
+        return LoRARequest(f"a{lora_id}", lora_id, path or f"/adapters/{lora_id}")
+
+    leader_model, follower_model = RecordingSlots(), RecordingSlots()
+    leader = LoRASlots(load, leader_model, max_loras=2, max_cpu_loras=2)
+    follower = LoRASlots(load, follower_model, max_loras=2, max_cpu_loras=2)
+    for step in ([1, 2], [2], [3, 2], [1], [1, 3]):
+        held = leader.active
+        slot_of = leader.assign({i: leader.load(adapter(i)) for i in step})
+        for lora_id, slot in slot_of.items():
+            if held.get(lora_id) != slot:
+                follower.place(slot, adapter(lora_id))
+        assert follower_model.slots == leader_model.slots and follower.active == leader.active
+    assert follower.num_activations == leader.num_activations == 5
+    # Adapter 1's id now names another directory (rank 0 accepted it after 1 left its cache):
+    # the follower reads it again rather than refusing what rank 0 runs.
+    follower.place(0, adapter(1, "/adapters/new"))
+    assert follower_model.slots[0] == "1@/adapters/new"
+    with pytest.raises(ValueError, match="out of range"):
+        follower.place(2, adapter(4))
+
+
+def test_a_rank_that_cannot_read_an_adapter_fails_the_step_saying_why(setup, tmp_path):
+    import shutil
+
+    from rein.engine.rank_processes import RankDiedError
+
+    model_dir, adapters = setup
+    copy = LoRARequest("gone", 7, str(shutil.copytree(adapters[0].lora_path, tmp_path / "gone")))
+    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cpu", tensor_parallel_size=WORLD_SIZE,
+                                    max_model_len=128, kv_cache_memory="4MiB", enable_lora=True, max_loras=2,
+                                    max_lora_rank=MAX_RANK))
+    try:
+        engine.add_request("a", prompts()[0], SamplingParams(max_tokens=4, temperature=0), lora_request=copy)
+        shutil.rmtree(copy.lora_path)   # rank 0 read it when the request came; rank 1 reads it at its first step
+        with pytest.raises(RankDiedError, match="rank 1 .*gone does not exist"):
+            engine.step()
+    finally:
+        engine.close()

@@ -90,8 +90,7 @@ def load_peft_adapter(path: str | Path, model: nn.Module, spec: ModelSpec, max_r
     the base model the adapter must have been trained on (compared with the config's
     `base_model_name_or_path` when `check_base`; by whole name, or by its last path component
     so that a local copy of `org/name` matches). Returns CPU float32 tensors; under tensor
-    parallelism, the part of the adapter for the rank `model` is a shard of
-    (rein.model.lora.sharding)."""
+    parallelism (`model` one rank's shard) only that rank's part of them (rein.model.lora.sharding)."""
     directory = Path(path)
     name = directory.name
     if spec.family == TRANSFORMERS_FAMILY:
