@@ -154,10 +154,6 @@ class EngineConfig:
             raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras ({self.max_loras})")
         if not 1 <= self.max_lora_rank <= MAX_LORA_RANK:
             raise ValueError(f"max_lora_rank must be between 1 and {MAX_LORA_RANK}, got {self.max_lora_rank}")
-        if self.enable_lora and self.tensor_parallel_size > 1:
-            raise ValueError(f"enable_lora is not supported with tensor_parallel_size > 1 yet (got "
-                             f"{self.tensor_parallel_size}): serve LoRA adapters on one rank "
-                             f"(tensor_parallel_size=1)")
 
     @property
     def cpu_lora_capacity(self) -> int:

@@ -12,6 +12,9 @@ directories by rein.model.lora.adapters) and the model's `max_loras` device slot
 * Device: `assign(adapters)` gives each adapter of a step a slot: the one it has, else a free
   one, else the one least recently used by a step among the adapters this step does not use
   (the scheduler keeps a step's adapters within max_loras, so there always is one).
+* Under tensor parallelism the other ranks `place` each adapter in the slot rank 0's `assign`
+  gave it (rein.engine.model_runner's StepPlan.lora_activations), reading it through their own
+  host cache.
 
 No torch here: the loader and the model's slots are handed in, so fakes test this module.
 """
@@ -107,6 +110,26 @@ class LoRASlots:
             self._slots[lora_id] = slot
             slots[lora_id] = slot
         return slots
+
+    def place(self, slot: int, lora_request: LoRARequest) -> None:
+        """Put the adapter in `slot`, whatever was there: a tensor-parallel rank other than 0 doing
+        what rank 0's `assign` did (its step plan says which adapter went where), the weights from
+        this rank's own host cache. Rank 0 accepted the adapter, so it is read here without question:
+        an id this cache holds for another path is read again (rank 0's is the newer)."""
+        if not 0 <= slot < self.max_loras:
+            raise ValueError(f"LoRA slot {slot} is out of range: there are {self.max_loras} (max_loras)")
+        cached = self._host.get(lora_request.lora_int_id)
+        if cached is not None and cached[0].lora_path != lora_request.lora_path:
+            del self._host[lora_request.lora_int_id]
+        weights = self.load(lora_request)
+        for lora_id, held in list(self._slots.items()):
+            if held == slot or lora_id == lora_request.lora_int_id:
+                del self._slots[lora_id]
+        if slot in self._free:
+            self._free.remove(slot)
+        self.model.activate(slot, weights)
+        self.num_activations += 1
+        self._slots[lora_request.lora_int_id] = slot
 
     def _evict(self, keep: Mapping[int, Any]) -> int:
         """Empty the slot of the least recently used adapter that is not in `keep`."""

@@ -17,7 +17,9 @@ LoRA adapters (EngineConfig.enable_lora): the runner wraps the model in the mode
 adapter slots (rein.model.lora.layers) and keeps them with `LoRASlots` (rein.engine.lora_slots:
 the host cache of loaded adapters and which adapter sits in which slot). A step whose requests
 use adapters gets them into slots first, and its forward runs inside `LoRAModel.step` with each
-token's slot (-1 for base-model tokens).
+token's slot (-1 for base-model tokens). Under tensor parallelism every rank has its slots and
+host cache: each reads an adapter as its shard (rein.model.lora.sharding), and the plan tells the
+other ranks which adapters rank 0 put in which slot this step (`StepPlan.lora_activations`).
 
 Sliding-window layers get caches of their own when the capacity arithmetic says so
 (rein.model.capacity): smaller tensors indexed by windowed blocks, which
@@ -97,6 +99,9 @@ class StepPlan:
     windowed_copies: list[tuple[int, int]] | None = None
     # Each row's LoRA slot (-1: the base model); None when no request of the step has an adapter.
     lora_slots: list[int] | None = None
+    # The adapters rank 0 put in a slot for this step, (slot, its LoRARequest): every other rank
+    # reads each (through its own host cache, as its shard) into the same slot before the forward.
+    lora_activations: list[tuple[int, LoRARequest]] = field(default_factory=list)
 
 
 @dataclass
@@ -238,8 +243,9 @@ class ModelRunner:
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
         """Make the block copies the forks queued, run one step's forward pass (on every rank,
         under tensor parallelism) and return what rank 0 samples from."""
-        slot_of = self._adapter_slots(scheduled) if self.lora is not None else None
+        slot_of, activations = self._adapter_slots(scheduled) if self.lora is not None else (None, [])
         plan, local = self._plan(scheduled, slot_of)
+        plan.lora_activations = activations
         copies = self.kv_cache.take_copies() if self.kv_cache is not None else None
         # No forward ran since they were queued, so their sources hold what the fork saw; a
         # block freed and handed out again meanwhile is written by this forward only, after.
@@ -267,15 +273,23 @@ class ModelRunner:
     def follow(self, plan: StepPlan) -> None:
         """Ranks 1..N-1 of a tensor-parallel engine: rank 0's step on this rank's shard (the
         collectives inside meet rank 0's); the logits rank 0 samples from are discarded here."""
+        for slot, lora_request in plan.lora_activations:
+            self.lora.place(slot, lora_request)
         if plan.copies:
             self._copy(plan.copies, plan.windowed_copies)
         self._logits(self._forward(plan), plan)
 
-    def _adapter_slots(self, scheduled: list[ScheduledRequest]) -> dict[int, int] | None:
-        """lora_int_id -> slot for the step's adapters, each put in a slot (None: no adapter)."""
-        adapters = {s.request.lora_int_id: s.request.lora_weights for s in scheduled
-                    if s.request.lora_request is not None}
-        return self.lora.assign(adapters) if adapters else None
+    def _adapter_slots(self, scheduled: list[ScheduledRequest]
+                       ) -> tuple[dict[int, int] | None, list[tuple[int, LoRARequest]]]:
+        """lora_int_id -> slot for the step's adapters, each put in a slot (None: no adapter), and
+        the adapters put in a slot just now as (slot, LoRARequest), which the other ranks repeat."""
+        requests = {s.request.lora_int_id: s.request for s in scheduled if s.request.lora_request is not None}
+        if not requests:
+            return None, []
+        held = self.lora.active
+        slot_of = self.lora.assign({lora_id: request.lora_weights for lora_id, request in requests.items()})
+        return slot_of, [(slot, requests[lora_id].lora_request) for lora_id, slot in slot_of.items()
+                         if held.get(lora_id) != slot]
 
     def _plan(self, scheduled: list[ScheduledRequest], slot_of: dict[int, int] | None = None
               ) -> tuple[StepPlan, tuple[list, list, list]]:

@@ -66,6 +66,13 @@ def serve_rank(conn: Connection, parent_pid: int) -> int:
             runner.follow(conn.recv())
     except EOFError:   # rank 0 closed the pipe: stopped or gone
         return 0
+    except Exception as exc:   # noqa: BLE001 - e.g. an adapter this rank could not read: rank 0 names it
+        log.exception("rank %d failed a step", rank)
+        try:
+            conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+        except OSError:
+            pass
+        return 1
     finally:
         group.close()
 

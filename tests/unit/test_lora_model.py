@@ -302,14 +302,10 @@ def test_base_model_check(llama):
     load_peft_adapter(llama.adapter, llama.model, llama.spec, 8, f"someorg/{llama.model_dir.name}")
 
 
-def test_transformers_backend_and_tensor_parallelism_are_refused(llama):
+def test_the_transformers_backend_is_refused(llama):
+    # (Tensor parallelism is served: tests/unit/test_lora_tensor_parallel.py.)
     with pytest.raises(AdapterError, match="Transformers backend"):
         load_peft_adapter(llama.adapter, llama.model, replace(llama.spec, family="transformers"), 8, None)
-    sharded = SimpleNamespace(group=SimpleNamespace(world_size=2))
-    with pytest.raises(AdapterError, match="--tensor-parallel-size 1"):
-        load_peft_adapter(llama.adapter, sharded, llama.spec, 8, None)
-    with pytest.raises(ValueError, match="--tensor-parallel-size 1"):
-        LoRAModel(sharded, 2, 8, "cpu", torch.float32)
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:

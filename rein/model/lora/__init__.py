@@ -17,6 +17,9 @@ The pieces, and who uses them:
   which token t gets its slot's products added (token_slots[t] = -1: the base alone). The
   products are grouped by adapter (one pair of matmuls per adapter in the step, on the rows
   of its tokens).
+* `shard_adapter` (sharding.py): under tensor parallelism, what `load_peft_adapter` returns is the
+  rank's shard of the adapter, cut as the rank's projections are (B's rows for the column-parallel
+  qkv_proj and gate_up_proj, A's columns for the row-parallel o_proj and down_proj).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from rein.model.lora.config import (
     check_config,
     read_config,
 )
+from rein.model.lora.sharding import shard_adapter, whole_in_features, whole_parts
 from rein.model.spec import ModelSpec
 
 # PEFT module name -> (rein module name, which part of the fused output it is, of how many).
@@ -88,7 +89,8 @@ def load_peft_adapter(path: str | Path, model: nn.Module, spec: ModelSpec, max_r
     `max_rank`: the largest rank the server's slots hold (--max-lora-rank). `expected_base`:
     the base model the adapter must have been trained on (compared with the config's
     `base_model_name_or_path` when `check_base`; by whole name, or by its last path component
-    so that a local copy of `org/name` matches). Returns CPU float32 tensors."""
+    so that a local copy of `org/name` matches). Returns CPU float32 tensors; under tensor
+    parallelism (`model` one rank's shard) only that rank's part of them (rein.model.lora.sharding)."""
     directory = Path(path)
     name = directory.name
     if spec.family == TRANSFORMERS_FAMILY:
@@ -96,16 +98,13 @@ def load_peft_adapter(path: str | Path, model: nn.Module, spec: ModelSpec, max_r
                            f"are transformers' own nn.Linear modules, not rein's: LoRA is served only on rein's "
                            f"native architectures for now (serve the adapter merged into the base instead, "
                            f"e.g. PEFT's merge_and_unload)")
-    group = getattr(model, "group", None)
-    if group is not None and group.world_size > 1:
-        raise AdapterError(f"adapter {name}: LoRA does not run under tensor parallelism yet "
-                           f"(--tensor-parallel-size {group.world_size}): serve with --tensor-parallel-size 1")
     config = read_config(directory)
     check_config(name, config)
     if check_base:
         check_base_model(name, config.get("base_model_name_or_path"), expected_base)
     tensors = read_tensors(directory)
-    return map_tensors(name, config, tensors, model, max_rank)
+    # Mapped onto the whole model's widths, then cut as this rank's shard of the base is.
+    return shard_adapter(map_tensors(name, config, tensors, model, max_rank), model)
 
 
 def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
@@ -183,10 +182,10 @@ def map_tensors(name: str, config: dict[str, Any], tensors: dict[str, torch.Tens
                                f"(r / rank_pattern): the files disagree, save the adapter again")
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         layer, path, start, stop = locate(name, hf_module, model)
-        module = model.get_submodule(path)
-        if lora_a.shape[1] != module.in_features or lora_b.shape[0] != stop - start:
+        in_features = whole_in_features(model, path)
+        if lora_a.shape[1] != in_features or lora_b.shape[0] != stop - start:
             raise AdapterError(f"adapter {name}: {hf_module} has lora_A {tuple(lora_a.shape)} and lora_B "
-                               f"{tuple(lora_b.shape)}, but the served model's module takes {module.in_features} "
+                               f"{tuple(lora_b.shape)}, but the served model's module takes {in_features} "
                                f"inputs and gives {stop - start} outputs: the adapter was trained on another "
                                f"base model; serve it with its own base")
         targets.append(LoRATarget(layer, path, start, stop, lora_a.float().contiguous(),
@@ -206,7 +205,8 @@ def check_target(name: str, hf_module: str) -> None:
 
 
 def locate(name: str, hf_module: str, model: nn.Module) -> tuple[int | None, str, int, int]:
-    """(layer index, rein module path, output start, stop) of a Hugging Face module name."""
+    """(layer index, rein module path, output start, stop) of a Hugging Face module name; the
+    columns are the whole projection's (all tensor-parallel ranks' together)."""
     check_target(name, hf_module)
     path = hf_module
     for prefix in HF_PREFIXES:
@@ -225,18 +225,10 @@ def locate(name: str, hf_module: str, model: nn.Module) -> tuple[int | None, str
                            f"({type(model).__name__}) has no projection for: the adapter was trained on another "
                            f"architecture, or targets a module rein does not adapt; retrain with target_modules "
                            f"among q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj")
-    start, stop = 0, module.out_features
+    sizes = whole_parts(model, rein_path)
+    start, stop = 0, sum(sizes)
     if part is not None:
-        sizes = fused_sizes(model.get_submodule(parent) if parent else model, fused, module)
         start = sum(sizes[:part])
         stop = start + sizes[part]
     numbers = re.search(r"(?:^|\.)layers\.(\d+)\.", rein_path)
     return (int(numbers[1]) if numbers else None), rein_path, start, stop
-
-
-def fused_sizes(parent: nn.Module, fused: str, module: Linear) -> list[int]:
-    """The output widths of a fused projection's parts: [q, k, v] or [gate, up]."""
-    if fused == "qkv_proj":
-        return [parent.q_size, parent.kv_size, parent.kv_size]
-    half = module.out_features // 2
-    return [half, half]

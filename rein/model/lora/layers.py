@@ -63,10 +63,6 @@ class LoRAModel:
                  dtype: torch.dtype) -> None:
         if max_loras < 1 or max_rank < 1:
             raise ValueError(f"max_loras and max_rank must be at least 1 (got {max_loras} and {max_rank})")
-        group = getattr(model, "group", None)
-        if group is not None and group.world_size > 1:
-            raise ValueError(f"LoRA does not run under tensor parallelism yet (--tensor-parallel-size "
-                             f"{group.world_size}): serve LoRA adapters with --tensor-parallel-size 1")
         if not any(isinstance(module, Linear) for module in model.modules()):
             raise ValueError(f"{type(model).__name__} has no rein Linear projections (the Transformers backend "
                              f"runs transformers' own layers): LoRA is served on rein's native architectures only")
