@@ -83,7 +83,8 @@ class EngineConfig:
     the base model (rein.model.lora; requests carry a LoRARequest). At most `max_loras` distinct
     adapters run in one step (the device slots; requests of other adapters wait), `max_cpu_loras`
     (None: max_loras) loaded adapters are kept in host memory for later requests, and adapters of
-    rank above `max_lora_rank` are refused. Single rank only for now.
+    rank above `max_lora_rank` are refused. Under tensor parallelism each rank holds its shard of
+    every adapter (rein.model.lora.sharding).
     """
 
     model: str

@@ -113,8 +113,7 @@ class LLM:
     inline Jinja template, replacing the tokenizer's in `chat`), `trust_remote_code` (let
     transformers run the code of a model or tokenizer whose config needs it; without it such a
     model raises ValueError saying so), `enable_lora`, `max_loras`, `max_cpu_loras`, `max_lora_rank`
-    (LoRA adapters, then named per prompt by `generate`'s and `chat`'s `lora_request`; single rank
-    only). rein's own: `device` ("auto", "cuda",
+    (LoRA adapters, then named per prompt by `generate`'s and `chat`'s `lora_request`). rein's own: `device` ("auto", "cuda",
     "cuda:N", "cpu"), `kv_cache_memory` (bytes or a size such as "4GiB"; vLLM's
     `kv_cache_memory_bytes` is accepted for it), and `max_in_flight` (requests in the engine
     at once; default 4 x max_num_seqs). An engine argument not given takes its REIN_*
