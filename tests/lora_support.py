@@ -14,7 +14,7 @@ from typing import Any
 
 
 def make_peft_adapter(
-    hf_model_dir: str | Path,
+    hf_model_dir: str | Path | None,
     out_dir: str | Path,
     r: int,
     target_modules: Sequence[str] | str,
@@ -24,6 +24,7 @@ def make_peft_adapter(
     rank_pattern: dict[str, int] | None = None,
     alpha_pattern: dict[str, float] | None = None,
     weight_std: float = 0.05,
+    base_model: Any = None,
     **config: Any,
 ) -> Path:
     """Write a PEFT LoRA adapter for the model in `hf_model_dir` to `out_dir` (adapter_config.json
@@ -31,13 +32,20 @@ def make_peft_adapter(
 
     Every lora_A / lora_B weight is N(0, weight_std) under `torch.manual_seed(seed)`; extra
     keyword arguments go to `peft.LoraConfig` (e.g. `use_dora=True` for an adapter rein refuses).
+    `base_model`: a loaded transformers model to adapt (a copy of it; `hf_model_dir` is then not
+    read), e.g. the real tier's reading of a GGUF file.
     """
+    import copy
+
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     out = Path(out_dir)
-    base = AutoModelForCausalLM.from_pretrained(str(hf_model_dir), dtype=torch.float32)
+    if base_model is not None:
+        base = copy.deepcopy(base_model)
+    else:
+        base = AutoModelForCausalLM.from_pretrained(str(hf_model_dir), dtype=torch.float32)
     lora_config = LoraConfig(
         r=r,
         lora_alpha=lora_alpha,
@@ -78,10 +86,10 @@ def peft_logits(hf_model_dir: str | Path, adapter_dir: str | Path | None, input_
         return model(input_ids=ids).logits[0].float()
 
 
-# Hugging Face architecture -> the general.architecture llama.cpp's convert_hf_to_gguf.py writes,
-# and whether its model class reorders the q/k rows (LlamaModel's permute).
-GGUF_CONVERSION = {"LlamaForCausalLM": ("llama", True), "MistralForCausalLM": ("llama", True),
-                   "Qwen2ForCausalLM": ("qwen2", False), "Qwen3ForCausalLM": ("qwen3", False)}
+# The base's model_type -> the general.architecture llama.cpp's convert_hf_to_gguf.py writes for
+# its architecture, and whether that model class reorders the q/k rows (LlamaModel's permute).
+GGUF_CONVERSION = {"llama": ("llama", True), "mistral": ("llama", True), "qwen2": ("qwen2", False),
+                   "qwen3": ("qwen3", False)}
 
 
 def llama_cpp_permute(rows: Any, n_head: int, n_head_kv: int | None = None) -> Any:
@@ -112,7 +120,7 @@ def peft_to_gguf(adapter_dir: str | Path, hf_model_dir: str | Path, out_path: st
     adapter_dir, out_path = Path(adapter_dir), Path(out_path)
     lora_config = json.loads((adapter_dir / "adapter_config.json").read_text())
     hf_config = json.loads((Path(hf_model_dir) / "config.json").read_text())
-    arch_name, permutes = GGUF_CONVERSION[hf_config["architectures"][0]]
+    arch_name, permutes = GGUF_CONVERSION[hf_config["model_type"]]
     arch = next(key for key, value in gguf.MODEL_ARCH_NAMES.items() if value == arch_name)
     names = gguf.get_tensor_name_map(arch, hf_config["num_hidden_layers"])
     heads = hf_config["num_attention_heads"]
