@@ -26,6 +26,7 @@ checks are adapters.py's, so both formats refuse the same things with the same m
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -208,7 +209,7 @@ def gguf_to_hf_names(architecture: str, model: nn.Module, spec: ModelSpec) -> di
     return mapped
 
 
-def row_reordering(architecture: str, spec: ModelSpec):
+def row_reordering(architecture: str, spec: ModelSpec) -> Callable[[str, int], np.ndarray | None]:
     """A function (base tensor name, rows) -> the row order that undoes what the converter did
     to that tensor's rows (None: nothing), from the tensor processor rein's GGUF loader uses."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
