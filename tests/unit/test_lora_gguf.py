@@ -91,41 +91,6 @@ def test_a_mixed_batch_matches_peft(case):
             assert (want - peft_logits(case.model_dir, None, seqs[i])).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize(("outtype", "tolerance"), [("f16", 1e-3), ("bf16", 8e-3), ("q8_0", 8e-3)])
-def test_16_bit_and_q8_0_tensors(case, outtype, tolerance):
-    if case.arch != "llama":
-        pytest.skip("the tensor types are the same on every architecture")
-    path = peft_to_gguf(case.peft["all16"], case.model_dir, case.out / f"all16-{outtype}.gguf", outtype=outtype)
-    if outtype == "q8_0":   # the converter's q8_0: A's rows (64 wide) in blocks, B's (16) in f16
-        from gguf import GGMLQuantizationType, GGUFReader
-
-        kinds = {t.name.rsplit(".", 1)[-1]: t.tensor_type for t in GGUFReader(str(path)).tensors}
-        assert kinds == {"lora_a": GGMLQuantizationType.Q8_0, "lora_b": GGMLQuantizationType.F16}
-    got, want = load(case, path), load(case, case.ggufs["all16"])
-    for a, b in zip(got.targets, want.targets, strict=True):
-        assert a.module == b.module and a.lora_a.dtype == torch.float32
-        for x, y in ((a.lora_a, b.lora_a), (a.lora_b, b.lora_b)):
-            error = (x - y).abs().max().item() / y.abs().max().item()
-            assert 0 < error <= tolerance, (a.module, error)
-
-
-def test_a_directory_holding_one_gguf(case, tmp_path):
-    if case.arch != "llama":
-        pytest.skip("dispatch is the same on every architecture")
-    folder = tmp_path / "adapter"
-    folder.mkdir()
-    shutil.copy(case.ggufs["attn8"], folder / "attn8.gguf")
-    weights = load(case, folder)
-    assert weights.name == "attn8" and weights.rank == 8
-    shutil.copy(case.ggufs["all16"], folder / "all16.gguf")
-    with pytest.raises(AdapterError, match="holds 2 GGUF files"):
-        load(case, folder)
-    # a PEFT directory that also holds a converted file is read as PEFT
-    peft = Path(shutil.copytree(case.peft["attn8"], tmp_path / "peft"))
-    shutil.copy(case.ggufs["all16"], peft / "all16.gguf")
-    assert load(case, peft).rank == 8
-
-
 # -- refusals (on llama) -------------------------------------------------------------------------
 
 
@@ -146,6 +111,39 @@ def refused(llama, path: Path, match: str, max_rank: int = MAX_RANK) -> None:
 def converted(llama, tmp_path: Path, **kwargs) -> Path:
     tmp_path.mkdir(parents=True, exist_ok=True)
     return peft_to_gguf(llama.adapter, llama.model_dir, tmp_path / "adapter.gguf", **kwargs)
+
+
+@pytest.mark.parametrize(("outtype", "tolerance"), [("f16", 1e-3), ("bf16", 8e-3), ("q8_0", 8e-3)])
+def test_16_bit_and_q8_0_tensors(llama, tmp_path, outtype, tolerance):
+    path = converted(llama, tmp_path, outtype=outtype)
+    if outtype == "q8_0":   # the converter's q8_0: A's rows (64 wide) in blocks, B's (8) in f16
+        from gguf import GGMLQuantizationType, GGUFReader
+
+        kinds = {t.name.rsplit(".", 1)[-1]: t.tensor_type for t in GGUFReader(str(path)).tensors}
+        assert kinds == {"lora_a": GGMLQuantizationType.Q8_0, "lora_b": GGMLQuantizationType.F16}
+    got = load_peft_adapter(path, llama.model, llama.spec, MAX_RANK, None)
+    want = load_peft_adapter(llama.adapter, llama.model, llama.spec, MAX_RANK, None)
+    for a, b in zip(*(sorted(w.targets, key=lambda t: (t.module, t.start)) for w in (got, want)), strict=True):
+        assert a.module == b.module and a.lora_a.dtype == torch.float32
+        for x, y in ((a.lora_a, b.lora_a), (a.lora_b, b.lora_b)):
+            error = (x - y).abs().max().item() / y.abs().max().item()
+            assert 0 < error <= tolerance, (a.module, error)
+
+
+def test_a_directory_holding_one_gguf(llama, tmp_path):
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    converted(llama, folder, outtype="f16")
+    weights = load_peft_adapter(folder, llama.model, llama.spec, MAX_RANK, None)
+    assert weights.name == "adapter" and weights.rank == 8 and len(weights.targets) == 2 * 7
+    shutil.copy(folder / "adapter.gguf", folder / "copy.gguf")
+    refused(llama, folder, "holds 2 GGUF files")
+    # a PEFT directory that also holds a converted file is read as PEFT (f32 there, not the f16 file)
+    peft = Path(shutil.copytree(llama.adapter, tmp_path / "peft"))
+    shutil.copy(folder / "adapter.gguf", peft / "adapter.gguf")
+    got = load_peft_adapter(peft, llama.model, llama.spec, MAX_RANK, None)
+    want = load_peft_adapter(llama.adapter, llama.model, llama.spec, MAX_RANK, None)
+    assert all(torch.equal(a.lora_b, b.lora_b) for a, b in zip(got.targets, want.targets, strict=True))
 
 
 def test_a_base_model_file(llama, tmp_path):
@@ -239,3 +237,14 @@ def test_the_scaling_is_llama_cpps(llama, tmp_path):
         torch.testing.assert_close(a.lora_b, b.lora_b, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(c.lora_b * 2, a.lora_b, rtol=1e-6, atol=1e-7)
         torch.testing.assert_close(d.lora_b * 2, a.lora_b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_served_model_checks_come_first(llama, tmp_path):
+    """The Transformers backend and tensor parallelism are refused for a GGUF adapter as for PEFT's."""
+    from dataclasses import replace
+
+    path = converted(llama, tmp_path)
+    with pytest.raises(AdapterError, match="Transformers backend"):
+        load_peft_adapter(path, llama.model, replace(llama.spec, family="transformers"), MAX_RANK, None)
+    with pytest.raises(AdapterError, match="--tensor-parallel-size 1"):
+        load_peft_adapter(path, SimpleNamespace(group=SimpleNamespace(world_size=2)), llama.spec, MAX_RANK, None)
