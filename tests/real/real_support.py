@@ -124,16 +124,19 @@ _request_ids = count()
 
 
 def generate(engine, prompts: Sequence[list[int]], max_tokens: int = MAX_TOKENS,
-             logprobs: Sequence[int | None] | None = None) -> list[Generation]:
+             logprobs: Sequence[int | None] | None = None,
+             lora_requests: Sequence[object | None] | None = None) -> list[Generation]:
     """Greedy generations of all `prompts`, added together so they share the engine's batches;
-    `logprobs` (one per prompt) asks for the chosen tokens' logprobs."""
+    `logprobs` (one per prompt) asks for the chosen tokens' logprobs, `lora_requests` (one per
+    prompt, None: the base) the LoRA adapter each runs under."""
     from rein.engine.sampling_params import SamplingParams
 
     ids = [f"real-{next(_request_ids)}" for _ in prompts]
     results = {rid: Generation() for rid in ids}
-    for rid, prompt, want in zip(ids, prompts, logprobs or [None] * len(prompts), strict=True):
+    for rid, prompt, want, lora in zip(ids, prompts, logprobs or [None] * len(prompts),
+                                       lora_requests or [None] * len(prompts), strict=True):
         engine.add_request(rid, list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                             logprobs=want))
+                                                             logprobs=want), lora_request=lora)
     step = 0
     with torch_threads(1):
         while engine.has_unfinished():

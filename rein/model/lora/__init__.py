@@ -11,6 +11,8 @@ The pieces, and who uses them:
   with the scaling folded into B (lora_alpha / r, rsLoRA's lora_alpha / sqrt(r), and
   rank_pattern / alpha_pattern per module). Anything wrong raises `AdapterError`, whose message
   says what and what to change.
+* `load_gguf_adapter` (gguf_adapter.py): the same for an adapter in llama.cpp's GGUF form
+  (convert_lora_to_gguf.py's file); load_peft_adapter hands a .gguf path to it.
 * `LoRAModel` (layers.py): the model side. `enable_lora(model, max_loras, max_rank)` gives a
   loaded rein model `max_loras` device slots; `activate(slot, weights)` copies an adapter into
   a slot, `deactivate(slot)` empties it; `with lora_model.step(token_slots):` runs a forward in

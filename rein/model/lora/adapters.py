@@ -84,7 +84,9 @@ class LoRAWeights:
 
 def load_peft_adapter(path: str | Path, model: nn.Module, spec: ModelSpec, max_rank: int,
                       expected_base: str | None, check_base: bool = True) -> LoRAWeights:
-    """Read the PEFT LoRA adapter in directory `path` for the loaded rein `model` of `spec`.
+    """Read the PEFT LoRA adapter in directory `path` for the loaded rein `model` of `spec`
+    (or llama.cpp's GGUF form of one: a .gguf file, or a directory holding only that; see
+    rein.model.lora.gguf_adapter).
 
     `max_rank`: the largest rank the server's slots hold (--max-lora-rank). `expected_base`:
     the base model the adapter must have been trained on (compared with the config's
@@ -98,6 +100,11 @@ def load_peft_adapter(path: str | Path, model: nn.Module, spec: ModelSpec, max_r
                            f"are transformers' own nn.Linear modules, not rein's: LoRA is served only on rein's "
                            f"native architectures for now (serve the adapter merged into the base instead, "
                            f"e.g. PEFT's merge_and_unload)")
+    from rein.model.lora.gguf_adapter import is_gguf_adapter, load_gguf_adapter
+
+    gguf_file = is_gguf_adapter(directory)
+    if gguf_file is not None:   # llama.cpp's form (convert_lora_to_gguf.py): no config, no base name
+        return shard_adapter(load_gguf_adapter(gguf_file, model, spec, max_rank), model)
     config = read_config(directory)
     check_config(name, config)
     if check_base:
@@ -172,9 +179,7 @@ def map_tensors(name: str, config: dict[str, Any], tensors: dict[str, torch.Tens
                                f"save the adapter again")
         rank = int(pattern_value(rank_pattern, hf_module, config["r"]))
         alpha = float(pattern_value(alpha_pattern, hf_module, config["lora_alpha"]))
-        if rank > max_rank:
-            raise AdapterError(f"adapter {name} has rank {rank} on {hf_module}, above the server's maximum LoRA "
-                               f"rank {max_rank}: start the server with --max-lora-rank {rank} or more")
+        check_rank(name, hf_module, rank, max_rank)
         lora_a, lora_b = pair["A"], pair["B"]
         if lora_a.dim() != 2 or lora_b.dim() != 2 or lora_a.shape[0] != rank or lora_b.shape[1] != rank:
             raise AdapterError(f"adapter {name}: {hf_module}'s lora_A {tuple(lora_a.shape)} and lora_B "
@@ -182,15 +187,26 @@ def map_tensors(name: str, config: dict[str, Any], tensors: dict[str, torch.Tens
                                f"(r / rank_pattern): the files disagree, save the adapter again")
         scaling = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         layer, path, start, stop = locate(name, hf_module, model)
-        in_features = whole_in_features(model, path)
-        if lora_a.shape[1] != in_features or lora_b.shape[0] != stop - start:
-            raise AdapterError(f"adapter {name}: {hf_module} has lora_A {tuple(lora_a.shape)} and lora_B "
-                               f"{tuple(lora_b.shape)}, but the served model's module takes {in_features} "
-                               f"inputs and gives {stop - start} outputs: the adapter was trained on another "
-                               f"base model; serve it with its own base")
+        check_shapes(name, hf_module, tuple(lora_a.shape), tuple(lora_b.shape), whole_in_features(model, path),
+                     stop - start)
         targets.append(LoRATarget(layer, path, start, stop, lora_a.float().contiguous(),
                                   (lora_b.float() * scaling).contiguous()))
     return LoRAWeights(name, max(t.rank for t in targets), targets)
+
+
+def check_rank(name: str, hf_module: str, rank: int, max_rank: int) -> None:
+    if rank > max_rank:
+        raise AdapterError(f"adapter {name} has rank {rank} on {hf_module}, above the server's maximum LoRA "
+                           f"rank {max_rank}: start the server with --max-lora-rank {rank} or more")
+
+
+def check_shapes(name: str, hf_module: str, a_shape: tuple[int, ...], b_shape: tuple[int, ...], in_features: int,
+                 out_features: int) -> None:
+    """A [r, in] and B [out, r] must fit the served model's module (its slice of a fused one)."""
+    if a_shape[1] != in_features or b_shape[0] != out_features:
+        raise AdapterError(f"adapter {name}: {hf_module} has lora_A {a_shape} and lora_B {b_shape}, but the served "
+                           f"model's module takes {in_features} inputs and gives {out_features} outputs: the "
+                           f"adapter was trained on another base model; serve it with its own base")
 
 
 def check_target(name: str, hf_module: str) -> None:

@@ -95,7 +95,7 @@ def largest_rank(config: dict[str, Any]) -> int:
     return int(max(rank for rank in ranks if isinstance(rank, (int, float))))
 
 
-def check_rank(name: str, config: dict[str, Any], max_rank: int) -> None:
+def check_largest_rank(name: str, config: dict[str, Any], max_rank: int) -> None:
     rank = largest_rank(config)
     if rank > max_rank:
         raise AdapterError(f"adapter {name} has rank {rank}, above the server's maximum LoRA rank {max_rank}: "
@@ -109,7 +109,7 @@ def check_adapter_directory(path: str | Path, max_rank: int, expected_base: str 
     directory = Path(path)
     config = read_config(directory)
     check_config(directory.name, config)
-    check_rank(directory.name, config, max_rank)
+    check_largest_rank(directory.name, config, max_rank)
     if check_base:
         check_base_model(directory.name, config.get("base_model_name_or_path"), expected_base)
     if not (directory / SAFETENSORS_FILE).is_file() and not (directory / BIN_FILE).is_file():
