@@ -201,22 +201,10 @@ def lora_setup(tiny_models, tmp_path_factory):
 
 
 def hf_greedy(model_dir, adapter_path, prompt: list[int]) -> list[int]:
-    """Greedy tokens of transformers (+ PEFT with `adapter_path`), one argmax at a time."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    """Greedy tokens of transformers (+ PEFT with `adapter_path`), MAX_TOKENS of them."""
+    from lora_support import peft_greedy
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    if adapter_path is not None:
-        from peft import PeftModel
-
-        model = PeftModel.from_pretrained(model, str(adapter_path))
-    model.eval()
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(MAX_TOKENS):
-            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
-            ids.append(int(logits.argmax()))
-    return ids[len(prompt):]
+    return peft_greedy(model_dir, adapter_path, prompt, MAX_TOKENS)
 
 
 def make_llm(model_dir, max_loras: int, **kwargs):
@@ -293,3 +281,36 @@ def test_an_engine_without_lora_refuses_adapter_requests(lora_setup, tiny_models
     outputs = llm.generate([{"prompt_token_ids": PROMPTS[0]}] * 2, GREEDY, use_tqdm=False,
                            lora_request=[adapters[0], None])
     assert "enable_lora" in outputs[0].error and len(outputs[1].outputs[0].token_ids) == MAX_TOKENS
+
+
+def test_run_batch_lines_name_adapters(lora_setup, tmp_path, capsys):
+    """`rein run-batch --lora-modules`: a line whose model names an adapter runs under it."""
+    import json
+
+    from rein.cli.main import main
+
+    model_dir, adapters, _ = lora_setup
+    plan = [("adapter1", adapters[0]), ("base", None), ("adapter2", adapters[1])]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": name, "method": "POST", "url": "/v1/completions", "body": {
+        "model": name, "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True,
+        "logprobs": 0}}) + "\n" for name, _ in plan))
+    modules = ",".join(f"{a.lora_name}={a.lora_path}" for a in adapters[:2])
+    code = main(["run-batch", str(src), "-o", str(out), "--model", str(model_dir), "--kv-cache-memory", "16MiB",
+                 "--lora-modules", modules, "--no-progress"])
+    assert code == 0, capsys.readouterr().err
+    answers = {}
+    for raw in out.read_text().splitlines():
+        line = json.loads(raw)
+        body = line["response"]["body"]
+        assert body["model"] == line["custom_id"]
+        answers[line["custom_id"]] = body["choices"][0]["logprobs"]["tokens"]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    for name, adapter in plan:
+        want = hf_greedy(model_dir, adapter.lora_path if adapter else None, PROMPTS[0])
+        assert answers[name] == [tokenizer.decode([t]) for t in want], name
+    assert answers["adapter1"] != answers["base"]
+    bad = main(["run-batch", str(src), "-o", str(out), "--model", str(model_dir), "--lora-modules", "x"])
+    assert bad == 2 and "is not name=path" in capsys.readouterr().err

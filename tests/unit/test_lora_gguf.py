@@ -240,11 +240,9 @@ def test_the_scaling_is_llama_cpps(llama, tmp_path):
 
 
 def test_the_served_model_checks_come_first(llama, tmp_path):
-    """The Transformers backend and tensor parallelism are refused for a GGUF adapter as for PEFT's."""
+    """The Transformers backend is refused for a GGUF adapter as for PEFT's."""
     from dataclasses import replace
 
     path = converted(llama, tmp_path)
     with pytest.raises(AdapterError, match="Transformers backend"):
         load_peft_adapter(path, llama.model, replace(llama.spec, family="transformers"), MAX_RANK, None)
-    with pytest.raises(AdapterError, match="--tensor-parallel-size 1"):
-        load_peft_adapter(path, SimpleNamespace(group=SimpleNamespace(world_size=2)), llama.spec, MAX_RANK, None)

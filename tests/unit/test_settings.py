@@ -9,6 +9,7 @@ import pytest
 
 from rein.core.settings import (
     MODELS_FORMAT,
+    LoRAModule,
     ServedModel,
     Settings,
     SettingsError,
@@ -142,3 +143,51 @@ def test_engine_cpus_are_a_cpu_list(monkeypatch):
         load_settings()
     with pytest.raises(SettingsError, match="REIN_WORKER_ENGINE_PROCESS is false"):
         load_settings(worker_engine_cpus="1", worker_engine_process=False)
+
+
+def test_lora_modules_in_vllm_forms(monkeypatch, tmp_path):
+    monkeypatch.setenv("REIN_MODELS", "base=/m/base,other=/m/other")
+    monkeypatch.setenv("REIN_LORA_MODULES", "sql=/a/sql, chat=/a/chat")
+    s = load_settings()
+    assert s.lora_modules == (LoRAModule(name="sql", path="/a/sql"), LoRAModule(name="chat", path="/a/chat"))
+    assert s.enable_lora            # naming adapters is asking for them
+    monkeypatch.setenv("REIN_LORA_MODULES", '[{"name": "sql", "path": "/a/sql", "base_model_name": "other"}]')
+    assert load_settings().lora_modules == (LoRAModule(name="sql", path="/a/sql", base_model_name="other"),)
+    monkeypatch.setenv("REIN_LORA_MODULES", '{"name": "one", "path": "/a/one"}')
+    assert load_settings().lora_modules == (LoRAModule(name="one", path="/a/one"),)
+    monkeypatch.delenv("REIN_LORA_MODULES")
+    assert not load_settings().enable_lora
+
+
+def test_a_models_entry_naming_an_adapter_directory_is_an_adapter(monkeypatch, tmp_path):
+    adapter = tmp_path / "sql-lora"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
+    monkeypatch.setenv("REIN_MODELS", f"base=/m/base,sql={adapter}")
+    monkeypatch.setenv("REIN_LORA_MODULES", "chat=/a/chat")
+    s = load_settings()
+    assert s.models == (ServedModel(name="base", source="/m/base"),)
+    assert s.lora_modules == (LoRAModule(name="chat", path="/a/chat"), LoRAModule(name="sql", path=str(adapter)))
+    assert s.enable_lora and s.default_model.name == "base"
+    monkeypatch.setenv("REIN_MODELS", f"base=/m/base,sql={adapter}@512")
+    with pytest.raises(SettingsError, match="is a LoRA adapter .* drop the @512"):
+        load_settings()
+
+
+@pytest.mark.parametrize(("value", "says"), [
+    ("sql", "is not name=path"),
+    ("=/a", "is not name=path"),
+    ("a b=/x", "is not name=path"),            # a space separates entries, as in vLLM's flag
+    ("s q=", "is not name=path"),
+    ("sql=/a,sql=/b", "names must be unique"),
+    ("base=/a", "names both a model and a LoRA adapter"),
+    ('[{"name": "x"}]', "each needs a name and a path"),
+    ("[{", "not valid JSON"),
+    ('{"name": "x", "path": "/p", "base_model_name": "nope"}', "which REIN_MODELS does not serve"),
+    ("-x=/p", "must start with a letter or digit"),
+])
+def test_malformed_lora_modules(monkeypatch, value, says):
+    monkeypatch.setenv("REIN_MODELS", "base=/m/base")
+    monkeypatch.setenv("REIN_LORA_MODULES", value)
+    with pytest.raises(SettingsError, match=re.escape(says)):
+        load_settings()
