@@ -447,8 +447,13 @@ class Settings(BaseSettings):
     @model_validator(mode="before")
     @classmethod
     def _adapters_from_models(cls, data: Any) -> Any:
-        """REIN_MODELS entries naming an adapter directory join the LoRA modules (and turn LoRA on)."""
-        if not isinstance(data, dict) or not isinstance(data.get("models"), str):
+        """REIN_MODELS entries naming an adapter directory join the LoRA modules; naming adapters
+        turns LoRA on (the engines need their slots)."""
+        if not isinstance(data, dict):
+            return data
+        if data.get("lora_modules"):
+            data = {**data, "enable_lora": True}
+        if not isinstance(data.get("models"), str):
             return data
         try:
             models = parse_models(data["models"])
@@ -494,9 +499,6 @@ class Settings(BaseSettings):
                 raise ValueError(f"LoRA adapter {module.name!r} runs over base_model_name "
                                  f"{module.base_model_name!r}, which REIN_MODELS does not serve (served: "
                                  f"{', '.join(names) or 'none'})")
-        if self.lora_modules and not self.enable_lora:
-            # Naming adapters is asking for them: the engines need their slots.
-            object.__setattr__(self, "enable_lora", True)
         if self.lease_renew_seconds * 2 > self.lease_seconds:
             raise ValueError(f"REIN_LEASE_RENEW_SECONDS ({self.lease_renew_seconds:g}) must be at most half of "
                              f"REIN_LEASE_SECONDS ({self.lease_seconds:g}), so that one late renewal does not "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from typing import Any
 
 from fastapi import APIRouter, Depends
@@ -85,8 +86,9 @@ def load_lora_adapter(body: LoadLoRAAdapterRequest, session: SessionDep, registr
     catalog.forget(name)
     announce(redis, settings, "load", adapter)
     log.info("LoRA adapter %s registered over model %s: %s (key %s)", name, adapter.base, adapter.path, key.key_id)
-    entry = registry.get(name)
-    return ModelPublic(id=name, created=0, max_model_len=entry.max_model_len if entry is not None else 0,
+    base_entry = registry.get(adapter.base)
+    return ModelPublic(id=name, created=int(time.time()),
+                       max_model_len=base_entry.max_model_len if base_entry is not None else 0,
                        root=adapter.path, parent=adapter.base)
 
 
