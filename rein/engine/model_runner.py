@@ -183,13 +183,15 @@ class ModelRunner:
     def _enable_lora(self) -> None:
         """Give the model `max_loras` adapter slots; adapters are read as requests name them."""
         from rein.model.lora.adapters import load_peft_adapter
+        from rein.model.lora.fetch import local_adapter
         from rein.model.lora.layers import enable_lora
 
         config, model, spec = self.config, self.model, self.spec
         self.lora_model = enable_lora(model, config.max_loras, config.max_lora_rank, self.device, self.dtype)
 
         def load(lora_request: LoRARequest) -> Any:
-            return load_peft_adapter(lora_request.lora_path, model, spec, config.max_lora_rank,
+            # An s3:// adapter is fetched into the cache once per machine (rein.model.lora.fetch).
+            return load_peft_adapter(local_adapter(lora_request.lora_path), model, spec, config.max_lora_rank,
                                      lora_request.base_model_name or config.model)
 
         self.lora = LoRASlots(load, self.lora_model, config.max_loras, config.cpu_lora_capacity)

@@ -15,7 +15,8 @@ Two sources, one `AdapterCatalog`:
   when a request names it and trusts what it read for REIN_AUTH_CACHE_SECONDS, so an unloaded
   adapter is refused by every replica within that time.
 
-The checks here are those that need no weights (rein.model.lora.config): the directory and its
+An adapter's path is a directory every worker can read, or an `s3://` URL that each machine
+fetches once into its cache (rein.model.lora.fetch). The checks here are those that need no weights (rein.model.lora.config): the directory and its
 adapter_config.json, the kind of adapter, its rank against REIN_MAX_LORA_RANK and the base it
 was trained on. The rest (its tensors against the model's shapes) is the worker's, which fails
 the job with the reason.
@@ -37,6 +38,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.settings import LoRAModule, ServedModel, Settings
 from rein.model.lora.config import AdapterError, check_adapter_directory, last_component
+from rein.model.lora.fetch import is_remote, local_adapter
 
 log = logging.getLogger(__name__)
 
@@ -81,10 +83,13 @@ def check_adapter(name: str, path: str, base: ServedModel, max_lora_rank: int,
                   check_base: bool = True) -> AdapterRef:
     """The adapter `name` at `path`, to run over `base`, checked as far as its weights aside
     (AdapterError saying what is wrong and what to change)."""
-    location = Path(path)
-    if not location.is_absolute():
-        raise AdapterError(f"adapter {name}: path {path!r} is relative; give an absolute path that every "
-                           f"worker can read (a shared directory)")
+    if is_remote(path):     # fetched here too (cached), to check it as the workers will read it
+        location = Path(local_adapter(path))
+    else:
+        location = Path(path)
+        if not location.is_absolute():
+            raise AdapterError(f"adapter {name}: path {path!r} is relative; give an absolute path that every "
+                               f"worker can read (a shared directory), or an s3:// URL")
     if location.suffix.lower() == GGUF_SUFFIX:
         if not location.is_file():
             raise AdapterError(f"adapter {name}: {path} does not exist: give the GGUF LoRA file llama.cpp's "
@@ -119,13 +124,13 @@ def base_for(module: LoRAModule, models: Sequence[ServedModel]) -> ServedModel:
             raise AdapterError(f"adapter {module.name}: base_model_name {module.base_model_name!r} is not served "
                                f"(served: {', '.join(m.name for m in models)})")
         return found
-    if len(models) > 1 and Path(module.path).is_dir():
+    if len(models) > 1:
         try:
             from rein.model.lora.config import read_config
 
-            recorded = read_config(Path(module.path)).get("base_model_name_or_path")
+            recorded = read_config(Path(local_adapter(module.path))).get("base_model_name_or_path")
         except AdapterError:
-            recorded = None      # check_adapter says what is wrong with it
+            recorded = None      # a GGUF file, or something check_adapter will say is wrong
         if recorded:
             found = next((m for m in models if trained_on(recorded, m)), None)
             if found is not None:
