@@ -179,6 +179,12 @@ def lora_request_of(message: JobMessage) -> Any:
     return AdapterRef.from_dict(message.lora).lora_request() if message.lora else None
 
 
+def count_lora_job(context: WorkerContext, message: JobMessage, status: str, output_tokens: int) -> None:
+    """The per-adapter metrics of a job run under a LoRA adapter (nothing for the base model's)."""
+    if message.lora and context.metrics is not None:
+        context.metrics.observe_lora_job(message.lora["name"], status, len(message.prompt_token_ids), output_tokens)
+
+
 def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, cancel_mark: int | None = None) -> str:
     # Both import torch: not at a worker module's import (the Celery app, the CLI).
     from rein.engine.client import EngineStoppedError
@@ -206,7 +212,8 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
                                    lora_request=lora_request_of(message))
         except EngineStoppedError:   # the engine died before the job reached it: not a suspect
             return hand_back(context, message, lease)
-        except Exception as exc:  # the engine refused the request (EngineRequestError, ...)
+        except Exception as exc:  # the engine refused the request (EngineRequestError, ...), or its adapter
+            count_lora_job(context, message, "failed", 0)
             return fail_job(context, lease, str(exc), "invalid_request_error", job_error_code(exc)
                             or "engine_refused")
         abort_if_cancelled(context, job_id, cancel_mark)
@@ -238,6 +245,7 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
             context.metrics.observe_request(accepted=accepted, claimed=claimed,
                                             first_token=collected.first_token_monotonic,
                                             finished=time.monotonic(), num_output_tokens=final.num_output_tokens)
+    count_lora_job(context, message, status, final.num_output_tokens)
     record = job_record(message, lease.endpoint, collected, params, context.engine.tokenizer, status, error)
     # A batch line was admitted without a TPM charge (rein.batches.manager): nothing to settle.
     if not record_result(context, lease, record, charged=message.priority < PRIORITY_BATCH):
