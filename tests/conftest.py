@@ -144,6 +144,7 @@ def s3_bucket(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
     boto3 (and every S3 tool) at it for this test; the bucket's name."""
     import secrets
 
+    from rein.core import s3_client as clients
     from rein.store import s3
 
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
@@ -152,7 +153,7 @@ def s3_bucket(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("AWS_REGION", "us-east-1")
     for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(s3, "_clients", {})     # a client built from these variables
+    monkeypatch.setattr(clients, "_clients", {})     # a client built from these variables
     bucket = f"rein-test-{secrets.token_hex(4)}"
     s3.s3_client().create_bucket(Bucket=bucket)
     return bucket

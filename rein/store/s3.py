@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import io
 import logging
-import threading
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
+from rein.core.s3_client import parse_s3_url, s3_client
 from rein.store.filestore import _SAFE_ID, NewFile, save_chunks
 
 if TYPE_CHECKING:
@@ -45,32 +44,7 @@ log = logging.getLogger(__name__)
 PART_BYTES = 8 * 1024 * 1024
 MIN_PART_BYTES = 5 * 1024 * 1024
 READ_BUFFER_BYTES = 1024 * 1024
-# HTTP connections the client keeps: concurrent downloads, uploads and the batch manager share them.
-MAX_CONNECTIONS = 32
 
-_clients: dict[str, Any] = {}
-_clients_lock = threading.Lock()
-
-
-def s3_client() -> Any:
-    """A boto3 S3 client configured from the standard AWS_* variables (one per process; boto3
-    clients are thread-safe)."""
-    with _clients_lock:
-        if "s3" not in _clients:
-            import boto3
-            from botocore.config import Config
-
-            _clients["s3"] = boto3.session.Session().client(
-                "s3", config=Config(max_pool_connections=MAX_CONNECTIONS, retries={"mode": "standard"}))
-        return _clients["s3"]
-
-
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """`s3://bucket/some/key` -> ("bucket", "some/key") (the key without leading or trailing /)."""
-    parsed = urlparse(url)
-    if parsed.scheme != "s3" or not parsed.netloc:
-        raise ValueError(f"not an s3:// URL: {url!r}: want s3://bucket/key")
-    return parsed.netloc, parsed.path.strip("/")
 
 
 def _missing(exc: Exception) -> bool:

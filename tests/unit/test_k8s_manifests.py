@@ -575,7 +575,7 @@ def test_the_api_keeps_its_files_in_object_storage_it_alone_reaches(clean_env: p
     """Batch files in S3-compatible object storage (REIN_FILES_URL), read by boto3 from the
     standard AWS_* variables, so API replicas on any nodes share them; no ReadWriteMany claim.
     The API reaches the endpoint on 443; no other pod does."""
-    from rein.store import s3
+    from rein.core import s3_client as clients
     from rein.store.filestore import filestore_for
     from rein.store.s3 import S3FileStore
 
@@ -583,7 +583,7 @@ def test_the_api_keeps_its_files_in_object_storage_it_alone_reaches(clean_env: p
     (container,) = pod_spec(the("Deployment", "rein-api"))["containers"]
     env = container_env(container)
     assert S3_VARIABLES <= set(env)
-    clean_env.setattr(s3, "_clients", {})     # this test's client, from the manifest's variables
+    clean_env.setattr(clients, "_clients", {})     # this test's client, from the manifest's variables
     settings = settings_of(container, clean_env)
     assert settings.files_url.startswith("s3://")
     store = filestore_for(settings)     # builds a client from the variables, sends nothing

@@ -38,7 +38,7 @@ def local_adapter(path: str) -> str:
     """A local path for the adapter at `path` (fetched into the cache when it is an s3:// URL)."""
     if not is_remote(path):
         return path
-    from rein.store.s3 import parse_s3_url
+    from rein.core.s3_client import parse_s3_url
 
     try:
         bucket, key = parse_s3_url(path)
@@ -69,7 +69,7 @@ def local_adapter(path: str) -> str:
 
 def _download(bucket: str, key: str, name: str, into: Path, url: str) -> int:
     """Download the adapter at bucket/key into `into`; the number of files."""
-    from rein.store.s3 import s3_client
+    from rein.core.s3_client import s3_client
 
     client = s3_client()
     try:
