@@ -233,14 +233,15 @@ def quantized_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) 
 def lora_apply(x: torch.Tensor, out: torch.Tensor, offset: int, lora_a: torch.Tensor, lora_b: torch.Tensor,
                order: torch.Tensor, chunks: torch.Tensor, live: torch.Tensor) -> bool:
     """out[t, offset:offset + N] += lora_b[s] @ (lora_a[s] @ x[t]) for every token t of a live
-    slot s (csrc/lora_cpu.c): x [T, in], out [T, >= offset + N], lora_a [S, R, in], lora_b
-    [S, N, R]; `order` (int64 [tokens]) the step's tokens sorted by slot, `chunks` (int64 [C, 3])
+    slot s (csrc/lora_cpu.c): x [T, in], out [T, >= offset + N], lora_a [S, R, in] and lora_b
+    [S, N, R] transposed views of contiguous [S, in, R] and [S, R, N] (rein.model.lora.layers.
+    LoRAPart's CPU layout); `order` (int64 [tokens]) the step's tokens sorted by slot, `chunks` (int64 [C, 3])
     (slot, begin, end) runs of one slot in `order`, at most `lora_max_chunk()` long; `live`
     (uint8 [S]) the slots this projection holds an adapter in. False (out untouched) where the
-    kernel does not apply: not float32 on the CPU, strides it does not take, a rank above its
-    limit, or no kernels (the caller runs torch)."""
+    kernel does not apply: not float32 on the CPU, strides it does not take, a rank or chunk
+    above its limits, or no kernels (the caller runs torch)."""
     if not (_f32_cpu(x, out, lora_a, lora_b) and x.dim() == 2 and out.dim() == 2 and x.stride(1) == 1
-            and out.stride(1) == 1 and lora_a.is_contiguous() and lora_b.is_contiguous()
+            and out.stride(1) == 1 and lora_a.transpose(1, 2).is_contiguous() and lora_b.transpose(1, 2).is_contiguous()
             and order.dtype == torch.int64 and chunks.dtype == torch.int64 and live.dtype == torch.uint8
             and order.is_contiguous() and chunks.is_contiguous() and live.is_contiguous()
             and lora_a.shape[0] == lora_b.shape[0] == live.shape[0] and lora_a.shape[1] == lora_b.shape[2]

@@ -26,10 +26,10 @@ def march(request, build_root, monkeypatch):
 
 def adapters(slots, rank, in_features, cols, ranks=None, seed=0):
     """Stacks A [slots, rank, in] and B [slots, cols, rank], slot s of rank ranks[s] zero-padded
-    to `rank` (as LoRAPart.fill leaves them)."""
+    to `rank`, views of A.T and B.T (as LoRAPart keeps them on the CPU)."""
     gen = torch.Generator().manual_seed(seed)
-    lora_a = torch.zeros(slots, rank, in_features)
-    lora_b = torch.zeros(slots, cols, rank)
+    lora_a = torch.zeros(slots, in_features, rank).transpose(1, 2)
+    lora_b = torch.zeros(slots, rank, cols).transpose(1, 2)
     for s in range(slots):
         r = rank if ranks is None else ranks[s]
         lora_a[s, :r] = torch.randn(r, in_features, generator=gen)
@@ -155,9 +155,11 @@ def test_what_the_kernel_does_not_take_is_left_to_torch():
     assert not applies(x=x.to(torch.bfloat16))
     assert not applies(lora_a=lora_a.to(torch.bfloat16))
     assert not applies(offset=1)                                   # past the output's columns
-    assert not applies(lora_a=lora_a[:, :, :8].contiguous())       # in 8 against x's 16
+    assert not applies(lora_a=lora_a[:, :, :8])                    # in 8 against x's 16
+    assert not applies(lora_a=lora_a.contiguous())                 # A's rows contiguous: not its layout
+    assert not applies(lora_b=lora_b.contiguous())
     big = cpu_native.library().lora_max_rank() + 1
-    assert not applies(lora_a=torch.zeros(2, big, 16), lora_b=torch.zeros(2, 8, big))
+    assert not applies(lora_a=torch.zeros(2, 16, big).transpose(1, 2), lora_b=torch.zeros(2, big, 8).transpose(1, 2))
     too_long = torch.tensor([[0, 0, cpu_native.lora_max_chunk() + 1]], dtype=torch.int64)
     assert not applies(chunks=too_long)
     assert torch.equal(out, before)

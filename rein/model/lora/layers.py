@@ -15,7 +15,11 @@ rein.kernels.triton_lora's lora_shrink / lora_expand:
 
     lora_a [max_loras, max_rank, in]          lora_b [max_loras, N, max_rank]
 
-adding to the output columns [offset, offset + N). An adapter of a smaller rank is zero-padded
+adding to the output columns [offset, offset + N). On the CPU the memory holds each slot's A.T
+[in, R] and B.T [R, N], the operands of (x @ A.T) @ B.T, and the two stacks are transposed views
+of it (same shapes): the C kernel's products then run along vectors of ranks and of output
+columns. (With B's rows [R] contiguous it transposed tiles of B per chunk of tokens, which cost
+more than the products at decode's 8 tokens an adapter.) An adapter of a smaller rank is zero-padded
 to max_rank (the padding adds zeros; the work is that of max_rank). `activate` copies an adapter
 into its slot of each part it targets, `deactivate` zeroes the slot; `live` [max_loras] marks the
 slots a part holds an adapter in, so the kernels skip the others' tokens.
@@ -87,8 +91,12 @@ class LoRAPart:
     def __init__(self, offset: int, cols: int, in_features: int, max_loras: int, max_rank: int,
                  device: torch.device, dtype: torch.dtype) -> None:
         self.offset = offset
-        self.lora_a = torch.zeros(max_loras, max_rank, in_features, device=device, dtype=dtype)
-        self.lora_b = torch.zeros(max_loras, cols, max_rank, device=device, dtype=dtype)
+        if device.type == "cpu":   # views of A.T [S, in, R] and B.T [S, R, N]: see the module
+            self.lora_a = torch.zeros(max_loras, in_features, max_rank, dtype=dtype).transpose(1, 2)
+            self.lora_b = torch.zeros(max_loras, max_rank, cols, dtype=dtype).transpose(1, 2)
+        else:
+            self.lora_a = torch.zeros(max_loras, max_rank, in_features, device=device, dtype=dtype)
+            self.lora_b = torch.zeros(max_loras, cols, max_rank, device=device, dtype=dtype)
         self.live = torch.zeros(max_loras, dtype=torch.uint8)   # the C kernel's copy of `held`
         self.held: set[int] = set()
 
