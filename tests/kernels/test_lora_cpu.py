@@ -9,7 +9,7 @@ from kernel_builds import use_c_kernels
 
 from rein.core.settings import get_settings
 from rein.kernels import cpu_native
-from rein.model.lora.layers import CHUNK_TOKENS, LoRABatch, LoRAPart, _apply_torch
+from rein.model.lora.layers import CHUNK_TOKENS, LoRAPart, TokensBySlot, _apply_torch
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,7 @@ def assert_close(got, want):
 
 
 def run_kernel(x, out, offset, lora_a, lora_b, token_slots, live):
-    batch = LoRABatch.prepare(token_slots, torch.device("cpu"))
+    batch = TokensBySlot.prepare(token_slots, torch.device("cpu"))
     got = out.clone()
     assert cpu_native.lora_apply(x, got, offset, lora_a, lora_b, batch.order, batch.chunks, live), \
         "the kernel fell back"
@@ -136,7 +136,7 @@ def test_the_grouped_torch_path_equals_the_reference():
     for kind in ("mixed", "one", "none"):
         token_slots = token_slots_for(kind, 33, slots, seed=4)
         got = out.clone()
-        _apply_torch(x, got, part, LoRABatch.prepare(token_slots, torch.device("cpu")))
+        _apply_torch(x, got, part, TokensBySlot.prepare(token_slots, torch.device("cpu")))
         assert_close(got, reference(x, out, offset, part.lora_a, part.lora_b, token_slots, part.live).float())
 
 
@@ -145,7 +145,7 @@ def test_what_the_kernel_does_not_take_is_left_to_torch():
     longer than it takes, shapes that do not match; and with REIN_CPU_FAST_PATHS=0."""
     lora_a, lora_b = adapters(2, 4, 16, 8)
     x, out = torch.randn(6, 16), torch.randn(6, 8)
-    batch = LoRABatch.prepare(torch.tensor([0, 1, 0, -1, 1, 1]), torch.device("cpu"))
+    batch = TokensBySlot.prepare(torch.tensor([0, 1, 0, -1, 1, 1]), torch.device("cpu"))
     live = torch.ones(2, dtype=torch.uint8)
     before = out.clone()
 
@@ -168,6 +168,6 @@ def test_what_the_kernel_does_not_take_is_left_to_torch():
 
 def test_fast_paths_off_runs_torch(cpu_fast_paths_off):
     lora_a, lora_b = adapters(1, 4, 16, 8)
-    batch = LoRABatch.prepare(torch.zeros(3, dtype=torch.int64), torch.device("cpu"))
+    batch = TokensBySlot.prepare(torch.zeros(3, dtype=torch.int64), torch.device("cpu"))
     assert not cpu_native.lora_apply(torch.randn(3, 16), torch.randn(3, 8), 0, lora_a, lora_b, batch.order,
                                      batch.chunks, torch.ones(1, dtype=torch.uint8))

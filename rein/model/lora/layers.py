@@ -24,7 +24,7 @@ to max_rank (the padding adds zeros; the work is that of max_rank). `activate` c
 into its slot of each part it targets, `deactivate` zeroes the slot; `live` [max_loras] marks the
 slots a part holds an adapter in, so the kernels skip the others' tokens.
 
-Per step, `step` sorts the tokens by slot once (`LoRABatch`); each part is then one call:
+Per step, `step` sorts the tokens by slot once (`TokensBySlot`); each part is then one call:
 csrc/lora_cpu.c on a float32 CPU model (each adapter's A and B read once for its tokens, not once
 per token), else the grouped torch path (one gather of the sorted rows, one pair of small matmuls
 per adapter on its run of rows, one scatter back): under REIN_CPU_FAST_PATHS=0, without a C
@@ -36,7 +36,7 @@ active adapter targets and cleared when none does: a model without LoRA runs as 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -53,7 +53,7 @@ CHUNK_TOKENS = 16
 
 
 @dataclass
-class LoRABatch:
+class TokensBySlot:
     """One step's tokens by adapter slot, worked out once for every projection of the step.
 
     `order`: the tokens of slots >= 0 sorted by slot (stable), int64 on the adapters' device;
@@ -68,7 +68,7 @@ class LoRABatch:
     everyone: int | None
 
     @classmethod
-    def prepare(cls, token_slots: torch.Tensor, device: torch.device) -> LoRABatch:
+    def prepare(cls, token_slots: torch.Tensor, device: torch.device) -> TokensBySlot:
         slots = torch.as_tensor(token_slots).reshape(-1).to("cpu", torch.int64)
         adapted = torch.nonzero(slots >= 0).reshape(-1)
         by_slot = torch.sort(slots[adapted], stable=True)
@@ -155,15 +155,17 @@ class LoRALinear:
         return out
 
 
-def _apply_cuda(x: torch.Tensor, out: torch.Tensor, parts, batch: LoRABatch) -> None:
-    """The CUDA path: the grouped torch products for now. (With rein.kernels.triton_lora, per
-    part: `lora_expand(lora_shrink(x, part.lora_a, b), part.lora_b, out, part.offset, b)`, b its
-    LoRABatch.prepare(token_slots, max_loras) made once in LoRAModel.step.)"""
+def _apply_cuda(x: torch.Tensor, out: torch.Tensor, parts: Iterable[LoRAPart], batch: TokensBySlot) -> None:
+    """The CUDA path: the grouped torch products for now. With rein.kernels.triton_lora, the loop
+    body becomes `lora_expand(lora_shrink(x, part.lora_a, b), part.lora_b, out, part.offset, b)`,
+    b = triton_lora.LoRABatch.prepare(token_slots, max_loras), made once a step in
+    LoRAModel.step beside TokensBySlot (a part's stacks on CUDA are contiguous [S, R, in] and
+    [S, N, R], that kernel's layout)."""
     for part in parts:
         _apply_torch(x, out, part, batch)
 
 
-def _apply_torch(x: torch.Tensor, out: torch.Tensor, part: LoRAPart, batch: LoRABatch) -> None:
+def _apply_torch(x: torch.Tensor, out: torch.Tensor, part: LoRAPart, batch: TokensBySlot) -> None:
     """One part's products in torch, grouped by adapter: the step's adapted rows gathered in slot
     order once, a pair of small matmuls per adapter on its run of them, one scatter back."""
     runs = [run for run in batch.runs if run[0] in part.held]
@@ -204,8 +206,8 @@ class LoRAModel:
         self.active: dict[int, LoRAWeights] = {}
         # Every projection an adapter has targeted (its buffers stay, hooked or not).
         self.layers: dict[str, LoRALinear] = {}
-        # During a step: its tokens by slot (LoRABatch.prepare), for every projection.
-        self.batch: LoRABatch | None = None
+        # During a step: its tokens by slot, worked out once for every projection.
+        self.batch: TokensBySlot | None = None
 
     @classmethod
     def enable(cls, model: nn.Module, max_loras: int, max_rank: int, device: torch.device | str,
@@ -251,7 +253,7 @@ class LoRAModel:
     def step(self, token_slots: torch.Tensor) -> Iterator[None]:
         """Run the forward inside this block with token t under the adapter in slot
         token_slots[t] (an int tensor [T]; -1: the base model alone)."""
-        batch = LoRABatch.prepare(token_slots, self.device)
+        batch = TokensBySlot.prepare(token_slots, self.device)
         missing = [slot for slot, _, _ in batch.runs if slot not in self.active]
         if missing:
             raise ValueError(f"the step's tokens use LoRA slots {missing}, which hold no adapter "
