@@ -240,7 +240,7 @@ def lora_apply(x: torch.Tensor, out: torch.Tensor, offset: int, lora_a: torch.Te
     `lora_max_chunk()` long; `live`
     (uint8 [S]) the slots this projection holds an adapter in. False (out untouched) where the
     kernel does not apply: not float32 on the CPU, strides it does not take, a rank or chunk
-    above its limits, or no kernels (the caller runs torch)."""
+    above its limits, a slot or token index out of range, or no kernels (the caller runs torch)."""
     # Called once per projection part per step (210 times a SmolLM2 step): the checks use torch's
     # cheap accessors (shape and stride tuples, is_cpu; a transposed view to test would cost 2 us
     # alone), and a call with nothing to compute takes about 8 us here, 13 with the plain checks.
@@ -257,15 +257,15 @@ def lora_apply(x: torch.Tensor, out: torch.Tensor, offset: int, lora_a: torch.Te
             and lora_a.stride() == (in_features * rank, 1, rank) and lora_b.stride() == (rank * cols, 1, cols)
             and order.dtype == torch.int64 and chunks.dtype == torch.int64 and live.dtype == torch.uint8
             and order.is_contiguous() and chunks.is_contiguous() and live.is_contiguous()
-            and live.shape[0] == slots):
+            and live.shape[0] == slots and len(chunks.shape) == 2 and chunks.shape[1] == 3):
         return False
     lib = library()
     if lib is None:
         return False
     rc = lib.lora_apply_f32(
         x.data_ptr(), x_stride[0], out.data_ptr(), out_stride[0], offset, lora_a.data_ptr(), lora_b.data_ptr(),
-        rank, in_features, cols, order.data_ptr(), chunks.data_ptr(), chunks.shape[0], live.data_ptr(),
-        torch.get_num_threads())
+        rank, in_features, cols, tokens, slots, order.data_ptr(), order.shape[0], chunks.data_ptr(), chunks.shape[0],
+        live.data_ptr(), torch.get_num_threads())
     return rc == 0
 
 
@@ -401,7 +401,8 @@ def _load() -> ctypes.CDLL:
     lib.quantized_matmul_f32.argtypes = [p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     lib.quantized_matmul_f32.restype = ctypes.c_int
     lib.quantized_panels_mp.restype = ctypes.c_int
-    lib.lora_apply_f32.argtypes = [p, i64, p, i64, i64, p, p, i64, i64, i64, p, p, i64, p, ctypes.c_int]
+    lib.lora_apply_f32.argtypes = [p, i64, p, i64, i64, p, p, i64, i64, i64, i64, i64, p, i64, p, i64, p,
+                                   ctypes.c_int]
     lib.lora_apply_f32.restype = ctypes.c_int
     lib.lora_max_chunk.restype = ctypes.c_int
     for name in ("rms_norm_f32", "add_rms_norm_f32", "silu_and_mul_f32", "rotary_inplace_f32"):

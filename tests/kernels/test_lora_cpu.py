@@ -142,7 +142,7 @@ def test_the_grouped_torch_path_equals_the_reference():
 
 def test_what_the_kernel_does_not_take_is_left_to_torch():
     """False, and the output untouched: not float32, a rank above the kernel's limit, a chunk
-    longer than it takes, shapes that do not match; and with REIN_CPU_FAST_PATHS=0."""
+    longer than it takes, slots, runs or tokens out of range, shapes that do not match."""
     lora_a, lora_b = adapters(2, 4, 16, 8)
     x, out = torch.randn(6, 16), torch.randn(6, 8)
     batch = TokensBySlot.prepare(torch.tensor([0, 1, 0, -1, 1, 1]), torch.device("cpu"))
@@ -162,6 +162,10 @@ def test_what_the_kernel_does_not_take_is_left_to_torch():
     assert not applies(lora_a=torch.zeros(2, 16, big).transpose(1, 2), lora_b=torch.zeros(2, big, 8).transpose(1, 2))
     too_long = torch.tensor([[0, 0, cpu_native.lora_max_chunk() + 1]], dtype=torch.int64)
     assert not applies(chunks=too_long)
+    assert not applies(chunks=torch.tensor([[2, 0, 1]]))           # slot 2 of 2
+    assert not applies(chunks=torch.tensor([[0, 4, 6]]))           # past the 5 adapted tokens
+    assert not cpu_native.lora_apply(x, out, 0, lora_a, lora_b, torch.tensor([0, 6]), torch.tensor([[0, 0, 2]]),
+                                     live)                         # token 6 of 6
     assert torch.equal(out, before)
     assert applies()
 

@@ -4,11 +4,12 @@
  *     out[t, offset : offset + N] += B[s] @ (A[s] @ x[t])
  *
  * with A [S, R, in] and B [S, N, R] the projection's per-slot stacks (ranks zero-padded to R;
- * rein/model/lora/layers.py). On the CPU their memory holds A_s.T [in, R] and B_s.T [R, N], the
- * operands of (x @ A_s.T) @ B_s.T: both products then run along contiguous vectors of ranks
- * and of output columns, with no horizontal sums and no transposes per chunk. torch does this as an index_select, two small matmuls and an
+ * rein/model/lora/layers.py). torch does this as an index_select, two small matmuls and an
  * index_add per adapter per projection (bench/lora.py: 960 such groups a SmolLM2 step at 8
- * adapters); here it is one call per projection part.
+ * adapters); here it is one call per projection part. On the CPU the stacks' memory holds
+ * A_s.T [in, R] and B_s.T [R, N], the operands of (x @ A_s.T) @ B_s.T: both products then run
+ * along contiguous vectors of ranks and of output columns, with no horizontal sums and no
+ * transposes per chunk.
  *
  * The step's tokens come sorted by slot (`order`, built once a step by LoRAModel.step) and cut
  * into chunks of at most a few tokens of one slot (`chunks`: slot, begin, end into `order`).
@@ -19,7 +20,6 @@
  * Built and loaded with the other kernels by rein/kernels/cpu_native.py.
  */
 #include <stdint.h>
-#include <string.h>
 
 /* Output columns the expand keeps in registers at a time (four AVX-512 vectors). */
 #define TILE 64
@@ -131,17 +131,22 @@ static void expand(const float *buf, int64_t n, const float *bt, int64_t rank, i
  * are views of them); order: the step's token indices sorted by slot; chunks [num_chunks, 3]: (slot,
  * begin, end) into order, end - begin <= MAX_CHUNK; live [S]: nonzero where this projection
  * holds an adapter in the slot (chunks of other slots are skipped: their products are zero).
- * Returns 0, or -1 (nothing written) for a rank or chunk beyond the kernel's limits. */
+ * Returns 0, or -1 (nothing written) for a rank or chunk beyond the kernel's limits, or a slot,
+ * a run or a token index out of range. */
 int lora_apply_f32(const float *x, int64_t x_stride, float *out, int64_t out_stride, int64_t offset,
                    const float *lora_a_t, const float *lora_b_t, int64_t rank, int64_t in, int64_t cols,
-                   const int64_t *order, const int64_t *chunks, int64_t num_chunks, const uint8_t *live,
-                   int num_threads) {
+                   int64_t num_tokens, int64_t num_slots, const int64_t *order, int64_t num_order,
+                   const int64_t *chunks, int64_t num_chunks, const uint8_t *live, int num_threads) {
     if (rank < 1 || rank > MAX_RANK) return -1;
+    for (int64_t i = 0; i < num_order; i++)
+        if (order[i] < 0 || order[i] >= num_tokens) return -1;
     int64_t tokens = 0;
     for (int64_t c = 0; c < num_chunks; c++) {
-        const int64_t n = chunks[3 * c + 2] - chunks[3 * c + 1];
-        if (n < 0 || n > MAX_CHUNK) return -1;
-        if (live[chunks[3 * c]]) tokens += n;
+        const int64_t slot = chunks[3 * c], begin = chunks[3 * c + 1], end = chunks[3 * c + 2];
+        if (slot < 0 || slot >= num_slots || begin < 0 || end > num_order || end - begin < 0
+                || end - begin > MAX_CHUNK)
+            return -1;
+        if (live[slot]) tokens += end - begin;
     }
     const int64_t work = tokens * rank * (in + cols);
     #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads) if (num_threads > 1 && work >= PARALLEL_MIN_WORK)
