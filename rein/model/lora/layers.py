@@ -3,12 +3,32 @@
 `enable_lora(model, max_loras, max_rank, device, dtype)` wraps a loaded native rein model;
 `activate(slot, weights)` puts an adapter (rein.model.lora.adapters.LoRAWeights) in one of
 `max_loras` slots, `deactivate(slot)` empties it. Inside `with lora_model.step(token_slots):`
-every rein `Linear` that an active adapter targets adds, for each adapter that has tokens in
-the step, `(x[rows] @ A.T) @ B.T` to its output at those rows (rows of slot -1 run the base
-alone). The products are grouped by adapter: one pair of small matmuls per adapter per module,
-whatever the number of its tokens; a fused projection's parts (qkv_proj's q, k and v) are one
-pair too, their A stacked and their B block-diagonal. The base matmul is untouched, so a
-quantized or oneDNN-packed base takes the same float adapters.
+every rein `Linear` that an active adapter targets adds, to the output row of each token t whose
+slot s = token_slots[t] is not -1, `B[s] @ (A[s] @ x[t])` (rows of slot -1 run the base alone).
+The base matmul is untouched, so a quantized or oneDNN-packed base takes the same float adapters.
+
+Layout: each targeted projection holds one `LoRAPart` per output range an adapter targets (a
+plain projection has one; a fused one, qkv_proj or gate_up_proj, one per PEFT module it fuses:
+q, k and v each add to their own columns), allocated the first time an adapter targets it, so an
+untargeted projection costs nothing. A part is two stacks over the slots, the layout of
+rein.kernels.triton_lora's lora_shrink / lora_expand:
+
+    lora_a [max_loras, max_rank, in]          lora_b [max_loras, N, max_rank]
+
+adding to the output columns [offset, offset + N). On the CPU the memory holds each slot's A.T
+[in, R] and B.T [R, N], the operands of (x @ A.T) @ B.T, and the two stacks are transposed views
+of it (same shapes): the C kernel's products then run along vectors of ranks and of output
+columns. (With B's rows [R] contiguous it transposed tiles of B per chunk of tokens, which cost
+more than the products at decode's 8 tokens an adapter.) An adapter of a smaller rank is zero-padded
+to max_rank (the padding adds zeros; the work is that of max_rank). `activate` copies an adapter
+into its slot of each part it targets, `deactivate` zeroes the slot; `live` [max_loras] marks the
+slots a part holds an adapter in, so the kernels skip the others' tokens.
+
+Per step, `step` sorts the tokens by slot once (`TokensBySlot`); each part is then one call:
+csrc/lora_cpu.c on a float32 CPU model (each adapter's A and B read once for its tokens, not once
+per token), else the grouped torch path (one gather of the sorted rows, one pair of small matmuls
+per adapter on its run of rows, one scatter back): under REIN_CPU_FAST_PATHS=0, without a C
+compiler, for bfloat16 or float16, and on CUDA until a Triton kernel is wired into `_apply_cuda`.
 
 The hook is `Linear.lora` (rein.model.architectures.linear), set only on the projections some
 active adapter targets and cleared when none does: a model without LoRA runs as before.
@@ -16,44 +36,152 @@ active adapter targets and cleared when none does: a model without LoRA runs as 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from rein.kernels import cpu_native
 from rein.model.architectures.linear import Linear
 from rein.model.lora.adapters import LoRATarget, LoRAWeights
 
+# Tokens of one slot the C kernel handles together (its A and B read once for them): enough to
+# amortize the read, few enough that a step's chunks spread over the threads.
+CHUNK_TOKENS = 16
+
+
+@dataclass
+class TokensBySlot:
+    """One step's tokens by adapter slot, worked out once for every projection of the step.
+
+    `order`: the tokens of slots >= 0 sorted by slot (stable), int64 on the adapters' device;
+    `runs`: (slot, begin, end) per slot present, its tokens order[begin:end]; `chunks`: the runs
+    cut to at most CHUNK_TOKENS, int64 [C, 3] on the CPU (the C kernel's work list); `everyone`:
+    the slot every token runs under, or None when the step mixes slots or has base tokens."""
+
+    num_tokens: int
+    order: torch.Tensor
+    runs: list[tuple[int, int, int]]
+    chunks: torch.Tensor
+    everyone: int | None
+
+    @classmethod
+    def prepare(cls, token_slots: torch.Tensor, device: torch.device) -> TokensBySlot:
+        slots = torch.as_tensor(token_slots).reshape(-1).to("cpu", torch.int64)
+        adapted = torch.nonzero(slots >= 0).reshape(-1)
+        by_slot = torch.sort(slots[adapted], stable=True)
+        order = adapted[by_slot.indices]
+        present, counts = torch.unique_consecutive(by_slot.values, return_counts=True)
+        runs, chunks, begin = [], [], 0
+        for slot, count in zip(present.tolist(), counts.tolist(), strict=True):
+            runs.append((slot, begin, begin + count))
+            chunks.extend((slot, b, min(b + CHUNK_TOKENS, begin + count)) for b in range(begin, begin + count,
+                                                                                         CHUNK_TOKENS))
+            begin += count
+        everyone = runs[0][0] if len(runs) == 1 and runs[0][2] == slots.numel() else None
+        return cls(slots.numel(), order.to(device), runs, torch.tensor(chunks, dtype=torch.int64).reshape(-1, 3),
+                   everyone)
+
+
+class LoRAPart:
+    """One output range [offset, offset + N) of a projection: its per-slot stacks (see the module)."""
+
+    def __init__(self, offset: int, cols: int, in_features: int, max_loras: int, max_rank: int,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.offset = offset
+        if device.type == "cpu":   # views of A.T [S, in, R] and B.T [S, R, N]: see the module
+            self.lora_a = torch.zeros(max_loras, in_features, max_rank, dtype=dtype).transpose(1, 2)
+            self.lora_b = torch.zeros(max_loras, max_rank, cols, dtype=dtype).transpose(1, 2)
+        else:
+            self.lora_a = torch.zeros(max_loras, max_rank, in_features, device=device, dtype=dtype)
+            self.lora_b = torch.zeros(max_loras, cols, max_rank, device=device, dtype=dtype)
+        self.live = torch.zeros(max_loras, dtype=torch.uint8)   # the C kernel's copy of `held`
+        self.held: set[int] = set()
+
+    def fill(self, slot: int, target: LoRATarget) -> None:
+        rank = target.rank
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.lora_a[slot, :rank].copy_(target.lora_a)
+        self.lora_b[slot, :, :rank].copy_(target.lora_b)
+        self.live[slot] = 1
+        self.held.add(slot)
+
+    def clear(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+        self.live[slot] = 0
+        self.held.discard(slot)
+
 
 class LoRALinear:
-    """One projection's adapters by slot: (start, stop, A [R, in], B [stop - start, R]), where the
-    module's targets are stacked along R and B covers the output columns [start, stop)."""
+    """One projection's adapter parts, keyed by their output range (start, stop)."""
 
-    def __init__(self, owner: LoRAModel) -> None:
+    def __init__(self, owner: LoRAModel, in_features: int) -> None:
         self.owner = owner
-        self.slots: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
+        self.in_features = in_features
+        self.parts: dict[tuple[int, int], LoRAPart] = {}
+
+    def part(self, start: int, stop: int) -> LoRAPart:
+        found = self.parts.get((start, stop))
+        if found is None:
+            owner = self.owner
+            found = self.parts[(start, stop)] = LoRAPart(start, stop - start, self.in_features, owner.max_loras,
+                                                         owner.max_rank, owner.device, owner.dtype)
+        return found
+
+    @property
+    def holds_any(self) -> bool:
+        return any(part.held for part in self.parts.values())
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        groups = self.owner.groups
-        if not groups:
+        batch = self.owner.batch
+        if batch is None or not batch.runs:
             return out
         rows_x = x.reshape(-1, x.shape[-1])
         rows_out = out.view(-1, out.shape[-1])
-        if rows_x.shape[0] != self.owner.num_tokens:
+        if rows_x.shape[0] != batch.num_tokens:
             raise RuntimeError(f"a LoRA projection got {rows_x.shape[0]} rows in a step of "
-                               f"{self.owner.num_tokens} tokens: LoRA applies to the layers' projections only")
-        for slot, rows in groups:
-            entry = self.slots.get(slot)
-            if entry is None:
-                continue
-            start, stop, lora_a, lora_b = entry
-            if rows is None:   # every token of the step runs this adapter
-                rows_out[:, start:stop] += ((rows_x.to(lora_a.dtype) @ lora_a.T) @ lora_b.T).to(out.dtype)
-            else:
-                delta = (rows_x.index_select(0, rows).to(lora_a.dtype) @ lora_a.T) @ lora_b.T
-                rows_out[:, start:stop].index_add_(0, rows, delta.to(out.dtype))
+                               f"{batch.num_tokens} tokens: LoRA applies to the layers' projections only")
+        if out.device.type == "cuda":
+            _apply_cuda(rows_x, rows_out, self.parts.values(), batch)
+            return out
+        for part in self.parts.values():
+            if not cpu_native.lora_apply(rows_x, rows_out, part.offset, part.lora_a, part.lora_b, batch.order,
+                                         batch.chunks, part.live):
+                _apply_torch(rows_x, rows_out, part, batch)
         return out
+
+
+def _apply_cuda(x: torch.Tensor, out: torch.Tensor, parts: Iterable[LoRAPart], batch: TokensBySlot) -> None:
+    """The CUDA path: the grouped torch products for now. With rein.kernels.triton_lora, the loop
+    body becomes `lora_expand(lora_shrink(x, part.lora_a, b), part.lora_b, out, part.offset, b)`,
+    b = triton_lora.LoRABatch.prepare(token_slots, max_loras), made once a step in
+    LoRAModel.step beside TokensBySlot (a part's stacks on CUDA are contiguous [S, R, in] and
+    [S, N, R], that kernel's layout)."""
+    for part in parts:
+        _apply_torch(x, out, part, batch)
+
+
+def _apply_torch(x: torch.Tensor, out: torch.Tensor, part: LoRAPart, batch: TokensBySlot) -> None:
+    """One part's products in torch, grouped by adapter: the step's adapted rows gathered in slot
+    order once, a pair of small matmuls per adapter on its run of them, one scatter back."""
+    runs = [run for run in batch.runs if run[0] in part.held]
+    if not runs:
+        return
+    lora_a, lora_b = part.lora_a, part.lora_b
+    cols = slice(part.offset, part.offset + lora_b.shape[1])
+    if batch.everyone is not None:
+        slot = batch.everyone
+        out[:, cols] += ((x.to(lora_a.dtype) @ lora_a[slot].T) @ lora_b[slot].T).to(out.dtype)
+        return
+    gathered = x.index_select(0, batch.order).to(lora_a.dtype)
+    delta = torch.zeros(gathered.shape[0], lora_b.shape[1], device=out.device, dtype=lora_a.dtype)
+    for slot, begin, end in runs:
+        delta[begin:end] = (gathered[begin:end] @ lora_a[slot].T) @ lora_b[slot].T
+    out[:, cols].index_add_(0, batch.order, delta.to(out.dtype))
 
 
 class LoRAModel:
@@ -72,10 +200,10 @@ class LoRAModel:
         self.device = torch.device(device)
         self.dtype = dtype
         self.active: dict[int, LoRAWeights] = {}
+        # Every projection an adapter has targeted (its buffers stay, hooked or not).
         self.layers: dict[str, LoRALinear] = {}
-        # During a step: (slot, rows of its tokens, None for all of them) per adapter in it.
-        self.groups: list[tuple[int, torch.Tensor | None]] = []
-        self.num_tokens = 0
+        # During a step: its tokens by slot, worked out once for every projection.
+        self.batch: TokensBySlot | None = None
 
     @classmethod
     def enable(cls, model: nn.Module, max_loras: int, max_rank: int, device: torch.device | str,
@@ -99,57 +227,38 @@ class LoRAModel:
                 raise ValueError(f"adapter {weights.name} targets {path}, which is not a projection of this model")
             layer = self.layers.get(path)
             if layer is None:
-                layer = self.layers[path] = LoRALinear(self)
-                module.lora = layer
-            layer.slots[slot] = self.stacked(targets)
+                layer = self.layers[path] = LoRALinear(self, module.in_features)
+            for target in targets:
+                layer.part(target.start, target.stop).fill(slot, target)
+            module.lora = layer
         self.active[slot] = weights
-
-    def stacked(self, targets: list[LoRATarget]) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-        """One module's targets as one A [sum of ranks, in] and a block-diagonal B over their columns."""
-        start, stop = min(t.start for t in targets), max(t.stop for t in targets)
-        lora_a = torch.cat([t.lora_a for t in targets])
-        lora_b = torch.zeros(stop - start, lora_a.shape[0])
-        offset = 0
-        for t in targets:
-            lora_b[t.start - start:t.stop - start, offset:offset + t.rank] = t.lora_b
-            offset += t.rank
-        return (start, stop, lora_a.to(self.device, self.dtype).contiguous(),
-                lora_b.to(self.device, self.dtype).contiguous())
 
     def deactivate(self, slot: int) -> None:
         """Empty `slot` (nothing to do when it is empty); projections no adapter targets lose the hook."""
         self.check_slot(slot)
         if self.active.pop(slot, None) is None:
             return
-        for path in list(self.layers):
-            layer = self.layers[path]
-            layer.slots.pop(slot, None)
-            if not layer.slots:
+        for path, layer in self.layers.items():
+            for part in layer.parts.values():
+                if slot in part.held:
+                    part.clear(slot)
+            if not layer.holds_any:
                 self.model.get_submodule(path).lora = None
-                del self.layers[path]
 
     @contextmanager
     def step(self, token_slots: torch.Tensor) -> Iterator[None]:
         """Run the forward inside this block with token t under the adapter in slot
         token_slots[t] (an int tensor [T]; -1: the base model alone)."""
-        slots = torch.as_tensor(token_slots).reshape(-1)
-        present = [int(s) for s in torch.unique(slots).tolist() if s >= 0]
-        missing = [s for s in present if s not in self.active]
+        batch = TokensBySlot.prepare(token_slots, self.device)
+        missing = [slot for slot, _, _ in batch.runs if slot not in self.active]
         if missing:
             raise ValueError(f"the step's tokens use LoRA slots {missing}, which hold no adapter "
                              f"(active: {sorted(self.active)})")
-        groups: list[tuple[int, torch.Tensor | None]] = []
-        if len(present) == 1 and bool((slots == present[0]).all()):
-            groups.append((present[0], None))
-        else:
-            for slot in present:
-                rows = torch.nonzero(slots == slot).reshape(-1).to(self.device)
-                groups.append((slot, rows))
-        self.groups, self.num_tokens = groups, slots.numel()
+        self.batch = batch
         try:
             yield
         finally:
-            self.groups, self.num_tokens = [], 0
+            self.batch = None
 
 
 def enable_lora(model: nn.Module, max_loras: int, max_rank: int, device: torch.device | str,
