@@ -37,9 +37,7 @@ One process, one `rein.LLM(model, enable_lora=True, max_loras=8, max_lora_rank=r
   copy and the step's adapter products), the mean of the later decode steps (with an adapter:
   steps that run one adapter row among 32 base rows), and the wall time of the whole run, each
   against the base newcomer. Two repeats, base first then adapter.
-* vLLM: its CPU build is compared only if a virtual environment with vllm already exists on
-  this machine (searched under /opt, /work and ~); it is never installed here, and the run says
-  whether it ran.
+* vLLM: `bench/lora_peers.py` runs this workload on rein and on vLLM's CPU build side by side.
 
 Run time on a shared 2-core CPU: `--model tiny` about 1 min; `--model smollm2 --rounds 2 --max-tokens 16`
 about 5 min (the default --max-tokens 32 takes over 6). The machine may be shared: compare the
@@ -188,23 +186,6 @@ def load_run(llm: LLM, prompts: list[dict], newcomer: dict, max_tokens: int, lor
             "decode_step_after_s": statistics.mean(later), "wall_s": wall, "steps": len(step_s)}
 
 
-# --------------------------------------------------------------------------- vLLM
-
-
-def find_vllm() -> str | None:
-    """A python with vllm importable in a venv already on this machine (never installed here)."""
-    roots = [Path("/opt"), Path("/work"), Path.home()]
-    for root in roots:
-        if not root.is_dir():
-            continue
-        for depth in ("*", "*/*", "*/*/*"):
-            for site in root.glob(f"{depth}/lib/python3*/site-packages/vllm"):
-                python = site.parents[3] / "bin" / "python"
-                if python.exists():
-                    return str(python)
-    return None
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -299,14 +280,6 @@ def main() -> None:
               f"decode steps with the one adapter row x{load_summary['decode_step_ratio']:.3f}, "
               f"whole run +{load_summary['run_extra_s']:.2f} s", flush=True)
 
-    vllm_python = find_vllm()
-    if vllm_python is None:
-        vllm = {"ran": False, "why": "no virtual environment with vllm under /opt, /work or ~ (not installed by "
-                                     "this bench)"}
-    else:
-        vllm = {"ran": False, "why": f"found {vllm_python}, but the vLLM side is not implemented in this bench"}
-    print(f"vLLM CPU comparison: not run: {vllm['why']}", flush=True)
-
     print(json.dumps({
         "bench": "lora", "model": args.model, "model_path": str(path), "rank": args.rank,
         "targets": TARGET_MODULES, "requests": NUM_REQUESTS, "adapters": NUM_ADAPTERS,
@@ -314,7 +287,7 @@ def main() -> None:
         "machine": platform.processor() or platform.machine(),
         "rounds": rounds, "base_tps_median": base_med, "lora_tps_median": lora_med,
         "lora_over_base_median": ratio_med, "lora_over_base_cpu_median": cpu_ratio_med, "target": TARGET_RATIO, "meets_target": ratio_med >= TARGET_RATIO,
-        "load": loads, "load_summary": load_summary, "vllm": vllm,
+        "load": loads, "load_summary": load_summary,
     }))
 
 
