@@ -294,3 +294,34 @@ def test_prepare_shrink_and_expand_replay_in_a_cuda_graph():
     torch.cuda.synchronize()
     want = reference_expand(reference_shrink(x, lora_a, new_slots), lora_b, torch.zeros_like(out), 0, new_slots)
     torch.testing.assert_close(out.float(), want.float(), **TOL[BF16])
+
+
+def test_the_layers_cuda_path_is_the_grouped_torch_path():
+    """rein.model.lora.layers' CUDA path (these kernels, over a projection's parts: q, k and v of
+    a fused output, each with the adapters it holds) adds what its grouped torch path adds."""
+    from rein.model.lora.adapters import LoRATarget
+    from rein.model.lora.layers import LoRAPart, TokensBySlot, _apply_cuda, _apply_torch
+
+    max_loras, max_rank, in_features = 3, 16, 24
+    device = torch.device(DEVICE)
+    parts = [LoRAPart(offset, cols, in_features, max_loras, max_rank, device, F32)
+             for offset, cols in ((0, 16), (16, 8), (24, 8))]
+    generator = torch.Generator().manual_seed(7)
+    for slot, rank, which in ((0, 8, (0, 1, 2)), (1, 16, (0,)), (2, 4, (1, 2))):   # slot 1 adapts q alone
+        for index in which:
+            part = parts[index]
+            part.fill(slot, LoRATarget(None, "p", part.offset, part.offset + part.lora_b.shape[1],
+                                       torch.randn(rank, in_features, generator=generator),
+                                       torch.randn(part.lora_b.shape[1], rank, generator=generator)))
+    slots = slots_of([1, -1, 0, 2, 2, 1, -1, 0, 1, 0, 2])
+    batch = TokensBySlot.prepare(slots, device)
+    batch.kernel = LoRABatch.prepare(slots, max_loras)
+    x = activations(slots.numel(), in_features)
+    base = torch.randn(slots.numel(), 32, generator=generator).to(DEVICE)
+    got, want = base.clone(), base.clone()
+    _apply_cuda(x, got, parts, batch)
+    for part in parts:
+        _apply_torch(x, want, part, batch)
+    assert not torch.equal(want, base)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(got[slots == -1], base[slots == -1])

@@ -28,7 +28,9 @@ Per step, `step` sorts the tokens by slot once (`TokensBySlot`); each part is th
 csrc/lora_cpu.c on a float32 CPU model (each adapter's A and B read once for its tokens, not once
 per token), else the grouped torch path (one gather of the sorted rows, one pair of small matmuls
 per adapter on its run of rows, one scatter back): under REIN_CPU_FAST_PATHS=0, without a C
-compiler, for bfloat16 or float16, and on CUDA until a Triton kernel is wired into `_apply_cuda`.
+compiler, and for bfloat16 or float16. On CUDA each part is rein.kernels.triton_lora's shrink and
+expand (grouped GEMMs over the tokens sorted by slot on the device, `LoRABatch`, made once a
+step beside TokensBySlot).
 
 The hook is `Linear.lora` (rein.model.architectures.linear), set only on the projections some
 active adapter targets and cleared when none does: a model without LoRA runs as before.
@@ -39,6 +41,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,6 +69,8 @@ class TokensBySlot:
     runs: list[tuple[int, int, int]]
     chunks: torch.Tensor
     everyone: int | None
+    kernel: Any = None
+    """On CUDA: the step's rein.kernels.triton_lora.LoRABatch (its tokens sorted on the device)."""
 
     @classmethod
     def prepare(cls, token_slots: torch.Tensor, device: torch.device) -> TokensBySlot:
@@ -156,13 +161,20 @@ class LoRALinear:
 
 
 def _apply_cuda(x: torch.Tensor, out: torch.Tensor, parts: Iterable[LoRAPart], batch: TokensBySlot) -> None:
-    """The CUDA path: the grouped torch products for now. With rein.kernels.triton_lora, the loop
-    body becomes `lora_expand(lora_shrink(x, part.lora_a, b), part.lora_b, out, part.offset, b)`,
-    b = triton_lora.LoRABatch.prepare(token_slots, max_loras), made once a step in
-    LoRAModel.step beside TokensBySlot (a part's stacks on CUDA are contiguous [S, R, in] and
-    [S, N, R], that kernel's layout)."""
+    """The CUDA path: per part, rein.kernels.triton_lora's shrink (x @ A.T for each token's slot,
+    into a float32 [T, R]) and expand (its B product added to the part's columns of `out`). A
+    part's slots that hold no adapter are zeros, so their tokens add nothing; a part none of the
+    step's adapters holds is skipped. Without the step's LoRABatch, the grouped torch products."""
+    if batch.kernel is None:
+        for part in parts:
+            _apply_torch(x, out, part, batch)
+        return
+    from rein.kernels.triton_lora import lora_expand, lora_shrink
+
+    present = {slot for slot, _, _ in batch.runs}
     for part in parts:
-        _apply_torch(x, out, part, batch)
+        if part.held & present:
+            lora_expand(lora_shrink(x, part.lora_a, batch.kernel), part.lora_b, out, part.offset, batch.kernel)
 
 
 def _apply_torch(x: torch.Tensor, out: torch.Tensor, part: LoRAPart, batch: TokensBySlot) -> None:
@@ -250,6 +262,11 @@ class LoRAModel:
         """Run the forward inside this block with token t under the adapter in slot
         token_slots[t] (an int tensor [T]; -1: the base model alone)."""
         batch = TokensBySlot.prepare(token_slots, self.device)
+        if self.device.type == "cuda" and batch.runs:
+            from rein.kernels.triton_lora import LoRABatch
+
+            batch.kernel = LoRABatch.prepare(torch.as_tensor(token_slots, device=self.device).reshape(-1),
+                                             self.max_loras)
         missing = [slot for slot, _, _ in batch.runs if slot not in self.active]
         if missing:
             raise ValueError(f"the step's tokens use LoRA slots {missing}, which hold no adapter "
