@@ -17,8 +17,9 @@ The pieces, and who uses them:
   loaded rein model `max_loras` device slots; `activate(slot, weights)` copies an adapter into
   a slot, `deactivate(slot)` empties it; `with lora_model.step(token_slots):` runs a forward in
   which token t gets its slot's products added (token_slots[t] = -1: the base alone). The
-  products are grouped by adapter (one pair of matmuls per adapter in the step, on the rows
-  of its tokens).
+  products are grouped by adapter: a C kernel on a float32 CPU model, Triton shrink/expand
+  kernels on CUDA (rein.kernels.triton_lora), grouped torch matmuls otherwise.
+* `local_adapter` (fetch.py): an s3:// adapter path fetched once per machine into the cache.
 * `shard_adapter` (sharding.py): under tensor parallelism, what `load_peft_adapter` returns is the
   rank's shard of the adapter, cut as the rank's projections are (B's rows for the column-parallel
   qkv_proj and gate_up_proj, A's columns for the row-parallel o_proj and down_proj).
