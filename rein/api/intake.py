@@ -239,7 +239,7 @@ class JobIntake:
         estimate = self.settings.tpm_completion_estimate
         verdicts = self.limiter.admit(
             [Admission(s.key, s.prepared.charged_tokens(estimate), self._queue(s.message.model),
-                       queued.get((s.job.model, s.key.tenant), 0) if queued is not None else None,
+                       queued.get((s.message.model, s.key.tenant), 0) if queued is not None else None,
                        job_id=s.job.id)
              for s in submissions],
             max_depth=self.settings.max_queue_depth)
@@ -277,13 +277,14 @@ class JobIntake:
                 log.warning("could not give back the token charge of job %s: %s", submission.job.id, exc)
 
     def _tenants_queued(self, submissions: Sequence[Submission]) -> dict[tuple[str, str], int] | None:
-        """(model, tenant) -> the tenant's queued jobs of that model (batch lines aside: the
-        batch manager shares their room), for the queue share check; None when it is off."""
+        """(model, tenant) -> the tenant's queued jobs on that model's queues (its LoRA adapters'
+        included; batch lines aside: the batch manager shares their room), for the queue share
+        check; None when it is off."""
         if self.limiter.tenant_queue_cap(self.settings.max_queue_depth) is None:
             return None
-        models = sorted({s.job.model for s in submissions})
+        models = sorted({s.message.model for s in submissions})    # the queues: adapters' base models
         tenants = sorted({s.key.tenant for s in submissions})
-        rows = self._db.execute_all(_TENANTS_QUEUED_SQL, (models, tenants))
+        rows = self._db.execute_all(_TENANTS_QUEUED_SQL, (tenants, models, models))
         return {(model, tenant): count for model, tenant, count in rows}
 
     def _queue(self, model: str) -> tuple[str, ...]:
@@ -388,10 +389,12 @@ def _refused(model: str, refusal: QueueFull | TenantQueueFull | RateLimitExceede
 
 
 # A tenant's queued interactive jobs per model (the partial index on queued jobs by model).
+# By the queue a job waits on: a LoRA adapter's jobs (params.lora) wait on their base model's.
 _TENANTS_QUEUED_SQL = """
-SELECT model, tenant, count(*) FROM jobs
- WHERE status = 'queued' AND batch_id IS NULL AND model = ANY(%s) AND tenant = ANY(%s)
- GROUP BY model, tenant"""
+SELECT COALESCE(params->'lora'->>'base', model) AS queue_model, tenant, count(*) FROM jobs
+ WHERE status = 'queued' AND batch_id IS NULL AND tenant = ANY(%s)
+   AND (model = ANY(%s) OR params->'lora'->>'base' = ANY(%s))
+ GROUP BY queue_model, tenant"""
 
 
 # The INSERT as SQL text (see rein.store.db.execute_all: building and compiling it with

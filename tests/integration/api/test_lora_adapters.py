@@ -229,3 +229,18 @@ def test_batch_lines_name_adapters_of_one_base(make_client, make_key, tenant, mo
     unknown = create(client, key, jsonl(line("1", model="nope")))
     [error] = wait_status(client, key, unknown["id"], "failed")["errors"]["data"]
     assert error["code"] == "model_not_found"
+
+
+def test_an_adapters_jobs_count_in_the_tenants_share_of_the_base_queue(make_client, make_key, tenant, model_dir,
+                                                                       adapters):
+    base = f"m{secrets.token_hex(3)}"
+    client = make_client(models=f"{base}={model_dir}@512", lora_modules=f"a8={adapters['r8']},a16={adapters['r16']}",
+                         max_queue_depth=4)
+    greedy, other = make_key(tenant), make_key(f"{tenant}-other")
+    submit(client, greedy, "a8")
+    submit(client, greedy, "a16")         # its share of the base's queue: half of 4, over two adapters
+    for model in (base, "a8"):
+        refused = client.post("/v1/jobs", headers=auth(greedy), json={
+            "endpoint": "/v1/completions", "body": {"model": model, "prompt": "hello", "max_tokens": 3}})
+        assert refused.status_code == 429 and refused.json()["error"]["code"] == "tenant_queue_full", refused.text
+    submit(client, other, base)           # the other tenant still gets in
