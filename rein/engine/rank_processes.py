@@ -29,6 +29,7 @@ CUDA_VISIBLE_DEVICES).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import pickle
@@ -44,6 +45,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from rein.model.parallel.group import DistributedGroup, file_init_method
+from rein.model.parallel.shm_reduce import PeerGone
 
 if TYPE_CHECKING:
     from rein.engine.config import EngineConfig
@@ -53,6 +55,8 @@ log = logging.getLogger(__name__)
 # How long rank 0 waits for the other ranks to load their shards and say so.
 READY_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 10.0
+# How long a step's error waits for a rank the all-reduce saw gone to finish exiting.
+PEER_EXIT_WAIT_SECONDS = 2.0
 
 
 class RankDiedError(RuntimeError):
@@ -131,6 +135,11 @@ class RankProcesses:
 
     def error_of(self, exc: BaseException) -> BaseException:
         """`exc` (what a step raised) as a RankDiedError naming the dead rank, when one died."""
+        if isinstance(exc, PeerGone) and 1 <= exc.rank <= len(self.processes):
+            # Seen gone by the all-reduce (its /proc state) a moment before its exit can be
+            # collected here: wait for that, so its reason (sent before it exited) is read.
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.processes[exc.rank - 1].wait(PEER_EXIT_WAIT_SECONDS)
         for rank, (process, conn) in enumerate(zip(self.processes, self.conns, strict=True), start=1):
             if process.poll() is not None:
                 reason = exc

@@ -178,10 +178,19 @@ class ShmAllReduce:
     def _check_peers(self, call: int, started: float) -> None:
         for rank, pid in enumerate(self.pids):
             if self._flag_view[rank] < call and not process_alive(pid):
-                raise RuntimeError(f"all-reduce: tensor-parallel rank {rank} (pid {pid}) is gone")
+                raise PeerGone(rank, pid)
         if time.monotonic() - started > self.timeout_s:
             late = [rank for rank in range(self.world_size) if self._flag_view[rank] < call]
             raise RuntimeError(f"all-reduce: ranks {late} did not arrive within {self.timeout_s:.0f} s")
+
+
+class PeerGone(RuntimeError):
+    """A rank of the group ended while the others waited for it in an all-reduce."""
+
+    def __init__(self, rank: int, pid: int) -> None:
+        super().__init__(f"all-reduce: tensor-parallel rank {rank} (pid {pid}) is gone")
+        self.rank = rank
+        self.pid = pid
 
 
 def process_alive(pid: int) -> bool:
