@@ -40,10 +40,6 @@ class AdapterListener:
     def stop(self) -> None:
         self._channel.stop()
 
-    @property
-    def subscribed(self) -> Any:
-        return self._channel.subscribed
-
     def _announced(self, data: bytes | str) -> None:
         try:
             message = json.loads(data)
