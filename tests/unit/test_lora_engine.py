@@ -314,3 +314,22 @@ def test_run_batch_lines_name_adapters(lora_setup, tmp_path, capsys):
     assert answers["adapter1"] != answers["base"]
     bad = main(["run-batch", str(src), "-o", str(out), "--model", str(model_dir), "--lora-modules", "x"])
     assert bad == 2 and "is not name=path" in capsys.readouterr().err
+
+
+def test_announced_adapters_are_read_before_their_requests_and_dropped_when_unloaded(lora_setup, tmp_path):
+    """LLMEngine.lora_event (the worker's announcements, rein.worker.adapters)."""
+    model_dir, adapters, _ = lora_setup
+    engine = make_llm(model_dir, max_loras=2).engine
+    slots = engine.runner.lora
+    engine.lora_event("load", adapters[0])
+    assert slots.loaded == [adapters[0].lora_int_id] and slots.num_loads == 1
+    engine.add_request("r", PROMPTS[0], GREEDY, lora_request=adapters[0])
+    assert slots.num_loads == 1                       # its request found it read
+    engine.lora_event("unload", adapters[0])
+    assert slots.loaded == []
+    engine.lora_event("load", LoRARequest("bad", 99, str(tmp_path / "nowhere")))   # logged, not raised
+    assert slots.loaded == []
+    finished = []
+    while engine.has_unfinished():                  # the request holds its adapter's weights still
+        finished += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finished] == ["r"] and finished[0].num_output_tokens == MAX_TOKENS
