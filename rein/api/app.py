@@ -26,7 +26,7 @@ from rein.api.intake import JobIntake
 from rein.api.metrics import APIMetrics, MetricsMiddleware
 from rein.api.metrics import router as metrics_router
 from rein.api.request_limits import RequestLimits
-from rein.api.routes import batches, embeddings, files, health, jobs, lora, openai, usage
+from rein.api.routes import batches, embeddings, files, health, jobs, lora, openai, tokenize, usage
 from rein.api.streams import STREAM_SOCKET_TIMEOUT, StreamSlots
 from rein.batches.manager import BatchManager
 from rein.core.settings import Settings, get_settings
@@ -119,7 +119,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    for module in (openai, embeddings, jobs, files, batches, usage, lora, health):
+    for module in (openai, embeddings, tokenize, jobs, files, batches, usage, lora, health):
         app.include_router(module.router)
     # Prometheus: every response counted and timed by route template; GET /metrics.
     app.state.metrics = APIMetrics(settings)

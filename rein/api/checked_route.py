@@ -69,8 +69,9 @@ class CheckedRoute(APIRoute):
         has_json_body = self.body_field is not None and not _is_form(self)
         # Decided on the route's own path template, not the request's path: behind a proxy's
         # root path (REIN_API_ROOT_PATH) the request's path is /rein/v1/..., the route's is not.
-        needs_key = self.path.startswith(API_PREFIX)
         scopes = _required_scopes(self.dependant)
+        # Every /v1 route, and a route outside it that takes a scoped key (vLLM's /tokenize).
+        needs_key = self.path.startswith(API_PREFIX) or bool(scopes)
 
         async def checked(request: Request) -> Response:
             release = None

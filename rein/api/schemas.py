@@ -13,7 +13,7 @@ must be refused.
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -307,6 +307,44 @@ class UnloadLoRAAdapterRequest(BaseModel):
 
     lora_name: str
     lora_int_id: int | None = Field(None, description="Accepted for vLLM's clients; the name decides.")
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, vLLM's body: a prompt, or chat messages (with the chat fields that shape
+    the template's output)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = Field(None, description="A served model or LoRA adapter; default: the first model.")
+    prompt: str | None = Field(None, description="Text, tokenized as /v1/completions does.")
+    messages: list[dict[str, Any]] | None = Field(None, description="A chat, through the model's chat template "
+                                                                    "with the generation prompt, as "
+                                                                    "/v1/chat/completions builds it.")
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_special_tokens: bool = Field(True, description="With prompt: the tokenizer's special tokens (BOS).")
+    return_token_strs: bool = Field(False, description="Also the tokens as the vocabulary spells them.")
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(BaseModel):
+    """POST /detokenize, vLLM's body."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class ModelList(BaseModel):

@@ -49,11 +49,9 @@ class Prepared:
         return len(self.parsed.prompt_token_ids) + self.parsed.params.n * completion
 
 
-def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Prepared:
-    """Resolve the model and tokenize + validate the body (APIError 404 / RequestError 400)."""
-    if not isinstance(body, dict):
-        raise RequestError("the request body must be a JSON object", "body")
-    name = body.get("model")
+def resolve_model(registry: ModelRegistry, name: Any) -> ModelEntry:
+    """The served model (or LoRA adapter) a body's `model` names, the default when None
+    (RequestError 400 for a non-string, APIError 404 for an unknown name)."""
     if name is not None and not isinstance(name, str):
         raise RequestError("model must be a string", "model")
     entry = registry.get(name) if name is not None else registry.default
@@ -64,6 +62,15 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Pre
         served = ", ".join(e.name for e in registry) or "none"
         raise APIError(404, f"The model '{name}' does not exist or you do not have access to it "
                             f"(served: {served}).", param="model", code="model_not_found")
+    return entry
+
+
+def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Prepared:
+    """Resolve the model and tokenize + validate the body (APIError 404 / RequestError 400)."""
+    if not isinstance(body, dict):
+        raise RequestError("the request body must be a JSON object", "body")
+    name = body.get("model")
+    entry = resolve_model(registry, name)
     if endpoint == EMBEDDINGS:
         if entry.lora is not None:
             raise RequestError(f"'{name}' is a LoRA adapter of {entry.lora.base!r}: adapters serve completions, "
