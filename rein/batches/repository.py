@@ -45,8 +45,9 @@ def get_batch_for_tenant(session: Session, tenant: str, batch_id: str) -> Batch:
 
 
 def list_for_tenant(session: Session, table: type[Row], tenant: str, limit: int, after: str | None,
-                    *filters: Any) -> tuple[list[Row], bool]:
-    """The tenant's files or batches newest first, `limit` of them after the one `after`."""
+                    *filters: Any, order: str = "desc") -> tuple[list[Row], bool]:
+    """The tenant's files or batches, newest first (`order` "asc": oldest first), `limit` of them
+    after the one `after`."""
     query = select(table).where(table.tenant == tenant, *filters)
     if after is not None:
         cursor = session.execute(select(table.created_at, table.id)
@@ -55,8 +56,10 @@ def list_for_tenant(session: Session, table: type[Row], tenant: str, limit: int,
             raise APIError(400, f"after: no {table.__tablename__[:-1]} with id '{after}' to page after "
                                 "(pass the id of the last object of the previous page)",
                            param="after", code="invalid_cursor")
-        query = query.where(tuple_(table.created_at, table.id) < tuple_(cursor.created_at, cursor.id))
-    rows = list(session.scalars(query.order_by(table.created_at.desc(), table.id.desc()).limit(limit + 1)))
+        key, mark = tuple_(table.created_at, table.id), tuple_(cursor.created_at, cursor.id)
+        query = query.where(key > mark if order == "asc" else key < mark)
+    ordering = (table.created_at, table.id) if order == "asc" else (table.created_at.desc(), table.id.desc())
+    rows = list(session.scalars(query.order_by(*ordering).limit(limit + 1)))
     return rows[:limit], len(rows) > limit
 
 

@@ -19,7 +19,7 @@ retention expires (rein.jobs.retention).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.concurrency import run_in_threadpool
@@ -160,13 +160,16 @@ async def upload_file(request: Request, key: BatchKey, sessions: SessionsDep, se
 
 @router.get("", response_model=FileList, responses=_ERRORS)
 def list_files(session: SessionDep, key: BatchKey,
-               limit: Annotated[int, Query(ge=1, le=10_000)] = 100,
-               after: Annotated[str | None, Query(description="A file id: list the files older than it.")] = None,
+               limit: Annotated[int, Query(ge=1, le=10_000)] = 10_000,
+               after: Annotated[str | None, Query(description="A file id: list the files after it in `order`.")]
+               = None,
                purpose: Annotated[str | None, Query(description="Only files of this purpose.")] = None,
+               order: Annotated[Literal["asc", "desc"], Query(description="By creation time: desc (newest "
+                                                                          "first, the default) or asc.")] = "desc",
                ) -> FileList:
-    """The caller's files, newest first."""
+    """The caller's files, newest first unless `order=asc` (OpenAI's defaults: 10,000 a page, desc)."""
     filters = [File.purpose == purpose] if purpose else []
-    files, has_more = list_for_tenant(session, File, key.tenant, limit, after, *filters)
+    files, has_more = list_for_tenant(session, File, key.tenant, limit, after, *filters, order=order)
     return FileList(data=[file_public(f) for f in files], first_id=files[0].id if files else None,
                     last_id=files[-1].id if files else None, has_more=has_more)
 

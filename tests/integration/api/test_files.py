@@ -58,6 +58,14 @@ def test_list_pages_newest_first(files_client, make_key, tenant):
     assert [f["id"] for f in second["data"]] == [ids[0]] and not second["has_more"]
     bad = files_client.get("/v1/files", headers=auth(key), params={"after": "file-nope"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "after"
+    everything = files_client.get("/v1/files", headers=auth(key)).json()     # OpenAI's default page: 10,000
+    assert [f["id"] for f in everything["data"]] == ids[::-1] and not everything["has_more"]
+    oldest = files_client.get("/v1/files", headers=auth(key), params={"order": "asc", "limit": 2}).json()
+    assert [f["id"] for f in oldest["data"]] == ids[:2] and oldest["has_more"]
+    rest = files_client.get("/v1/files", headers=auth(key),
+                            params={"order": "asc", "after": oldest["last_id"]}).json()
+    assert [f["id"] for f in rest["data"]] == [ids[2]] and not rest["has_more"]
+    assert files_client.get("/v1/files", headers=auth(key), params={"order": "up"}).status_code == 400
 
 
 def test_too_large_is_refused_and_nothing_is_kept(make_client, make_key, tenant, tmp_path):
