@@ -37,7 +37,12 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.settings import LoRAModule, ServedModel, Settings
-from rein.model.lora.config import AdapterError, check_adapter_directory, last_component
+from rein.model.lora.config import (
+    AdapterError,
+    check_adapter_directory,
+    last_component,
+    read_config,
+)
 from rein.model.lora.fetch import is_remote, local_adapter
 
 log = logging.getLogger(__name__)
@@ -126,8 +131,6 @@ def base_for(module: LoRAModule, models: Sequence[ServedModel]) -> ServedModel:
         return found
     if len(models) > 1:
         try:
-            from rein.model.lora.config import read_config
-
             recorded = read_config(Path(local_adapter(module.path))).get("base_model_name_or_path")
         except AdapterError:
             recorded = None      # a GGUF file, or something check_adapter will say is wrong
