@@ -18,6 +18,7 @@ model of its own: it is moved to `lora_modules` (REIN_LORA_MODULES, vLLM's --lor
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import re
@@ -329,6 +330,42 @@ class Settings(BaseSettings):
     """Batch tokens (each line's prompt + n x max_tokens) one tenant may have sent to the queues and
     not finished (waiting or running); at the cap the batch manager holds that tenant's further
     lines back and goes on feeding the others' (the lines wait, they do not fail); 0: no cap."""
+
+    # --- webhooks (rein.batches.webhooks): batch events POSTed to each tenant's endpoint
+    webhook_allow_private: bool = False
+    """Allow webhook destinations that resolve to private, loopback, link-local, multicast, reserved
+    or unspecified addresses (IPv4 and IPv6). Off: such a URL is refused when it is set and again
+    at every delivery, so a tenant cannot make rein POST into the network it runs in."""
+    webhook_allowed_cidrs: Annotated[tuple[str, ...], NoDecode] = ()
+    """Comma-separated networks (e.g. 10.20.0.0/16,fd00::/8) webhook destinations may resolve into
+    even though they are private: a narrower opening than REIN_WEBHOOK_ALLOW_PRIVATE."""
+    webhook_allow_http: bool = False
+    """Allow plain http:// webhook URLs; off, only https:// is accepted."""
+    webhook_timeout_seconds: float = Field(10.0, gt=0, le=120)
+    """How long one delivery may take (connect, send, answer) before it counts as failed."""
+    webhook_retry_seconds: float = Field(86_400, gt=0)
+    """How long a failed event is retried, counted from the event: after it, the event is marked
+    failed (a day, as OpenAI and Standard Webhooks senders do)."""
+    webhook_backoff_seconds: float = Field(5.0, gt=0)
+    """The wait before the first retry; each further retry waits twice as long (with up to 25%
+    jitter either way), up to REIN_WEBHOOK_BACKOFF_MAX_SECONDS."""
+    webhook_backoff_max_seconds: float = Field(3600, gt=0)
+    """The longest wait between two deliveries of one event."""
+    webhook_poll_seconds: float = Field(1.0, gt=0)
+    """How often each API process looks for events due for delivery."""
+
+    @field_validator("webhook_allowed_cidrs", mode="before")
+    @classmethod
+    def _parse_cidrs(cls, value: object) -> object:
+        if isinstance(value, str):
+            value = tuple(item.strip() for item in value.split(",") if item.strip())
+        for item in value or ():
+            try:
+                ipaddress.ip_network(item, strict=False)
+            except ValueError as exc:
+                raise ValueError(f"REIN_WEBHOOK_ALLOWED_CIDRS: {item!r} is not a network such as "
+                                 f"10.0.0.0/8 or fd00::/8 ({exc})") from None
+        return value
 
     # --- the engine (see rein.engine.config.EngineConfig, which validates them; EngineSettings below)
     max_num_seqs: int = Field(64, ge=1)

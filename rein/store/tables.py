@@ -1,5 +1,5 @@
 """The Postgres schema as SQLAlchemy 2 typed ORM classes: api_keys, jobs, results, usage,
-files, batches and lora_adapters.
+files, batches, lora_adapters and the webhooks' endpoints, events (an outbox) and attempts.
 
 The schema only ever changes through a migration (migrations/versions/); a test checks that
 these classes and the migrated database agree exactly.
@@ -51,6 +51,7 @@ FILE_PURPOSES = ("batch", "batch_output")
 BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired",
                   "cancelling", "cancelled")
 FINISHED_BATCH_STATUSES = ("failed", "completed", "expired", "cancelled")
+WEBHOOK_EVENT_STATUSES = ("pending", "delivered", "failed")
 
 
 def new_job_id() -> str:
@@ -357,3 +358,81 @@ class LoRAAdapter(Base):
     key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.key_id"))
     """The admin key that registered it."""
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+
+class WebhookEndpoint(Base):
+    """A tenant's webhook endpoint (rein.batches.webhooks): where its batch events are POSTed and
+    the secret they are signed with. One per tenant; setting it again replaces the URL and the
+    secret (rotation)."""
+
+    __tablename__ = "webhook_endpoints"
+
+    tenant: Mapped[str] = mapped_column(primary_key=True)
+    id: Mapped[str] = mapped_column(unique=True)
+    """`whep_` + 32 hex digits, new at every set."""
+    url: Mapped[str]
+    event_types: Mapped[list[str]]
+    """The event types delivered (a subset of rein.batches.webhooks.events.EVENT_TYPES)."""
+    secret: Mapped[str]
+    """The Standard Webhooks signing secret (`whsec_` + base64), stored as is so that it can sign;
+    shown once, when set."""
+    key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.key_id"))
+    """The admin key that set it."""
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    updated_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+
+class WebhookEvent(Base):
+    """One event to deliver (the outbox): written in the transaction that moves its batch to a final
+    status, delivered by rein.batches.webhooks.delivery. Its id is the `webhook-id` of every try.
+
+    A deliverer claims a due row by moving `next_attempt_at` a lease ahead and counting the attempt
+    (FOR UPDATE SKIP LOCKED, so any number of processes share the work); it records the outcome
+    only while `attempts` is still the one it claimed."""
+
+    __tablename__ = "webhook_events"
+
+    id: Mapped[str] = mapped_column(primary_key=True)
+    """`evt_` + 32 hex digits: the event's `id` and the `webhook-id` header."""
+    tenant: Mapped[str]
+    type: Mapped[str]
+    """batch.completed | batch.failed | batch.cancelled | batch.expired"""
+    batch_id: Mapped[str]
+    """The event's `data.id` (no foreign key: the event outlives nothing it needs from the row)."""
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    """The event's `created_at`: when its batch reached the final status."""
+    status: Mapped[str] = mapped_column(server_default=text("'pending'"))
+    attempts: Mapped[int] = mapped_column(server_default=text("0"))
+    next_attempt_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    """When a pending event is due (again); while a delivery is under way, when its lease ends."""
+    delivered_at: Mapped[datetime | None]
+    failed_at: Mapped[datetime | None]
+    last_error: Mapped[str | None]
+
+    __table_args__ = (
+        CheckConstraint(_in("status", WEBHOOK_EVENT_STATUSES), name="status_valid"),
+        CheckConstraint("attempts >= 0", name="attempts_nonnegative"),
+        Index("ix_webhook_events_tenant_created_at", "tenant", "created_at"),
+        # The deliverers' question: which pending events are due.
+        Index("ix_webhook_events_due", "next_attempt_at", postgresql_where=text("status = 'pending'")),
+    )
+
+
+class WebhookAttempt(Base):
+    """One try at delivering an event: where, when, how long, and the answer or the error."""
+
+    __tablename__ = "webhook_attempts"
+
+    id: Mapped[int] = mapped_column(BigInteger(), primary_key=True, autoincrement=True)
+    event_id: Mapped[str] = mapped_column(ForeignKey("webhook_events.id", ondelete="CASCADE"))
+    attempt: Mapped[int]
+    """1 for the first try."""
+    url: Mapped[str]
+    started_at: Mapped[datetime]
+    duration_ms: Mapped[int]
+    status_code: Mapped[int | None]
+    """The receiver's HTTP status; NULL when none came (refused, timed out, destination refused)."""
+    error: Mapped[str | None]
+    """Why the try failed; NULL for a 2xx."""
+
+    __table_args__ = (UniqueConstraint("event_id", "attempt"),)
