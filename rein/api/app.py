@@ -4,7 +4,8 @@ At startup (the lifespan) the app refuses an unmigrated database with the migrat
 check's message (`rein migrate` fixes it), loads each served model's tokenizer once,
 opens its Redis clients (sync for intake, asyncio for streams) and the Celery producer, and
 starts its background threads: the intake's group committer, the batch manager, a
-reaper (rein.jobs.reaper) and the retention loop (rein.jobs.retention).
+reaper (rein.jobs.reaper), the retention loop (rein.jobs.retention) and the webhooks' deliverer
+(rein.batches.webhooks.delivery).
 """
 
 from __future__ import annotations
@@ -26,9 +27,21 @@ from rein.api.intake import JobIntake
 from rein.api.metrics import APIMetrics, MetricsMiddleware
 from rein.api.metrics import router as metrics_router
 from rein.api.request_limits import RequestLimits
-from rein.api.routes import batches, embeddings, files, health, jobs, lora, openai, tokenize, usage
+from rein.api.routes import (
+    batches,
+    embeddings,
+    files,
+    health,
+    jobs,
+    lora,
+    openai,
+    tokenize,
+    usage,
+    webhooks,
+)
 from rein.api.streams import STREAM_SOCKET_TIMEOUT, StreamSlots
 from rein.batches.manager import BatchManager
+from rein.batches.webhooks.delivery import WebhookDeliverer
 from rein.core.settings import Settings, get_settings
 from rein.jobs.queues import make_celery
 from rein.jobs.ratelimit import RateLimiter
@@ -97,12 +110,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.reaper = Reaper(settings, state.sessions, state.redis, state.celery, name="rein-api-reaper").start()
         # Deletes results, output files and usage past their retention (rein.jobs.retention).
         state.retention = RetentionLoop(settings, state.sessions, state.filestore).start()
+        # Delivers the batch events of the webhooks' outbox (rein.batches.webhooks.delivery).
+        state.webhooks = WebhookDeliverer(settings, state.sessions, registry=app.state.metrics.registry).start()
         state.started_at = int(time.time())
         log.info("rein api ready: database at revision %s, models %s", revision,
                  ", ".join(e.name for e in registry) or "none")
         try:
             yield
         finally:
+            await run_in_threadpool(state.webhooks.stop)
             await run_in_threadpool(state.reaper.stop)
             await run_in_threadpool(state.retention.stop)
             await run_in_threadpool(state.batch_manager.stop)
@@ -119,7 +135,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         lifespan=lifespan,
     )
     install_error_handlers(app)
-    for module in (openai, embeddings, tokenize, jobs, files, batches, usage, lora, health):
+    for module in (openai, embeddings, tokenize, jobs, files, batches, usage, lora, webhooks, health):
         app.include_router(module.router)
     # Prometheus: every response counted and timed by route template; GET /metrics.
     app.state.metrics = APIMetrics(settings)

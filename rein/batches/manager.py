@@ -46,6 +46,9 @@ replica is handling is skipped, not waited for), does the next step in one trans
   runs, `cancelled`, with completed results kept.
 * finalizing: once nothing runs, write the output and error files (rein.batches.result_files)
   and set the final status, in one transaction.
+* Webhooks: the transaction that sets a final status (completed, failed, cancelled, expired)
+  also writes the batch's event to the outbox (rein.batches.webhooks.events), when its tenant
+  has an endpoint for it.
 
 Isolation: validations run on threads of their own (REIN_BATCH_VALIDATOR_THREADS), so a large
 file never stalls the other batches' steps, and one tenant's batches take at most half of them
@@ -101,6 +104,7 @@ from rein.batches.locks import hold_batch_lock, try_lock_batch
 from rein.batches.result_files import write_result_files
 from rein.batches.validation import ValidLine, validate_lines
 from rein.batches.wakeup import BATCH_WAKE_MIN_SECONDS, BatchEventListener
+from rein.batches.webhooks.events import record_batch_event
 from rein.core.priorities import PRIORITY_BATCH
 from rein.core.settings import Settings
 from rein.engine.structured.validator import ValidatorUnavailable
@@ -434,9 +438,11 @@ class BatchManager:
         self.wake()          # feed it at once rather than next tick
 
     def _fail(self, session: Session, batch_id: str, errors: list[dict[str, Any]]) -> None:
-        session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating")
-                        .values(status="failed", failed_at=func.now(),
-                                errors={"object": "list", "data": errors}))
+        failed = session.execute(update(Batch).where(Batch.id == batch_id, Batch.status == "validating")
+                                 .values(status="failed", failed_at=func.now(),
+                                         errors={"object": "list", "data": errors}).returning(Batch.id)).first()
+        if failed is not None:    # webhooks: the event commits with the status (rein.batches.webhooks)
+            record_batch_event(session, batch_id, "failed")
         log.info("batch %s failed validation: %d errors", batch_id, len(errors))
 
     def _progress(self, session: Session, batch: Batch, shares: dict[str, Share] | None) -> None:
@@ -536,8 +542,11 @@ class BatchManager:
             final = {"status": "expired"}
         else:
             final = {"status": "completed", "completed_at": func.now()}
-        session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == batch.status)
-                        .values(output_file_id=output_id, error_file_id=error_id, **final))
+        ended = session.execute(update(Batch).where(Batch.id == batch.id, Batch.status == batch.status)
+                                .values(output_file_id=output_id, error_file_id=error_id, **final)
+                                .returning(Batch.id)).first()
+        if ended is not None:     # webhooks: the event commits with the status (rein.batches.webhooks)
+            record_batch_event(session, batch.id, final["status"])
         log.info("batch %s %s", batch.id, final["status"])
 
 
