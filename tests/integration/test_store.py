@@ -29,7 +29,8 @@ from rein.store.db import (
 from rein.store.migrate import current_revision, head_revision, upgrade
 from rein.store.tables import ApiKey, Base, Job, Result, Usage
 
-TABLES = {"api_keys", "jobs", "results", "usage", "alembic_version", "files", "batches", "lora_adapters"}
+TABLES = {"api_keys", "jobs", "results", "usage", "alembic_version", "files", "batches", "lora_adapters",
+          "webhook_endpoints", "webhook_events", "webhook_attempts"}
 HEAD = "0013"   # the newest migration
 
 
