@@ -9,9 +9,7 @@ batches send their own types; a private address is refused when set."""
 from __future__ import annotations
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import openai
 import pytest
@@ -19,6 +17,7 @@ from api_support import auth, jsonl, line
 from sqlalchemy import select
 from support import free_port, wait_for
 from test_batches import batch_jobs, create, wait_status
+from webhook_receiver import Receiver
 
 from rein.store.tables import WebhookAttempt, WebhookEvent
 
@@ -27,36 +26,6 @@ pytestmark = pytest.mark.usefixtures("end_leftover_batches")
 # Deliveries to the test's own server on 127.0.0.1 over http: the operator's settings allow it.
 LOCAL = {"webhook_allow_private": True, "webhook_allow_http": True, "webhook_poll_seconds": 0.05,
          "batch_poll_seconds": 0.05}
-
-
-class Receiver:
-    """A real HTTP server on 127.0.0.1 that records each POST and answers the next of `statuses`
-    (then 200). `port`: listen there (e.g. one that refused connections until now)."""
-
-    def __init__(self, statuses: list[int] | tuple[int, ...] = (), port: int = 0) -> None:
-        self.requests: list[tuple[dict[str, str], bytes]] = []
-        self.statuses = list(statuses)
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:   # noqa: N802 (http.server's name)
-                body = self.rfile.read(int(self.headers.get("content-length", 0)))
-                receiver.requests.append(({k.lower(): v for k, v in self.headers.items()}, body))
-                status = receiver.statuses.pop(0) if receiver.statuses else 200
-                self.send_response(status)
-                self.send_header("content-length", "0")
-                self.end_headers()
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hooks/rein"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
 
 @pytest.fixture

@@ -1,0 +1,131 @@
+"""The webhooks' deliverer (rein.batches.webhooks.delivery) on a real Postgres outbox and real HTTP:
+several deliverers share the outbox without sending an event twice (FOR UPDATE SKIP LOCKED),
+an event past REIN_WEBHOOK_RETRY_SECONDS is marked failed, an event whose endpoint was removed
+fails unsent, and the destination is checked again at delivery (a name that now resolves to a
+private address is refused, and recorded as a failed attempt)."""
+
+from __future__ import annotations
+
+import threading
+from datetime import UTC, datetime
+
+import pytest
+from sqlalchemy import select
+from webhook_receiver import Receiver
+
+from rein.batches.webhooks.delivery import WebhookDeliverer
+from rein.batches.webhooks.endpoints import delete_endpoint, set_endpoint
+from rein.batches.webhooks.events import new_event_id
+from rein.store.keys import create_key
+from rein.store.tables import WebhookAttempt, WebhookEvent
+
+LOCAL = {"webhook_allow_private": True, "webhook_allow_http": True}
+
+
+@pytest.fixture
+def receiver():
+    started = Receiver()
+    yield started
+    started.close()
+
+
+def add_endpoint(sessions, tenant: str, url: str) -> str:
+    with sessions.begin() as session:
+        key = create_key(session, name="admin", tenant=tenant, scopes="admin")
+        return set_endpoint(session, tenant, url, ["batch.completed"], key.info.key_id).secret
+
+
+def add_events(sessions, tenant: str, count: int) -> list[str]:
+    ids = [new_event_id() for _ in range(count)]
+    with sessions.begin() as session:
+        session.add_all(WebhookEvent(id=event_id, tenant=tenant, type="batch.completed", batch_id=f"batch_{n}")
+                        for n, event_id in enumerate(ids))
+    return ids
+
+
+def events(sessions, ids: list[str]) -> dict[str, WebhookEvent]:
+    with sessions() as session:
+        return {e.id: e for e in session.scalars(select(WebhookEvent).where(WebhookEvent.id.in_(ids)))}
+
+
+def attempts(sessions, ids: list[str]) -> list[WebhookAttempt]:
+    with sessions() as session:
+        return list(session.scalars(select(WebhookAttempt).where(WebhookAttempt.event_id.in_(ids))))
+
+
+def drain(deliverer: WebhookDeliverer) -> None:
+    while deliverer.deliver_due():
+        pass
+
+
+def test_several_deliverers_send_each_event_once(make_settings, db_sessionmaker, tenant, receiver):
+    add_endpoint(db_sessionmaker, tenant, receiver.url)
+    ids = add_events(db_sessionmaker, tenant, 24)
+    deliverers = [WebhookDeliverer(make_settings(**LOCAL), db_sessionmaker) for _ in range(3)]
+    try:
+        threads = [threading.Thread(target=drain, args=(d,)) for d in deliverers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+    finally:
+        for deliverer in deliverers:
+            deliverer.stop()
+    sent = sorted(headers["webhook-id"] for headers, _ in receiver.requests)
+    assert sent == sorted(ids)                                    # every event, none twice
+    assert {e.status for e in events(db_sessionmaker, ids).values()} == {"delivered"}
+    assert sorted(a.event_id for a in attempts(db_sessionmaker, ids)) == sorted(ids)
+
+
+def test_an_event_past_its_retry_window_fails(make_settings, db_sessionmaker, tenant):
+    receiver = Receiver(statuses=[503] * 5)
+    try:
+        add_endpoint(db_sessionmaker, tenant, receiver.url)
+        [event_id] = add_events(db_sessionmaker, tenant, 1)
+        deliverer = WebhookDeliverer(make_settings(webhook_retry_seconds=0.5, webhook_backoff_seconds=0.2, **LOCAL),
+                                     db_sessionmaker)
+        try:
+            deadline = datetime.now(UTC).timestamp() + 10
+            while events(db_sessionmaker, [event_id])[event_id].status == "pending":
+                assert datetime.now(UTC).timestamp() < deadline, "the event never gave up"
+                deliverer.deliver_due()
+        finally:
+            deliverer.stop()
+    finally:
+        receiver.close()
+    event = events(db_sessionmaker, [event_id])[event_id]
+    assert event.status == "failed" and event.failed_at is not None
+    assert event.last_error == "the receiver answered 503"
+    tried = attempts(db_sessionmaker, [event_id])
+    assert len(tried) == event.attempts >= 2 and {a.status_code for a in tried} == {503}
+
+
+def test_an_event_whose_endpoint_was_removed_fails_unsent(make_settings, db_sessionmaker, tenant, receiver):
+    add_endpoint(db_sessionmaker, tenant, receiver.url)
+    [event_id] = add_events(db_sessionmaker, tenant, 1)
+    with db_sessionmaker.begin() as session:
+        delete_endpoint(session, tenant)
+    deliverer = WebhookDeliverer(make_settings(**LOCAL), db_sessionmaker)
+    try:
+        drain(deliverer)
+    finally:
+        deliverer.stop()
+    event = events(db_sessionmaker, [event_id])[event_id]
+    assert (event.status, event.attempts) == ("failed", 0) and "no webhook endpoint" in event.last_error
+    assert receiver.requests == [] and attempts(db_sessionmaker, [event_id]) == []
+
+
+def test_the_destination_is_checked_again_at_delivery(make_settings, db_sessionmaker, tenant, receiver):
+    # Set when the name resolved to a public address; by delivery it resolves to the metadata service.
+    add_endpoint(db_sessionmaker, tenant, "https://hooks.example.com/rein")
+    [event_id] = add_events(db_sessionmaker, tenant, 1)
+    deliverer = WebhookDeliverer(make_settings(), db_sessionmaker, resolver=lambda host, port: ["169.254.169.254"])
+    try:
+        assert deliverer.deliver_due() == 1
+    finally:
+        deliverer.stop()
+    [attempt] = attempts(db_sessionmaker, [event_id])
+    assert attempt.status_code is None and attempt.error.startswith("destination refused:")
+    assert "169.254.169.254 (link-local)" in attempt.error
+    event = events(db_sessionmaker, [event_id])[event_id]
+    assert event.status == "pending" and event.next_attempt_at > event.created_at   # retried later
