@@ -108,6 +108,8 @@ def test_a_completed_batch_is_delivered_once_and_verified_by_the_openai_client(
     listed = client.get(f"{path}/events", headers=auth(admin)).json()["data"]
     assert [(e["id"], e["status"], len(e["attempts"])) for e in listed] == [(event.id, "delivered", 1)]
     assert len(receiver.requests) == 1
+    metrics = client.get("/metrics", headers=auth(admin)).text
+    assert 'rein:webhook_deliveries_total{result="success"} 1.0' in metrics
 
     deleted = client.delete(path, headers=auth(admin)).json()
     assert deleted == {"id": endpoint["id"], "object": "webhook_endpoint.deleted", "deleted": True}
