@@ -111,7 +111,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Deletes results, output files and usage past their retention (rein.jobs.retention).
         state.retention = RetentionLoop(settings, state.sessions, state.filestore).start()
         # Delivers the batch events of the webhooks' outbox (rein.batches.webhooks.delivery).
-        state.webhooks = WebhookDeliverer(settings, state.sessions, registry=app.state.metrics.registry).start()
+        state.webhooks = WebhookDeliverer(settings, state.sessions,
+                                         on_outcome=app.state.metrics.count_webhook).start()
         state.started_at = int(time.time())
         log.info("rein api ready: database at revision %s, models %s", revision,
                  ", ".join(e.name for e in registry) or "none")

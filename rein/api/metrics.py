@@ -13,6 +13,8 @@
   authenticated to be refused, so a flood of made-up keys cannot multiply the series.
 * `rein:queue_depth{model_name,priority}`: jobs waiting in each served model's queue,
   read from Redis (LLEN of the broker's priority lists) when Prometheus scrapes.
+* `rein:webhook_deliveries_total{result}` and `rein:webhook_events_failed_total`: the webhooks'
+  deliverer's tries and the events it gave up on (rein.batches.webhooks.delivery).
 
 Every metric lives in the app's own `CollectorRegistry` (`app.state.metrics.registry`),
 so tests can build several apps in one process. With several API processes
@@ -94,10 +96,30 @@ class APIMetrics:
             multiprocess_mode="mostrecent",   # read by whichever process is scraped
         )
         self._depth_labels: set[tuple[str, str]] = set()
+        # The webhooks' deliverer (rein.batches.webhooks.delivery) runs in the API process.
+        self.webhook_deliveries = Counter(
+            "rein:webhook_deliveries",
+            "Webhook delivery tries, by result (success: a 2xx answer; failure: anything else).",
+            ("result",),
+            registry=r,
+        )
+        self.webhook_events_failed = Counter(
+            "rein:webhook_events_failed",
+            "Webhook events given up on (retried for REIN_WEBHOOK_RETRY_SECONDS, or their endpoint removed).",
+            registry=r,
+        )
 
     def observe_response(self, route: str, method: str, status: int, seconds: float) -> None:
         self.requests.labels(route, method, str(status)).inc()
         self.request_duration.labels(route).observe(seconds)
+
+    def count_webhook(self, delivered: bool | None, gave_up: bool) -> None:
+        """One outcome of the webhooks' deliverer: a try (delivered or not; None: nothing sent), and
+        whether its event was given up on."""
+        if delivered is not None:
+            self.webhook_deliveries.labels("success" if delivered else "failure").inc()
+        if gave_up:
+            self.webhook_events_failed.inc()
 
     async def refresh_queue_depth(self, redis: Any) -> None:
         """LLEN of every served model's priority lists, in one round trip (asyncio Redis)."""

@@ -26,12 +26,12 @@ import logging
 import random
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import httpx
-from prometheus_client import CollectorRegistry, Counter
 from sqlalchemy import case, func, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
@@ -54,6 +54,10 @@ DELIVERY_THREADS = 4
 LEASE_MARGIN_SECONDS = 30      # beyond the timeout: how long a claimed event stays another process's
 MAX_ERROR_CHARS = 500
 USER_AGENT = "rein-webhooks/1"
+
+# Told of each outcome, for metrics: (delivered: True/False, None when nothing was sent; the
+# event given up on).
+OutcomeCounter = Callable[[bool | None, bool], None]
 
 
 @dataclass(frozen=True)
@@ -116,9 +120,10 @@ class WebhookDeliverer:
     """The delivery loop of one process: `start()`, `stop()`, or `deliver_due()` for one pass."""
 
     def __init__(self, settings: Settings, sessions: sessionmaker[Session], *,
-                 registry: CollectorRegistry | None = None, resolver: Resolver = resolve,
+                 on_outcome: OutcomeCounter | None = None, resolver: Resolver = resolve,
                  name: str = "rein-webhooks") -> None:
         self.settings = settings
+        self.on_outcome = on_outcome
         self.sessions = sessions
         self.resolver = resolver
         self._stop = threading.Event()
@@ -129,14 +134,6 @@ class WebhookDeliverer:
         # httpx's timeout bounds each phase (connect, write, read), not the whole try: a lease of
         # four of them and a margin outlasts any try, so no second process sends while one is.
         self.lease = timedelta(seconds=settings.webhook_timeout_seconds * 4 + LEASE_MARGIN_SECONDS)
-        # prometheus_client appends `_total` to counter names itself.
-        self.deliveries = Counter("rein:webhook_deliveries", "Webhook delivery attempts, by result "
-                                  "(success: a 2xx answer; failure: anything else).", ("result",),
-                                  registry=registry) if registry is not None else None
-        self.events_failed = Counter("rein:webhook_events_failed", "Webhook events given up on (retried "
-                                     "for REIN_WEBHOOK_RETRY_SECONDS, or their endpoint removed).",
-                                     registry=registry) if registry is not None else None
-
     # -- the loop ---------------------------------------------------------------------------
 
     def start(self) -> WebhookDeliverer:
@@ -263,14 +260,10 @@ class WebhookDeliverer:
                                                        WebhookEvent.attempts == event.attempt)
                             .values(status="failed", failed_at=func.now(), last_error=why,
                                     attempts=WebhookEvent.attempts - 1))   # nothing was sent
-        if self.events_failed is not None:
-            self.events_failed.inc()
+        self._count(None, True)
         log.warning("webhook event %s (%s) not delivered: %s", event.id, event.type, why)
 
-    def _count(self, delivered: bool, gave_up: bool) -> None:
-        if self.deliveries is None:
-            return
-        self.deliveries.labels("success" if delivered else "failure").inc()
-        if gave_up and self.events_failed is not None:
-            self.events_failed.inc()
+    def _count(self, delivered: bool | None, gave_up: bool) -> None:
+        if self.on_outcome is not None:
+            self.on_outcome(delivered, gave_up)
 
