@@ -31,7 +31,10 @@ TIMEOUT = 120.0   # a whole generation on a busy 2-core machine
 def service(tmp_path_factory: pytest.TempPathFactory, tiny_models) -> Iterator[Service]:
     tmp = tmp_path_factory.mktemp("openai-client")
     with run_service(tmp, tiny_models("llama"), scopes="inference,batch,usage",
-                     extra_env={"REIN_FILES_DIR": str(tmp / "files"), "REIN_BATCH_POLL_SECONDS": "0.2"}) as svc:
+                     extra_env={"REIN_FILES_DIR": str(tmp / "files"), "REIN_BATCH_POLL_SECONDS": "0.2",
+                                # webhooks to the test's own receiver on 127.0.0.1 over http
+                                "REIN_WEBHOOK_ALLOW_PRIVATE": "true", "REIN_WEBHOOK_ALLOW_HTTP": "true",
+                                "REIN_WEBHOOK_POLL_SECONDS": "0.2"}) as svc:
         yield svc
 
 
@@ -388,6 +391,38 @@ def test_batch_end_to_end(client: openai.OpenAI, service: Service) -> None:
         with pytest.raises(openai.NotFoundError):
             other.files.content(done.output_file_id)
         assert created.id not in [b.id for b in other.batches.list()]
+
+
+def test_batch_webhook_verified_by_the_client(client: openai.OpenAI, service: Service) -> None:
+    """A batch's `batch.completed` reaches a real HTTP server, signed so that the client's
+    `webhooks.unwrap` verifies it with the secret the admin route showed once."""
+    from webhook_receiver import Receiver
+
+    # Key "a"'s tenant, as run_service names it: e2e-<run id>-a (the run id is in the key prefix).
+    tenant = service.env["REIN_REDIS_KEY_PREFIX"].removeprefix("rein_").replace("_", "-").rstrip(":") + "-a"
+    admin = subprocess.run([*REIN, "keys", "create", "--name", "webhooks-admin", "--tenant", tenant, "--scopes",
+                            "admin"], env=service.env, cwd=REPO, capture_output=True, text=True, timeout=120,
+                           check=True).stdout.strip().splitlines()[-1]
+    receiver = Receiver()
+    try:
+        with make_client(service, admin) as admin_client:
+            endpoint = admin_client.put(f"/tenants/{tenant}/webhook_endpoint", cast_to=dict,
+                                        body={"url": receiver.url})
+        secret = endpoint["signing_secret"]
+        created = submit_batch(client, batch_lines(2, prefix="hook"))
+        done = wait_batch(client, created.id)
+        assert done.status == "completed", done
+        deadline = time.monotonic() + 30
+        while not receiver.requests:
+            assert time.monotonic() < deadline, "no webhook delivered"
+            time.sleep(0.1)
+        headers, body = receiver.requests[0]
+        event = client.webhooks.unwrap(body, headers, secret=secret)
+        assert isinstance(event, openai.types.webhooks.BatchCompletedWebhookEvent)
+        assert event.data.id == created.id and event.created_at == done.completed_at
+        assert headers["webhook-id"] == event.id
+    finally:
+        receiver.close()
 
 
 def test_batch_with_a_bad_line_fails_validation(client: openai.OpenAI) -> None:
