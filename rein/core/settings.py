@@ -353,6 +353,9 @@ class Settings(BaseSettings):
     """The longest wait between two deliveries of one event."""
     webhook_poll_seconds: float = Field(1.0, gt=0)
     """How often each API process looks for events due for delivery."""
+    webhook_event_retention_days: float | None = Field(30, ge=0)
+    """Delivered and failed webhook events, with their attempts, are deleted this many days after
+    the event (by each API process's deliverer, every REIN_RETENTION_INTERVAL_SECONDS). 0: kept."""
 
     @field_validator("webhook_allowed_cidrs", mode="before")
     @classmethod

@@ -7,13 +7,13 @@ private address is refused, and recorded as a failed attempt)."""
 from __future__ import annotations
 
 import threading
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import select
 from webhook_receiver import Receiver
 
-from rein.batches.webhooks.delivery import WebhookDeliverer
+from rein.batches.webhooks.delivery import WebhookDeliverer, prune_events
 from rein.batches.webhooks.endpoints import delete_endpoint, set_endpoint
 from rein.batches.webhooks.events import new_event_id
 from rein.store.keys import create_key
@@ -129,3 +129,22 @@ def test_the_destination_is_checked_again_at_delivery(make_settings, db_sessionm
     assert "169.254.169.254 (link-local)" in attempt.error
     event = events(db_sessionmaker, [event_id])[event_id]
     assert event.status == "pending" and event.next_attempt_at > event.created_at   # retried later
+
+
+def test_old_finished_events_are_pruned_with_their_attempts(make_settings, db_sessionmaker, tenant):
+    long_ago = datetime.now(UTC) - timedelta(days=40)
+    ids = {name: new_event_id() for name in ("old_delivered", "old_failed", "old_pending", "new_delivered")}
+    with db_sessionmaker.begin() as session:
+        for name, event_id in ids.items():
+            session.add(WebhookEvent(id=event_id, tenant=tenant, type="batch.completed", batch_id="batch_x",
+                                     status=name.split("_")[1], created_at=long_ago if name.startswith("old")
+                                     else datetime.now(UTC)))
+        session.flush()
+        session.add(WebhookAttempt(event_id=ids["old_delivered"], attempt=1, url="https://x", started_at=long_ago,
+                                   duration_ms=5, status_code=200))
+    settings = make_settings(webhook_event_retention_days=30, retention_batch=1)
+    assert prune_events(settings, db_sessionmaker) >= 2
+    left = events(db_sessionmaker, list(ids.values()))
+    assert sorted(left) == sorted([ids["old_pending"], ids["new_delivered"]])   # pending ones are never pruned
+    assert attempts(db_sessionmaker, [ids["old_delivered"]]) == []
+    assert prune_events(make_settings(webhook_event_retention_days=0), db_sessionmaker) == 0

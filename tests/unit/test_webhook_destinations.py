@@ -91,6 +91,9 @@ def test_http_needs_the_operator():
     ("https://user:pw@hooks.example.com/", "user name or password"),
     ("https://hooks.example.com:99999/", "not a valid URL"),
     ("https://hooks.example.com/" + "a" * 3000, "the limit is 2048"),
+    ("https://93.184.215.14/a\x00b", "control character"),
+    ("https://hooks.example.com/a b", "a space"),
+    ("https://hooks.example.com/#top", "fragment"),
 ])
 def test_malformed_urls_say_what_is_wrong(url, message):
     with pytest.raises(DestinationRefused, match=message):

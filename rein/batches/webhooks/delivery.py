@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
 import httpx
-from sqlalchemy import case, func, select, update
+from sqlalchemy import case, delete, func, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from standardwebhooks.webhooks import Webhook
@@ -149,7 +149,11 @@ class WebhookDeliverer:
         self._client.close()
 
     def _run(self) -> None:
+        next_prune = time.monotonic()
         while not self._stop.is_set():
+            if time.monotonic() >= next_prune:
+                next_prune = time.monotonic() + self.settings.retention_interval_seconds
+                self._prune()
             try:
                 busy = self.deliver_due() == DELIVERY_THREADS
             except SQLAlchemyError as exc:    # Postgres away: try again next poll
@@ -160,6 +164,15 @@ class WebhookDeliverer:
                 busy = False
             if not busy:
                 self._stop.wait(self.settings.webhook_poll_seconds)
+
+    def _prune(self) -> None:
+        try:
+            pruned = prune_events(self.settings, self.sessions)
+        except SQLAlchemyError as exc:
+            log.warning("webhook events not pruned (%s)", exc.__class__.__name__)
+            return
+        if pruned:
+            log.info("webhook events: %d past REIN_WEBHOOK_EVENT_RETENTION_DAYS deleted", pruned)
 
     # -- one pass ---------------------------------------------------------------------------
 
@@ -267,3 +280,21 @@ class WebhookDeliverer:
         if self.on_outcome is not None:
             self.on_outcome(delivered, gave_up)
 
+
+def prune_events(settings: Settings, sessions: sessionmaker[Session]) -> int:
+    """Delete the delivered and failed events older than REIN_WEBHOOK_EVENT_RETENTION_DAYS, with
+    their attempts, REIN_RETENTION_BATCH at a time (rows another process holds are skipped: any
+    number of processes may prune at once); how many."""
+    days = settings.webhook_event_retention_days
+    if not days:
+        return 0
+    deleted = 0
+    while True:
+        old = (select(WebhookEvent.id)
+               .where(WebhookEvent.status != "pending", WebhookEvent.created_at < func.now() - timedelta(days=days))
+               .limit(settings.retention_batch).with_for_update(skip_locked=True))
+        with sessions() as session, session.begin():
+            count = session.execute(delete(WebhookEvent).where(WebhookEvent.id.in_(old.scalar_subquery()))).rowcount
+        deleted += count
+        if count < settings.retention_batch:
+            return deleted

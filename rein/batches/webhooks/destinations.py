@@ -81,6 +81,8 @@ def check_destination(url: str, settings: Settings, resolver: Resolver = resolve
     """The URL's destination, checked and resolved; DestinationRefused saying why it may not be used."""
     if len(url) > MAX_URL_LENGTH:
         raise DestinationRefused(f"the webhook URL is {len(url)} characters long; the limit is {MAX_URL_LENGTH}")
+    if any(ord(char) < 0x21 or ord(char) == 0x7f for char in url):
+        raise DestinationRefused(f"the webhook URL {url!r} has a space or a control character; percent-encode it")
     try:
         parts = urlsplit(url)
         port = parts.port
@@ -110,7 +112,7 @@ def check_destination(url: str, settings: Settings, resolver: Resolver = resolve
     else:
         try:
             addresses = list(resolver(host, port))
-        except (OSError, UnicodeError) as exc:
+        except (OSError, UnicodeError, ValueError) as exc:
             raise DestinationRefused(f"the webhook URL's host {host!r} does not resolve ({exc})") from None
         if not addresses:
             raise DestinationRefused(f"the webhook URL's host {host!r} resolves to no address")
