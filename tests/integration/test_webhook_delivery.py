@@ -148,3 +148,88 @@ def test_old_finished_events_are_pruned_with_their_attempts(make_settings, db_se
     assert sorted(left) == sorted([ids["old_pending"], ids["new_delivered"]])   # pending ones are never pruned
     assert attempts(db_sessionmaker, [ids["old_delivered"]]) == []
     assert prune_events(make_settings(webhook_event_retention_days=0), db_sessionmaker) == 0
+
+
+def test_https_goes_to_the_checked_address_and_verifies_the_urls_name(tmp_path):
+    """post_pinned connects to the address the check resolved, yet sends the URL's Host and TLS
+    name, and the certificate is verified against that name (not the address)."""
+    import ssl
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx
+
+    from rein.batches.webhooks.delivery import post_pinned
+    from rein.batches.webhooks.destinations import Destination
+
+    ca_pem, cert_pem, key_pem = _certificates("hooks.test")
+    (tmp_path / "cert.pem").write_bytes(cert_pem)
+    (tmp_path / "key.pem").write_bytes(key_pem)
+    hosts: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self) -> None:   # noqa: N802
+            self.rfile.read(int(self.headers["content-length"]))
+            hosts.append(self.headers["host"])
+            self.send_response(204)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(tmp_path / "cert.pem", tmp_path / "key.pem")
+    server.socket = context.wrap_socket(server.socket, server_side=True)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
+    trust = ssl.create_default_context(cadata=ca_pem.decode())
+    try:
+        with httpx.Client(verify=trust, timeout=10) as client:
+            url = f"https://hooks.test:{port}/rein"
+            response = post_pinned(client, Destination(url, "https", "hooks.test", port, ("127.0.0.1",)), b"{}",
+                                   {"content-type": "application/json"})
+            assert response.status_code == 204 and hosts == [f"hooks.test:{port}"]
+            # The same server under another name: its certificate does not match, so no delivery.
+            other = f"https://other.test:{port}/rein"
+            with pytest.raises(httpx.ConnectError, match="certificate|hostname"):
+                post_pinned(client, Destination(other, "https", "other.test", port, ("127.0.0.1",)), b"{}", {})
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _certificates(name: str) -> tuple[bytes, bytes, bytes]:
+    """A CA and a certificate for `name` it signed: (CA cert, cert, key), PEM."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    now = datetime.now(UTC)
+
+    def build(subject: str, key, issuer: str, issuer_key, ca: bool):
+        builder = (x509.CertificateBuilder()
+                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)]))
+                   .issuer_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, issuer)]))
+                   .public_key(key.public_key()).serial_number(x509.random_serial_number())
+                   .not_valid_before(now - timedelta(hours=1)).not_valid_after(now + timedelta(days=1))
+                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+        if ca:
+            builder = builder.add_extension(x509.KeyUsage(
+                digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
+                key_encipherment=False, data_encipherment=False, key_agreement=False, encipher_only=False,
+                decipher_only=False), critical=True)
+            builder = builder.add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()),
+                                            critical=False)
+        else:
+            builder = builder.add_extension(x509.SubjectAlternativeName([x509.DNSName(subject)]), critical=False)
+            builder = builder.add_extension(
+                x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()), critical=False)
+        return builder.sign(issuer_key, hashes.SHA256())
+
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    ca = build("rein test CA", ca_key, "rein test CA", ca_key, True)
+    cert = build(name, key, "rein test CA", ca_key, False)
+    pem = serialization.Encoding.PEM
+    return (ca.public_bytes(pem), cert.public_bytes(pem),
+            key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))

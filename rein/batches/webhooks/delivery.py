@@ -100,7 +100,9 @@ def signed_headers(secret: str, event_id: str, payload: bytes, now: datetime | N
 def post_pinned(client: httpx.Client, destination: Destination, payload: bytes, headers: dict[str, str]
                 ) -> httpx.Response:
     """POST to the addresses the destination check resolved, in turn until one connects, with the
-    URL's own Host header (and TLS name, for https), so a second DNS answer is never used."""
+    URL's own Host header (and TLS name, for https, which the certificate is verified against), so a
+    second DNS answer is never used. The answer's body is not read: only its status counts, and a
+    receiver cannot make rein hold a large or endless body."""
     url = httpx.URL(destination.url)
     last: httpx.TransportError | None = None
     for address in destination.addresses:
@@ -109,9 +111,12 @@ def post_pinned(client: httpx.Client, destination: Destination, payload: bytes, 
             headers=headers | {"host": url.netloc.decode("ascii")},
             extensions={"sni_hostname": destination.host} if destination.scheme == "https" else {})
         try:
-            return client.send(request, follow_redirects=False)
+            response = client.send(request, follow_redirects=False, stream=True)
         except httpx.ConnectError as exc:
             last = exc
+            continue
+        response.close()
+        return response
     assert last is not None
     raise last
 
@@ -134,6 +139,7 @@ class WebhookDeliverer:
         # httpx's timeout bounds each phase (connect, write, read), not the whole try: a lease of
         # four of them and a margin outlasts any try, so no second process sends while one is.
         self.lease = timedelta(seconds=settings.webhook_timeout_seconds * 4 + LEASE_MARGIN_SECONDS)
+
     # -- the loop ---------------------------------------------------------------------------
 
     def start(self) -> WebhookDeliverer:
