@@ -38,6 +38,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from rein.core.cpu_pinning import parse_cpu_list
+from rein.core.tool_call_parser_names import TOOL_CALL_PARSERS
 
 MODELS_FORMAT = "name=path_or_hub_id[@max_model_len][,name=...]"
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
@@ -382,6 +383,10 @@ class Settings(BaseSettings):
     """Hub revision of a REIN_TOKENIZER given as a hub id; unset: its default branch."""
     chat_template: str | None = None
     """A Jinja chat template, as a file path or inline, replacing the tokenizer's (the API and the worker both)."""
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None  # type: ignore[valid-type]
+    """The format tool calls are read from in auto-mode answers (vLLM's names: hermes, llama3_json,
+    mistral, qwen3_coder); unset: the one the model's chat template teaches, else hermes
+    (rein.openai.tool_call_parsers). The API and `rein run-batch` read it."""
     trust_remote_code: bool = False
     """Let transformers run the Python code of a model or tokenizer whose config needs it (`auto_map`)."""
     tensor_parallel_size: int = Field(1, ge=1)
@@ -538,7 +543,7 @@ ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "interactive_step_bud
                  "kv_cache_memory", "gpu_memory_utilization", "device", "dtype", "kv_cache_dtype", "block_size",
                  "enforce_eager", "enable_prefix_caching", "seed", "generation_config", "model_impl", "tokenizer",
                  "revision", "tokenizer_revision", "chat_template", "trust_remote_code", "tensor_parallel_size",
-                 "quantization", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank")
+                 "quantization", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "tool_call_parser")
 
 
 class _EngineSettingsBase(BaseSettings):

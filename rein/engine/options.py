@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from rein.core.settings import EngineSettings, load_engine_settings
+from rein.core.tool_call_parser_names import TOOL_CALL_PARSERS
 from rein.model.implementation_names import MODEL_IMPLS
 from rein.model.quant.names import QUANTIZATIONS
 
@@ -108,6 +109,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  shown_default="the default branch", commands=(WORKER, *OFFLINE, API)),
     EngineOption("chat_template", "a Jinja chat template, as a file path or inline, replacing the tokenizer's",
                  str, "FILE|TEMPLATE", shown_default="the tokenizer's", commands=(WORKER, *OFFLINE, API)),
+    EngineOption("tool_call_parser", "the format tool calls are read from in tool_choice auto answers (vLLM's "
+                 "names)", choices=TOOL_CALL_PARSERS, shown_default="the chat template's, else hermes",
+                 commands=(*OFFLINE, API)),
     EngineOption("trust_remote_code", "let transformers run the Python code of a model or tokenizer whose "
                  "config needs it (auto_map); without it such a model is refused", boolean=True,
                  commands=(WORKER, *OFFLINE, API)),
