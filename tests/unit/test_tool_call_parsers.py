@@ -12,6 +12,7 @@ from datetime import UTC, datetime
 import pytest
 
 from rein.api.streams import StreamEvent, openai_chunk_stream
+from rein.core.settings import SettingsError, load_engine_settings
 from rein.jobs.results import response_body
 from rein.openai import tool_call_parsers
 from rein.openai.endpoints import CHAT_COMPLETIONS
@@ -215,6 +216,9 @@ def test_the_format_comes_from_the_chat_template(template, parser):
 def test_unknown_parser_names_are_refused():
     with pytest.raises(ValueError, match="hermes, llama3_json, mistral, qwen3_coder"):
         tool_call_parsers.check_tool_call_parser("pythonic")
+    with pytest.raises(SettingsError, match="REIN_TOOL_CALL_PARSER"):
+        load_engine_settings(tool_call_parser="pythonic")
+    assert load_engine_settings(tool_call_parser="mistral").tool_call_parser == "mistral"
 
 
 def test_the_parser_reaches_sampling(tokenizer):
