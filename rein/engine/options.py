@@ -111,7 +111,7 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  str, "FILE|TEMPLATE", shown_default="the tokenizer's", commands=(WORKER, *OFFLINE, API)),
     EngineOption("tool_call_parser", "the format tool calls are read from in tool_choice auto answers (vLLM's "
                  "names)", choices=TOOL_CALL_PARSERS, shown_default="the chat template's, else hermes",
-                 commands=(*OFFLINE, API)),
+                 commands=("run-batch", API)),      # `rein generate` takes no tools
     EngineOption("trust_remote_code", "let transformers run the Python code of a model or tokenizer whose "
                  "config needs it (auto_map); without it such a model is refused", boolean=True,
                  commands=(WORKER, *OFFLINE, API)),

@@ -110,7 +110,10 @@ class LLM:
     defaults, "vllm": built-in ones, or a folder), `model_impl` ("auto", "rein", "transformers":
     rein.engine.config), `tokenizer` (a tokenizer directory or hub id instead of the model's),
     `revision` and `tokenizer_revision` (hub revisions), `chat_template` (a file path or an
-    inline Jinja template, replacing the tokenizer's in `chat`), `trust_remote_code` (let
+    inline Jinja template, replacing the tokenizer's in `chat`), `tool_call_parser` (the format
+    `rein.offline.run_batch` reads tool calls from on this engine: hermes, llama3_json, mistral,
+    qwen3_coder; None: the chat template's; `chat` returns text and parses none, as vLLM's),
+    `trust_remote_code` (let
     transformers run the code of a model or tokenizer whose config needs it; without it such a
     model raises ValueError saying so), `enable_lora`, `max_loras`, `max_cpu_loras`, `max_lora_rank`
     (LoRA adapters, then named per prompt by `generate`'s and `chat`'s `lora_request`). rein's own: `device` ("auto", "cuda",
@@ -151,6 +154,7 @@ class LLM:
         revision: str | None = None,
         tokenizer_revision: str | None = None,
         chat_template: str | None = None,
+        tool_call_parser: str | None = None,
         trust_remote_code: bool = False,
         max_in_flight: int | None = None,
         tensor_parallel_size: int = 1,
