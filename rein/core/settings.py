@@ -340,8 +340,11 @@ class Settings(BaseSettings):
     """While interactive requests (priority below batch) are in the engine, the batch-priority tokens
     one step may hold (decodes 1 each, prefill chunks their length), so interactive token latency
     stays near idle; the batch requests left out pause for that step; unset: no such limit."""
-    max_model_len: int | None = Field(None, ge=1)
-    """Context length (prompt + completion); unset: the model's. A REIN_MODELS entry's @N wins for its model."""
+    max_model_len: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
+    """Context length (prompt + completion); unset: the model's. A REIN_MODELS entry's @N wins for its model.
+    auto: an engine takes the most its KV cache holds, up to the model's own (on the CPU an unset one
+    does too when the model's own does not fit); the API then checks requests against the model's own
+    length, and one longer than a worker holds fails there with context_length_exceeded."""
     enable_lora: bool = False
     """Serve LoRA adapters beside the base model (rein.LLM's lora_request; issue 44)."""
     max_loras: int = Field(8, ge=1)

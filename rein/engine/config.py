@@ -13,7 +13,7 @@ import torch
 
 from rein.core.tool_call_parser_names import TOOL_CALL_PARSERS
 from rein.engine.generation_defaults import check_generation_config
-from rein.engine.options import DTYPES, KV_CACHE_DTYPES, check_tensor_parallel_size
+from rein.engine.options import AUTO, DTYPES, KV_CACHE_DTYPES, check_tensor_parallel_size
 from rein.model.implementation_names import check_model_impl
 from rein.model.quant.names import check_quantization
 
@@ -100,7 +100,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
+    max_model_len: int | str | None = None
     seed: int = 0
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
@@ -152,7 +152,9 @@ class EngineConfig:
         check_tensor_parallel_size(self.tensor_parallel_size)
         if self.interactive_step_budget is not None and self.interactive_step_budget < 0:
             raise ValueError(f"interactive_step_budget must be at least 0, got {self.interactive_step_budget}")
-        if self.max_model_len is not None and self.max_model_len < 1:
+        if isinstance(self.max_model_len, str) and self.max_model_len != AUTO:
+            raise ValueError(f"max_model_len must be a number of tokens or {AUTO!r}, got {self.max_model_len!r}")
+        if isinstance(self.max_model_len, int) and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         self._check_lora()
 

@@ -94,7 +94,7 @@ class ModelRegistry:
         return next(iter(self._entries.values()), None)
 
 
-def load_model(model: ServedModel, generation_config: str = "auto", max_model_len: int | None = None,
+def load_model(model: ServedModel, generation_config: str = "auto", max_model_len: int | str | None = None,
                tokenizer_options: TokenizerOptions | None = None, revision: str | None = None,
                tool_call_parser: str | None = None) -> ModelEntry:
     """`max_model_len`: REIN_MAX_MODEL_LEN (the entry's @N comes first); `tokenizer_options` (default:
@@ -112,7 +112,9 @@ def load_model(model: ServedModel, generation_config: str = "auto", max_model_le
         defaults = load_generation_defaults(directory, generation_config)
     except GenerationConfigError as exc:
         raise ModelLoadError(f"model {model.name!r}: {exc}") from exc
-    max_model_len = (model.max_model_len or max_model_len or _config_max_len(directory)
+    # "auto" is the engine's to fit (rein.engine.model_runner): the API checks the model's own length.
+    requested = max_model_len if isinstance(max_model_len, int) else None
+    max_model_len = (model.max_model_len or requested or _config_max_len(directory)
                      or _tokenizer_max_len(tokenizer))
     if not max_model_len:
         raise ModelLoadError(f"model {model.name!r}: cannot tell its context length; add @N to its "

@@ -103,7 +103,8 @@ class LLM:
 
     Engine arguments use vLLM's names, the same options as the `rein run-batch` flags
     (rein.engine.options): `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`
-    (None: the model's), `dtype` and `kv_cache_dtype` ("auto", "float32", "float16",
+    (None: the model's; "auto": the most the KV cache holds, which None also is on the CPU when
+    the model's own does not fit), `dtype` and `kv_cache_dtype` ("auto", "float32", "float16",
     "bfloat16"; the KV cache also "int8"), `gpu_memory_utilization`, `enforce_eager`,
     `enable_prefix_caching`, `block_size`, `seed` (for requests that give none),
     `generation_config` ("auto": the model's generation_config.json gives the sampling
@@ -140,7 +141,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         interactive_step_budget: int | None = None,
-        max_model_len: int | None = None,
+        max_model_len: int | str | None = None,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         enable_prefix_caching: bool = True,
