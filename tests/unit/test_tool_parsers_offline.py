@@ -41,3 +41,15 @@ def test_run_batch_reads_calls_in_the_chosen_format(llm, tmp_path):
     assert choice["message"]["content"] is None
     [call] = choice["message"]["tool_calls"]
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+
+
+def test_the_ending_eos_is_not_text_where_special_tokens_are_kept(llm):
+    """The mistral format keeps special tokens ([TOOL_CALLS] is one); the EOS that ends the
+    answer must not land in its content (vLLM leaves it out too)."""
+    from rein import SamplingParams
+
+    eos = llm.get_tokenizer().eos_token_id
+    params = SamplingParams(max_tokens=4, temperature=0, logit_bias={eos: 100}, skip_special_tokens=False)
+    [out] = llm.generate("hello", params, use_tqdm=False)
+    assert out.outputs[0].token_ids == [eos] and out.outputs[0].finish_reason == "stop"
+    assert out.outputs[0].text == ""
