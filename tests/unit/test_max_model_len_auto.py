@@ -105,3 +105,18 @@ def test_a_cpu_engine_fits_its_context(tiny_models, caplog):
     while auto.has_unfinished():
         finished += [o for o in auto.step() if o.finished]
     assert [o.request_id for o in finished] == ["short"]
+
+
+@pytest.mark.parametrize("requested,device,fits", [
+    ("auto", "cpu", True), ("auto", "cuda", True),
+    (None, "cpu", True),          # unset on the CPU: the most that fits
+    (None, "cuda", False),        # unset on CUDA: refused, as vLLM does
+    (4096, "cpu", False), (4096, "cuda", False),   # a length asked for is kept or refused
+])
+def test_which_contexts_are_fitted_rather_than_refused(requested, device, fits):
+    from types import SimpleNamespace
+
+    from rein.engine.model_runner import ModelRunner
+
+    runner = SimpleNamespace(config=SimpleNamespace(max_model_len=requested), device=torch.device(device))
+    assert ModelRunner._fits_automatically(runner) is fits
