@@ -206,6 +206,8 @@ class JobIntake:
         sampling = {f.name: getattr(parsed.params, f.name) for f in dataclasses.fields(parsed.params)}
         prompt = list(parsed.prompt_token_ids)
         params = {"body": body, "sampling": sampling, "logprobs_mode": parsed.logprobs_mode, "stream": parsed.stream}
+        if prepared.tool_parser is not None:   # how its answer's tool calls are read (rein.openai.tool_call_parsers)
+            params["tool_parser"] = prepared.tool_parser
         lora = prepared.lora
         if lora is not None:   # a LoRA adapter's job: on its base model's queue (rein.jobs.adapters)
             params["lora"] = lora

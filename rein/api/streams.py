@@ -318,7 +318,8 @@ async def job_event_stream(events: AsyncIterator[StreamEvent | None]) -> AsyncIt
 async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endpoint: str, job_id: str,
                               model: str, prompt_tokens: int, include_usage: bool, n: int = 1,
                               echo: str | None = None,
-                              request_body: dict[str, Any] | None = None) -> AsyncIterator[str]:
+                              request_body: dict[str, Any] | None = None,
+                              tool_parser: str | None = None) -> AsyncIterator[str]:
     """OpenAI's streaming format: chunks, the usage chunk if asked, then [DONE].
 
     Each chunk holds one choice, by its `index` (n > 1 interleaves them, as OpenAI does);
@@ -352,7 +353,7 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
     if chat:
         for index in range(n):
             yield chunk(None, None, first=True, index=index)
-    tool_streams = {i: stream_for(request_body, chunk_id, i) for i in range(n)} if chat else {}
+    tool_streams = {i: stream_for(request_body, chunk_id, i, tool_parser) for i in range(n)} if chat else {}
 
     def end_choice(index: int, text: str | None, reason: str | None) -> list[str]:
         tool_stream = tool_streams.get(index)

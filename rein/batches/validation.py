@@ -53,6 +53,8 @@ class ValidLine:
             params["shape"] = shape
         if isinstance(parsed, ParsedEmbeddings):   # an embeddings line's inputs (rein.store.messages)
             params["input_lengths"] = parsed.input_lengths
+        if self.prepared.tool_parser is not None:   # how its tool calls are read (rein.openai.tool_call_parsers)
+            params["tool_parser"] = self.prepared.tool_parser
         if self.prepared.lora is not None:   # a LoRA adapter's line (rein.jobs.adapters)
             params["lora"] = self.prepared.lora
         return {

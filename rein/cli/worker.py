@@ -292,6 +292,8 @@ def _warn_if_context_differs(args: argparse.Namespace, environment: Settings, se
     """The API checks a request's length against @N / REIN_MAX_MODEL_LEN / the model's own,
     not this worker's flag: a longer request than the flag allows would fail here."""
     api_len = served.max_model_len or environment.max_model_len
+    if args.max_model_len == "auto" or api_len == "auto":
+        return   # the engine's load log says what fits, and that the API checks the model's own length
     if args.max_model_len is not None and args.max_model_len != api_len:
         log.warning("--max-model-len %d differs from the context length the API checks requests against "
                     "(%s): a request longer than %d tokens fails on this worker; set it in REIN_MODELS "

@@ -39,6 +39,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from rein.core.cpu_pinning import parse_cpu_list
+from rein.core.tool_call_parser_names import TOOL_CALL_PARSERS
 
 MODELS_FORMAT = "name=path_or_hub_id[@max_model_len][,name=...]"
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
@@ -379,8 +380,11 @@ class Settings(BaseSettings):
     """While interactive requests (priority below batch) are in the engine, the batch-priority tokens
     one step may hold (decodes 1 each, prefill chunks their length), so interactive token latency
     stays near idle; the batch requests left out pause for that step; unset: no such limit."""
-    max_model_len: int | None = Field(None, ge=1)
-    """Context length (prompt + completion); unset: the model's. A REIN_MODELS entry's @N wins for its model."""
+    max_model_len: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
+    """Context length (prompt + completion); unset: the model's. A REIN_MODELS entry's @N wins for its model.
+    auto: an engine takes the most its KV cache holds, up to the model's own (on the CPU an unset one
+    does too when the model's own does not fit); the API then checks requests against the model's own
+    length, and one longer than a worker holds fails there with context_length_exceeded."""
     enable_lora: bool = False
     """Serve LoRA adapters beside the base model (rein.LLM's lora_request; issue 44)."""
     max_loras: int = Field(8, ge=1)
@@ -422,6 +426,10 @@ class Settings(BaseSettings):
     """Hub revision of a REIN_TOKENIZER given as a hub id; unset: its default branch."""
     chat_template: str | None = None
     """A Jinja chat template, as a file path or inline, replacing the tokenizer's (the API and the worker both)."""
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] | None = None  # type: ignore[valid-type]
+    """The format tool calls are read from in auto-mode answers (vLLM's names: hermes, llama3_json,
+    mistral, qwen3_coder); unset: the one the model's chat template teaches, else hermes
+    (rein.openai.tool_call_parsers). The API and `rein run-batch` read it."""
     trust_remote_code: bool = False
     """Let transformers run the Python code of a model or tokenizer whose config needs it (`auto_map`)."""
     tensor_parallel_size: int = Field(1, ge=1)
@@ -578,7 +586,7 @@ ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "interactive_step_bud
                  "kv_cache_memory", "gpu_memory_utilization", "device", "dtype", "kv_cache_dtype", "block_size",
                  "enforce_eager", "enable_prefix_caching", "seed", "generation_config", "model_impl", "tokenizer",
                  "revision", "tokenizer_revision", "chat_template", "trust_remote_code", "tensor_parallel_size",
-                 "quantization", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank")
+                 "quantization", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "tool_call_parser")
 
 
 class _EngineSettingsBase(BaseSettings):

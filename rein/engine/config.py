@@ -11,8 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
+from rein.core.tool_call_parser_names import TOOL_CALL_PARSERS
 from rein.engine.generation_defaults import check_generation_config
-from rein.engine.options import DTYPES, KV_CACHE_DTYPES, check_tensor_parallel_size
+from rein.engine.options import AUTO, DTYPES, KV_CACHE_DTYPES, check_tensor_parallel_size
 from rein.model.implementation_names import check_model_impl
 from rein.model.quant.names import check_quantization
 
@@ -67,6 +68,9 @@ class EngineConfig:
     tokenizer_revision its hub revision. revision: the hub revision of a `model` given as a hub id.
     chat_template: a Jinja template, as a file path or inline, set on the tokenizer in place of its
     own, so every chat prompt is built with it (rein.model.tokenizer_files).
+    tool_call_parser (vLLM's name): the format `rein run-batch` reads tool calls from in auto-mode
+    answers (rein.openai.tool_call_parsers); None: the chat template's, else hermes. The engine
+    itself does not parse them.
     trust_remote_code: let transformers import and run the Python files of a model or tokenizer
     whose config names them (`auto_map`); without it such a model is refused, saying so.
     tensor_parallel_size: ranks the model is sharded over, one process and device each
@@ -96,7 +100,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
+    max_model_len: int | str | None = None
     seed: int = 0
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
@@ -106,6 +110,7 @@ class EngineConfig:
     revision: str | None = None
     tokenizer_revision: str | None = None
     chat_template: str | None = None
+    tool_call_parser: str | None = None
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     quantization: str = "auto"
@@ -117,6 +122,9 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         check_generation_config(self.generation_config)   # a ValueError naming the choices
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser {self.tool_call_parser!r} is not supported: use one of "
+                             f"{', '.join(TOOL_CALL_PARSERS)}")
         if self.device == "auto":
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -144,7 +152,9 @@ class EngineConfig:
         check_tensor_parallel_size(self.tensor_parallel_size)
         if self.interactive_step_budget is not None and self.interactive_step_budget < 0:
             raise ValueError(f"interactive_step_budget must be at least 0, got {self.interactive_step_budget}")
-        if self.max_model_len is not None and self.max_model_len < 1:
+        if isinstance(self.max_model_len, str) and self.max_model_len != AUTO:
+            raise ValueError(f"max_model_len must be a number of tokens or {AUTO!r}, got {self.max_model_len!r}")
+        if isinstance(self.max_model_len, int) and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be at least 1, got {self.max_model_len}")
         self._check_lora()
 

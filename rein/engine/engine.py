@@ -348,7 +348,9 @@ class LLMEngine:
         append = deltas.append
         for row, (request, token) in enumerate(zip(sampling, sampled.token_ids, strict=True)):
             detokenizer = request.detokenizer
-            append(detokenizer.add_token(token))
+            # The end-of-sequence token that ends a request is not part of its text, as in vLLM
+            # (it would show where special tokens are kept: skip_special_tokens false).
+            append(detokenizer.add_token(token) if token not in request.eos_token_ids else "")
             if detokenizer.stopped:
                 output.stop_strings[row] = detokenizer.stop_string
             if request.grammar is not None and request.grammar.accept(token):

@@ -25,6 +25,11 @@ Sliding-window layers get caches of their own when the capacity arithmetic says 
 (rein.model.capacity): smaller tensors indexed by windowed blocks, which
 rein.engine.window_blocks lends to the logical blocks their windows cover. Each step then
 also translates the slots and block tables through that map (AttentionMetadata.windowed).
+
+max_model_len "auto" (EngineConfig): the longest context the KV cache holds, up to the model's
+own (rein.model.capacity.fit_max_model_len), said in the load log. On the CPU it is also what
+an unset max_model_len does when the model's own context does not fit; on CUDA an unset one
+that does not fit is refused, as vLLM does, and the error names `auto`.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import torch
 from rein.engine.config import EngineConfig
 from rein.engine.cuda_graphs import DecodeGraphs
 from rein.engine.lora_slots import LoRASlots
+from rein.engine.options import AUTO
 from rein.engine.pooler import gather
 from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
@@ -46,7 +52,7 @@ from rein.engine.scheduler_output import ScheduledRequest
 from rein.engine.step_outputs import TokenLogprob
 from rein.kernels import cpu_native, cpu_paths
 from rein.model.attention import AttentionMetadata, LayerCache
-from rein.model.capacity import KVCapacity, kv_capacity
+from rein.model.capacity import KVCapacity, fit_max_model_len, kv_capacity
 from rein.model.cpu_allocator import keep_freed_memory
 from rein.model.files import ModelFiles
 from rein.model.loader import load_model
@@ -116,9 +122,11 @@ class StepResult:
     pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
 
 
-def decide_max_model_len(spec: ModelSpec, requested: int | None) -> int:
+def decide_max_model_len(spec: ModelSpec, requested: int | str | None) -> int:
+    """The context the engine is built for: the requested one, or the model's own for None or
+    "auto" (which the KV cache may shorten: ModelRunner)."""
     limit = spec.max_position_embeddings
-    if requested is None:
+    if requested is None or requested == AUTO:
         return limit
     if requested > limit:
         raise CapacityError(
@@ -158,10 +166,12 @@ class ModelRunner:
             log.info("%s; malloc: %s", cpu_paths.describe(self.dtype), malloc)
         self.capacity = self._size_cache()
         if self.capacity.num_tokens < self.max_model_len:
-            raise CapacityError(
-                f"the KV cache holds {self.capacity.num_tokens} tokens, fewer than max_model_len "
-                f"{self.max_model_len}: give it more memory (kv_cache_memory / gpu_memory_utilization) "
-                f"or lower max_model_len")
+            if not self._fits_automatically():
+                raise CapacityError(
+                    f"the KV cache holds {self.capacity.num_tokens} tokens, fewer than max_model_len "
+                    f"{self.max_model_len}: give it more memory (kv_cache_memory / gpu_memory_utilization), "
+                    f"lower max_model_len, or set it to auto (--max-model-len auto: the most that fits)")
+            self._fit_context()
         self.caches = self._allocate_cache()
         # Float32 decode attention on the CPU runs rein's C kernel when it builds (rein.kernels.cpu_native).
         self._native_decode = (self.device.type == "cpu" and self.dtype == torch.float32
@@ -207,7 +217,33 @@ class ModelRunner:
                              f"{self.capacity.num_windowed_blocks} windowed)")
         self.kv_cache = kv_cache
 
-    def _size_cache(self) -> KVCapacity:
+    def _fits_automatically(self) -> bool:
+        """Whether a context the KV cache cannot hold is shortened rather than refused: asked for
+        (auto), or on the CPU when max_model_len was left unset (the model's own is often far
+        more than the default CPU cache holds)."""
+        requested = self.config.max_model_len
+        return requested == AUTO or (requested is None and self.device.type == "cpu")
+
+    def _fit_context(self) -> None:
+        """max_model_len auto: the longest context whose request the KV cache holds."""
+        model_len = self.max_model_len
+        self.capacity = self._size_cache(fit=True)
+        self.max_model_len = self.capacity.max_model_len
+        if self.max_model_len < 1:
+            raise CapacityError(
+                f"the KV cache holds not one block of {self.block_size} tokens: give it more memory "
+                f"(kv_cache_memory / gpu_memory_utilization)")
+        log.info("max_model_len auto: %d of the model's %d fit the KV cache%s", self.max_model_len, model_len,
+                 "" if self.config.max_model_len == AUTO else " (unset on the CPU: the most that fits)")
+        # An API that checks requests against the model's own length accepts longer ones, which
+        # then fail here (context_length_exceeded): say how to have them refused up front.
+        log.info("requests longer than %d tokens fail on this engine; set REIN_MAX_MODEL_LEN=%d (or @%d in "
+                 "REIN_MODELS) for the API too to refuse them when they are sent", self.max_model_len,
+                 self.max_model_len, self.max_model_len)
+
+    def _size_cache(self, fit: bool = False) -> KVCapacity:
+        """The KV pools the memory gives at max_model_len; `fit`: at the longest context they hold
+        up to it (rein.model.capacity.fit_max_model_len)."""
         memory = self.config.kv_cache_memory
         if memory is None:
             if self.device.type == "cuda":
@@ -220,8 +256,9 @@ class ModelRunner:
         memory = self.group.min_int(int(memory))
         if memory <= 0:
             raise CapacityError("no device memory is left for the KV cache after loading the weights")
-        return kv_capacity(self.cache_spec, int(memory), self.cache_dtype, self.block_size, self.max_model_len,
-                           self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        size = fit_max_model_len if fit else kv_capacity
+        return size(self.cache_spec, int(memory), self.cache_dtype, self.block_size, self.max_model_len,
+                    self.config.max_num_seqs, self.config.max_num_batched_tokens)
 
     def _allocate_cache(self) -> list[LayerCache]:
         capacity = self.capacity

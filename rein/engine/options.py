@@ -13,11 +13,13 @@ No torch import at module top: `rein --help` builds every parser.
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from rein.core.settings import EngineSettings, load_engine_settings
+from rein.core.tool_call_parser_names import TOOL_CALL_PARSERS
 from rein.model.implementation_names import MODEL_IMPLS
 from rein.model.quant.names import QUANTIZATIONS
 
@@ -25,6 +27,22 @@ from rein.model.quant.names import QUANTIZATIONS
 # which resolves them to torch dtypes; defined here because this module imports no torch.
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = (*DTYPES, "int8")
+
+AUTO = "auto"      # --max-model-len auto: the longest context the KV cache holds (rein.engine.model_runner)
+
+
+def max_model_len_value(text: str) -> int | str:
+    """A --max-model-len value: a positive number of tokens, or "auto"."""
+    if text.strip().lower() == AUTO:
+        return AUTO
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"want a number of tokens or auto, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
 
 WORKER = "worker"
 OFFLINE = ("run-batch", "generate")        # the commands with an engine in the process
@@ -61,7 +79,9 @@ class EngineOption:
 
 ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("max_model_len", "context length, prompt + completion (for a served model, its REIN_MODELS "
-                 "entry's @N comes before REIN_MAX_MODEL_LEN)", int, "N", shown_default="the model's",
+                 "entry's @N comes before REIN_MAX_MODEL_LEN); auto: the most the KV cache holds, up to the "
+                 "model's own (on the CPU also what an unset one does when the model's own does not fit)",
+                 max_model_len_value, "N|auto", shown_default="the model's",
                  commands=(WORKER, *OFFLINE, API)),
     EngineOption("max_num_seqs", "most requests in one step; the worker's concurrency too", int, "N"),
     EngineOption("max_num_batched_tokens", "token budget of one step (prefill chunks + decodes)", int, "N"),
@@ -108,6 +128,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  shown_default="the default branch", commands=(WORKER, *OFFLINE, API)),
     EngineOption("chat_template", "a Jinja chat template, as a file path or inline, replacing the tokenizer's",
                  str, "FILE|TEMPLATE", shown_default="the tokenizer's", commands=(WORKER, *OFFLINE, API)),
+    EngineOption("tool_call_parser", "the format tool calls are read from in tool_choice auto answers (vLLM's "
+                 "names)", choices=TOOL_CALL_PARSERS, shown_default="the chat template's, else hermes",
+                 commands=("run-batch", API)),      # `rein generate` takes no tools
     EngineOption("trust_remote_code", "let transformers run the Python code of a model or tokenizer whose "
                  "config needs it (auto_map); without it such a model is refused", boolean=True,
                  commands=(WORKER, *OFFLINE, API)),

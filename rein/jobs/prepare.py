@@ -26,6 +26,13 @@ class Prepared:
         return self.entry.lora.to_dict() if self.entry.lora is not None else None
 
     @property
+    def tool_parser(self) -> str | None:
+        """The tool call parser its answer is read with, as jobs store it (params["tool_parser"]):
+        the model's, for a chat request with tools; None otherwise."""
+        tools = self.body.get("tools") if isinstance(self.body, dict) else None
+        return self.entry.tool_call_parser if tools else None
+
+    @property
     def requested_tokens(self) -> int:
         """Prompt + max_tokens per generated choice: the most the request may cost (embeddings:
         their inputs)."""
@@ -79,5 +86,6 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Pre
         parsed: ParsedRequest | ParsedEmbeddings = parse_embeddings_request(
             body, entry.tokenizer, entry.max_model_len, model_pooling(entry.directory))
     else:
-        parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults)
+        parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults,
+                               entry.tool_call_parser)
     return Prepared(entry, endpoint, body, parsed)

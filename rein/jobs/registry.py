@@ -8,7 +8,8 @@ model_max_length). The tokenizer and its chat template are chosen as the engine'
 (REIN_TOKENIZER, REIN_CHAT_TEMPLATE, REIN_TRUST_REMOTE_CODE: rein.model.tokenizer_files), so the
 API builds the prompts a worker would. The sampling defaults are the model's generation_config.json under
 REIN_GENERATION_CONFIG (rein.engine.generation_defaults), passed to parse_request, so a job's
-params are fixed, defaults included, when the API accepts it.
+params are fixed, defaults included, when the API accepts it. The tool call parser
+(REIN_TOOL_CALL_PARSER, else the chat template's format) is stored with each job that has tools.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from rein.core.settings import ServedModel, Settings
+from rein.core.tool_call_parser_names import HERMES
 from rein.engine.generation_defaults import (
     GenerationConfigError,
     GenerationDefaults,
@@ -28,6 +30,7 @@ from rein.engine.generation_defaults import (
 from rein.jobs.adapters import AdapterCatalog, AdapterRef
 from rein.model.files import resolve_model
 from rein.model.tokenizer_files import TokenizerOptions
+from rein.openai.tool_call_parsers import detect_tool_call_parser
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +49,9 @@ class ModelEntry:
     directory: Path | None = None    # its files (the pooling config of /v1/embeddings)
     lora: AdapterRef | None = None
     """A LoRA adapter's entry: the adapter (its base model's tokenizer, length and defaults)."""
+    tool_call_parser: str = HERMES
+    """The format of its auto tool answers: REIN_TOOL_CALL_PARSER, else its chat template's
+    (rein.openai.tool_call_parsers)."""
 
     @property
     def queue_model(self) -> str:
@@ -66,7 +72,7 @@ class ModelRegistry:
         """The served models; LoRA adapters are REIN_LORA_MODULES' until `adapters` is given a
         catalog that also reads Postgres (the API's)."""
         return cls([load_model(model, settings.generation_config, settings.max_model_len,
-                               TokenizerOptions.of(settings), settings.revision)
+                               TokenizerOptions.of(settings), settings.revision, settings.tool_call_parser)
                     for model in settings.models], AdapterCatalog.from_settings(settings))
 
     def get(self, name: str) -> ModelEntry | None:
@@ -88,10 +94,12 @@ class ModelRegistry:
         return next(iter(self._entries.values()), None)
 
 
-def load_model(model: ServedModel, generation_config: str = "auto", max_model_len: int | None = None,
-               tokenizer_options: TokenizerOptions | None = None, revision: str | None = None) -> ModelEntry:
+def load_model(model: ServedModel, generation_config: str = "auto", max_model_len: int | str | None = None,
+               tokenizer_options: TokenizerOptions | None = None, revision: str | None = None,
+               tool_call_parser: str | None = None) -> ModelEntry:
     """`max_model_len`: REIN_MAX_MODEL_LEN (the entry's @N comes first); `tokenizer_options` (default:
-    the model's tokenizer as it is) and `revision`: REIN_TOKENIZER and the rest, REIN_REVISION."""
+    the model's tokenizer as it is) and `revision`: REIN_TOKENIZER and the rest, REIN_REVISION;
+    `tool_call_parser`: REIN_TOOL_CALL_PARSER (None: the one the chat template teaches)."""
     tokenizer_options = tokenizer_options or TokenizerOptions()
     try:
         files = resolve_model(model.source, weights=False, revision=revision)
@@ -104,7 +112,9 @@ def load_model(model: ServedModel, generation_config: str = "auto", max_model_le
         defaults = load_generation_defaults(directory, generation_config)
     except GenerationConfigError as exc:
         raise ModelLoadError(f"model {model.name!r}: {exc}") from exc
-    max_model_len = (model.max_model_len or max_model_len or _config_max_len(directory)
+    # "auto" is the engine's to fit (rein.engine.model_runner): the API checks the model's own length.
+    requested = max_model_len if isinstance(max_model_len, int) else None
+    max_model_len = (model.max_model_len or requested or _config_max_len(directory)
                      or _tokenizer_max_len(tokenizer))
     if not max_model_len:
         raise ModelLoadError(f"model {model.name!r}: cannot tell its context length; add @N to its "
@@ -113,7 +123,11 @@ def load_model(model: ServedModel, generation_config: str = "auto", max_model_le
              ", chat template from --chat-template" if tokenizer_options.chat_template is not None else "",
              max_model_len)
     log.info("generation defaults for model %s: %s", model.name, defaults.describe())
-    return ModelEntry(model.name, model.source, tokenizer, max_model_len, defaults, directory)
+    parser = tool_call_parser or detect_tool_call_parser(getattr(tokenizer, "chat_template", None))
+    log.info("model %s: tool calls parsed as %s%s", model.name, parser,
+             "" if tool_call_parser else " (from its chat template)")
+    return ModelEntry(model.name, model.source, tokenizer, max_model_len, defaults, directory,
+                      tool_call_parser=parser)
 
 
 def _config_max_len(directory: Path) -> int | None:

@@ -27,7 +27,8 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
     body["choices"][0]["logprobs"] = result.logprobs
     if result.response:   # n > 1, echo, prompt logprobs: the choices and usage the worker built
         body.update(result.response)
-    return apply_tool_calls(body, (job.params or {}).get("body"))   # tool calls out of the text (rein.openai.tools)
+    params = job.params or {}   # tool calls out of the text (rein.openai.tools), in the format stored at submission
+    return apply_tool_calls(body, params.get("body"), params.get("tool_parser"))
 
 
 def response_logprobs(endpoint: str, logprobs: list[Any] | None, tokenizer: Any,

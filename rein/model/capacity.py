@@ -12,10 +12,14 @@ layers to one full) fits about six times the tokens in the same memory, and a mo
 every layer is windowed (Mistral) holds any context: its block pool is bookkeeping only,
 with enough block ids for max_num_seqs requests of max_model_len. When the bound does not
 fit, or the window spans the whole context, every layer keeps every position as before.
+
+`fit_max_model_len` is `--max-model-len auto`: the longest context, in whole blocks, whose
+request the pools hold (as vLLM's auto: at least one request of that length fits at once).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -115,3 +119,23 @@ def kv_capacity(spec: ModelSpec, memory_bytes: int, cache_dtype: torch.dtype, bl
     return KVCapacity(per_token, full_per_block, num_blocks, block_size, max_model_len, window,
                       windowed_per_block, num_windowed)
 
+
+
+def fit_max_model_len(spec: ModelSpec, memory_bytes: int, cache_dtype: torch.dtype, block_size: int,
+                      limit: int, max_num_seqs: int | None = None,
+                      max_num_batched_tokens: int | None = None) -> KVCapacity:
+    """The pools `memory_bytes` give at the longest max_model_len up to `limit` (the model's own)
+    that they hold one request of: `limit` when it fits, else the tokens the block pool holds,
+    a whole number of blocks. max_model_len 0 (in the answer) means not one block fits.
+
+    A shorter context can change the pools (windowed storage pays off only when the window is
+    shorter than the context), so the fit is repeated until it holds; it only ever shrinks."""
+    length = limit
+    capacity = kv_capacity(spec, memory_bytes, cache_dtype, block_size, length, max_num_seqs, max_num_batched_tokens)
+    while capacity.num_tokens < length:
+        length = capacity.num_tokens // block_size * block_size
+        if length == 0:
+            break
+        capacity = kv_capacity(spec, memory_bytes, cache_dtype, block_size, length, max_num_seqs,
+                               max_num_batched_tokens)
+    return capacity if capacity.max_model_len == length else dataclasses.replace(capacity, max_model_len=length)

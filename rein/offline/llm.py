@@ -103,14 +103,18 @@ class LLM:
 
     Engine arguments use vLLM's names, the same options as the `rein run-batch` flags
     (rein.engine.options): `max_num_seqs`, `max_num_batched_tokens`, `max_model_len`
-    (None: the model's), `dtype` and `kv_cache_dtype` ("auto", "float32", "float16",
+    (None: the model's; "auto": the most the KV cache holds, which None also is on the CPU when
+    the model's own does not fit), `dtype` and `kv_cache_dtype` ("auto", "float32", "float16",
     "bfloat16"; the KV cache also "int8"), `gpu_memory_utilization`, `enforce_eager`,
     `enable_prefix_caching`, `block_size`, `seed` (for requests that give none),
     `generation_config` ("auto": the model's generation_config.json gives the sampling
     defaults, "vllm": built-in ones, or a folder), `model_impl` ("auto", "rein", "transformers":
     rein.engine.config), `tokenizer` (a tokenizer directory or hub id instead of the model's),
     `revision` and `tokenizer_revision` (hub revisions), `chat_template` (a file path or an
-    inline Jinja template, replacing the tokenizer's in `chat`), `trust_remote_code` (let
+    inline Jinja template, replacing the tokenizer's in `chat`), `tool_call_parser` (the format
+    `rein.offline.run_batch` reads tool calls from on this engine: hermes, llama3_json, mistral,
+    qwen3_coder; None: the chat template's; `chat` returns text and parses none, as vLLM's),
+    `trust_remote_code` (let
     transformers run the code of a model or tokenizer whose config needs it; without it such a
     model raises ValueError saying so), `enable_lora`, `max_loras`, `max_cpu_loras`, `max_lora_rank`
     (LoRA adapters, then named per prompt by `generate`'s and `chat`'s `lora_request`). rein's own: `device` ("auto", "cuda",
@@ -137,7 +141,7 @@ class LLM:
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
         interactive_step_budget: int | None = None,
-        max_model_len: int | None = None,
+        max_model_len: int | str | None = None,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         enable_prefix_caching: bool = True,
@@ -151,6 +155,7 @@ class LLM:
         revision: str | None = None,
         tokenizer_revision: str | None = None,
         chat_template: str | None = None,
+        tool_call_parser: str | None = None,
         trust_remote_code: bool = False,
         max_in_flight: int | None = None,
         tensor_parallel_size: int = 1,

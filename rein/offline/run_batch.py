@@ -58,6 +58,7 @@ from rein.openai.engine_errors import request_error
 from rein.openai.errors import RequestError
 from rein.openai.request import ParsedRequest, parse_request
 from rein.openai.response import build_response
+from rein.openai.tool_call_parsers import detect_tool_call_parser
 from rein.openai.tools import apply_tool_calls
 
 if TYPE_CHECKING:
@@ -191,6 +192,9 @@ class BatchRun:
         self.max_line_bytes: int = max_line_bytes or setting_or_default("max_request_bytes")
         self.seen_ids: set[str] = set()
         self.generation_defaults: GenerationDefaults | None = None
+        # --tool-call-parser, else the format the model's chat template teaches (rein.openai.tool_call_parsers)
+        self.tool_call_parser = getattr(engine.config, "tool_call_parser", None) or detect_tool_call_parser(
+            getattr(engine.tokenizer, "chat_template", None))
         self.summary = BatchSummary()
         self.started = time.perf_counter()
         self.out: IO[str]
@@ -234,7 +238,7 @@ class BatchRun:
             return _ReadLine(line_number, batch_line, None)
         try:
             parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer, self.engine.max_model_len,
-                                   self.generation_defaults)
+                                   self.generation_defaults, self.tool_call_parser)
         except RequestError as exc:
             self.fail(custom_id, line_number, exc.code, exc.message)
             return None
@@ -278,7 +282,7 @@ class BatchRun:
             body = full_response(pending.endpoint, done.request_id, pending.model_name, done,
                                  parsed.prompt_token_ids, self.engine.tokenizer, parsed.logprobs_mode, parsed.shape,
                                  int(time.time()))
-        body = apply_tool_calls(body, pending.request_body)
+        body = apply_tool_calls(body, pending.request_body, self.tool_call_parser)
         self.answer(pending.custom_id, done.request_id, body, prompt_tokens, done.completion_tokens)
 
     def answer(self, custom_id: str, request_id: str, body: dict[str, Any], prompt_tokens: int,

@@ -79,11 +79,12 @@ class ParsedRequest:
 
 
 def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model_len: int,
-                  defaults: GenerationDefaults | None = None) -> ParsedRequest:
+                  defaults: GenerationDefaults | None = None, tool_parser: str | None = None) -> ParsedRequest:
     """Turn one OpenAI request body into prompt token ids and sampling params.
 
     `defaults` (the model's generation_config.json, rein.engine.generation_defaults) fill the
     sampling fields the body leaves out (or sets to null); without them, rein's built-in ones.
+    `tool_parser`: the format of auto tool answers (rein.openai.tool_call_parsers; None: hermes).
     """
     default = defaults.get if defaults is not None else (lambda _name, builtin: builtin)
     if endpoint not in ENDPOINTS:
@@ -99,7 +100,7 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
         raise RequestError(f"stream_options.include_usage must be a boolean, got {json_type(include_usage)}",
                            "stream_options.include_usage")
 
-    tool_request = parse_tools(body) if chat else None
+    tool_request = parse_tools(body, tool_parser) if chat else None
     if chat:
         prompt = chat_prompt(body, tokenizer, max_model_len, tool_request)
         logprobs_mode = _chat_logprobs(body)
@@ -156,7 +157,8 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
         "stop": stop or [],
         "stop_token_ids": stop_token_ids,
         "ignore_eos": get_field(body, "ignore_eos", bool, False),
-        "skip_special_tokens": get_field(body, "skip_special_tokens", bool, True),
+        "skip_special_tokens": get_field(body, "skip_special_tokens", bool,
+                                         not (tool_request is not None and tool_request.keeps_special_tokens)),
         **choices,
         "structured": structured_from_body(body),
     }

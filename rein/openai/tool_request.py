@@ -12,10 +12,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from rein.core.input_checks import json_type
+from rein.core.tool_call_parser_names import HERMES
 from rein.openai.errors import RequestError
 from rein.openai.fields import json_from_text
 from rein.openai.structured_fields import check_spec
-from rein.openai.tool_parsers import TOOL_CALL_END
+from rein.openai.tool_call_parsers import CALL_END, KEEPS_SPECIAL_TOKENS
 
 MAX_TOOLS = 128            # OpenAI's limit on `tools`
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")     # OpenAI's rule for function names
@@ -33,6 +34,7 @@ class ToolRequest:
     choice: str                       # none | auto | required | named
     name: str | None = None           # the function of a named choice
     parallel: bool = True
+    parser: str = HERMES              # the format of auto answers (rein.openai.tool_call_parsers)
 
     @property
     def names(self) -> frozenset[str]:
@@ -64,9 +66,21 @@ class ToolRequest:
             return f"tools[{index}].function.parameters"
         return "tools"
 
+    @property
+    def parameters_by_name(self) -> dict[str, dict[str, Any]]:
+        """Each tool's parameters schema (the parsers that convert values by type read them)."""
+        return {t["function"]["name"]: t["function"].get("parameters") or {} for t in self.tools}
+
     def extra_stop(self) -> list[str]:
-        """Stop strings the choice needs: auto without parallel calls ends after the first call."""
-        return [TOOL_CALL_END] if self.choice == "auto" and not self.parallel else []
+        """Stop strings the choice needs: auto without parallel calls ends after the first call
+        (in the formats whose calls end with a tag)."""
+        end = CALL_END.get(self.parser)
+        return [end] if end and self.choice == "auto" and not self.parallel else []
+
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether auto answers must keep special tokens (the mistral format's [TOOL_CALLS] is one)."""
+        return self.choice == "auto" and self.parser in KEEPS_SPECIAL_TOKENS
 
 
 def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[str, Any]:
@@ -98,10 +112,11 @@ def required_schema(tools: list[dict[str, Any]], parallel: bool = True) -> dict[
     return schema
 
 
-def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
+def parse_tools(body: dict[str, Any], parser: str | None = None) -> ToolRequest | None:
     """Validate a chat body's tools, tool_choice and parallel_tool_calls; None when the request
     involves no tools (no tools and tool_choice none/auto/absent). Errors name the field:
-    `tools[2].function.name`, `tool_choice.function.name`."""
+    `tools[2].function.name`, `tool_choice.function.name`. `parser`: the format of auto answers
+    (--tool-call-parser; None: hermes)."""
     # function_call "none" / "auto" ask for what rein does anyway; functions are refused.
     for legacy, modern, accepted in (("functions", "tools", (None, [])),
                                      ("function_call", "tool_choice", (None, "none", "auto"))):
@@ -117,7 +132,7 @@ def parse_tools(body: dict[str, Any]) -> ToolRequest | None:
     choice, name = _parse_choice(body.get("tool_choice"), tools)
     if not tools:
         return None
-    return ToolRequest(tools, choice, name, parallel is not False)
+    return ToolRequest(tools, choice, name, parallel is not False, parser or HERMES)
 
 
 def _parse_tool_list(tools: Any) -> list[dict[str, Any]]:
@@ -315,12 +330,13 @@ def template_chars(messages: list[dict[str, Any]], request: ToolRequest | None) 
     return chars
 
 
-def request_of(body: Any) -> ToolRequest | None:
+def request_of(body: Any, parser: str | None = None) -> ToolRequest | None:
     """The tool request of a stored, already validated body; None if it has no tools (or no
-    longer validates: an answer is rebuilt plain rather than not at all)."""
+    longer validates: an answer is rebuilt plain rather than not at all). `parser`: the one
+    stored with the job (None: hermes, as jobs stored before there was a choice)."""
     if not isinstance(body, dict) or not body.get("tools"):
         return None
     try:
-        return parse_tools(body)
+        return parse_tools(body, parser)
     except ValueError:
         return None

@@ -10,8 +10,9 @@ Torch-free (the API imports it). What happens to a request, by `tool_choice`:
   answer is plain text.
 * ``"auto"`` (the default with tools): the tools go into the chat template, the model answers
   freely, and tool calls are parsed out of its text in the convention the templates teach it:
-  Hermes-style blocks ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` (Qwen2.5,
-  Qwen3, Hermes, and rein's tiny test model). A block that does not parse, or names a function
+  by default Hermes-style blocks ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``
+  (Qwen2.5, Qwen3, Hermes, and rein's tiny test model); `--tool-call-parser` or the model's
+  template chooses another (rein.openai.tool_call_parsers: llama3_json, mistral, qwen3_coder). A block that does not parse, or names a function
   that is not among the tools, stays in the content as text (vLLM's hermes parser keeps a
   malformed answer as content too). Whitespace next to a parsed block is dropped (the
   template's formatting); an answer without parsed blocks is returned exactly as written.
@@ -48,7 +49,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from rein.openai.tool_parsers import HermesParser, parse_hermes, parse_required, tool_call
+from rein.openai.tool_call_parsers import new_parser
+from rein.openai.tool_parsers import AnswerParser, parse_required, parse_whole, tool_call
 from rein.openai.tool_request import ToolRequest, request_of
 
 
@@ -58,10 +60,11 @@ def _finish_reason(request: ToolRequest, finish: str | None, has_calls: bool) ->
     return finish
 
 
-def apply_tool_calls(response: dict[str, Any], body: Any) -> dict[str, Any]:
+def apply_tool_calls(response: dict[str, Any], body: Any, parser: str | None = None) -> dict[str, Any]:
     """Rewrite a chat.completion body's choices for the request's tools (in place; returned):
-    tool calls out of the text, content, finish_reason. A body without tools is left as is."""
-    request = request_of(body)
+    tool calls out of the text, content, finish_reason. A body without tools is left as is.
+    `parser`: the auto-mode format (rein.openai.tool_call_parsers; None: hermes)."""
+    request = request_of(body, parser)
     if request is None or request.choice == "none" or response.get("object") != "chat.completion":
         return response
     for position, choice in enumerate(response.get("choices") or []):
@@ -72,7 +75,7 @@ def apply_tool_calls(response: dict[str, Any], body: Any) -> dict[str, Any]:
         text = message.get("content") or ""
         finish = choice.get("finish_reason")
         if request.choice == "auto":
-            content, calls = parse_hermes(text, request.names, seed)
+            content, calls = parse_whole(_auto_parser(request, seed), text)
         elif request.choice == "named":
             content, calls = None, [tool_call(seed, 0, request.name or "", text)]
         else:
@@ -95,7 +98,7 @@ class ToolStream:
     def __init__(self, request: ToolRequest, seed: str) -> None:
         self.request = request
         self.seed = seed
-        self._parser = HermesParser(request.names, seed) if request.choice == "auto" else None
+        self._parser = _auto_parser(request, seed) if request.choice == "auto" else None
         self._text: list[str] = []
         self._started = False
         self._has_calls = False
@@ -139,9 +142,14 @@ class ToolStream:
         return {"tool_calls": [{"index": 0, **tool_call(self.seed, 0, self.request.name or "", text)}]}
 
 
-def stream_for(body: Any, response_id: str, index: int = 0) -> ToolStream | None:
-    """The ToolStream of choice `index` of a streamed request (None without tool handling)."""
-    request = request_of(body)
+def _auto_parser(request: ToolRequest, seed: str) -> AnswerParser:
+    return new_parser(request.parser, request.names, seed, request.parameters_by_name)
+
+
+def stream_for(body: Any, response_id: str, index: int = 0, parser: str | None = None) -> ToolStream | None:
+    """The ToolStream of choice `index` of a streamed request (None without tool handling);
+    `parser` as for apply_tool_calls."""
+    request = request_of(body, parser)
     if request is None or request.choice == "none":
         return None
     return ToolStream(request, f"{response_id}:{index}")

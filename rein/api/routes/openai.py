@@ -161,7 +161,7 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
             openai_chunk_stream(events, endpoint=endpoint, job_id=job.id, model=job.model,
                                 prompt_tokens=job.prompt_tokens,
                                 include_usage=bool(options.get("include_usage")), n=shape.n, echo=shape.echo,
-                                request_body=body),
+                                request_body=body, tool_parser=(job.params or {}).get("tool_parser")),
             release, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             on_abandon=lambda: _abandon_in_background(request, key, job.id))
 
@@ -204,7 +204,7 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
         response = full_response(endpoint, job.id, job.model, gathered, list(job.prompt_token_ids), tokenizer,
                                  None, shape)
     # A JSONResponse as the stored answer is: the response model would add `tool_calls: null`.
-    return JSONResponse(apply_tool_calls(response, body))
+    return JSONResponse(apply_tool_calls(response, body, (job.params or {}).get("tool_parser")))
 
 
 async def _follow(events: AsyncIterator[StreamEvent | None], gathered: RequestResult) -> StreamEvent | None:
