@@ -8,10 +8,10 @@ from typing import Any
 from rein.jobs.errors import APIError
 from rein.jobs.registry import ModelEntry, ModelRegistry
 from rein.openai.embeddings import ParsedEmbeddings, model_pooling, parse_embeddings_request
-from rein.openai.endpoints import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES
+from rein.openai.endpoints import EMBEDDINGS, RESPONSES
 from rein.openai.errors import RequestError
 from rein.openai.request import ParsedRequest, parse_request
-from rein.openai.responses import chat_body, responses_error
+from rein.openai.responses import parse_responses_request
 
 
 @dataclass
@@ -82,11 +82,7 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Pre
             body, entry.tokenizer, entry.max_model_len, model_pooling(entry.directory))
     elif endpoint == RESPONSES:
         # Runs as the chat body it translates to; the job keeps the Responses body (`body`).
-        try:
-            parsed = parse_request(CHAT_COMPLETIONS, chat_body(body), entry.tokenizer, entry.max_model_len,
-                                   entry.generation_defaults)
-        except RequestError as exc:
-            raise responses_error(exc) from None
+        parsed = parse_responses_request(body, entry.tokenizer, entry.max_model_len, entry.generation_defaults)
     else:
         parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults)
     return Prepared(entry, endpoint, body, parsed)

@@ -40,8 +40,10 @@ import time
 from typing import Any
 
 from rein.core.input_checks import json_type
+from rein.openai.endpoints import CHAT_COMPLETIONS
 from rein.openai.errors import RequestError
 from rein.openai.fields import get_field
+from rein.openai.request import ParsedRequest, parse_request
 
 # The Responses fields rein reads (the translation below says how).
 _FIELDS = frozenset({
@@ -344,6 +346,16 @@ def check_metadata(value: Any) -> None:
         if len(name) > _MAX_METADATA_KEY_LEN or len(text) > _MAX_METADATA_VALUE_LEN:
             raise RequestError(f"metadata keys are at most {_MAX_METADATA_KEY_LEN} characters and values at most "
                                f"{_MAX_METADATA_VALUE_LEN}; '{name[:80]}' is longer", "metadata")
+
+
+def parse_responses_request(body: Any, tokenizer: Any, max_model_len: int,
+                            generation_defaults: Any = None) -> ParsedRequest:
+    """A Responses request parsed as the chat request it runs as (rein.openai.request.parse_request);
+    its errors name the Responses fields."""
+    try:
+        return parse_request(CHAT_COMPLETIONS, chat_body(body), tokenizer, max_model_len, generation_defaults)
+    except RequestError as exc:
+        raise responses_error(exc) from None
 
 
 # Chat's names for a field in its errors -> the Responses field the user wrote.

@@ -332,3 +332,42 @@ def test_reasoning_deltas_become_a_reasoning_item():
 def test_apply_tool_calls_leaves_a_response_alone():
     body = response_from_chat(chat_completion("x"), {"input": "hi"}, "job_1")
     assert apply_tool_calls(body, chat_body({"input": "hi", "tools": [WEATHER]})) is body
+
+
+# -- offline run-batch ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models):
+    from rein.engine.config import EngineConfig
+    from rein.engine.engine import LLMEngine
+    return LLMEngine(EngineConfig(model=str(tiny_models("llama")), kv_cache_memory="64MiB", max_num_seqs=4,
+                                  max_model_len=1024))
+
+
+def test_run_batch_lines_of_responses(engine, tmp_path):
+    """`rein run-batch` with /v1/responses lines: Responses bodies out, bad lines answered with
+    the Responses field named; a chat line in the same file is unchanged."""
+    from rein.offline.run_batch import run_batch
+
+    named = {"type": "function", "name": "get_weather"}
+    lines = [
+        ("plain", RESPONSES, {"input": "Name a river.", "max_output_tokens": 5, "temperature": 0}),
+        ("tool", RESPONSES, {"input": "Weather?", "tools": [WEATHER], "tool_choice": named, "max_output_tokens": 24}),
+        ("stateful", RESPONSES, {"input": "hi", "previous_response_id": "resp_1"}),
+        ("chat", CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}),
+    ]
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"custom_id": cid, "method": "POST", "url": url, "body": body}) + "\n"
+                           for cid, url, body in lines))
+    summary = run_batch(engine, src, out, progress=False)
+    assert (summary.requests_ok, summary.requests_failed) == (3, 1)
+    answered = {line["custom_id"]: line for line in map(json.loads, out.read_text().splitlines())}
+    assert "previous_response_id" in answered["stateful"]["error"]["message"]
+    plain = Response.model_validate(answered["plain"]["response"]["body"])
+    assert plain.object == "response" and 0 < plain.usage.output_tokens <= 5
+    assert plain.status in ("completed", "incomplete") and isinstance(plain.output_text, str)
+    tool = Response.model_validate(answered["tool"]["response"]["body"])
+    [call] = tool.output
+    assert call.type == "function_call" and call.name == "get_weather"
+    assert answered["chat"]["response"]["body"]["object"] == "chat.completion"
