@@ -11,6 +11,8 @@ from datetime import UTC, datetime
 
 import pydantic
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from openai.types.responses import Response, ResponseStreamEvent
 
 from rein.api.responses_sse import responses_event_stream
@@ -19,7 +21,12 @@ from rein.jobs.results import response_body
 from rein.openai.endpoints import CHAT_COMPLETIONS, RESPONSES
 from rein.openai.errors import RequestError
 from rein.openai.request import parse_request
-from rein.openai.responses import chat_body, response_from_chat, responses_error
+from rein.openai.responses import (
+    chat_body,
+    parse_responses_request,
+    response_from_chat,
+    responses_error,
+)
 from rein.openai.tools import apply_tool_calls
 from rein.store.tables import Job, Result
 
@@ -371,3 +378,24 @@ def test_run_batch_lines_of_responses(engine, tmp_path):
     [call] = tool.output
     assert call.type == "function_call" and call.name == "get_weather"
     assert answered["chat"]["response"]["body"]["object"] == "chat.completion"
+
+
+# -- any body: a 400 or a chat body, never a crash -------------------------------------------
+
+JSON = st.recursive(st.none() | st.booleans() | st.integers(-3, 3) | st.floats(-1, 3) | st.sampled_from(
+    ["", "x", "message", "function_call", "function_call_output", "reasoning", "input_text", "user", "assistant",
+     "function", "json_schema", "auto", "none", "required", "get_weather"]),
+    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.sampled_from(
+        ["type", "role", "content", "text", "name", "call_id", "arguments", "output", "format", "schema",
+         "parameters", "effort", "summary", "k"]), children, max_size=4), max_leaves=12)
+FIELDS = st.sampled_from(["input", "instructions", "text", "tools", "tool_choice", "reasoning", "metadata",
+                          "max_output_tokens", "store", "include", "truncation", "stream_options", "background"])
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(body=st.dictionaries(FIELDS, JSON, max_size=4))
+def test_any_body_is_refused_cleanly_or_parses(tokenizer, body):
+    try:
+        parse_responses_request({"input": "hi", **body}, tokenizer, MAX_LEN)
+    except RequestError as error:
+        assert error.message and (error.param is None or isinstance(error.param, str))
