@@ -390,7 +390,8 @@ class JobCreate(BaseModel):
     body: dict[str, Any] = _replaced(
         {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"},
                    {"$ref": "#/components/schemas/CompletionRequest"},
-                   {"$ref": "#/components/schemas/EmbeddingRequest"}]},
+                   {"$ref": "#/components/schemas/EmbeddingRequest"},
+                   {"$ref": "#/components/schemas/ResponsesRequest"}]},
         "The request body that endpoint takes.")
     metadata: dict[str, str] | None = Field(None, description="Up to 16 string pairs kept with the job.",
                                             json_schema_extra={"maxProperties": MAX_METADATA_PAIRS})
