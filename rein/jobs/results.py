@@ -30,7 +30,9 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
         body.update(result.response)
     request = (job.params or {}).get("body")
     if job.endpoint == RESPONSES:   # the chat body it ran as, then the `response` (rein.openai.responses)
-        return response_from_chat(apply_tool_calls(body, chat_body(request)), request, job.id)
+        created = job.created_at or finished
+        return response_from_chat(apply_tool_calls(body, chat_body(request)), request, job.id,
+                                  created_at=int(created.timestamp()) if created is not None else None)
     return apply_tool_calls(body, request)   # tool calls out of the text (rein.openai.tools)
 
 

@@ -384,7 +384,8 @@ def response_id(job_id: str) -> str:
 def response_from_chat(chat: dict[str, Any], request: dict[str, Any], job_id: str,
                        created_at: float | None = None) -> dict[str, Any]:
     """The `response` object of a finished chat.completion body (tool calls already parsed
-    out of its text) for the Responses `request` it ran."""
+    out of its text) for the Responses `request` it ran; completed when the chat body was
+    made (its `created`), created at `created_at` (default: then too)."""
     choice = (chat.get("choices") or [{}])[0]
     message = choice.get("message") or {}
     finish = choice.get("finish_reason")
@@ -393,7 +394,8 @@ def response_from_chat(chat: dict[str, Any], request: dict[str, Any], job_id: st
     return response_object(request, job_id, chat.get("model") or request.get("model"), items,
                            status="incomplete" if finish == "length" else "completed",
                            usage=responses_usage(chat.get("usage")),
-                           created_at=chat.get("created") if created_at is None else created_at)
+                           created_at=chat.get("created") if created_at is None else created_at,
+                           completed_at=chat.get("created"))
 
 
 def output_items(job_id: str, reasoning: str | None, content: str | None, tool_calls: list[dict[str, Any]],
@@ -451,9 +453,12 @@ def responses_usage(chat_usage: dict[str, Any] | None) -> dict[str, Any]:
 
 def response_object(request: dict[str, Any], job_id: str, model: str | None, output: list[dict[str, Any]], *,
                     status: str, usage: dict[str, Any] | None, created_at: float | None = None,
-                    error: dict[str, Any] | None = None) -> dict[str, Any]:
-    """A `response` object: the request's settings echoed, with this output, status and usage."""
+                    completed_at: float | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A `response` object: the request's settings echoed, with this output, status and usage
+    (`completed_at`, for a completed one: default now)."""
     created_at = int(time.time()) if created_at is None else created_at
+    if status == "completed" and completed_at is None:
+        completed_at = int(time.time())
     text_format = (request.get("text") or {}).get("format") or {"type": "text"}
     tools = [{"type": "function", "name": tool.get("name"), "description": tool.get("description"),
               "parameters": tool.get("parameters"), "strict": tool.get("strict", True)}
@@ -462,7 +467,7 @@ def response_object(request: dict[str, Any], job_id: str, model: str | None, out
     finished = status in ("completed", "incomplete", "failed")
     return {
         "id": response_id(job_id), "object": "response", "created_at": created_at, "status": status,
-        "completed_at": created_at if status == "completed" else None,
+        "completed_at": completed_at if status == "completed" else None,
         "background": False, "error": error,
         "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
         "instructions": request.get("instructions"), "max_output_tokens": request.get("max_output_tokens"),

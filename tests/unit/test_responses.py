@@ -215,12 +215,13 @@ def test_reasoning_and_tool_calls_as_items():
 def test_stored_job_body_is_the_response_and_stable():
     """What GET /v1/jobs/{id}, the synchronous endpoint and batch output lines return."""
     request = {"input": "Weather?", "tools": [WEATHER], "metadata": {"a": "b"}}
-    job = Job(id="job_abc", endpoint=RESPONSES, model="m", prompt_tokens=9,
+    job = Job(id="job_abc", endpoint=RESPONSES, model="m", prompt_tokens=9, created_at=datetime(2025, 1, 1, tzinfo=UTC),
               finished_at=datetime(2025, 1, 2, tzinfo=UTC), params={"body": request, "sampling": {}})
     result = Result(job_id="job_abc", text=f"{CALL}\n", token_ids=[1, 2, 3], finish_reason="stop", logprobs=None)
     body = response_body(job, result, cached_tokens=1)
     parsed = Response.model_validate(body)
-    assert parsed.id == "resp_job_abc" and parsed.created_at == datetime(2025, 1, 2, tzinfo=UTC).timestamp()
+    assert parsed.id == "resp_job_abc" and parsed.created_at == datetime(2025, 1, 1, tzinfo=UTC).timestamp()
+    assert parsed.completed_at == datetime(2025, 1, 2, tzinfo=UTC).timestamp()
     [call] = parsed.output
     assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
     assert parsed.usage.input_tokens == 9 and parsed.usage.output_tokens == 3
