@@ -213,13 +213,14 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
     first = gathered.choice(0)
     tokenizer = entry.tokenizer if entry else None
     if shape.plain and len(gathered.choices) <= 1:
-        response = build_response(generated_as(endpoint), job.id, job.model, job.prompt_tokens, first.text, first.token_ids,
-                                  final.data.get("finish_reason"), None, tokenizer, None, cached_tokens=cached)
+        response = build_response(generated_as(endpoint), job.id, job.model, job.prompt_tokens, first.text,
+                                  first.token_ids, final.data.get("finish_reason"), None, tokenizer, None,
+                                  cached_tokens=cached)
     else:
         for choice in gathered.choices.values():
             choice.finish_reason = choice.finish_reason or final.data.get("finish_reason")
-        response = full_response(generated_as(endpoint), job.id, job.model, gathered, list(job.prompt_token_ids), tokenizer,
-                                 None, shape)
+        response = full_response(generated_as(endpoint), job.id, job.model, gathered, list(job.prompt_token_ids),
+                                 tokenizer, None, shape)
     if endpoint == RESPONSES:
         return JSONResponse(response_from_chat(apply_tool_calls(response, chat_body(body)), body, job.id))
     # A JSONResponse as the stored answer is: the response model would add `tool_calls: null`.
