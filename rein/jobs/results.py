@@ -7,7 +7,8 @@ from typing import Any
 from rein.openai.embeddings import job_embeddings_body
 from rein.openai.endpoints import EMBEDDINGS, RESPONSES, generated_as
 from rein.openai.response import build_response
-from rein.openai.responses import chat_body, response_from_chat
+from rein.openai.responses import chat_body
+from rein.openai.responses_body import response_from_chat
 from rein.openai.tools import apply_tool_calls
 from rein.store.tables import Job, Result
 

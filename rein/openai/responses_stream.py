@@ -27,7 +27,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rein.openai.responses import (
+from rein.openai.responses_body import (
     function_call_item,
     message_item,
     output_text_part,

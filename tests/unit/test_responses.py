@@ -1,7 +1,7 @@
-"""The Responses API on chat (rein.openai.responses, responses_stream, rein.api.responses_sse):
-a Responses request as the chat body it runs as, the refusals, a finished chat body as a
-`response` object (stored jobs included), and the streamed events — each checked against the
-official `openai` SDK's own types."""
+"""The Responses API on chat (rein.openai.responses, responses_body, responses_stream,
+rein.api.responses_sse): a Responses request as the chat body it runs as, the refusals, a
+finished chat body as a `response` object (stored jobs included), and the streamed events,
+each checked against the official `openai` SDK's own types."""
 
 from __future__ import annotations
 
@@ -21,12 +21,9 @@ from rein.jobs.results import response_body
 from rein.openai.endpoints import CHAT_COMPLETIONS, RESPONSES
 from rein.openai.errors import RequestError
 from rein.openai.request import parse_request
-from rein.openai.responses import (
-    chat_body,
-    parse_responses_request,
-    response_from_chat,
-    responses_error,
-)
+from rein.openai.responses import chat_body, parse_responses_request, responses_error
+from rein.openai.responses_body import response_from_chat
+from rein.openai.responses_stream import ResponsesStream
 from rein.openai.tools import apply_tool_calls
 from rein.store.tables import Job, Result
 
@@ -318,8 +315,6 @@ def test_stream_error_is_response_failed():
 
 def test_reasoning_deltas_become_a_reasoning_item():
     """A chat stream with reasoning_content deltas (a model with a reasoning parser)."""
-    from rein.openai.responses_stream import ResponsesStream
-
     stream = ResponsesStream({"input": "hi", "reasoning": {"summary": "auto"}}, "job_1", "m", 0)
     events = stream.start()
     for delta in ({"reasoning_content": "Think"}, {"reasoning_content": "ing."}, {"content": "Yes."}):

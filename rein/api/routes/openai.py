@@ -64,7 +64,8 @@ from rein.openai.choices_response import full_response
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES, generated_as
 from rein.openai.response import build_response
 from rein.openai.response_shape import ResponseShape
-from rein.openai.responses import chat_body, response_from_chat
+from rein.openai.responses import chat_body
+from rein.openai.responses_body import response_from_chat
 from rein.openai.tools import apply_tool_calls
 from rein.store.keys import KeyInfo
 from rein.store.redis_keys import RedisKeys
