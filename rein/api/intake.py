@@ -81,7 +81,8 @@ INLINE_VALIDATE_MAX_BYTES = 16 * 1024
 # Bodies with a structured-output constraint (or tools, whose schemas are constraints) are
 # validated in the thread pool whatever their size: a small schema can take seconds to
 # compile (rein.engine.structured.validator waits for it, up to its deadline).
-CONSTRAINT_FIELDS = frozenset({*STRUCTURED_BODY_FIELDS, "tools", "tool_choice"})
+# (A /v1/responses body holds its format in `text`: rein.openai.responses.)
+CONSTRAINT_FIELDS = frozenset({*STRUCTURED_BODY_FIELDS, "tools", "tool_choice", "text"})
 
 
 

@@ -161,6 +161,32 @@ class ChatCompletionRequest(_OpenAIRequest):
     parallel_tool_calls: bool | None = None
 
 
+class ResponsesRequest(BaseModel):
+    """OpenAI's Responses request, the stateless subset rein serves (rein.openai.responses
+    checks and translates every field; unknown ones are refused there)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    model: str | None = Field(None, description="A served model (GET /v1/models); default: the first.")
+    input: str | list[dict[str, Any]] = Field(
+        description="A string, or items: messages, function_call and function_call_output items.")
+    instructions: str | None = Field(None, description="A system message ahead of the input.")
+    max_output_tokens: int | None = _documented(minimum=1)
+    temperature: float | None = _documented(minimum=0, maximum=2)
+    top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
+    text: dict[str, Any] | None = Field(None, description='{"format": {"type": "text" | "json_object" | '
+                                        '"json_schema", "name", "schema", "strict"}}')
+    tools: list[dict[str, Any]] | None = Field(
+        None, description='Function tools: {"type": "function", "name", "description", "parameters", "strict"}.')
+    tool_choice: str | dict[str, Any] | None = Field(
+        None, description='none | auto | required | {"type": "function", "name"}.')
+    parallel_tool_calls: bool | None = None
+    reasoning: dict[str, Any] | None = Field(None, description="{effort, summary}: see docs/api.md.")
+    metadata: dict[str, str] | None = Field(None, description="Echoed back in the response.")
+    store: bool | None = Field(None, description="Accepted either way; rein offers no stored-response retrieval.")
+    stream: bool | None = False
+
+
 class CompletionRequest(_OpenAIRequest):
     prompt: str | list[int] | list[str] | list[list[int]] = _replaced(
         {"anyOf": [_NONEMPTY_TEXT, {"type": "array", "items": _TOKEN_ID, "minItems": 1},
@@ -364,7 +390,8 @@ class JobCreate(BaseModel):
     body: dict[str, Any] = _replaced(
         {"anyOf": [{"$ref": "#/components/schemas/ChatCompletionRequest"},
                    {"$ref": "#/components/schemas/CompletionRequest"},
-                   {"$ref": "#/components/schemas/EmbeddingRequest"}]},
+                   {"$ref": "#/components/schemas/EmbeddingRequest"},
+                   {"$ref": "#/components/schemas/ResponsesRequest"}]},
         "The request body that endpoint takes.")
     metadata: dict[str, str] | None = Field(None, description="Up to 16 string pairs kept with the job.",
                                             json_schema_extra={"maxProperties": MAX_METADATA_PAIRS})

@@ -24,7 +24,7 @@ from typing import Any
 
 from rein.core.settings import SettingsError, load_settings
 
-ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 TERMINAL_STATUSES = ("completed", "failed", "expired", "cancelled")
 DEFAULT_POLL_SECONDS = 1.0
 CONNECT_TIMEOUT_SECONDS = 10.0

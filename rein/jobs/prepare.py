@@ -8,9 +8,10 @@ from typing import Any
 from rein.jobs.errors import APIError
 from rein.jobs.registry import ModelEntry, ModelRegistry
 from rein.openai.embeddings import ParsedEmbeddings, model_pooling, parse_embeddings_request
-from rein.openai.endpoints import EMBEDDINGS
+from rein.openai.endpoints import EMBEDDINGS, RESPONSES
 from rein.openai.errors import RequestError
 from rein.openai.request import ParsedRequest, parse_request
+from rein.openai.responses import parse_responses_request
 
 
 @dataclass
@@ -48,7 +49,8 @@ class Prepared:
         their input tokens, all they cost."""
         if isinstance(self.parsed, ParsedEmbeddings):
             return len(self.parsed.prompt_token_ids)
-        explicit = self.body.get("max_tokens") is not None or self.body.get("max_completion_tokens") is not None
+        explicit = any(self.body.get(name) is not None
+                       for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"))
         completion = self.parsed.params.max_tokens
         if not explicit:
             completion = min(completion, completion_estimate)
@@ -85,6 +87,10 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Pre
                                code="model_not_supported")
         parsed: ParsedRequest | ParsedEmbeddings = parse_embeddings_request(
             body, entry.tokenizer, entry.max_model_len, model_pooling(entry.directory))
+    elif endpoint == RESPONSES:
+        # Runs as the chat body it translates to; the job keeps the Responses body (`body`).
+        parsed = parse_responses_request(body, entry.tokenizer, entry.max_model_len, entry.generation_defaults,
+                                         entry.tool_call_parser)
     else:
         parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults,
                                entry.tool_call_parser)

@@ -5,8 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from rein.openai.embeddings import job_embeddings_body
-from rein.openai.endpoints import EMBEDDINGS
+from rein.openai.endpoints import EMBEDDINGS, RESPONSES, generated_as
 from rein.openai.response import build_response
+from rein.openai.responses import chat_body
+from rein.openai.responses_body import response_from_chat
 from rein.openai.tools import apply_tool_calls
 from rein.store.tables import Job, Result
 
@@ -20,15 +22,20 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
     if job.endpoint == EMBEDDINGS:
         return job_embeddings_body(job, result.response)
     finished = job.finished_at or result.created_at
-    body = build_response(job.endpoint, job.id, job.model, job.prompt_tokens, result.text,
+    body = build_response(generated_as(job.endpoint), job.id, job.model, job.prompt_tokens, result.text,
                           list(result.token_ids), result.finish_reason, None, None, None,
                           created=int(finished.timestamp()) if finished is not None else None,
                           cached_tokens=cached_tokens)
     body["choices"][0]["logprobs"] = result.logprobs
     if result.response:   # n > 1, echo, prompt logprobs: the choices and usage the worker built
         body.update(result.response)
-    params = job.params or {}   # tool calls out of the text (rein.openai.tools), in the format stored at submission
-    return apply_tool_calls(body, params.get("body"), params.get("tool_parser"))
+    params = job.params or {}
+    request, parser = params.get("body"), params.get("tool_parser")   # the tool call format stored at submission
+    if job.endpoint == RESPONSES:   # the chat body it ran as, then the `response` (rein.openai.responses)
+        created = job.created_at or finished
+        return response_from_chat(apply_tool_calls(body, chat_body(request), parser), request, job.id,
+                                  created_at=int(created.timestamp()) if created is not None else None)
+    return apply_tool_calls(body, request, parser)   # tool calls out of the text (rein.openai.tools)
 
 
 def response_logprobs(endpoint: str, logprobs: list[Any] | None, tokenizer: Any,

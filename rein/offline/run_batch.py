@@ -53,12 +53,14 @@ from rein.openai.batch_lines import (
     read_lines,
 )
 from rein.openai.choices_response import full_response
-from rein.openai.endpoints import EMBEDDINGS
+from rein.openai.endpoints import EMBEDDINGS, RESPONSES, generated_as
 from rein.openai.engine_errors import request_error
 from rein.openai.errors import RequestError
 from rein.openai.request import ParsedRequest, parse_request
 from rein.openai.response import build_response
 from rein.openai.tool_call_parsers import detect_tool_call_parser
+from rein.openai.responses import chat_body, parse_responses_request
+from rein.openai.responses_body import response_from_chat
 from rein.openai.tools import apply_tool_calls
 
 if TYPE_CHECKING:
@@ -237,8 +239,12 @@ class BatchRun:
         if batch_line.url == EMBEDDINGS:   # parsed when taken (rein.offline.embed)
             return _ReadLine(line_number, batch_line, None)
         try:
-            parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer, self.engine.max_model_len,
-                                   self.generation_defaults, self.tool_call_parser)
+            if batch_line.url == RESPONSES:   # runs as chat (rein.openai.responses)
+                parsed = parse_responses_request(batch_line.body, self.engine.tokenizer, self.engine.max_model_len,
+                                                 self.generation_defaults, self.tool_call_parser)
+            else:
+                parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer,
+                                       self.engine.max_model_len, self.generation_defaults, self.tool_call_parser)
         except RequestError as exc:
             self.fail(custom_id, line_number, exc.code, exc.message)
             return None
@@ -275,14 +281,18 @@ class BatchRun:
         prompt_tokens = len(parsed.prompt_token_ids)
         if parsed.shape.plain:
             body = build_response(
-                pending.endpoint, done.request_id, pending.model_name, prompt_tokens, done.text,
+                generated_as(pending.endpoint), done.request_id, pending.model_name, prompt_tokens, done.text,
                 done.token_ids, done.finish_reason, done.logprobs if parsed.logprobs_mode is not None else None,
                 self.engine.tokenizer, parsed.logprobs_mode, int(time.time()), cached_tokens=done.num_cached_tokens)
         else:   # n > 1, best_of, echo, prompt logprobs (rein.openai.choices_response)
-            body = full_response(pending.endpoint, done.request_id, pending.model_name, done,
+            body = full_response(generated_as(pending.endpoint), done.request_id, pending.model_name, done,
                                  parsed.prompt_token_ids, self.engine.tokenizer, parsed.logprobs_mode, parsed.shape,
                                  int(time.time()))
-        body = apply_tool_calls(body, pending.request_body, self.tool_call_parser)
+        if pending.endpoint == RESPONSES:
+            chat = apply_tool_calls(body, chat_body(pending.request_body), self.tool_call_parser)
+            body = response_from_chat(chat, pending.request_body, done.request_id)
+        else:
+            body = apply_tool_calls(body, pending.request_body, self.tool_call_parser)
         self.answer(pending.custom_id, done.request_id, body, prompt_tokens, done.completion_tokens)
 
     def answer(self, custom_id: str, request_id: str, body: dict[str, Any], prompt_tokens: int,

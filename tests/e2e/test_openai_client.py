@@ -10,12 +10,14 @@ exception classes by status code with OpenAI's `code`.
 from __future__ import annotations
 
 import asyncio
+import importlib.util as importlib_util
 import json
 import subprocess
 import time
 from collections.abc import Iterator
 from typing import Literal
 
+import httpx
 import jsonschema
 import openai
 import pydantic
@@ -780,3 +782,130 @@ def test_structured_outputs_in_a_batch_file(client: openai.OpenAI) -> None:
     assert refused.status == "failed", refused
     [error] = refused.errors.data
     assert error.line == 1 and error.param.endswith("schema") and "not" in error.message, error
+
+
+# -- responses --------------------------------------------------------------------------------
+
+RESPONSE = {"model": MODEL, "input": "Name three rivers.", "instructions": "Answer briefly.",
+            "max_output_tokens": 12, "temperature": 0.0}
+RESPONSES_WEATHER = {"type": "function", **WEATHER_TOOL["function"], "strict": True}
+
+
+def test_responses_create(client: openai.OpenAI) -> None:
+    response = client.responses.create(**RESPONSE, metadata={"run": "e2e"}, store=False)
+    assert isinstance(response, openai.types.responses.Response)
+    assert response.object == "response" and response.id.startswith("resp_") and response.model == MODEL
+    assert response.status in ("completed", "incomplete") and response.metadata == {"run": "e2e"}
+    [message] = response.output
+    assert message.type == "message" and message.role == "assistant"
+    assert response.output_text == message.content[0].text
+    usage = response.usage
+    assert usage.input_tokens > 0 and 0 < usage.output_tokens <= RESPONSE["max_output_tokens"]
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert usage.output_tokens_details.reasoning_tokens == 0
+    if response.status == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+        assert usage.output_tokens == RESPONSE["max_output_tokens"]
+    # The same job through the chat endpoint: the same greedy answer.
+    chat = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "system", "content": RESPONSE["instructions"]},
+                               {"role": "user", "content": RESPONSE["input"]}],
+        max_tokens=RESPONSE["max_output_tokens"], temperature=0.0)
+    assert chat.choices[0].message.content == response.output_text
+
+
+def test_responses_stream_equals_non_stream(client: openai.OpenAI) -> None:
+    expected = client.responses.create(**RESPONSE)
+    events = list(client.responses.create(**RESPONSE, stream=True))
+    types = [event.type for event in events]
+    assert types[:2] == ["response.created", "response.in_progress"]
+    assert types[-1] == ("response.completed" if expected.status == "completed" else "response.incomplete")
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    text = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert text == expected.output_text
+    final = events[-1].response
+    assert final.output_text == expected.output_text and final.usage.output_tokens == expected.usage.output_tokens
+    with client.responses.stream(**RESPONSE) as stream:      # the SDK's helper reads the same events
+        helper = "".join(event.delta for event in stream if event.type == "response.output_text.delta")
+        if expected.status == "completed":   # its final response is only a response.completed's
+            assert stream.get_final_response().output_text == expected.output_text
+    assert helper == expected.output_text
+
+
+def test_responses_json_schema(client: openai.OpenAI) -> None:
+    pytest.importorskip("rein.engine.structured", reason="constrained decoding")
+    response = client.responses.create(
+        model=MODEL, input="Describe a visitor.", max_output_tokens=120, temperature=1.0,
+        text={"format": {"type": "json_schema", "name": "visitor", "schema": VISITOR_SCHEMA, "strict": True}})
+    assert response.text.format.type == "json_schema"
+    if response.status == "completed":
+        jsonschema.validate(json.loads(response.output_text), VISITOR_SCHEMA)
+    else:
+        assert response.output_text.startswith("{")
+
+
+def test_responses_forced_tool_call_and_its_answer(client: openai.OpenAI) -> None:
+    request = {"model": MODEL, "input": "Weather in Paris?", "tools": [RESPONSES_WEATHER],
+               "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 40,
+               "temperature": 0.0}
+    response = client.responses.create(**request)
+    [call] = response.output
+    assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
+    if importlib_util.find_spec("rein.engine.structured") is not None and response.status == "completed":
+        assert json.loads(call.arguments) in ({"unit": "celsius"}, {"unit": "fahrenheit"})
+    streamed = list(client.responses.create(**request, stream=True))
+    done = [e for e in streamed if e.type == "response.function_call_arguments.done"]
+    assert len(done) == 1 and done[0].arguments == call.arguments
+    # The call and its output go back as input items, through the chat template.
+    follow_up = client.responses.create(model=MODEL, max_output_tokens=8, input=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "22 C, sunny"}])
+    assert follow_up.output[0].type == "message"
+
+
+def test_responses_refusals_are_bad_requests(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="hi", previous_response_id="resp_x")
+    assert caught.value.code == "unsupported_parameter" and caught.value.param == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model=MODEL, input="hi", tools=[{"type": "web_search"}])
+    assert "built-in tools" in caught.value.message
+
+
+def test_responses_job_and_batch(client: openai.OpenAI, service: Service) -> None:
+    """POST /v1/jobs with endpoint /v1/responses, and a batch of /v1/responses lines: both answer
+    with the synchronous endpoint's body."""
+    expected = client.responses.create(**RESPONSE)
+    with httpx.Client(base_url=service.base_url, headers={"Authorization": f"Bearer {service.keys['a']}"},
+                      timeout=TIMEOUT) as http:
+        job = http.post("/v1/jobs", json={"endpoint": "/v1/responses", "body": RESPONSE}).json()
+        deadline = time.monotonic() + TIMEOUT
+        while (got := http.get(f"/v1/jobs/{job['id']}").json())["status"] not in ("succeeded", "failed"):
+            assert time.monotonic() < deadline, got
+            time.sleep(0.2)
+    body = openai.types.responses.Response.model_validate(got["response"]["body"])
+    assert body.output_text == expected.output_text and body.id == "resp_" + job["id"]
+
+    lines = [{"custom_id": f"r-{i}", "method": "POST", "url": "/v1/responses",
+              "body": {**RESPONSE, "input": f"Question {i}", "metadata": {"i": str(i)}}} for i in range(3)]
+    input_file = client.files.create(file=("r.jsonl", "".join(json.dumps(line) + "\n" for line in lines).encode()),
+                                     purpose="batch")
+    created = client.batches.create(input_file_id=input_file.id, endpoint="/v1/responses", completion_window="24h")
+    assert created.endpoint == "/v1/responses"
+    done = wait_batch(client, created.id)
+    assert done.status == "completed" and done.request_counts.completed == 3, done
+    output = {line["custom_id"]: line for line in file_lines(client, done.output_file_id)}
+    assert sorted(output) == ["r-0", "r-1", "r-2"]
+    for custom_id, line in output.items():
+        answer = openai.types.responses.Response.model_validate(line["response"]["body"])
+        assert answer.object == "response" and answer.metadata == {"i": custom_id[2:]}
+        assert 0 < answer.usage.output_tokens <= RESPONSE["max_output_tokens"]
+    sync = client.responses.create(**lines[1]["body"])
+    assert sync.output_text == openai.types.responses.Response.model_validate(
+        output["r-1"]["response"]["body"]).output_text
+    # A chat line in a /v1/responses batch is refused at validation, naming the line.
+    mixed = client.files.create(file=("m.jsonl", batch_lines(1)), purpose="batch")
+    refused = wait_batch(client, client.batches.create(input_file_id=mixed.id, endpoint="/v1/responses",
+                                                       completion_window="24h").id)
+    assert refused.status == "failed" and refused.errors.data[0].code == "invalid_url"

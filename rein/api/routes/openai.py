@@ -1,5 +1,5 @@
-"""OpenAI-compatible endpoints: POST /v1/completions, POST /v1/chat/completions, GET /v1/models
-(and /v1/models/{model}).
+"""OpenAI-compatible endpoints: POST /v1/completions, POST /v1/chat/completions, POST /v1/responses
+(run as chat: rein.openai.responses), GET /v1/models (and /v1/models/{model}).
 
 Each request becomes a job like POST /v1/jobs (same validation, limits and queue). Without
 `stream`, the route follows the job's event stream to its final event and returns the
@@ -34,6 +34,7 @@ from rein.api.deps import (
     SettingsDep,
 )
 from rein.api.jobs import get_job_for_tenant
+from rein.api.responses_sse import responses_event_stream
 from rein.api.routes.jobs import (
     SlotStreamingResponse,
     body_bytes,
@@ -51,6 +52,7 @@ from rein.api.schemas import (
     ErrorResponse,
     ModelList,
     ModelPublic,
+    ResponsesRequest,
 )
 from rein.api.streams import StreamEvent, follow_events, openai_chunk_stream
 from rein.core.logging import log_context
@@ -59,9 +61,11 @@ from rein.jobs.errors import INVALID_REQUEST, APIError, error_body
 from rein.jobs.registry import ModelEntry
 from rein.jobs.results import response_body
 from rein.openai.choices_response import full_response
-from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
+from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES, generated_as
 from rein.openai.response import build_response
 from rein.openai.response_shape import ResponseShape
+from rein.openai.responses import chat_body
+from rein.openai.responses_body import response_from_chat
 from rein.openai.tools import apply_tool_calls
 from rein.store.keys import KeyInfo
 from rein.store.redis_keys import RedisKeys
@@ -95,6 +99,14 @@ async def completions(payload: CompletionRequest, request: Request, key: Inferen
     """Text completion; `stream: true` answers with `text_completion` SSE chunks and `[DONE]`."""
     return await _complete(COMPLETIONS, payload.model_dump(exclude_unset=True), request, key,
                            redis, settings)
+
+
+@router.post("/responses", responses={**_ERRORS, 200: {"content": {"application/json": {}, **_SSE}}})
+async def responses(payload: ResponsesRequest, request: Request, key: InferenceKey,
+                    redis: AsyncRedisDep, settings: SettingsDep) -> Any:
+    """OpenAI's Responses API, stateless (rein.openai.responses); `stream: true` answers with its
+    SSE events, response.created to response.completed."""
+    return await _complete(RESPONSES, payload.model_dump(exclude_unset=True), request, key, redis, settings)
 
 
 @router.get("/models", response_model=ModelList, responses={401: {"model": ErrorResponse}})
@@ -155,6 +167,12 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
 
     events = follow_events(redis, keys, job.id, 0, lambda: run_in_threadpool(load))
     shape = ResponseShape.from_dict((job.params or {}).get("shape"))   # n > 1, echo (rein.openai.response_shape)
+    if release is not None and endpoint == RESPONSES:
+        return SlotStreamingResponse(
+            responses_event_stream(events, job_id=job.id, model=job.model, prompt_tokens=job.prompt_tokens,
+                                   request_body=body, tool_parser=(job.params or {}).get("tool_parser")),
+            release, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+            on_abandon=lambda: _abandon_in_background(request, key, job.id))
     if release is not None:
         options = body.get("stream_options") or {}
         return SlotStreamingResponse(
@@ -196,15 +214,19 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
     first = gathered.choice(0)
     tokenizer = entry.tokenizer if entry else None
     if shape.plain and len(gathered.choices) <= 1:
-        response = build_response(endpoint, job.id, job.model, job.prompt_tokens, first.text, first.token_ids,
-                                  final.data.get("finish_reason"), None, tokenizer, None, cached_tokens=cached)
+        response = build_response(generated_as(endpoint), job.id, job.model, job.prompt_tokens, first.text,
+                                  first.token_ids, final.data.get("finish_reason"), None, tokenizer, None,
+                                  cached_tokens=cached)
     else:
         for choice in gathered.choices.values():
             choice.finish_reason = choice.finish_reason or final.data.get("finish_reason")
-        response = full_response(endpoint, job.id, job.model, gathered, list(job.prompt_token_ids), tokenizer,
-                                 None, shape)
+        response = full_response(generated_as(endpoint), job.id, job.model, gathered, list(job.prompt_token_ids),
+                                 tokenizer, None, shape)
+    parser = (job.params or {}).get("tool_parser")
+    if endpoint == RESPONSES:
+        return JSONResponse(response_from_chat(apply_tool_calls(response, chat_body(body), parser), body, job.id))
     # A JSONResponse as the stored answer is: the response model would add `tool_calls: null`.
-    return JSONResponse(apply_tool_calls(response, body, (job.params or {}).get("tool_parser")))
+    return JSONResponse(apply_tool_calls(response, body, parser))
 
 
 async def _follow(events: AsyncIterator[StreamEvent | None], gathered: RequestResult) -> StreamEvent | None:

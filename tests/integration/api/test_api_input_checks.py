@@ -299,3 +299,27 @@ def test_a_large_body_is_parsed_off_the_event_loop(client, make_key, tenant, mon
     assert threads == ["event loop"]
     client.post("/v1/jobs", json=large, headers={"Authorization": f"Bearer {key}"})
     assert threads == ["event loop", "thread pool"]
+
+
+def test_responses_requests_are_checked_at_intake(client, key):
+    """/v1/responses and POST /v1/jobs with its endpoint: a refusal names the Responses field,
+    and the route and its body are in the schema."""
+    response = client.post("/v1/responses", json={"input": "hi", "previous_response_id": "resp_1"},
+                           headers=auth(key))
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "previous_response_id" and error["code"] == "unsupported_parameter"
+    response = client.post("/v1/jobs", json={"endpoint": "/v1/responses", "body": {
+        "input": "hi", "text": {"format": {"type": "json_schema", "schema": {"type": "object"}}}}}, headers=auth(key))
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "text.format.name", response.text
+    response = client.post("/v1/responses", json={"input": "hi", "max_output_tokens": 10 ** 6}, headers=auth(key))
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+    assert "input" in response.json()["error"]["message"], response.text
+    schema = client.get("/openapi.json").json()
+    assert "post" in schema["paths"]["/v1/responses"]
+    assert {"$ref": "#/components/schemas/ResponsesRequest"} in \
+        schema["components"]["schemas"]["JobCreate"]["properties"]["body"]["anyOf"]
+    response = client.post("/v1/jobs", json={"endpoint": "/v1/responses", "body": {"input": "hi", "max_output_tokens": 2}},
+                           headers=auth(key))
+    assert response.status_code == 202, response.text
