@@ -58,9 +58,9 @@ from rein.openai.engine_errors import request_error
 from rein.openai.errors import RequestError
 from rein.openai.request import ParsedRequest, parse_request
 from rein.openai.response import build_response
-from rein.openai.tool_call_parsers import detect_tool_call_parser
 from rein.openai.responses import chat_body, parse_responses_request
 from rein.openai.responses_body import response_from_chat
+from rein.openai.tool_call_parsers import detect_tool_call_parser
 from rein.openai.tools import apply_tool_calls
 
 if TYPE_CHECKING:
