@@ -93,7 +93,7 @@ def _ts(value: datetime | None) -> int | None:
 
 def file_public(file: File) -> FileObject:
     return FileObject(id=file.id, bytes=file.bytes, created_at=_ts(file.created_at), filename=file.filename,
-                      purpose=file.purpose)
+                      purpose=file.purpose, expires_at=_ts(file.expires_at))
 
 
 def batches_public(session: Session, batches: list[Batch]) -> list[BatchObject]:

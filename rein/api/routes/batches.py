@@ -26,6 +26,7 @@ from rein.api.jobs import check_metadata
 from rein.api.routes.files import BatchKey, download_response
 from rein.api.schemas import ErrorResponse
 from rein.batches.batch_jobs import drop_batch_jobs
+from rein.batches.expiry import default_expiry_seconds
 from rein.batches.locks import lock_batch_waiting
 from rein.batches.repository import (
     batch_public,
@@ -76,8 +77,12 @@ def create_batch(payload: BatchCreate, request: Request, session: SessionDep, ke
                        headers=exc.headers()) from None
     if limits is not None:
         set_response_headers(request, limits.headers())
+    # The output files' expiry is fixed now, so a later change of the default leaves this batch's as promised.
+    output_expiry = (payload.output_expires_after.seconds if payload.output_expires_after is not None
+                     else default_expiry_seconds(settings))
     batch = Batch(tenant=key.tenant, key_id=key.key_id, endpoint=payload.endpoint, input_file_id=file.id,
                   completion_window=payload.completion_window, metadata_=dict(payload.metadata or {}),
+                  output_expires_after_seconds=output_expiry,
                   expires_at=func.now() + timedelta(seconds=settings.batch_completion_window_seconds))
     session.add(batch)
     session.commit()

@@ -13,7 +13,7 @@ back chunk by chunk.
 The quota counts everything the tenant stores (rein.jobs.retention.stored_bytes): its uploads,
 the output and error files its batches generated and its stored job results. A batch writes
 its results whatever the quota (they count toward the next upload); what is past its
-retention expires (rein.jobs.retention).
+retention or its `expires_at` is deleted (rein.jobs.retention, rein.batches.expiry).
 """
 
 from __future__ import annotations
@@ -31,6 +31,13 @@ from rein.api.checked_route import CheckedRoute
 from rein.api.deps import SessionDep, SessionsDep, SettingsDep, require_scope
 from rein.api.multipart_upload import receive_upload
 from rein.api.schemas import ErrorResponse
+from rein.batches.expiry import (
+    MAX_EXPIRY_SECONDS,
+    MIN_EXPIRY_SECONDS,
+    default_expiry_seconds,
+    expires_after_from_form,
+    expires_at_after,
+)
 from rein.batches.repository import file_public, get_file_for_tenant, list_for_tenant
 from rein.batches.schemas import FileDeleted, FileList, FileObject
 from rein.core.input_checks import text_problem
@@ -75,8 +82,8 @@ def _over_quota(used: StoredBytes, quota: int, size: int | None = None) -> APIEr
                          f"uploaded files, {used.outputs} in batch output and error files, {used.results} in "
                          f"job results), so at most {max(quota - used.total, 0)} more bytes fit. Delete files "
                          "you no longer need with DELETE /v1/files/{file_id} (GET /v1/files lists them, output "
-                         "files included); results and output files also expire after this deployment's "
-                         "retention (REIN_RESULT_RETENTION_DAYS, REIN_OUTPUT_FILE_RETENTION_DAYS).",
+                         "files included); results expire after this deployment's retention "
+                         "(REIN_RESULT_RETENTION_DAYS) and files at their expires_at.",
                     param="file", code="storage_quota_exceeded")
 
 
@@ -109,10 +116,15 @@ def _insert_within_quota(sessions: sessionmaker[Session], row: File, quota: int)
              openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
                  "type": "object", "required": ["file", "purpose"],
                  "properties": {"file": {"type": "string", "format": "binary"},
-                                "purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)}}}}}}})
+                                "purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)},
+                                "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+                                "expires_after[seconds]": {"type": "integer", "minimum": MIN_EXPIRY_SECONDS,
+                                                           "maximum": MAX_EXPIRY_SECONDS}}}}}}})
 async def upload_file(request: Request, key: BatchKey, sessions: SessionsDep, settings: SettingsDep,
                       store: FileStoreDep) -> FileObject:
-    """Upload a JSONL batch input file (multipart fields `file` and `purpose=batch`)."""
+    """Upload a JSONL batch input file (multipart fields `file` and `purpose=batch`; optionally
+    `expires_after[anchor]=created_at` and `expires_after[seconds]`, else it expires after
+    REIN_BATCH_FILE_EXPIRY_SECONDS)."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise APIError(400, "Upload the file as multipart/form-data with the fields `file` and `purpose`.",
                        param="file", code="invalid_value")
@@ -141,6 +153,9 @@ async def upload_file(request: Request, key: BatchKey, sessions: SessionsDep, se
         if upload.file is None:
             raise APIError(400, "'file' is a required multipart field holding the file's contents",
                            param="file", code="invalid_value")
+        expiry = expires_after_from_form(upload.fields)
+        if expiry is None:
+            expiry = default_expiry_seconds(settings)
         filename = upload.filename or "upload.jsonl"
         problem = text_problem(filename)
         if problem is not None:
@@ -148,7 +163,7 @@ async def upload_file(request: Request, key: BatchKey, sessions: SessionsDep, se
         await run_in_threadpool(upload.file.commit)
         committed = True
         row = File(id=file_id, tenant=key.tenant, key_id=key.key_id, purpose=purpose, bytes=upload.size,
-                   filename=filename[:255])
+                   filename=filename[:255], expires_at=expires_at_after(expiry))
         return file_public(await run_in_threadpool(_insert_within_quota, sessions, row, quota))
     except BaseException:
         if upload.file is not None:
