@@ -108,6 +108,8 @@ def _insert_within_quota(sessions: sessionmaker[Session], row: File, quota: int)
         if used.total + row.bytes > quota:
             raise _over_quota(used, quota, row.bytes)
         session.add(row)
+        session.flush()
+        session.refresh(row)        # expires_at, computed by Postgres from the row's created_at
     return row
 
 
