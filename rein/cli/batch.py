@@ -314,7 +314,8 @@ def wait_for_batch(client: BatchClient, batch: dict[str, Any], poll_seconds: flo
             if batch["status"] in TERMINAL_STATUSES:
                 return batch
             time.sleep(poll_seconds)
-            batch = poll_through_outages(client, batch["id"], max_outage, bar.write)
+            batch = poll_through_outages(client, batch["id"], max_outage,
+                                         lambda text: bar.write(text, file=sys.stderr))
 
 
 def poll_through_outages(client: BatchClient, batch_id: str, max_outage: float,

@@ -75,8 +75,10 @@ def _too_large(limit: int) -> APIError:
                     param="file", code="file_too_large")
 
 
-def _over_quota(used: StoredBytes, quota: int, size: int | None = None) -> APIError:
-    this = "This upload" if size is None else f"This file of {size} bytes"
+def over_quota(used: StoredBytes, quota: int, size: int | None = None, this: str | None = None,
+               param: str = "file") -> APIError:
+    """413 `storage_quota_exceeded`, saying what the tenant stores (for an upload, or `this`)."""
+    this = this or ("This upload" if size is None else f"This file of {size} bytes")
     return APIError(413, f"{this} would take your storage past its quota of {quota} bytes ({quota / 2**30:.1f} "
                          f"GiB, REIN_MAX_TENANT_FILE_BYTES): {used.total} bytes are stored ({used.uploads} in "
                          f"uploaded files, {used.outputs} in batch output and error files, {used.results} in "
@@ -84,7 +86,7 @@ def _over_quota(used: StoredBytes, quota: int, size: int | None = None) -> APIEr
                          "you no longer need with DELETE /v1/files/{file_id} (GET /v1/files lists them, output "
                          "files included); results expire after this deployment's retention "
                          "(REIN_RESULT_RETENTION_DAYS) and files at their expires_at.",
-                    param="file", code="storage_quota_exceeded")
+                    param=param, code="storage_quota_exceeded")
 
 
 def _used_bytes(sessions: sessionmaker[Session], tenant: str) -> StoredBytes:
@@ -106,7 +108,7 @@ def _insert_within_quota(sessions: sessionmaker[Session], row: File, quota: int)
                                                           func.hashtext(row.tenant))))
         used = stored_bytes(session, row.tenant)
         if used.total + row.bytes > quota:
-            raise _over_quota(used, quota, row.bytes)
+            raise over_quota(used, quota, row.bytes)
         session.add(row)
         session.flush()
         session.refresh(row)        # expires_at, computed by Postgres from the row's created_at
@@ -133,10 +135,10 @@ async def upload_file(request: Request, key: BatchKey, sessions: SessionsDep, se
     max_file, quota = settings.max_file_bytes, settings.max_tenant_file_bytes
     used = await run_in_threadpool(_used_bytes, sessions, key.tenant)
     if used.total >= quota:
-        raise _over_quota(used, quota)
+        raise over_quota(used, quota)
     # This upload's room: the file limit, or what is left of the quota when that is less.
     limit = min(max_file, quota - used.total)
-    refusal = _too_large(max_file) if limit == max_file else _over_quota(used, quota)
+    refusal = _too_large(max_file) if limit == max_file else over_quota(used, quota)
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
         raise refusal
