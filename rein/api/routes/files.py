@@ -38,7 +38,12 @@ from rein.batches.expiry import (
     expires_after_from_form,
     expires_at_after,
 )
-from rein.batches.repository import file_public, get_file_for_tenant, list_for_tenant
+from rein.batches.repository import (
+    file_not_expired,
+    file_public,
+    get_file_for_tenant,
+    list_for_tenant,
+)
 from rein.batches.schemas import FileDeleted, FileList, FileObject
 from rein.core.input_checks import text_problem
 from rein.jobs.errors import APIError
@@ -187,7 +192,7 @@ def list_files(session: SessionDep, key: BatchKey,
                                                                           "first, the default) or asc.")] = "desc",
                ) -> FileList:
     """The caller's files, newest first unless `order=asc` (OpenAI's defaults: 10,000 a page, desc)."""
-    filters = [File.purpose == purpose] if purpose else []
+    filters = [file_not_expired(), *([File.purpose == purpose] if purpose else [])]
     files, has_more = list_for_tenant(session, File, key.tenant, limit, after, *filters, order=order)
     return FileList(data=[file_public(f) for f in files], first_id=files[0].id if files else None,
                     last_id=files[-1].id if files else None, has_more=has_more)

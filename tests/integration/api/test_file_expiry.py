@@ -116,3 +116,32 @@ def test_an_expired_file_is_swept_by_the_api_process(make_client, make_key, tena
     assert [f.id for f in client.files.list()] == [staying.id]
     assert os.listdir(files) == [staying.id]
     assert client.files.content(staying.id).content == LINES
+
+
+def test_an_expired_file_is_not_found_before_the_sweep_runs(make_client, make_key, tenant, tmp_path,
+                                                            db_sessionmaker):
+    """Past its expires_at a file answers 404 at once (reads, list, a new batch from it); the sweep
+    then deletes what is stored."""
+    from openai import NotFoundError
+
+    from rein.jobs.retention import expire_once
+
+    files = tmp_path / "files"
+    http = make_client(files_dir=str(files))        # the API's own sweep: not for an hour
+    key = make_key(tenant, "batch")
+    client = openai_client(http, key)
+    file = client.files.create(file=("in.jsonl", LINES), purpose="batch")
+    with db_sessionmaker.begin() as session:
+        session.execute(update(File).where(File.id == file.id).values(expires_at=func.now()))
+    with pytest.raises(NotFoundError):
+        client.files.retrieve(file.id)
+    with pytest.raises(NotFoundError):
+        client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h")
+    assert http.get(f"/v1/files/{file.id}/content", headers=auth(key)).status_code == 404
+    assert list(client.files.list()) == []
+    assert os.listdir(files) == [file.id]           # still stored: the sweep has not run
+
+    report = expire_once(http.app.state.settings, db_sessionmaker, http.app.state.filestore)
+    assert report.files >= 1 and os.listdir(files) == []
+    with db_sessionmaker() as session:
+        assert session.get(File, file.id) is None
