@@ -60,13 +60,15 @@ class BatchClient:
     """The few Files and Batches calls the CLI makes, on the official `openai` client, with
     its errors turned into BatchCLIError. Objects come back as the JSON rein sent."""
 
-    def __init__(self, base_url: str, api_key: str, max_retries: int = MAX_RETRIES) -> None:
+    def __init__(self, base_url: str, api_key: str, max_retries: int = MAX_RETRIES,
+                 http_client: Any = None) -> None:
         # Imported only where `rein batch` runs: `rein --help` stays quick.
         from openai import OpenAI, Timeout
 
         self.base_url = base_url
         self._openai = OpenAI(api_key=api_key, base_url=f"{base_url}/v1", max_retries=max_retries,
-                              timeout=Timeout(TRANSFER_TIMEOUT_SECONDS, connect=CONNECT_TIMEOUT_SECONDS))
+                              timeout=Timeout(TRANSFER_TIMEOUT_SECONDS, connect=CONNECT_TIMEOUT_SECONDS),
+                              http_client=http_client)
 
     def close(self) -> None:
         self._openai.close()

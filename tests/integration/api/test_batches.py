@@ -469,6 +469,21 @@ def test_official_openai_client(batch_client, make_key, tenant):
     wait_for(lambda: client.batches.retrieve(batch.id).status == "cancelled", 10, "cancelled")
 
 
+def test_rein_batch_list_pages_through_every_batch(batch_client, make_key, tenant):
+    """`rein batch list`'s client (the official openai client's pagination): every batch, newest
+    first, fetched a page at a time."""
+    from rein.cli.batch import BatchClient
+
+    key = make_key(tenant, "batch")
+    ids = [create(batch_client, key, jsonl(line("a")))["id"] for _ in range(5)]
+    pages = []
+    batch_client.event_hooks["request"].append(lambda request: pages.append(request.url.params.get("after")))
+    with BatchClient("http://testserver", key, http_client=batch_client) as client:
+        listed = [batch["id"] for batch in client.batches(page_size=2)]
+    assert listed == ids[::-1]
+    assert pages == [None, ids[3], ids[1]]          # three pages of 2, 2 and 1, each after the last
+
+
 def test_custom_ids_and_prompts_survive_the_bulk_copy(batch_client, make_key, tenant, db_sessionmaker):
     key = make_key(tenant, "batch")
     odd = ["tab\there", "new\nline", "back\\slash", "ünïcødé ✓", "quote\"s", "\\N"]
