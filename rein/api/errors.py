@@ -63,6 +63,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {first.get('msg')}", None
     if first.get("type") == "missing" and param:
         message = f"'{param}' is a required property"
+    elif first.get("type") == "extra_forbidden" and param:
+        message = f"Unrecognized request argument supplied: {param} (this endpoint does not take it; remove it)"
     else:
         message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
     if len(errors) > 1:

@@ -406,7 +406,8 @@ class BatchManager:
                 with source:
                     lines = read_lines(source, self.settings.max_request_bytes)   # each under the cap
                     result = validate_lines(lines, batch.endpoint, self.registry,
-                                            self.settings.batch_max_requests, on_valid=store, before_line=check)
+                                            self.settings.batch_max_requests, on_valid=store, before_line=check,
+                                            max_embedding_inputs=self.settings.batch_max_embedding_inputs)
             except (_Superseded, _ValidationFailed, OperationalError, InterfaceError, RedisError,
                     ValidatorUnavailable):
                 raise                    # a stop, a verdict, or an outage (retried next tick)

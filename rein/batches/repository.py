@@ -1,7 +1,8 @@
 """Tenant-scoped reads of files and batches, and their public views.
 
 Every read of a file or a batch goes through these functions, which filter by the caller's
-tenant: another tenant's object is simply not found (404, never 403). A batch's
+tenant: another tenant's object is simply not found (404, never 403); so is a file past its
+`expires_at`. A batch's
 `request_counts` and `usage` are computed from its jobs when read (a GROUP BY on the
 `(batch_id, status)` index and a join to usage), so they are live while it runs and never
 drift from the jobs themselves.
@@ -12,7 +13,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, TypeVar
 
-from sqlalchemy import func, select, tuple_
+from sqlalchemy import func, or_, select, tuple_
 from sqlalchemy.orm import Session
 
 from rein.batches.schemas import (
@@ -30,8 +31,15 @@ from rein.store.tables import Batch, File, Job, Usage
 Row = TypeVar("Row", File, Batch)
 
 
+def file_not_expired() -> Any:
+    """The files whose `expires_at` has not passed: an expired file is not found from then on,
+    whether or not the expiry sweep (rein.jobs.retention) has deleted it yet."""
+    return or_(File.expires_at.is_(None), File.expires_at > func.now())
+
+
 def get_file_for_tenant(session: Session, tenant: str, file_id: str) -> File:
-    file = session.scalars(select(File).where(File.id == file_id, File.tenant == tenant)).one_or_none()
+    file = session.scalars(select(File).where(File.id == file_id, File.tenant == tenant,
+                                              file_not_expired())).one_or_none()
     if file is None:
         raise not_found("file", file_id)
     return file
@@ -93,7 +101,7 @@ def _ts(value: datetime | None) -> int | None:
 
 def file_public(file: File) -> FileObject:
     return FileObject(id=file.id, bytes=file.bytes, created_at=_ts(file.created_at), filename=file.filename,
-                      purpose=file.purpose)
+                      purpose=file.purpose, expires_at=_ts(file.expires_at))
 
 
 def batches_public(session: Session, batches: list[Batch]) -> list[BatchObject]:

@@ -13,6 +13,8 @@ Lines come in input-file order. The same generator serves the partial views whil
 runs (GET /v1/batches/{id}/output and /errors) and writes the files when it ends, so the
 two never differ; line ids are derived from job ids, so they are stable too. The files get
 ids derived from the batch id: writing them again after a crash replaces, never duplicates.
+They expire as the batch's `output_expires_after` (or the default when it was created) says,
+counted from when they are written (rein.batches.expiry).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session, sessionmaker
 
+from rein.batches.expiry import expires_at_after
 from rein.jobs.results import response_body
 from rein.store.filestore import FileStore
 from rein.store.tables import Batch, File, Job, Result, Usage
@@ -127,9 +130,10 @@ def write_result_files(session: Session, store: FileStore, batch: Batch) -> tupl
             ids.append(None)
             continue
         size = store.size(file_id)
+        # A rewrite (after a restart) keeps the first write's created_at and expires_at.
         session.execute(insert(File).values(
             id=file_id, tenant=batch.tenant, key_id=batch.key_id, filename=f"{batch.id}_{suffix}.jsonl",
-            purpose="batch_output", bytes=size,
+            purpose="batch_output", bytes=size, expires_at=expires_at_after(batch.output_expires_after_seconds),
         ).on_conflict_do_update(index_elements=[File.id], set_={"bytes": size}))
         ids.append(file_id)
     return ids[0], ids[1]

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rein.batches.expiry import ExpiresAfter
 from rein.jobs.fields import MAX_METADATA_PAIRS, Endpoint
 
 # Checked by POST /v1/batches (rein.api.routes.batches), as OpenAI limits them.
@@ -47,7 +48,8 @@ class FileDeleted(BaseModel):
 
 
 class BatchCreate(BaseModel):
-    model_config = ConfigDict(strict=True)
+    # An unknown field is a 400 naming it, as on every other endpoint.
+    model_config = ConfigDict(strict=True, extra="forbid")
 
     input_file_id: str = Field(description="An uploaded file (purpose batch) of request lines.")
     endpoint: Endpoint = Field(description="The url every line must name.")
@@ -58,6 +60,9 @@ class BatchCreate(BaseModel):
         json_schema_extra={"maxProperties": MAX_METADATA_PAIRS,
                            "propertyNames": {"maxLength": MAX_METADATA_KEY_LEN},
                            "additionalProperties": {"type": "string", "maxLength": MAX_METADATA_VALUE_LEN}})
+    output_expires_after: ExpiresAfter | None = Field(
+        None, description="When the batch's output and error files expire: `seconds` (3600 to 2592000) after "
+                          "they are created. Unset: REIN_BATCH_FILE_EXPIRY_SECONDS (30 days by default).")
 
 
 class BatchErrorItem(BaseModel):

@@ -6,7 +6,9 @@ accepts: a served model (the same on every line, as OpenAI requires), valid samp
 parameters, and a prompt + max_tokens within the model's context. The body is checked by
 the same `prepare` the synchronous endpoints use, so it tokenizes each prompt once and
 the token ids are kept for the jobs. A file with more than the batch limit of requests,
-or none, is refused as a whole.
+or none, is refused as a whole; so is an embeddings batch whose lines hold more embedding
+inputs in all than its limit (OpenAI's 50,000: a string input counts 1, a list counts each of its
+strings or token-id lists, a single token-id list counts 1).
 
 The file is read line by line (never whole), each line under a length cap
 (rein.openai.batch_lines.read_lines, REIN_MAX_REQUEST_BYTES): a longer line is that line's
@@ -74,6 +76,7 @@ class Validation:
     model: str | None = None
     requests: int = 0
     valid: int = 0
+    embedding_inputs: int = 0
 
     @property
     def ok(self) -> bool:
@@ -88,11 +91,13 @@ class Validation:
 
 def validate_lines(raw_lines: Iterable[bytes | OversizedLine], endpoint: str, registry: ModelRegistry,
                    max_requests: int, on_valid: Callable[[ValidLine], None] = lambda line: None,
-                   before_line: Callable[[int], None] = lambda number: None) -> Validation:
+                   before_line: Callable[[int], None] = lambda number: None,
+                   max_embedding_inputs: int | None = None) -> Validation:
     """Check every line of a batch input file (see the module docstring): `raw_lines` as
     `read_lines` gives them (an OversizedLine is that line's error). `before_line(number)`
     runs before each line, valid or not: the batch manager's deadline and stop checks raise from
-    it, so a file whose first line is bad cannot run for hours checking the rest."""
+    it, so a file whose first line is bad cannot run for hours checking the rest.
+    `max_embedding_inputs`: the most embedding inputs all lines may hold together (None: no cap)."""
     result = Validation()
     seen: set[str] = set()
     for number, raw in enumerate(raw_lines, start=1):
@@ -150,6 +155,15 @@ def validate_lines(raw_lines: Iterable[bytes | OversizedLine], endpoint: str, re
                                             "lines: a batch runs one model (and its LoRA adapters)", number,
                         "body.model")
             continue
+        if isinstance(prepared.parsed, ParsedEmbeddings):
+            result.embedding_inputs += len(prepared.parsed.inputs)
+            if max_embedding_inputs is not None and result.embedding_inputs > max_embedding_inputs:
+                result.fail("too_many_embedding_inputs",
+                            f"the batch's embedding inputs pass {max_embedding_inputs} at this line, this "
+                            "deployment's limit per batch (REIN_BATCH_MAX_EMBEDDING_INPUTS; a string input "
+                            "counts 1, a list counts each of its items): split the file into several batches",
+                            number, "body.input")
+                return result
         if result.ok:
             on_valid(ValidLine(number, line.custom_id, prepared))
             result.valid += 1

@@ -294,9 +294,11 @@ class Settings(BaseSettings):
     result_retention_days: float | None = Field(30, ge=0)
     """Job results (the text, tokens and response a job produced) are deleted this many days
     after the job ended; the job keeps its status, timings and usage. 0: kept."""
-    output_file_retention_days: float | None = Field(30, ge=0)
-    """Batch output and error files are deleted this many days after they were written (as
-    OpenAI's expire after 30 days). 0: kept."""
+    batch_file_expiry_seconds: int | None = Field(2_592_000, ge=0)
+    """Batch files expire this long after they are created, as OpenAI's do after 30 days: an
+    upload (purpose batch) sent without `expires_after`, and the output and error files of a
+    batch created without `output_expires_after`. The expiry sweep (rein.jobs.retention)
+    deletes them; 0: kept until deleted."""
     usage_retention_days: float | None = Field(400, ge=0)
     """Usage rows (GET /v1/usage, accounting) are deleted this many days after their job ended:
     longer than results, so a year of invoices can be checked. 0: kept."""
@@ -306,6 +308,9 @@ class Settings(BaseSettings):
     """Rows one retention transaction deletes at most (a pass runs batches until none is left)."""
     batch_max_requests: int = Field(50_000, ge=1)
     """Most request lines in one batch input file."""
+    batch_max_embedding_inputs: int = Field(50_000, ge=1)
+    """Most embedding inputs across all the lines of one /v1/embeddings batch, as OpenAI's
+    (a string input counts 1, an array counts each of its strings or token arrays)."""
     batch_completion_window_seconds: float = Field(86_400, gt=0)
     """How long a batch may run (its `completion_window` "24h"); requests unfinished then expire."""
     batch_queue_window: int = Field(256, ge=1)
@@ -555,6 +560,10 @@ class Settings(BaseSettings):
             raise ValueError("REIN_WORKER_ENGINE_CPUS pins the worker's engine process, but "
                              "REIN_WORKER_ENGINE_PROCESS is false (the engine runs on a worker thread): "
                              "unset one of them")
+        if os.environ.get("REIN_OUTPUT_FILE_RETENTION_DAYS") is not None:
+            # Retired, not ignored: a deployment that set it would otherwise keep files 30 days unawares.
+            raise ValueError("REIN_OUTPUT_FILE_RETENTION_DAYS was replaced by REIN_BATCH_FILE_EXPIRY_SECONDS "
+                             "(seconds, for every batch file; 0: never): set that instead and unset it")
         return self
 
     @property

@@ -7,9 +7,12 @@ Three things expire, each after its own setting (days; 0 or unset: kept for good
   produced, which is also what a job's event stream replays from Postgres), after
   REIN_RESULT_RETENTION_DAYS (30, as OpenAI keeps batch outputs): the job row stays, with
   its status, timings and usage, and answers without a `response` from then on;
-* batch output and error files (purpose `batch_output`: the row and the bytes in the file
-  store), after REIN_OUTPUT_FILE_RETENTION_DAYS (30); the batch still names them, and they
-  answer 404 like a deleted file;
+* files (uploads and batch output and error files: the row and the bytes in the file store)
+  once their `expires_at` has passed (rein.batches.expiry: OpenAI's `expires_after` and
+  `output_expires_after`, else REIN_BATCH_FILE_EXPIRY_SECONDS, 30 days); a batch still names
+  them, and they answer 404 like a deleted file. The input file of a batch that has not
+  ended is kept until the batch ends (the first sweep after deletes it): the batch manager
+  reads it while validating, and a batch's input file is the record of what it ran;
 * usage rows, after REIN_USAGE_RETENTION_DAYS (400: usage is accounting, kept over a year
   so a year's invoices can be checked against it).
 
@@ -39,11 +42,13 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.store.filestore import FileStore
-from rein.store.tables import File, Job, Result, Usage
+from rein.store.tables import Batch, File, Job, Result, Usage
 
 log = logging.getLogger(__name__)
 
 OUTPUT_PURPOSE = "batch_output"
+# A batch in these statuses may still read its input file, which the sweep then keeps.
+UNFINISHED_BATCH_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 # A pass stops after this many batches of one kind, so one pass never runs for long; the
 # next pass goes on where it stopped.
 MAX_BATCHES_PER_PASS = 100
@@ -99,9 +104,7 @@ def expire_once(settings: Any, sessions: sessionmaker[Session], store: FileStore
     cutoff = _cutoff(settings.result_retention_days, now)
     if cutoff is not None:
         results = _in_batches(sessions, batch, lambda session: _delete_results(session, cutoff, batch))
-    cutoff = _cutoff(settings.output_file_retention_days, now)
-    if cutoff is not None:
-        files = _in_batches(sessions, batch, lambda session: _delete_output_files(session, store, cutoff, batch))
+    files = _in_batches(sessions, batch, lambda session: _delete_expired_files(session, store, now, batch))
     cutoff = _cutoff(settings.usage_retention_days, now)
     if cutoff is not None:
         usage = _in_batches(sessions, batch, lambda session: _delete_usage(session, cutoff, batch))
@@ -133,10 +136,12 @@ def _delete_usage(session: Session, cutoff: datetime, batch: int) -> int:
                                .returning(Usage.id)).all())
 
 
-def _delete_output_files(session: Session, store: FileStore, cutoff: datetime, batch: int) -> int:
+def _delete_expired_files(session: Session, store: FileStore, now: datetime, batch: int) -> int:
+    read_by_a_batch = (select(Batch.id).where(Batch.input_file_id == File.id, Batch.tenant == File.tenant,
+                                              Batch.status.in_(UNFINISHED_BATCH_STATUSES)).exists())
     ids = list(session.scalars(
-        select(File.id).where(File.purpose == OUTPUT_PURPOSE, File.created_at < cutoff).limit(batch)
-        .with_for_update(skip_locked=True)))
+        select(File.id).where(File.expires_at <= now, ~read_by_a_batch).limit(batch)
+        .with_for_update(of=File, skip_locked=True)))
     for file_id in ids:
         store.delete(file_id)       # before the commit: a failed commit leaves the row to retry
     if ids:
@@ -176,5 +181,5 @@ class RetentionLoop:
                 log.exception("retention pass failed")
                 continue
             if report.changed:
-                log.info("retention: %d job results, %d output files and %d usage rows expired",
+                log.info("retention: %d job results, %d files and %d usage rows expired",
                          report.results, report.files, report.usage)

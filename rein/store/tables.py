@@ -278,13 +278,15 @@ class File(Base):
     """batch (uploaded input) or batch_output (a batch's output or error file)."""
     bytes: Mapped[int] = mapped_column(BigInteger())
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    expires_at: Mapped[datetime | None]
+    """When the expiry sweep deletes the file (rein.jobs.retention); None: kept until deleted."""
 
     __table_args__ = (
         CheckConstraint(_in("purpose", FILE_PURPOSES), name="purpose_valid"),
         CheckConstraint("bytes >= 0", name="bytes_nonnegative"),
         Index("ix_files_tenant_created_at", "tenant", "created_at", "id"),
-        # Retention's oldest output and error files first (rein.jobs.retention).
-        Index("ix_files_output_created_at", "created_at", postgresql_where=text("purpose = 'batch_output'")),
+        # The expiry sweep's files past their expires_at (rein.jobs.retention).
+        Index("ix_files_expires_at", "expires_at", postgresql_where=text("expires_at IS NOT NULL")),
     )
 
 
@@ -318,6 +320,9 @@ class Batch(Base):
     metadata_: Mapped[dict[str, Any]] = mapped_column("metadata", server_default=text("'{}'::jsonb"))
     output_file_id: Mapped[str | None]
     error_file_id: Mapped[str | None]
+    output_expires_after_seconds: Mapped[int | None]
+    """The output and error files expire this long after they are written (the batch's
+    `output_expires_after`, else REIN_BATCH_FILE_EXPIRY_SECONDS); None: they are kept."""
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     expires_at: Mapped[datetime]
     in_progress_at: Mapped[datetime | None]

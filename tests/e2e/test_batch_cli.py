@@ -1,5 +1,9 @@
-"""End to end: `rein batch submit|status|cancel` (a subprocess, as a user runs it) against
+"""End to end: `rein batch submit|status|list|cancel` (a subprocess, as a user runs it) against
 `rein api` and `rein worker` subprocesses on a tiny model (see e2e_support).
+
+Through a flaky proxy in front of the API (a real HTTP server in the test), a 503 on each kind
+of call and an API that is gone for longer than the client's retries: the command still
+succeeds (the official openai client retries; `--wait` keeps polling through the outage).
 
 The CLI finds the API through REIN_API_HOST/REIN_API_PORT (the harness's environment) and
 its key through REIN_API_KEY or --api-key; the tests check both, and that each way of
@@ -11,9 +15,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import threading
+import time
+from collections import Counter
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
+import httpx
 import pytest
 from e2e_support import MODEL, REIN, REPO, Service, run_service
 from support import free_port, wait_for
@@ -182,3 +191,146 @@ def test_missing_file_and_missing_key(service: Service, tmp_path: Path) -> None:
 def test_unknown_batch(service: Service) -> None:
     done = rein_batch(service, "status", "batch_doesnotexist", key=service.keys["a"])
     assert done.returncode == 2 and "404" in done.stderr, done.stderr
+
+
+# -- a flaky API: 503s and an outage -----------------------------------------------------------
+
+
+class FlakyProxy:
+    """A real HTTP server forwarding to the API, that answers 503 (rein's body, Retry-After: 1)
+    to the first request matching each of `fail_once` ("METHOD /path-prefix"), and can be
+    taken down (connections refused) and brought back on the same port."""
+
+    def __init__(self, upstream: str, fail_once: list[str]) -> None:
+        self.upstream = upstream
+        self.pending = list(fail_once)
+        self.failed: Counter[str] = Counter()
+        self.seen: Counter[str] = Counter()
+        self.lock = threading.Lock()
+        self.port = free_port()
+        self.server: ThreadingHTTPServer | None = None
+        self.http = httpx.Client(base_url=upstream, timeout=60)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> FlakyProxy:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args) -> None:
+                pass
+
+            def forward(self) -> None:
+                path = self.path.split("?")[0]
+                call = f"{self.command} {path}"
+                with proxy.lock:
+                    proxy.seen[call] += 1
+                    rule = next((r for r in proxy.pending if call.startswith(r)), None)
+                    if rule is not None:
+                        proxy.pending.remove(rule)
+                        proxy.failed[rule] += 1
+                body = self.rfile.read(int(self.headers.get("content-length") or 0))
+                if rule is not None:
+                    self.reply(503, {"content-type": "application/json", "retry-after": "1"}, json.dumps(
+                        {"error": {"message": "The database of this service is unavailable right now",
+                                   "type": "server_error", "param": None, "code": "database_unavailable"}}
+                    ).encode())
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in ("host", "content-length")}
+                answer = proxy.http.request(self.command, self.path, headers=headers, content=body)
+                self.reply(answer.status_code, {k: v for k, v in answer.headers.items()
+                                                if k.lower() in ("content-type", "retry-after")}, answer.content)
+
+            def reply(self, status: int, headers: dict[str, str], body: bytes) -> None:
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_DELETE = forward
+
+        ThreadingHTTPServer.allow_reuse_address = True
+        self.server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
+
+
+def test_submit_wait_succeeds_through_a_503_on_every_call(service: Service, tmp_path: Path) -> None:
+    ids = write_input(tmp_path / "in.jsonl", 6)
+    proxy = FlakyProxy(service.base_url, ["POST /v1/files", "POST /v1/batches", "GET /v1/batches/",
+                                          "GET /v1/files/"]).start()
+    try:
+        out = tmp_path / "out.jsonl"
+        done = rein_batch(service, "submit", str(tmp_path / "in.jsonl"), "--endpoint", "/v1/completions",
+                          "--wait", "--no-progress", "--poll-interval", "0.2", "-o", str(out),
+                          "--base-url", proxy.url, key=service.keys["a"])
+        assert done.returncode == 0, done.stderr
+        # Each kind of call met its 503 once, and was answered on the client's retry.
+        assert proxy.failed == Counter({"POST /v1/files": 1, "POST /v1/batches": 1, "GET /v1/batches/": 1,
+                                        "GET /v1/files/": 1}), proxy.failed
+        assert proxy.seen["POST /v1/files"] == 2 and proxy.seen["POST /v1/batches"] == 2
+        assert sorted(line["custom_id"] for line in read_jsonl(out)) == sorted(ids)
+        # (one upload and one batch: the retried calls did not make two of either)
+        listed = rein_batch(service, "list", "--json", "--limit", "1", "--base-url", proxy.url,
+                            key=service.keys["a"])
+        assert listed.returncode == 0, listed.stderr
+        [newest] = [json.loads(x) for x in listed.stdout.splitlines()]
+        assert newest["id"] == done.stdout.strip().splitlines()[-1] and newest["status"] == "completed"
+    finally:
+        proxy.stop()
+
+
+def test_wait_survives_an_api_outage_longer_than_the_retries(service: Service, tmp_path: Path) -> None:
+    ids = write_input(tmp_path / "in.jsonl", 4)
+    proxy = FlakyProxy(service.base_url, []).start()
+    out = tmp_path / "out.jsonl"
+    env = service.env | {"REIN_API_KEY": service.keys["b"]}
+    waiting = subprocess.Popen([*REIN, "batch", "submit", str(tmp_path / "in.jsonl"), "--endpoint",
+                                "/v1/completions", "--wait", "--no-progress", "--poll-interval", "0.2", "-o",
+                                str(out), "--base-url", proxy.url], env=env, cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        batch_id = waiting.stdout.readline().strip()
+        assert batch_id.startswith("batch"), batch_id
+        proxy.stop()               # the API is gone: connections refused ...
+        time.sleep(15)             # ... for longer than the client's own retries (~8 s)
+        proxy.start()
+        stdout, stderr = waiting.communicate(timeout=CLI_TIMEOUT)
+    finally:
+        proxy.stop()
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+    assert waiting.returncode == 0, stderr
+    assert "rein is unavailable" in stderr and "asking again" in stderr, stderr
+    assert sorted(line["custom_id"] for line in read_jsonl(out)) == sorted(ids)
+
+
+def test_wait_gives_up_after_max_outage(service: Service, tmp_path: Path) -> None:
+    write_input(tmp_path / "in.jsonl", 1)
+    proxy = FlakyProxy(service.base_url, []).start()
+    env = service.env | {"REIN_API_KEY": service.keys["b"]}
+    waiting = subprocess.Popen([*REIN, "batch", "submit", str(tmp_path / "in.jsonl"), "--endpoint",
+                                "/v1/completions", "--wait", "--no-progress", "--poll-interval", "0.2",
+                                "--max-outage", "2", "--base-url", proxy.url], env=env, cwd=REPO,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        batch_id = waiting.stdout.readline().strip()
+        proxy.stop()
+        stdout, stderr = waiting.communicate(timeout=CLI_TIMEOUT)
+    finally:
+        if waiting.poll() is None:
+            waiting.kill()
+            waiting.wait()
+    assert waiting.returncode == 2, stderr
+    assert "--max-outage 2" in stderr and f"rein batch status {batch_id}" in stderr, stderr

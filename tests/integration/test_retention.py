@@ -1,7 +1,7 @@
-"""Retention (rein.jobs.retention): job results, batch output and error files and usage rows
-expire after their settings, in bounded batches, idempotently and safely from several
-processes at once; and what a tenant stores (results and output files included) is what its
-storage quota counts."""
+"""Retention (rein.jobs.retention): job results and usage rows expire after their settings and
+files at their expires_at (the input file of a batch still running kept), in bounded batches,
+idempotently and safely from several processes at once; and what a tenant stores (results and
+output files included) is what its storage quota counts."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from sqlalchemy import func, select
 
 from rein.jobs.retention import RetentionLoop, expire_once, stored_bytes
 from rein.store.filestore import LocalFileStore
-from rein.store.tables import File, Job, Result, Usage, new_file_id
+from rein.store.tables import Batch, File, Job, Result, Usage, new_file_id
 
 # Now: the other tests' rows (the database is shared) are fresh, only this module's are aged.
 NOW = datetime.now(UTC)
@@ -38,12 +38,16 @@ def _finished_job(db_sessionmaker, make_job, age_days: float, text: str = "an an
     return job_id
 
 
-def _output_file(db_sessionmaker, store, tenant: str, key_id: str, age_days: float, size: int = 10) -> str:
+def _output_file(db_sessionmaker, store, tenant: str, key_id: str, age_days: float, size: int = 10,
+                 expiry_days: float | None = 7, purpose: str = "batch_output") -> str:
+    """A file `age_days` old that expires `expiry_days` after its creation (None: never)."""
     file_id = new_file_id()
     store.save(file_id, [b"x" * size])
+    created = NOW - timedelta(days=age_days)
     with db_sessionmaker.begin() as session:
-        session.add(File(id=file_id, tenant=tenant, key_id=key_id, filename="out.jsonl", purpose="batch_output",
-                         bytes=size, created_at=NOW - timedelta(days=age_days)))
+        session.add(File(id=file_id, tenant=tenant, key_id=key_id, filename="out.jsonl", purpose=purpose,
+                         bytes=size, created_at=created,
+                         expires_at=None if expiry_days is None else created + timedelta(days=expiry_days)))
     return file_id
 
 
@@ -65,8 +69,7 @@ def _key_of(db_sessionmaker, job_id: str) -> str:
 
 def test_results_files_and_usage_expire_after_their_retention(make_settings, db_sessionmaker, make_job, tenant,
                                                                store):
-    settings = make_settings(result_retention_days=30, output_file_retention_days=7, usage_retention_days=400,
-                             retention_batch=2)
+    settings = make_settings(result_retention_days=30, usage_retention_days=400, retention_batch=2)
     old = [_finished_job(db_sessionmaker, make_job, 31) for _ in range(5)]      # three batches of 2
     ancient = _finished_job(db_sessionmaker, make_job, 401)
     recent = _finished_job(db_sessionmaker, make_job, 29)
@@ -94,9 +97,10 @@ def test_results_files_and_usage_expire_after_their_retention(make_settings, db_
 
 
 def test_zero_or_unset_keeps_everything(make_settings, db_sessionmaker, make_job, tenant, store):
-    settings = make_settings(result_retention_days=0, output_file_retention_days=None, usage_retention_days=0)
+    settings = make_settings(result_retention_days=0, usage_retention_days=0)
     job_id = _finished_job(db_sessionmaker, make_job, 5000)
-    file_id = _output_file(db_sessionmaker, store, tenant, _key_of(db_sessionmaker, job_id), 5000)
+    file_id = _output_file(db_sessionmaker, store, tenant, _key_of(db_sessionmaker, job_id), 5000,
+                           expiry_days=None)
     assert not expire_once(settings, db_sessionmaker, store, now=NOW).changed
     with db_sessionmaker() as session:
         assert session.get(Result, job_id) is not None and session.get(File, file_id) is not None
@@ -105,8 +109,7 @@ def test_zero_or_unset_keeps_everything(make_settings, db_sessionmaker, make_job
 
 def test_passes_at_once_from_several_processes_delete_each_row_once(make_settings, db_sessionmaker, make_job,
                                                                      tenant, store):
-    settings = make_settings(result_retention_days=30, output_file_retention_days=30, usage_retention_days=0,
-                             retention_batch=3)
+    settings = make_settings(result_retention_days=30, usage_retention_days=0, retention_batch=3)
     jobs = [_finished_job(db_sessionmaker, make_job, 40) for _ in range(12)]
     key_id = _key_of(db_sessionmaker, jobs[0])
     files = [_output_file(db_sessionmaker, store, tenant, key_id, 40) for _ in range(9)]
@@ -149,8 +152,7 @@ def test_stored_bytes_count_uploads_outputs_and_results(db_sessionmaker, make_jo
 
 
 def test_retention_loop_runs_in_the_background(make_settings, db_sessionmaker, make_job, store):
-    settings = make_settings(result_retention_days=1, output_file_retention_days=0, usage_retention_days=0,
-                             retention_interval_seconds=0.05)
+    settings = make_settings(result_retention_days=1, usage_retention_days=0, retention_interval_seconds=0.05)
     job_id = _finished_job(db_sessionmaker, make_job, 3)
     loop = RetentionLoop(settings, db_sessionmaker, store).start()
     try:
@@ -164,3 +166,29 @@ def test_retention_loop_runs_in_the_background(make_settings, db_sessionmaker, m
             assert session.get(Result, job_id) is None
     finally:
         loop.stop()
+
+
+def test_an_unfinished_batch_keeps_its_expired_input_file(make_settings, db_sessionmaker, make_job, tenant, store):
+    """An upload past its expires_at is deleted, unless a batch that has not ended reads it:
+    that one goes with the first sweep after the batch ends."""
+    settings = make_settings(result_retention_days=0, usage_retention_days=0)
+    key_id = _key_of(db_sessionmaker, make_job().job_id)
+    loose = _output_file(db_sessionmaker, store, tenant, key_id, 2, expiry_days=1, purpose="batch")
+    held = _output_file(db_sessionmaker, store, tenant, key_id, 2, expiry_days=1, purpose="batch")
+    with db_sessionmaker.begin() as session:
+        batch = Batch(tenant=tenant, key_id=key_id, endpoint="/v1/completions", input_file_id=held,
+                      completion_window="24h", status="in_progress", expires_at=NOW + timedelta(days=1))
+        session.add(batch)
+        session.flush()
+        batch_id = batch.id
+    expire_once(settings, db_sessionmaker, store, now=NOW)
+    with db_sessionmaker() as session:
+        assert session.get(File, loose) is None and session.get(File, held) is not None
+    assert not store.path(loose).exists() and store.path(held).exists()
+
+    with db_sessionmaker.begin() as session:
+        session.get(Batch, batch_id).status = "completed"
+    expire_once(settings, db_sessionmaker, store, now=NOW)
+    with db_sessionmaker() as session:
+        assert session.get(File, held) is None
+    assert not store.path(held).exists()

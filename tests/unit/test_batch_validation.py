@@ -181,3 +181,25 @@ def test_run_batch_answers_a_line_past_the_cap_with_an_error_line(tiny_models, t
     assert error["error"]["code"] == "line_too_large" and error["custom_id"] is None
     assert error["error"]["message"].startswith(f"line 2: the line is {len(long_line)} bytes")
     assert (summary.requests_ok, summary.requests_failed) == (2, 1)
+
+
+def embed(custom_id: str, given) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/embeddings", "body": {"model": "emb", "input": given}}
+
+
+@pytest.mark.parametrize(("cap", "failing_line"), [(7, None), (6, 4), (4, 3), (3, 2), (None, None)])
+def test_embedding_inputs_are_counted_across_lines_and_capped(tiny_models, cap, failing_line):
+    """OpenAI's count: a string is 1 input, a list of strings or of token-id lists one per item, a
+    single token-id list 1. Past the cap the batch fails at the line that passed it."""
+    registry = ModelRegistry.load(Settings(models=f"emb={tiny_models('qwen3', embedding='last')}@256"))
+    lines = raw(embed("a", "x"), embed("b", ["a", "b", "c"]), embed("c", [1, 2, 3]), embed("d", [[1, 2], [3]]))
+    handed = []
+    result = validate_lines(lines, "/v1/embeddings", registry, 10, on_valid=handed.append,
+                            max_embedding_inputs=cap)
+    if failing_line is None:
+        assert result.ok and result.embedding_inputs == 7 and len(handed) == 4
+        return
+    [error] = result.errors
+    assert (error["code"], error["line"], error["param"]) == ("too_many_embedding_inputs", failing_line, "body.input")
+    assert str(cap) in error["message"] and "REIN_BATCH_MAX_EMBEDDING_INPUTS" in error["message"]
+    assert len(handed) == failing_line - 1

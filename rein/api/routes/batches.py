@@ -6,7 +6,9 @@ Creating a batch only records it (status `validating`); the batch manager
 (rein.batches.manager) validates every line, enqueues and finalizes. A batch counts as one
 request against the key's RPM when created; its lines are not counted against RPM or TPM
 (they run at batch priority in the capacity interactive traffic leaves, and the manager's
-queue window keeps them from filling the queue), but every token they use is in usage.
+queue window keeps them from filling the queue), but every token they use is in usage. A
+tenant whose storage is at its quota (REIN_MAX_TENANT_FILE_BYTES) starts no batch: its output
+and error files would add to it (413 storage_quota_exceeded).
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from rein.api.checked_route import CheckedRoute
 from rein.api.conventions import set_response_headers
 from rein.api.deps import RedisDep, SessionDep, SessionsDep, SettingsDep
 from rein.api.jobs import check_metadata
-from rein.api.routes.files import BatchKey, download_response
+from rein.api.routes.files import BatchKey, download_response, over_quota
 from rein.api.schemas import ErrorResponse
 from rein.batches.batch_jobs import drop_batch_jobs
+from rein.batches.expiry import default_expiry_seconds
 from rein.batches.locks import lock_batch_waiting
 from rein.batches.repository import (
     batch_public,
@@ -42,6 +45,7 @@ from rein.batches.schemas import (
 )
 from rein.jobs.errors import APIError
 from rein.jobs.ratelimit import RateLimitExceeded
+from rein.jobs.retention import stored_bytes
 from rein.store.keys import KeyInfo
 from rein.store.redis_keys import RedisKeys
 from rein.store.tables import Batch
@@ -69,6 +73,12 @@ def create_batch(payload: BatchCreate, request: Request, session: SessionDep, ke
     if file.purpose != "batch":
         raise APIError(400, f"File {file.id} has purpose '{file.purpose}'; a batch needs a file uploaded "
                             "with purpose 'batch'.", param="input_file_id", code="invalid_value")
+    # Its output and error files count toward the tenant's storage: none starts on a full quota
+    # (else batches over one input file could grow it without end).
+    used, quota = stored_bytes(session, key.tenant), settings.max_tenant_file_bytes
+    if used.total >= quota:
+        raise over_quota(used, quota, this="A new batch (its output and error files count toward your storage)",
+                         param="input_file_id")
     try:
         limits = request.app.state.limiter.check(key, 0)     # one request against RPM, no tokens
     except RateLimitExceeded as exc:
@@ -76,8 +86,12 @@ def create_batch(payload: BatchCreate, request: Request, session: SessionDep, ke
                        headers=exc.headers()) from None
     if limits is not None:
         set_response_headers(request, limits.headers())
+    # The output files' expiry is fixed now, so a later change of the default leaves this batch's as promised.
+    output_expiry = (payload.output_expires_after.seconds if payload.output_expires_after is not None
+                     else default_expiry_seconds(settings))
     batch = Batch(tenant=key.tenant, key_id=key.key_id, endpoint=payload.endpoint, input_file_id=file.id,
                   completion_window=payload.completion_window, metadata_=dict(payload.metadata or {}),
+                  output_expires_after_seconds=output_expiry,
                   expires_at=func.now() + timedelta(seconds=settings.batch_completion_window_seconds))
     session.add(batch)
     session.commit()

@@ -13,7 +13,7 @@ back chunk by chunk.
 The quota counts everything the tenant stores (rein.jobs.retention.stored_bytes): its uploads,
 the output and error files its batches generated and its stored job results. A batch writes
 its results whatever the quota (they count toward the next upload); what is past its
-retention expires (rein.jobs.retention).
+retention or its `expires_at` is deleted (rein.jobs.retention, rein.batches.expiry).
 """
 
 from __future__ import annotations
@@ -31,7 +31,19 @@ from rein.api.checked_route import CheckedRoute
 from rein.api.deps import SessionDep, SessionsDep, SettingsDep, require_scope
 from rein.api.multipart_upload import receive_upload
 from rein.api.schemas import ErrorResponse
-from rein.batches.repository import file_public, get_file_for_tenant, list_for_tenant
+from rein.batches.expiry import (
+    MAX_EXPIRY_SECONDS,
+    MIN_EXPIRY_SECONDS,
+    default_expiry_seconds,
+    expires_after_from_form,
+    expires_at_after,
+)
+from rein.batches.repository import (
+    file_not_expired,
+    file_public,
+    get_file_for_tenant,
+    list_for_tenant,
+)
 from rein.batches.schemas import FileDeleted, FileList, FileObject
 from rein.core.input_checks import text_problem
 from rein.jobs.errors import APIError
@@ -68,16 +80,18 @@ def _too_large(limit: int) -> APIError:
                     param="file", code="file_too_large")
 
 
-def _over_quota(used: StoredBytes, quota: int, size: int | None = None) -> APIError:
-    this = "This upload" if size is None else f"This file of {size} bytes"
+def over_quota(used: StoredBytes, quota: int, size: int | None = None, this: str | None = None,
+               param: str = "file") -> APIError:
+    """413 `storage_quota_exceeded`, saying what the tenant stores (for an upload, or `this`)."""
+    this = this or ("This upload" if size is None else f"This file of {size} bytes")
     return APIError(413, f"{this} would take your storage past its quota of {quota} bytes ({quota / 2**30:.1f} "
                          f"GiB, REIN_MAX_TENANT_FILE_BYTES): {used.total} bytes are stored ({used.uploads} in "
                          f"uploaded files, {used.outputs} in batch output and error files, {used.results} in "
                          f"job results), so at most {max(quota - used.total, 0)} more bytes fit. Delete files "
                          "you no longer need with DELETE /v1/files/{file_id} (GET /v1/files lists them, output "
-                         "files included); results and output files also expire after this deployment's "
-                         "retention (REIN_RESULT_RETENTION_DAYS, REIN_OUTPUT_FILE_RETENTION_DAYS).",
-                    param="file", code="storage_quota_exceeded")
+                         "files included); results expire after this deployment's retention "
+                         "(REIN_RESULT_RETENTION_DAYS) and files at their expires_at.",
+                    param=param, code="storage_quota_exceeded")
 
 
 def _used_bytes(sessions: sessionmaker[Session], tenant: str) -> StoredBytes:
@@ -99,8 +113,10 @@ def _insert_within_quota(sessions: sessionmaker[Session], row: File, quota: int)
                                                           func.hashtext(row.tenant))))
         used = stored_bytes(session, row.tenant)
         if used.total + row.bytes > quota:
-            raise _over_quota(used, quota, row.bytes)
+            raise over_quota(used, quota, row.bytes)
         session.add(row)
+        session.flush()
+        session.refresh(row)        # expires_at, computed by Postgres from the row's created_at
     return row
 
 
@@ -109,20 +125,25 @@ def _insert_within_quota(sessions: sessionmaker[Session], row: File, quota: int)
              openapi_extra={"requestBody": {"required": True, "content": {"multipart/form-data": {"schema": {
                  "type": "object", "required": ["file", "purpose"],
                  "properties": {"file": {"type": "string", "format": "binary"},
-                                "purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)}}}}}}})
+                                "purpose": {"type": "string", "enum": list(UPLOAD_PURPOSES)},
+                                "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
+                                "expires_after[seconds]": {"type": "integer", "minimum": MIN_EXPIRY_SECONDS,
+                                                           "maximum": MAX_EXPIRY_SECONDS}}}}}}})
 async def upload_file(request: Request, key: BatchKey, sessions: SessionsDep, settings: SettingsDep,
                       store: FileStoreDep) -> FileObject:
-    """Upload a JSONL batch input file (multipart fields `file` and `purpose=batch`)."""
+    """Upload a JSONL batch input file (multipart fields `file` and `purpose=batch`; optionally
+    `expires_after[anchor]=created_at` and `expires_after[seconds]`, else it expires after
+    REIN_BATCH_FILE_EXPIRY_SECONDS)."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
         raise APIError(400, "Upload the file as multipart/form-data with the fields `file` and `purpose`.",
                        param="file", code="invalid_value")
     max_file, quota = settings.max_file_bytes, settings.max_tenant_file_bytes
     used = await run_in_threadpool(_used_bytes, sessions, key.tenant)
     if used.total >= quota:
-        raise _over_quota(used, quota)
+        raise over_quota(used, quota)
     # This upload's room: the file limit, or what is left of the quota when that is less.
     limit = min(max_file, quota - used.total)
-    refusal = _too_large(max_file) if limit == max_file else _over_quota(used, quota)
+    refusal = _too_large(max_file) if limit == max_file else over_quota(used, quota)
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit + MULTIPART_OVERHEAD_BYTES:
         raise refusal
@@ -141,6 +162,9 @@ async def upload_file(request: Request, key: BatchKey, sessions: SessionsDep, se
         if upload.file is None:
             raise APIError(400, "'file' is a required multipart field holding the file's contents",
                            param="file", code="invalid_value")
+        expiry = expires_after_from_form(upload.fields)
+        if expiry is None:
+            expiry = default_expiry_seconds(settings)
         filename = upload.filename or "upload.jsonl"
         problem = text_problem(filename)
         if problem is not None:
@@ -148,7 +172,7 @@ async def upload_file(request: Request, key: BatchKey, sessions: SessionsDep, se
         await run_in_threadpool(upload.file.commit)
         committed = True
         row = File(id=file_id, tenant=key.tenant, key_id=key.key_id, purpose=purpose, bytes=upload.size,
-                   filename=filename[:255])
+                   filename=filename[:255], expires_at=expires_at_after(expiry))
         return file_public(await run_in_threadpool(_insert_within_quota, sessions, row, quota))
     except BaseException:
         if upload.file is not None:
@@ -168,7 +192,7 @@ def list_files(session: SessionDep, key: BatchKey,
                                                                           "first, the default) or asc.")] = "desc",
                ) -> FileList:
     """The caller's files, newest first unless `order=asc` (OpenAI's defaults: 10,000 a page, desc)."""
-    filters = [File.purpose == purpose] if purpose else []
+    filters = [file_not_expired(), *([File.purpose == purpose] if purpose else [])]
     files, has_more = list_for_tenant(session, File, key.tenant, limit, after, *filters, order=order)
     return FileList(data=[file_public(f) for f in files], first_id=files[0].id if files else None,
                     last_id=files[-1].id if files else None, has_more=has_more)

@@ -396,10 +396,52 @@ def test_bad_create_requests(batch_client, make_key, tenant):
     assert post(completion_window="1h").json()["error"]["param"] == "completion_window"
     assert post(metadata={f"k{i}": "v" for i in range(17)}).status_code == 400
     assert post(input_file_id="file-missing").status_code == 404
+    # Unknown fields are refused by name, as on every other endpoint (they were once dropped).
+    unknown = post(priority=1)
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "priority"
+    assert "Unrecognized request argument supplied: priority" in unknown.json()["error"]["message"]
+    too_short = post(output_expires_after={"anchor": "created_at", "seconds": 60})
+    assert too_short.status_code == 400 and too_short.json()["error"]["param"] == "output_expires_after.seconds"
+    assert "3600" in too_short.json()["error"]["message"]
+    too_long = post(output_expires_after={"anchor": "created_at", "seconds": 2_592_001})
+    assert too_long.status_code == 400 and "2592000" in too_long.json()["error"]["message"]
+    anchor = post(output_expires_after={"anchor": "completed_at", "seconds": 3600})
+    assert anchor.status_code == 400 and anchor.json()["error"]["param"] == "output_expires_after.anchor"
+    extra = post(output_expires_after={"anchor": "created_at", "seconds": 3600, "days": 1})
+    assert extra.status_code == 400 and extra.json()["error"]["param"] == "output_expires_after.days"
     response = batch_client.post("/v1/batches", headers=auth(make_key(tenant, "inference")), json={
         "input_file_id": file_id, "endpoint": "/v1/completions", "completion_window": "24h"})
     assert response.status_code == 403
     assert response.json()["error"]["message"] == "API scope is not declared: batch"
+
+
+def test_output_expires_after_sets_the_result_files_expiry(make_client, make_key, tenant, db_sessionmaker,
+                                                           fake_worker, tmp_path):
+    """output_expires_after (through the official client) applies to the output and error files,
+    counted from their creation; a batch without it gets REIN_BATCH_FILE_EXPIRY_SECONDS."""
+    from openai import OpenAI
+
+    http = make_client(files_dir=str(tmp_path / "files"), batch_file_expiry_seconds=5 * 86400, **FAST)
+    key = make_key(tenant, "batch")
+    client = OpenAI(api_key=key, base_url="http://testserver/v1", http_client=http, max_retries=0)
+
+    def run(**extra) -> dict:
+        file = client.files.create(file=("in.jsonl", jsonl(line("ok"), line("bad"))), purpose="batch")
+        assert file.expires_at == file.created_at + 5 * 86400        # input files: the default too
+        batch = client.batches.create(input_file_id=file.id, endpoint="/v1/completions", completion_window="24h",
+                                      **extra)
+        wait_status(http, key, batch.id, "in_progress")
+        jobs = batch_jobs(db_sessionmaker, batch.id)
+        fake_worker.record(jobs[0].id, "fine", [5])
+        fail_job(db_sessionmaker, jobs[1].id)
+        done = wait_status(http, key, batch.id, "completed")
+        return {kind: client.files.retrieve(done[f"{kind}_file_id"]) for kind in ("output", "error")}
+
+    asked = run(output_expires_after={"anchor": "created_at", "seconds": 7200})
+    for file in asked.values():
+        assert file.purpose == "batch_output" and file.expires_at == file.created_at + 7200
+    for file in run().values():
+        assert file.expires_at == file.created_at + 5 * 86400
 
 
 def test_list_pages(batch_client, make_key, tenant):
@@ -425,6 +467,21 @@ def test_official_openai_client(batch_client, make_key, tenant):
     assert [b.id for b in client.batches.list()] == [batch.id]
     assert client.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     wait_for(lambda: client.batches.retrieve(batch.id).status == "cancelled", 10, "cancelled")
+
+
+def test_rein_batch_list_pages_through_every_batch(batch_client, make_key, tenant):
+    """`rein batch list`'s client (the official openai client's pagination): every batch, newest
+    first, fetched a page at a time."""
+    from rein.cli.batch import BatchClient
+
+    key = make_key(tenant, "batch")
+    ids = [create(batch_client, key, jsonl(line("a")))["id"] for _ in range(5)]
+    pages = []
+    batch_client.event_hooks["request"].append(lambda request: pages.append(request.url.params.get("after")))
+    with BatchClient("http://testserver", key, http_client=batch_client) as client:
+        listed = [batch["id"] for batch in client.batches(page_size=2)]
+    assert listed == ids[::-1]
+    assert pages == [None, ids[3], ids[1]]          # three pages of 2, 2 and 1, each after the last
 
 
 def test_custom_ids_and_prompts_survive_the_bulk_copy(batch_client, make_key, tenant, db_sessionmaker):

@@ -184,6 +184,14 @@ def test_tenant_storage_quota(make_client, make_key, tenant, tmp_path, db_sessio
     full = upload(client, key, b"f")
     assert full.status_code == 413 and "at most 0 more bytes" in full.json()["error"]["message"]
 
+    # Full: no batch starts either, as its output files would add to the storage.
+    batch = client.post("/v1/batches", headers=auth(key), json={
+        "input_file_id": first.json()["id"], "endpoint": "/v1/completions", "completion_window": "24h"})
+    assert batch.status_code == 413, batch.text
+    assert batch.json()["error"]["code"] == "storage_quota_exceeded"
+    assert "A new batch (its output and error files count" in batch.json()["error"]["message"]
+    assert client.get("/v1/batches", headers=auth(key)).json()["data"] == []
+
     assert client.delete(f"/v1/files/{first.json()['id']}", headers=auth(key)).status_code == 200
     assert upload(client, key, b"g" * 100).status_code == 200        # deleting freed the room
     assert len(os.listdir(files_dir)) == 4                            # b, e, g and the other's d

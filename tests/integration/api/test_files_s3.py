@@ -77,3 +77,25 @@ def test_upload_past_the_limit_leaves_nothing_in_the_bucket(make_client, make_ke
     s3_client().delete_object(Bucket=s3_bucket, Key=f"f/{file_id}")
     missing = client.get(f"/v1/files/{file_id}/content", headers=auth(key))
     assert missing.status_code == 404 and "missing from storage" in missing.json()["error"]["message"]
+
+
+def test_an_expired_file_is_deleted_from_the_bucket(make_client, make_key, tenant, tmp_path, s3_bucket,
+                                                    db_sessionmaker):
+    """The expiry sweep of the API process deletes an expired file's object from S3, and its row."""
+    from sqlalchemy import func, update
+
+    client = make_client(files_dir=str(tmp_path / "host"), files_url=f"s3://{s3_bucket}/rein/files",
+                         retention_interval_seconds=0.1)
+    key = make_key(tenant, "batch")
+    expiring, staying = upload(client, key, jsonl(line("a"))), upload(client, key, jsonl(line("b")))
+
+    def objects() -> list[str]:
+        return sorted(item["Key"] for item in s3_client().list_objects_v2(Bucket=s3_bucket).get("Contents", []))
+
+    assert objects() == sorted([f"rein/files/{expiring}", f"rein/files/{staying}"])
+    with db_sessionmaker.begin() as session:
+        session.execute(update(File).where(File.id == expiring).values(expires_at=func.now()))
+    wait_for(lambda: objects() == [f"rein/files/{staying}"], 10, "the sweep to delete the expired object")
+    assert client.get(f"/v1/files/{expiring}", headers=auth(key)).status_code == 404
+    assert client.get(f"/v1/files/{expiring}/content", headers=auth(key)).status_code == 404
+    assert client.get(f"/v1/files/{staying}/content", headers=auth(key)).status_code == 200
