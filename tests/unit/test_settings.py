@@ -95,6 +95,12 @@ def test_other_errors_name_the_variable(monkeypatch):
                for line in lines)
 
 
+def test_a_retired_variable_is_refused_with_its_replacement(monkeypatch):
+    monkeypatch.setenv("REIN_OUTPUT_FILE_RETENTION_DAYS", "7")
+    with pytest.raises(SettingsError, match="replaced by REIN_BATCH_FILE_EXPIRY_SECONDS"):
+        load_settings()
+
+
 def test_values_and_empty_variables(monkeypatch):
     monkeypatch.setenv("REIN_DEFAULT_RPM", "")          # empty counts as unset
     monkeypatch.setenv("REIN_DEFAULT_TPM", "20000")
