@@ -212,6 +212,9 @@ class JobIntake:
         shape = parsed.shape.to_dict()
         if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.response_shape); plain jobs store none
             params["shape"] = shape
+        reasoning = getattr(parsed, "reasoning", None)
+        if reasoning is not None:   # the thinking split out of its body (rein.openai.reasoning)
+            params["reasoning"] = reasoning.to_dict()
         # A job sent at batch priority waits on the batch shard of its prefix (rein.jobs.affinity).
         shard = shard_of_prefix(prompt) if priority >= PRIORITY_BATCH and self.settings.batch_affinity else 0
         job = NewJob(id=new_job_id(), tenant=key.tenant, key_id=key.key_id, model=model, endpoint=endpoint,

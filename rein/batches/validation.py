@@ -51,6 +51,9 @@ class ValidLine:
         shape = parsed.shape.to_dict()
         if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.response_shape)
             params["shape"] = shape
+        reasoning = getattr(parsed, "reasoning", None)
+        if reasoning is not None:   # the thinking split out of its body (rein.openai.reasoning)
+            params["reasoning"] = reasoning.to_dict()
         if isinstance(parsed, ParsedEmbeddings):   # an embeddings line's inputs (rein.store.messages)
             params["input_lengths"] = parsed.input_lengths
         if self.prepared.lora is not None:   # a LoRA adapter's line (rein.jobs.adapters)

@@ -79,5 +79,6 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Pre
         parsed: ParsedRequest | ParsedEmbeddings = parse_embeddings_request(
             body, entry.tokenizer, entry.max_model_len, model_pooling(entry.directory))
     else:
-        parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults)
+        parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults,
+                               entry.reasoning)
     return Prepared(entry, endpoint, body, parsed)

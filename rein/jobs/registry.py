@@ -28,6 +28,7 @@ from rein.engine.generation_defaults import (
 from rein.jobs.adapters import AdapterCatalog, AdapterRef
 from rein.model.files import resolve_model
 from rein.model.tokenizer_files import TokenizerOptions
+from rein.openai.reasoning import ModelReasoning, ReasoningParserError, parsers_by_model
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +47,8 @@ class ModelEntry:
     directory: Path | None = None    # its files (the pooling config of /v1/embeddings)
     lora: AdapterRef | None = None
     """A LoRA adapter's entry: the adapter (its base model's tokenizer, length and defaults)."""
+    reasoning: ModelReasoning | None = None
+    """Its reasoning parser (REIN_REASONING_PARSER, rein.openai.reasoning); None: none."""
 
     @property
     def queue_model(self) -> str:
@@ -65,8 +68,12 @@ class ModelRegistry:
     def load(cls, settings: Settings) -> ModelRegistry:
         """The served models; LoRA adapters are REIN_LORA_MODULES' until `adapters` is given a
         catalog that also reads Postgres (the API's)."""
+        try:
+            parsers = parsers_by_model(settings.reasoning_parser, [model.name for model in settings.models])
+        except ReasoningParserError as exc:
+            raise ModelLoadError(str(exc)) from None
         return cls([load_model(model, settings.generation_config, settings.max_model_len,
-                               TokenizerOptions.of(settings), settings.revision)
+                               TokenizerOptions.of(settings), settings.revision, parsers.get(model.name))
                     for model in settings.models], AdapterCatalog.from_settings(settings))
 
     def get(self, name: str) -> ModelEntry | None:
@@ -89,9 +96,11 @@ class ModelRegistry:
 
 
 def load_model(model: ServedModel, generation_config: str = "auto", max_model_len: int | None = None,
-               tokenizer_options: TokenizerOptions | None = None, revision: str | None = None) -> ModelEntry:
+               tokenizer_options: TokenizerOptions | None = None, revision: str | None = None,
+               reasoning_parser: str | None = None) -> ModelEntry:
     """`max_model_len`: REIN_MAX_MODEL_LEN (the entry's @N comes first); `tokenizer_options` (default:
-    the model's tokenizer as it is) and `revision`: REIN_TOKENIZER and the rest, REIN_REVISION."""
+    the model's tokenizer as it is) and `revision`: REIN_TOKENIZER and the rest, REIN_REVISION;
+    `reasoning_parser`: its parser's name (REIN_REASONING_PARSER), None: none."""
     tokenizer_options = tokenizer_options or TokenizerOptions()
     try:
         files = resolve_model(model.source, weights=False, revision=revision)
@@ -113,7 +122,14 @@ def load_model(model: ServedModel, generation_config: str = "auto", max_model_le
              ", chat template from --chat-template" if tokenizer_options.chat_template is not None else "",
              max_model_len)
     log.info("generation defaults for model %s: %s", model.name, defaults.describe())
-    return ModelEntry(model.name, model.source, tokenizer, max_model_len, defaults, directory)
+    reasoning = None
+    if reasoning_parser is not None:
+        try:
+            reasoning = ModelReasoning.of(reasoning_parser, tokenizer, f"model {model.name!r}")
+        except ReasoningParserError as exc:
+            raise ModelLoadError(str(exc)) from None
+        log.info("model %s: reasoning parser %s", model.name, reasoning_parser)
+    return ModelEntry(model.name, model.source, tokenizer, max_model_len, defaults, directory, reasoning=reasoning)
 
 
 def _config_max_len(directory: Path) -> int | None:

@@ -6,6 +6,7 @@ from typing import Any
 
 from rein.openai.embeddings import job_embeddings_body
 from rein.openai.endpoints import EMBEDDINGS
+from rein.openai.reasoning import Reasoning, apply_reasoning
 from rein.openai.response import build_response
 from rein.openai.tools import apply_tool_calls
 from rein.store.tables import Job, Result
@@ -27,7 +28,10 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
     body["choices"][0]["logprobs"] = result.logprobs
     if result.response:   # n > 1, echo, prompt logprobs: the choices and usage the worker built
         body.update(result.response)
-    return apply_tool_calls(body, (job.params or {}).get("body"))   # tool calls out of the text (rein.openai.tools)
+    params = job.params or {}
+    # The thinking split out of the answer first: tool calls are parsed from what follows it.
+    body = apply_reasoning(body, Reasoning.from_dict(params.get("reasoning")), [list(result.token_ids)])
+    return apply_tool_calls(body, params.get("body"))   # tool calls out of the text (rein.openai.tools)
 
 
 def response_logprobs(endpoint: str, logprobs: list[Any] | None, tokenizer: Any,

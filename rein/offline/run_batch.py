@@ -56,6 +56,7 @@ from rein.openai.choices_response import full_response
 from rein.openai.endpoints import EMBEDDINGS
 from rein.openai.engine_errors import request_error
 from rein.openai.errors import RequestError
+from rein.openai.reasoning import ModelReasoning, apply_reasoning, parsers_by_model
 from rein.openai.request import ParsedRequest, parse_request
 from rein.openai.response import build_response
 from rein.openai.tools import apply_tool_calls
@@ -183,6 +184,9 @@ class BatchRun:
             raise ValueError(f"order {order!r}: want one of {', '.join(ORDERS)}")
         self.engine = engine
         self.model_name = model_name
+        # --reasoning-parser (ReasoningParserError, a ValueError, for a bad name or a model without its tags).
+        parser = parsers_by_model(engine.config.reasoning_parser, [model_name]).get(model_name)
+        self.reasoning = ModelReasoning.of(parser, engine.tokenizer, f"model {model_name!r}") if parser else None
         # Lines whose model names a LoRA adapter run under it (name -> LoRARequest).
         self.adapters = adapters or {}
         self.max_in_flight = max(1, max_in_flight)
@@ -234,7 +238,7 @@ class BatchRun:
             return _ReadLine(line_number, batch_line, None)
         try:
             parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer, self.engine.max_model_len,
-                                   self.generation_defaults)
+                                   self.generation_defaults, self.reasoning)
         except RequestError as exc:
             self.fail(custom_id, line_number, exc.code, exc.message)
             return None
@@ -278,6 +282,8 @@ class BatchRun:
             body = full_response(pending.endpoint, done.request_id, pending.model_name, done,
                                  parsed.prompt_token_ids, self.engine.tokenizer, parsed.logprobs_mode, parsed.shape,
                                  int(time.time()))
+        # The thinking split out first (rein.openai.reasoning): tool calls come from what follows it.
+        body = apply_reasoning(body, parsed.reasoning, [c.token_ids for c in done.ordered()])
         body = apply_tool_calls(body, pending.request_body)
         self.answer(pending.custom_id, done.request_id, body, prompt_tokens, done.completion_tokens)
 

@@ -60,6 +60,7 @@ from rein.jobs.registry import ModelEntry
 from rein.jobs.results import response_body
 from rein.openai.choices_response import full_response
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
+from rein.openai.reasoning import Reasoning, apply_reasoning
 from rein.openai.response import build_response
 from rein.openai.response_shape import ResponseShape
 from rein.openai.tools import apply_tool_calls
@@ -161,7 +162,7 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
             openai_chunk_stream(events, endpoint=endpoint, job_id=job.id, model=job.model,
                                 prompt_tokens=job.prompt_tokens,
                                 include_usage=bool(options.get("include_usage")), n=shape.n, echo=shape.echo,
-                                request_body=body),
+                                request_body=body, reasoning=Reasoning.from_dict((job.params or {}).get("reasoning"))),
             release, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             on_abandon=lambda: _abandon_in_background(request, key, job.id))
 
@@ -203,6 +204,8 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
             choice.finish_reason = choice.finish_reason or final.data.get("finish_reason")
         response = full_response(endpoint, job.id, job.model, gathered, list(job.prompt_token_ids), tokenizer,
                                  None, shape)
+    reasoning = Reasoning.from_dict((job.params or {}).get("reasoning"))
+    response = apply_reasoning(response, reasoning, [gathered.choice(i).token_ids for i in sorted(gathered.choices)])
     # A JSONResponse as the stored answer is: the response model would add `tool_calls: null`.
     return JSONResponse(apply_tool_calls(response, body))
 
