@@ -212,3 +212,71 @@ def test_earlier_thinking_is_dropped_from_the_history(thinking_tokenizer):
     parsed = parse_request("/v1/chat/completions", {"messages": messages}, thinking_tokenizer, 2048)
     prompt = thinking_tokenizer.decode(parsed.prompt_token_ids)
     assert "secret" not in prompt and "<|im_start|>assistant\nb<|im_end|>" in prompt
+
+
+# -- bodies rebuilt from Postgres and stream chunks, with tools -------------------------------
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+BODY = {"messages": [{"role": "user", "content": "Weather?"}], "tools": [TOOL]}
+
+
+def test_a_stored_body_splits_the_thinking_before_parsing_tool_calls():
+    from datetime import UTC, datetime
+
+    from rein.jobs.results import response_body
+    from rein.store.tables import Job, Result
+
+    # A call written inside the thinking is thinking, not a call; the one after </think> is.
+    text = f"maybe {CALL}?</think>{CALL}"
+    job = Job(id="job_r", endpoint="/v1/chat/completions", model="m", prompt_tokens=9,
+              finished_at=datetime(2026, 1, 1, tzinfo=UTC),
+              params={"body": BODY, "sampling": {}, "logprobs_mode": None, "reasoning": R1.to_dict()})
+    result = Result(job_id="job_r", text=text, token_ids=[1, 2, END, 3, 4], finish_reason="stop", logprobs=None)
+    body = response_body(job, result)
+    message = body["choices"][0]["message"]
+    assert message["reasoning_content"] == f"maybe {CALL}?"
+    assert message["content"] is None and [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+    job.params = {"body": BODY, "sampling": {}, "logprobs_mode": None}           # no parser: as before
+    assert "reasoning_content" not in response_body(job, result)["choices"][0]["message"]
+    assert "completion_tokens_details" not in response_body(job, result)["usage"]
+
+
+def stream_chunks(pieces: list[tuple[str, list[int]]], request_body: dict) -> list[dict]:
+    import asyncio
+    import json
+
+    from rein.api.streams import StreamEvent, openai_chunk_stream
+
+    async def events():
+        for seq, (text, ids) in enumerate(pieces, start=1):
+            data = {"seq": seq, "text": text, "token_ids": ids}
+            if seq == len(pieces):
+                data |= {"finish_reason": "stop", "usage": {"prompt_tokens": 3, "completion_tokens": 6}}
+            yield StreamEvent(seq, data)
+
+    async def collect():
+        return [json.loads(frame.removeprefix("data: ")) async for frame in openai_chunk_stream(
+            events(), endpoint="/v1/chat/completions", job_id="job_s", model="m", prompt_tokens=3,
+            include_usage=True, request_body=request_body, reasoning=R1) if "[DONE]" not in frame]
+
+    return asyncio.run(collect())
+
+
+def test_stream_chunks_carry_reasoning_deltas_then_content_and_calls():
+    pieces = [("Hmm <", [1]), ("/thi", [2]), ("nk>Sunny", [END, 3]), (".", [4])]
+    chunks = stream_chunks(pieces, {"messages": BODY["messages"]})
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    assert deltas == [{"role": "assistant", "content": ""}, {"reasoning_content": "Hmm "},
+                      {"content": "Sunny"}, {"content": "."}, {}]
+    assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
+
+    with_tools = stream_chunks([(f"a {CALL}", [1, 2]), ("</think>", [END]), (CALL, [5, 6])], BODY)
+    deltas = [c["choices"][0]["delta"] for c in with_tools if c["choices"]]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == f"a {CALL}"
+    calls = [call for d in deltas for call in d.get("tool_calls", [])]
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]          # only the call after </think>
+    assert with_tools[-2]["choices"][0]["finish_reason"] == "tool_calls"
