@@ -369,8 +369,8 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
     def split(index: int, deltas: list[dict[str, str]]) -> list[str]:
         lines = []
         for delta in deltas:
-            if "reasoning_content" in delta:
-                lines.append(chunk(None, None, index=index, tool_delta=delta))
+            if "reasoning_content" in delta:   # also as `reasoning`, newer vLLM's name
+                lines.append(chunk(None, None, index=index, tool_delta={**delta, "reasoning": delta["reasoning_content"]}))
             else:
                 lines.extend(content(index, delta["content"]))
         return lines

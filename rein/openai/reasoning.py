@@ -2,8 +2,8 @@
 
 A reasoning model (Qwen3, the DeepSeek-R1 distills) writes ``<think>…</think>`` before its
 answer. With a reasoning parser set for the model (REIN_REASONING_PARSER, `--reasoning-parser`),
-a chat answer's thinking goes to `message.reasoning_content` (streamed: `delta.reasoning_content`)
-and the rest to `content`; tool calls are parsed from the content alone, and
+a chat answer's thinking goes to `message.reasoning_content` (streamed: `delta.reasoning_content`;
+both also as `reasoning`, newer vLLM's name) and the rest to `content`; tool calls are parsed from the content alone, and
 `usage.completion_tokens_details.reasoning_tokens` counts the thinking's tokens. The parsers,
 by vLLM's names (vllm/reasoning/):
 
@@ -218,6 +218,7 @@ def apply_reasoning(response: dict[str, Any], reasoning: Reasoning | None,
         thinking, content = split_reasoning(reasoning, message.get("content") or "")
         message["content"] = content
         message["reasoning_content"] = thinking
+        message["reasoning"] = thinking   # newer vLLM's name for the same text
         if token_ids is not None and position < len(token_ids):
             counted += reasoning_token_count(reasoning, token_ids[position])
     usage = response.get("usage")

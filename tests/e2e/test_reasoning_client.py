@@ -103,6 +103,8 @@ def test_the_schema_applies_after_the_thinking(client: openai.OpenAI, bias: dict
     stored = job["response"]["body"]
     assert stored["choices"][0]["message"]["reasoning_content"] == message.reasoning_content
     assert stored["usage"] == completion.usage.model_dump(exclude_none=True)
+    details = completion.usage.completion_tokens_details
+    assert job["usage"]["reasoning_tokens"] == details.reasoning_tokens > 0
 
 
 def test_enable_thinking_false_leaves_no_thinking(client: openai.OpenAI, bias: dict[str, int]) -> None:

@@ -128,8 +128,10 @@ def test_apply_reasoning_to_a_chat_body():
         {"index": 1, "message": {"role": "assistant", "content": "unfinished"}, "finish_reason": "length"}],
         "usage": {"prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}}
     apply_reasoning(body, R1, [[1, END, 2, 3], [4, 5, 6]])
-    assert body["choices"][0]["message"] == {"role": "assistant", "content": "{\"x\": 1}", "reasoning_content": "plan"}
-    assert body["choices"][1]["message"] == {"role": "assistant", "content": None, "reasoning_content": "unfinished"}
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "{\"x\": 1}", "reasoning_content": "plan",
+                                             "reasoning": "plan"}
+    assert body["choices"][1]["message"] == {"role": "assistant", "content": None, "reasoning_content": "unfinished",
+                                             "reasoning": "unfinished"}
     assert body["usage"]["completion_tokens_details"] == {"reasoning_tokens": 5}
     plain = {"object": "chat.completion", "choices": [{"message": {"role": "assistant", "content": "a</think>b"}}],
              "usage": {"completion_tokens": 1}}
@@ -270,7 +272,7 @@ def test_stream_chunks_carry_reasoning_deltas_then_content_and_calls():
     pieces = [("Hmm <", [1]), ("/thi", [2]), ("nk>Sunny", [END, 3]), (".", [4])]
     chunks = stream_chunks(pieces, {"messages": BODY["messages"]})
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
-    assert deltas == [{"role": "assistant", "content": ""}, {"reasoning_content": "Hmm "},
+    assert deltas == [{"role": "assistant", "content": ""}, {"reasoning_content": "Hmm ", "reasoning": "Hmm "},
                       {"content": "Sunny"}, {"content": "."}, {}]
     assert chunks[-1]["usage"]["completion_tokens_details"] == {"reasoning_tokens": 3}
 

@@ -45,6 +45,7 @@ from rein.jobs.cancel import request_cancel
 from rein.jobs.errors import APIError
 from rein.jobs.ratelimit import settle_tokens
 from rein.jobs.results import response_body
+from rein.openai.reasoning import Reasoning, reasoning_token_count
 from rein.openai.response import usage_body
 from rein.store.keys import KeyInfo
 from rein.store.messages import STREAM_FIELD, TokenEvent, event_id
@@ -61,6 +62,12 @@ _EVENT_ID = re.compile(r"^(?:([0-9]{1,19})(?:-[0-9]{1,19})?)?$")
 _ERRORS = {401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}, 404: {"model": ErrorResponse}}
 # A key refused a stream for holding REIN_MAX_STREAMS_PER_KEY may retry this soon: streams end often.
 STREAM_RETRY_AFTER = 2
+
+
+def _reasoning_tokens(job: Job) -> int:
+    """The thinking's tokens of a chat job of a model with a reasoning parser (its first choice's)."""
+    reasoning = Reasoning.from_dict((job.params or {}).get("reasoning"))
+    return reasoning_token_count(reasoning, job.result.token_ids) if job.result is not None else 0
 
 
 def job_public(job: Job) -> JobPublic:
@@ -85,7 +92,7 @@ def job_public(job: Job) -> JobPublic:
             total_seconds=seconds_between(job.queued_at, job.finished_at)),
         usage=JobUsage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                        total_tokens=usage.prompt_tokens + usage.completion_tokens,
-                       cached_tokens=usage.cached_tokens) if usage else None,
+                       cached_tokens=usage.cached_tokens, reasoning_tokens=_reasoning_tokens(job)) if usage else None,
         response=response, error=error)
 
 
