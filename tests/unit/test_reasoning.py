@@ -5,6 +5,7 @@ the end of the thinking)."""
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -249,7 +250,6 @@ def test_a_stored_body_splits_the_thinking_before_parsing_tool_calls():
 
 def stream_chunks(pieces: list[tuple[str, list[int]]], request_body: dict) -> list[dict]:
     import asyncio
-    import json
 
     from rein.api.streams import StreamEvent, openai_chunk_stream
 
@@ -282,3 +282,29 @@ def test_stream_chunks_carry_reasoning_deltas_then_content_and_calls():
     calls = [call for d in deltas for call in d.get("tool_calls", [])]
     assert [c["function"]["name"] for c in calls] == ["get_weather"]          # only the call after </think>
     assert with_tools[-2]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# -- served models: REIN_REASONING_PARSER at startup, and what a job stores -------------------
+
+
+def test_served_models_get_their_parser_and_jobs_store_it(tiny_models):
+    from rein.batches.validation import validate_lines
+    from rein.core.settings import Settings
+    from rein.jobs.registry import ModelLoadError, ModelRegistry
+
+    thinker, plain = tiny_models("qwen3", thinking=True), tiny_models("llama")
+    registry = ModelRegistry.load(Settings(models=f"r1={thinker}@256,plain={plain}@256",
+                                           reasoning_parser="r1=deepseek_r1"))
+    assert registry.get("r1").reasoning.parser.name == "deepseek_r1" and registry.get("plain").reasoning is None
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
+            "body": {"model": "r1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}}
+    handed = []
+    validate_lines([(json.dumps(line) + "\n").encode()], "/v1/chat/completions", registry, 10,
+                   on_valid=handed.append)
+    stored = handed[0].job_values()["params"]["reasoning"]
+    assert Reasoning.from_dict(stored) == registry.get("r1").reasoning.for_prompt(handed[0].prepared.parsed.prompt_token_ids)
+
+    with pytest.raises(ModelLoadError, match="unknown reasoning parser 'r2'.*deepseek_r1, qwen3"):
+        ModelRegistry.load(Settings(models=f"r1={thinker}@256", reasoning_parser="r2"))
+    with pytest.raises(ModelLoadError, match="needs '<think>' to be one token of model 'plain'"):
+        ModelRegistry.load(Settings(models=f"plain={plain}@256", reasoning_parser="qwen3"))
