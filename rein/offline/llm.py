@@ -74,7 +74,7 @@ from rein.offline.prompts import (
 )
 from rein.openai.errors import RequestError
 from rein.openai.prompts import chat_prompt
-from rein.openai.reasoning import reasoning_parser as check_reasoning_parser
+from rein.openai.reasoning import check_parser_names
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
@@ -185,8 +185,7 @@ class LLM:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         # A keyword given > its REIN_* variable > the default (rein.engine.options).
         config = EngineConfig(model=str(model), **resolve_engine_values(given, names=ENGINE_OPTION_NAMES))
-        if config.reasoning_parser is not None:   # one model: one parser name (ValueError naming the choices)
-            check_reasoning_parser(config.reasoning_parser)
+        check_parser_names(config.reasoning_parser)   # ValueError naming the choices
         self.engine: LLMEngine = LLMEngine(config)
         self.generation_defaults = load_generation_defaults(self.engine.model_dir, config.generation_config)
         log.info("generation defaults for model %s: %s", model, self.generation_defaults.describe())

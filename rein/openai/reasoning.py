@@ -141,6 +141,16 @@ class ModelReasoning:
         return reasoning_for_prompt(self.parser, self.start_token_id, self.end_token_id, prompt_token_ids)
 
 
+def check_parser_names(value: str | None) -> None:
+    """Refuse (ReasoningParserError) a REIN_REASONING_PARSER naming an unknown parser, before any
+    model is loaded (which models it names is checked against the served ones later)."""
+    if value and value.strip():
+        for entry in value.split(","):
+            name = entry.partition("=")[2] if "=" in entry else entry
+            if name.strip() or "=" not in entry:
+                reasoning_parser(name.strip())
+
+
 def parsers_by_model(value: str | None, model_names: Sequence[str]) -> dict[str, str]:
     """REIN_REASONING_PARSER / --reasoning-parser as {model name: parser name}: one parser name for
     every model, or `name=parser,...` for some of them (ReasoningParserError for an unknown

@@ -17,6 +17,7 @@ from rein.openai.reasoning import (
     ReasoningParserError,
     ReasoningStream,
     apply_reasoning,
+    check_parser_names,
     parsers_by_model,
     reasoning_parser,
     reasoning_token_count,
@@ -153,6 +154,12 @@ def test_parser_names_and_the_per_model_form():
         parsers_by_model("c=qwen3", ["a", "b"])
     with pytest.raises(ReasoningParserError, match="unknown reasoning parser 'nope'"):
         parsers_by_model("a=nope", ["a"])
+    check_parser_names(None)
+    check_parser_names("qwen3")
+    check_parser_names("a=qwen3, b=deepseek_r1")
+    for bad in ("nope", "a=qwen3,b=nope"):
+        with pytest.raises(ReasoningParserError, match="unknown reasoning parser"):
+            check_parser_names(bad)
 
 
 def test_a_model_without_think_tokens_is_refused(tiny_tokenizer_dir):
