@@ -242,14 +242,17 @@ class ReasoningStream:
 
     Concatenated, the deltas equal split_reasoning of the whole text. A tag split across deltas
     is held back until it is whole (or turns out not to be a tag), so the reasoning never shows
-    a partial ``</think>``; `finish` releases what was held. `reasoning_tokens` counts the thinking
-    as token ids come in."""
+    a partial ``</think>``; `finish` releases what was held. Each delta is looked at once (a long
+    thinking is not scanned again per delta). `reasoning_tokens` counts the thinking as token
+    ids come in."""
+
+    _UNDECIDED, _THINKING, _CONTENT = "undecided", "thinking", "content"
 
     def __init__(self, reasoning: Reasoning) -> None:
         self.reasoning = reasoning
-        self._text = ""
-        self._sent_reasoning = 0
-        self._sent_content = 0
+        self.parser = reasoning.spec
+        self._state = self._CONTENT if reasoning.ended_in_prompt else self._UNDECIDED
+        self._held = ""      # text not released yet: the start of the answer, or a partial end tag
         self._token_ids: list[int] = []
 
     def feed(self, text: str, token_ids: Sequence[int] = ()) -> list[dict[str, str]]:
@@ -257,47 +260,52 @@ class ReasoningStream:
         self._token_ids.extend(token_ids)
         if not text:
             return []
-        self._text += text
-        return self._release(self._settled_text())
+        if self._state == self._CONTENT:
+            return [{"content": text}]
+        if self._state == self._THINKING:
+            return self._think(text)
+        self._held += text
+        stripped = self._held.lstrip()
+        start = self.parser.start
+        if len(stripped) < len(start) and start.startswith(stripped):
+            return []   # it may yet begin with the start tag (whose leading whitespace is dropped)
+        held, self._held = self._held, ""
+        if stripped.startswith(start):
+            self._state = self._THINKING
+            return self._think(stripped[len(start):])
+        if self.parser.opened_by_template:
+            self._state = self._THINKING
+            return self._think(held)
+        self._state = self._CONTENT
+        return [{"content": held}]
 
     def finish(self) -> list[dict[str, str]]:
         """The deltas held back until the end."""
-        return self._release(self._text)
+        held, self._held = self._held, ""
+        if not held:
+            return []
+        if self._state == self._THINKING or (self._state == self._UNDECIDED and self.parser.opened_by_template):
+            return [{"reasoning_content": held}]
+        return [{"content": held}]
 
     @property
     def reasoning_tokens(self) -> int:
         return reasoning_token_count(self.reasoning, self._token_ids)
 
-    def _settled_text(self) -> str:
-        """The longest prefix of the text so far whose split later text cannot change."""
-        text = self._text
-        if self.reasoning.ended_in_prompt:
-            return text
-        parser = self.reasoning.spec
-        stripped = text.lstrip()
-        if len(stripped) < len(parser.start) and parser.start.startswith(stripped):
-            return ""   # it may yet begin with the start tag (whose leading whitespace is dropped)
-        if stripped.startswith(parser.start):
-            body_at = len(text) - len(stripped) + len(parser.start)
-        elif parser.opened_by_template:
-            body_at = 0
-        else:
-            return text   # no thinking: all content
-        if parser.end in text[body_at:]:
-            return text
-        return text[:len(text) - _partial_tag(text[body_at:], parser.end)]
-
-    def _release(self, text: str) -> list[dict[str, str]]:
-        thinking, content = split_reasoning(self.reasoning, text)
-        deltas = []
-        thinking, content = thinking or "", content or ""
-        if len(thinking) > self._sent_reasoning:
-            deltas.append({"reasoning_content": thinking[self._sent_reasoning:]})
-            self._sent_reasoning = len(thinking)
-        if len(content) > self._sent_content:
-            deltas.append({"content": content[self._sent_content:]})
-            self._sent_content = len(content)
-        return deltas
+    def _think(self, text: str) -> list[dict[str, str]]:
+        """Release thinking text (and what follows its end tag) in the thinking state."""
+        text = self._held + text
+        end = self.parser.end
+        at = text.find(end)
+        if at >= 0:
+            self._held = ""
+            self._state = self._CONTENT
+            after = text[at + len(end):]
+            return [d for d in ({"reasoning_content": text[:at]}, {"content": after}) if next(iter(d.values()))]
+        keep = _partial_tag(text, end)
+        self._held = text[len(text) - keep:] if keep else ""
+        thinking = text[:len(text) - keep]
+        return [{"reasoning_content": thinking}] if thinking else []
 
 
 def _partial_tag(text: str, tag: str) -> int:

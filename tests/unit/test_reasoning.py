@@ -9,6 +9,8 @@ import json
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rein.openai.reasoning import (
     PARSERS,
@@ -91,6 +93,25 @@ def test_streamed_split_agrees_with_the_whole_whatever_the_deltas(reasoning, tex
         out, got_thinking, got_content = stream(reasoning, deltas)
         assert (got_thinking, got_content) == (thinking or "", content or ""), deltas
         assert all(d and all(v for v in d.values()) for d in out)   # no empty deltas
+
+
+@settings(max_examples=300, deadline=None)
+@given(parts=st.lists(st.sampled_from(["<think>", "</think>", "<", "</", "</th", "think>", "k>", " ", "\n", "a",
+                                       "{}", "<thi", "nk"]), max_size=12),
+       cuts=st.lists(st.integers(min_value=0, max_value=60), max_size=6),
+       parser=st.sampled_from(["deepseek_r1", "qwen3"]), ended=st.booleans())
+def test_streamed_split_agrees_with_the_whole_on_any_text(parts, cuts, parser, ended):
+    text = "".join(parts)
+    reasoning = Reasoning(parser, START, END, ended)
+    bounds = sorted({0, len(text), *(c for c in cuts if c < len(text))})
+    deltas = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    thinking, content = split_reasoning(reasoning, text)
+    out, got_thinking, got_content = stream(reasoning, deltas)
+    assert (got_thinking, got_content) == (thinking or "", content or "")
+    shown = ""
+    for delta in out:                       # no reasoning delta ever shows part of an end tag it later completes
+        shown += delta.get("reasoning_content", "")
+    assert "</think>" not in shown
 
 
 def test_a_tag_split_across_deltas_is_held_back_never_shown_in_part():
