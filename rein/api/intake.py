@@ -224,7 +224,7 @@ class JobIntake:
         message = JobMessage(job_id=job.id, model=prepared.entry.queue_model, endpoint=endpoint,
                              prompt_token_ids=prompt, sampling=sampling, priority=priority,
                              logprobs_mode=parsed.logprobs_mode, tenant=key.tenant, key_id=key.key_id,
-                             shape=shape, shard=shard, lora=lora)
+                             shape=shape, shard=shard, lora=lora, reasoning=params.get("reasoning"))
         if isinstance(parsed, ParsedEmbeddings):   # its inputs, one after the other in `prompt`
             job.params["input_lengths"] = message.input_lengths = parsed.input_lengths
         return Submission(key, prepared, job, message, metadata)

@@ -12,11 +12,13 @@ from rein.openai.tools import apply_tool_calls
 from rein.store.tables import Job, Result
 
 
-def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str, Any]:
+def response_body(job: Job, result: Result, cached_tokens: int = 0,
+                  reasoning_tokens: int | None = None) -> dict[str, Any]:
     """The OpenAI body of a finished job, exactly as the synchronous endpoint returns it.
 
     `created` is the job's finish time; the id is the job id with OpenAI's prefix;
-    `cached_tokens` comes from the job's usage row.
+    `cached_tokens` and `reasoning_tokens` come from the job's usage row (reasoning_tokens None:
+    counted from the stored token ids, the first choice's).
     """
     if job.endpoint == EMBEDDINGS:
         return job_embeddings_body(job, result.response)
@@ -30,7 +32,8 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
         body.update(result.response)
     params = job.params or {}
     # The thinking split out of the answer first: tool calls are parsed from what follows it.
-    body = apply_reasoning(body, Reasoning.from_dict(params.get("reasoning")), [list(result.token_ids)])
+    body = apply_reasoning(body, Reasoning.from_dict(params.get("reasoning")), [list(result.token_ids)],
+                           reasoning_tokens)
     return apply_tool_calls(body, params.get("body"))   # tool calls out of the text (rein.openai.tools)
 
 

@@ -212,12 +212,14 @@ def reasoning_token_count(reasoning: Reasoning | None, token_ids: Sequence[int])
 
 
 def apply_reasoning(response: dict[str, Any], reasoning: Reasoning | None,
-                    token_ids: Sequence[Sequence[int]] | None = None) -> dict[str, Any]:
+                    token_ids: Sequence[Sequence[int]] | None = None,
+                    reasoning_tokens: int | None = None) -> dict[str, Any]:
     """Split the thinking out of a chat.completion body's messages (in place; returned) and put
     `usage.completion_tokens_details.reasoning_tokens` in it (without a parser, `reasoning` None,
     the body is left as it is: no reasoning_content, no completion_tokens_details). `token_ids`: each choice's generated
     ids, by position, where known (a body rebuilt from Postgres has choice 0's alone); a choice
-    without them is not counted. Bodies of other endpoints are left as they are."""
+    without them is not counted. `reasoning_tokens`: the count the worker recorded over every
+    choice (the job's usage row), used instead when given. Bodies of other endpoints are left as they are."""
     if reasoning is None or response.get("object") != "chat.completion":
         return response
     counted = 0
@@ -233,7 +235,8 @@ def apply_reasoning(response: dict[str, Any], reasoning: Reasoning | None,
             counted += reasoning_token_count(reasoning, token_ids[position])
     usage = response.get("usage")
     if isinstance(usage, dict):
-        usage["completion_tokens_details"] = {"reasoning_tokens": counted}
+        usage["completion_tokens_details"] = {"reasoning_tokens": counted if reasoning_tokens is None
+                                              else reasoning_tokens}
     return response
 
 

@@ -12,6 +12,7 @@ kept on its models (attribute access, `model_extra`).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import jsonschema
@@ -31,8 +32,9 @@ MESSAGES = [{"role": "user", "content": "classify this"}]
 @pytest.fixture(scope="module")
 def service(tmp_path_factory: pytest.TempPathFactory, tiny_models) -> Iterator[Service]:
     tmp = tmp_path_factory.mktemp("reasoning-client")
-    with run_service(tmp, tiny_models("qwen3", thinking=True),
-                     extra_env={"REIN_REASONING_PARSER": "deepseek_r1"}) as svc:
+    with run_service(tmp, tiny_models("qwen3", thinking=True), scopes="inference,batch,usage",
+                     extra_env={"REIN_REASONING_PARSER": "deepseek_r1", "REIN_FILES_DIR": str(tmp / "files"),
+                                "REIN_BATCH_POLL_SECONDS": "0.2"}) as svc:
         yield svc
 
 
@@ -112,3 +114,32 @@ def test_enable_thinking_false_leaves_no_thinking(client: openai.OpenAI, bias: d
     message = completion.choices[0].message
     assert message.reasoning_content is None and message.content
     assert completion.usage.completion_tokens_details.reasoning_tokens == 0
+
+
+def test_n_choices_count_every_choice(client: openai.OpenAI, bias: dict[str, int], service: Service) -> None:
+    completion = ask(client, logit_bias=bias, n=2, temperature=1.0, seed=3)
+    counted = completion.usage.completion_tokens_details.reasoning_tokens
+    assert all(c.message.reasoning_content for c in completion.choices)
+    with service.client("a") as http:
+        job = http.get(f"/v1/jobs/{completion.id.removeprefix('chatcmpl-')}").json()
+    assert job["usage"]["reasoning_tokens"] == counted >= 2       # the worker counted both choices
+
+
+def test_a_batch_carries_reasoning_in_its_lines_and_usage(client: openai.OpenAI, bias: dict[str, int]) -> None:
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": MODEL, "messages": MESSAGES, "max_tokens": 30, "temperature": 0.0,
+                       "logit_bias": bias, "seed": i}} for i in range(3)]
+    source = client.files.create(file=("in.jsonl", "".join(json.dumps(x) + "\n" for x in lines).encode()),
+                                 purpose="batch")
+    batch = client.batches.create(input_file_id=source.id, endpoint="/v1/chat/completions", completion_window="24h")
+    deadline = time.monotonic() + TIMEOUT
+    while batch.status not in ("completed", "failed", "expired", "cancelled") and time.monotonic() < deadline:
+        time.sleep(0.25)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed", batch
+    output = [json.loads(x) for x in client.files.content(batch.output_file_id).text.splitlines() if x.strip()]
+    bodies = [openai.types.chat.ChatCompletion.model_validate(x["response"]["body"]) for x in output]
+    assert all(b.choices[0].message.reasoning_content for b in bodies)
+    counts = [b.usage.completion_tokens_details.reasoning_tokens for b in bodies]
+    assert all(c > 0 for c in counts)
+    assert batch.usage.output_tokens_details.reasoning_tokens == sum(counts)

@@ -45,7 +45,6 @@ from rein.jobs.cancel import request_cancel
 from rein.jobs.errors import APIError
 from rein.jobs.ratelimit import settle_tokens
 from rein.jobs.results import response_body
-from rein.openai.reasoning import Reasoning, reasoning_token_count
 from rein.openai.response import usage_body
 from rein.store.keys import KeyInfo
 from rein.store.messages import STREAM_FIELD, TokenEvent, event_id
@@ -64,19 +63,13 @@ _ERRORS = {401: {"model": ErrorResponse}, 403: {"model": ErrorResponse}, 404: {"
 STREAM_RETRY_AFTER = 2
 
 
-def _reasoning_tokens(job: Job) -> int:
-    """The thinking's tokens of a chat job of a model with a reasoning parser (its first choice's)."""
-    reasoning = Reasoning.from_dict((job.params or {}).get("reasoning"))
-    return reasoning_token_count(reasoning, job.result.token_ids) if job.result is not None else 0
-
-
 def job_public(job: Job) -> JobPublic:
     """The public view of a job row (with its result and usage loaded)."""
     usage = job.usage
     response = None
     if job.status == "succeeded" and job.result is not None:
         response = JobResponse(status_code=200, body=response_body(
-            job, job.result, usage.cached_tokens if usage else 0))
+            job, job.result, usage.cached_tokens if usage else 0, usage.reasoning_tokens if usage else None))
     error = JobError(**{k: job.error.get(k) for k in ("message", "type", "code")}) \
         if job.status == "failed" and job.error else None
     return JobPublic(
@@ -92,7 +85,7 @@ def job_public(job: Job) -> JobPublic:
             total_seconds=seconds_between(job.queued_at, job.finished_at)),
         usage=JobUsage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                        total_tokens=usage.prompt_tokens + usage.completion_tokens,
-                       cached_tokens=usage.cached_tokens, reasoning_tokens=_reasoning_tokens(job)) if usage else None,
+                       cached_tokens=usage.cached_tokens, reasoning_tokens=usage.reasoning_tokens) if usage else None,
         response=response, error=error)
 
 

@@ -286,7 +286,9 @@ async def _wait_for_record(load: Any) -> Job | None:
 
 def _stored_response(job: Job) -> Any:
     if job.status == "succeeded" and job.result is not None:
-        return JSONResponse(response_body(job, job.result, job.usage.cached_tokens if job.usage else 0))
+        usage = job.usage
+        return JSONResponse(response_body(job, job.result, usage.cached_tokens if usage else 0,
+                                          usage.reasoning_tokens if usage else None))
     if job.status == "failed":
         error = job.error or {}
         status = 400 if error.get("type") == "invalid_request_error" else 500
