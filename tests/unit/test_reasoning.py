@@ -336,3 +336,16 @@ def test_served_models_get_their_parser_and_jobs_store_it(tiny_models):
         ModelRegistry.load(Settings(models=f"r1={thinker}@256", reasoning_parser="r2"))
     with pytest.raises(ModelLoadError, match="needs '<think>' to be one token of model 'plain'"):
         ModelRegistry.load(Settings(models=f"plain={plain}@256", reasoning_parser="qwen3"))
+
+
+def test_offline_entry_points_refuse_an_unknown_parser_before_loading(tiny_models, tmp_path, capsys):
+    from rein import LLM
+    from rein.cli.main import main
+
+    with pytest.raises(ReasoningParserError, match="unknown reasoning parser 'r1'"):
+        LLM(str(tiny_models("qwen3", thinking=True)), reasoning_parser="r1")
+    source = tmp_path / "in.jsonl"
+    source.write_text("")
+    assert main(["run-batch", str(source), "-o", str(tmp_path / "out.jsonl"), "--model", str(tmp_path / "nowhere"),
+                 "--reasoning-parser", "r1"]) == 2
+    assert "unknown reasoning parser 'r1'" in capsys.readouterr().err    # before looking for the model
