@@ -40,22 +40,25 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`tiny_models(arch="llama", preset="tiny", seed=0, embedding=None)` -> directory of a
-    random-weight model (`embedding="last" | "mean" | "cls"`: an embedding model).
+    """`tiny_models(arch="llama", preset="tiny", seed=0, embedding=None, thinking=False)` -> directory
+    of a random-weight model (`embedding="last" | "mean" | "cls"`: an embedding model; `thinking`:
+    a reasoning model's tokenizer and Qwen3-style template, rein.fixtures.tiny_tokenizer).
 
     Each (arch, preset, seed) is built once per session (see rein.fixtures.tiny_model) into a
     session temp dir; the directories are shared, so treat them as read-only.
     """
     from rein.fixtures.tiny_model import make_tiny_model
 
-    built: dict[tuple[str, str, int, str | None], Path] = {}
+    built: dict[tuple[str, str, int, str | None, bool], Path] = {}
 
-    def get(arch: str = "llama", preset: str = "tiny", seed: int = 0, embedding: str | None = None) -> Path:
-        key = (arch, preset, seed, embedding)
+    def get(arch: str = "llama", preset: str = "tiny", seed: int = 0, embedding: str | None = None,
+            thinking: bool = False) -> Path:
+        key = (arch, preset, seed, embedding, thinking)
         if key not in built:
-            kind = f"-embed-{embedding}" if embedding else ""
+            kind = f"-embed-{embedding}" if embedding else "-thinking" if thinking else ""
             out = tmp_path_factory.mktemp(f"tiny-{arch}-{preset}-seed{seed}{kind}")
-            built[key] = make_tiny_model(out, arch=arch, seed=seed, preset=preset, embedding=embedding)
+            built[key] = make_tiny_model(out, arch=arch, seed=seed, preset=preset, embedding=embedding,
+                                         thinking=thinking)
         return built[key]
 
     return get

@@ -215,6 +215,9 @@ class JobIntake:
         shape = parsed.shape.to_dict()
         if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.response_shape); plain jobs store none
             params["shape"] = shape
+        reasoning = getattr(parsed, "reasoning", None)
+        if reasoning is not None:   # the thinking split out of its body (rein.openai.reasoning)
+            params["reasoning"] = reasoning.to_dict()
         # A job sent at batch priority waits on the batch shard of its prefix (rein.jobs.affinity).
         shard = shard_of_prefix(prompt) if priority >= PRIORITY_BATCH and self.settings.batch_affinity else 0
         job = NewJob(id=new_job_id(), tenant=key.tenant, key_id=key.key_id, model=model, endpoint=endpoint,
@@ -224,7 +227,7 @@ class JobIntake:
         message = JobMessage(job_id=job.id, model=prepared.entry.queue_model, endpoint=endpoint,
                              prompt_token_ids=prompt, sampling=sampling, priority=priority,
                              logprobs_mode=parsed.logprobs_mode, tenant=key.tenant, key_id=key.key_id,
-                             shape=shape, shard=shard, lora=lora)
+                             shape=shape, shard=shard, lora=lora, reasoning=params.get("reasoning"))
         if isinstance(parsed, ParsedEmbeddings):   # its inputs, one after the other in `prompt`
             job.params["input_lengths"] = message.input_lengths = parsed.input_lengths
         return Submission(key, prepared, job, message, metadata)

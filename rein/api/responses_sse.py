@@ -12,6 +12,7 @@ from contextlib import aclosing
 from typing import Any
 
 from rein.api.streams import KEEPALIVE, StreamEvent, openai_chunk_stream
+from rein.openai.reasoning import Reasoning
 from rein.openai.endpoints import CHAT_COMPLETIONS
 from rein.openai.responses import chat_body
 from rein.openai.responses_stream import ResponsesStream, sse_event
@@ -21,14 +22,15 @@ _DATA = "data: "
 
 async def responses_event_stream(events: AsyncIterator[StreamEvent | None], *, job_id: str, model: str,
                                  prompt_tokens: int, request_body: dict[str, Any],
-                                 tool_parser: str | None = None) -> AsyncIterator[str]:
+                                 tool_parser: str | None = None,
+                                 reasoning: Reasoning | None = None) -> AsyncIterator[str]:
     """Responses' SSE events for a job's token events."""
     stream = ResponsesStream(request_body, job_id, model, int(time.time()))
     for event in stream.start():
         yield sse_event(event)
     chunks = openai_chunk_stream(events, endpoint=CHAT_COMPLETIONS, job_id=job_id, model=model,
                                  prompt_tokens=prompt_tokens, include_usage=True, request_body=chat_body(request_body),
-                                 tool_parser=tool_parser)
+                                 tool_parser=tool_parser, reasoning=reasoning)
     async with aclosing(chunks):
         async for line in chunks:
             if line == KEEPALIVE:

@@ -232,7 +232,10 @@ class ToolCall(BaseModel):
 
 class ChatMessage(BaseModel):
     role: str
-    content: str | None = Field(description="null when the answer is only tool calls.")
+    content: str | None = Field(description="null when the answer is only tool calls (or only thinking).")
+    reasoning_content: str | None = Field(None, description="A reasoning model's thinking, when the model has a "
+                                          "reasoning parser (absent otherwise; null when there was none).")
+    reasoning: str | None = Field(None, description="The same as reasoning_content (newer vLLM's name).")
     tool_calls: list[ToolCall] | None = Field(None, description="The calls of a request with tools "
                                               "(absent otherwise).")
 
@@ -249,11 +252,17 @@ class PromptTokensDetails(BaseModel):
                                            "(automatic prefix caching) instead of computed.")
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = Field(description="Tokens of the thinking, up to and including </think>.")
+
+
 class CompletionUsage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    completion_tokens_details: CompletionTokensDetails | None = Field(
+        None, description="Chat answers of a model with a reasoning parser (absent otherwise).")
 
 
 class ChatCompletion(BaseModel):
@@ -418,6 +427,8 @@ class JobUsage(BaseModel):
     completion_tokens: int
     total_tokens: int
     cached_tokens: int
+    reasoning_tokens: int = Field(0, description="Completion tokens of a reasoning model's thinking (a chat "
+                                                 "job of a model with a reasoning parser; else 0).")
 
 
 class JobResponse(BaseModel):

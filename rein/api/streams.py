@@ -36,6 +36,7 @@ from redis.asyncio import Redis as AsyncRedis
 from redis.exceptions import RedisError
 from sqlalchemy.exc import SQLAlchemyError
 
+from rein.openai.reasoning import Reasoning, ReasoningStream
 from rein.openai.response import usage_body
 from rein.openai.tools import stream_for
 from rein.store.messages import STREAM_FIELD, event_id
@@ -319,7 +320,8 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
                               model: str, prompt_tokens: int, include_usage: bool, n: int = 1,
                               echo: str | None = None,
                               request_body: dict[str, Any] | None = None,
-                              tool_parser: str | None = None) -> AsyncIterator[str]:
+                              tool_parser: str | None = None,
+                              reasoning: Reasoning | None = None) -> AsyncIterator[str]:
     """OpenAI's streaming format: chunks, the usage chunk if asked, then [DONE].
 
     Each chunk holds one choice, by its `index` (n > 1 interleaves them, as OpenAI does);
@@ -327,7 +329,9 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
     aborted request) gets the job's. `echo` (completions): the prompt's text, sent ahead of
     each choice's first text, as vLLM streams an echo. With the request's tools
     (`request_body`), each choice's text goes through its rein.openai.tools.ToolStream: tool_calls
-    deltas."""
+    deltas. With a reasoning parser (`reasoning`), each choice's thinking comes first as
+    `reasoning_content` deltas (rein.openai.reasoning.ReasoningStream); only what follows it
+    reaches the content and the tools. Chat usage carries completion_tokens_details.reasoning_tokens."""
     chat = endpoint == "/v1/chat/completions"
     created = int(time.time())
     chunk_id = ("chatcmpl-" if chat else "cmpl-") + job_id
@@ -354,14 +358,41 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
         for index in range(n):
             yield chunk(None, None, first=True, index=index)
     tool_streams = {i: stream_for(request_body, chunk_id, i, tool_parser) for i in range(n)} if chat else {}
+    thinking = {i: ReasoningStream(reasoning) for i in range(n)} if chat and reasoning is not None else {}
 
-    def end_choice(index: int, text: str | None, reason: str | None) -> list[str]:
+    def content(index: int, text: str | None) -> list[str]:
+        """The chunks of content `text` (after any thinking): through the choice's tools, if any."""
         tool_stream = tool_streams.get(index)
         if tool_stream is None:
+            return [chunk(text, None, index=index)] if text else []
+        return [chunk(None, None, index=index, tool_delta=d) for d in tool_stream.feed(text or "")]
+
+    def split(index: int, deltas: list[dict[str, str]]) -> list[str]:
+        lines = []
+        for delta in deltas:
+            if "reasoning_content" in delta:   # also as `reasoning`, newer vLLM's name
+                lines.append(chunk(None, None, index=index, tool_delta={**delta, "reasoning": delta["reasoning_content"]}))
+            else:
+                lines.extend(content(index, delta["content"]))
+        return lines
+
+    def feed(index: int, text: str | None, token_ids: list[int]) -> list[str]:
+        stream = thinking.get(index)
+        if stream is None:
+            return content(index, text)
+        return split(index, stream.feed(text or "", token_ids))
+
+    def end_choice(index: int, text: str | None, reason: str | None, token_ids: list[int]) -> list[str]:
+        tool_stream = tool_streams.get(index)
+        if tool_stream is None and index not in thinking:
             return [chunk(text, reason, index=index)]
-        deltas = [chunk(None, None, index=index, tool_delta=d) for d in tool_stream.feed(text or "")]
+        lines = feed(index, text, token_ids)
+        if index in thinking:
+            lines.extend(split(index, thinking[index].finish()))
+        if tool_stream is None:
+            return [*lines, chunk(None, reason, index=index)]
         tool_deltas, reason = tool_stream.finish(reason)
-        return [*deltas, *(chunk(None, None, index=index, tool_delta=d) for d in tool_deltas),
+        return [*lines, *(chunk(None, None, index=index, tool_delta=d) for d in tool_deltas),
                 chunk(None, reason, index=index)]
 
     usage: dict[str, Any] | None = None
@@ -384,23 +415,24 @@ async def openai_chunk_stream(events: AsyncIterator[StreamEvent | None], *, endp
         if echo is not None and index not in echoed:
             echoed.add(index)
             text = echo + (text or "")
+        token_ids = list(data.get("token_ids") or ())
         if choice_finish:
             ended.add(index)
-            for line in end_choice(index, text, _FINISH_REASONS.get(choice_finish, choice_finish)):
+            for line in end_choice(index, text, _FINISH_REASONS.get(choice_finish, choice_finish), token_ids):
                 yield line
-        elif tool_streams.get(index) is not None:
-            for tool_delta in tool_streams[index].feed(text or ""):
-                yield chunk(None, None, index=index, tool_delta=tool_delta)
-        elif text:
-            yield chunk(text, None, index=index)
+        else:
+            for line in feed(index, text, token_ids):
+                yield line
         if finish:
             usage = data.get("usage")
             for other in range(n):   # choices the job's end stopped (an abort) end with it
                 if other not in ended:
                     text = echo if echo is not None and other not in echoed else None
-                    for line in end_choice(other, text, _FINISH_REASONS.get(finish, finish)):
+                    for line in end_choice(other, text, _FINISH_REASONS.get(finish, finish), []):
                         yield line
     if include_usage:
-        usage = usage or usage_body(prompt_tokens, 0)
+        usage = dict(usage or usage_body(prompt_tokens, 0))
+        if chat and reasoning is not None:
+            usage["completion_tokens_details"] = {"reasoning_tokens": sum(s.reasoning_tokens for s in thinking.values())}
         yield sse(json.dumps({**base, "choices": [], "usage": usage}, separators=(",", ":")))
     yield sse("[DONE]")

@@ -83,16 +83,16 @@ def request_counts(session: Session, batch_ids: list[str]) -> dict[str, tuple[in
     return {row[0]: (row[1], row[2]) for row in rows}
 
 
-def batch_usage(session: Session, batch_ids: list[str]) -> dict[str, tuple[int, int, int]]:
-    """batch id -> (prompt, completion, cached) tokens billed for its jobs so far."""
+def batch_usage(session: Session, batch_ids: list[str]) -> dict[str, tuple[int, int, int, int]]:
+    """batch id -> (prompt, completion, cached, reasoning) tokens billed for its jobs so far."""
     if not batch_ids:
         return {}
     rows = session.execute(
         select(Job.batch_id, func.sum(Usage.prompt_tokens), func.sum(Usage.completion_tokens),
-               func.sum(Usage.cached_tokens))
+               func.sum(Usage.cached_tokens), func.sum(Usage.reasoning_tokens))
         .join(Usage, Usage.job_id == Job.id)
         .where(Job.batch_id.in_(batch_ids)).group_by(Job.batch_id))
-    return {row[0]: (int(row[1] or 0), int(row[2] or 0), int(row[3] or 0)) for row in rows}
+    return {row[0]: (int(row[1] or 0), int(row[2] or 0), int(row[3] or 0), int(row[4] or 0)) for row in rows}
 
 
 def _ts(value: datetime | None) -> int | None:
@@ -109,15 +109,15 @@ def batches_public(session: Session, batches: list[Batch]) -> list[BatchObject]:
     ids = [b.id for b in batches]
     counts = request_counts(session, ids)
     usage = batch_usage(session, ids)
-    return [_batch_public(b, counts.get(b.id, (0, 0)), usage.get(b.id, (0, 0, 0))) for b in batches]
+    return [_batch_public(b, counts.get(b.id, (0, 0)), usage.get(b.id, (0, 0, 0, 0))) for b in batches]
 
 
 def batch_public(session: Session, batch: Batch) -> BatchObject:
     return batches_public(session, [batch])[0]
 
 
-def _batch_public(batch: Batch, counts: tuple[int, int], usage: tuple[int, int, int]) -> BatchObject:
-    prompt, completion, cached = usage
+def _batch_public(batch: Batch, counts: tuple[int, int], usage: tuple[int, int, int, int]) -> BatchObject:
+    prompt, completion, cached, reasoning = usage
     errors = BatchErrors(data=batch.errors.get("data", [])) if batch.errors else None
     return BatchObject(
         id=batch.id, endpoint=batch.endpoint, model=batch.model, errors=errors,
@@ -130,7 +130,7 @@ def _batch_public(batch: Batch, counts: tuple[int, int], usage: tuple[int, int, 
         cancelled_at=_ts(batch.cancelled_at),
         request_counts=BatchRequestCounts(total=batch.request_total, completed=counts[0], failed=counts[1]),
         usage=BatchUsage(input_tokens=prompt, input_tokens_details=InputTokensDetails(cached_tokens=cached),
-                         output_tokens=completion, output_tokens_details=OutputTokensDetails(),
+                         output_tokens=completion, output_tokens_details=OutputTokensDetails(reasoning_tokens=reasoning),
                          total_tokens=prompt + completion),
         metadata=dict(batch.metadata_ or {}) or None)
 

@@ -65,14 +65,15 @@ def numbered_lines(session: Session, batch: Batch, kind: Kind, after: int = 0,
     """(input line number, JSONL text) of the batch's output or error lines past line `after`,
     in input order, at most `limit` of them (a page: see batch_line_pages)."""
     if kind == "output":
-        query = (select(Job, Result, Usage.cached_tokens).join(Result, Result.job_id == Job.id)
+        query = (select(Job, Result, Usage.cached_tokens, Usage.reasoning_tokens).join(Result, Result.job_id == Job.id)
                  .outerjoin(Usage, Usage.job_id == Job.id)
                  .where(Job.batch_id == batch.id, Job.status == "succeeded", Job.batch_line > after)
                  .order_by(Job.batch_line).limit(limit).execution_options(yield_per=FETCH_ROWS))
-        for job, result, cached_tokens in session.execute(query):
+        for job, result, cached_tokens, reasoning_tokens in session.execute(query):
             yield job.batch_line, _dump({"id": line_id(job.id), "custom_id": job.custom_id,
                                          "response": {"status_code": 200, "request_id": job.id,
-                                                      "body": response_body(job, result, cached_tokens or 0)},
+                                                      "body": response_body(job, result, cached_tokens or 0,
+                                                                            reasoning_tokens)},
                                          "error": None})
         return
     if batch.expired_at is not None:

@@ -53,6 +53,9 @@ class ValidLine:
         shape = parsed.shape.to_dict()
         if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.response_shape)
             params["shape"] = shape
+        reasoning = getattr(parsed, "reasoning", None)
+        if reasoning is not None:   # the thinking split out of its body (rein.openai.reasoning)
+            params["reasoning"] = reasoning.to_dict()
         if isinstance(parsed, ParsedEmbeddings):   # an embeddings line's inputs (rein.store.messages)
             params["input_lengths"] = parsed.input_lengths
         if self.prepared.tool_parser is not None:   # how its tool calls are read (rein.openai.tool_call_parsers)

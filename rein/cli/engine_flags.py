@@ -68,9 +68,12 @@ def engine_config_from_args(args: argparse.Namespace, command: str,
 def build_engine(args: argparse.Namespace, command: str):
     """The engine for these args; configuration and model errors become `CLIError`."""
     from rein.engine.engine import LLMEngine
+    from rein.openai.reasoning import check_parser_names
 
     try:
-        return LLMEngine(engine_config_from_args(args, command))
+        config = engine_config_from_args(args, command)
+        check_parser_names(config.reasoning_parser)   # before the model loads: a typo costs no wait
+        return LLMEngine(config)
     except (ValueError, FileNotFoundError) as exc:  # bad sizes, missing model, capacity errors, SettingsError
         raise CLIError(str(exc)) from exc
 

@@ -3,8 +3,9 @@
 The model (plus a locally trained byte-level BPE tokenizer) loads with transformers'
 Auto classes and with rein; see rein.fixtures.tiny_model. `--embedding` writes an embedding model
 shaped like Qwen3-Embedding (sentence-transformers pooling files; `--pooling` picks the
-pooling, last token by default; the arch defaults to qwen3). torch is imported only when the command
-runs, so `rein --help` stays fast.
+pooling, last token by default; the arch defaults to qwen3). `--thinking` gives the tokenizer
+<think> and </think> tokens and Qwen3's chat template (a reasoning model's, for --reasoning-parser).
+torch is imported only when the command runs, so `rein --help` stays fast.
 """
 
 from __future__ import annotations
@@ -44,6 +45,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--pooling", choices=EMBEDDING_POOLINGS, default=None,
         help="with --embedding: how the model pools its hidden states (default: last)",
     )
+    parser.add_argument(
+        "--thinking", action="store_true",
+        help="a reasoning model's tokenizer: <think> and </think> tokens, Qwen3's chat template (enable_thinking)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -53,7 +58,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     embedding = (args.pooling or "last") if args.embedding else None
     arch = args.arch or ("qwen3" if args.embedding else "llama")
-    out = make_tiny_model(args.dir, arch=arch, seed=args.seed, preset=args.preset, embedding=embedding)
+    out = make_tiny_model(args.dir, arch=arch, seed=args.seed, preset=args.preset, embedding=embedding,
+                          thinking=args.thinking)
     info = model_summary(out)
     print(out)
     kind = f"embedding pooling={embedding} " if embedding else ""

@@ -435,6 +435,10 @@ class Settings(BaseSettings):
     """The format tool calls are read from in auto-mode answers (vLLM's names: hermes, llama3_json,
     mistral, qwen3_coder); unset: the one the model's chat template teaches, else hermes
     (rein.openai.tool_call_parsers). The API and `rein run-batch` read it."""
+    reasoning_parser: str | None = None
+    """vLLM's --reasoning-parser: `deepseek_r1` or `qwen3` splits a reasoning model's thinking into
+    `reasoning_content` (rein.openai.reasoning). One name applies to every served model; with several,
+    `name=parser,...` sets it per model (a model left out has none). Unset: no parser."""
     trust_remote_code: bool = False
     """Let transformers run the Python code of a model or tokenizer whose config needs it (`auto_map`)."""
     tensor_parallel_size: int = Field(1, ge=1)
@@ -595,7 +599,8 @@ ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "interactive_step_bud
                  "kv_cache_memory", "gpu_memory_utilization", "device", "dtype", "kv_cache_dtype", "block_size",
                  "enforce_eager", "enable_prefix_caching", "seed", "generation_config", "model_impl", "tokenizer",
                  "revision", "tokenizer_revision", "chat_template", "trust_remote_code", "tensor_parallel_size",
-                 "quantization", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank", "tool_call_parser")
+                 "quantization", "reasoning_parser", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank",
+                 "tool_call_parser")
 
 
 class _EngineSettingsBase(BaseSettings):

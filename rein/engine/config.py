@@ -89,6 +89,9 @@ class EngineConfig:
     (None: max_loras) loaded adapters are kept in host memory for later requests, and adapters of
     rank above `max_lora_rank` are refused. Under tensor parallelism each rank holds its shard of
     every adapter (rein.model.lora.sharding).
+    reasoning_parser (vLLM's name): deepseek_r1 or qwen3, read where chat bodies are built
+    (rein.openai.reasoning); the engine itself needs only each request's end-of-think token
+    (SamplingParams.structured_after_token_id).
     """
 
     model: str
@@ -119,6 +122,7 @@ class EngineConfig:
     max_loras: int = 8
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         check_generation_config(self.generation_config)   # a ValueError naming the choices

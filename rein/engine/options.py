@@ -134,6 +134,11 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("trust_remote_code", "let transformers run the Python code of a model or tokenizer whose "
                  "config needs it (auto_map); without it such a model is refused", boolean=True,
                  commands=(WORKER, *OFFLINE, API)),
+    # Read where chat bodies are built (the API, run-batch); a worker's engine learns each request's
+    # end-of-think token from its sampling params.
+    EngineOption("reasoning_parser", "split a reasoning model's thinking into reasoning_content: deepseek_r1 or "
+                 "qwen3 (vLLM's names); with several served models, name=parser,... per model",
+                 str, "PARSER", shown_default="none", commands=(*OFFLINE, API)),
     # LoRA (issue 44), vLLM's flags. The API checks adapters' ranks against --max-lora-rank.
     EngineOption("enable_lora", "serve LoRA adapters beside the base model (requests name one as their "
                  "model; on by itself when --lora-modules or REIN_LORA_MODULES names one)", boolean=True,

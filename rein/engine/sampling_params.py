@@ -53,7 +53,9 @@ class SamplingParams:
     constrains the output to a grammar: {"type": "json_schema", "schema": {...}},
     {"type": "json_object"}, {"type": "regex", "pattern": str}, {"type": "choice",
     "choices": [str, ...]} or {"type": "grammar", "grammar": str} (plain JSON, so it
-    travels in the queue message as it is).
+    travels in the queue message as it is). `structured_after_token_id`: a reasoning model's
+    end-of-think token; the constraint applies only to the tokens after it (vLLM's structured
+    outputs with a reasoning parser), None: from the first token.
     """
 
     max_tokens: int = 16
@@ -75,6 +77,7 @@ class SamplingParams:
     min_tokens: int = 0
     prompt_logprobs: int | None = None
     structured: dict | None = None
+    structured_after_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -90,8 +90,8 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Pre
     elif endpoint == RESPONSES:
         # Runs as the chat body it translates to; the job keeps the Responses body (`body`).
         parsed = parse_responses_request(body, entry.tokenizer, entry.max_model_len, entry.generation_defaults,
-                                         entry.tool_call_parser)
+                                         entry.tool_call_parser, entry.reasoning)
     else:
         parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults,
-                               entry.tool_call_parser)
+                               entry.tool_call_parser, entry.reasoning)
     return Prepared(entry, endpoint, body, parsed)

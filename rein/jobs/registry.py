@@ -31,6 +31,7 @@ from rein.jobs.adapters import AdapterCatalog, AdapterRef
 from rein.model.files import resolve_model
 from rein.model.tokenizer_files import TokenizerOptions
 from rein.openai.tool_call_parsers import detect_tool_call_parser
+from rein.openai.reasoning import ModelReasoning, ReasoningParserError, parsers_by_model
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class ModelEntry:
     tool_call_parser: str = HERMES
     """The format of its auto tool answers: REIN_TOOL_CALL_PARSER, else its chat template's
     (rein.openai.tool_call_parsers)."""
+    reasoning: ModelReasoning | None = None
+    """Its reasoning parser (REIN_REASONING_PARSER, rein.openai.reasoning); None: none."""
 
     @property
     def queue_model(self) -> str:
@@ -71,8 +74,13 @@ class ModelRegistry:
     def load(cls, settings: Settings) -> ModelRegistry:
         """The served models; LoRA adapters are REIN_LORA_MODULES' until `adapters` is given a
         catalog that also reads Postgres (the API's)."""
+        try:
+            parsers = parsers_by_model(settings.reasoning_parser, [model.name for model in settings.models])
+        except ReasoningParserError as exc:
+            raise ModelLoadError(str(exc)) from None
         return cls([load_model(model, settings.generation_config, settings.max_model_len,
-                               TokenizerOptions.of(settings), settings.revision, settings.tool_call_parser)
+                               TokenizerOptions.of(settings), settings.revision, settings.tool_call_parser,
+                               parsers.get(model.name))
                     for model in settings.models], AdapterCatalog.from_settings(settings))
 
     def get(self, name: str) -> ModelEntry | None:
@@ -96,10 +104,11 @@ class ModelRegistry:
 
 def load_model(model: ServedModel, generation_config: str = "auto", max_model_len: int | str | None = None,
                tokenizer_options: TokenizerOptions | None = None, revision: str | None = None,
-               tool_call_parser: str | None = None) -> ModelEntry:
+               tool_call_parser: str | None = None, reasoning_parser: str | None = None) -> ModelEntry:
     """`max_model_len`: REIN_MAX_MODEL_LEN (the entry's @N comes first); `tokenizer_options` (default:
     the model's tokenizer as it is) and `revision`: REIN_TOKENIZER and the rest, REIN_REVISION;
-    `tool_call_parser`: REIN_TOOL_CALL_PARSER (None: the one the chat template teaches)."""
+    `tool_call_parser`: REIN_TOOL_CALL_PARSER (None: the one the chat template teaches);
+    `reasoning_parser`: its reasoning parser's name (REIN_REASONING_PARSER), None: none."""
     tokenizer_options = tokenizer_options or TokenizerOptions()
     try:
         files = resolve_model(model.source, weights=False, revision=revision)
@@ -126,8 +135,15 @@ def load_model(model: ServedModel, generation_config: str = "auto", max_model_le
     parser = tool_call_parser or detect_tool_call_parser(getattr(tokenizer, "chat_template", None))
     log.info("model %s: tool calls parsed as %s%s", model.name, parser,
              "" if tool_call_parser else " (from its chat template)")
+    reasoning = None
+    if reasoning_parser is not None:
+        try:
+            reasoning = ModelReasoning.of(reasoning_parser, tokenizer, f"model {model.name!r}")
+        except ReasoningParserError as exc:
+            raise ModelLoadError(str(exc)) from None
+        log.info("model %s: reasoning parser %s", model.name, reasoning_parser)
     return ModelEntry(model.name, model.source, tokenizer, max_model_len, defaults, directory,
-                      tool_call_parser=parser)
+                      tool_call_parser=parser, reasoning=reasoning)
 
 
 def _config_max_len(directory: Path) -> int | None:

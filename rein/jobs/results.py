@@ -6,6 +6,7 @@ from typing import Any
 
 from rein.openai.embeddings import job_embeddings_body
 from rein.openai.endpoints import EMBEDDINGS, RESPONSES, generated_as
+from rein.openai.reasoning import Reasoning, apply_reasoning
 from rein.openai.response import build_response
 from rein.openai.responses import chat_body
 from rein.openai.responses_body import response_from_chat
@@ -13,11 +14,13 @@ from rein.openai.tools import apply_tool_calls
 from rein.store.tables import Job, Result
 
 
-def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str, Any]:
+def response_body(job: Job, result: Result, cached_tokens: int = 0,
+                  reasoning_tokens: int | None = None) -> dict[str, Any]:
     """The OpenAI body of a finished job, exactly as the synchronous endpoint returns it.
 
     `created` is the job's finish time; the id is the job id with OpenAI's prefix;
-    `cached_tokens` comes from the job's usage row.
+    `cached_tokens` and `reasoning_tokens` come from the job's usage row (reasoning_tokens None:
+    counted from the stored token ids, the first choice's).
     """
     if job.endpoint == EMBEDDINGS:
         return job_embeddings_body(job, result.response)
@@ -30,6 +33,9 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
     if result.response:   # n > 1, echo, prompt logprobs: the choices and usage the worker built
         body.update(result.response)
     params = job.params or {}
+    # The thinking split out of the answer first: tool calls are parsed from what follows it.
+    body = apply_reasoning(body, Reasoning.from_dict(params.get("reasoning")), [list(result.token_ids)],
+                           reasoning_tokens)
     request, parser = params.get("body"), params.get("tool_parser")   # the tool call format stored at submission
     if job.endpoint == RESPONSES:   # the chat body it ran as, then the `response` (rein.openai.responses)
         created = job.created_at or finished

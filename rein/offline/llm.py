@@ -74,6 +74,7 @@ from rein.offline.prompts import (
 )
 from rein.openai.errors import RequestError
 from rein.openai.prompts import chat_prompt
+from rein.openai.reasoning import check_parser_names
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
@@ -117,7 +118,8 @@ class LLM:
     `trust_remote_code` (let
     transformers run the code of a model or tokenizer whose config needs it; without it such a
     model raises ValueError saying so), `enable_lora`, `max_loras`, `max_cpu_loras`, `max_lora_rank`
-    (LoRA adapters, then named per prompt by `generate`'s and `chat`'s `lora_request`). rein's own: `device` ("auto", "cuda",
+    (LoRA adapters, then named per prompt by `generate`'s and `chat`'s `lora_request`),
+    `reasoning_parser` (checked; as in vLLM, `chat` returns the raw text, thinking included). rein's own: `device` ("auto", "cuda",
     "cuda:N", "cpu"), `kv_cache_memory` (bytes or a size such as "4GiB"; vLLM's
     `kv_cache_memory_bytes` is accepted for it), and `max_in_flight` (requests in the engine
     at once; default 4 x max_num_seqs). An engine argument not given takes its REIN_*
@@ -164,6 +166,7 @@ class LLM:
         max_loras: int = 8,
         max_cpu_loras: int | None = None,
         max_lora_rank: int = 16,
+        reasoning_parser: str | None = None,
         pipeline_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
@@ -187,6 +190,7 @@ class LLM:
             raise ValueError(f"max_in_flight must be at least 1, got {max_in_flight}")
         # A keyword given > its REIN_* variable > the default (rein.engine.options).
         config = EngineConfig(model=str(model), **resolve_engine_values(given, names=ENGINE_OPTION_NAMES))
+        check_parser_names(config.reasoning_parser)   # ValueError naming the choices
         self.engine: LLMEngine = LLMEngine(config)
         self.generation_defaults = load_generation_defaults(self.engine.model_dir, config.generation_config)
         log.info("generation defaults for model %s: %s", model, self.generation_defaults.describe())

@@ -56,6 +56,7 @@ from rein.openai.choices_response import full_response
 from rein.openai.endpoints import EMBEDDINGS, RESPONSES, generated_as
 from rein.openai.engine_errors import request_error
 from rein.openai.errors import RequestError
+from rein.openai.reasoning import ModelReasoning, apply_reasoning, parsers_by_model
 from rein.openai.request import ParsedRequest, parse_request
 from rein.openai.response import build_response
 from rein.openai.responses import chat_body, parse_responses_request
@@ -186,6 +187,9 @@ class BatchRun:
             raise ValueError(f"order {order!r}: want one of {', '.join(ORDERS)}")
         self.engine = engine
         self.model_name = model_name
+        # --reasoning-parser (ReasoningParserError, a ValueError, for a bad name or a model without its tags).
+        parser = parsers_by_model(engine.config.reasoning_parser, [model_name]).get(model_name)
+        self.reasoning = ModelReasoning.of(parser, engine.tokenizer, f"model {model_name!r}") if parser else None
         # Lines whose model names a LoRA adapter run under it (name -> LoRARequest).
         self.adapters = adapters or {}
         self.max_in_flight = max(1, max_in_flight)
@@ -241,10 +245,11 @@ class BatchRun:
         try:
             if batch_line.url == RESPONSES:   # runs as chat (rein.openai.responses)
                 parsed = parse_responses_request(batch_line.body, self.engine.tokenizer, self.engine.max_model_len,
-                                                 self.generation_defaults, self.tool_call_parser)
+                                                 self.generation_defaults, self.tool_call_parser, self.reasoning)
             else:
                 parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer,
-                                       self.engine.max_model_len, self.generation_defaults, self.tool_call_parser)
+                                       self.engine.max_model_len, self.generation_defaults, self.tool_call_parser,
+                                       self.reasoning)
         except RequestError as exc:
             self.fail(custom_id, line_number, exc.code, exc.message)
             return None
@@ -288,6 +293,8 @@ class BatchRun:
             body = full_response(generated_as(pending.endpoint), done.request_id, pending.model_name, done,
                                  parsed.prompt_token_ids, self.engine.tokenizer, parsed.logprobs_mode, parsed.shape,
                                  int(time.time()))
+        # The thinking split out first (rein.openai.reasoning): tool calls come from what follows it.
+        body = apply_reasoning(body, parsed.reasoning, [c.token_ids for c in done.ordered()])
         if pending.endpoint == RESPONSES:
             chat = apply_tool_calls(body, chat_body(pending.request_body), self.tool_call_parser)
             body = response_from_chat(chat, pending.request_body, done.request_id)

@@ -58,6 +58,7 @@ from rein.openai.limits import (
     MIN_REPETITION_PENALTY,
 )
 from rein.openai.prompts import chat_prompt, check_token_ids, completion_prompt
+from rein.openai.reasoning import ModelReasoning, Reasoning
 from rein.openai.response_shape import ResponseShape
 from rein.openai.structured_fields import structured_from_body
 from rein.openai.tool_request import parse_tools, sampling_fields
@@ -76,15 +77,20 @@ class ParsedRequest:
     stream: bool = False
     # n > 1, best_of, echo, prompt logprobs: how the choices become the body (rein.openai.response_shape).
     shape: ResponseShape = field(default_factory=ResponseShape)
+    # A chat request to a model with a reasoning parser (rein.openai.reasoning); None: no parser.
+    reasoning: Reasoning | None = None
 
 
 def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model_len: int,
-                  defaults: GenerationDefaults | None = None, tool_parser: str | None = None) -> ParsedRequest:
+                  defaults: GenerationDefaults | None = None, tool_parser: str | None = None,
+                  reasoning: ModelReasoning | None = None) -> ParsedRequest:
     """Turn one OpenAI request body into prompt token ids and sampling params.
 
     `defaults` (the model's generation_config.json, rein.engine.generation_defaults) fill the
     sampling fields the body leaves out (or sets to null); without them, rein's built-in ones.
     `tool_parser`: the format of auto tool answers (rein.openai.tool_call_parsers; None: hermes).
+    `reasoning`: the model's reasoning parser (chat only): the answer's thinking is split out,
+    and a structured output applies after it.
     """
     default = defaults.get if defaults is not None else (lambda _name, builtin: builtin)
     if endpoint not in ENDPOINTS:
@@ -164,12 +170,15 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
     }
     if tool_request is not None:   # after any response_format's fields["structured"]: the two conflict
         sampling_fields(fields, tool_request)
+    request_reasoning = reasoning.for_prompt(prompt) if chat and reasoning is not None else None
+    if fields["structured"] is not None and request_reasoning is not None and not request_reasoning.ended_in_prompt:
+        fields["structured_after_token_id"] = request_reasoning.end_token_id   # the answer after the thinking
     try:
         params = SamplingParams(**fields)
     except SamplingParamsError as exc:   # max_tokens never: _max_tokens checked it
         param = "top_logprobs" if chat and exc.param == "logprobs" else exc.param
         raise RequestError(str(exc), param) from exc
-    return ParsedRequest(prompt, params, model, logprobs_mode, stream, shape)
+    return ParsedRequest(prompt, params, model, logprobs_mode, stream, shape, request_reasoning)
 
 
 def _max_tokens(body: dict[str, Any], prompt_tokens: int, max_model_len: int, chat: bool) -> tuple[int, str]:

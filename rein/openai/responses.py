@@ -349,12 +349,13 @@ def check_metadata(value: Any) -> None:
 
 
 def parse_responses_request(body: Any, tokenizer: Any, max_model_len: int,
-                            generation_defaults: Any = None, tool_parser: str | None = None) -> ParsedRequest:
+                            generation_defaults: Any = None, tool_parser: str | None = None,
+                            reasoning: Any = None) -> ParsedRequest:
     """A Responses request parsed as the chat request it runs as (rein.openai.request.parse_request);
     its errors name the Responses fields."""
     try:
         return parse_request(CHAT_COMPLETIONS, chat_body(body), tokenizer, max_model_len, generation_defaults,
-                             tool_parser)
+                             tool_parser, reasoning)
     except RequestError as exc:
         raise responses_error(exc) from None
 

@@ -250,6 +250,8 @@ class Usage(Base):
     completion_tokens: Mapped[int]
     cached_tokens: Mapped[int] = mapped_column(server_default=text("0"))
     """Prompt tokens served from the prefix cache (a subset of prompt_tokens)."""
+    reasoning_tokens: Mapped[int] = mapped_column(server_default=text("0"))
+    """Completion tokens of a reasoning model's thinking (rein.openai.reasoning; 0 without a parser)."""
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
 
     job: Mapped[Job] = relationship(back_populates="usage")

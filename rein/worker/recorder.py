@@ -69,6 +69,7 @@ class JobRecord:
     prompt_tokens: int | None = None              # None: no usage row (the engine never had it)
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning_tokens: int = 0                     # of completion_tokens, a reasoning model's thinking
     first_token_at: datetime | None = None
     error: dict[str, Any] | None = None           # {"message", "type", "code"} when failed
     # Body parts beyond the plain one-choice answer (rein.openai.choices_response.response_extra, or an
@@ -96,7 +97,8 @@ def record_job(sessions: sessionmaker[Session], lease: Lease, record: JobRecord,
         record.status, record.first_token_at, _json(record.error), lease.job_id, lease.attempt,
         record.text, record.finish_reason, _int_array(record.token_ids),
         _json(record.logprobs), _json(record.response), has_result,
-        prompt_tokens, record.completion_tokens, min(record.cached_tokens, prompt_tokens), has_usage))
+        prompt_tokens, record.completion_tokens, min(record.cached_tokens, prompt_tokens), record.reasoning_tokens,
+        has_usage))
     return row is not None and row[0] == 1
 
 
@@ -111,7 +113,7 @@ def record_jobs(sessions: sessionmaker[Session], records: list[tuple[Lease, JobR
         params += (lease.job_id, lease.attempt, record.status, record.first_token_at, _json(record.error),
                    record.text, record.finish_reason, _int_array(record.token_ids), _json(record.logprobs),
                    _json(record.response), record.finish_reason is not None, prompt_tokens,
-                   record.completion_tokens, min(record.cached_tokens, prompt_tokens),
+                   record.completion_tokens, min(record.cached_tokens, prompt_tokens), record.reasoning_tokens,
                    record.prompt_tokens is not None)
     sql = _RECORD_MANY_SQL.format(values=",".join([_RECORD_MANY_ROW] * len(records)))
     run = db.execute_all if db is not None else partial(execute_all, engine_of(sessions))
@@ -179,8 +181,9 @@ WITH done AS (
     SELECT id, %s, %s, %s::integer[], %s::jsonb, %s::jsonb FROM done WHERE %s
     ON CONFLICT (job_id) DO NOTHING
 ), usage_row AS (
-    INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_tokens, cached_tokens)
-    SELECT id, tenant, key_id, model, %s, %s, %s FROM done WHERE %s
+    INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_tokens, cached_tokens,
+                       reasoning_tokens)
+    SELECT id, tenant, key_id, model, %s, %s, %s, %s FROM done WHERE %s
     ON CONFLICT (job_id) DO NOTHING
 )
 SELECT count(*) FROM done"""
@@ -189,10 +192,10 @@ SELECT count(*) FROM done"""
 # record_jobs: the same writes for several jobs, their values in one VALUES list.
 _RECORD_MANY_ROW = ("(%s::text, %s::integer, %s::text, %s::timestamptz, %s::jsonb, %s::text, %s::text, "
                     "%s::integer[], %s::jsonb, %s::jsonb, %s::boolean, %s::integer, %s::integer, %s::integer, "
-                    "%s::boolean)")
+                    "%s::integer, %s::boolean)")
 _RECORD_MANY_SQL = """
 WITH input (id, attempt, status, first_token_at, error, text, finish_reason, token_ids, logprobs, response,
-            has_result, prompt_tokens, completion_tokens, cached_tokens, has_usage) AS (VALUES {values}
+            has_result, prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens, has_usage) AS (VALUES {values}
 ), done AS (
     UPDATE jobs SET status = input.status, finished_at = now(), first_token_at = input.first_token_at,
                     error = input.error, lease_expires_at = NULL
@@ -200,14 +203,16 @@ WITH input (id, attempt, status, first_token_at, error, text, finish_reason, tok
      WHERE jobs.id = input.id AND jobs.attempt = input.attempt AND jobs.status = 'running'
     RETURNING jobs.id, jobs.tenant, jobs.key_id, jobs.model, input.text, input.finish_reason, input.token_ids,
               input.logprobs, input.response, input.has_result, input.prompt_tokens, input.completion_tokens,
-              input.cached_tokens, input.has_usage
+              input.cached_tokens, input.reasoning_tokens, input.has_usage
 ), result_row AS (
     INSERT INTO results (job_id, text, finish_reason, token_ids, logprobs, response)
     SELECT id, text, finish_reason, token_ids, logprobs, response FROM done WHERE has_result
     ON CONFLICT (job_id) DO NOTHING
 ), usage_row AS (
-    INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_tokens, cached_tokens)
-    SELECT id, tenant, key_id, model, prompt_tokens, completion_tokens, cached_tokens FROM done WHERE has_usage
+    INSERT INTO usage (job_id, tenant, key_id, model, prompt_tokens, completion_tokens, cached_tokens,
+                       reasoning_tokens)
+    SELECT id, tenant, key_id, model, prompt_tokens, completion_tokens, cached_tokens, reasoning_tokens
+      FROM done WHERE has_usage
     ON CONFLICT (job_id) DO NOTHING
 )
 SELECT id FROM done"""

@@ -47,6 +47,7 @@ from rein.jobs.results import response_logprobs
 from rein.openai.choices_response import response_extra
 from rein.openai.endpoints import EMBEDDINGS
 from rein.openai.engine_errors import job_error_code
+from rein.openai.reasoning import Reasoning, reasoning_token_count
 from rein.openai.response import usage_body
 from rein.openai.response_shape import ResponseShape, returned_choices
 from rein.store.messages import JobMessage
@@ -265,13 +266,16 @@ def job_record(message: JobMessage, endpoint: str, collected: RequestResult, par
                       if collected.first_token_at is not None else None)
     shape = ResponseShape.from_dict(message.shape)
     gathered = collected
+    # Every generated choice's thinking (best_of's too, billed like the rest of their tokens).
+    reasoning = Reasoning.from_dict(message.reasoning)
+    reasoning_tokens = sum(reasoning_token_count(reasoning, c.token_ids) for c in gathered.ordered()) if reasoning else 0
     if shape.plain and len(gathered.choices) <= 1:
         return JobRecord(
             status=status, error=error, text=collected.text, token_ids=collected.token_ids, finish_reason=final.finish_reason,
             logprobs=response_logprobs(endpoint, collected.logprobs if params.logprobs is not None else None,
                                        tokenizer, message.logprobs_mode),
             prompt_tokens=final.num_prompt_tokens, completion_tokens=final.num_output_tokens,
-            cached_tokens=final.num_cached_tokens, first_token_at=first_token_at)
+            cached_tokens=final.num_cached_tokens, reasoning_tokens=reasoning_tokens, first_token_at=first_token_at)
     extra = response_extra(endpoint, gathered, message.prompt_token_ids, tokenizer, message.logprobs_mode, shape)
     first = returned_choices(gathered.ordered(), shape)[0]
     return JobRecord(
@@ -280,7 +284,8 @@ def job_record(message: JobMessage, endpoint: str, collected: RequestResult, par
         finish_reason="abort" if final.finish_reason == "abort" else first.finish_reason or final.finish_reason,
         logprobs=extra["choices"][0]["logprobs"] if extra else None,
         prompt_tokens=final.num_prompt_tokens, completion_tokens=gathered.completion_tokens,
-        cached_tokens=final.num_cached_tokens, first_token_at=first_token_at, response=extra)
+        cached_tokens=final.num_cached_tokens, reasoning_tokens=reasoning_tokens, first_token_at=first_token_at,
+        response=extra)
 
 
 def _wait(context: WorkerContext, job_id: str, stream: CollectingStream, deadline: float) -> bool:

@@ -42,7 +42,8 @@ def parse(command: str, *argv: str) -> argparse.Namespace:
 def test_the_commands_share_one_set_of_options(capsys):
     offline = engine_flags("run-batch")
     assert offline - {"--tool-call-parser"} == engine_flags("generate")     # generate takes no tools
-    assert offline - engine_flags("worker") == {"--generation-config", "--tool-call-parser"}   # the API applies those
+    assert offline - engine_flags("worker") == {"--generation-config", "--reasoning-parser",
+                                                "--tool-call-parser"}   # the API applies those
     assert {"--max-model-len", "--max-num-seqs", "--max-num-batched-tokens", "--interactive-step-budget",
             "--gpu-memory-utilization",
             "--kv-cache-memory", "--kv-cache-dtype", "--dtype", "--device", "--block-size", "--enable-prefix-caching",
@@ -50,13 +51,13 @@ def test_the_commands_share_one_set_of_options(capsys):
             "--generation-config", "--model-impl", "--tokenizer", "--revision", "--tokenizer-revision",
             "--chat-template", "--trust-remote-code", "--no-trust-remote-code", "--tensor-parallel-size",
             "--quantization", "--enable-lora", "--no-enable-lora", "--max-loras", "--max-cpu-loras",
-            "--max-lora-rank", "--tool-call-parser"} == offline
+            "--max-lora-rank", "--reasoning-parser", "--tool-call-parser"} == offline
     # what intake applies: the context length, sampling defaults, the tokenizer and template it encodes
     # with, and what it checks LoRA adapters against
     assert engine_flags("api") == {"--max-model-len", "--generation-config", "--tokenizer", "--revision",
                                    "--tokenizer-revision", "--chat-template", "--trust-remote-code",
                                    "--no-trust-remote-code", "--enable-lora", "--no-enable-lora",
-                                   "--max-lora-rank", "--tool-call-parser"}
+                                   "--max-lora-rank", "--reasoning-parser", "--tool-call-parser"}
     for command in ("worker", "run-batch", "generate", "api"):
         with pytest.raises(SystemExit):
             build_parser().parse_args([command, "--help"])

@@ -69,7 +69,7 @@ def job_public(job: Job) -> JobPublic:
     response = None
     if job.status == "succeeded" and job.result is not None:
         response = JobResponse(status_code=200, body=response_body(
-            job, job.result, usage.cached_tokens if usage else 0))
+            job, job.result, usage.cached_tokens if usage else 0, usage.reasoning_tokens if usage else None))
     error = JobError(**{k: job.error.get(k) for k in ("message", "type", "code")}) \
         if job.status == "failed" and job.error else None
     return JobPublic(
@@ -85,7 +85,7 @@ def job_public(job: Job) -> JobPublic:
             total_seconds=seconds_between(job.queued_at, job.finished_at)),
         usage=JobUsage(prompt_tokens=usage.prompt_tokens, completion_tokens=usage.completion_tokens,
                        total_tokens=usage.prompt_tokens + usage.completion_tokens,
-                       cached_tokens=usage.cached_tokens) if usage else None,
+                       cached_tokens=usage.cached_tokens, reasoning_tokens=usage.reasoning_tokens) if usage else None,
         response=response, error=error)
 
 

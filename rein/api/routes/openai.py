@@ -62,6 +62,7 @@ from rein.jobs.registry import ModelEntry
 from rein.jobs.results import response_body
 from rein.openai.choices_response import full_response
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES, generated_as
+from rein.openai.reasoning import Reasoning, apply_reasoning
 from rein.openai.response import build_response
 from rein.openai.response_shape import ResponseShape
 from rein.openai.responses import chat_body
@@ -170,7 +171,8 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
     if release is not None and endpoint == RESPONSES:
         return SlotStreamingResponse(
             responses_event_stream(events, job_id=job.id, model=job.model, prompt_tokens=job.prompt_tokens,
-                                   request_body=body, tool_parser=(job.params or {}).get("tool_parser")),
+                                   request_body=body, tool_parser=(job.params or {}).get("tool_parser"),
+                                   reasoning=Reasoning.from_dict((job.params or {}).get("reasoning"))),
             release, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             on_abandon=lambda: _abandon_in_background(request, key, job.id))
     if release is not None:
@@ -179,7 +181,8 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
             openai_chunk_stream(events, endpoint=endpoint, job_id=job.id, model=job.model,
                                 prompt_tokens=job.prompt_tokens,
                                 include_usage=bool(options.get("include_usage")), n=shape.n, echo=shape.echo,
-                                request_body=body, tool_parser=(job.params or {}).get("tool_parser")),
+                                request_body=body, tool_parser=(job.params or {}).get("tool_parser"),
+                                reasoning=Reasoning.from_dict((job.params or {}).get("reasoning"))),
             release, media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
             on_abandon=lambda: _abandon_in_background(request, key, job.id))
 
@@ -222,6 +225,8 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
             choice.finish_reason = choice.finish_reason or final.data.get("finish_reason")
         response = full_response(generated_as(endpoint), job.id, job.model, gathered, list(job.prompt_token_ids),
                                  tokenizer, None, shape)
+    reasoning = Reasoning.from_dict((job.params or {}).get("reasoning"))
+    response = apply_reasoning(response, reasoning, [gathered.choice(i).token_ids for i in sorted(gathered.choices)])
     parser = (job.params or {}).get("tool_parser")
     if endpoint == RESPONSES:
         return JSONResponse(response_from_chat(apply_tool_calls(response, chat_body(body), parser), body, job.id))
@@ -305,7 +310,9 @@ async def _wait_for_record(load: Any) -> Job | None:
 
 def _stored_response(job: Job) -> Any:
     if job.status == "succeeded" and job.result is not None:
-        return JSONResponse(response_body(job, job.result, job.usage.cached_tokens if job.usage else 0))
+        usage = job.usage
+        return JSONResponse(response_body(job, job.result, usage.cached_tokens if usage else 0,
+                                          usage.reasoning_tokens if usage else None))
     if job.status == "failed":
         error = job.error or {}
         status = 400 if error.get("type") == "invalid_request_error" else 500

@@ -109,16 +109,31 @@ class GrammarNotReady(RuntimeError):
 
 
 class RequestGrammar:
-    """One request's (or one choice's) position in its grammar."""
+    """One request's (or one choice's) position in its grammar.
 
-    __slots__ = ("matcher", "spec")
+    `waits_for`: a reasoning model's end-of-think token (SamplingParams.structured_after_token_id):
+    until it is sampled the grammar is inactive (no mask, nothing consumed), so the thinking is
+    free and the constraint applies to the answer after it, as vLLM's reasoning-aware structured
+    outputs. None: active from the first token."""
 
-    def __init__(self, matcher: Any, spec: dict[str, Any]) -> None:
+    __slots__ = ("matcher", "spec", "waits_for")
+
+    def __init__(self, matcher: Any, spec: dict[str, Any], waits_for: int | None = None) -> None:
         self.matcher = matcher
         self.spec = spec
+        self.waits_for = waits_for
+
+    @property
+    def active(self) -> bool:
+        """Whether this step's token is constrained (the thinking, if any, is over)."""
+        return self.waits_for is None
 
     def accept(self, token: int) -> bool:
         """Advance past the sampled `token`; True when the request must end here."""
+        if self.waits_for is not None:
+            if token == self.waits_for:
+                self.waits_for = None   # the thinking ended: the grammar applies from the next token
+            return False
         matcher = self.matcher
         if not matcher.consume_token(token):
             log.warning("structured output: token %d is not allowed by the grammar (%s); ending the request",
@@ -133,7 +148,7 @@ class RequestGrammar:
 
     def fork(self) -> RequestGrammar:
         """An independent copy in the same state (an n > 1 choice's own matcher)."""
-        return RequestGrammar(self.matcher.deep_copy(), self.spec)
+        return RequestGrammar(self.matcher.deep_copy(), self.spec, self.waits_for)
 
 
 class StructuredDecoding:
@@ -167,12 +182,13 @@ class StructuredDecoding:
             raise GrammarNotReady("the grammar of this structured spec is still compiling")
         return self._matcher(future, spec)
 
-    def _matcher(self, future: Future[CompiledGrammar], spec: dict[str, Any]) -> RequestGrammar:
+    def _matcher(self, future: Future[CompiledGrammar], spec: dict[str, Any],
+                 waits_for: int | None = None) -> RequestGrammar:
         try:
             compiled = future.result()
         except GrammarError as exc:
             raise EngineRequestError(str(exc), param="structured") from None
-        return RequestGrammar(compiled.matcher(), spec)
+        return RequestGrammar(compiled.matcher(), spec, waits_for)
 
     # -- requests --------------------------------------------------------------------------
 
@@ -181,7 +197,7 @@ class StructuredDecoding:
         spec = request.sampling_params.structured
         future = self.cache.prefetch(spec)   # checked first, on the cache's thread (check_before_compile)
         if future.done():
-            request.grammar = self._matcher(future, spec)
+            request.grammar = self._matcher(future, spec, request.sampling_params.structured_after_token_id)
             return True
         self._held[request.request_id] = (request, future, time.monotonic())
         return False
@@ -209,7 +225,8 @@ class StructuredDecoding:
                     failed.append((request, reason))
                 continue
             try:
-                request.grammar = self._matcher(future, request.sampling_params.structured)
+                params = request.sampling_params
+                request.grammar = self._matcher(future, params.structured, params.structured_after_token_id)
             except EngineRequestError as exc:
                 log.error("request %s: %s", request_id, exc)
                 failed.append((request, str(exc)))
@@ -226,7 +243,7 @@ class StructuredDecoding:
 
     def apply_masks(self, logits: torch.Tensor, sampling: list[Request]) -> None:
         """Mask the logits rows of the constrained requests in `sampling` (row i is sampling[i])."""
-        rows = [i for i, r in enumerate(sampling) if r.grammar is not None]
+        rows = [i for i, r in enumerate(sampling) if r.grammar is not None and r.grammar.active]
         if not rows:
             return
         bitmask = self._mask_buffer(len(rows))
