@@ -12,8 +12,8 @@ from contextlib import aclosing
 from typing import Any
 
 from rein.api.streams import KEEPALIVE, StreamEvent, openai_chunk_stream
-from rein.openai.reasoning import Reasoning
 from rein.openai.endpoints import CHAT_COMPLETIONS
+from rein.openai.reasoning import Reasoning
 from rein.openai.responses import chat_body
 from rein.openai.responses_stream import ResponsesStream, sse_event
 

@@ -30,8 +30,8 @@ from rein.engine.generation_defaults import (
 from rein.jobs.adapters import AdapterCatalog, AdapterRef
 from rein.model.files import resolve_model
 from rein.model.tokenizer_files import TokenizerOptions
-from rein.openai.tool_call_parsers import detect_tool_call_parser
 from rein.openai.reasoning import ModelReasoning, ReasoningParserError, parsers_by_model
+from rein.openai.tool_call_parsers import detect_tool_call_parser
 
 log = logging.getLogger(__name__)
 
