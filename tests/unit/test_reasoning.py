@@ -208,7 +208,7 @@ SCHEMA = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type":
 
 def chat(tokenizer, reasoning, **fields):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, **fields}
-    return parse_request("/v1/chat/completions", body, tokenizer, 2048, None, reasoning)
+    return parse_request("/v1/chat/completions", body, tokenizer, 2048, None, reasoning=reasoning)
 
 
 def test_a_chat_request_to_a_reasoning_model(thinking_tokenizer):
@@ -233,7 +233,7 @@ def test_a_chat_request_to_a_reasoning_model(thinking_tokenizer):
     assert no_parser.reasoning is None and no_parser.params.structured_after_token_id is None
     plain = chat(thinking_tokenizer, model)
     assert plain.reasoning is not None and plain.params.structured_after_token_id is None
-    completion = parse_request("/v1/completions", {"prompt": "hi"}, thinking_tokenizer, 2048, None, model)
+    completion = parse_request("/v1/completions", {"prompt": "hi"}, thinking_tokenizer, 2048, None, reasoning=model)
     assert completion.reasoning is None
 
 
