@@ -52,6 +52,10 @@ class JobMessage:
     # The LoRA adapter it runs under (rein.jobs.adapters.AdapterRef.to_dict()), None: the base model.
     # `model` is then the base model, whose queue it waits on; the job row's `model` the adapter.
     lora: dict[str, Any] | None = None
+    # The batch it is a line of; None: a request through the API's intake (charged against its
+    # key's TPM when admitted, which the worker settles). Not its priority: a `service_tier:
+    # "flex"` request runs at batch priority and is still charged.
+    batch_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies the token ids, a fifth of an enqueue's CPU.
@@ -70,7 +74,8 @@ class JobMessage:
                    prompt_token_ids=list(job.prompt_token_ids), sampling=job.params["sampling"],
                    priority=job.priority, logprobs_mode=job.params.get("logprobs_mode"),
                    tenant=job.tenant, key_id=job.key_id, shape=job.params.get("shape"),
-                   input_lengths=job.params.get("input_lengths"), shard=getattr(job, "shard", 0), lora=lora)
+                   input_lengths=job.params.get("input_lengths"), shard=getattr(job, "shard", 0), lora=lora,
+                   batch_id=getattr(job, "batch_id", None))
 
 
 @dataclass
