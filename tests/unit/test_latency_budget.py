@@ -132,13 +132,20 @@ def test_an_aborted_waiting_interactive_request_stops_holding_batch_work_back():
 
 
 def test_the_setting_reaches_the_engine_config(monkeypatch):
-    from rein.engine.config import EngineConfig
+    from rein.engine.config import CPU_INTERACTIVE_STEP_BUDGET, EngineConfig
 
     monkeypatch.setenv("REIN_INTERACTIVE_STEP_BUDGET", "12")
     assert load_engine_settings().interactive_step_budget == 12
-    assert EngineConfig(model="m", device="cpu").interactive_step_budget is None
-    with pytest.raises(ValueError, match="interactive_step_budget"):
-        EngineConfig(model="m", device="cpu", interactive_step_budget=-1)
+    # auto (the default): on a CPU, where a step's time grows with its tokens; off on CUDA.
+    assert EngineConfig(model="m", device="cpu").interactive_step_budget == CPU_INTERACTIVE_STEP_BUDGET == 4
+    assert EngineConfig(model="m", device="cuda").interactive_step_budget is None
+    assert EngineConfig(model="m", device="cpu", interactive_step_budget="off").interactive_step_budget is None
+    assert EngineConfig(model="m", device="cpu", interactive_step_budget=0).interactive_step_budget == 0
+    for bad in (-1, "4", 2.5, True):
+        with pytest.raises(ValueError, match="interactive_step_budget"):
+            EngineConfig(model="m", device="cpu", interactive_step_budget=bad)
+    monkeypatch.setenv("REIN_INTERACTIVE_STEP_BUDGET", "off")
+    assert load_engine_settings().interactive_step_budget == "off"
 
 
 # -- through the engine --------------------------------------------------------------------------
