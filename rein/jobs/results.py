@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rein.core.priorities import is_interactive
 from rein.openai.embeddings import job_embeddings_body
 from rein.openai.endpoints import EMBEDDINGS
 from rein.openai.response import build_response
@@ -27,7 +28,12 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
     body["choices"][0]["logprobs"] = result.logprobs
     if result.response:   # n > 1, echo, prompt logprobs: the choices and usage the worker built
         body.update(result.response)
-    return apply_tool_calls(body, (job.params or {}).get("body"))   # tool calls out of the text (rein.openai.tools)
+    request = (job.params or {}).get("body")
+    body = apply_tool_calls(body, request)   # tool calls out of the text (rein.openai.tools)
+    if isinstance(request, dict) and request.get("service_tier") is not None:
+        # As OpenAI: the tier that ran it (rein.openai.priority), here when the request named one.
+        body["service_tier"] = "default" if is_interactive(job.priority) else "flex"
+    return body
 
 
 def response_logprobs(endpoint: str, logprobs: list[Any] | None, tokenizer: Any,

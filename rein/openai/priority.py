@@ -39,13 +39,6 @@ class RequestedPriority:
             raise RequestError(_BATCH_PRIORITY_TIER, "service_tier")
         return job_priority(self.priority, batch=batch_line or self.service_tier == "flex")
 
-    def echoed_tier(self, batch_line: bool = False) -> str | None:
-        """The `service_tier` a response names (OpenAI echoes the tier that ran it): None when the
-        body named none; "flex" for batch-class work; else "default"."""
-        if self.service_tier is None:
-            return None
-        return "flex" if batch_line or self.service_tier == "flex" else "default"
-
 
 _BATCH_PRIORITY_TIER = ('service_tier "priority" is not available to a batch line: batch lines run at batch '
                         'priority. Leave service_tier out (or use "auto", "default" or "flex"), or send the '

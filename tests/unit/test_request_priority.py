@@ -166,3 +166,22 @@ def test_a_better_priority_line_preempts_the_worst_running_one(tiny_models):
     assert {s.request.request_id for s in plans[-1].scheduled} == {"middle", "best"}
     while engine.has_unfinished():
         engine.step()
+
+
+def test_a_response_names_the_tier_that_ran_it_when_the_request_named_one():
+    from datetime import UTC, datetime
+
+    from rein.jobs.results import response_body
+    from rein.store.tables import Job, Result
+
+    def body(request: dict, priority: int) -> dict:
+        job = Job(id="job_1", tenant="t", key_id="k", model="tiny", endpoint="/v1/chat/completions",
+                  params={"body": request}, prompt_token_ids=[1, 2], prompt_tokens=2, priority=priority,
+                  finished_at=datetime.now(UTC))
+        result = Result(job_id="job_1", text="hi", finish_reason="stop", token_ids=[5], logprobs=None, response=None)
+        return response_body(job, result)
+
+    assert "service_tier" not in body({"messages": []}, PRIORITY_INTERACTIVE)    # not named: not echoed
+    assert body({"service_tier": "auto"}, PRIORITY_INTERACTIVE)["service_tier"] == "default"
+    assert body({"service_tier": "priority"}, 2)["service_tier"] == "default"
+    assert body({"service_tier": "flex"}, job_priority(batch=True))["service_tier"] == "flex"
