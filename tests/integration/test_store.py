@@ -30,7 +30,7 @@ from rein.store.migrate import current_revision, head_revision, upgrade
 from rein.store.tables import ApiKey, Base, Job, Result, Usage
 
 TABLES = {"api_keys", "jobs", "results", "usage", "alembic_version", "files", "batches", "lora_adapters"}
-HEAD = "0011"   # the newest migration
+HEAD = "0014"   # the newest migration
 
 
 def engine_for(url: str):
