@@ -4,7 +4,8 @@ alone.
 
     python bench/priority.py [--preset tiny] [--max-num-seqs 8] [--batch-requests N] [--batch-max-tokens 256]
                              [--chats 20] [--chat-max-tokens 16] [--chat-interval 0.5] [--threads 1]
-                             [--interactive-step-budget N] [--service-env NAME=VALUE ...] [--keep DIR]
+                             [--interactive-step-budget N|auto|off] [--service-env NAME=VALUE ...] [--keep DIR]
+                             [--compare NAME=VALUE ...]
 
 One service (bench/intake.py's Sandbox: a throwaway database and Redis prefix, dropped at
 the end; `rein api` and one `rein worker` as subprocesses, cpu fp32, --threads torch threads;
@@ -30,7 +31,10 @@ start to its last job end, read from the jobs table) with the chats against the 
 two batch-alone runs (target: not lower by more than 10% with the budget off, 15% with an
 interactive step budget, which shrinks the batch's steps on purpose). The worker's priority
 preemptions and the load average are printed; the last line of stdout is one JSON object.
-Figures from a shared machine are noisy: compare them within one run.
+Figures from a shared machine are noisy: compare them within one run. `--compare NAME=VALUE` runs
+the whole bench twice, as given and with that variable set (`--compare
+REIN_INTERACTIVE_STEP_BUDGET=off`: rein's defaults before issue 45 against today's), and prints
+the two runs' figures side by side.
 """
 
 from __future__ import annotations
@@ -192,6 +196,50 @@ def _round(value: float | None) -> float | None:
     return None if value is None else round(value, 2)
 
 
+def compare(args: argparse.Namespace) -> int:
+    """The bench as given, then with `--compare`'s variables added (each a whole run of its own, in
+    a child process, so each gets a fresh service); both runs' figures side by side."""
+    import subprocess
+
+    cleaned, skip = [], False
+    for arg in sys.argv[1:]:   # the same arguments without --compare
+        if skip:
+            skip = False
+            continue
+        if arg == "--compare":
+            skip = True
+            continue
+        if arg.startswith("--compare="):
+            continue
+        cleaned.append(arg)
+    extra = [f"--service-env={name}={value}" for name, value in args.compare]
+    runs = {}
+    for label, argv in (("as given", cleaned), (" ".join(f"{n}={v}" for n, v in args.compare), cleaned + extra)):
+        print(f"# {label}: bench/priority.py {' '.join(argv)}", file=sys.stderr, flush=True)
+        done = subprocess.run([sys.executable, __file__, *argv], stdout=subprocess.PIPE, text=True)
+        sys.stdout.write(done.stdout)
+        if done.returncode != 0:
+            print(f"error: the run {label!r} failed ({done.returncode})", file=sys.stderr)
+            return done.returncode
+        runs[label] = json.loads(done.stdout.strip().splitlines()[-1])
+    print()
+    print("side by side (ratios against the same run's idle chats and batch-alone runs):")
+    labels = list(runs)
+    print(f"  {'':<28} " + " ".join(f"{label[:30]:>30}" for label in labels))
+    rows = (("idle chat p50 s", lambda r: f"{r['idle_s']['p50']:.3f}"),
+            ("chat p50 under the batch", lambda r: f"{r['busy_s']['p50']:.3f} s {r['ratios']['p50']:.2f}x"),
+            (f"worst of {args.chats} under the batch", lambda r: f"{max(r['busy_each_s']):.3f} s "
+                                                            f"{r['ratios']['worst']:.2f}x"),
+            ("batch tok/s alone (mean)", lambda r: f"{sum(a['tokens_per_s'] for a in r['batch_alone']) / 2:.1f}"),
+            ("batch tok/s with chats", lambda r: f"{r['batch_with_chats']['tokens_per_s']:.1f} "
+                                                 f"{r['ratios']['batch']:.3f}x"),
+            ("load average start-end", lambda r: f"{r['loadavg_1m']['start']:.1f}-{r['loadavg_1m']['end']:.1f}"))
+    for name, cell in rows:
+        print(f"  {name:<28} " + " ".join(f"{cell(runs[label]):>34}" for label in labels))
+    print(json.dumps({"bench": "priority-compare", "runs": runs}))
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=("tiny", "small"), default="tiny", help="bench model size (tiny)")
@@ -214,7 +262,13 @@ def main() -> int:
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--postgres-url", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
     parser.add_argument("--keep", default=None, metavar="DIR", help="keep the batch file and service logs in DIR")
+    parser.add_argument("--compare", action="append", type=lambda text: tuple(text.split("=", 1)),
+                        metavar="NAME=VALUE", help="run the bench twice, as given and with this environment "
+                        "variable added (e.g. REIN_INTERACTIVE_STEP_BUDGET=off, rein's defaults before issue 45; "
+                        "repeatable), and print both runs' figures side by side")
     args = parser.parse_args()
+    if args.compare:
+        return compare(args)
     check_loopback(args.redis_url, "redis")
     check_loopback(args.postgres_url, "postgres")
     batch_requests = args.batch_requests or 12 * args.max_num_seqs
