@@ -225,7 +225,7 @@ def compare(args: argparse.Namespace) -> int:
     print()
     print("side by side (ratios against the same run's idle chats and batch-alone runs):")
     labels = list(runs)
-    print(f"  {'':<28} " + " ".join(f"{label[:30]:>30}" for label in labels))
+    print(f"  {'':<28} " + " ".join(f"{label[:34]:>34}" for label in labels))
     rows = (("idle chat p50 s", lambda r: f"{r['idle_s']['p50']:.3f}"),
             ("chat p50 under the batch", lambda r: f"{r['busy_s']['p50']:.3f} s {r['ratios']['p50']:.2f}x"),
             (f"worst of {args.chats} under the batch", lambda r: f"{max(r['busy_each_s']):.3f} s "
