@@ -222,3 +222,25 @@ def test_batch_prefill_stays_held_for_the_hold_steps_after_the_last_chat():
     scheduler.add(fresh)
     plan = driver.step()
     assert [s.num_new_tokens for s in plan.scheduled if s.request is fresh] == [3 * held]
+
+
+def test_with_a_budget_batch_prefill_stays_within_its_cap_before_any_chat():
+    """The first chat of a run meets at most BATCH_PREFILL_STEP_TOKENS of batch prefill in the step
+    in flight, not a whole max_num_batched_tokens step; interactive prefill and batch decodes are
+    not held, and without a budget nothing is."""
+    from rein.engine.scheduler import BATCH_PREFILL_STEP_TOKENS
+
+    cap = BATCH_PREFILL_STEP_TOKENS
+    for budget, expected in ((4, [cap, cap, 100]), (None, [612])):
+        scheduler = make_scheduler(budget=budget, blocks=400, max_num_batched_tokens=1024)
+        driver = Driver(scheduler)
+        long = request("long", prompt_len=612, max_tokens=2, first_token=1)
+        scheduler.add(long)
+        chunks = []
+        while long.num_computed_tokens < long.num_prompt_tokens:
+            chunks += [s.num_new_tokens for s in driver.step().scheduled if s.request is long]
+        assert chunks == expected
+    # An interactive prompt is not held by it.
+    scheduler = make_scheduler(budget=4, blocks=400, max_num_batched_tokens=1024)
+    scheduler.add(request("chat", prompt_len=612, max_tokens=2, priority=INTERACTIVE, first_token=2))
+    assert [s.num_new_tokens for s in Driver(scheduler).step().scheduled] == [612]
