@@ -185,3 +185,24 @@ def test_a_response_names_the_tier_that_ran_it_when_the_request_named_one():
     assert body({"service_tier": "auto"}, PRIORITY_INTERACTIVE)["service_tier"] == "default"
     assert body({"service_tier": "priority"}, 2)["service_tier"] == "default"
     assert body({"service_tier": "flex"}, job_priority(batch=True))["service_tier"] == "flex"
+
+
+def test_run_batch_runs_the_better_priority_lines_first(tiny_models, tmp_path):
+    """Offline, every line is in one class and `priority` orders those waiting in the engine (one
+    sequence here, so they run one at a time): the output lists them as they finished."""
+    from rein import LLM
+    from rein.offline.run_batch import run_batch
+
+    llm = LLM(tiny_models("llama"), kv_cache_memory="16MiB", max_num_seqs=1, max_model_len=128)
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = {"first-in-file": {"priority": 3}, "urgent": {}, "middle": {"priority": 1},
+             "refused": {"service_tier": "priority"}}
+    src.write_text("".join(json.dumps({"custom_id": name, "method": "POST", "url": "/v1/completions",
+                                       "body": {"prompt": "hello", "max_tokens": 3, "ignore_eos": True, **body}})
+                           + "\n" for name, body in lines.items()))
+    summary = run_batch(llm.engine, src, dst, progress=False, order="file", error_path=tmp_path / "err.jsonl")
+    assert summary.requests_failed == 1
+    done = [json.loads(x)["custom_id"] for x in dst.read_text().splitlines()]
+    assert done == ["urgent", "middle", "first-in-file"]
+    error = json.loads((tmp_path / "err.jsonl").read_text().splitlines()[0])
+    assert error["custom_id"] == "refused" and "batch priority" in json.dumps(error)
