@@ -30,9 +30,14 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0) -> dict[str,
         body.update(result.response)
     request = (job.params or {}).get("body")
     body = apply_tool_calls(body, request)   # tool calls out of the text (rein.openai.tools)
+    return with_service_tier(body, request, job.priority)
+
+
+def with_service_tier(body: dict[str, Any], request: Any, priority: int) -> dict[str, Any]:
+    """`body` naming the service tier that ran it, as OpenAI's do, when the request named one
+    (rein.openai.priority): "flex" for batch-class work, else "default"."""
     if isinstance(request, dict) and request.get("service_tier") is not None:
-        # As OpenAI: the tier that ran it (rein.openai.priority), here when the request named one.
-        body["service_tier"] = "default" if is_interactive(job.priority) else "flex"
+        body["service_tier"] = "default" if is_interactive(priority) else "flex"
     return body
 
 

@@ -57,7 +57,7 @@ from rein.core.logging import log_context
 from rein.engine.request_result import RequestResult
 from rein.jobs.errors import INVALID_REQUEST, APIError, error_body
 from rein.jobs.registry import ModelEntry
-from rein.jobs.results import response_body
+from rein.jobs.results import response_body, with_service_tier
 from rein.openai.choices_response import full_response
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS
 from rein.openai.response import build_response
@@ -204,7 +204,7 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
         response = full_response(endpoint, job.id, job.model, gathered, list(job.prompt_token_ids), tokenizer,
                                  None, shape)
     # A JSONResponse as the stored answer is: the response model would add `tool_calls: null`.
-    return JSONResponse(apply_tool_calls(response, body))
+    return JSONResponse(with_service_tier(apply_tool_calls(response, body), body, job.priority))
 
 
 async def _follow(events: AsyncIterator[StreamEvent | None], gathered: RequestResult) -> StreamEvent | None:
