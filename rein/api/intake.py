@@ -43,7 +43,7 @@ from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.api.jobs import check_metadata, find_job_by_idempotency_key, same_request_or_conflict
-from rein.core.priorities import PRIORITY_BATCH, PRIORITY_INTERACTIVE
+from rein.core.priorities import PRIORITY_BATCH
 from rein.core.settings import Settings
 from rein.jobs.affinity import shard_of_prefix
 from rein.jobs.errors import APIError
@@ -162,7 +162,7 @@ class JobIntake:
 
     async def submit(self, key: KeyInfo, endpoint: str, body: dict[str, Any], *,
                      metadata: dict[str, str] | None = None, idempotency_key: str | None = None,
-                     priority: int = PRIORITY_INTERACTIVE, body_bytes: int | None = None) -> Accepted:
+                     body_bytes: int | None = None) -> Accepted:
         """Validate, then commit with whatever other requests are waiting (see the docstring).
 
         `body_bytes`: the request body's size; a small one is tokenized on the event loop,
@@ -171,7 +171,7 @@ class JobIntake:
         """
         if self._committer is None:
             raise RuntimeError("JobIntake.start() was not called")
-        args = (key, endpoint, body, metadata, idempotency_key, priority)
+        args = (key, endpoint, body, metadata, idempotency_key)
         if (idempotency_key is None and body_bytes is not None and body_bytes <= INLINE_VALIDATE_MAX_BYTES
                 and not CONSTRAINT_FIELDS.intersection(body)):
             checked = self.validate(*args)
@@ -182,7 +182,7 @@ class JobIntake:
         return await asyncio.wrap_future(self._committer.submit(checked))
 
     def validate(self, key: KeyInfo, endpoint: str, body: dict[str, Any], metadata: dict[str, str] | None,
-                 idempotency_key: str | None, priority: int) -> Submission | Job:
+                 idempotency_key: str | None) -> Submission | Job:
         """The request checked and tokenized, as a Submission; or the job its Idempotency-Key
         already names. Raises APIError / RequestError (400, 404, 409)."""
         if idempotency_key is not None:
@@ -218,7 +218,9 @@ class JobIntake:
         reasoning = getattr(parsed, "reasoning", None)
         if reasoning is not None:   # the thinking split out of its body (rein.openai.reasoning)
             params["reasoning"] = reasoning.to_dict()
-        # A job sent at batch priority waits on the batch shard of its prefix (rein.jobs.affinity).
+        # Its class and its own `priority` (rein.core.priorities): `service_tier: "flex"` runs it
+        # at batch priority, where it waits on the batch shard of its prefix (rein.jobs.affinity).
+        priority = prepared.priority
         shard = shard_of_prefix(prompt) if priority >= PRIORITY_BATCH and self.settings.batch_affinity else 0
         job = NewJob(id=new_job_id(), tenant=key.tenant, key_id=key.key_id, model=model, endpoint=endpoint,
                      params=params,

@@ -22,7 +22,7 @@ replica is handling is skipped, not waited for), does the next step in one trans
   (`validation_crashed`) instead of killing every replica in turn until its deadline.
 * in_progress: feed the model's queue. Batch jobs are not all sent at once: the manager
   keeps at most REIN_BATCH_QUEUE_WINDOW batch messages waiting on the model's queue (the
-  priority-6 lists), sending the next lines as workers drain it and stamping `sent_at`.
+  batch priority lists), sending the next lines as workers drain it and stamping `sent_at`.
   A sent line whose message was lost (Redis restarted without its data, a dead worker's
   reserved messages) is sent again by the reaper (rein.jobs.reaper), as any job is.
   So 50,000 lines never fill the queue that backpressure measures, interactive jobs
@@ -105,7 +105,7 @@ from rein.batches.result_files import write_result_files
 from rein.batches.validation import ValidLine, validate_lines
 from rein.batches.wakeup import BATCH_WAKE_MIN_SECONDS, BatchEventListener
 from rein.batches.webhooks.events import record_batch_event
-from rein.core.priorities import PRIORITY_BATCH
+from rein.core.priorities import LAST_QUEUE_STEP, PRIORITY_BATCH
 from rein.core.settings import Settings
 from rein.engine.structured.validator import ValidatorUnavailable
 from rein.jobs.affinity import BATCH_SHARDS, PrefixGroups
@@ -253,11 +253,16 @@ class BatchManager:
         return shares
 
     def _waiting_by_shard(self, model: str) -> list[int]:
-        """The batch messages waiting on each of the model's batch queue shards."""
+        """The batch messages waiting on each of the model's batch queue shards (at every batch
+        priority step: lines with a `priority` wait at later steps, rein.core.priorities)."""
+        steps = range(PRIORITY_BATCH, LAST_QUEUE_STEP + 1)
         pipe = self.redis.pipeline(transaction=False)
-        for key in priority_lists(self.settings, model, PRIORITY_BATCH):
-            pipe.llen(key)
-        return pipe.execute()
+        for step in steps:
+            for key in priority_lists(self.settings, model, step):   # one list per shard, in shard order
+                pipe.llen(key)
+        lengths = pipe.execute()
+        shards = len(lengths) // len(steps)
+        return [sum(lengths[shard::shards]) for shard in range(shards)]
 
     def _validate_in_background(self, batch_id: str, tenant: str) -> None:
         """Validate on a validator thread, unless the batch is already there or its tenant holds
@@ -374,7 +379,7 @@ class BatchManager:
             raise _ValidationFailed(batch.id, [_timeout_error(deadline_seconds)])
         started = time.monotonic()
         status_checked = started
-        fixed = {"tenant": batch.tenant, "key_id": batch.key_id, "batch_id": batch.id, "priority": PRIORITY_BATCH}
+        fixed = {"tenant": batch.tenant, "key_id": batch.key_id, "batch_id": batch.id}
         last_line = 0
 
         def check(number: int) -> None:   # before every line, valid or not
@@ -488,7 +493,9 @@ class BatchManager:
         model's queue window split evenly between the shards the batch still has lines on (a
         shard found short is left out and its part goes to the others, in this same call), and
         while its tenant has `token_room` (None: no cap) under the queued batch token cap."""
-        order = (Job.batch_line,) if self.settings.batch_order == "file" else (Job.feed_key, Job.batch_line)
+        # A line's own priority first (rein.core.priorities): the batch sends its better lines first.
+        order = (Job.priority, Job.batch_line) if self.settings.batch_order == "file" \
+            else (Job.priority, Job.feed_key, Job.batch_line)
         drained = self._drained.setdefault(batch_id, set())
         shards = [shard for shard in (range(BATCH_SHARDS) if self.settings.batch_affinity else [0])
                   if shard not in drained]

@@ -68,6 +68,7 @@ class ValidLine:
             "prompt_token_ids": list(parsed.prompt_token_ids),
             "prompt_tokens": len(parsed.prompt_token_ids),
             "custom_id": self.custom_id, "batch_line": self.line,
+            "priority": self.prepared.priority,   # the batch class, moved back by the line's `priority`
             # what the per-tenant cap on queued batch tokens counts (rein.batches.manager)
             "requested_tokens": self.prepared.requested_tokens,
         }
@@ -137,7 +138,7 @@ def validate_lines(raw_lines: Iterable[bytes | OversizedLine], endpoint: str, re
                         number, "url")
             continue
         try:
-            prepared = prepare(registry, endpoint, line.body)
+            prepared = prepare(registry, endpoint, line.body, batch_line=True)
         except RequestError as exc:
             result.fail(exc.code if exc.code != "invalid_request_error" else "invalid_request",
                         exc.message, number, f"body.{exc.param}" if exc.param else "body")

@@ -381,10 +381,11 @@ class Settings(BaseSettings):
     """Sequences batched at once; also the worker's Celery concurrency."""
     max_num_batched_tokens: int = Field(2048, ge=1)
     """Token budget of one engine step (prefill chunks + decodes)."""
-    interactive_step_budget: int | None = Field(None, ge=0)
+    interactive_step_budget: Annotated[int, Field(ge=0)] | Literal["auto", "off"] = "auto"
     """While interactive requests (priority below batch) are in the engine, the batch-priority tokens
     one step may hold (decodes 1 each, prefill chunks their length), so interactive token latency
-    stays near idle; the batch requests left out pause for that step; unset: no such limit."""
+    stays near idle; the batch requests left out pause for that step, and batch prefill stays
+    within 256 tokens a step (rein.engine.scheduler); auto: 4 on a CPU, off on CUDA; off: no limit."""
     max_model_len: Annotated[int, Field(ge=1)] | Literal["auto"] | None = None
     """Context length (prompt + completion); unset: the model's. A REIN_MODELS entry's @N wins for its model.
     auto: an engine takes the most its KV cache holds, up to the model's own (on the CPU an unset one

@@ -18,6 +18,9 @@ from rein.model.implementation_names import check_model_impl
 from rein.model.quant.names import check_quantization
 
 MAX_LORA_RANK = 256
+# interactive_step_budget "auto" on a CPU (off on CUDA): the setting that met bench/priority.py's
+# targets (docs/benchmarks.md); on a CPU a step's time grows with its tokens, on CUDA it hardly does.
+CPU_INTERACTIVE_STEP_BUDGET = 4
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3,
           "gb": 1000**3, "t": 1000**4, "tb": 1000**4, "kib": 1024, "mib": 1024**2,
@@ -44,6 +47,18 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[name]
     except KeyError:
         raise ValueError(f"unknown dtype {name!r}: use {', '.join(DTYPES[:-1])} or {DTYPES[-1]}") from None
+
+
+def resolve_step_budget(value: int | str | None, device: str) -> int | None:
+    """The interactive step budget for `value` on `device`: "auto" is CPU_INTERACTIVE_STEP_BUDGET on
+    a CPU and None (no limit) elsewhere, "off" None, an integer itself (at least 0)."""
+    if value == "auto":
+        return CPU_INTERACTIVE_STEP_BUDGET if device == "cpu" else None
+    if value is None or value == "off":
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"interactive_step_budget must be an integer of at least 0, auto or off, got {value!r}")
+    return value
 
 
 @dataclass
@@ -82,7 +97,10 @@ class EngineConfig:
     in the engine, a step holds at most this many batch-priority tokens (decodes 1 each, prefill
     chunks their length), so that interactive requests' steps cost near what they cost idle; the
     batch requests left out pause (keeping their KV blocks), and batch prefill chunks stay held
-    for a while after (rein.engine.scheduler). None: no such limit.
+    for a while after (rein.engine.scheduler). "auto" (the default): CPU_INTERACTIVE_STEP_BUDGET on
+    a CPU, where a step's time grows with its tokens, and no limit elsewhere (on CUDA a step of many
+    decodes costs about what one costs, and holding the batch back would only slow it); "off" or
+    None: no such limit.
     enable_lora, max_loras, max_cpu_loras, max_lora_rank (vLLM's names): serve LoRA adapters beside
     the base model (rein.model.lora; requests carry a LoRARequest). At most `max_loras` distinct
     adapters run in one step (the device slots; requests of other adapters wait), `max_cpu_loras`
@@ -117,7 +135,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     quantization: str = "auto"
-    interactive_step_budget: int | None = None
+    interactive_step_budget: int | str | None = "auto"
     enable_lora: bool = False
     max_loras: int = 8
     max_cpu_loras: int | None = None
@@ -154,8 +172,7 @@ class EngineConfig:
             )
         check_quantization(self.quantization)
         check_tensor_parallel_size(self.tensor_parallel_size)
-        if self.interactive_step_budget is not None and self.interactive_step_budget < 0:
-            raise ValueError(f"interactive_step_budget must be at least 0, got {self.interactive_step_budget}")
+        self.interactive_step_budget = resolve_step_budget(self.interactive_step_budget, self.device)
         if isinstance(self.max_model_len, str) and self.max_model_len != AUTO:
             raise ValueError(f"max_model_len must be a number of tokens or {AUTO!r}, got {self.max_model_len!r}")
         if isinstance(self.max_model_len, int) and self.max_model_len < 1:

@@ -49,6 +49,16 @@ OFFLINE = ("run-batch", "generate")        # the commands with an engine in the 
 API = "api"                                # runs no engine, but checks and completes requests
 
 
+def step_budget(text: str) -> int | str:
+    """--interactive-step-budget's value: a number of tokens (at least 0), auto or off."""
+    if text in ("auto", "off"):
+        return text
+    value = int(text)   # argparse reports a ValueError as "invalid step_budget value"
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
 @dataclass(frozen=True)
 class EngineOption:
     """One engine option. `name` is the EngineConfig field, the `rein.LLM` keyword, the
@@ -88,8 +98,8 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("interactive_step_budget", "while interactive requests (priority below batch) are in the engine, "
                  "hold a step's batch-priority work to N tokens (decodes 1 each, prefill chunks their length) so "
                  "interactive token latency stays near idle; the batch requests left out pause for that step, "
-                 "and batch prefill stays within 4N tokens a step for 64 steps after",
-                 int, "N", shown_default="off"),
+                 "and batch prefill stays within 4N tokens a step for 64 steps after (256 outside them); "
+                 "auto: 4 on a CPU, off on CUDA", step_budget, "N|auto|off"),
     EngineOption("gpu_memory_utilization", "without --kv-cache-memory, on CUDA: the share of the device's total "
                  "memory rein fills; the KV cache gets what is free after the weights less (1 - FRACTION) x total",
                  float, "FRACTION"),

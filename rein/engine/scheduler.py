@@ -56,7 +56,8 @@ share keeps slots from interactive requests even when they queue, which is the l
 serves, while aging gives interactive requests every slot for a bounded time. Steps, not
 seconds, are the clock so that the order is deterministic (a busy step lasts some 10-50 ms).
 
-Interactive step budget (off unless `interactive_step_budget` is set): while a request with
+Interactive step budget (`interactive_step_budget`: by default 4 on a CPU, off on CUDA, where a
+step's time hardly grows with its batch; rein.engine.config): while a request with
 interactive priority (below PRIORITY_BATCH) is running or waiting, the batch-priority work of
 a step is held to that many tokens (a decode counts 1, a prefill chunk its length; the
 interactive requests' own tokens are not counted). On a CPU a step's time grows with its
@@ -73,7 +74,12 @@ step of batch prefill, many times a decode step's time. The factor was measured
 (bench/priority.py, docs/benchmarks.md): holding batch prefill to the budget itself cost the
 batch a fifth of its throughput, and 8x the budget raised the chats' median by a third; over
 four runs at 4x the batch kept 0.86-0.98x of its throughput and the chats' median was
-1.24-1.81x idle.
+1.24-1.81x idle. Outside the hold, with a budget set, a step's batch prefill still stays within
+BATCH_PREFILL_STEP_TOKENS (256; or HOLD_PREFILL_FACTOR x the budget, if more): the first chats of
+a run, before any hold, otherwise arrived during a step of max_num_batched_tokens (2,048) of
+batch prefill and waited 1-2 s for it, 10-17x their idle latency on the small bench model. A
+prefill of 256 tokens a step costs a CPU little throughput, its time being mostly compute that
+grows with its tokens (bench/priority.py, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -96,6 +102,11 @@ DEFAULT_PRIORITY_AGING_STEPS = 128
 # the module docstring).
 INTERACTIVE_HOLD_STEPS = 64
 HOLD_PREFILL_FACTOR = 4
+# With an interactive step budget, a step's batch prefill never passes this many tokens (or
+# HOLD_PREFILL_FACTOR x the budget, if more), interactive requests or not: the first interactive
+# request of a run then waits for at most such a step, not for max_num_batched_tokens of batch
+# prefill (the module docstring).
+BATCH_PREFILL_STEP_TOKENS = 256
 
 
 class Scheduler:
@@ -170,7 +181,8 @@ class Scheduler:
         """This step's budget for batch-priority tokens and whether decodes are outside it: the
         interactive step budget while an interactive request is running or waiting;
         HOLD_PREFILL_FACTOR times it, for prefill chunks alone, in the INTERACTIVE_HOLD_STEPS
-        after; else None (no limit beyond the step's)."""
+        after; else BATCH_PREFILL_STEP_TOKENS (or more) for prefill chunks alone; None without
+        an interactive step budget (no limit beyond the step's)."""
         budget = self.interactive_step_budget
         if budget is None:
             return None, False
@@ -179,7 +191,7 @@ class Scheduler:
             return budget, False
         if self.num_steps - self._interactive_step <= INTERACTIVE_HOLD_STEPS:
             return budget * HOLD_PREFILL_FACTOR, True
-        return None, False
+        return max(BATCH_PREFILL_STEP_TOKENS, budget * HOLD_PREFILL_FACTOR), True
 
     def _add_running(self, request: Request) -> None:
         # Kept sorted by rank (ranks never change), so the worst is always last.

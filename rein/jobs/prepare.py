@@ -10,6 +10,7 @@ from rein.jobs.registry import ModelEntry, ModelRegistry
 from rein.openai.embeddings import ParsedEmbeddings, model_pooling, parse_embeddings_request
 from rein.openai.endpoints import EMBEDDINGS, RESPONSES
 from rein.openai.errors import RequestError
+from rein.openai.priority import RequestedPriority, parse_priority
 from rein.openai.request import ParsedRequest, parse_request
 from rein.openai.responses import parse_responses_request
 
@@ -20,6 +21,14 @@ class Prepared:
     endpoint: str
     body: dict[str, Any]
     parsed: ParsedRequest | ParsedEmbeddings
+    requested: RequestedPriority = RequestedPriority()
+    """Its `priority` and `service_tier` (rein.openai.priority)."""
+    batch_line: bool = False
+
+    @property
+    def priority(self) -> int:
+        """The priority its job runs at (rein.core.priorities)."""
+        return self.requested.job_priority(self.batch_line)
 
     @property
     def lora(self) -> dict[str, Any] | None:
@@ -74,8 +83,9 @@ def resolve_model(registry: ModelRegistry, name: Any) -> ModelEntry:
     return entry
 
 
-def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Prepared:
-    """Resolve the model and tokenize + validate the body (APIError 404 / RequestError 400)."""
+def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any], batch_line: bool = False) -> Prepared:
+    """Resolve the model and tokenize + validate the body (APIError 404 / RequestError 400);
+    `batch_line`: the body of a batch line (its priority is the batch class's)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", "body")
     name = body.get("model")
@@ -94,4 +104,4 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any]) -> Pre
     else:
         parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults,
                                entry.tool_call_parser, entry.reasoning)
-    return Prepared(entry, endpoint, body, parsed)
+    return Prepared(entry, endpoint, body, parsed, parse_priority(body, batch_line), batch_line)

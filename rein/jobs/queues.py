@@ -28,7 +28,9 @@ Why each setting:
   batch lines sharing a document meet on one worker). Redis priorities with ten steps, where
   lower is taken first (kombu pops the step-0 lists of every queue a channel consumes before
   any step-6 one), so interactive jobs (PRIORITY_INTERACTIVE = 0) overtake waiting batch jobs
-  (PRIORITY_BATCH = 6). A worker consumes both with its max_num_seqs slots and the
+  (PRIORITY_BATCH = 6). A request's own `priority` moves its job back within its class
+  (rein.core.priorities: interactive 0-5, batch 6 and worse, queued at step min(priority, 9)).
+  A worker consumes both with its max_num_seqs slots and the
   interactive queue alone with `interactive_slots` more (rein.worker.bootstep.
   InteractiveConsumer): batch jobs can never hold every slot, so an interactive job is
   always taken, and the engine's priority preemption starts it within a step or two.
@@ -48,7 +50,7 @@ from typing import Any
 from celery import Celery
 from kombu.utils.uuid import uuid
 
-from rein.core.priorities import PRIORITY_BATCH
+from rein.core.priorities import PRIORITY_BATCH, queue_step
 from rein.jobs.affinity import BATCH_SHARDS
 from rein.store.messages import JobMessage
 from rein.store.redis_client import broker_connection, broker_ssl  # noqa: F401 (broker_ssl: its home before)
@@ -189,7 +191,7 @@ def enqueue_job(app: Celery, message: JobMessage) -> None:
     # declare=[]: the message goes to the anonymous exchange straight into the queue's list,
     # so declaring the queue from here would only re-check kombu's declaration cache per
     # message; the worker declares the queues it consumes.
-    app.send_task(TASK_NAME, args=[message.to_dict()], priority=message.priority,
+    app.send_task(TASK_NAME, args=[message.to_dict()], priority=queue_step(message.priority),
                   argsrepr=f"[{message.job_id}]", kwargsrepr="{}", declare=[])
 
 
@@ -220,7 +222,7 @@ def enqueue_jobs(app: Celery, messages: Sequence[JobMessage]) -> None:
             producer.publish(body, exchange="",
                              routing_key=queue_for(keys, message.model, message.priority, message.shard),
                              serializer="json",
-                             headers=headers, priority=message.priority, retry=False, declare=[],
+                             headers=headers, priority=queue_step(message.priority), retry=False, declare=[],
                              **properties)
 
 

@@ -51,8 +51,9 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from rein.core.priorities import LAST_QUEUE_STEP
 from rein.jobs.claim import MAX_STARTS, too_many_attempts_error
-from rein.jobs.queues import PRIORITY_STEPS, enqueue_jobs, priority_lists
+from rein.jobs.queues import enqueue_jobs, priority_lists
 from rein.store.messages import JobMessage
 from rein.store.tables import JOB_MESSAGE_COLUMNS
 
@@ -97,19 +98,23 @@ UPDATE jobs SET
                ORDER BY lease_expires_at LIMIT {MAX_RESEND} FOR UPDATE SKIP LOCKED)
 RETURNING id, status, {", ".join(c.name for c in JOB_MESSAGE_COLUMNS if c.name != "id")}"""
 
-# Queued jobs sent before the bound, by model and priority (each group's queue list is read
-# next), the group waiting longest first: MAX_RESEND a pass is shared out oldest first.
-_STALE_GROUPS_SQL = """
-SELECT model, priority, count(*) FROM jobs
- WHERE status = 'queued' AND sent_at < now() - make_interval(secs => %s)
- GROUP BY model, priority ORDER BY min(sent_at)"""
+_INT_MAX = 2**31 - 1   # jobs.priority is a Postgres integer
 
-# Of one model's queued jobs of one priority, newest sent first, those past the first
-# `waiting` (the ones on the queue) and sent before the bound: their messages were lost.
+# Queued jobs sent before the bound, by model and priority step (each group's queue lists are
+# read next; the priorities past the last step share its lists: rein.core.priorities.queue_step),
+# the group waiting longest first: MAX_RESEND a pass is shared out oldest first.
+_STALE_GROUPS_SQL = f"""
+SELECT model, LEAST(GREATEST(priority, 0), {LAST_QUEUE_STEP}) AS step, count(*) FROM jobs
+ WHERE status = 'queued' AND sent_at < now() - make_interval(secs => %s)
+ GROUP BY model, step ORDER BY min(sent_at)"""
+
+# Of one model's queued jobs of one priority step (priorities between the two bounds), newest
+# sent first, those past the first `waiting` (the ones on the queue) and sent before the bound:
+# their messages were lost.
 _LOST_SQL = f"""
 WITH ranked AS (
     SELECT id, sent_at, row_number() OVER (ORDER BY sent_at DESC, id DESC) AS newer
-      FROM jobs WHERE status = 'queued' AND sent_at IS NOT NULL AND model = %s AND priority = %s
+      FROM jobs WHERE status = 'queued' AND sent_at IS NOT NULL AND model = %s AND priority BETWEEN %s AND %s
 ), lost AS (
     SELECT id FROM ranked WHERE newer > %s AND sent_at < now() - make_interval(secs => %s)
      ORDER BY sent_at LIMIT %s
@@ -205,14 +210,15 @@ class Reaper:
     def _lost_messages(self, session: Session, bound_seconds: float) -> list[Any]:
         sql = session.connection().exec_driver_sql
         lost: list[Any] = []
-        for model, priority, _ in sql(_STALE_GROUPS_SQL, (bound_seconds,)).all():
+        for model, step, _ in sql(_STALE_GROUPS_SQL, (bound_seconds,)).all():
             if len(lost) >= MAX_RESEND:
                 break
-            step = min(max(priority, 0), PRIORITY_STEPS[-1])
+            low = step if step > 0 else -_INT_MAX - 1
+            high = step if step < LAST_QUEUE_STEP else _INT_MAX
             with self.redis.pipeline(transaction=False) as pipe:
                 for key in priority_lists(self.settings, model, step):   # every batch shard's
                     pipe.llen(key)
                 waiting = sum(pipe.execute())
-            lost += sql(_LOST_SQL, (model, priority, waiting, bound_seconds, MAX_RESEND - len(lost))).all()
+            lost += sql(_LOST_SQL, (model, low, high, waiting, bound_seconds, MAX_RESEND - len(lost))).all()
         return lost
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from rein.core.priorities import is_interactive
 from rein.openai.embeddings import job_embeddings_body
 from rein.openai.endpoints import EMBEDDINGS, RESPONSES, generated_as
 from rein.openai.reasoning import Reasoning, apply_reasoning
@@ -41,7 +42,16 @@ def response_body(job: Job, result: Result, cached_tokens: int = 0,
         created = job.created_at or finished
         return response_from_chat(apply_tool_calls(body, chat_body(request), parser), request, job.id,
                                   created_at=int(created.timestamp()) if created is not None else None)
-    return apply_tool_calls(body, request, parser)   # tool calls out of the text (rein.openai.tools)
+    body = apply_tool_calls(body, request, parser)   # tool calls out of the text (rein.openai.tools)
+    return with_service_tier(body, request, job.priority)
+
+
+def with_service_tier(body: dict[str, Any], request: Any, priority: int) -> dict[str, Any]:
+    """`body` naming the service tier that ran it, as OpenAI's do, when the request named one
+    (rein.openai.priority): "flex" for batch-class work, else "default"."""
+    if isinstance(request, dict) and request.get("service_tier") is not None:
+        body["service_tier"] = "default" if is_interactive(priority) else "flex"
+    return body
 
 
 def response_logprobs(endpoint: str, logprobs: list[Any] | None, tokenizer: Any,

@@ -142,7 +142,7 @@ class LLM:
         kv_cache_dtype: str = "auto",
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,
-        interactive_step_budget: int | None = None,
+        interactive_step_budget: int | str | None = "auto",
         max_model_len: int | str | None = None,
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,

@@ -35,6 +35,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from rein.core.priorities import job_priority
 from rein.core.settings import setting_or_default
 from rein.engine.errors import EngineRequestError
 from rein.engine.generation_defaults import GenerationDefaults, load_generation_defaults
@@ -56,6 +57,7 @@ from rein.openai.choices_response import full_response
 from rein.openai.endpoints import EMBEDDINGS, RESPONSES, generated_as
 from rein.openai.engine_errors import request_error
 from rein.openai.errors import RequestError
+from rein.openai.priority import parse_priority
 from rein.openai.reasoning import ModelReasoning, apply_reasoning, parsers_by_model
 from rein.openai.request import ParsedRequest, parse_request
 from rein.openai.response import build_response
@@ -101,6 +103,9 @@ class _ReadLine:
     line_number: int
     batch_line: BatchLine
     parsed: ParsedRequest | None    # None: an embeddings line, parsed as it is taken
+    # Its `priority` (rein.openai.priority). Every line of an offline run is in one class, the
+    # engine's default (interactive: no step budget or batch prefill cap applies among them).
+    priority: int = 0
 
     def prompt_token_ids(self) -> list[int]:
         """What the prefix order sorts by (an embeddings line: nothing, so first)."""
@@ -250,10 +255,12 @@ class BatchRun:
                 parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer,
                                        self.engine.max_model_len, self.generation_defaults, self.tool_call_parser,
                                        self.reasoning)
+            # service_tier "priority" is refused as on the service's batch lines; the rest only orders.
+            priority = job_priority(parse_priority(batch_line.body, batch_line=True).priority)
         except RequestError as exc:
             self.fail(custom_id, line_number, exc.code, exc.message)
             return None
-        return _ReadLine(line_number, batch_line, parsed)
+        return _ReadLine(line_number, batch_line, parsed, priority)
 
     def _take(self, read: _ReadLine) -> tuple[str, _Pending] | list[tuple[str, EmbeddingPart]] | None:
         """Add a read line's request to the engine, or answer the line with an error."""
@@ -262,7 +269,7 @@ class BatchRun:
             return take_embeddings_line(self, batch_line, line_number)
         request_id = uuid.uuid4().hex
         try:
-            self.engine.add_request(request_id, parsed.prompt_token_ids, parsed.params,
+            self.engine.add_request(request_id, parsed.prompt_token_ids, parsed.params, priority=read.priority,
                                     lora_request=self.adapters.get(parsed.model) if parsed.model else None)
         except EngineRequestError as exc:
             refused = request_error(exc)

@@ -50,7 +50,8 @@ MAX_TOTAL_TOKENS = 300_000       # OpenAI's limit on the tokens of all inputs of
 # ~10 KB request). 2,048 inputs of a 2,048-wide model, or 1,024 of a 4,096-wide one, fit.
 MAX_EMBEDDING_VALUES = 4_194_304
 ENCODING_FORMATS = ("float", "base64")
-_FIELDS = frozenset({"model", "input", "dimensions", "encoding_format", "user"})
+# `priority`: where the job runs in the queue and the engine (rein.openai.priority).
+_FIELDS = frozenset({"model", "input", "dimensions", "encoding_format", "user", "priority"})
 
 __all__ = ["EMBEDDINGS", "ENCODING_FORMATS", "MAX_EMBEDDING_VALUES", "MAX_INPUTS", "MAX_TOTAL_TOKENS",
            "ParsedEmbeddings", "embeddings_body", "encode_vector", "job_embeddings_body", "model_pooling",

@@ -22,8 +22,12 @@ _CHAT_FIELDS = _SAMPLING_FIELDS | {
     "messages", "top_logprobs", "chat_template_kwargs", "response_format",
     "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls"}
 _COMPLETION_FIELDS = _SAMPLING_FIELDS | {"prompt", "echo", "suffix", "best_of", "response_format"}
+# Where the job runs in the queue and the engine (parsed and checked by rein.openai.priority).
+_PRIORITY_FIELDS = frozenset({"priority", "service_tier"})
+_CHAT_FIELDS |= _PRIORITY_FIELDS
+_COMPLETION_FIELDS |= _PRIORITY_FIELDS
 # OpenAI's bookkeeping fields: accepted, with no effect on the answer.
-_NO_EFFECT_FIELDS = frozenset({"user", "store", "metadata", "service_tier", "prompt_cache_key",
+_NO_EFFECT_FIELDS = frozenset({"user", "store", "metadata", "prompt_cache_key",
                                "safety_identifier"})
 # vLLM's extras, accepted when they ask for what rein does anyway (their vLLM defaults).
 _NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {

@@ -55,6 +55,10 @@ class JobMessage:
     # A chat job of a model with a reasoning parser (rein.openai.reasoning.Reasoning.to_dict()), so
     # the worker records its reasoning tokens; None: none.
     reasoning: dict[str, Any] | None = None
+    # The batch it is a line of; None: a request through the API's intake (charged against its
+    # key's TPM when admitted, which the worker settles). Not its priority: a `service_tier:
+    # "flex"` request runs at batch priority and is still charged.
+    batch_id: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies the token ids, a fifth of an enqueue's CPU.
@@ -74,7 +78,7 @@ class JobMessage:
                    priority=job.priority, logprobs_mode=job.params.get("logprobs_mode"),
                    tenant=job.tenant, key_id=job.key_id, shape=job.params.get("shape"),
                    input_lengths=job.params.get("input_lengths"), shard=getattr(job, "shard", 0), lora=lora,
-                   reasoning=job.params.get("reasoning"))
+                   reasoning=job.params.get("reasoning"), batch_id=getattr(job, "batch_id", None))
 
 
 @dataclass

@@ -131,7 +131,8 @@ class Job(Base):
     prompt_token_ids: Mapped[list[int]]
     prompt_tokens: Mapped[int]
     priority: Mapped[int] = mapped_column(server_default=text("0"))
-    """The Celery priority the job was queued with (Redis transport: lower is taken first)."""
+    """The priority the job runs at (rein.core.priorities: its class's base plus the request's own
+    `priority`; lower is taken first); the queue step is min(priority, 9)."""
     status: Mapped[str] = mapped_column(server_default=text("'queued'"))
     attempt: Mapped[int] = mapped_column(server_default=text("0"))
     """How many times a worker has claimed the job (the lease's fencing token: never goes down)."""
@@ -197,8 +198,9 @@ class Job(Base):
         # jobs were sent long ago; small partial indexes, since few jobs are open at a time.
         Index("ix_jobs_running_lease", "lease_expires_at", postgresql_where=text("status = 'running'")),
         Index("ix_jobs_queued_sent", "model", "priority", "sent_at", postgresql_where=text("status = 'queued'")),
-        # The batch manager's next lines in prefix order: only the lines not sent yet.
-        Index("ix_jobs_batch_unsent", "batch_id", "shard", "feed_key", "batch_line",
+        # The batch manager's next lines, better priority first, then in prefix order: only the
+        # lines not sent yet.
+        Index("ix_jobs_batch_unsent", "batch_id", "shard", "priority", "feed_key", "batch_line",
               postgresql_where=text("status = 'queued' AND sent_at IS NULL")),
         # The batch lines sent and not finished, per tenant: the queued batch token cap.
         Index("ix_jobs_batch_in_flight", "tenant",
@@ -209,7 +211,7 @@ class Job(Base):
 
 # The columns a job's queue message is rebuilt from (rein.store.messages.JobMessage.for_job).
 JOB_MESSAGE_COLUMNS = (Job.id, Job.model, Job.endpoint, Job.prompt_token_ids, Job.params, Job.priority,
-                       Job.tenant, Job.key_id, Job.shard)
+                       Job.tenant, Job.key_id, Job.shard, Job.batch_id)
 
 
 class Result(Base):

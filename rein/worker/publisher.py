@@ -14,7 +14,7 @@ on the tiny model (64 jobs a step): the pipeline cost the engine thread ~12 µs 
 event, holding the GIL, and its round trip doubled the wall time of an engine-bound batch;
 the script ~2 µs.
 
-Batch jobs (priority PRIORITY_BATCH and below, `begin(..., coalesce=True)`) rarely have a
+Batch lines (`begin(..., coalesce=True)`, the worker's rein.worker.tasks) rarely have a
 live follower, so their deltas are coalesced: a choice's tokens are held until
 `batch_event_seconds` have passed since the first held one (or the choice or job ends),
 then go out as one event. Events keep their shape (text, token ids, seq without gaps);

@@ -38,7 +38,6 @@ from redis.exceptions import RedisError
 from sqlalchemy.exc import InterfaceError, OperationalError, SQLAlchemyError
 
 from rein.core.logging import log_context
-from rein.core.priorities import PRIORITY_BATCH
 from rein.engine.sampling_params import SamplingParams
 from rein.jobs.adapters import AdapterRef
 from rein.jobs.claim import ClaimOutcome, claim_job
@@ -195,8 +194,8 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
     claimed = time.monotonic()
     if context.metrics is not None and lease.attempt == 1 and lease.queue_seconds is not None:
         context.metrics.observe_queue_time(lease.queue_seconds)
-    # A batch job's deltas go out coalesced (rein.worker.publisher): nobody watches them live.
-    context.publisher.begin(job_id, restart=lease.attempt > 1, coalesce=message.priority >= PRIORITY_BATCH)
+    # A batch line's deltas go out coalesced (rein.worker.publisher): nobody watches them live.
+    context.publisher.begin(job_id, restart=lease.attempt > 1, coalesce=message.batch_id is not None)
     if message.endpoint == EMBEDDINGS:   # every input through the engine, one result (its own module)
         return run_embeddings(context, message, lease, cancel_mark)
     try:
@@ -249,7 +248,7 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
     count_lora_job(context, message, status, final.num_output_tokens)
     record = job_record(message, lease.endpoint, collected, params, context.engine.tokenizer, status, error)
     # A batch line was admitted without a TPM charge (rein.batches.manager): nothing to settle.
-    if not record_result(context, lease, record, charged=message.priority < PRIORITY_BATCH):
+    if not record_result(context, lease, record, charged=message.batch_id is None):
         log.warning("job %s attempt %d: lease lost before recording; result dropped", job_id, lease.attempt)
         return "lease lost"
     return status

@@ -202,3 +202,23 @@ def test_one_reaper_pass_at_a_time(make_job, reaper, redis_client, settings, mod
         assert queued_messages(redis_client, settings, model) == []    # it did nothing meanwhile
     assert reaper.reap().ran
     assert queued_messages(redis_client, settings, model) == [job_id]
+
+
+def test_priorities_sharing_the_last_queue_step_are_counted_together(make_job, reaper, redis_client, settings,
+                                                                     model, db_sessionmaker, celery):
+    """A batch line's own priority moves it past the queue's last step (rein.core.priorities):
+    jobs of priorities 9 and 12 wait on the same list, so the messages there stand for both."""
+    from rein.core.priorities import LAST_QUEUE_STEP
+    from rein.jobs.queues import enqueue_job, priority_lists
+    from rein.store.messages import JobMessage
+
+    lost = make_job(sent_ago=60, priority=LAST_QUEUE_STEP)
+    waiting = make_job(sent_ago=30, priority=LAST_QUEUE_STEP + 3)
+    with db_sessionmaker() as session:
+        enqueue_job(celery, JobMessage.for_job(session.get(Job, waiting)))
+    reaper.reap()
+    # The one message on the step-9 list is the job sent last; the one sent before it lost its.
+    last_step = priority_lists(settings, model, LAST_QUEUE_STEP, shard=0)[0]
+    assert sorted(queued_job_ids(redis_client, last_step)) == sorted([lost, waiting])
+    reaper.reap()    # both accounted for now: nothing more is sent
+    assert len(queued_job_ids(redis_client, last_step)) == 2

@@ -132,13 +132,20 @@ def test_an_aborted_waiting_interactive_request_stops_holding_batch_work_back():
 
 
 def test_the_setting_reaches_the_engine_config(monkeypatch):
-    from rein.engine.config import EngineConfig
+    from rein.engine.config import CPU_INTERACTIVE_STEP_BUDGET, EngineConfig
 
     monkeypatch.setenv("REIN_INTERACTIVE_STEP_BUDGET", "12")
     assert load_engine_settings().interactive_step_budget == 12
-    assert EngineConfig(model="m", device="cpu").interactive_step_budget is None
-    with pytest.raises(ValueError, match="interactive_step_budget"):
-        EngineConfig(model="m", device="cpu", interactive_step_budget=-1)
+    # auto (the default): on a CPU, where a step's time grows with its tokens; off on CUDA.
+    assert EngineConfig(model="m", device="cpu").interactive_step_budget == CPU_INTERACTIVE_STEP_BUDGET == 4
+    assert EngineConfig(model="m", device="cuda").interactive_step_budget is None
+    assert EngineConfig(model="m", device="cpu", interactive_step_budget="off").interactive_step_budget is None
+    assert EngineConfig(model="m", device="cpu", interactive_step_budget=0).interactive_step_budget == 0
+    for bad in (-1, "4", 2.5, True):
+        with pytest.raises(ValueError, match="interactive_step_budget"):
+            EngineConfig(model="m", device="cpu", interactive_step_budget=bad)
+    monkeypatch.setenv("REIN_INTERACTIVE_STEP_BUDGET", "off")
+    assert load_engine_settings().interactive_step_budget == "off"
 
 
 # -- through the engine --------------------------------------------------------------------------
@@ -215,3 +222,25 @@ def test_batch_prefill_stays_held_for_the_hold_steps_after_the_last_chat():
     scheduler.add(fresh)
     plan = driver.step()
     assert [s.num_new_tokens for s in plan.scheduled if s.request is fresh] == [3 * held]
+
+
+def test_with_a_budget_batch_prefill_stays_within_its_cap_before_any_chat():
+    """The first chat of a run meets at most BATCH_PREFILL_STEP_TOKENS of batch prefill in the step
+    in flight, not a whole max_num_batched_tokens step; interactive prefill and batch decodes are
+    not held, and without a budget nothing is."""
+    from rein.engine.scheduler import BATCH_PREFILL_STEP_TOKENS
+
+    cap = BATCH_PREFILL_STEP_TOKENS
+    for budget, expected in ((4, [cap, cap, 100]), (None, [612])):
+        scheduler = make_scheduler(budget=budget, blocks=400, max_num_batched_tokens=1024)
+        driver = Driver(scheduler)
+        long = request("long", prompt_len=612, max_tokens=2, first_token=1)
+        scheduler.add(long)
+        chunks = []
+        while long.num_computed_tokens < long.num_prompt_tokens:
+            chunks += [s.num_new_tokens for s in driver.step().scheduled if s.request is long]
+        assert chunks == expected
+    # An interactive prompt is not held by it.
+    scheduler = make_scheduler(budget=4, blocks=400, max_num_batched_tokens=1024)
+    scheduler.add(request("chat", prompt_len=612, max_tokens=2, priority=INTERACTIVE, first_token=2))
+    assert [s.num_new_tokens for s in Driver(scheduler).step().scheduled] == [612]

@@ -59,7 +59,7 @@ from rein.core.logging import log_context
 from rein.engine.request_result import RequestResult
 from rein.jobs.errors import INVALID_REQUEST, APIError, error_body
 from rein.jobs.registry import ModelEntry
-from rein.jobs.results import response_body
+from rein.jobs.results import response_body, with_service_tier
 from rein.openai.choices_response import full_response
 from rein.openai.endpoints import CHAT_COMPLETIONS, COMPLETIONS, EMBEDDINGS, RESPONSES, generated_as
 from rein.openai.reasoning import Reasoning, apply_reasoning
@@ -231,7 +231,7 @@ async def _complete(endpoint: str, body: dict[str, Any], request: Request, key: 
     if endpoint == RESPONSES:
         return JSONResponse(response_from_chat(apply_tool_calls(response, chat_body(body), parser), body, job.id))
     # A JSONResponse as the stored answer is: the response model would add `tool_calls: null`.
-    return JSONResponse(apply_tool_calls(response, body, parser))
+    return JSONResponse(with_service_tier(apply_tool_calls(response, body, parser), body, job.priority))
 
 
 async def _follow(events: AsyncIterator[StreamEvent | None], gathered: RequestResult) -> StreamEvent | None:

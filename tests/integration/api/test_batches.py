@@ -14,7 +14,7 @@ from api_support import auth, jsonl, line
 from sqlalchemy import select, update
 from support import queued_job_ids, wait_for
 
-from rein.core.priorities import PRIORITY_BATCH
+from rein.core.priorities import LAST_QUEUE_STEP, PRIORITY_BATCH
 from rein.jobs.affinity import BATCH_SHARDS
 from rein.jobs.queues import priority_lists
 from rein.store.tables import Job
@@ -73,8 +73,10 @@ def jsonl_lines(response) -> list[dict]:
 
 
 def batch_lists(settings) -> list[str]:
-    """The Redis lists of the tiny model's batch messages: one per shard (rein.jobs.affinity)."""
-    return priority_lists(settings, "tiny", PRIORITY_BATCH)
+    """The Redis lists of the tiny model's batch messages: one per shard (rein.jobs.affinity) and
+    batch priority step (a line's own `priority` moves it to a later one, rein.core.priorities)."""
+    return [key for step in range(PRIORITY_BATCH, LAST_QUEUE_STEP + 1)
+            for key in priority_lists(settings, "tiny", step)]
 
 
 def waiting_batch_messages(redis_client, settings) -> int:
@@ -200,6 +202,40 @@ def test_queue_window_feeds_as_workers_drain(make_client, make_key, tenant, db_s
     take_batch_messages(redis_client, settings)             # a worker took both messages
     wait_for(lambda: sent() == 4, 10, "two more jobs sent")
     assert waiting_batch_messages(redis_client, settings) == 2
+
+
+def test_a_batch_sends_its_better_priority_lines_first(make_client, make_key, tenant, db_sessionmaker,
+                                                       redis_client, settings, tmp_path):
+    """A line's `priority` (vLLM's: lower first) orders the batch's feeding and puts its message
+    at its priority step; the batch class is kept (priority 6 and worse) whatever the line asks."""
+    client = make_client(files_dir=str(tmp_path / "files"), batch_queue_window=2, batch_affinity=False,
+                         batch_order="file", **FAST)
+    key = make_key(tenant, "batch")
+    priorities = [3, 0, 2, None, -5]
+    batch = create(client, key, jsonl(*(line(f"r{i}", **({} if p is None else {"priority": p}))
+                                        for i, p in enumerate(priorities))))
+    wait_status(client, key, batch["id"], "in_progress")
+    jobs = batch_jobs(db_sessionmaker, batch["id"])
+    assert [j.priority for j in jobs] == [PRIORITY_BATCH + 3, PRIORITY_BATCH, PRIORITY_BATCH + 2, PRIORITY_BATCH,
+                                          PRIORITY_BATCH]
+    ids = {j.custom_id: j.id for j in jobs}
+
+    def sent() -> set[str]:
+        return {j.custom_id for j in batch_jobs(db_sessionmaker, batch["id"]) if j.sent_at}
+
+    wait_for(lambda: len(sent()) == 2, 10, "two jobs sent")
+    assert sent() == {"r1", "r3"}       # priority 0 (and none, and below 0: r4) in the file's order
+    first_step = priority_lists(settings, "tiny", PRIORITY_BATCH, shard=0)[0]
+    assert sorted(queued_job_ids(redis_client, first_step)) == sorted([ids["r1"], ids["r3"]])
+    take_batch_messages(redis_client, settings)
+    wait_for(lambda: len(sent()) == 4, 10, "two more jobs sent")
+    assert sent() == {"r1", "r3", "r4", "r2"}
+    assert queued_job_ids(redis_client, priority_lists(settings, "tiny", PRIORITY_BATCH + 2, shard=0)[0]) == \
+        [ids["r2"]]
+    take_batch_messages(redis_client, settings)
+    wait_for(lambda: len(sent()) == 5, 10, "the last job sent")
+    assert queued_job_ids(redis_client, priority_lists(settings, "tiny", PRIORITY_BATCH + 3, shard=0)[0]) == \
+        [ids["r0"]]
 
 
 def test_recorded_lines_wake_the_manager_before_its_next_poll(make_client, make_key, tenant, db_sessionmaker,

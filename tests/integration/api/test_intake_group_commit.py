@@ -52,7 +52,7 @@ def test_a_group_is_admitted_in_order_stored_and_queued_once(make_client, make_k
     limited = authenticate(db_session, make_key(tenant, rpm=2))
     free = authenticate(db_session, make_key(tenant))
     body = chat_body(model=model)
-    group = [intake.validate(k, "/v1/chat/completions", body, None, None, 0)
+    group = [intake.validate(k, "/v1/chat/completions", body, None, None)
              for k in (limited, free, limited, free, limited, free, free)]
 
     outcomes = intake.commit(group)
@@ -83,7 +83,7 @@ def test_a_row_postgres_refuses_fails_its_own_request_only(make_client, make_key
     intake, settings = client.app.state.intake, client.app.state.settings
     bad_key = authenticate(db_session, make_key(tenant))
     other = authenticate(db_session, make_key(f"{tenant}-other"))
-    group = [intake.validate(k, "/v1/chat/completions", chat_body(model=model), None, None, 0)
+    group = [intake.validate(k, "/v1/chat/completions", chat_body(model=model), None, None)
              for k in (other, bad_key, other, other)]
     group[1].job.prompt_token_ids[0] = 2**40
 
@@ -103,7 +103,7 @@ def test_one_idempotency_key_twice_in_a_group_makes_one_job(make_client, make_ke
     key = authenticate(db_session, make_key(tenant))
     body = chat_body(model=model)
     other = chat_body("a different request", model=model)
-    group = [intake.validate(key, "/v1/chat/completions", b, None, "same-key", 0) for b in (body, body, other)]
+    group = [intake.validate(key, "/v1/chat/completions", b, None, "same-key") for b in (body, body, other)]
 
     first, second, third = intake.commit(group)
 
@@ -119,7 +119,7 @@ def test_jobs_that_cannot_be_queued_are_failed_not_lost(make_client, make_key, t
     client = make_client(models=f"{model}={model_dir}@512")
     intake = client.app.state.intake
     key = authenticate(db_session, make_key(tenant))
-    group = [intake.validate(key, "/v1/chat/completions", chat_body(model=model), None, None, 0)
+    group = [intake.validate(key, "/v1/chat/completions", chat_body(model=model), None, None)
              for _ in range(2)]
     # A broker nobody listens on, and no retries: the publish fails at once.
     dead = make_celery(intake.settings.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"}))

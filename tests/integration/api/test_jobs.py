@@ -182,3 +182,45 @@ def test_one_tenant_filling_its_queue_share_leaves_room_for_another(make_client,
     assert int(refused.headers["Retry-After"]) >= 1
     _create(client, other, body)         # the other tenant still gets in
     _create(client, other, body)
+
+
+def test_priority_and_service_tier_place_the_job_in_the_queue(make_client, make_key, tenant, db_session,
+                                                               redis_client, model_dir):
+    """`priority` moves a job back within the interactive class (its queue step too); `service_tier:
+    "flex"` puts it in the batch class, on a batch queue shard; both are stored on the job."""
+    from rein.core.priorities import PRIORITY_BATCH
+    from rein.jobs.queues import priority_lists
+
+    model = f"m{secrets.token_hex(3)}"
+    client = make_client(models=f"{model}={model_dir}@512")
+    settings = client.app.state.settings
+    key = make_key(tenant)
+    plain = _create(client, key, chat_body(model=model))
+    later = _create(client, key, chat_body(model=model, priority=3, service_tier="auto"))
+    capped = _create(client, key, chat_body(model=model, priority=40))
+    flex = _create(client, key, chat_body(model=model, priority=1, service_tier="flex"))
+    stored = {name: db_session.get(Job, job["id"]).priority
+              for name, job in (("plain", plain), ("later", later), ("capped", capped), ("flex", flex))}
+    assert stored == {"plain": 0, "later": 3, "capped": PRIORITY_BATCH - 1, "flex": PRIORITY_BATCH + 1}
+
+    def waiting(step: int) -> list[str]:
+        ids = []
+        for queue in priority_lists(settings, model, step):
+            for raw in redis_client.lrange(queue, 0, -1):
+                body = json.loads(__import__("base64").b64decode(json.loads(raw)["body"]))
+                ids.append(body[0][0]["job_id"])
+        return ids
+
+    assert waiting(0) == [plain["id"]] and waiting(3) == [later["id"]]
+    assert waiting(PRIORITY_BATCH - 1) == [capped["id"]] and waiting(PRIORITY_BATCH + 1) == [flex["id"]]
+
+
+def test_bad_priority_or_service_tier_is_a_400_naming_the_field(client, make_key, tenant):
+    key = make_key(tenant)
+    for body, param in ((chat_body(priority="high"), "priority"), (chat_body(service_tier="scale"), "service_tier")):
+        for path, payload in (("/v1/chat/completions", body),
+                              ("/v1/jobs", {"endpoint": "/v1/chat/completions", "body": body})):
+            response = client.post(path, json=payload, headers=auth(key))
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert error["param"] in (param, f"body.{param}") and param in error["message"], error
