@@ -266,7 +266,7 @@ def test_recorder_merges_the_stored_choices(tokenizer):
     from rein.jobs.results import response_body
     gathered = gathered_of(two_choices())
     extra = response_extra(COMPLETIONS, gathered, [1, 2, 3, 4, 5], tokenizer, None, ResponseShape(n=2))
-    job = SimpleNamespace(endpoint=COMPLETIONS, id="job_1", model="tiny", prompt_tokens=5, params={},
+    job = SimpleNamespace(endpoint=COMPLETIONS, id="job_1", model="tiny", prompt_tokens=5, params={}, priority=0,
                           finished_at=datetime(2024, 1, 1, tzinfo=UTC))
     result = SimpleNamespace(text="abc", token_ids=[10, 11, 12], finish_reason="length", logprobs=None,
                              response=extra, created_at=None)
