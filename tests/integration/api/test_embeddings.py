@@ -147,6 +147,14 @@ def test_a_batch_of_embeddings_lines_is_validated(make_client, tiny_models, make
     lines = [{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"model": "emb", "input": "x"}},
              {"custom_id": "b", "method": "POST", "url": "/v1/embeddings",
               "body": {"model": "emb", "input": ["y", ""]}}]
+    state = _validated_embeddings_batch(client, key, lines)
+    assert state["status"] == "failed", state
+    [problem] = state["errors"]["data"]
+    assert problem["line"] == 2 and "input[1] is an empty string" in problem["message"]
+
+
+def _validated_embeddings_batch(client, key: str, lines: list[dict]) -> dict:
+    """Upload `lines`, create an embeddings batch of them and return it once validation ended."""
     content = "".join(json.dumps(line) + "\n" for line in lines).encode()
     file_id = client.post("/v1/files", headers=auth(key), files={"file": ("in.jsonl", content)},
                           data={"purpose": "batch"}).json()["id"]
@@ -159,9 +167,7 @@ def test_a_batch_of_embeddings_lines_is_validated(make_client, tiny_models, make
         if state["status"] != "validating":
             break
         time.sleep(0.1)
-    assert state["status"] == "failed", state
-    [problem] = state["errors"]["data"]
-    assert problem["line"] == 2 and "input[1] is an empty string" in problem["message"]
+    return state
 
 
 def test_a_batch_past_the_embedding_input_cap_fails_naming_it(make_client, tiny_models, make_key, tenant, tmp_path):
@@ -171,18 +177,7 @@ def test_a_batch_past_the_embedding_input_cap_fails_naming_it(make_client, tiny_
     lines = [{"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {"model": "emb", "input": "x"}},
              {"custom_id": "b", "method": "POST", "url": "/v1/embeddings",
               "body": {"model": "emb", "input": ["y", "z", "w"]}}]
-    content = "".join(json.dumps(line) + "\n" for line in lines).encode()
-    file_id = client.post("/v1/files", headers=auth(key), files={"file": ("in.jsonl", content)},
-                          data={"purpose": "batch"}).json()["id"]
-    batch = client.post("/v1/batches", headers=auth(key), json={
-        "input_file_id": file_id, "endpoint": "/v1/embeddings", "completion_window": "24h"})
-    assert batch.status_code == 200, batch.text
-    deadline = time.monotonic() + 20
-    while time.monotonic() < deadline:
-        state = client.get(f"/v1/batches/{batch.json()['id']}", headers=auth(key)).json()
-        if state["status"] != "validating":
-            break
-        time.sleep(0.1)
+    state = _validated_embeddings_batch(client, key, lines)
     assert state["status"] == "failed", state
     [problem] = state["errors"]["data"]
     assert problem["code"] == "too_many_embedding_inputs" and problem["line"] == 2
