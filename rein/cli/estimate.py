@@ -213,7 +213,7 @@ def estimate(args: argparse.Namespace) -> str:
         kv = (f"{rank.num_kv_heads} KV head{'s' if rank.num_kv_heads > 1 else ''} of {spec.num_kv_heads}"
               if copies <= 1 else
               f"1 KV head of {spec.num_kv_heads}, replicated: each KV head is computed and cached on {copies} ranks")
-        lines.append(f"tensor parallel: {tp} ranks, each with {rank.num_heads} query heads and {kv}; weights per "
+        lines.append(f"tensor parallel: {tp} ranks, each with {rank.num_heads} query head{'s' if rank.num_heads > 1 else ''} and {kv}; weights per "
                      f"rank: {share:,} of {params:,} parameters = about {weights:,} bytes ({_size(weights)})")
     if weights >= memory:
         raise EstimateError(
