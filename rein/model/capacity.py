@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rein.model.parallel.layers import attention_heads, vocab_rows
 from rein.model.spec import ModelSpec
 
 
@@ -83,8 +84,6 @@ def rank_spec(spec: ModelSpec, world_size: int) -> ModelSpec:
     """`spec` as one of `world_size` tensor-parallel ranks sees it: its query and KV heads
     (what its KV cache is sized by), its share of the MLP and experts' widths and of the
     vocabulary (ceil). ValueError for a size the heads refuse (rein.model.parallel.layers)."""
-    from rein.model.parallel.layers import attention_heads, vocab_rows  # torch.nn: not for the sizing alone
-
     if world_size == 1:
         return spec
     heads, kv_heads = attention_heads(spec, world_size)
