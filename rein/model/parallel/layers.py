@@ -38,21 +38,24 @@ def attention_heads(spec: ModelSpec, world_size: int) -> tuple[int, int]:
     KV heads each rank's cache must be sized for (one where the KV heads are replicated)."""
     heads, kv_heads = spec.num_heads, spec.num_kv_heads
     if heads % world_size:
-        sizes = ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0 and _fits_kv(kv_heads, n))
         raise ValueError(f"tensor parallel size {world_size} does not divide the model's {heads} attention heads "
                          f"({kv_heads} KV heads); choose a size that divides the attention heads and divides "
-                         f"or is a multiple of the KV heads: {sizes}")
+                         f"or is a multiple of the KV heads: {_sizes(heads, kv_heads)}")
     if not _fits_kv(kv_heads, world_size):
-        sizes = ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0 and _fits_kv(kv_heads, n))
         raise ValueError(f"tensor parallel size {world_size} neither divides nor is a multiple of the model's "
                          f"{kv_heads} KV heads: a rank's KV heads must be a whole share of them or one of them "
-                         f"replicated ({heads} attention heads); choose one of: {sizes}")
+                         f"replicated ({heads} attention heads); choose one of: {_sizes(heads, kv_heads)}")
     return heads // world_size, max(1, kv_heads // world_size)
 
 
 def _fits_kv(kv_heads: int, world_size: int) -> bool:
     """Whether `world_size` ranks can hold `kv_heads` KV heads: split evenly or replicated evenly."""
     return kv_heads % world_size == 0 or world_size % kv_heads == 0
+
+
+def _sizes(heads: int, kv_heads: int) -> str:
+    """The tensor-parallel sizes a model of `heads` query and `kv_heads` KV heads can take."""
+    return ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0 and _fits_kv(kv_heads, n))
 
 
 def kv_replicas(spec: ModelSpec, world_size: int) -> int:
