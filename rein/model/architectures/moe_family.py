@@ -19,7 +19,8 @@ Tensor parallelism as llama.py's, with every expert split by its intermediate di
 rank holds a slice of all experts (and of the shared expert), routes every token the same way
 (the router is whole on every rank and sees the same all-reduced input) and the block ends in
 one all-reduce. OLMoE's q/k norms span all heads, so under tensor parallelism each rank
-gathers q and k whole for the norm and keeps its heads.
+gathers q and k whole for the norm and keeps its heads (one copy of each KV head where the
+ranks replicate them).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from rein.model.architectures.rope import apply_rotary
 from rein.model.architectures.weights import Shard, TensorGetter, WeightLoader
 from rein.model.attention import AttentionMetadata, LayerCache, paged_attention
 from rein.model.parallel.group import SINGLE_RANK, ParallelGroup
+from rein.model.parallel.layers import kv_replicas
 from rein.model.spec import ModelSpec
 
 # Checkpoint names of an expert's (gate, up, down) projections and of the block, per family
@@ -57,26 +59,32 @@ class OlmoeAttention(Attention):
         super().__init__(spec, window, group)
         self.q_norm = RMSNorm(spec.num_heads * spec.head_dim, spec.rms_norm_eps)
         self.k_norm = RMSNorm(spec.num_kv_heads * spec.head_dim, spec.rms_norm_eps)
+        self.kv_replicas = kv_replicas(spec, group.world_size)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
                 meta: AttentionMetadata) -> torch.Tensor:
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         q = self.norm_whole(qkv[:, :self.q_size], self.q_norm).view(tokens, self.num_heads, self.head_dim)
-        k = self.norm_whole(qkv[:, self.q_size:self.q_size + self.kv_size], self.k_norm)
+        k = self.norm_whole(qkv[:, self.q_size:self.q_size + self.kv_size], self.k_norm, self.kv_replicas)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         out = paged_attention(q, k, v, cache, meta, self.scale, window=self.window)
         return self.group.all_reduce_(self.o_proj(out.reshape(tokens, self.q_size)))
 
-    def norm_whole(self, part: torch.Tensor, norm: RMSNorm) -> torch.Tensor:
-        """`norm` over all ranks' heads of this rank's projection `part`; this rank's columns of it."""
+    def norm_whole(self, part: torch.Tensor, norm: RMSNorm, replicas: int = 1) -> torch.Tensor:
+        """`norm` over all ranks' heads of this rank's projection `part`; this rank's columns of it.
+        `replicas`: that many consecutive ranks hold the same heads (replicated KV heads), of
+        which the gathered whole keeps one copy."""
         if self.group.world_size == 1:
             return norm(part)
-        width = part.shape[-1]
-        start = self.group.rank * width
-        return norm(self.group.all_gather(part))[:, start:start + width]
+        tokens, width = part.shape
+        whole = self.group.all_gather(part)
+        if replicas > 1:
+            whole = whole.view(tokens, -1, replicas, width)[:, :, 0].reshape(tokens, -1)
+        start = self.group.rank // replicas * width
+        return norm(whole)[:, start:start + width]
 
 
 class MoeDecoderLayer(DecoderLayer):
