@@ -71,6 +71,7 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
     )
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
+    from rein.kernels.quantized_experts import QuantizedExperts
     from rein.model.quant.gguf_blocks import repack
 
     config = json.loads((directory / "config.json").read_text())
@@ -117,6 +118,33 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
         report.dequantized[qtype.name] += 1
         return None
 
+    def quantized_experts(gguf_name: str, entry: dict, data, shard: Shard | None, hf_name: str):
+        """A stacked [n_expert, rows, cols] tensor (`blk.N.ffn_gate_exps.weight`) as
+        QuantizedExperts, each expert repacked and cut to `shard` (a shard of dimension 1 or
+        2 of the 3-D tensor is one of dimension 0 or 1 of each expert); None to dequantize."""
+        qtype = GGMLQuantizationType(entry["type"])
+        block, type_bytes = GGML_QUANT_SIZES[qtype]
+        count, rows, row_bytes = data.shape
+        cols = row_bytes // type_bytes * block
+        reorder, order = row_order(gguf_name, rows)
+        cut = None if shard is None else Shard(shard.dim - 1, shard.index, shard.count, shard.uneven)
+        experts = []
+        for e in range(count):
+            weight = repack(data[e], qtype.name, rows, cols)
+            if weight is None or not reorder or (shard is not None and shard.dim == 0):
+                break
+            if order is not None:
+                weight = weight.permute_rows(order)
+            weight = shard_of(weight, cut, hf_name)
+            if weight is None:
+                break
+            experts.append(weight)
+        if len(experts) < count:
+            report.dequantized[qtype.name] += 1
+            return None
+        report.experts[qtype.name] += 1
+        return QuantizedExperts.of(experts)
+
     def get(hf_name: str, shard: Shard | None = None, quantized: bool = False) -> torch.Tensor | None:
         stem, _, suffix = hf_name.rpartition(".")
         gguf_name = f"{names.get_name(stem)}.{suffix}"
@@ -140,6 +168,10 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
             weight = quantized_weight(gguf_name, entry, data, shard, hf_name)
             if weight is not None:
                 return weight
+        if quantized and keep_quantized and entry["type"] in block_types and data.ndim == 3:
+            experts = quantized_experts(gguf_name, entry, data, shard, hf_name)
+            if experts is not None:
+                return experts
         weights = dequantize(data, GGMLQuantizationType(entry["type"]))
         weights = processor.process(weights=weights, name=gguf_name).weights
         if shard is not None:

@@ -10,6 +10,11 @@ families' switches read from the ModelSpec:
 - Mixtral: Mistral's attention; every layer sparse, top-k weights always renormalised.
 - OLMoE: q/k RMSNorm over the whole q and k projections (before they are split into heads).
 
+A GGUF file holds each projection of a layer's experts as one 3-D tensor (llama.cpp's
+blk.N.ffn_gate_exps / ffn_up_exps / ffn_down_exps, gguf's tensor map naming them
+`mlp.experts.gate_proj`, Mixtral's `block_sparse_moe.experts.w1`), kept in its quantized blocks
+(`load_gguf_experts`); the router is ffn_gate_inp, Qwen2-MoE's shared expert ffn_*_shexp.
+
 Checkpoints name each expert's projections separately (`mlp.experts.{e}.gate_proj.weight`;
 Mixtral's `block_sparse_moe.experts.{e}.w1/w3/w2`), which is also what transformers 5's
 save_pretrained writes; they are stacked at load. A checkpoint saved with transformers' fused
@@ -39,7 +44,8 @@ from rein.model.architectures.llama import (
 )
 from rein.model.architectures.moe import SparseMoeBlock
 from rein.model.architectures.rope import apply_rotary
-from rein.model.architectures.weights import Shard, TensorGetter, WeightLoader
+from rein.kernels.quantized_experts import QuantizedExperts
+from rein.model.architectures.weights import Shard, TensorGetter, WeightLoader, dropped
 from rein.model.attention import AttentionMetadata, LayerCache, paged_attention
 from rein.model.parallel.group import SINGLE_RANK, ParallelGroup
 from rein.model.spec import ModelSpec
@@ -124,12 +130,15 @@ def load_sparse_block(weights: WeightLoader, spec: ModelSpec, layer: str, dst: s
     else:
         raise ValueError(f"checkpoint is missing weight {layer}{blocks[0]}.gate.weight")
     weights.put(dst + "gate.weight", router)
-    fused = stacked_gate_up(weights, src + "experts.gate_up_proj")
-    if fused is not None:   # already stacked (saved with transformers' in-memory names)
+    names = EXPERT_NAMES.get(spec.family, ("gate_proj", "up_proj", "down_proj"))
+    if load_gguf_experts(weights, src, dst, names):
+        pass
+    elif (fused := stacked_gate_up(weights, src + "experts.gate_up_proj")) is not None:
+        # already stacked (saved with transformers' in-memory names)
         weights.put(dst + "gate_up_proj", fused)
         weights.put(dst + "down_proj", weights.take(src + "experts.down_proj", weights.shard(2)))
     else:
-        gate, up, down = EXPERT_NAMES.get(spec.family, ("gate_proj", "up_proj", "down_proj"))
+        gate, up, down = names
         rows, columns = weights.shard(0), weights.shard(1)
         for e in range(spec.num_experts):
             expert = f"{src}experts.{e}."
@@ -139,6 +148,39 @@ def load_sparse_block(weights: WeightLoader, spec: ModelSpec, layer: str, dst: s
     if spec.shared_expert_intermediate_size:
         load_mlp(weights, src + "shared_expert.", dst + "shared_expert.")
         weights.put(dst + "shared_expert_gate.weight", weights.take(src + "shared_expert_gate.weight"))
+
+
+def load_gguf_experts(weights: WeightLoader, src: str, dst: str, names: tuple[str, str, str]) -> bool:
+    """A GGUF file's experts, one 3-D tensor per projection (gguf's tensor map names them
+    `{block}.experts.{gate_proj|w1}`: llama.cpp's blk.N.ffn_gate_exps, ffn_up_exps [E, I, H],
+    ffn_down_exps [E, H, I]); False where the checkpoint has none. Kept quantized when all
+    three come as QuantizedExperts (the model's float gate_up_proj / down_proj are then
+    dropped), else dequantized into them. This rank's slice of I, as the other layouts."""
+    gate_name, up_name, down_name = (f"{src}experts.{name}.weight" for name in names)
+    rows, columns = weights.shard(1), weights.shard(2)
+    gate = weights.get(gate_name, rows, True)
+    if gate is None:
+        return False
+    up = weights.take(up_name, rows, quantized=True)
+    down = weights.take(down_name, columns, quantized=True)
+    block = weights.modules[dst.removesuffix(".")]
+    gate_up_target, down_target = weights.own[dst + "gate_up_proj"], weights.own[dst + "down_proj"]
+    if all(isinstance(t, QuantizedExperts) for t in (gate, up, down)):
+        gate_up = QuantizedExperts.gate_up(gate, up)
+        for name, value, target in (("gate_up_proj", gate_up, gate_up_target), ("down_proj", down, down_target)):
+            if value.shape != tuple(target.shape):
+                raise ValueError(f"weight {dst}{name}: checkpoint experts {value.shape} != model {tuple(target.shape)}")
+        # On the CPU the C kernel's panels, one expert at a time (QuantizedExperts.to).
+        block.quantized_gate_up = gate_up.to(gate_up_target.device)
+        block.quantized_down = down.to(down_target.device)
+        block.gate_up_proj, block.down_proj = dropped(gate_up_target), dropped(down_target)
+        weights.loaded.update((dst + "gate_up_proj", dst + "down_proj"))
+        return True
+    gate, up, down = (t.dequantize(gate_up_target.dtype) if isinstance(t, QuantizedExperts) else t
+                      for t in (gate, up, down))
+    weights.put(dst + "gate_up_proj", torch.cat([gate, up], dim=1))
+    weights.put(dst + "down_proj", down)
+    return True
 
 
 def stacked_gate_up(weights: WeightLoader, name: str) -> torch.Tensor | None:
