@@ -34,6 +34,7 @@ from rein.engine.sampling_params import SamplingParams
 from rein.kernels.quantized import CpuPanels
 from rein.kernels.quantized_experts import QuantizedExperts
 from rein.model.architectures.moe import SparseMoeBlock
+from rein.model.quant.checkpoint import estimated_weight_bytes, resident_bytes
 
 gguf = pytest.importorskip("gguf")
 
@@ -143,6 +144,11 @@ def test_a_moe_gguf_runs_with_its_experts_quantized(moe_models, tmp_path, caplog
         assert block.gate_up_proj.numel() == 0 and block.down_proj.numel() == 0
         assert block.quantized_gate_up.shape == (8, 2 * spec.moe_intermediate_size, spec.hidden_size)
     assert f"MoE experts kept quantized: {qtype} x{3 * spec.num_layers}" in caplog.text
+    # `rein estimate` counts the stacked experts at their quantized size too (within the
+    # buffers and rounding it does not model).
+    estimate, _ = estimated_weight_bytes(spec, engine.model_dir, 4)
+    resident = resident_bytes(engine.runner.model)
+    assert abs(estimate - resident) < 0.1 * resident, (estimate, resident)
 
     _, want_tokens, want_logprobs = run(path, "none")    # the same file, dequantized
     assert tokens == want_tokens

@@ -44,6 +44,7 @@ from rein.model.architectures.llama import (
 )
 from rein.model.architectures.moe import SparseMoeBlock
 from rein.model.architectures.rope import apply_rotary
+from rein.kernels.quantized import QuantizedWeight
 from rein.kernels.quantized_experts import QuantizedExperts
 from rein.model.architectures.weights import Shard, TensorGetter, WeightLoader, dropped
 from rein.model.attention import AttentionMetadata, LayerCache, paged_attention
@@ -138,16 +139,62 @@ def load_sparse_block(weights: WeightLoader, spec: ModelSpec, layer: str, dst: s
         weights.put(dst + "gate_up_proj", fused)
         weights.put(dst + "down_proj", weights.take(src + "experts.down_proj", weights.shard(2)))
     else:
-        gate, up, down = names
-        rows, columns = weights.shard(0), weights.shard(1)
-        for e in range(spec.num_experts):
-            expert = f"{src}experts.{e}."
-            put_expert(weights, dst + "gate_up_proj", e, torch.cat([weights.take(f"{expert}{gate}.weight", rows),
-                                                                    weights.take(f"{expert}{up}.weight", rows)]))
-            put_expert(weights, dst + "down_proj", e, weights.take(f"{expert}{down}.weight", columns))
+        load_separate_experts(weights, spec, src, dst, names)
     if spec.shared_expert_intermediate_size:
         load_mlp(weights, src + "shared_expert.", dst + "shared_expert.")
         weights.put(dst + "shared_expert_gate.weight", weights.take(src + "shared_expert_gate.weight"))
+
+
+def load_separate_experts(weights: WeightLoader, spec: ModelSpec, src: str, dst: str,
+                          names: tuple[str, str, str]) -> None:
+    """Experts saved one by one (`experts.{e}.gate_proj.weight`, ...). They stay quantized
+    where every expert's three projections come quantized (an AWQ / GPTQ checkpoint's, or
+    --quantization int8 | int4 made at load): collected, then stacked into QuantizedExperts.
+    Otherwise each is copied into the float stacked tensors as it comes (an expert that comes
+    float sends the ones collected before it there too, dequantized)."""
+    gate, up, down = names
+    rows, columns = weights.shard(0), weights.shard(1)
+    held: list[list[QuantizedWeight]] | None = []
+
+    def put_float(e: int, parts: list) -> None:
+        dtype = weights.own[dst + "gate_up_proj"].dtype
+        g, u, d = (p.dequantize(dtype) if isinstance(p, QuantizedWeight) else p for p in parts)
+        put_expert(weights, dst + "gate_up_proj", e, torch.cat([g, u]))
+        put_expert(weights, dst + "down_proj", e, d)
+
+    for e in range(spec.num_experts):
+        expert = f"{src}experts.{e}."
+        parts = [weights.take(f"{expert}{gate}.weight", rows, quantized=True),
+                 weights.take(f"{expert}{up}.weight", rows, quantized=True),
+                 weights.take(f"{expert}{down}.weight", columns, quantized=True)]
+        if held is not None and all(isinstance(p, QuantizedWeight) for p in parts):
+            held.append(parts)
+            continue
+        for i, earlier in enumerate(held or []):
+            put_float(i, earlier)
+        held = None
+        put_float(e, parts)
+    if held:
+        put_quantized_experts(weights, dst, QuantizedExperts.of([p for parts in held for p in parts[:2]]),
+                              QuantizedExperts.of([parts[2] for parts in held]), interleaved=True)
+
+
+def put_quantized_experts(weights: WeightLoader, dst: str, gate_up: QuantizedExperts, down: QuantizedExperts,
+                          interleaved: bool = False) -> None:
+    """Hand the sparse block at `dst` its experts quantized (on its device; the CPU kernel's
+    panels on the CPU) in place of its float gate_up_proj and down_proj, which are dropped.
+    `interleaved`: gate_up holds 2E matrices, expert e's gate then its up, regrouped here."""
+    if interleaved:
+        gate_up = QuantizedExperts(down.num_experts, 2 * gate_up.rows, gate_up.cols, stacked=gate_up.stacked)
+    block = weights.modules[dst.removesuffix(".")]
+    gate_up_target, down_target = weights.own[dst + "gate_up_proj"], weights.own[dst + "down_proj"]
+    for name, value, target in (("gate_up_proj", gate_up, gate_up_target), ("down_proj", down, down_target)):
+        if value.shape != tuple(target.shape):
+            raise ValueError(f"weight {dst}{name}: checkpoint experts {value.shape} != model {tuple(target.shape)}")
+    block.quantized_gate_up = gate_up.to(gate_up_target.device)
+    block.quantized_down = down.to(down_target.device)
+    block.gate_up_proj, block.down_proj = dropped(gate_up_target), dropped(down_target)
+    weights.loaded.update((dst + "gate_up_proj", dst + "down_proj"))
 
 
 def load_gguf_experts(weights: WeightLoader, src: str, dst: str, names: tuple[str, str, str]) -> bool:
@@ -163,21 +210,11 @@ def load_gguf_experts(weights: WeightLoader, src: str, dst: str, names: tuple[st
         return False
     up = weights.take(up_name, rows, quantized=True)
     down = weights.take(down_name, columns, quantized=True)
-    block = weights.modules[dst.removesuffix(".")]
-    gate_up_target, down_target = weights.own[dst + "gate_up_proj"], weights.own[dst + "down_proj"]
     if all(isinstance(t, QuantizedExperts) for t in (gate, up, down)):
-        gate_up = QuantizedExperts.gate_up(gate, up)
-        for name, value, target in (("gate_up_proj", gate_up, gate_up_target), ("down_proj", down, down_target)):
-            if value.shape != tuple(target.shape):
-                raise ValueError(f"weight {dst}{name}: checkpoint experts {value.shape} != model {tuple(target.shape)}")
-        # On the CPU the C kernel's panels, one expert at a time (QuantizedExperts.to).
-        block.quantized_gate_up = gate_up.to(gate_up_target.device)
-        block.quantized_down = down.to(down_target.device)
-        block.gate_up_proj, block.down_proj = dropped(gate_up_target), dropped(down_target)
-        weights.loaded.update((dst + "gate_up_proj", dst + "down_proj"))
+        put_quantized_experts(weights, dst, QuantizedExperts.gate_up(gate, up), down)
         return True
-    gate, up, down = (t.dequantize(gate_up_target.dtype) if isinstance(t, QuantizedExperts) else t
-                      for t in (gate, up, down))
+    dtype = weights.own[dst + "gate_up_proj"].dtype
+    gate, up, down = (t.dequantize(dtype) if isinstance(t, QuantizedExperts) else t for t in (gate, up, down))
     weights.put(dst + "gate_up_proj", torch.cat([gate, up], dim=1))
     weights.put(dst + "down_proj", down)
     return True

@@ -152,8 +152,9 @@ def quantized_bytes(rows: int, cols: int, bits: int, group: int, offset: bool) -
 
 
 def projection_shapes(spec) -> list[tuple[int, int]]:
-    """(rows, cols) of every projection a native model holds as a Linear (attention's q, k, v, o;
-    the dense MLPs' and shared experts' gate, up, down; routed experts are not Linears)."""
+    """(rows, cols) of every projection a native model holds quantized when the checkpoint or
+    --quantization has it so (attention's q, k, v, o; the dense MLPs' and shared experts' gate,
+    up, down; and each routed expert's, rein.kernels.quantized_experts)."""
     q, kv, hidden = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
     shapes = []
     for sparse in spec.sparse_layers:
@@ -161,6 +162,9 @@ def projection_shapes(spec) -> list[tuple[int, int]]:
         inter = spec.shared_expert_intermediate_size if sparse else spec.intermediate_size
         if inter:
             shapes += [(inter, hidden), (inter, hidden), (hidden, inter)]
+        if sparse:
+            expert = spec.moe_intermediate_size
+            shapes += [(expert, hidden), (expert, hidden), (hidden, expert)] * spec.num_experts
     return shapes
 
 
