@@ -91,3 +91,16 @@ def test_experts_a_group_does_not_fit_stay_float(tiny_models, caplog):
     blocks = [m for m in engine.runner.model.modules() if isinstance(m, SparseMoeBlock)]
     assert all(b.quantized_gate_up is None and b.gate_up_proj.numel() for b in blocks)
     assert "stays float32" in caplog.text and all(len(t) == 16 for t in tokens.values())
+
+
+def test_tensor_parallel_ranks_hold_their_slice_of_the_experts_quantized(tiny_models):
+    """Two ranks (gloo, CPU) each hold every expert's rows of gate/up and columns of down (64 of
+    Mixtral's 128: whole groups of 32) quantized, and give one rank's tokens."""
+    model = tiny_models("mixtral")
+    _, want_tokens, want_logprobs = run(model, "int4-g32")
+    sharded, tokens, logprobs = run(model, "int4-g32", kv_cache_memory=256 * 1024, tensor_parallel_size=2)
+    assert held_experts(sharded) == {"int4-g32"}
+    block = next(m for m in sharded.runner.model.modules() if isinstance(m, SparseMoeBlock))
+    assert block.quantized_gate_up.shape == (8, 128, 64) and block.quantized_down.shape == (8, 64, 64)
+    assert tokens == want_tokens
+    assert max(abs(a - b) for i in logprobs for a, b in zip(logprobs[i], want_logprobs[i], strict=True)) < 1e-4
