@@ -2,7 +2,8 @@
 a GGUF file. Finding the files is `rein.model.files`.
 
 A GGUF file's projection and embedding weights stay in their quantized blocks, repacked for
-rein's kernels (rein.model.quant.gguf_blocks); its other tensors, types rein has no kernel
+rein's kernels (rein.model.quant.gguf_blocks), and so do a MoE layer's stacked experts (3-D
+`ffn_*_exps` tensors, as rein.kernels.quantized_experts.QuantizedExperts); its other tensors, types rein has no kernel
 for, and everything under `--quantization none` are dequantized one tensor at a time to the
 engine's dtype. AWQ / GPTQ projections stay 4-bit the same way, and `--quantization int8 |
 int4` quantizes a float checkpoint's projections as they are read (rein.model.quant).
