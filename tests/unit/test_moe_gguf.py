@@ -1,7 +1,8 @@
 """llama.cpp's mixture-of-experts GGUF files in the engine: Qwen3-MoE, Qwen2-MoE (shared expert)
 and Mixtral (llama architecture with experts), written from tiny random-weight models by
 rein.fixtures.tiny_gguf the way llama.cpp's converter writes them (stacked ffn_*_exps, router
-ffn_gate_inp, ffn_*_shexp), quantized to Q8_0 / Q4_0 / Q4_1 by gguf's own quantizer.
+ffn_gate_inp, ffn_*_shexp), quantized to Q8_0 / Q4_0 / Q4_1 by gguf's own quantizer, and
+experts in Q4_K (written by tiny_gguf.quantize_q4_k: 256-column blocks, on a wider model).
 
 Each file must load into rein's native MoE model with its experts held quantized (not
 dequantized: the test looks at what the blocks hold), and give the greedy tokens and logprobs of
@@ -242,3 +243,28 @@ def test_a_cut_through_blocks_dequantizes_and_says_so(moe_models, tmp_path):
         part = get(name, Shard(2, 1, 2), True)
     assert isinstance(part, torch.Tensor) and torch.equal(part, whole[:, :, 16:])
     assert report.dequantized["Q8_0"] == 1 and not report.experts
+
+
+def test_q4_k_experts(moe_models, tmp_path):
+    """Q4_K experts (the type of most MoE GGUF files, e.g. Qwen3-30B-A3B Q4_K_M), other matrices
+    Q8_0: a Qwen3-MoE 256 wide with experts 256 wide, so every expert row is whole 256-blocks."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    out = tmp_path / "qwen3_moe-256"
+    config = Qwen3MoeConfig(vocab_size=2048, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=64, intermediate_size=512, moe_intermediate_size=256,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+                            initializer_range=0.1, tie_word_embeddings=False, use_sliding_window=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(moe_models["qwen3_moe"] / name, out / name)
+    path = write_gguf(out, tmp_path / "q4k.gguf", "Q8_0", expert_qtype="Q4_K")
+    engine, tokens, logprobs = run(path)
+    assert len({t for answer in tokens.values() for t in answer}) > 8   # not one token repeated
+    assert {b.quantized_gate_up.source for b in sparse_blocks(engine)} == {"Q4_K"}
+    assert {b.quantized_down.source for b in sparse_blocks(engine)} == {"Q4_K"}
+    _, want_tokens, want_logprobs = run(path, "none")
+    assert tokens == want_tokens and max_error(logprobs, want_logprobs) < LOGPROB_TOLERANCE
+    hf_tokens, hf_logprobs = hf_reference(rounded_checkpoint(out, tmp_path / "rounded", "Q8_0", "Q4_K"))
+    assert tokens == hf_tokens and max_error(logprobs, hf_logprobs) < LOGPROB_TOLERANCE
