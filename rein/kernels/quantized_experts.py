@@ -133,7 +133,8 @@ def grouped_quantized_experts(x: torch.Tensor, gate_up: QuantizedExperts, down: 
 
 
 def triton_quantized_moe_fits(gate_up: QuantizedExperts, down: QuantizedExperts) -> bool:
-    """Whether Triton's grouped quantized GEMM takes these experts: stacked, with groups its
-    K-tiles read (whole runs of 32 for 4 bits, 16 columns or more for 8)."""
-    return all(w.stacked is not None and w.stacked.group % (32 if w.stacked.bits == 4 else 16) == 0
-               for w in (gate_up, down))
+    """Whether Triton's grouped quantized GEMM takes these experts: stacked, 4- or 8-bit, with
+    groups its K-tiles read (whole runs of 32 for 4 bits, 16 columns or more for 8). Others run
+    per expert through quantized_linear (a host sync: not inside a CUDA graph)."""
+    return all(w.stacked is not None and w.stacked.bits in (4, 8)
+               and w.stacked.group % (32 if w.stacked.bits == 4 else 16) == 0 for w in (gate_up, down))

@@ -204,10 +204,9 @@ def test_a_sharded_read_of_stacked_experts_stays_quantized(moe_models, tmp_path)
     """A tensor-parallel rank's slice of the experts' intermediate dimension (rows of gate/up,
     columns of down) comes quantized and equals the same slice of the dequantized tensor."""
     from rein.model.architectures.weights import Shard
+    from rein.model.files import resolve_model
     from rein.model.loader import gguf_tensors
     from rein.model.quant.checkpoint import LoadReport
-
-    from rein.model.files import resolve_model
 
     # Mixtral's experts are 128 wide: halves of whole Q8_0 blocks (a cut through a block of
     # down's columns would be dequantized instead).

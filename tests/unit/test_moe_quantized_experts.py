@@ -9,7 +9,15 @@ from __future__ import annotations
 import pytest
 import torch
 from test_quant_methods import awq_pack, gptq_pack_qweight, gptq_pack_zeros_v1_autogptq
-from test_quantized_models import affine_4bit, assert_same_model, checkpoint, dense, is_projection, run, variant
+from test_quantized_models import (
+    affine_4bit,
+    assert_same_model,
+    checkpoint,
+    dense,
+    is_projection,
+    run,
+    variant,
+)
 
 from rein.kernels.quantized import CpuPanels
 from rein.kernels.quantized_experts import QuantizedExperts, grouped_quantized_experts

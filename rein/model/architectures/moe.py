@@ -31,7 +31,11 @@ import torch
 from torch import nn
 
 from rein.kernels import elementwise, use_triton
-from rein.kernels.quantized_experts import QuantizedExperts, grouped_quantized_experts, triton_quantized_moe_fits
+from rein.kernels.quantized_experts import (
+    QuantizedExperts,
+    grouped_quantized_experts,
+    triton_quantized_moe_fits,
+)
 from rein.model.architectures.linear import Linear, linear
 from rein.model.architectures.llama import MLP
 from rein.model.parallel.group import SINGLE_RANK, ParallelGroup

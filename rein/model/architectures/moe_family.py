@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from rein.kernels.quantized import QuantizedWeight
+from rein.kernels.quantized_experts import QuantizedExperts
 from rein.model.architectures.llama import (
     MLP,
     Attention,
@@ -44,8 +46,6 @@ from rein.model.architectures.llama import (
 )
 from rein.model.architectures.moe import SparseMoeBlock
 from rein.model.architectures.rope import apply_rotary
-from rein.kernels.quantized import QuantizedWeight
-from rein.kernels.quantized_experts import QuantizedExperts
 from rein.model.architectures.weights import Shard, TensorGetter, WeightLoader, dropped
 from rein.model.attention import AttentionMetadata, LayerCache, paged_attention
 from rein.model.parallel.group import SINGLE_RANK, ParallelGroup
