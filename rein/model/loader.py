@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -148,7 +149,7 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
 
     def get(hf_name: str, shard: Shard | None = None, quantized: bool = False) -> torch.Tensor | None:
         stem, _, suffix = hf_name.rpartition(".")
-        gguf_name = f"{names.get_name(stem)}.{suffix}"
+        gguf_name = f"{names.get_name(stem) or legacy_expert_name(stem)}.{suffix}"
         entry = tensors.get(gguf_name)
         if entry is None:
             return None
@@ -183,6 +184,23 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
         yield get
     finally:
         file.close()
+
+
+# One expert's projection, as a checkpoint names it, and llama.cpp's per-expert tensor of it.
+_EXPERT_STEM = re.compile(r"(?:model\.)?layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                          r"(w1|w3|w2|gate_proj|up_proj|down_proj)")
+_LEGACY_EXPERT = {"w1": "ffn_gate", "gate_proj": "ffn_gate", "w3": "ffn_up", "up_proj": "ffn_up",
+                  "w2": "ffn_down", "down_proj": "ffn_down"}
+
+
+def legacy_expert_name(stem: str) -> str | None:
+    """llama.cpp's name for one expert's projection in files written before the experts were
+    stacked (early 2024 Mixtral GGUFs: `blk.N.ffn_gate.E`); None for any other stem."""
+    match = _EXPERT_STEM.fullmatch(stem)
+    if match is None:
+        return None
+    layer, expert, projection = match.groups()
+    return f"blk.{layer}.{_LEGACY_EXPERT[projection]}.{expert}"
 
 
 @contextmanager

@@ -267,3 +267,22 @@ def test_q4_k_experts(moe_models, tmp_path):
     assert tokens == want_tokens and max_error(logprobs, want_logprobs) < LOGPROB_TOLERANCE
     hf_tokens, hf_logprobs = hf_reference(rounded_checkpoint(out, tmp_path / "rounded", "Q8_0", "Q4_K"))
     assert tokens == hf_tokens and max_error(logprobs, hf_logprobs) < LOGPROB_TOLERANCE
+
+
+def test_an_older_mixtral_file_with_one_tensor_per_expert(moe_models, tmp_path, caplog):
+    """Mixtral GGUFs converted before 2024 hold `blk.N.ffn_gate.E.weight` per expert: the same
+    model as the stacked file, the experts again kept quantized."""
+    stacked = write_gguf(moe_models["mixtral"], tmp_path / "stacked.gguf", "Q4_0")
+    legacy = write_gguf(moe_models["mixtral"], tmp_path / "legacy.gguf", "Q4_0", stacked_experts=False)
+    index = json.loads((view_dir(legacy) / "gguf_tensors.json").read_text())["tensors"]
+    assert "blk.1.ffn_down.7.weight" in index and not any("_exps" in name for name in index)
+    engine, tokens, logprobs = run(legacy)
+    assert {b.quantized_gate_up.source for b in sparse_blocks(engine)} == {"Q4_0"}
+    _, want_tokens, want_logprobs = run(stacked)
+    assert tokens == want_tokens and max_error(logprobs, want_logprobs) < 1e-5
+
+
+def view_dir(path: Path) -> Path:
+    from rein.model.files import resolve_model
+
+    return resolve_model(str(path)).directory
