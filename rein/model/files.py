@@ -8,8 +8,10 @@ A GGUF file carries its config, tokenizer and chat template in its metadata. tra
 reads them (slowly: parsing the vocabulary takes seconds), so the first load writes them
 as an ordinary Hugging Face directory into rein's cache (`REIN_CACHE_DIR`, by default
 `~/.cache/rein`), keyed by the file's path, size and modification time; every later load,
-the API's included, reads that directory. The weights are always read from the GGUF
-itself and dequantized, one tensor at a time, to the engine's dtype (`rein.model.loader`).
+the API's included, reads that directory. A mixture-of-experts file's expert sizes (and
+Mixtral, which llama.cpp writes as "llama" with experts) are completed from its metadata
+(`moe_config`). The weights are always read from the GGUF itself, one tensor at a time
+(`rein.model.loader`: kept in their quantized blocks, or dequantized to the engine's dtype).
 
 A hub id is downloaded (config, tokenizer and safetensors only, at `--revision` when given)
 when the hub is reachable; otherwise the error names the three ways to give a model.
