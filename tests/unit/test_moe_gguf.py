@@ -77,10 +77,10 @@ def moe_models(tiny_models, tmp_path_factory):
     return models
 
 
-def run(model: Path, quantization: str = "auto"):
+def run(model: Path, quantization: str = "auto", **config):
     """A fresh engine's greedy tokens and logprobs for PROMPTS, and the engine (closed)."""
-    engine = LLMEngine(EngineConfig(model=str(model), device="cpu", quantization=quantization, max_model_len=256,
-                                    kv_cache_memory=512 * 1024))
+    values = {"max_model_len": 256, "kv_cache_memory": 512 * 1024} | config
+    engine = LLMEngine(EngineConfig(model=str(model), device="cpu", quantization=quantization, **values))
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=1)
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(str(i), prompt, params)
@@ -286,3 +286,15 @@ def view_dir(path: Path) -> Path:
     from rein.model.files import resolve_model
 
     return resolve_model(str(path)).directory
+
+
+def test_two_tensor_parallel_ranks_on_a_moe_gguf(moe_models, tmp_path):
+    """Two ranks (gloo, CPU) each read their slice of every stacked expert from the file, kept
+    quantized (Mixtral's 128-wide experts halve on whole Q8_0 blocks), and give one rank's tokens."""
+    path = write_gguf(moe_models["mixtral"], tmp_path / "q8.gguf", "Q8_0")
+    _, want_tokens, want_logprobs = run(path)
+    engine, tokens, logprobs = run(path, kv_cache_memory=256 * 1024, tensor_parallel_size=2)
+    block = sparse_blocks(engine)[0]
+    assert block.quantized_gate_up.shape == (8, 128, 64) and block.quantized_down.shape == (8, 64, 64)
+    assert block.quantized_gate_up.source == "Q8_0"
+    assert tokens == want_tokens and max_error(logprobs, want_logprobs) < 1e-4
