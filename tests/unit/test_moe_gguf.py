@@ -10,7 +10,9 @@ dequantized: the test looks at what the blocks hold), and give the greedy tokens
 * the same file dequantized (`--quantization none`: rein's float path over the same weights), and
 * transformers running the float model the file holds (the tiny model with every tensor rounded
   through gguf's quantize/dequantize), an independent reference for the name mapping, the
-  config read from the metadata and the experts' routing.
+  config read from the metadata and the experts' routing; and, where its GGUF loader reads the
+  file right (Qwen3-MoE with experts of its config's default width), transformers loading the
+  GGUF file itself.
 
 Tolerance: everything runs in float32 and both sides multiply the same dequantized values;
 only the order of the additions differs (rein's C kernel per expert, oneDNN, transformers'
@@ -104,11 +106,13 @@ def max_error(a: dict, b: dict) -> float:
     return max(abs(x - y) for i in a for x, y in zip(a[i], b[i], strict=True))
 
 
-def hf_reference(model_dir: Path) -> tuple[dict, dict]:
-    """transformers' greedy tokens and their logprobs for PROMPTS (float32, one argmax at a time)."""
+def hf_reference(model_dir: Path, gguf_file: str | None = None) -> tuple[dict, dict]:
+    """transformers' greedy tokens and their logprobs for PROMPTS (float32, one argmax at a
+    time), from the float model in `model_dir` or from its GGUF file `gguf_file` there."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    extra = {"gguf_file": gguf_file} if gguf_file else {}
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, **extra).eval()
     tokens, logprobs = {}, {}
     with torch.no_grad():
         for i, prompt in enumerate(PROMPTS):
@@ -298,3 +302,25 @@ def test_two_tensor_parallel_ranks_on_a_moe_gguf(moe_models, tmp_path):
     assert block.quantized_gate_up.shape == (8, 128, 64) and block.quantized_down.shape == (8, 64, 64)
     assert block.quantized_gate_up.source == "Q8_0"
     assert tokens == want_tokens and max_error(logprobs, want_logprobs) < 1e-4
+
+
+def test_against_transformers_reading_the_same_gguf(moe_models, tmp_path):
+    """transformers' own GGUF loader (dequantizing; Qwen3-MoE's stacked experts through its
+    Qwen2MoeTensorProcessor) as the reference. Its config mapping leaves the experts' width at
+    Qwen3MoeConfig's default (768), so the model here has 768-wide experts."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    out = tmp_path / "qwen3_moe-768"
+    config = Qwen3MoeConfig(vocab_size=2048, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=32, intermediate_size=128, moe_intermediate_size=768,
+                            num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, max_position_embeddings=512,
+                            initializer_range=0.1, tie_word_embeddings=False, use_sliding_window=False)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(moe_models["qwen3_moe"] / name, out / name)
+    path = write_gguf(out, out / "model-q8_0.gguf", "Q8_0")
+    engine, tokens, logprobs = run(path)
+    assert {b.quantized_down.source for b in sparse_blocks(engine)} == {"Q8_0"}
+    hf_tokens, hf_logprobs = hf_reference(out, path.name)
+    assert tokens == hf_tokens and max_error(logprobs, hf_logprobs) < LOGPROB_TOLERANCE
