@@ -59,3 +59,30 @@ def test_bad_images_refused(llm):
                  use_tqdm=False)
     with pytest.raises(ValueError, match="placeholder"):
         llm.generate({"prompt": "no placeholder", "multi_modal_data": {"image": picture(1)}}, use_tqdm=False)
+
+
+def test_run_batch_lines_with_images(llm, tmp_path):
+    import json
+
+    from rein.offline.run_batch import run_batch
+
+    image = picture(5)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                             {"type": "text", "text": "Caption?"}]}]
+    [want] = llm.chat(messages, params, use_tqdm=False)
+    lines = [
+        {"custom_id": "img", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": messages, "max_tokens": 5, "temperature": 0, "ignore_eos": True}},
+        {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": [
+             {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}], "max_tokens": 2}},
+    ]
+    source = tmp_path / "in.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run_batch(llm.llm_engine, source, tmp_path / "out.jsonl", progress=False)
+    out = {line["custom_id"]: line for line in map(json.loads, (tmp_path / "out.jsonl").read_text().splitlines())}
+    body = out["img"]["response"]["body"]
+    assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert body["choices"][0]["message"]["content"] == want.outputs[0].text
+    assert out["bad"]["error"] is not None and "image" in json.dumps(out["bad"]["error"])
