@@ -185,7 +185,7 @@ def vision_chat(engine: LLMEngine, url: str, body: Any) -> tuple[list | None, li
             raise ImageError("this model takes text only: the line has image parts; use a vision model",
                              param="messages")
         text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        opened = [open_image(image.data, max_pixels=engine.config.max_image_pixels) for image in images]
+        opened = [open_image(image.data, max_pixels=engine.max_image_pixels) for image in images]
         ids = processor.expand(text, opened, [image.detail for image in images]).token_ids
     except ImageError as exc:
         raise RequestError(exc.message, exc.param or "messages") from exc
