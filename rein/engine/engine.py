@@ -197,6 +197,8 @@ class LLMEngine:
             raise EngineRequestError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
                                      param="prompt")
         if isinstance(params, PoolingParams):
+            if images:
+                raise EngineRequestError("embedding requests take text only, not images", param="input")
             if lora_request is not None:
                 raise EngineRequestError("LoRA adapters run generation requests only, not embeddings",
                                          param="lora_request")
