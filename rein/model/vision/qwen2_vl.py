@@ -57,6 +57,19 @@ class MRotaryEmbedding(RotaryEmbedding):
         return torch.cat(cos, dim=-1).unsqueeze(1), torch.cat(sin, dim=-1).unsqueeze(1)
 
 
+class _PatchMatmul:
+    """A patch embedding's Conv3d (kernel = stride = one patch) as the matmul it is: each row of
+    the input is one patch's C x T x P x P values, in the order the weight's flattening takes."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        from rein.model.architectures.linear import linear
+
+        return linear(pixels.to(self.weight.dtype), self.weight)
+
+
 def hf_config(raw: dict[str, Any]) -> Any:
     """transformers' config object of the model (from config.json's dict)."""
     from transformers import AutoConfig
@@ -137,6 +150,23 @@ class Qwen2VLModel(LlamaFamilyModel):
         embeds = getattr(out, "pooler_output", out)
         sizes = (grid.prod(-1) // self.merge_size**2).tolist()
         return [e.to(dtype) for e in torch.split(embeds, sizes)]
+
+    def pack_cpu_weights(self) -> None:
+        """On the CPU (the loader calls this there only): the text model's weights packed as
+        LlamaFamilyModel packs them, and the vision tower's linears made rein's `Linear` and
+        packed for oneDNN too (bench/vision.py: the encoder a third faster on one thread). Its
+        patch embedding, a Conv3d whose kernel is its stride over inputs already cut into patches,
+        becomes the same product as one matmul (the convolution took a sixth of the encoder)."""
+        super().pack_cpu_weights()
+        from rein.model.architectures.linear import Linear, pack_weights
+
+        for module in self.visual.modules():
+            if type(module) is nn.Linear:
+                module.__class__ = Linear
+        pack_weights(self.visual)
+        embed = self.visual.patch_embed
+        if isinstance(getattr(embed, "proj", None), nn.Conv3d) and embed.proj.bias is None:
+            embed.forward = _PatchMatmul(embed.proj.weight.detach().reshape(embed.proj.out_channels, -1).contiguous())
 
     def _build_visual(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         """transformers' vision tower, on `device` in `dtype`, parameters not set yet."""
