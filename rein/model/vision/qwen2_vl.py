@@ -204,8 +204,12 @@ class Qwen2VLModel(LlamaFamilyModel):
 
     def _build_visual(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         """transformers' vision tower, on `device` in `dtype`, parameters not set yet."""
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+            Qwen2VisionTransformerPretrainedModel,
+        )
 
         config = self.hf_config.vision_config
         config._attn_implementation = "sdpa"
