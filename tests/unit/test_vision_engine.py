@@ -96,15 +96,20 @@ def prompts(processor) -> dict[str, tuple[list[int], list[bytes]]]:
             for k, (text, imgs) in out.items()}
 
 
-@pytest.mark.parametrize("setting", ["plain", "chunked", "preempt"])
+@pytest.mark.parametrize("setting", ["plain", "chunked", "preempt", "evicting"])
 def test_greedy_matches_transformers(model_dir, hf_model, setting):
     kwargs = {"plain": {}, "chunked": {"max_num_batched_tokens": 16, "max_num_encoder_tokens": 8},
-              "preempt": {"max_num_batched_tokens": 32, "kv_cache_memory": 40 * 1024, "block_size": 4}}[setting]
+              "preempt": {"max_num_batched_tokens": 32, "kv_cache_memory": 40 * 1024, "block_size": 4},
+              # an encoder cache smaller than one image: every chunk and recompute encodes again
+              "evicting": {"max_num_batched_tokens": 8, "encoder_cache_tokens": 2, "kv_cache_memory": 40 * 1024,
+                           "block_size": 4}}[setting]
     eng = engine(model_dir, **kwargs)
     cases = prompts(eng.vision_processor)
     tokens, logprobs = run(eng, cases, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0))
-    if setting == "preempt":
+    if setting in ("preempt", "evicting"):
         assert eng.stats.preemptions > 0
+    if setting == "evicting":
+        assert eng.encoder_cache.encoded_images > len([i for _, imgs in cases.values() for i in imgs])
     for rid, (ids, images) in cases.items():
         want, want_logprobs = hf_generate(hf_model, eng.vision_processor, ids, images, 12)
         assert tokens[(rid, 0)] == want, rid
