@@ -77,3 +77,19 @@ def test_an_image_larger_than_the_budget_runs_alone():
     scheduler.add(image_request("next", "knext", image=2))
     plan = scheduler.schedule()
     assert [(s.request.request_id, s.start, s.end) for s in plan.scheduled] == [("big", 0, 16), ("next", 0, 4)]
+
+
+def test_whole_chunk_models_resume_a_cache_hit_before_the_image():
+    """A prefix-cache hit that ends inside an image is trimmed to the image's start for a model
+    that computes an image in one chunk (Gemma 3); other models resume where the hit ends."""
+    for whole, start in ((True, 0), (False, 8)):
+        scheduler = Scheduler(BlockPool(64, 4, enable_caching=True), 8, 100, encoder_cache=EncoderCache(100),
+                              image_tokens_whole_chunk=whole)
+        first = image_request("a", "k", text=2, image=8)   # 12 tokens: the image at [2, 10)
+        scheduler.add(first)
+        scheduler.schedule()
+        first.num_computed_tokens = 12
+        scheduler.register_computed_blocks(first)
+        scheduler.add(image_request("b", "k", text=2, image=8))
+        [plan] = [s for s in scheduler.schedule().scheduled if s.request.request_id == "b"]
+        assert (plan.start, plan.end) == (start, 12), whole
