@@ -264,3 +264,25 @@ def test_mrope_positions_match_transformers(model_dir, hf_model):
     want, delta = hf_model.model.get_rope_index(input_ids, (input_ids == vp.image_token_id).int(), grids)
     positions, got_delta = eng.runner.model.mrope_positions(ids, [tuple(g.tolist()) for g in grids])
     assert torch.equal(positions, want[:, 0]) and got_delta == int(delta)
+
+
+def test_low_detail_matches_transformers(model_dir, hf_model):
+    """detail "low": fewer image tokens, the same pixels HF gets from the processor at that detail."""
+    eng = engine(model_dir)
+    vp = eng.vision_processor
+    big = png(70, (600, 450))
+    image = open_image(big)
+    expanded = vp.expand(chat(f"{IMAGE}Describe."), [image], ["low"])
+    assert expanded.image_token_counts[0] < vp.count_tokens(image, "auto")
+    eng.add_request("low", expanded.token_ids, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                    images=[ImageInput.of(big, "low")])
+    tokens = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens.extend(out.new_token_ids)
+    pixels = vp.pixel_inputs(image, "low")
+    ids = torch.tensor([expanded.token_ids])
+    want = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             mm_token_type_ids=(ids == vp.image_token_id).int(), max_new_tokens=5, do_sample=False,
+                             **pixels)[0, ids.shape[1]:].tolist()
+    assert tokens == want
