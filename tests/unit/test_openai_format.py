@@ -84,7 +84,7 @@ def test_completion_prompts_and_defaults(tokenizer):
     (CHAT_COMPLETIONS, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
     (CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
     (CHAT_COMPLETIONS, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-     "messages[0].content"),
+     "messages[0].content[0]"),
     (CHAT_COMPLETIONS, {"messages": CHAT, "temperature": "hot"}, "temperature"),
     (CHAT_COMPLETIONS, {"messages": CHAT, "temperature": 3}, "temperature"),
     (CHAT_COMPLETIONS, {"messages": CHAT, "top_p": 0}, "top_p"),

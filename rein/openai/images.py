@@ -1,0 +1,186 @@
+"""Image parts of a request, parsed: where a chat or Responses body names an image, and what the
+chat template sees in its place. Torch-free and I/O-free: the bytes are fetched elsewhere
+(rein.jobs.image_sources), opened in rein.core.images.
+
+Accepted shapes (each checked here, once, with a 400 naming the part):
+
+* chat: `{"type": "image_url", "image_url": {"url": URL, "detail": "auto" | "low" | "high"}}`,
+  and the shorthand `{"type": "image_url", "image_url": URL}` that vLLM takes;
+* Responses (and chat too, as vLLM is lenient): `{"type": "input_image", "image_url": URL,
+  "file_id": ID, "detail": ...}` with exactly one of image_url and file_id.
+
+URL is a `data:image/...;base64,...` URL or an `http(s)://` URL (fetched only where the operator
+allows it, REIN_IMAGE_FETCH); a file id names a file the caller uploaded (purpose "vision").
+
+`template_content` is what the chat template gets for a message's parts: text parts as they
+are, each image part as `{"type": "image"}` (transformers' multimodal chat format, which the
+model's template turns into its image placeholder). `image_refs` lists the images in prompt
+order, each with its JSON path (`messages[i].content[j]`) for the errors about it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from rein.core.images import DETAILS
+from rein.core.input_checks import json_type
+from rein.openai.errors import RequestError
+
+IMAGE_PART_TYPES = ("image_url", "input_image")
+TEXT_PART_TYPES = ("text", "input_text", "output_text")
+# The error code of an image part rein cannot take (a malformed part, a bad image).
+INVALID_IMAGE = "invalid_image"
+IMAGES_NOT_SUPPORTED = "images_not_supported"
+# The longest http(s) URL taken (browsers' practical limit); a data URL is bounded by the body size.
+MAX_URL_CHARS = 8192
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """One image a request names: `kind` "data" (a data URL), "url" (http or https) or "file"
+    (a file id, in `value`), the detail asked for, and where it is (`param`)."""
+
+    kind: str
+    value: str
+    detail: str
+    param: str
+
+
+def is_image_part(part: Any) -> bool:
+    return isinstance(part, dict) and part.get("type") in IMAGE_PART_TYPES
+
+
+def image_ref(part: dict[str, Any], where: str) -> ImageRef:
+    """The image an `image_url` or `input_image` part names (RequestError 400 naming `where`)."""
+    kind = part.get("type")
+    detail: Any = None
+    file_id: Any = None
+    if kind == "image_url":
+        value = part.get("image_url")
+        if isinstance(value, dict):
+            unknown = set(value) - {"url", "detail"}
+            if unknown:
+                raise RequestError(f"{where}.image_url holds unknown field(s) {', '.join(sorted(unknown))}: it "
+                                   "takes url and detail", f"{where}.image_url")
+            url, detail = value.get("url"), value.get("detail")
+            url_param = f"{where}.image_url.url"
+        elif isinstance(value, str):   # vLLM's shorthand
+            url, url_param = value, f"{where}.image_url"
+        else:
+            raise RequestError(f"{where}.image_url must be an object {{url, detail}} or a URL string, got "
+                               f"{json_type(value)}", f"{where}.image_url")
+        detail_param = f"{where}.image_url.detail"
+    else:
+        url, file_id, detail = part.get("image_url"), part.get("file_id"), part.get("detail")
+        url_param, detail_param = f"{where}.image_url", f"{where}.detail"
+        if (url is None) == (file_id is None):
+            raise RequestError(f"{where}: an input_image part needs exactly one of image_url (a URL) and file_id "
+                               "(an uploaded file's id)", where)
+    if detail is not None and detail not in DETAILS:
+        raise RequestError(f"{detail_param} must be one of {', '.join(DETAILS)}, got {str(detail)[:40]!r}",
+                           detail_param)
+    detail = detail or "auto"
+    if file_id is not None:
+        if not isinstance(file_id, str) or not file_id.strip():
+            raise RequestError(f"{where}.file_id must be a file id string, got {json_type(file_id)}",
+                               f"{where}.file_id")
+        return ImageRef("file", file_id, detail, where)
+    if not isinstance(url, str):
+        raise RequestError(f"{url_param} must be a string (a data: or http(s) URL), got {json_type(url)}", url_param)
+    scheme = url[:11].lower()
+    if scheme.startswith("data:"):
+        return ImageRef("data", url, detail, where)
+    if scheme.startswith(("http://", "https://")):
+        if len(url) > MAX_URL_CHARS:
+            raise RequestError(f"{url_param} is {len(url)} characters long; an image URL may have at most "
+                               f"{MAX_URL_CHARS}", url_param, INVALID_IMAGE)
+        return ImageRef("url", url, detail, where)
+    shown = url.split(":", 1)[0][:20] if ":" in url else url[:20]
+    raise RequestError(f"{url_param} must be a data: URL (data:image/png;base64,...) or an http(s) URL, got "
+                       f"{shown!r}...", url_param, INVALID_IMAGE)
+
+
+def template_content(content: list[Any], where: str, allow_images: bool,
+                     refs: list[ImageRef] | None = None) -> str | list[dict[str, Any]]:
+    """A message's content parts as its chat template takes them: one string when they are all
+    text, else the parts with each image as `{"type": "image"}` (its ImageRef appended to `refs`).
+    `allow_images`: False for a text-only model (an image part is then a 400 saying so)."""
+    parts: list[dict[str, Any]] = []
+    has_image = False
+    for index, part in enumerate(content):
+        at = f"{where}.content[{index}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind in TEXT_PART_TYPES:
+            text = part.get("text")
+            if not isinstance(text, str):
+                raise RequestError(f"{at}: a text part needs its text as a string, got {json_type(text)}", f"{at}.text")
+            parts.append({"type": "text", "text": text})
+        elif kind in IMAGE_PART_TYPES:
+            if not allow_images:   # said first: the part's shape is moot for a model without images
+                raise RequestError(f"{at}: this model takes no images (it is a text-only model): send text only, "
+                                   "or send the images to a vision model", at, IMAGES_NOT_SUPPORTED)
+            ref = image_ref(part, at)
+            if refs is not None:
+                refs.append(ref)
+            parts.append({"type": "image"})
+            has_image = True
+        else:
+            shown = repr(kind)[:60] if kind is not None else json_type(part)
+            raise RequestError(f"{at}: a {shown} part is not supported: send text parts and image_url parts",
+                               f"{at}.type" if isinstance(part, dict) else at)
+    if not has_image:
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def image_refs(messages: Any) -> list[ImageRef]:
+    """The images a chat body's messages name, in prompt order (their parts checked: 400s). Only
+    the image parts are looked at here; the rest of each message is checked by the prompt."""
+    refs: list[ImageRef] = []
+    if not isinstance(messages, list):
+        return refs
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            continue
+        for j, part in enumerate(content):
+            if is_image_part(part):
+                refs.append(image_ref(part, f"messages[{i}].content[{j}]"))
+    return refs
+
+
+def check_image_count(refs: list[ImageRef], limits: dict[str, int]) -> None:
+    """At most the `image` limit of REIN_LIMIT_MM_PER_PROMPT (400 naming it)."""
+    limit = limits.get("image")
+    if limit is not None and len(refs) > limit:
+        param = refs[limit].param
+        raise RequestError(f"the request holds {len(refs)} images; this deployment takes at most {limit} per "
+                           f"request (REIN_LIMIT_MM_PER_PROMPT / --limit-mm-per-prompt image={limit}): send fewer "
+                           "images, or split the request", param, INVALID_IMAGE)
+
+
+def may_hold_images(body: Any) -> bool:
+    """A cheap look for image parts in a chat body's messages or a Responses body's input (the
+    API validates such a request off its event loop: its images are fetched and decoded)."""
+    if not isinstance(body, dict):
+        return False
+    for key in ("messages", "input"):
+        items = body.get(key)
+        if isinstance(items, list):
+            for item in items:
+                content = item.get("content") if isinstance(item, dict) else None
+                if isinstance(content, list) and any(is_image_part(part) for part in content):
+                    return True
+    return False
+
+
+@dataclass
+class PromptImages:
+    """A vision model's processor (rein.model.vision.processor.VisionProcessor: `expand(text,
+    images, details)`) and one request's images, opened (PIL), in prompt order, with the detail
+    asked for each: what rein.openai.prompts.chat_prompt expands the placeholders with."""
+
+    processor: Any
+    images: list[Any]
+    details: list[str]
