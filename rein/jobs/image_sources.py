@@ -1,0 +1,195 @@
+"""A request's images as bytes, and where a job's images are kept until a worker runs it.
+
+`ImageSources.resolve` turns the references a request names (rein.openai.images.ImageRef) into
+`ImageInput`s: a data URL decoded (its size checked before the base64 is decoded), a file id
+read from the Files API's store (the caller's own file, uploaded with purpose "vision"; another
+tenant's file is "not found", as a missing one), an http(s) URL fetched under the SSRF rules of
+rein.jobs.image_fetch, where the operator allows it. Each error is a 400 naming the image part
+and the limit.
+
+Storage: a job's images are stored once in the file store (REIN_FILES_URL, which every API
+replica and worker reaches), content-addressed as `image-<sha256>` (`store_images`; writing an
+image that is already there is skipped, and writing it twice leaves the same bytes). The job's
+params and its queue message hold only `[{"sha256", "detail"}]` (`image_refs_of`), so a message
+the reaper rebuilds from the job row names the same images, and Redis and Postgres never hold
+image bytes. The worker reads them back with `load_images`. They are deleted by the retention
+sweep (rein.jobs.retention.delete_unused_images) once no job that still keeps its result names
+them.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from rein.core.image_limits import parse_fetch_policy, parse_mm_limits
+from rein.core.images import ImageError, ImageInput, image_sha256, open_image
+from rein.core.settings import Settings
+from rein.jobs.errors import APIError
+from rein.jobs.image_fetch import fetch_image
+from rein.openai.errors import RequestError
+from rein.openai.images import INVALID_IMAGE, ImageRef, check_image_count
+from rein.store.filestore import FileStore
+from rein.store.tables import File
+
+# The Files API purpose of an uploaded image (OpenAI's).
+VISION_PURPOSE = "vision"
+IMAGE_FILE_PREFIX = "image-"
+_DATA_URL = re.compile(r"data:(?P<type>[^;,]*)(?P<params>(;[^;,]*)*),", re.IGNORECASE)
+
+
+def image_file_id(sha256: str) -> str:
+    """The file store id an image is kept under (content-addressed)."""
+    return IMAGE_FILE_PREFIX + sha256
+
+
+def image_refs_of(images: Iterable[ImageInput]) -> list[dict[str, str]]:
+    """What a job's params and message hold of its images: [{"sha256", "detail"}] in prompt order."""
+    return [{"sha256": image.sha256, "detail": image.detail} for image in images]
+
+
+def decode_data_url(url: str, max_bytes: int) -> bytes:
+    """The bytes of a `data:image/...;base64,...` URL (ImageError when it is not one, or holds more
+    than `max_bytes`: judged from the base64's length, before it is decoded)."""
+    match = _DATA_URL.match(url)
+    if match is None:
+        raise ImageError("the data URL is malformed: write data:image/png;base64,<the image in base64>")
+    media_type = match.group("type").strip().lower()
+    params = [p.strip().lower() for p in match.group("params").split(";") if p.strip()]
+    if "base64" not in params:
+        raise ImageError("the data URL must be base64-encoded: data:image/png;base64,...")
+    if media_type and not media_type.startswith("image/"):
+        raise ImageError(f"the data URL holds {media_type!r}, not an image (data:image/png;base64,...)")
+    payload = url[match.end():]
+    # Every 4 base64 characters are 3 bytes: a payload this long is too large whatever it holds.
+    if (len(payload.rstrip("=")) * 3) // 4 > max_bytes:
+        raise ImageError(f"the image in the data URL is about {len(payload) * 3 // 4:,} bytes; the limit is "
+                         f"{max_bytes:,} bytes (REIN_MAX_IMAGE_BYTES): send a smaller or more compressed image")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ImageError(f"the data URL's base64 does not decode ({exc})") from None
+
+
+class ImageSources:
+    """Resolves image references for requests: the settings' limits and fetch policy, the file
+    store, and (for file ids) the database, where the Files API's rows are."""
+
+    def __init__(self, settings: Settings, store: FileStore | None = None,
+                 sessions: sessionmaker[Session] | None = None) -> None:
+        self.settings = settings
+        self.store = store
+        self.sessions = sessions
+        self.policy = parse_fetch_policy(settings.image_fetch)
+
+    def resolve(self, refs: list[ImageRef], tenant: str) -> list[ImageInput]:
+        """Each reference's image (its bytes and sha256; not yet opened). RequestError (400)
+        naming the image part, or APIError 404 for a file id the tenant has no file under."""
+        images = []
+        for ref in refs:
+            try:
+                data = self._bytes(ref, tenant)
+            except ImageError as exc:
+                raise image_request_error(exc, ref.param) from None
+            images.append(ImageInput.of(data, ref.detail))
+        return images
+
+    def for_request(self, tenant: str) -> RequestImages:
+        """The loader `rein.jobs.prepare.prepare` takes for one tenant's request."""
+        return RequestImages(self, tenant)
+
+
+class RequestImages:
+    """One tenant's request images: counted against REIN_LIMIT_MM_PER_PROMPT, resolved to bytes,
+    and opened (rein.core.images.open_image: format, pixel cap before decoding, corrupt), each
+    error a 400 naming the image part."""
+
+    def __init__(self, sources: ImageSources, tenant: str) -> None:
+        self.sources = sources
+        self.tenant = tenant
+
+    def load(self, refs: list[ImageRef]) -> tuple[list[ImageInput], list[Any]]:
+        """(the images, their decoded PIL images), in the order of `refs`."""
+        settings = self.sources.settings
+        check_image_count(refs, parse_mm_limits(settings.limit_mm_per_prompt))
+        images = self.sources.resolve(refs, self.tenant)
+        opened = []
+        for ref, image in zip(refs, images, strict=True):
+            try:
+                opened.append(open_image(image.data, max_pixels=settings.max_image_pixels,
+                                         max_bytes=settings.max_image_bytes, param=ref.param))
+            except ImageError as exc:
+                raise image_request_error(exc, ref.param) from None
+        return images, opened
+
+
+def image_request_error(error: ImageError, param: str) -> RequestError:
+    """An ImageError as the 400 a request gets: the image part named first."""
+    return RequestError(f"{param}: {error.message}", param, INVALID_IMAGE)
+
+    def _bytes(self, ref: ImageRef, tenant: str) -> bytes:
+        limit = self.settings.max_image_bytes
+        if ref.kind == "data":
+            return decode_data_url(ref.value, limit)
+        if ref.kind == "file":
+            return self._file(ref, tenant, limit)
+        settings = self.settings
+        return fetch_image(ref.value, self.policy, max_bytes=limit, timeout=settings.image_fetch_timeout_seconds,
+                           max_redirects=settings.image_fetch_max_redirects,
+                           allow_private=settings.image_fetch_allow_private)
+
+    def _file(self, ref: ImageRef, tenant: str, limit: int) -> bytes:
+        if self.sessions is None or self.store is None:
+            raise ImageError("file ids are not taken here: send the image as a data URL")
+        from sqlalchemy import func, or_
+
+        with self.sessions() as session:
+            row = session.scalars(select(File).where(
+                File.id == ref.value, File.tenant == tenant,
+                or_(File.expires_at.is_(None), File.expires_at > func.now()))).one_or_none()
+        if row is None:   # another tenant's file reads as a missing one
+            raise APIError(404, f"No file found with id '{ref.value}'.", param=f"{ref.param}.file_id",
+                           code="file_not_found")
+        if row.purpose != VISION_PURPOSE:
+            raise ImageError(f"file {ref.value} was uploaded with purpose {row.purpose!r}; an image is uploaded "
+                             f"with purpose {VISION_PURPOSE!r}")
+        if row.bytes > limit:
+            raise ImageError(f"file {ref.value} is {row.bytes:,} bytes; the limit is {limit:,} bytes "
+                             "(REIN_MAX_IMAGE_BYTES)")
+        try:
+            with self.store.open(ref.value) as source:
+                return source.read(limit + 1)
+        except FileNotFoundError:
+            raise APIError(404, f"The contents of file '{ref.value}' are missing from storage.",
+                           param=f"{ref.param}.file_id", code="file_not_found") from None
+
+
+def store_images(store: FileStore, images: Iterable[ImageInput]) -> None:
+    """Keep each image in the file store under its sha256 (skipped when already there)."""
+    for image in images:
+        file_id = image_file_id(image.sha256)
+        try:
+            if store.size(file_id) == len(image.data):
+                continue
+        except FileNotFoundError:
+            pass
+        store.save(file_id, [image.data])
+
+
+def load_images(store: FileStore, refs: list[dict[str, Any]]) -> list[ImageInput]:
+    """A job's images read back from the file store (FileNotFoundError when one is gone; ValueError
+    when its bytes no longer match their sha256)."""
+    images = []
+    for ref in refs:
+        with store.open(image_file_id(ref["sha256"])) as source:
+            data = source.read()
+        if image_sha256(data) != ref["sha256"]:
+            raise ValueError(f"the stored image {ref['sha256']} does not match its sha256")
+        images.append(ImageInput(data, ref["sha256"], ref.get("detail") or "auto"))
+    return images
