@@ -47,7 +47,7 @@ NAMING_CONVENTION = {
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 FINISHED_JOB_STATUSES = ("succeeded", "failed", "cancelled")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-FILE_PURPOSES = ("batch", "batch_output")
+FILE_PURPOSES = ("batch", "batch_output", "vision")
 BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired",
                   "cancelling", "cancelled")
 FINISHED_BATCH_STATUSES = ("failed", "completed", "expired", "cancelled")
@@ -279,7 +279,8 @@ class File(Base):
     key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.key_id"))
     filename: Mapped[str]
     purpose: Mapped[str]
-    """batch (uploaded input) or batch_output (a batch's output or error file)."""
+    """batch (uploaded input), batch_output (a batch's output or error file) or vision (an uploaded
+    image, named by a request's `file_id`: rein.jobs.image_sources)."""
     bytes: Mapped[int] = mapped_column(BigInteger())
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     expires_at: Mapped[datetime | None]
