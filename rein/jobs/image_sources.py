@@ -25,7 +25,7 @@ import re
 from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.image_limits import parse_fetch_policy, parse_mm_limits
@@ -104,6 +104,40 @@ class ImageSources:
         """The loader `rein.jobs.prepare.prepare` takes for one tenant's request."""
         return RequestImages(self, tenant)
 
+    def _bytes(self, ref: ImageRef, tenant: str) -> bytes:
+        limit = self.settings.max_image_bytes
+        if ref.kind == "data":
+            return decode_data_url(ref.value, limit)
+        if ref.kind == "file":
+            return self._file(ref, tenant, limit)
+        settings = self.settings
+        return fetch_image(ref.value, self.policy, max_bytes=limit, timeout=settings.image_fetch_timeout_seconds,
+                           max_redirects=settings.image_fetch_max_redirects,
+                           allow_private=settings.image_fetch_allow_private)
+
+    def _file(self, ref: ImageRef, tenant: str, limit: int) -> bytes:
+        if self.sessions is None or self.store is None:
+            raise ImageError("file ids are not taken here: send the image as a data URL")
+        with self.sessions() as session:
+            row = session.scalars(select(File).where(
+                File.id == ref.value, File.tenant == tenant,
+                or_(File.expires_at.is_(None), File.expires_at > func.now()))).one_or_none()
+        if row is None:   # another tenant's file reads as a missing one
+            raise APIError(404, f"No file found with id '{ref.value}'.", param=f"{ref.param}.file_id",
+                           code="file_not_found")
+        if row.purpose != VISION_PURPOSE:
+            raise ImageError(f"file {ref.value} was uploaded with purpose {row.purpose!r}; an image is uploaded "
+                             f"with purpose {VISION_PURPOSE!r}")
+        if row.bytes > limit:
+            raise ImageError(f"file {ref.value} is {row.bytes:,} bytes; the limit is {limit:,} bytes "
+                             "(REIN_MAX_IMAGE_BYTES)")
+        try:
+            with self.store.open(ref.value) as source:
+                return source.read(limit + 1)
+        except FileNotFoundError:
+            raise APIError(404, f"The contents of file '{ref.value}' are missing from storage.",
+                           param=f"{ref.param}.file_id", code="file_not_found") from None
+
 
 class RequestImages:
     """One tenant's request images: counted against REIN_LIMIT_MM_PER_PROMPT, resolved to bytes,
@@ -132,42 +166,6 @@ class RequestImages:
 def image_request_error(error: ImageError, param: str) -> RequestError:
     """An ImageError as the 400 a request gets: the image part named first."""
     return RequestError(f"{param}: {error.message}", param, INVALID_IMAGE)
-
-    def _bytes(self, ref: ImageRef, tenant: str) -> bytes:
-        limit = self.settings.max_image_bytes
-        if ref.kind == "data":
-            return decode_data_url(ref.value, limit)
-        if ref.kind == "file":
-            return self._file(ref, tenant, limit)
-        settings = self.settings
-        return fetch_image(ref.value, self.policy, max_bytes=limit, timeout=settings.image_fetch_timeout_seconds,
-                           max_redirects=settings.image_fetch_max_redirects,
-                           allow_private=settings.image_fetch_allow_private)
-
-    def _file(self, ref: ImageRef, tenant: str, limit: int) -> bytes:
-        if self.sessions is None or self.store is None:
-            raise ImageError("file ids are not taken here: send the image as a data URL")
-        from sqlalchemy import func, or_
-
-        with self.sessions() as session:
-            row = session.scalars(select(File).where(
-                File.id == ref.value, File.tenant == tenant,
-                or_(File.expires_at.is_(None), File.expires_at > func.now()))).one_or_none()
-        if row is None:   # another tenant's file reads as a missing one
-            raise APIError(404, f"No file found with id '{ref.value}'.", param=f"{ref.param}.file_id",
-                           code="file_not_found")
-        if row.purpose != VISION_PURPOSE:
-            raise ImageError(f"file {ref.value} was uploaded with purpose {row.purpose!r}; an image is uploaded "
-                             f"with purpose {VISION_PURPOSE!r}")
-        if row.bytes > limit:
-            raise ImageError(f"file {ref.value} is {row.bytes:,} bytes; the limit is {limit:,} bytes "
-                             "(REIN_MAX_IMAGE_BYTES)")
-        try:
-            with self.store.open(ref.value) as source:
-                return source.read(limit + 1)
-        except FileNotFoundError:
-            raise APIError(404, f"The contents of file '{ref.value}' are missing from storage.",
-                           param=f"{ref.param}.file_id", code="file_not_found") from None
 
 
 def store_images(store: FileStore, images: Iterable[ImageInput]) -> None:

@@ -145,12 +145,12 @@ def load_model(model: ServedModel, generation_config: str = "auto", max_model_le
         except ReasoningParserError as exc:
             raise ModelLoadError(str(exc)) from None
         log.info("model %s: reasoning parser %s", model.name, reasoning_parser)
-    vision = _vision_processor(directory, model.name)
+    vision = _vision_processor(directory, model.name, tokenizer)
     return ModelEntry(model.name, model.source, tokenizer, max_model_len, defaults, directory,
                       tool_call_parser=parser, reasoning=reasoning, vision_processor=vision)
 
 
-def _vision_processor(directory: Path, name: str) -> Any:
+def _vision_processor(directory: Path, name: str, tokenizer: Any) -> Any:
     """The model's image processor when its config.json describes a vision-language model (a
     `vision_config`); None otherwise, without importing the vision code (and its torch) at all."""
     path = directory / "config.json"
@@ -159,7 +159,7 @@ def _vision_processor(directory: Path, name: str) -> Any:
     try:
         from rein.model.vision.processor import load_vision_processor
 
-        processor = load_vision_processor(directory)
+        processor = load_vision_processor(directory, tokenizer)
     except Exception as exc:   # a processor file missing or malformed, a family rein does not run
         raise ModelLoadError(f"model {name!r} is a vision-language model, but its image processor cannot be "
                              f"loaded: {exc}") from exc
