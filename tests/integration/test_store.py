@@ -31,7 +31,7 @@ from rein.store.tables import ApiKey, Base, Job, Result, Usage
 
 TABLES = {"api_keys", "jobs", "results", "usage", "alembic_version", "files", "batches", "lora_adapters",
           "webhook_endpoints", "webhook_events", "webhook_attempts"}
-HEAD = "0015"   # the newest migration
+HEAD = "0016"   # the newest migration
 
 
 def engine_for(url: str):
