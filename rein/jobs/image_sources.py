@@ -19,9 +19,6 @@ them.
 
 from __future__ import annotations
 
-import base64
-import binascii
-import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -34,14 +31,13 @@ from rein.core.settings import Settings
 from rein.jobs.errors import APIError
 from rein.jobs.image_fetch import fetch_image
 from rein.openai.errors import RequestError
-from rein.openai.images import INVALID_IMAGE, ImageRef, check_image_count
+from rein.openai.images import INVALID_IMAGE, ImageRef, check_image_count, decode_data_url
 from rein.store.filestore import FileStore
 from rein.store.tables import File
 
 # The Files API purpose of an uploaded image (OpenAI's).
 VISION_PURPOSE = "vision"
 IMAGE_FILE_PREFIX = "image-"
-_DATA_URL = re.compile(r"data:(?P<type>[^;,]*)(?P<params>(;[^;,]*)*),", re.IGNORECASE)
 
 
 def image_file_id(sha256: str) -> str:
@@ -52,29 +48,6 @@ def image_file_id(sha256: str) -> str:
 def image_refs_of(images: Iterable[ImageInput]) -> list[dict[str, str]]:
     """What a job's params and message hold of its images: [{"sha256", "detail"}] in prompt order."""
     return [{"sha256": image.sha256, "detail": image.detail} for image in images]
-
-
-def decode_data_url(url: str, max_bytes: int) -> bytes:
-    """The bytes of a `data:image/...;base64,...` URL (ImageError when it is not one, or holds more
-    than `max_bytes`: judged from the base64's length, before it is decoded)."""
-    match = _DATA_URL.match(url)
-    if match is None:
-        raise ImageError("the data URL is malformed: write data:image/png;base64,<the image in base64>")
-    media_type = match.group("type").strip().lower()
-    params = [p.strip().lower() for p in match.group("params").split(";") if p.strip()]
-    if "base64" not in params:
-        raise ImageError("the data URL must be base64-encoded: data:image/png;base64,...")
-    if media_type and not media_type.startswith("image/"):
-        raise ImageError(f"the data URL holds {media_type!r}, not an image (data:image/png;base64,...)")
-    payload = url[match.end():]
-    # Every 4 base64 characters are 3 bytes: a payload this long is too large whatever it holds.
-    if (len(payload.rstrip("=")) * 3) // 4 > max_bytes:
-        raise ImageError(f"the image in the data URL is about {len(payload) * 3 // 4:,} bytes; the limit is "
-                         f"{max_bytes:,} bytes (REIN_MAX_IMAGE_BYTES): send a smaller or more compressed image")
-    try:
-        return base64.b64decode(payload, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ImageError(f"the data URL's base64 does not decode ({exc})") from None
 
 
 class ImageSources:

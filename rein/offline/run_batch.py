@@ -35,6 +35,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from rein.core.images import ImageError, ImageInput, open_image
 from rein.core.priorities import job_priority
 from rein.core.settings import setting_or_default
 from rein.engine.errors import EngineRequestError
@@ -54,9 +55,10 @@ from rein.openai.batch_lines import (
     read_lines,
 )
 from rein.openai.choices_response import full_response
-from rein.openai.endpoints import EMBEDDINGS, RESPONSES, generated_as
+from rein.openai.endpoints import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES, generated_as
 from rein.openai.engine_errors import request_error
 from rein.openai.errors import RequestError
+from rein.openai.images import INVALID_IMAGE, PromptImages, data_url_image, image_refs
 from rein.openai.priority import parse_priority
 from rein.openai.reasoning import ModelReasoning, apply_reasoning, parsers_by_model
 from rein.openai.request import ParsedRequest, parse_request
@@ -106,6 +108,7 @@ class _ReadLine:
     # Its `priority` (rein.openai.priority). Every line of an offline run is in one class, the
     # engine's default (interactive: no step budget or batch prefill cap applies among them).
     priority: int = 0
+    images: list | None = None      # a chat line's images (rein.core.images.ImageInput), in order
 
     def prompt_token_ids(self) -> list[int]:
         """What the prefix order sorts by (an embeddings line: nothing, so first)."""
@@ -164,6 +167,27 @@ def run_batch(
         batch.out, batch.err, batch.bar = out, err or out, bar
         batch.run(source)
     return batch.summary
+
+
+def vision_chat(engine: LLMEngine, url: str, body: Any) -> tuple[list | None, PromptImages | None]:
+    """A chat (or Responses) line's images (data-URL image parts: rein.openai.images, the service's
+    parser) and what its prompt expands them with (the model's processor); (None, None) for a line
+    without images, or for a text-only model (whose prompt then refuses the image parts itself).
+    RequestError for images the line cannot have (not a data URL, too large, not an image)."""
+    processor = engine.vision_processor
+    if processor is None or url not in (CHAT_COMPLETIONS, RESPONSES) or not isinstance(body, dict):
+        return None, None
+    messages = chat_body(body)["messages"] if url == RESPONSES else body.get("messages")
+    refs = image_refs(messages)
+    if not refs:
+        return None, None
+    try:
+        images = [ImageInput.of(data_url_image(ref), ref.detail) for ref in refs]
+        opened = [open_image(image.data, max_pixels=engine.config.max_image_pixels, param=ref.param)
+                  for image, ref in zip(images, refs, strict=True)]
+    except ImageError as exc:
+        raise RequestError(exc.message, exc.param or "messages", INVALID_IMAGE) from exc
+    return images, PromptImages(processor, opened, [ref.detail for ref in refs])
 
 
 def default_model_name(engine: LLMEngine) -> str:
@@ -248,19 +272,21 @@ class BatchRun:
         if batch_line.url == EMBEDDINGS:   # parsed when taken (rein.offline.embed)
             return _ReadLine(line_number, batch_line, None)
         try:
+            images, prompt_images = vision_chat(self.engine, batch_line.url, batch_line.body)
             if batch_line.url == RESPONSES:   # runs as chat (rein.openai.responses)
                 parsed = parse_responses_request(batch_line.body, self.engine.tokenizer, self.engine.max_model_len,
-                                                 self.generation_defaults, self.tool_call_parser, self.reasoning)
+                                                 self.generation_defaults, self.tool_call_parser, self.reasoning,
+                                                 prompt_images)
             else:
                 parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer,
                                        self.engine.max_model_len, self.generation_defaults, self.tool_call_parser,
-                                       self.reasoning)
+                                       self.reasoning, prompt_images)
             # service_tier "priority" is refused as on the service's batch lines; the rest only orders.
             priority = job_priority(parse_priority(batch_line.body, batch_line=True).priority)
         except RequestError as exc:
             self.fail(custom_id, line_number, exc.code, exc.message)
             return None
-        return _ReadLine(line_number, batch_line, parsed, priority)
+        return _ReadLine(line_number, batch_line, parsed, priority, images)
 
     def _take(self, read: _ReadLine) -> tuple[str, _Pending] | list[tuple[str, EmbeddingPart]] | None:
         """Add a read line's request to the engine, or answer the line with an error."""
@@ -270,7 +296,8 @@ class BatchRun:
         request_id = uuid.uuid4().hex
         try:
             self.engine.add_request(request_id, parsed.prompt_token_ids, parsed.params, priority=read.priority,
-                                    lora_request=self.adapters.get(parsed.model) if parsed.model else None)
+                                    lora_request=self.adapters.get(parsed.model) if parsed.model else None,
+                                    images=read.images)
         except EngineRequestError as exc:
             refused = request_error(exc)
             self.fail(batch_line.custom_id, line_number, refused.code, refused.message)

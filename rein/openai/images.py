@@ -20,10 +20,13 @@ order, each with its JSON path (`messages[i].content[j]`) for the errors about i
 
 from __future__ import annotations
 
+import base64
+import binascii
+import re
 from dataclasses import dataclass
 from typing import Any
 
-from rein.core.images import DETAILS
+from rein.core.images import DEFAULT_MAX_IMAGE_BYTES, DETAILS, ImageError, ImageInput
 from rein.core.input_checks import json_type
 from rein.openai.errors import RequestError
 
@@ -32,6 +35,7 @@ TEXT_PART_TYPES = ("text", "input_text", "output_text")
 # The error code of an image part rein cannot take (a malformed part, a bad image).
 INVALID_IMAGE = "invalid_image"
 IMAGES_NOT_SUPPORTED = "images_not_supported"
+_DATA_URL = re.compile(r"data:(?P<type>[^;,]*)(?P<params>(;[^;,]*)*),", re.IGNORECASE)
 # The longest http(s) URL taken (browsers' practical limit); a data URL is bounded by the body size.
 MAX_URL_CHARS = 8192
 
@@ -184,3 +188,56 @@ class PromptImages:
     processor: Any
     images: list[Any]
     details: list[str]
+
+
+def decode_data_url(url: str, max_bytes: int) -> bytes:
+    """The bytes of a `data:image/...;base64,...` URL (ImageError when it is not one, or holds more
+    than `max_bytes`: judged from the base64's length, before it is decoded)."""
+    match = _DATA_URL.match(url)
+    if match is None:
+        raise ImageError("the data URL is malformed: write data:image/png;base64,<the image in base64>")
+    media_type = match.group("type").strip().lower()
+    params = [p.strip().lower() for p in match.group("params").split(";") if p.strip()]
+    if "base64" not in params:
+        raise ImageError("the data URL must be base64-encoded: data:image/png;base64,...")
+    if media_type and not media_type.startswith("image/"):
+        raise ImageError(f"the data URL holds {media_type!r}, not an image (data:image/png;base64,...)")
+    payload = url[match.end():]
+    # Every 4 base64 characters are 3 bytes: a payload this long is too large whatever it holds.
+    if (len(payload.rstrip("=")) * 3) // 4 > max_bytes:
+        raise ImageError(f"the image in the data URL is about {len(payload) * 3 // 4:,} bytes; the limit is "
+                         f"{max_bytes:,} bytes (REIN_MAX_IMAGE_BYTES): send a smaller or more compressed image")
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise ImageError(f"the data URL's base64 does not decode ({exc})") from None
+
+
+def image_parts(messages: list[Any], max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> tuple[list[Any], list[ImageInput]]:
+    """For `rein.LLM.chat` (no service, no file store, no fetching): the messages with each image
+    part as `{"type": "image"}` and the images, decoded from their data URLs, in order. ImageError
+    (naming the part) for a malformed part, or one that is not a data URL."""
+    refs: list[ImageRef] = []
+    out = []
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list) or not any(is_image_part(p) for p in content):
+            out.append(message)
+            continue
+        try:
+            out.append({**message, "content": template_content(content, f"messages[{i}]", True, refs)})
+        except RequestError as exc:
+            raise ImageError(exc.message, param=exc.param) from None
+    return out, [ImageInput.of(data_url_image(ref, max_bytes), ref.detail) for ref in refs]
+
+
+def data_url_image(ref: ImageRef, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> bytes:
+    """The bytes of an image given as a data URL, where nothing else is taken (offline runs:
+    `rein run-batch`, `rein.LLM`); ImageError naming the part otherwise."""
+    if ref.kind != "data":
+        raise ImageError(f"{ref.param}: only data: URLs (data:image/png;base64,...) are taken here; "
+                         "http(s) URLs and file ids are the API's", param=ref.param)
+    try:
+        return decode_data_url(ref.value, max_bytes)
+    except ImageError as exc:
+        raise ImageError(f"{ref.param}: {exc.message}", param=ref.param) from None
