@@ -86,7 +86,8 @@ def test_an_uploaded_image_by_file_id_in_responses(client: openai.OpenAI) -> Non
     response = client.responses.create(model=MODEL, max_output_tokens=5, temperature=0.0, input=[
         {"role": "user", "content": [{"type": "input_text", "text": "Describe it."},
                                      {"type": "input_image", "file_id": uploaded.id, "detail": "low"}]}])
-    assert response.status == "completed" and response.usage.output_tokens > 0
+    # (a random model rarely stops within 5 tokens: "incomplete" is its max_output_tokens)
+    assert response.status in ("completed", "incomplete") and response.usage.output_tokens > 0
 
 
 class ImageServer:
