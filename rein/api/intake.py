@@ -62,7 +62,7 @@ from rein.jobs.ratelimit import (
 )
 from rein.jobs.registry import ModelRegistry
 from rein.openai.embeddings import ParsedEmbeddings
-from rein.openai.images import may_hold_images
+from rein.openai.images import may_hold_images, without_image_data
 from rein.openai.structured_fields import BODY_FIELDS as STRUCTURED_BODY_FIELDS
 from rein.store.db import HeldConnections, engine_of
 from rein.store.filestore import FileStore, filestore_for
@@ -213,7 +213,9 @@ class JobIntake:
         # Shallow: the values are only serialized (asdict's deep copy was a measurable cost).
         sampling = {f.name: getattr(parsed.params, f.name) for f in dataclasses.fields(parsed.params)}
         prompt = list(parsed.prompt_token_ids)
-        params = {"body": body, "sampling": sampling, "logprobs_mode": parsed.logprobs_mode, "stream": parsed.stream}
+        # (data-URL images kept out: they are in the file store, rein.openai.images.without_image_data)
+        params = {"body": without_image_data(body), "sampling": sampling, "logprobs_mode": parsed.logprobs_mode,
+                  "stream": parsed.stream}
         if prepared.tool_parser is not None:   # how its answer's tool calls are read (rein.openai.tool_call_parsers)
             params["tool_parser"] = prepared.tool_parser
         lora = prepared.lora

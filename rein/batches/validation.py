@@ -37,7 +37,7 @@ from rein.jobs.registry import ModelRegistry
 from rein.openai.batch_lines import OversizedLine, parse_batch_line
 from rein.openai.embeddings import ParsedEmbeddings
 from rein.openai.errors import RequestError
-from rein.openai.images import INVALID_IMAGE
+from rein.openai.images import INVALID_IMAGE, without_image_data
 
 MAX_REPORTED_ERRORS = 1000
 
@@ -51,7 +51,7 @@ class ValidLine:
     def job_values(self) -> dict[str, Any]:
         """The jobs-table values this line's request needs (as JobIntake stores a job)."""
         parsed = self.prepared.parsed
-        params = {"body": self.prepared.body, "sampling": dataclasses.asdict(parsed.params),
+        params = {"body": without_image_data(self.prepared.body), "sampling": dataclasses.asdict(parsed.params),
                   "logprobs_mode": parsed.logprobs_mode, "stream": False}
         shape = parsed.shape.to_dict()
         if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.response_shape)
@@ -94,7 +94,7 @@ class FailedLine:
 
     def job_values(self) -> dict[str, Any]:
         """Its job row, as ValidLine.job_values (no prompt: it never runs); the manager marks it failed."""
-        return {"model": self.model, "endpoint": self.endpoint, "params": {"body": self.body},
+        return {"model": self.model, "endpoint": self.endpoint, "params": {"body": without_image_data(self.body)},
                 "prompt_token_ids": [], "prompt_tokens": 0, "custom_id": self.custom_id, "batch_line": self.line,
                 "priority": PRIORITY_BATCH, "requested_tokens": 0}
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -241,3 +242,45 @@ def data_url_image(ref: ImageRef, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> b
         return decode_data_url(ref.value, max_bytes)
     except ImageError as exc:
         raise ImageError(f"{ref.param}: {exc.message}", param=ref.param) from None
+
+
+DATA_URL_KEPT_AS = "data:omitted;sha256="
+
+
+def without_image_data(body: Any) -> Any:
+    """The body as a job keeps it (params["body"]): each data-URL image replaced by
+    `data:omitted;sha256=<hex of the URL>`, so Postgres never holds image bytes (the images are
+    in the file store, named by params["images"]) while the same request still compares equal
+    (an Idempotency-Key's replay). The body itself when it holds no data URL (no copy)."""
+    if not isinstance(body, dict):
+        return body
+    copied = dict(body)
+    changed = False
+    for key in ("messages", "input"):
+        items = body.get(key)
+        if not isinstance(items, list):
+            continue
+        new_items = list(items)
+        for i, item in enumerate(items):
+            content = item.get("content") if isinstance(item, dict) else None
+            if not isinstance(content, list):
+                continue
+            new_content = [_without_data(part) for part in content]
+            if any(a is not b for a, b in zip(new_content, content, strict=True)):
+                new_items[i] = {**item, "content": new_content}
+                changed = True
+        copied[key] = new_items
+    return copied if changed else body
+
+
+def _without_data(part: Any) -> Any:
+    if not is_image_part(part):
+        return part
+    value = part.get("image_url")
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url[:5].lower() == "data:":
+        return part
+    kept = DATA_URL_KEPT_AS + hashlib.sha256(url.encode()).hexdigest()
+    if isinstance(value, dict):
+        return {**part, "image_url": {**value, "url": kept}}
+    return {**part, "image_url": kept}

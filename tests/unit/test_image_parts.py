@@ -265,3 +265,23 @@ def test_images_are_stored_once_by_sha256_and_read_back(tmp_path):
         load_images(store, refs)
     with pytest.raises(FileNotFoundError):
         load_images(store, [{"sha256": "0" * 64, "detail": "auto"}])
+
+
+def test_a_job_keeps_its_body_without_image_bytes():
+    from rein.openai.images import without_image_data
+
+    url = data_url(png())
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {"url": url, "detail": "low"}},
+        {"type": "image_url", "image_url": url}, {"type": "image_url", "image_url": {"url": "https://x/a.png"}}]}]}
+    kept = without_image_data(body)
+    parts = kept["messages"][0]["content"]
+    assert parts[0] == {"type": "text", "text": "hi"} and parts[3] == body["messages"][0]["content"][3]
+    assert parts[1]["image_url"]["detail"] == "low" and parts[1]["image_url"]["url"] == parts[2]["image_url"]
+    assert parts[2]["image_url"].startswith("data:omitted;sha256=") and "base64" not in str(kept)
+    assert body["messages"][0]["content"][1]["image_url"]["url"] == url      # the request itself untouched
+    assert without_image_data(body) == kept                                   # the same request, the same record
+    plain = {"messages": [{"role": "user", "content": "hi"}]}
+    assert without_image_data(plain) is plain
+    responses = {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": url}]}]}
+    assert without_image_data(responses)["input"][0]["content"][0]["image_url"].startswith("data:omitted")

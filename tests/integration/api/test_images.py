@@ -83,8 +83,22 @@ def test_a_chat_job_with_an_image(vision_client, make_key, tenant, db_sessionmak
     message = JobMessage.for_job(job)
     assert message.images == [{"sha256": sha, "detail": "auto"}]
     assert image not in json.dumps(message.to_dict()).encode() and "base64" not in json.dumps(job.params["images"])
-    # the params keep the request body as sent (the data URL included): the record of what ran
-    assert job.params["body"]["messages"][0]["content"][1]["image_url"]["url"].startswith("data:image/png")
+    # the params keep the request body without the image's bytes (they are in the file store)
+    kept = job.params["body"]["messages"][0]["content"][1]["image_url"]["url"]
+    assert kept.startswith("data:omitted;sha256=") and len(kept) < 100
+    assert job.params["body"]["messages"][0]["content"][0] == {"type": "text", "text": "What is in the picture?"}
+
+
+def test_an_idempotent_replay_of_an_image_request(vision_client, make_key, tenant):
+    key = make_key(tenant)
+    body = image_chat(data_url(png()))
+    headers = auth(key) | {"Idempotency-Key": "img-1"}
+    first = vision_client.post("/v1/jobs", json={"endpoint": "/v1/chat/completions", "body": body}, headers=headers)
+    again = vision_client.post("/v1/jobs", json={"endpoint": "/v1/chat/completions", "body": body}, headers=headers)
+    assert first.status_code == 202 and again.json()["id"] == first.json()["id"]
+    other = image_chat(data_url(png(color=(0, 0, 0))))
+    conflict = vision_client.post("/v1/jobs", json={"endpoint": "/v1/chat/completions", "body": other}, headers=headers)
+    assert conflict.status_code == 409
 
 
 def test_detail_low_counts_fewer_tokens(vision_client, make_key, tenant, db_sessionmaker, vlm_dir):
@@ -180,6 +194,7 @@ def test_a_batch_with_one_bad_image_line(vision_client, make_key, tenant, db_ses
     assert [(j.custom_id, j.status) for j in jobs] == [("good-1", "queued"), ("bad", "failed"), ("good-2", "queued")]
     assert jobs[1].error["code"] == "invalid_image" and jobs[1].error["param"] == "body.messages[0].content[1]"
     assert all(len(j.params["images"]) == 1 for j in (jobs[0], jobs[2]))
+    assert "base64" not in json.dumps([j.params for j in jobs])
     fake_worker.record(jobs[0].id, "red", [5])
     fake_worker.record(jobs[2].id, "blue", [6])
     done = wait_for(lambda: (b := current())["status"] == "completed" and b, 30, "the batch to complete")
