@@ -29,8 +29,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from rein.jobs.errors import APIError
 from rein.core.priorities import PRIORITY_BATCH
+from rein.jobs.errors import APIError
 from rein.jobs.image_sources import RequestImages
 from rein.jobs.prepare import Prepared, prepare, resolve_model
 from rein.jobs.registry import ModelRegistry

@@ -15,7 +15,13 @@ from PIL import Image
 from rein.core.image_limits import parse_fetch_policy, parse_mm_limits
 from rein.core.images import ImageError
 from rein.core.settings import load_settings
-from rein.jobs.image_sources import ImageSources, decode_data_url, image_refs_of, load_images, store_images
+from rein.jobs.image_sources import (
+    ImageSources,
+    decode_data_url,
+    image_refs_of,
+    load_images,
+    store_images,
+)
 from rein.openai.errors import RequestError
 from rein.openai.images import (
     INVALID_IMAGE,
