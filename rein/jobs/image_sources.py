@@ -12,9 +12,8 @@ replica and worker reaches), content-addressed as `image-<sha256>` (`store_image
 image that is already there is skipped, and writing it twice leaves the same bytes). The job's
 params and its queue message hold only `[{"sha256", "detail"}]` (`image_refs_of`), so a message
 the reaper rebuilds from the job row names the same images, and Redis and Postgres never hold
-image bytes. The worker reads them back with `load_images`. They are deleted by the retention
-sweep (rein.jobs.retention.delete_unused_images) once no job that still keeps its result names
-them.
+image bytes. The worker reads them back with `load_images`. Rein does not delete stored images
+yet (docs/images.md says how an operator can: they are needed only until their job has run).
 """
 
 from __future__ import annotations
