@@ -229,7 +229,7 @@ class JobIntake:
             params["reasoning"] = reasoning.to_dict()
         images = prepared.image_refs
         if images is not None:   # kept in the file store before the job exists (rein.jobs.image_sources)
-            store_images(self.filestore, prepared.images)
+            store_images(self.filestore, prepared.images, self.sessions)
             params["images"] = images
         # Its class and its own `priority` (rein.core.priorities): `service_tier: "flex"` runs it
         # at batch priority, where it waits on the batch shard of its prefix (rein.jobs.affinity).

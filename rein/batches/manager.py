@@ -406,7 +406,7 @@ class BatchManager:
         def store(line: ValidLine) -> None:
             nonlocal last_line
             if line.prepared.images:    # before its job exists; content-addressed, so a retry rewrites nothing
-                store_images(self.store, line.prepared.images)
+                store_images(self.store, line.prepared.images, self.sessions)
             values = line.job_values() | fixed
             spool_job(spool, values)
             if groups is not None:

@@ -316,6 +316,10 @@ class Settings(BaseSettings):
     """The most one image fetch may take, redirects and the whole body included."""
     image_fetch_max_redirects: int = Field(3, ge=0, le=10)
     """Redirects one image fetch follows (each target checked as the first URL was)."""
+    image_retention_seconds: float | None = Field(7 * 86400, ge=0)
+    """A stored image (the file store's `image-<sha256>`, kept for the workers) is deleted by the
+    retention sweep once no request has named it for this long and no queued or running job
+    names it (rein.jobs.retention). 7 days: past a batch's completion window. 0: kept."""
 
     @field_validator("limit_mm_per_prompt")
     @classmethod

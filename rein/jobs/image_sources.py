@@ -12,8 +12,10 @@ replica and worker reaches), content-addressed as `image-<sha256>` (`store_image
 image that is already there is skipped, and writing it twice leaves the same bytes). The job's
 params and its queue message hold only `[{"sha256", "detail"}]` (`image_refs_of`), so a message
 the reaper rebuilds from the job row names the same images, and Redis and Postgres never hold
-image bytes. The worker reads them back with `load_images`. Rein does not delete stored images
-yet (docs/images.md says how an operator can: they are needed only until their job has run).
+image bytes. The worker reads them back with `load_images`. Each use is recorded in the
+`stored_images` table, and the retention sweep (rein.jobs.retention) deletes an image unused for
+REIN_IMAGE_RETENTION_SECONDS that no queued or running job names: an image is needed only until
+its jobs have run.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from sqlalchemy import func, or_, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 from rein.core.image_limits import parse_fetch_policy, parse_mm_limits
@@ -32,7 +35,7 @@ from rein.jobs.image_fetch import fetch_image
 from rein.openai.errors import RequestError
 from rein.openai.images import INVALID_IMAGE, ImageRef, check_image_count, decode_data_url
 from rein.store.filestore import FileStore
-from rein.store.tables import File
+from rein.store.tables import File, StoredImage
 
 # The Files API purpose of an uploaded image (OpenAI's).
 VISION_PURPOSE = "vision"
@@ -140,8 +143,19 @@ def image_request_error(error: ImageError, param: str) -> RequestError:
     return RequestError(f"{param}: {error.message}", param, INVALID_IMAGE)
 
 
-def store_images(store: FileStore, images: Iterable[ImageInput]) -> None:
-    """Keep each image in the file store under its sha256 (skipped when already there)."""
+def store_images(store: FileStore, images: Iterable[ImageInput], sessions: sessionmaker[Session] | None = None
+                 ) -> None:
+    """Keep each image in the file store under its sha256 (skipped when already there), and
+    record its use (`stored_images.last_used_at`, what the retention sweep goes by; `sessions`
+    None: not recorded, for tests and tools without the database). The row first: a sweep
+    deleting the image holds its row until the bytes are gone, so the size check below then
+    finds them missing and writes them again."""
+    images = list({image.sha256: image for image in images}.values())
+    if sessions is not None and images:
+        with sessions.begin() as session:
+            session.execute(pg_insert(StoredImage).values(
+                [{"sha256": image.sha256, "bytes": len(image.data)} for image in images])
+                .on_conflict_do_update(index_elements=[StoredImage.sha256], set_={"last_used_at": func.now()}))
     for image in images:
         file_id = image_file_id(image.sha256)
         try:

@@ -295,6 +295,25 @@ class File(Base):
     )
 
 
+class StoredImage(Base):
+    """An image a request sent, kept in the file store as `image-<sha256>` until its jobs have run
+    (rein.jobs.image_sources): one row per distinct image, whoever sent it. `last_used_at` is
+    the last time a request named it; the retention sweep deletes an image unused for
+    REIN_IMAGE_RETENTION_SECONDS that no queued or running job names (rein.jobs.retention)."""
+
+    __tablename__ = "stored_images"
+
+    sha256: Mapped[str] = mapped_column(primary_key=True)
+    bytes: Mapped[int] = mapped_column(BigInteger())
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    last_used_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+    __table_args__ = (
+        CheckConstraint("bytes >= 0", name="bytes_nonnegative"),
+        Index("ix_stored_images_last_used_at", "last_used_at"),
+    )
+
+
 class Batch(Base):
     """An OpenAI batch: one input file, one job per line, output and error files at the end.
 
