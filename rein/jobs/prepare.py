@@ -15,7 +15,7 @@ from rein.openai.errors import RequestError
 from rein.openai.images import PromptImages, image_refs
 from rein.openai.priority import RequestedPriority, parse_priority
 from rein.openai.request import ParsedRequest, parse_request
-from rein.openai.responses import chat_body, parse_responses_request, responses_error
+from rein.openai.responses import parse_responses_request
 
 
 @dataclass
@@ -130,19 +130,12 @@ def _request_images(entry: ModelEntry, endpoint: str, body: dict[str, Any], load
     processor = entry.vision_processor
     if processor is None or endpoint not in (CHAT_COMPLETIONS, RESPONSES):
         return None, []     # the prompt says "this model takes no images" at the first image part
-    if endpoint == CHAT_COMPLETIONS:
-        refs = image_refs(body.get("messages"))
-    else:
-        try:
-            refs = image_refs(chat_body(body)["messages"])
-        except RequestError as exc:
-            raise responses_error(exc) from None
+    # Responses: from its input items, whose image parts the chat body keeps in the same order
+    # (rein.openai.responses), so each error names the item the user wrote.
+    refs = image_refs(body.get("messages")) if endpoint == CHAT_COMPLETIONS else image_refs(body.get("input"), "input")
     if not refs:
         return PromptImages(processor, [], []), []
     if loader is None:
         raise RequestError("images are not taken on this path: send them through the API", refs[0].param)
-    try:
-        inputs, opened = loader.load(refs)
-    except RequestError as exc:
-        raise responses_error(exc) if endpoint == RESPONSES else exc from None
+    inputs, opened = loader.load(refs)
     return PromptImages(processor, opened, [ref.detail for ref in refs]), inputs

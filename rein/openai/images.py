@@ -139,9 +139,10 @@ def template_content(content: list[Any], where: str, allow_images: bool,
     return parts
 
 
-def image_refs(messages: Any) -> list[ImageRef]:
-    """The images a chat body's messages name, in prompt order (their parts checked: 400s). Only
-    the image parts are looked at here; the rest of each message is checked by the prompt."""
+def image_refs(messages: Any, root: str = "messages") -> list[ImageRef]:
+    """The images a chat body's messages (or a Responses body's input items, `root` "input") name,
+    in prompt order (their parts checked: 400s). Only the image parts are looked at here; the rest
+    of each message is checked by the prompt."""
     refs: list[ImageRef] = []
     if not isinstance(messages, list):
         return refs
@@ -151,7 +152,7 @@ def image_refs(messages: Any) -> list[ImageRef]:
             continue
         for j, part in enumerate(content):
             if is_image_part(part):
-                refs.append(image_ref(part, f"messages[{i}].content[{j}]"))
+                refs.append(image_ref(part, f"{root}[{i}].content[{j}]"))
     return refs
 
 

@@ -135,9 +135,10 @@ def test_image_refusals_name_the_part(vision_client, make_key, tenant):
     assert "REIN_IMAGE_FETCH=off" in fetch_off["message"]
     streaming = error(image_chat(data_url(b"GIF89a-not-really"), stream=True))
     assert streaming["code"] == "invalid_image"
-    responses = error({"model": "vlm", "input": [{"role": "user", "content": [
-        {"type": "input_image", "image_url": data_url(b"nope")}]}]}, "/v1/responses")
-    assert responses["param"] == "input[0].content[0]" and responses["code"] == "invalid_image"
+    responses = error({"model": "vlm", "instructions": "Be brief.", "input": [
+        {"role": "user", "content": "first"},
+        {"role": "user", "content": [{"type": "input_image", "image_url": data_url(b"nope")}]}]}, "/v1/responses")
+    assert responses["param"] == "input[1].content[0]" and responses["code"] == "invalid_image"
 
 
 def test_a_vision_file_by_id_and_tenant_isolation(vision_client, make_key, tenant, db_sessionmaker, vlm_dir):
@@ -194,6 +195,8 @@ def test_a_batch_with_one_bad_image_line(vision_client, make_key, tenant, db_ses
     assert [(j.custom_id, j.status) for j in jobs] == [("good-1", "queued"), ("bad", "failed"), ("good-2", "queued")]
     assert jobs[1].error["code"] == "invalid_image" and jobs[1].error["param"] == "body.messages[0].content[1]"
     assert all(len(j.params["images"]) == 1 for j in (jobs[0], jobs[2]))
+    view = vision_client.get(f"/v1/jobs/{jobs[1].id}", headers=auth(key)).json()
+    assert view["status"] == "failed" and view["error"]["code"] == "invalid_image"
     assert "base64" not in json.dumps([j.params for j in jobs])
     fake_worker.record(jobs[0].id, "red", [5])
     fake_worker.record(jobs[2].id, "blue", [6])
