@@ -169,6 +169,8 @@ class LLM:
         max_cpu_loras: int | None = None,
         max_lora_rank: int = 16,
         reasoning_parser: str | None = None,
+        max_num_encoder_tokens: int | None = None,
+        encoder_cache_tokens: int = 16384,
         pipeline_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
@@ -302,7 +304,7 @@ class LLM:
         if processor is None:
             raise ValueError(f"{what} {index}: this model takes text only; images need a vision model")
         try:
-            opened = [open_image(image.data, max_pixels=self.engine.config.max_image_pixels) for image in images]
+            opened = [open_image(image.data, max_pixels=self.engine.max_image_pixels) for image in images]
             expanded = processor.expand(text, opened, [image.detail for image in images])
         except ImageError as exc:
             raise ValueError(f"{what} {index}: {exc.message}") from exc

@@ -183,7 +183,7 @@ def vision_chat(engine: LLMEngine, url: str, body: Any) -> tuple[list | None, Pr
         return None, None
     try:
         images = [ImageInput.of(data_url_image(ref), ref.detail) for ref in refs]
-        opened = [open_image(image.data, max_pixels=engine.config.max_image_pixels, param=ref.param)
+        opened = [open_image(image.data, max_pixels=engine.max_image_pixels, param=ref.param)
                   for image, ref in zip(images, refs, strict=True)]
     except ImageError as exc:
         raise RequestError(exc.message, exc.param or "messages", INVALID_IMAGE) from exc

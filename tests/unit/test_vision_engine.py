@@ -216,3 +216,27 @@ def test_whole_chunk_rule_never_cuts_an_image():
     fresh = Scheduler(BlockPool(64, 4), 8, 10, encoder_cache=EncoderCache(100), image_tokens_whole_chunk=True)
     fresh.add(other)
     assert [(s.start, s.end) for s in fresh.schedule().scheduled] == [(0, 6)]
+
+
+def test_images_through_the_process_client(tmp_path):
+    """The worker's path: images= through ProcessEngineClient.submit reach the engine in its
+    process, with the same tokens as the engine in this one."""
+    from rein.engine.process_client import ProcessEngineClient
+
+    path = tiny_vision_model(tmp_path / "m", "qwen2_vl")
+    here = engine(path)
+    image = png(50)
+    ids = here.vision_processor.expand(chat(f"{IMAGE}Hi"), [open_image(image)]).token_ids
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    want = run(here, {"r": (ids, [image])}, params)[0][("r", 0)]
+    client = ProcessEngineClient(EngineConfig(model=str(path), device="cpu"), name="vision-test").start()
+    try:
+        stream = client.submit("r", ids, params, images=[ImageInput.of(image)])
+        tokens = []
+        for out in stream:
+            tokens.extend(out.new_token_ids)
+        assert tokens == want
+        with pytest.raises(EngineRequestError, match="image"):
+            client.submit("bad", ids, params)
+    finally:
+        client.stop()
