@@ -20,6 +20,9 @@ the API runs in (server-side request forgery). docs/images.md states the rules f
   it is refused before reading); the whole fetch has REIN_IMAGE_FETCH_TIMEOUT_SECONDS, checked
   after every chunk with each wait bounded by what was left when the request went out (so a
   server dripping bytes is stopped within twice the limit at worst).
+* The name lookup has the fetch's timeout too (a resolver that never answers costs the request
+  its timeout, not an API thread); international host names are looked up, and matched against
+  the allowlist, as their IDNA (xn--) names.
 * No proxy from the environment, no cookies, no credentials sent.
 
 Every refusal is an ImageError (a 400 naming the image part) that says which rule and setting.
@@ -30,10 +33,13 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin
 
 import httpcore
+import httpx
 
 from rein.core.image_limits import FetchPolicy
 from rein.core.images import ImageError
@@ -73,10 +79,19 @@ def address_refusal(address: str) -> str | None:
     return None
 
 
-def resolve(host: str, port: int) -> list[str]:
-    """Every address `host` resolves to (IP literals stand for themselves)."""
+# Name lookups run here, so that a resolver that never answers costs the fetch its timeout, not a
+# thread of the API for ever (getaddrinfo itself takes no timeout).
+_RESOLVER = ThreadPoolExecutor(max_workers=8, thread_name_prefix="rein-image-dns")
+
+
+def resolve(host: str, port: int, timeout: float | None = None) -> list[str]:
+    """Every address `host` resolves to (IP literals stand for themselves); httpcore.ConnectTimeout
+    past `timeout`."""
+    lookup = _RESOLVER.submit(socket.getaddrinfo, host, port, type=socket.SOCK_STREAM)
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        infos = lookup.result(timeout)
+    except FutureTimeout:
+        raise httpcore.ConnectTimeout(f"resolving {host} took longer than {timeout} s") from None
     except (socket.gaierror, UnicodeError) as exc:
         raise ImageError(f"the image URL's host {host!r} does not resolve ({exc})") from None
     return list(dict.fromkeys(info[4][0] for info in infos))
@@ -91,7 +106,7 @@ class PinnedBackend(httpcore.SyncBackend):
 
     def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
                     socket_options: Any = None) -> httpcore.NetworkStream:
-        addresses = resolve(host, port)
+        addresses = resolve(host, port, timeout)
         refusals = [] if self.allow_private else [address_refusal(a) for a in addresses]
         allowed = [a for a, why in zip(addresses, refusals or [None] * len(addresses), strict=True) if why is None]
         if not allowed:
@@ -101,19 +116,20 @@ class PinnedBackend(httpcore.SyncBackend):
                                    socket_options=socket_options)
 
 
-def _check_url(url: str, policy: FetchPolicy) -> tuple[str, str, int]:
-    """(scheme, host, port) of a URL rein may fetch (FetchRefused otherwise)."""
-    parts = urlsplit(url)
-    scheme = parts.scheme.lower()
+def _check_url(url: str, policy: FetchPolicy) -> tuple[str, str]:
+    """(the URL as sent: IDNA host, percent-encoded path; its host) of a URL rein may fetch
+    (FetchRefused otherwise)."""
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError, TypeError) as exc:
+        raise FetchRefused(f"the image URL is malformed ({exc})") from None
+    scheme = parsed.scheme.lower()
     if scheme not in ("http", "https"):
         raise FetchRefused(f"rein fetches images over http and https only, not {scheme or 'a relative URL'}")
-    try:
-        host, port = parts.hostname, parts.port
-    except ValueError as exc:
-        raise FetchRefused(f"the image URL is malformed ({exc})") from None
+    host = parsed.raw_host.decode("ascii").lower()   # IDNA: what the allowlist and DNS see
     if not host:
         raise FetchRefused("the image URL names no host")
-    if parts.username is not None or parts.password is not None:
+    if parsed.userinfo:
         raise FetchRefused("image URLs may not carry credentials (user:password@)")
     if not policy.enabled:
         raise FetchRefused("this deployment does not fetch image URLs (REIN_IMAGE_FETCH=off): send the image "
@@ -122,7 +138,7 @@ def _check_url(url: str, policy: FetchPolicy) -> tuple[str, str, int]:
     if not policy.allows(host):
         raise FetchRefused(f"this deployment fetches images only from {', '.join(policy.hosts)} (REIN_IMAGE_FETCH), "
                            f"not from {host}")
-    return scheme, host, port or (443 if scheme == "https" else 80)
+    return str(parsed.copy_with(fragment=None)), host
 
 
 def fetch_image(url: str, policy: FetchPolicy, *, max_bytes: int, timeout: float, max_redirects: int,
@@ -132,7 +148,7 @@ def fetch_image(url: str, policy: FetchPolicy, *, max_bytes: int, timeout: float
     pool = httpcore.ConnectionPool(network_backend=PinnedBackend(allow_private), retries=0, max_connections=2)
     try:
         for _hop in range(max_redirects + 1):
-            _scheme, host, _port = _check_url(url, policy)
+            url, host = _check_url(url, policy)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise _timed_out(timeout)
@@ -152,6 +168,10 @@ def fetch_image(url: str, policy: FetchPolicy, *, max_bytes: int, timeout: float
                     return _read_body(response, max_bytes, deadline, timeout)
             except httpcore.TimeoutException:
                 raise _timed_out(timeout) from None
+            except ImageError:
+                raise
+            except ValueError as exc:   # a URL httpx parsed but httpcore will not send (a port out of range)
+                raise FetchRefused(f"the image URL is malformed ({exc})") from None
             except (httpcore.NetworkError, httpcore.ProtocolError, httpcore.UnsupportedProtocol,
                     httpcore.LocalProtocolError) as exc:
                 raise ImageError(f"the image could not be fetched from {host}: {type(exc).__name__} "

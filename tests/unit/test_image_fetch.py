@@ -217,3 +217,41 @@ def test_status_and_policy_refusals(server):
     with pytest.raises(FetchRefused, match="credentials"):
         fetch(f"http://user:pw@127.0.0.1:{server.port}/image.png", allow_private=True)
     assert server.requests == ["/missing"]
+
+
+@pytest.mark.parametrize("url, words", [
+    ("http://[::1/a", "malformed"), ("http://example.invalid:99999/a", "malformed"),
+    ("ftp://example.com/a.png", "http and https only"), ("http:///a.png", "no host"),
+])
+def test_malformed_urls(url, words):
+    with pytest.raises(FetchRefused, match=words):
+        fetch(url)
+
+
+def test_an_international_host_is_resolved_as_its_idna_name(monkeypatch):
+    asked: list[str] = []
+
+    def resolver(host, port, *args, **kwargs):
+        asked.append(host)
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolver)
+    with pytest.raises(ImageError, match="does not resolve"):
+        fetch("http://ëxample.com/ä.png")
+    assert asked == ["xn--xample-ova.com"]
+    assert parse_fetch_policy("xn--xample-ova.com").allows("xn--xample-ova.com")
+
+
+def test_a_resolver_that_never_answers_costs_the_timeout(monkeypatch):
+    release = threading.Event()
+
+    def hanging(host, port, *args, **kwargs):
+        release.wait(30)
+        raise socket.gaierror(-3, "Temporary failure in name resolution")
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    try:
+        with pytest.raises(ImageError, match="took longer than 0.2 s"):
+            fetch("http://slow-dns.example/a.png", timeout=0.2)
+    finally:
+        release.set()
