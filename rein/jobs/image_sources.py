@@ -20,9 +20,12 @@ its jobs have run.
 
 from __future__ import annotations
 
+import io
+import threading
 from collections.abc import Iterable
 from typing import Any
 
+from PIL import Image as PILImage
 from sqlalchemy import func, or_, select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session, sessionmaker
@@ -114,6 +117,11 @@ class ImageSources:
                            param=f"{ref.param}.file_id", code="file_not_found") from None
 
 
+# Images decoded at once in one process, each up to REIN_MAX_IMAGE_PIXELS x 3 bytes (RGB): bounds
+# what checking requests' images can take of an API process's memory, whatever their number.
+_DECODING = threading.BoundedSemaphore(2)
+
+
 class RequestImages:
     """One tenant's request images: counted against REIN_LIMIT_MM_PER_PROMPT, resolved to bytes,
     and opened (rein.core.images.open_image: format, pixel cap before decoding, corrupt), each
@@ -124,18 +132,27 @@ class RequestImages:
         self.tenant = tenant
 
     def load(self, refs: list[ImageRef]) -> tuple[list[ImageInput], list[Any]]:
-        """(the images, their decoded PIL images), in the order of `refs`."""
+        """(the images, a PIL image of each for the processor), in the order of `refs`.
+
+        Each image is decoded once in full here (rein.core.images.open_image: a corrupt or
+        truncated file is refused now, not in the worker), one at a time in the process
+        (`_DECODING`), and its pixels dropped at once: the PIL image handed on is opened lazily,
+        its size read from the header (all a processor needs to count an image's tokens; one
+        that reads the pixels decodes them then). So a request of 8 images of 64 MP holds one
+        decoded image at a time, not 1.5 GB."""
         settings = self.sources.settings
         check_image_count(refs, parse_mm_limits(settings.limit_mm_per_prompt))
         images = self.sources.resolve(refs, self.tenant)
-        opened = []
+        lazy = []
         for ref, image in zip(refs, images, strict=True):
             try:
-                opened.append(open_image(image.data, max_pixels=settings.max_image_pixels,
-                                         max_bytes=settings.max_image_bytes, param=ref.param))
+                with _DECODING:
+                    open_image(image.data, max_pixels=settings.max_image_pixels, max_bytes=settings.max_image_bytes,
+                               param=ref.param).close()
             except ImageError as exc:
                 raise image_request_error(exc, ref.param) from None
-        return images, opened
+            lazy.append(PILImage.open(io.BytesIO(image.data)))
+        return images, lazy
 
 
 def image_request_error(error: ImageError, param: str) -> RequestError:

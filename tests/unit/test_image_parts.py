@@ -212,6 +212,9 @@ def refused(url: str, **overrides) -> RequestError:
 def test_a_good_image_loads_and_opens():
     images, opened = load_one(data_url(png(8, 6)))
     assert opened[0].size == (8, 6) and images[0].data == png(8, 6) and images[0].detail == "auto"
+    # checked in full, but handed on undecoded: the processor counts tokens from the size alone
+    assert opened[0]._im is None
+    assert opened[0].convert("RGB").getpixel((0, 0)) == (10, 200, 30)   # its pixels, when read
 
 
 def test_corrupt_image():
