@@ -104,7 +104,7 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any], batch_
         raise RequestError("the request body must be a JSON object", "body")
     name = body.get("model")
     entry = resolve_model(registry, name)
-    prompt_images, inputs = _request_images(entry, endpoint, body, images)
+    prompt_images, inputs = request_images(entry, endpoint, body, images)
     if endpoint == EMBEDDINGS:
         if entry.lora is not None:
             raise RequestError(f"'{name}' is a LoRA adapter of {entry.lora.base!r}: adapters serve completions, "
@@ -122,7 +122,7 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any], batch_
     return Prepared(entry, endpoint, body, parsed, parse_priority(body, batch_line), batch_line, inputs)
 
 
-def _request_images(entry: ModelEntry, endpoint: str, body: dict[str, Any], loader: RequestImages | None
+def request_images(entry: ModelEntry, endpoint: str, body: dict[str, Any], loader: RequestImages | None
                     ) -> tuple[PromptImages | None, list[ImageInput]]:
     """A chat (or Responses) request's images, loaded and opened, with the model's processor to
     expand them; (None, []) for a request without images (a text-only model's prompt then

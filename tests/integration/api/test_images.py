@@ -208,3 +208,16 @@ def test_a_batch_with_one_bad_image_line(vision_client, make_key, tenant, db_ses
     assert error_line["custom_id"] == "bad" and error_line["response"]["status_code"] == 400
     assert error_line["response"]["body"]["error"]["code"] == "invalid_image"
     assert "image" in error_line["response"]["body"]["error"]["message"]
+
+
+def test_tokenize_counts_an_images_tokens(vision_client, make_key, tenant, vlm_dir, files_dir):
+    key = make_key(tenant)
+    body = image_chat(data_url(png(56, 84)))
+    counted = vision_client.post("/tokenize", json={"model": "vlm", "messages": body["messages"]}, headers=auth(key))
+    assert counted.status_code == 200, counted.text
+    assert counted.json()["tokens"].count(image_pad_id(vlm_dir)) == 6
+    job = submit(vision_client, key, body)
+    assert job.status_code == 202
+    bad = vision_client.post("/tokenize", json={"model": "vlm", "messages": image_chat(data_url(b"x"))["messages"]},
+                             headers=auth(key))
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "messages[0].content[1]"
