@@ -155,7 +155,8 @@ class ModelRunner:
         self.group = group
         self.ranks = ranks
         self.kv_cache: KVCacheManager | None = None   # rank 0's, set by attach()
-        # This rank's share of the KV heads, which its cache holds (all of them on one rank).
+        # This rank's share of the KV heads, which its cache holds (all of them on one rank; one,
+        # a copy of the KV head its query heads read, where the ranks outnumber the KV heads).
         self.cache_spec = dataclasses.replace(spec, num_kv_heads=attention_heads(spec, group.world_size)[1]) \
             if group.world_size > 1 else spec
         self.device = config.torch_device
