@@ -106,11 +106,11 @@ def image_ref(part: dict[str, Any], where: str) -> ImageRef:
                        f"{shown!r}...", url_param, INVALID_IMAGE)
 
 
-def template_content(content: list[Any], where: str, allow_images: bool,
-                     refs: list[ImageRef] | None = None) -> str | list[dict[str, Any]]:
+def template_content(content: list[Any], where: str, allow_images: bool) -> str | list[dict[str, Any]]:
     """A message's content parts as its chat template takes them: one string when they are all
-    text, else the parts with each image as `{"type": "image"}` (its ImageRef appended to `refs`).
-    `allow_images`: False for a text-only model (an image part is then a 400 saying so)."""
+    text, else the parts with each image as `{"type": "image"}`. The image parts themselves were
+    checked by `image_refs` (each field once); here they only take their place. `allow_images`:
+    False for a text-only model (an image part is then a 400 saying so)."""
     parts: list[dict[str, Any]] = []
     has_image = False
     for index, part in enumerate(content):
@@ -122,12 +122,9 @@ def template_content(content: list[Any], where: str, allow_images: bool,
                 raise RequestError(f"{at}: a text part needs its text as a string, got {json_type(text)}", f"{at}.text")
             parts.append({"type": "text", "text": text})
         elif kind in IMAGE_PART_TYPES:
-            if not allow_images:   # said first: the part's shape is moot for a model without images
+            if not allow_images:
                 raise RequestError(f"{at}: this model takes no images (it is a text-only model): send text only, "
                                    "or send the images to a vision model", at, IMAGES_NOT_SUPPORTED)
-            ref = image_ref(part, at)
-            if refs is not None:
-                refs.append(ref)
             parts.append({"type": "image"})
             has_image = True
         else:
@@ -137,6 +134,11 @@ def template_content(content: list[Any], where: str, allow_images: bool,
     if not has_image:
         return "".join(p["text"] for p in parts)
     return parts
+
+
+def image_count(content: Any) -> int:
+    """The image parts of a message's content as template_content gave it."""
+    return sum(1 for part in content if part.get("type") == "image") if isinstance(content, list) else 0
 
 
 def image_refs(messages: Any, root: str = "messages") -> list[ImageRef]:
@@ -219,17 +221,17 @@ def image_parts(messages: list[Any], max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -
     """For `rein.LLM.chat` (no service, no file store, no fetching): the messages with each image
     part as `{"type": "image"}` and the images, decoded from their data URLs, in order. ImageError
     (naming the part) for a malformed part, or one that is not a data URL."""
-    refs: list[ImageRef] = []
     out = []
-    for i, message in enumerate(messages):
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list) or not any(is_image_part(p) for p in content):
-            out.append(message)
-            continue
-        try:
-            out.append({**message, "content": template_content(content, f"messages[{i}]", True, refs)})
-        except RequestError as exc:
-            raise ImageError(exc.message, param=exc.param) from None
+    try:
+        refs = image_refs(messages)
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(content, list) or not any(is_image_part(p) for p in content):
+                out.append(message)
+                continue
+            out.append({**message, "content": template_content(content, f"messages[{i}]", True)})
+    except RequestError as exc:
+        raise ImageError(exc.message, param=exc.param) from None
     return out, [ImageInput.of(data_url_image(ref, max_bytes), ref.detail) for ref in refs]
 
 

@@ -12,7 +12,7 @@ from typing import Any
 from rein.core.input_checks import BadInput, json_type
 from rein.openai.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
 from rein.openai.fields import get_field, is_int
-from rein.openai.images import INVALID_IMAGE, ImageRef, PromptImages, template_content
+from rein.openai.images import INVALID_IMAGE, PromptImages, image_count, template_content
 from rein.openai.limits import MAX_CHARS_PER_TOKEN, MAX_MESSAGES
 from rein.openai.tool_request import (
     ToolRequest,
@@ -42,8 +42,8 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int,
         raise RequestError(f"messages holds at most {MAX_MESSAGES} messages, got {len(messages)}", "messages")
     if tool_request is None:
         tool_request = parse_tools(body)
-    refs: list[ImageRef] = []
-    plain = [_plain_message(m, i, images is not None, refs) for i, m in enumerate(messages)]
+    plain = [_plain_message(m, i, images is not None) for i, m in enumerate(messages)]
+    count = sum(image_count(m["content"]) for m in plain)
     template_kwargs = _chat_template_kwargs(body, tokenizer)
     # The template may write every variable it is given into the prompt: they count too.
     check_prompt_chars(sum(_content_chars(m["content"]) for m in plain) + template_chars(plain, tool_request)
@@ -55,8 +55,8 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int,
     check_template(tokenizer.chat_template, tool_request)
     if tool_request is not None and tool_request.template_tools is not None:
         template_kwargs["tools"] = tool_request.template_tools
-    if refs:
-        return _expanded_prompt(plain, tokenizer, template_kwargs, images, len(refs))  # type: ignore[arg-type]
+    if count:
+        return _expanded_prompt(plain, tokenizer, template_kwargs, images, count)  # type: ignore[arg-type]
     try:
         ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False,
                                             **template_kwargs)
@@ -125,8 +125,7 @@ def _chat_template_kwargs(body: dict[str, Any], tokenizer: Any = None) -> dict[s
     return kwargs
 
 
-def _plain_message(message: Any, index: int, allow_images: bool = False,
-                   refs: list[ImageRef] | None = None) -> dict[str, Any]:
+def _plain_message(message: Any, index: int, allow_images: bool = False) -> dict[str, Any]:
     """{role, content} with content as one string (text parts joined), or, when it holds images,
     as template parts (rein.openai.images.template_content); plus what the template needs of
     tool calls and tool results (rein.openai.template_message_fields)."""
@@ -141,7 +140,7 @@ def _plain_message(message: Any, index: int, allow_images: bool = False,
     if content is None and role == "assistant":
         content = ""
     if isinstance(content, list):
-        content = template_content(content, where, allow_images, refs)
+        content = template_content(content, where, allow_images)
     if not isinstance(content, (str, list)):
         raise RequestError(f"{where}.content must be a string or a list of text (and image) parts, got "
                            f"{json_type(content)}", f"{where}.content")

@@ -89,12 +89,12 @@ def test_malformed_parts_name_their_field(part, param, words):
 
 
 def test_template_content_keeps_text_and_places_images():
-    refs: list[ImageRef] = []
     content = [{"type": "text", "text": "look: "}, {"type": "image_url", "image_url": data_url(png())},
                {"type": "text", "text": " and "}, {"type": "input_image", "file_id": "file-1"}]
-    parts = template_content(content, "messages[2]", True, refs)
+    parts = template_content(content, "messages[2]", True)
     assert parts == [{"type": "text", "text": "look: "}, {"type": "image"}, {"type": "text", "text": " and "},
                      {"type": "image"}]
+    refs = image_refs([{"role": "user", "content": "x"}, {}, {"role": "user", "content": content}])
     assert [r.param for r in refs] == ["messages[2].content[1]", "messages[2].content[3]"]
     assert template_content([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "m", True) == "ab"
 
