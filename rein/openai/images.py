@@ -15,7 +15,14 @@ allows it, REIN_IMAGE_FETCH); a file id names a file the caller uploaded (purpos
 `template_content` is what the chat template gets for a message's parts: text parts as they
 are, each image part as `{"type": "image"}` (transformers' multimodal chat format, which the
 model's template turns into its image placeholder). `image_refs` lists the images in prompt
-order, each with its JSON path (`messages[i].content[j]`) for the errors about it.
+order, each with its JSON path (`messages[i].content[j]`) for the errors about it, and is where
+the parts are checked; `PromptImages` carries a request's opened images and the model's
+processor into rein.openai.prompts.chat_prompt, which expands them.
+
+Also here, being pure parsing: `decode_data_url` (the size judged before decoding),
+`image_parts` / `data_url_image` for the offline paths that take data URLs only (`rein.LLM`,
+`rein run-batch`: one parser with the service's), and `without_image_data`, the body a job
+keeps (its data URLs replaced by their hash: no image bytes in Postgres).
 """
 
 from __future__ import annotations
