@@ -99,9 +99,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         state.key_cache = KeyCache(settings.auth_cache_seconds)
         state.limiter = RateLimiter(state.redis, RedisKeys.from_settings(settings), settings)
         # Commits concurrent requests' jobs together (rein.api.intake).
-        state.intake = JobIntake(settings, state.sessions, state.celery, state.limiter,
-                                 registry).start()
         state.filestore = filestore_for(settings)
+        state.intake = JobIntake(settings, state.sessions, state.celery, state.limiter,
+                                 registry, state.filestore).start()
         # Validates, feeds, expires and finalizes batches (all state in Postgres, see its docstring).
         state.batch_manager = BatchManager(settings, state.sessions, state.redis, state.celery, registry,
                                            state.filestore).start()

@@ -48,6 +48,7 @@ from rein.core.settings import Settings
 from rein.jobs.affinity import shard_of_prefix
 from rein.jobs.errors import APIError
 from rein.jobs.group_commit import GroupCommit
+from rein.jobs.image_sources import ImageSources, store_images
 from rein.jobs.prepare import Prepared, prepare
 from rein.jobs.queues import enqueue_jobs, queue_keys
 from rein.jobs.ratelimit import (
@@ -61,8 +62,10 @@ from rein.jobs.ratelimit import (
 )
 from rein.jobs.registry import ModelRegistry
 from rein.openai.embeddings import ParsedEmbeddings
+from rein.openai.images import may_hold_images, without_image_data
 from rein.openai.structured_fields import BODY_FIELDS as STRUCTURED_BODY_FIELDS
 from rein.store.db import HeldConnections, engine_of
+from rein.store.filestore import FileStore, filestore_for
 from rein.store.keys import KeyInfo
 from rein.store.messages import JobMessage
 from rein.store.tables import Job, new_job_id
@@ -137,8 +140,12 @@ Accepted = tuple[NewJob | Job, Prepared | None]
 
 class JobIntake:
     def __init__(self, settings: Settings, sessions: sessionmaker[Session], celery: Celery,
-                 limiter: RateLimiter, registry: ModelRegistry) -> None:
+                 limiter: RateLimiter, registry: ModelRegistry, filestore: FileStore | None = None) -> None:
         self.settings = settings
+        # A request's images (a vision model's): resolved and opened while it is validated, then
+        # kept in the file store, shared with the workers (rein.jobs.image_sources).
+        self.filestore = filestore if filestore is not None else filestore_for(settings)
+        self.images = ImageSources(settings, self.filestore, sessions)
         self.sessions = sessions
         self.celery = celery
         self.limiter = limiter
@@ -173,7 +180,7 @@ class JobIntake:
             raise RuntimeError("JobIntake.start() was not called")
         args = (key, endpoint, body, metadata, idempotency_key)
         if (idempotency_key is None and body_bytes is not None and body_bytes <= INLINE_VALIDATE_MAX_BYTES
-                and not CONSTRAINT_FIELDS.intersection(body)):
+                and not CONSTRAINT_FIELDS.intersection(body) and not may_hold_images(body)):
             checked = self.validate(*args)
         else:
             checked = await run_in_threadpool(self.validate, *args)
@@ -200,13 +207,15 @@ class JobIntake:
             if existing is not None:
                 return same_request_or_conflict(existing, endpoint, body, metadata)
         check_metadata(metadata)
-        prepared = prepare(self.registry, endpoint, body)
+        prepared = prepare(self.registry, endpoint, body, images=self.images.for_request(key.tenant))
         parsed = prepared.parsed
         model = prepared.entry.name
         # Shallow: the values are only serialized (asdict's deep copy was a measurable cost).
         sampling = {f.name: getattr(parsed.params, f.name) for f in dataclasses.fields(parsed.params)}
         prompt = list(parsed.prompt_token_ids)
-        params = {"body": body, "sampling": sampling, "logprobs_mode": parsed.logprobs_mode, "stream": parsed.stream}
+        # (data-URL images kept out: they are in the file store, rein.openai.images.without_image_data)
+        params = {"body": without_image_data(body), "sampling": sampling, "logprobs_mode": parsed.logprobs_mode,
+                  "stream": parsed.stream}
         if prepared.tool_parser is not None:   # how its answer's tool calls are read (rein.openai.tool_call_parsers)
             params["tool_parser"] = prepared.tool_parser
         lora = prepared.lora
@@ -218,6 +227,10 @@ class JobIntake:
         reasoning = getattr(parsed, "reasoning", None)
         if reasoning is not None:   # the thinking split out of its body (rein.openai.reasoning)
             params["reasoning"] = reasoning.to_dict()
+        images = prepared.image_refs
+        if images is not None:   # kept in the file store before the job exists (rein.jobs.image_sources)
+            store_images(self.filestore, prepared.images, self.sessions)
+            params["images"] = images
         # Its class and its own `priority` (rein.core.priorities): `service_tier: "flex"` runs it
         # at batch priority, where it waits on the batch shard of its prefix (rein.jobs.affinity).
         priority = prepared.priority
@@ -229,7 +242,8 @@ class JobIntake:
         message = JobMessage(job_id=job.id, model=prepared.entry.queue_model, endpoint=endpoint,
                              prompt_token_ids=prompt, sampling=sampling, priority=priority,
                              logprobs_mode=parsed.logprobs_mode, tenant=key.tenant, key_id=key.key_id,
-                             shape=shape, shard=shard, lora=lora, reasoning=params.get("reasoning"))
+                             shape=shape, shard=shard, lora=lora, reasoning=params.get("reasoning"),
+                             images=images)
         if isinstance(parsed, ParsedEmbeddings):   # its inputs, one after the other in `prompt`
             job.params["input_lengths"] = message.input_lengths = parsed.input_lengths
         return Submission(key, prepared, job, message, metadata)

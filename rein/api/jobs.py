@@ -16,6 +16,7 @@ from sqlalchemy.orm import Session, selectinload
 from rein.batches.schemas import MAX_METADATA_KEY_LEN, MAX_METADATA_VALUE_LEN
 from rein.jobs.errors import APIError, not_found
 from rein.jobs.fields import MAX_METADATA_PAIRS
+from rein.openai.images import without_image_data
 from rein.store.tables import FINISHED_JOB_STATUSES, Job
 
 # -- the repository: every tenant-scoped query ------------------------------------------------
@@ -103,7 +104,8 @@ def same_request_or_conflict(job: Job, endpoint: str, body: dict[str, Any],
                              metadata: dict[str, str] | None) -> Job:
     """The job an Idempotency-Key names, if it was created by this same request; 409 otherwise
     (reusing a key for a different request is a client bug that must not pass silently)."""
-    if job.endpoint != endpoint or (job.params or {}).get("body") != body \
+    # (the job keeps the body without its data-URL images: compared the same way)
+    if job.endpoint != endpoint or (job.params or {}).get("body") != without_image_data(body) \
             or dict(job.metadata_ or {}) != dict(metadata or {}):
         raise APIError(409, f"This Idempotency-Key was already used for a different request (job "
                             f"{job.id}). Use a new key for a new request.", param="Idempotency-Key",

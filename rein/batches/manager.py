@@ -102,13 +102,14 @@ from rein.batches.batch_jobs import (
 from rein.batches.fairness import feeding_shares, lines_within_tokens, round_robin
 from rein.batches.locks import hold_batch_lock, try_lock_batch
 from rein.batches.result_files import write_result_files
-from rein.batches.validation import ValidLine, validate_lines
+from rein.batches.validation import FailedLine, ValidLine, validate_lines
 from rein.batches.wakeup import BATCH_WAKE_MIN_SECONDS, BatchEventListener
 from rein.batches.webhooks.events import record_batch_event
 from rein.core.priorities import LAST_QUEUE_STEP, PRIORITY_BATCH
 from rein.core.settings import Settings
 from rein.engine.structured.validator import ValidatorUnavailable
 from rein.jobs.affinity import BATCH_SHARDS, PrefixGroups
+from rein.jobs.image_sources import ImageSources, store_images
 from rein.jobs.queues import enqueue_jobs, priority_lists
 from rein.jobs.registry import ModelRegistry
 from rein.openai.batch_lines import read_lines
@@ -121,6 +122,8 @@ log = logging.getLogger(__name__)
 
 ACTIVE_STATUSES = ("validating", "in_progress", "finalizing", "cancelling")
 ABORT_GRACE_SECONDS = 60
+# The spooled row's key holding a failed line's error (rein.batches.validation.FailedLine).
+FAILED_LINE_ERROR = "_failed_line_error"
 STATUS_CHECK_SECONDS = 2.0     # how often a validation looks whether its batch was cancelled
 # Validations of one batch whose process died (out of memory, most likely) before the next start
 # fails the batch instead: a retry for a death that was not the file's doing, not a crash loop.
@@ -158,6 +161,8 @@ class BatchManager:
         self.celery = celery
         self.registry = registry
         self.store = store
+        # Image lines' images: loaded while a line is checked, kept in the file store (rein.jobs.image_sources).
+        self.images = ImageSources(settings, store, sessions)
         self.keys = RedisKeys.from_settings(settings)
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -400,10 +405,18 @@ class BatchManager:
 
         def store(line: ValidLine) -> None:
             nonlocal last_line
+            if line.prepared.images:    # before its job exists; content-addressed, so a retry rewrites nothing
+                store_images(self.store, line.prepared.images, self.sessions)
             values = line.job_values() | fixed
             spool_job(spool, values)
             if groups is not None:
                 groups.add(values["prompt_token_ids"])
+            last_line = line.line
+
+        def store_failed(line: FailedLine) -> None:
+            # Its job row, marked failed with its error once stored (below): it fails alone.
+            nonlocal last_line
+            spool_job(spool, line.job_values() | fixed | {FAILED_LINE_ERROR: line.error})
             last_line = line.line
 
         with tempfile.TemporaryFile(prefix="rein-batch-") as spool:
@@ -412,7 +425,8 @@ class BatchManager:
                     lines = read_lines(source, self.settings.max_request_bytes)   # each under the cap
                     result = validate_lines(lines, batch.endpoint, self.registry,
                                             self.settings.batch_max_requests, on_valid=store, before_line=check,
-                                            max_embedding_inputs=self.settings.batch_max_embedding_inputs)
+                                            max_embedding_inputs=self.settings.batch_max_embedding_inputs,
+                                            images=self.images.for_request(batch.tenant), on_failed=store_failed)
             except (_Superseded, _ValidationFailed, OperationalError, InterfaceError, RedisError,
                     ValidatorUnavailable):
                 raise                    # a stop, a verdict, or an outage (retried next tick)
@@ -429,14 +443,20 @@ class BatchManager:
                 raise _ValidationFailed(batch.id, result.errors)
             checked = time.monotonic() - started
             spool.seek(0)
+            failed: list[tuple[int, dict[str, Any]]] = []
             with self.sessions() as session, session.begin():
                 with copy_jobs(session, groups.shard if groups is not None else None) as write_job:
                     for row in spooled_jobs(spool):
                         write_job(row)
+                        if FAILED_LINE_ERROR in row:
+                            failed.append((row["batch_line"], row[FAILED_LINE_ERROR]))
+                for line_number, error in failed:   # never sent: the feed takes queued lines only
+                    session.execute(update(Job).where(Job.batch_id == batch.id, Job.batch_line == line_number)
+                                    .values(status="failed", error=error, finished_at=func.now()))
                 moved = session.execute(
                     update(Batch).where(Batch.id == batch.id, Batch.status == "validating")
                     .values(status="in_progress", in_progress_at=func.now(), model=result.model,
-                            request_total=result.valid).returning(Batch.id)).one_or_none()
+                            request_total=result.valid + result.failed_lines).returning(Batch.id)).one_or_none()
                 if moved is None:        # cancelled meanwhile: the jobs go with the rolled-back transaction
                     raise _Superseded(batch.id)
         log.info("batch %s: %d requests validated in %.1f s and stored in %.1f s", batch.id, result.valid,

@@ -27,7 +27,7 @@ class FileObject(BaseModel):
     bytes: int
     created_at: int
     filename: str
-    purpose: Literal["batch", "batch_output"]
+    purpose: Literal["batch", "batch_output", "vision"]
     status: Literal["processed"] = "processed"
     expires_at: int | None = None
     status_details: str | None = None

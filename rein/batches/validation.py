@@ -29,12 +29,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rein.core.priorities import PRIORITY_BATCH
 from rein.jobs.errors import APIError
-from rein.jobs.prepare import Prepared, prepare
+from rein.jobs.image_sources import RequestImages
+from rein.jobs.prepare import Prepared, prepare, resolve_model
 from rein.jobs.registry import ModelRegistry
 from rein.openai.batch_lines import OversizedLine, parse_batch_line
 from rein.openai.embeddings import ParsedEmbeddings
 from rein.openai.errors import RequestError
+from rein.openai.images import INVALID_IMAGE, without_image_data
 
 MAX_REPORTED_ERRORS = 1000
 
@@ -48,7 +51,7 @@ class ValidLine:
     def job_values(self) -> dict[str, Any]:
         """The jobs-table values this line's request needs (as JobIntake stores a job)."""
         parsed = self.prepared.parsed
-        params = {"body": self.prepared.body, "sampling": dataclasses.asdict(parsed.params),
+        params = {"body": without_image_data(self.prepared.body), "sampling": dataclasses.asdict(parsed.params),
                   "logprobs_mode": parsed.logprobs_mode, "stream": False}
         shape = parsed.shape.to_dict()
         if shape is not None:   # n > 1, best_of, echo, prompt logprobs (rein.openai.response_shape)
@@ -62,6 +65,8 @@ class ValidLine:
             params["tool_parser"] = self.prepared.tool_parser
         if self.prepared.lora is not None:   # a LoRA adapter's line (rein.jobs.adapters)
             params["lora"] = self.prepared.lora
+        if self.prepared.images:   # stored by sha256 in the file store (rein.jobs.image_sources)
+            params["images"] = self.prepared.image_refs
         return {
             "model": self.prepared.entry.name, "endpoint": self.prepared.endpoint,
             "params": params,
@@ -75,12 +80,34 @@ class ValidLine:
 
 
 @dataclass
+class FailedLine:
+    """A line whose image cannot be taken (rein.jobs.image_sources): it fails alone, as a job
+    stored failed with this error, and the rest of the batch runs (a batch of a thousand image
+    links is not thrown away for one dead link)."""
+
+    line: int
+    custom_id: str
+    model: str
+    endpoint: str
+    body: dict[str, Any]
+    error: dict[str, Any]
+
+    def job_values(self) -> dict[str, Any]:
+        """Its job row, as ValidLine.job_values (no prompt: it never runs); the manager marks it failed."""
+        return {"model": self.model, "endpoint": self.endpoint, "params": {"body": without_image_data(self.body)},
+                "prompt_token_ids": [], "prompt_tokens": 0, "custom_id": self.custom_id, "batch_line": self.line,
+                "priority": PRIORITY_BATCH, "requested_tokens": 0}
+
+
+@dataclass
 class Validation:
     errors: list[dict[str, Any]] = field(default_factory=list)
     model: str | None = None
     requests: int = 0
     valid: int = 0
     embedding_inputs: int = 0
+    failed_lines: int = 0
+    """Lines that fail alone (a bad image: FailedLine), counted in the batch's requests."""
 
     @property
     def ok(self) -> bool:
@@ -96,12 +123,16 @@ class Validation:
 def validate_lines(raw_lines: Iterable[bytes | OversizedLine], endpoint: str, registry: ModelRegistry,
                    max_requests: int, on_valid: Callable[[ValidLine], None] = lambda line: None,
                    before_line: Callable[[int], None] = lambda number: None,
-                   max_embedding_inputs: int | None = None) -> Validation:
+                   max_embedding_inputs: int | None = None, images: RequestImages | None = None,
+                   on_failed: Callable[[FailedLine], None] | None = None) -> Validation:
     """Check every line of a batch input file (see the module docstring): `raw_lines` as
     `read_lines` gives them (an OversizedLine is that line's error). `before_line(number)`
     runs before each line, valid or not: the batch manager's deadline and stop checks raise from
     it, so a file whose first line is bad cannot run for hours checking the rest.
-    `max_embedding_inputs`: the most embedding inputs all lines may hold together (None: no cap)."""
+    `max_embedding_inputs`: the most embedding inputs all lines may hold together (None: no cap).
+    `images`: how the lines' images are loaded (the batch tenant's; None: image lines are refused);
+    `on_failed`: takes each line whose image is bad (FailedLine), which then fails alone; None:
+    such a line is an error of the file, as any other."""
     result = Validation()
     seen: set[str] = set()
     for number, raw in enumerate(raw_lines, start=1):
@@ -138,14 +169,18 @@ def validate_lines(raw_lines: Iterable[bytes | OversizedLine], endpoint: str, re
                         number, "url")
             continue
         try:
-            prepared = prepare(registry, endpoint, line.body, batch_line=True)
-        except RequestError as exc:
-            result.fail(exc.code if exc.code != "invalid_request_error" else "invalid_request",
-                        exc.message, number, f"body.{exc.param}" if exc.param else "body")
-            continue
-        except APIError as exc:
-            result.fail(exc.code or "invalid_request", exc.message, number,
-                        f"body.{exc.param}" if exc.param else "body")
+            prepared = prepare(registry, endpoint, line.body, batch_line=True, images=images)
+        except (RequestError, APIError) as exc:
+            param = f"body.{exc.param}" if exc.param else "body"
+            if on_failed is not None and exc.code in LINE_FAILURES:
+                failed = _failed_line(registry, endpoint, number, line.custom_id, line.body, exc, result)
+                if failed is not None:
+                    result.failed_lines += 1
+                    if result.ok:
+                        on_failed(failed)
+                    continue
+            code = exc.code if exc.code != "invalid_request_error" else "invalid_request"
+            result.fail(code or "invalid_request", exc.message, number, param)
             continue
         # A batch runs over one base model; its lines may name the base or any of its LoRA
         # adapters (their jobs share the base model's queues).
@@ -171,6 +206,25 @@ def validate_lines(raw_lines: Iterable[bytes | OversizedLine], endpoint: str, re
         if result.ok:
             on_valid(ValidLine(number, line.custom_id, prepared))
             result.valid += 1
-    if result.requests == 0 and result.ok:
+    if result.requests == 0 and result.ok:   # (a file of failed lines alone still runs: they are its errors)
         result.fail("empty_file", "the input file holds no requests (one JSON request per line)")
     return result
+
+
+# The refusals that fail a line alone: its image (rein.openai.images.INVALID_IMAGE: corrupt, too
+# large, a bomb, a fetch refused or timed out, too many images) or the file it names.
+LINE_FAILURES = frozenset({INVALID_IMAGE, "file_not_found"})
+
+
+def _failed_line(registry: ModelRegistry, endpoint: str, number: int, custom_id: str, body: dict[str, Any],
+                 exc: RequestError | APIError, result: Validation) -> FailedLine | None:
+    """The FailedLine of a line refused for its image; None when its model does not match the
+    batch's (then that is its error, as for any line)."""
+    entry = resolve_model(registry, body.get("model"))   # resolved before its images were looked at
+    if result.model is None:
+        result.model = entry.queue_model
+    elif entry.queue_model != result.model:
+        return None
+    error = {"message": exc.message, "type": "invalid_request_error", "code": exc.code,
+             "param": f"body.{exc.param}" if exc.param else "body"}
+    return FailedLine(number, custom_id, entry.name, endpoint, body, error)

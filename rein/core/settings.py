@@ -291,6 +291,52 @@ class Settings(BaseSettings):
     An upload past it gets 413 `storage_quota_exceeded`; a batch still writes its results past
     it (they count toward the next upload). Default 10 GiB: fifty uploads of the default
     REIN_MAX_FILE_BYTES, while one tenant cannot fill a shared volume."""
+    # --- images in requests (vision models: rein.openai.images, rein.jobs.image_sources)
+    limit_mm_per_prompt: str = "image=8"
+    """vLLM's --limit-mm-per-prompt: the most images one request may hold, as `image=N` or JSON
+    `{"image": N}` (400 beyond, naming the limit). Default 8: enough to compare a handful of
+    pictures, while one request cannot make the API fetch, hold and decode more than 8 x
+    REIN_MAX_IMAGE_BYTES, nor a worker encode more than 8 images for one prompt."""
+    max_image_bytes: int = Field(20 * 1024 * 1024, ge=1)
+    """Largest image file one request may send, fetch or name (OpenAI's 20 MB): a data URL's
+    decoded bytes, a fetched URL's body (the download stops there), a file id's file."""
+    max_image_pixels: int = Field(64_000_000, ge=1)
+    """Most pixels (width x height) an image may declare, checked before its pixels are decoded,
+    so a decompression bomb of a few kilobytes is refused without allocating its gigabytes."""
+    image_fetch: str = "off"
+    """Whether the API fetches images given as http(s) URLs: `off` (the default: a service that
+    fetches any URL it is sent is a server-side request forgery tool and a bandwidth sink, so the
+    operator opts in), `on` (any public host), or a comma-separated allowlist of host names
+    (`images.example.com`, or `.example.com` for it and its subdomains). Private, loopback,
+    link-local, multicast and reserved addresses are refused whatever this says (docs/images.md)."""
+    image_fetch_allow_private: bool = False
+    """Let image fetches reach private and loopback addresses (tests, or a deployment whose image
+    server is on its own network). Never in a deployment that takes URLs from untrusted users."""
+    image_fetch_timeout_seconds: float = Field(10.0, gt=0, le=300)
+    """The most one image fetch may take, redirects and the whole body included."""
+    image_fetch_max_redirects: int = Field(3, ge=0, le=10)
+    """Redirects one image fetch follows (each target checked as the first URL was)."""
+    image_retention_seconds: float | None = Field(7 * 86400, ge=0)
+    """A stored image (the file store's `image-<sha256>`, kept for the workers) is deleted by the
+    retention sweep once no request has named it for this long and no queued or running job
+    names it (rein.jobs.retention). 7 days: past a batch's completion window. 0: kept."""
+
+    @field_validator("limit_mm_per_prompt")
+    @classmethod
+    def _check_mm_limit(cls, value: str) -> str:
+        from rein.core.image_limits import parse_mm_limits
+
+        parse_mm_limits(value)
+        return value
+
+    @field_validator("image_fetch")
+    @classmethod
+    def _check_image_fetch(cls, value: str) -> str:
+        from rein.core.image_limits import parse_fetch_policy
+
+        parse_fetch_policy(value)
+        return value
+
     result_retention_days: float | None = Field(30, ge=0)
     """Job results (the text, tokens and response a job produced) are deleted this many days
     after the job ended; the job keeps its status, timings and usage. 0: kept."""

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from rein.core.images import ImageInput
 from rein.jobs.errors import APIError
+from rein.jobs.image_sources import RequestImages, image_refs_of
 from rein.jobs.registry import ModelEntry, ModelRegistry
 from rein.openai.embeddings import ParsedEmbeddings, model_pooling, parse_embeddings_request
-from rein.openai.endpoints import EMBEDDINGS, RESPONSES
+from rein.openai.endpoints import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES
 from rein.openai.errors import RequestError
+from rein.openai.images import PromptImages, image_refs
 from rein.openai.priority import RequestedPriority, parse_priority
 from rein.openai.request import ParsedRequest, parse_request
 from rein.openai.responses import parse_responses_request
@@ -24,6 +27,14 @@ class Prepared:
     requested: RequestedPriority = RequestedPriority()
     """Its `priority` and `service_tier` (rein.openai.priority)."""
     batch_line: bool = False
+    images: list[ImageInput] = field(default_factory=list)
+    """Its images in prompt order (a vision model's chat request), to store before its job is
+    queued (rein.jobs.image_sources.store_images); the job names them by sha256."""
+
+    @property
+    def image_refs(self) -> list[dict[str, str]] | None:
+        """What the job's params and message hold of its images; None: it has none."""
+        return image_refs_of(self.images) if self.images else None
 
     @property
     def priority(self) -> int:
@@ -83,13 +94,17 @@ def resolve_model(registry: ModelRegistry, name: Any) -> ModelEntry:
     return entry
 
 
-def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any], batch_line: bool = False) -> Prepared:
+def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any], batch_line: bool = False,
+            images: RequestImages | None = None) -> Prepared:
     """Resolve the model and tokenize + validate the body (APIError 404 / RequestError 400);
-    `batch_line`: the body of a batch line (its priority is the batch class's)."""
+    `batch_line`: the body of a batch line (its priority is the batch class's). `images`: how
+    this caller's image parts become images (rein.jobs.image_sources; None: a request with
+    images is refused)."""
     if not isinstance(body, dict):
         raise RequestError("the request body must be a JSON object", "body")
     name = body.get("model")
     entry = resolve_model(registry, name)
+    prompt_images, inputs = request_images(entry, endpoint, body, images)
     if endpoint == EMBEDDINGS:
         if entry.lora is not None:
             raise RequestError(f"'{name}' is a LoRA adapter of {entry.lora.base!r}: adapters serve completions, "
@@ -100,8 +115,27 @@ def prepare(registry: ModelRegistry, endpoint: str, body: dict[str, Any], batch_
     elif endpoint == RESPONSES:
         # Runs as the chat body it translates to; the job keeps the Responses body (`body`).
         parsed = parse_responses_request(body, entry.tokenizer, entry.max_model_len, entry.generation_defaults,
-                                         entry.tool_call_parser, entry.reasoning)
+                                         entry.tool_call_parser, entry.reasoning, prompt_images)
     else:
         parsed = parse_request(endpoint, body, entry.tokenizer, entry.max_model_len, entry.generation_defaults,
-                               entry.tool_call_parser, entry.reasoning)
-    return Prepared(entry, endpoint, body, parsed, parse_priority(body, batch_line), batch_line)
+                               entry.tool_call_parser, entry.reasoning, prompt_images)
+    return Prepared(entry, endpoint, body, parsed, parse_priority(body, batch_line), batch_line, inputs)
+
+
+def request_images(entry: ModelEntry, endpoint: str, body: dict[str, Any], loader: RequestImages | None
+                    ) -> tuple[PromptImages | None, list[ImageInput]]:
+    """A chat (or Responses) request's images, loaded and opened, with the model's processor to
+    expand them; (None, []) for a request without images (a text-only model's prompt then
+    refuses any image part itself, rein.openai.prompts)."""
+    processor = entry.vision_processor
+    if processor is None or endpoint not in (CHAT_COMPLETIONS, RESPONSES):
+        return None, []     # the prompt says "this model takes no images" at the first image part
+    # Responses: from its input items, whose image parts the chat body keeps in the same order
+    # (rein.openai.responses), so each error names the item the user wrote.
+    refs = image_refs(body.get("messages")) if endpoint == CHAT_COMPLETIONS else image_refs(body.get("input"), "input")
+    if not refs:
+        return PromptImages(processor, [], []), []
+    if loader is None:
+        raise RequestError("images are not taken on this path: send them through the API", refs[0].param)
+    inputs, opened = loader.load(refs)
+    return PromptImages(processor, opened, [ref.detail for ref in refs]), inputs

@@ -55,6 +55,9 @@ class ModelEntry:
     (rein.openai.tool_call_parsers)."""
     reasoning: ModelReasoning | None = None
     """Its reasoning parser (REIN_REASONING_PARSER, rein.openai.reasoning); None: none."""
+    vision_processor: Any = None
+    """A vision-language model's image processor (rein.model.vision.processor.VisionProcessor:
+    expands a prompt's image placeholders into the images' tokens); None: a text-only model."""
 
     @property
     def queue_model(self) -> str:
@@ -142,8 +145,27 @@ def load_model(model: ServedModel, generation_config: str = "auto", max_model_le
         except ReasoningParserError as exc:
             raise ModelLoadError(str(exc)) from None
         log.info("model %s: reasoning parser %s", model.name, reasoning_parser)
+    vision = _vision_processor(directory, model.name, tokenizer)
     return ModelEntry(model.name, model.source, tokenizer, max_model_len, defaults, directory,
-                      tool_call_parser=parser, reasoning=reasoning)
+                      tool_call_parser=parser, reasoning=reasoning, vision_processor=vision)
+
+
+def _vision_processor(directory: Path, name: str, tokenizer: Any) -> Any:
+    """The model's image processor when its config.json describes a vision-language model (a
+    `vision_config`); None otherwise, without importing the vision code (and its torch) at all."""
+    path = directory / "config.json"
+    if not path.is_file() or "vision_config" not in json.loads(path.read_text()):
+        return None
+    try:
+        from rein.model.vision.processor import load_vision_processor
+
+        processor = load_vision_processor(directory, tokenizer)
+    except Exception as exc:   # a processor file missing or malformed, a family rein does not run
+        raise ModelLoadError(f"model {name!r} is a vision-language model, but its image processor cannot be "
+                             f"loaded: {exc}") from exc
+    if processor is not None:
+        log.info("model %s: takes images (%s)", name, type(processor).__name__)
+    return processor
 
 
 def _config_max_len(directory: Path) -> int | None:

@@ -1,7 +1,7 @@
 """Retention: what a tenant's work leaves behind expires, and what it keeps counts toward its
 storage quota.
 
-Three things expire, each after its own setting (days; 0 or unset: kept for good):
+Four things expire, each after its own setting (days; 0 or unset: kept for good):
 
 * job results (`results` rows: the text, token ids, logprobs and response parts a job
   produced, which is also what a job's event stream replays from Postgres), after
@@ -13,6 +13,8 @@ Three things expire, each after its own setting (days; 0 or unset: kept for good
   them, and they answer 404 like a deleted file. The input file of a batch that has not
   ended is kept until the batch ends (the first sweep after deletes it): the batch manager
   reads it while validating, and a batch's input file is the record of what it ran;
+* stored images (the file store's `image-<sha256>`, rein.jobs.image_sources), once no request
+  has named one for REIN_IMAGE_RETENTION_SECONDS (7 days) and no queued or running job names it;
 * usage rows, after REIN_USAGE_RETENTION_DAYS (400: usage is accounting, kept over a year
   so a year's invoices can be checked against it).
 
@@ -41,8 +43,9 @@ from sqlalchemy import delete, func, select, text
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
+from rein.jobs.image_sources import image_file_id
 from rein.store.filestore import FileStore
-from rein.store.tables import Batch, File, Job, Result, Usage
+from rein.store.tables import Batch, File, Job, Result, StoredImage, Usage
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +88,11 @@ class RetentionReport:
     results: int = 0
     files: int = 0
     usage: int = 0
+    images: int = 0
 
     @property
     def changed(self) -> bool:
-        return bool(self.results or self.files or self.usage)
+        return bool(self.results or self.files or self.usage or self.images)
 
 
 def _cutoff(days: float | None, now: datetime) -> datetime | None:
@@ -108,7 +112,13 @@ def expire_once(settings: Any, sessions: sessionmaker[Session], store: FileStore
     cutoff = _cutoff(settings.usage_retention_days, now)
     if cutoff is not None:
         usage = _in_batches(sessions, batch, lambda session: _delete_usage(session, cutoff, batch))
-    return RetentionReport(results=results, files=files, usage=usage)
+    images = 0
+    seconds = getattr(settings, "image_retention_seconds", None)
+    if seconds:
+        image_cutoff = now - timedelta(seconds=seconds)
+        images = _in_batches(sessions, batch, lambda session: _delete_unused_images(session, store, image_cutoff,
+                                                                                     batch))
+    return RetentionReport(results=results, files=files, usage=usage, images=images)
 
 
 def _in_batches(sessions: sessionmaker[Session], batch: int, step: Any) -> int:
@@ -149,6 +159,27 @@ def _delete_expired_files(session: Session, store: FileStore, now: datetime, bat
     return len(ids)
 
 
+# Stored images no request named since the cutoff and no open job names (their jobs have run:
+# a worker reads a job's images only while running it). One scan of the open jobs' image lists.
+_UNUSED_IMAGES = text("""
+SELECT sha256 FROM stored_images
+ WHERE last_used_at < :cutoff
+   AND sha256 NOT IN (SELECT image->>'sha256' FROM jobs, jsonb_array_elements(jobs.params->'images') AS image
+                       WHERE jobs.status IN ('queued', 'running') AND jsonb_typeof(jobs.params->'images') = 'array')
+ ORDER BY last_used_at LIMIT :batch FOR UPDATE OF stored_images SKIP LOCKED""")
+
+
+def _delete_unused_images(session: Session, store: FileStore, cutoff: datetime, batch: int) -> int:
+    """Delete a batch of unused stored images (rein.jobs.image_sources): the bytes before the
+    commit, as files' (a request naming one meanwhile waits on its row lock, then stores it anew)."""
+    ids = list(session.scalars(_UNUSED_IMAGES, {"cutoff": cutoff, "batch": batch}))
+    for sha256 in ids:
+        store.delete(image_file_id(sha256))
+    if ids:
+        session.execute(delete(StoredImage).where(StoredImage.sha256.in_(ids)))
+    return len(ids)
+
+
 class RetentionLoop:
     """A thread running `expire_once` every `settings.retention_interval_seconds`."""
 
@@ -181,5 +212,5 @@ class RetentionLoop:
                 log.exception("retention pass failed")
                 continue
             if report.changed:
-                log.info("retention: %d job results, %d files and %d usage rows expired",
-                         report.results, report.files, report.usage)
+                log.info("retention: %d job results, %d files, %d usage rows and %d stored images expired",
+                         report.results, report.files, report.usage, report.images)

@@ -35,7 +35,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from rein.core.images import ImageError, open_image
+from rein.core.images import ImageError, ImageInput, open_image
 from rein.core.priorities import job_priority
 from rein.core.settings import setting_or_default
 from rein.engine.errors import EngineRequestError
@@ -58,7 +58,7 @@ from rein.openai.choices_response import full_response
 from rein.openai.endpoints import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES, generated_as
 from rein.openai.engine_errors import request_error
 from rein.openai.errors import RequestError
-from rein.openai.images import image_parts
+from rein.openai.images import INVALID_IMAGE, PromptImages, data_url_image, image_refs
 from rein.openai.priority import parse_priority
 from rein.openai.reasoning import ModelReasoning, apply_reasoning, parsers_by_model
 from rein.openai.request import ParsedRequest, parse_request
@@ -169,27 +169,25 @@ def run_batch(
     return batch.summary
 
 
-def vision_chat(engine: LLMEngine, url: str, body: Any) -> tuple[list | None, list[int] | None]:
-    """A chat line's images (image_url data-URL parts, rein.openai.images) and its prompt rendered
-    by the chat template and expanded by the model's processor; (None, None) for a line without
-    images. RequestError for images the line cannot have (not a data URL, a text-only model, a
-    placeholder count that does not match, an image that does not open)."""
-    if url != CHAT_COMPLETIONS or not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+def vision_chat(engine: LLMEngine, url: str, body: Any) -> tuple[list | None, PromptImages | None]:
+    """A chat (or Responses) line's images (data-URL image parts: rein.openai.images, the service's
+    parser) and what its prompt expands them with (the model's processor); (None, None) for a line
+    without images, or for a text-only model (whose prompt then refuses the image parts itself).
+    RequestError for images the line cannot have (not a data URL, too large, not an image)."""
+    processor = engine.vision_processor
+    if processor is None or url not in (CHAT_COMPLETIONS, RESPONSES) or not isinstance(body, dict):
+        return None, None
+    messages = chat_body(body)["messages"] if url == RESPONSES else body.get("messages")
+    refs = image_refs(messages)
+    if not refs:
         return None, None
     try:
-        messages, images = image_parts(body["messages"])
-        if not images:
-            return None, None
-        processor = engine.vision_processor
-        if processor is None:
-            raise ImageError("this model takes text only: the line has image parts; use a vision model",
-                             param="messages")
-        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        opened = [open_image(image.data, max_pixels=engine.max_image_pixels) for image in images]
-        ids = processor.expand(text, opened, [image.detail for image in images]).token_ids
+        images = [ImageInput.of(data_url_image(ref), ref.detail) for ref in refs]
+        opened = [open_image(image.data, max_pixels=engine.max_image_pixels, param=ref.param)
+                  for image, ref in zip(images, refs, strict=True)]
     except ImageError as exc:
-        raise RequestError(exc.message, exc.param or "messages") from exc
-    return images, ids
+        raise RequestError(exc.message, exc.param or "messages", INVALID_IMAGE) from exc
+    return images, PromptImages(processor, opened, [ref.detail for ref in refs])
 
 
 def default_model_name(engine: LLMEngine) -> str:
@@ -274,14 +272,15 @@ class BatchRun:
         if batch_line.url == EMBEDDINGS:   # parsed when taken (rein.offline.embed)
             return _ReadLine(line_number, batch_line, None)
         try:
+            images, prompt_images = vision_chat(self.engine, batch_line.url, batch_line.body)
             if batch_line.url == RESPONSES:   # runs as chat (rein.openai.responses)
                 parsed = parse_responses_request(batch_line.body, self.engine.tokenizer, self.engine.max_model_len,
-                                                 self.generation_defaults, self.tool_call_parser, self.reasoning)
+                                                 self.generation_defaults, self.tool_call_parser, self.reasoning,
+                                                 prompt_images)
             else:
-                images, chat_ids = vision_chat(self.engine, batch_line.url, batch_line.body)
                 parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer,
                                        self.engine.max_model_len, self.generation_defaults, self.tool_call_parser,
-                                       self.reasoning, chat_token_ids=chat_ids)
+                                       self.reasoning, prompt_images)
             # service_tier "priority" is refused as on the service's batch lines; the rest only orders.
             priority = job_priority(parse_priority(batch_line.body, batch_line=True).priority)
         except RequestError as exc:

@@ -9,9 +9,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from rein.core.input_checks import json_type
+from rein.core.input_checks import BadInput, json_type
 from rein.openai.errors import CONTEXT_LENGTH_EXCEEDED, RequestError
 from rein.openai.fields import get_field, is_int
+from rein.openai.images import INVALID_IMAGE, PromptImages, image_count, template_content
 from rein.openai.limits import MAX_CHARS_PER_TOKEN, MAX_MESSAGES
 from rein.openai.tool_request import (
     ToolRequest,
@@ -23,10 +24,15 @@ from rein.openai.tool_request import (
 
 
 def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int,
-                tool_request: ToolRequest | None = None) -> list[int]:
+                tool_request: ToolRequest | None = None, images: PromptImages | None = None) -> list[int]:
     """The prompt token ids of a chat body's messages, through the model's chat template (the API,
     batch files and `rein.LLM.chat` all build chat prompts here). The body's tools go to the
-    template (rein.openai.tool_request; `tool_request`: parse_tools(body) when the caller has it already)."""
+    template (rein.openai.tool_request; `tool_request`: parse_tools(body) when the caller has it already).
+
+    `images`: a vision model's processor and the request's images, opened, in prompt order; the
+    template writes one placeholder per image part and the processor expands each into its
+    image's tokens (so the context check and usage count them). None: a text-only model, whose
+    image parts are a 400 saying so."""
     if "messages" not in body:
         raise RequestError("'messages' is a required property", "messages")
     messages = body["messages"]
@@ -36,10 +42,11 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int,
         raise RequestError(f"messages holds at most {MAX_MESSAGES} messages, got {len(messages)}", "messages")
     if tool_request is None:
         tool_request = parse_tools(body)
-    plain = [_plain_message(m, i) for i, m in enumerate(messages)]
+    plain = [_plain_message(m, i, images is not None) for i, m in enumerate(messages)]
+    count = sum(image_count(m["content"]) for m in plain)
     template_kwargs = _chat_template_kwargs(body, tokenizer)
     # The template may write every variable it is given into the prompt: they count too.
-    check_prompt_chars(sum(len(m["content"]) for m in plain) + template_chars(plain, tool_request)
+    check_prompt_chars(sum(_content_chars(m["content"]) for m in plain) + template_chars(plain, tool_request)
                        + (len(json.dumps(template_kwargs, ensure_ascii=False)) if template_kwargs else 0),
                        max_model_len, "messages")
     if not getattr(tokenizer, "chat_template", None):
@@ -48,6 +55,8 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int,
     check_template(tokenizer.chat_template, tool_request)
     if tool_request is not None and tool_request.template_tools is not None:
         template_kwargs["tools"] = tool_request.template_tools
+    if count:
+        return _expanded_prompt(plain, tokenizer, template_kwargs, images, count)  # type: ignore[arg-type]
     try:
         ids = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=True, return_dict=False,
                                             **template_kwargs)
@@ -59,6 +68,33 @@ def chat_prompt(body: dict[str, Any], tokenizer: Any, max_model_len: int,
     if not ids:
         raise RequestError("the messages produced an empty prompt", "messages")
     return ids
+
+
+def _expanded_prompt(plain: list[dict[str, Any]], tokenizer: Any, template_kwargs: dict[str, Any],
+                     images: PromptImages, count: int) -> list[int]:
+    """A prompt with images: the template's text (one placeholder per image part), tokenized by
+    the vision processor with each placeholder expanded to its image's tokens."""
+    if count != len(images.images):   # the caller opened the images image_refs listed: the same parts
+        raise RuntimeError(f"the messages hold {count} image parts but {len(images.images)} images were opened")
+    try:
+        text = tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False, **template_kwargs)
+    except Exception as exc:  # the template may raise anything (jinja errors, raise_exception)
+        raise RequestError(f"the model's chat template rejected the messages: {exc}", "messages") from exc
+    try:
+        expanded = images.processor.expand(text, images.images, images.details)
+    except (ValueError, BadInput) as exc:   # e.g. the template wrote fewer placeholders than images
+        raise RequestError(f"the images could not be placed in the prompt: {exc}", "messages",
+                           INVALID_IMAGE) from exc
+    ids = [int(t) for t in expanded.token_ids]
+    if not ids:
+        raise RequestError("the messages produced an empty prompt", "messages")
+    return ids
+
+
+def _content_chars(content: str | list[dict[str, Any]]) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.get("text", "")) for part in content)
 
 
 # apply_chat_template's own arguments: chat_template_kwargs may not set them.
@@ -89,9 +125,10 @@ def _chat_template_kwargs(body: dict[str, Any], tokenizer: Any = None) -> dict[s
     return kwargs
 
 
-def _plain_message(message: Any, index: int) -> dict[str, Any]:
-    """{role, content} with content as one string (text parts joined), plus what the template
-    needs of tool calls and tool results (rein.openai.template_message_fields)."""
+def _plain_message(message: Any, index: int, allow_images: bool = False) -> dict[str, Any]:
+    """{role, content} with content as one string (text parts joined), or, when it holds images,
+    as template parts (rein.openai.images.template_content); plus what the template needs of
+    tool calls and tool results (rein.openai.template_message_fields)."""
     where = f"messages[{index}]"
     if not isinstance(message, dict):
         raise RequestError(f"{where} must be an object with role and content, got {json_type(message)}", where)
@@ -103,20 +140,10 @@ def _plain_message(message: Any, index: int) -> dict[str, Any]:
     if content is None and role == "assistant":
         content = ""
     if isinstance(content, list):
-        texts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                kind = part.get("type") if isinstance(part, dict) else json_type(part)
-                raise RequestError(f"{where}.content: only text parts are supported, got {kind!r}",
-                                   f"{where}.content")
-            if not isinstance(part.get("text"), str):
-                raise RequestError(f"{where}.content: a text part needs its text as a string, got "
-                                   f"{json_type(part.get('text'))}", f"{where}.content")
-            texts.append(part["text"])
-        content = "".join(texts)
-    if not isinstance(content, str):
-        raise RequestError(f"{where}.content must be a string or a list of text parts, got {json_type(content)}",
-                           f"{where}.content")
+        content = template_content(content, where, allow_images)
+    if not isinstance(content, (str, list)):
+        raise RequestError(f"{where}.content must be a string or a list of text (and image) parts, got "
+                           f"{json_type(content)}", f"{where}.content")
     return {"role": role, "content": content, **template_message_fields(message, role, where)}
 
 

@@ -47,6 +47,7 @@ from rein.openai.choices_request import check_response_size, choice_fields
 from rein.openai.endpoints import CHAT_COMPLETIONS, ENDPOINTS
 from rein.openai.errors import RequestError, context_length_error
 from rein.openai.fields import get_field, is_int, refuse_unsupported
+from rein.openai.images import PromptImages
 from rein.openai.limits import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     MAX_CHAT_TOP_LOGPROBS,
@@ -83,15 +84,16 @@ class ParsedRequest:
 
 def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model_len: int,
                   defaults: GenerationDefaults | None = None, tool_parser: str | None = None,
-                  reasoning: ModelReasoning | None = None, chat_token_ids: list[int] | None = None) -> ParsedRequest:
+                  reasoning: ModelReasoning | None = None, images: PromptImages | None = None) -> ParsedRequest:
     """Turn one OpenAI request body into prompt token ids and sampling params.
 
     `defaults` (the model's generation_config.json, rein.engine.generation_defaults) fill the
     sampling fields the body leaves out (or sets to null); without them, rein's built-in ones.
     `tool_parser`: the format of auto tool answers (rein.openai.tool_call_parsers; None: hermes).
     `reasoning`: the model's reasoning parser (chat only): the answer's thinking is split out,
-    and a structured output applies after it. `chat_token_ids`: a chat body's prompt already
-    rendered and expanded (its images' tokens: rein.model.vision.processor), used as it is.
+    and a structured output applies after it.
+    `images`: a vision model's processor and the request's opened images (rein.openai.images;
+    chat only); None: the model takes no images, and an image part is a 400.
     """
     default = defaults.get if defaults is not None else (lambda _name, builtin: builtin)
     if endpoint not in ENDPOINTS:
@@ -109,8 +111,7 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
 
     tool_request = parse_tools(body, tool_parser) if chat else None
     if chat:
-        prompt = chat_token_ids if chat_token_ids is not None else \
-            chat_prompt(body, tokenizer, max_model_len, tool_request)
+        prompt = chat_prompt(body, tokenizer, max_model_len, tool_request, images)
         logprobs_mode = _chat_logprobs(body)
     else:
         prompt = completion_prompt(body, tokenizer, max_model_len)

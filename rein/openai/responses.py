@@ -13,7 +13,8 @@ What each request field does:
 * `input`: a string (one user message) or a list of items: messages (`role` user, system,
   developer or assistant; `content` a string or `input_text` / `output_text` parts), earlier
   `function_call` items (an assistant's tool calls) and `function_call_output` items (the
-  tool's answers, as `role: "tool"` messages). `reasoning` items are accepted and left out of
+  tool's answers, as `role: "tool"` messages). `input_image` parts (an image URL or a file id,
+  rein.openai.images) go to the chat body as they are, for a vision model. `reasoning` items are accepted and left out of
   the prompt (chat templates drop earlier thinking too). `instructions`: a system message first.
 * `max_output_tokens` -> `max_tokens`; `temperature`, `top_p` as in chat; `text.format`
   (`text`, `json_object`, `json_schema` with name / schema / strict / description) ->
@@ -27,8 +28,8 @@ What each request field does:
   /v1/jobs) as for every request, but offers no stored-response retrieval, so
   `previous_response_id` is refused.
 * Refused with a 400 that says what to do instead: `previous_response_id`, `conversation`,
-  `prompt`, `background: true`, built-in tools (web search, file search, ...), non-text input
-  parts, `include`, `truncation: "auto"`, `top_logprobs`, `max_tool_calls`, and any field
+  `prompt`, `background: true`, built-in tools (web search, file search, ...), input parts
+  other than text and images, `include`, `truncation: "auto"`, `top_logprobs`, `max_tool_calls`, and any field
   Responses does not define (as chat refuses unknown fields).
 
 Torch-free: the API imports it.
@@ -198,20 +199,30 @@ def _message(item: dict[str, Any], where: str) -> dict[str, Any]:
         raise RequestError(f"{where}.content must be a string or a list of input_text parts, got "
                            f"{json_type(content)}", f"{where}.content")
     texts = []
+    parts: list[dict[str, Any]] = []   # with images: text and image parts, in order
     for index, part in enumerate(content):
         at = f"{where}.content[{index}]"
         kind = part.get("type") if isinstance(part, dict) else None
         if kind == "refusal" and role == "assistant":
             texts.append(get_field(part, "refusal", str, ""))
+            parts.append({"type": "text", "text": texts[-1]})
+            continue
+        if kind == "input_image" and role != "assistant":
+            # Passed on as it is: the chat parser checks it (rein.openai.images), and says so when
+            # the model takes no images.
+            parts.append(part)
             continue
         if kind not in _TEXT_PART_TYPES:
             shown = json.dumps(kind)[:60] if kind is not None else json_type(part)
-            raise RequestError(f"{at}: a {shown} part is not supported: rein serves text models; send text as "
-                               "input_text parts", f"{at}.type", code="unsupported_parameter")
+            raise RequestError(f"{at}: a {shown} part is not supported: send text as input_text parts and images "
+                               "as input_image parts", f"{at}.type", code="unsupported_parameter")
         text = part.get("text")
         if not isinstance(text, str):
             raise RequestError(f"{at}.text must be a string, got {json_type(text)}", f"{at}.text")
         texts.append(text)
+        parts.append({"type": "text", "text": text})
+    if len(parts) != len(texts):
+        return {"role": role, "content": parts}
     return {"role": role, "content": "".join(texts)}
 
 
@@ -350,12 +361,12 @@ def check_metadata(value: Any) -> None:
 
 def parse_responses_request(body: Any, tokenizer: Any, max_model_len: int,
                             generation_defaults: Any = None, tool_parser: str | None = None,
-                            reasoning: Any = None) -> ParsedRequest:
-    """A Responses request parsed as the chat request it runs as (rein.openai.request.parse_request);
-    its errors name the Responses fields."""
+                            reasoning: Any = None, images: Any = None) -> ParsedRequest:
+    """A Responses request parsed as the chat request it runs as (rein.openai.request.parse_request;
+    `images`: its rein.openai.images.PromptImages); its errors name the Responses fields."""
     try:
         return parse_request(CHAT_COMPLETIONS, chat_body(body), tokenizer, max_model_len, generation_defaults,
-                             tool_parser, reasoning)
+                             tool_parser, reasoning, images)
     except RequestError as exc:
         raise responses_error(exc) from None
 

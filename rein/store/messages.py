@@ -59,6 +59,9 @@ class JobMessage:
     # key's TPM when admitted, which the worker settles). Not its priority: a `service_tier:
     # "flex"` request runs at batch priority and is still charged.
     batch_id: str | None = None
+    # Its images, in prompt order, as [{"sha256", "detail"}]: the bytes are in the file store
+    # under their sha256 (rein.jobs.image_sources), never in the message. None: no images.
+    images: list[dict[str, str]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         # Shallow on purpose: asdict() deep-copies the token ids, a fifth of an enqueue's CPU.
@@ -78,7 +81,8 @@ class JobMessage:
                    priority=job.priority, logprobs_mode=job.params.get("logprobs_mode"),
                    tenant=job.tenant, key_id=job.key_id, shape=job.params.get("shape"),
                    input_lengths=job.params.get("input_lengths"), shard=getattr(job, "shard", 0), lora=lora,
-                   reasoning=job.params.get("reasoning"), batch_id=getattr(job, "batch_id", None))
+                   reasoning=job.params.get("reasoning"), batch_id=getattr(job, "batch_id", None),
+                   images=job.params.get("images"))
 
 
 @dataclass

@@ -47,7 +47,7 @@ NAMING_CONVENTION = {
 JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
 FINISHED_JOB_STATUSES = ("succeeded", "failed", "cancelled")
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-FILE_PURPOSES = ("batch", "batch_output")
+FILE_PURPOSES = ("batch", "batch_output", "vision")
 BATCH_STATUSES = ("validating", "failed", "in_progress", "finalizing", "completed", "expired",
                   "cancelling", "cancelled")
 FINISHED_BATCH_STATUSES = ("failed", "completed", "expired", "cancelled")
@@ -279,7 +279,8 @@ class File(Base):
     key_id: Mapped[str] = mapped_column(ForeignKey("api_keys.key_id"))
     filename: Mapped[str]
     purpose: Mapped[str]
-    """batch (uploaded input) or batch_output (a batch's output or error file)."""
+    """batch (uploaded input), batch_output (a batch's output or error file) or vision (an uploaded
+    image, named by a request's `file_id`: rein.jobs.image_sources)."""
     bytes: Mapped[int] = mapped_column(BigInteger())
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     expires_at: Mapped[datetime | None]
@@ -291,6 +292,25 @@ class File(Base):
         Index("ix_files_tenant_created_at", "tenant", "created_at", "id"),
         # The expiry sweep's files past their expires_at (rein.jobs.retention).
         Index("ix_files_expires_at", "expires_at", postgresql_where=text("expires_at IS NOT NULL")),
+    )
+
+
+class StoredImage(Base):
+    """An image a request sent, kept in the file store as `image-<sha256>` until its jobs have run
+    (rein.jobs.image_sources): one row per distinct image, whoever sent it. `last_used_at` is
+    the last time a request named it; the retention sweep deletes an image unused for
+    REIN_IMAGE_RETENTION_SECONDS that no queued or running job names (rein.jobs.retention)."""
+
+    __tablename__ = "stored_images"
+
+    sha256: Mapped[str] = mapped_column(primary_key=True)
+    bytes: Mapped[int] = mapped_column(BigInteger())
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    last_used_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+    __table_args__ = (
+        CheckConstraint("bytes >= 0", name="bytes_nonnegative"),
+        Index("ix_stored_images_last_used_at", "last_used_at"),
     )
 
 

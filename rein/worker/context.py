@@ -44,6 +44,7 @@ from rein.jobs.claim import GroupClaimer
 from rein.jobs.queues import interactive_slots, queued_slots
 from rein.jobs.reaper import Reaper
 from rein.store.db import make_engine
+from rein.store.filestore import FileStore, filestore_for
 from rein.store.redis_client import redis_client
 from rein.store.redis_keys import RedisKeys
 from rein.worker.adapters import AdapterListener
@@ -104,6 +105,9 @@ class WorkerContext:
     # Suspects of engine deaths (rein.worker.suspects): who shares the engine, who was in it when it died.
     gate: SuspectGate = field(default_factory=SuspectGate)
     roster: EngineRoster = field(default_factory=EngineRoster)
+    # Where jobs' images are kept (REIN_FILES_URL, shared with the API; rein.jobs.image_sources):
+    # opened at the first job with images (`file_store`).
+    filestore: FileStore | None = None
     jobs: JobTable = field(init=False)                 # the jobs the task threads run now
     heartbeat: Heartbeat = field(init=False)
     lease_keeper: LeaseKeeper = field(init=False)
@@ -118,6 +122,12 @@ class WorkerContext:
                                         lambda lease: self.interrupt(lease.job_id), self.stopping,
                                         renew_seconds=self.settings.lease_renew_seconds,
                                         lease_seconds=self.settings.lease_seconds)
+
+    def file_store(self) -> FileStore:
+        """The file store the API keeps jobs' images in (made at the first call)."""
+        if self.filestore is None:
+            self.filestore = filestore_for(self.settings)
+        return self.filestore
 
     @property
     def engine(self) -> LLMEngine:

@@ -41,6 +41,7 @@ from rein.core.logging import log_context
 from rein.engine.sampling_params import SamplingParams
 from rein.jobs.adapters import AdapterRef
 from rein.jobs.claim import ClaimOutcome, claim_job
+from rein.jobs.image_sources import load_images
 from rein.jobs.queues import TASK_NAME
 from rein.jobs.results import response_logprobs
 from rein.openai.choices_response import response_extra
@@ -203,13 +204,20 @@ def _run_claimed(context: WorkerContext, message: JobMessage, lease: Lease, canc
     except (TypeError, ValueError) as exc:
         return fail_job(context, lease, f"invalid sampling parameters: {exc}", "invalid_request_error",
                         "invalid_sampling_params")
+    extra: dict[str, Any] = {}
+    if message.images:   # a vision model's job: its images from the file store (rein.jobs.image_sources)
+        try:
+            extra["images"] = load_images(context.file_store(), message.images)
+        except (FileNotFoundError, ValueError) as exc:
+            return fail_job(context, lease, f"the job's images are no longer in the file store ({exc}); send the "
+                            "request again", "server_error", "image_missing")
     prepare_grammar(context.runner, params)   # structured outputs compile here, off the engine thread
     runner = context.runner
     # Aboard the engine from before the submit: if it dies, this job was present (rein.worker.suspects).
     with context.roster.aboard(runner, lease):
         try:
             stream = runner.submit(job_id, message.prompt_token_ids, params, message.priority, collect=True,
-                                   lora_request=lora_request_of(message))
+                                   lora_request=lora_request_of(message), **extra)
         except EngineStoppedError:   # the engine died before the job reached it: not a suspect
             return hand_back(context, message, lease)
         except Exception as exc:  # the engine refused the request (EngineRequestError, ...), or its adapter

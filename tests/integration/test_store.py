@@ -30,8 +30,8 @@ from rein.store.migrate import current_revision, head_revision, upgrade
 from rein.store.tables import ApiKey, Base, Job, Result, Usage
 
 TABLES = {"api_keys", "jobs", "results", "usage", "alembic_version", "files", "batches", "lora_adapters",
-          "webhook_endpoints", "webhook_events", "webhook_attempts"}
-HEAD = "0015"   # the newest migration
+          "webhook_endpoints", "webhook_events", "webhook_attempts", "stored_images"}
+HEAD = "0017"   # the newest migration
 
 
 def engine_for(url: str):

@@ -571,10 +571,11 @@ def test_each_component_reaches_only_its_servers(servers: dict[str, tuple[dict, 
         assert not allowed("Egress", source, pod("kube-system", component="apiserver"), 443)
 
 
-def test_the_api_keeps_its_files_in_object_storage_it_alone_reaches(clean_env: pytest.MonkeyPatch) -> None:
+def test_the_api_keeps_its_files_in_object_storage_the_workers_read(clean_env: pytest.MonkeyPatch) -> None:
     """Batch files in S3-compatible object storage (REIN_FILES_URL), read by boto3 from the
     standard AWS_* variables, so API replicas on any nodes share them; no ReadWriteMany claim.
-    The API reaches the endpoint on 443; no other pod does."""
+    The API reaches the endpoint on 443, and the workers (they read the images the API stored
+    for vision jobs, from the same bucket and prefix); migrations do not."""
     from rein.core import s3_client as clients
     from rein.store.filestore import filestore_for
     from rein.store.s3 import S3FileStore
@@ -591,13 +592,20 @@ def test_the_api_keeps_its_files_in_object_storage_it_alone_reaches(clean_env: p
     endpoint = urlparse(env["AWS_ENDPOINT_URL"])
     assert endpoint.scheme == "https"
     storage, port = managed(f"https://{endpoint.hostname}:{endpoint.port or 443}")
-    assert allowed("Egress", rein_pod("api"), storage, port)
-    assert not allowed("Egress", rein_pod("api"), storage, 80)
-    for component in ("worker", "migrate"):
-        assert not allowed("Egress", rein_pod(component), storage, port), component
-    for doc, other in rein_containers():      # the workers and migrations touch no files
-        if doc["metadata"]["name"] != "rein-api":
-            assert "REIN_FILES_URL" not in container_env(other) and "REIN_FILES_DIR" not in container_env(other)
+    for component in ("api", "worker"):
+        assert allowed("Egress", rein_pod(component), storage, port), component
+        assert not allowed("Egress", rein_pod(component), storage, 80), component
+    assert not allowed("Egress", rein_pod("migrate"), storage, port)
+    for doc, other in rein_containers():
+        name = doc["metadata"]["name"]
+        if name == "rein-api":
+            continue
+        other_env = container_env(other)
+        if "worker" in name:     # the API's files, where the API keeps them
+            assert {k: other_env.get(k) for k in ("REIN_FILES_URL", "AWS_ENDPOINT_URL", "AWS_REGION")} == \
+                {k: env[k] for k in ("REIN_FILES_URL", "AWS_ENDPOINT_URL", "AWS_REGION")}, name
+        else:                    # migrations touch no files
+            assert "REIN_FILES_URL" not in other_env and "REIN_FILES_DIR" not in other_env, name
 
 
 def test_the_policy_evaluator_sees_a_missing_policy() -> None:

@@ -58,7 +58,8 @@ BatchKey = Annotated[KeyInfo, Depends(require_scope("batch"))]
 CHUNK_BYTES = 1 << 20
 # Room for the multipart framing and the purpose field around the file itself.
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
-UPLOAD_PURPOSES = ("batch",)
+# batch: a batch input file; vision: an image a request names by its file_id (rein.jobs.image_sources).
+UPLOAD_PURPOSES = ("batch", "vision")
 # Namespace of the per-tenant advisory lock an upload's row is inserted under ("file"),
 # beside the batch manager's ("batc").
 QUOTA_LOCK_NAMESPACE = 0x66696C65
@@ -131,7 +132,8 @@ def _insert_within_quota(sessions: sessionmaker[Session], row: File, quota: int)
                                                            "maximum": MAX_EXPIRY_SECONDS}}}}}}})
 async def upload_file(request: Request, key: BatchKey, sessions: SessionsDep, settings: SettingsDep,
                       store: FileStoreDep) -> FileObject:
-    """Upload a JSONL batch input file (multipart fields `file` and `purpose=batch`; optionally
+    """Upload a JSONL batch input file (multipart fields `file` and `purpose=batch`), or an image
+    (`purpose=vision`) that chat and Responses requests name by its id; optionally
     `expires_after[anchor]=created_at` and `expires_after[seconds]`, else it expires after
     REIN_BATCH_FILE_EXPIRY_SECONDS)."""
     if not request.headers.get("content-type", "").startswith("multipart/form-data"):
@@ -158,14 +160,14 @@ async def upload_file(request: Request, key: BatchKey, sessions: SessionsDep, se
         purpose = upload.fields.get("purpose")
         if purpose not in UPLOAD_PURPOSES:
             raise APIError(400, f"purpose must be one of {', '.join(UPLOAD_PURPOSES)}, got {purpose!r}: "
-                                "rein stores files for the Batch API", param="purpose", code="invalid_value")
+                                "rein stores batch input files and images", param="purpose", code="invalid_value")
         if upload.file is None:
             raise APIError(400, "'file' is a required multipart field holding the file's contents",
                            param="file", code="invalid_value")
         expiry = expires_after_from_form(upload.fields)
         if expiry is None:
             expiry = default_expiry_seconds(settings)
-        filename = upload.filename or "upload.jsonl"
+        filename = upload.filename or ("image" if purpose == "vision" else "upload.jsonl")
         problem = text_problem(filename)
         if problem is not None:
             raise APIError(400, f"the file name {problem}", param="file", code="invalid_value")

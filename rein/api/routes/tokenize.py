@@ -6,14 +6,16 @@ The prompt is built exactly as a request's is (rein.openai.prompts: the chat tem
 body's tools and chat_template_kwargs, add_generation_prompt), by the model's own tokenizer in
 this API process; no job is made and no worker is involved. A LoRA adapter's name tokenizes with
 its base model's tokenizer. `max_model_len` in the answer is the context requests are checked
-against: a prompt longer than it is still tokenized (up to the usual size cap on the text).
+against: a prompt longer than it is still tokenized (up to the usual size cap on the text). A
+vision model's messages may hold images (rein.openai.images): each is loaded and checked as a
+request's, and its tokens are in the answer.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from rein.api.checked_route import CheckedRoute
 from rein.api.deps import InferenceKey, RegistryDep
@@ -24,7 +26,8 @@ from rein.api.schemas import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from rein.jobs.prepare import resolve_model
+from rein.jobs.prepare import request_images, resolve_model
+from rein.openai.endpoints import CHAT_COMPLETIONS
 from rein.openai.errors import RequestError
 from rein.openai.prompts import chat_prompt, check_prompt_chars, check_token_ids
 
@@ -34,8 +37,11 @@ _ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for c
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
-def tokenize(payload: TokenizeRequest, key: InferenceKey, registry: RegistryDep) -> TokenizeResponse:
-    """A `prompt` (completions) or `messages` (chat, through the model's chat template) as token ids."""
+def tokenize(payload: TokenizeRequest, request: Request, key: InferenceKey, registry: RegistryDep
+             ) -> TokenizeResponse:
+    """A `prompt` (completions) or `messages` (chat, through the model's chat template) as token ids.
+    A vision model's messages may hold images: their tokens are counted as a request's would be
+    (loaded and checked as rein.jobs.image_sources does for requests; nothing is stored)."""
     entry = resolve_model(registry, payload.model)
     body = payload.model_dump(exclude_none=True)
     if (payload.prompt is None) == (payload.messages is None):
@@ -43,7 +49,9 @@ def tokenize(payload: TokenizeRequest, key: InferenceKey, registry: RegistryDep)
                            "through the model's chat template), not both or neither", "prompt")
     tokenizer = entry.tokenizer
     if payload.messages is not None:
-        ids = chat_prompt(body, tokenizer, entry.max_model_len)
+        images, _ = request_images(entry, CHAT_COMPLETIONS, body, request.app.state.intake.images.for_request(
+            key.tenant))
+        ids = chat_prompt(body, tokenizer, entry.max_model_len, images=images)
     else:
         check_prompt_chars(len(payload.prompt or ""), entry.max_model_len, "prompt")
         ids = list(tokenizer.encode(payload.prompt, add_special_tokens=payload.add_special_tokens))
