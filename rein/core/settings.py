@@ -653,7 +653,7 @@ ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "interactive_step_bud
                  "enforce_eager", "enable_prefix_caching", "seed", "generation_config", "model_impl", "tokenizer",
                  "revision", "tokenizer_revision", "chat_template", "trust_remote_code", "tensor_parallel_size",
                  "quantization", "reasoning_parser", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank",
-                 "tool_call_parser", "max_num_encoder_tokens", "encoder_cache_tokens")
+                 "tool_call_parser", "max_num_encoder_tokens", "encoder_cache_tokens", "max_image_pixels")
 
 
 class _EngineSettingsBase(BaseSettings):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rein.core.images import DEFAULT_MAX_IMAGE_PIXELS
 from rein.core.tool_call_parser_names import TOOL_CALL_PARSERS
 from rein.engine.generation_defaults import check_generation_config
 from rein.engine.options import AUTO, DTYPES, KV_CACHE_DTYPES, check_tensor_parallel_size
@@ -148,6 +149,9 @@ class EngineConfig:
     # repeated images never re-encode.
     max_num_encoder_tokens: int | None = None
     encoder_cache_tokens: int = 16384
+    # The most pixels an image may declare (REIN_MAX_IMAGE_PIXELS; rein.core.images.open_image):
+    # the API checks it at intake, the engine again on the images it is given.
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
         check_generation_config(self.generation_config)   # a ValueError naming the choices
@@ -173,8 +177,8 @@ class EngineConfig:
             )
         if self.max_num_encoder_tokens is None:
             self.max_num_encoder_tokens = self.max_num_batched_tokens
-        if self.max_num_encoder_tokens < 1 or self.encoder_cache_tokens < 1:
-            raise ValueError("max_num_encoder_tokens and encoder_cache_tokens must be at least 1")
+        if self.max_num_encoder_tokens < 1 or self.encoder_cache_tokens < 1 or self.max_image_pixels < 1:
+            raise ValueError("max_num_encoder_tokens, encoder_cache_tokens and max_image_pixels must be at least 1")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from rein.core.images import DEFAULT_MAX_IMAGE_PIXELS, ImageInput
+from rein.core.images import ImageInput
 from rein.engine.block_pool import BlockPool
 from rein.engine.config import EngineConfig
 from rein.engine.detokenizer import IncrementalDetokenizer
@@ -109,9 +109,9 @@ class LLMEngine:
         # --tokenizer, --chat-template and --trust-remote-code as the API applies them.
         self.tokenizer = self.files.load_tokenizer(TokenizerOptions.of(config))
         # A vision model's processor (None: the model takes text only), and the most pixels an
-        # image may declare (the worker sets REIN_MAX_IMAGE_PIXELS' value; the API checked it first).
+        # image may declare (REIN_MAX_IMAGE_PIXELS; the API checked it first).
         self.vision_processor = load_vision_processor(self.model_dir, self.tokenizer)
-        self.max_image_pixels = DEFAULT_MAX_IMAGE_PIXELS
+        self.max_image_pixels = config.max_image_pixels
         if config.tensor_parallel_size > 1:
             # Ranks 1..N-1 start loading their shards while this one loads shard 0.
             self.ranks = RankProcesses.start(config)

@@ -101,6 +101,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
     EngineOption("encoder_cache_tokens", "vision models: image embeddings kept by image (rows, least recently "
                  "used dropped first), so chunks, choices, recomputes and repeated images are encoded once",
                  int, "N", commands=(WORKER, *OFFLINE)),
+    EngineOption("max_image_pixels", "vision models: the most pixels (width x height) an image may declare; "
+                 "larger ones are refused before their pixels are decoded", int, "N",
+                 commands=(WORKER, *OFFLINE)),
     EngineOption("interactive_step_budget", "while interactive requests (priority below batch) are in the engine, "
                  "hold a step's batch-priority work to N tokens (decodes 1 each, prefill chunks their length) so "
                  "interactive token latency stays near idle; the batch requests left out pause for that step, "

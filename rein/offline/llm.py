@@ -171,6 +171,7 @@ class LLM:
         reasoning_parser: str | None = None,
         max_num_encoder_tokens: int | None = None,
         encoder_cache_tokens: int = 16384,
+        max_image_pixels: int = 64_000_000,
         pipeline_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
