@@ -184,6 +184,10 @@ def load_vision_processor(model_dir: str | Path) -> VisionProcessor | None:
     model_type = json.loads(config_path.read_text()).get("model_type")
     cls = PROCESSORS.get(model_type)
     if cls is None:
+        from rein.model.vision.family_processors import PROCESSORS as FAMILY_PROCESSORS
+
+        cls = FAMILY_PROCESSORS.get(model_type)
+    if cls is None:
         return None
     from transformers import AutoProcessor
 

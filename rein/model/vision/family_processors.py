@@ -1,0 +1,163 @@
+"""The prompt side of LLaVA, Idefics3 / SmolVLM and Gemma 3 (rein.model.vision.processor's
+VisionProcessor): how a placeholder expands and what the encoder takes, as each family's
+transformers processor does it.
+
+* LLaVA: `<image>` becomes `<image>` x N, N = the tower's patches (+ its CLS, less one under
+  the "default" feature strategy). One resolution: `detail` is ignored.
+* Idefics3 / SmolVLM: the image is resized and split into tiles of the tower's size (rows x
+  cols, plus the whole image shrunk to one tile); `<image>` becomes, per tile,
+  `<fake_token_around_image><row_r_col_c>` + `<image>` x image_seq_len, a newline after each
+  row, then `\\n<fake_token_around_image><global-img>` + `<image>` x image_seq_len +
+  `<fake_token_around_image>`. An image's `<image>` tokens are therefore not one run: the
+  engine's span of the image is the whole expansion, from its first `<fake_token_around_image>`
+  to its last (`image_spans`), and the encoder returns a row for every position of it (the
+  tile-marker tokens' own embeddings where they stand). The encoder inputs carry the span's
+  token ids (`span_token_ids`) for that. `detail: "low"` turns splitting off (the global tile
+  only: 1/(rows*cols+1) of the tokens); "auto" and "high" split as the processor is set.
+* Gemma 3: `<start_of_image>` becomes `\\n\\n<start_of_image>` + `<image_soft_token>` x
+  mm_tokens_per_image + `<end_of_image>\\n\\n`. One resolution (pan-and-scan off, its default):
+  `detail` is ignored.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from rein.core.images import ImageError
+from rein.model.spec import UnsupportedModelError
+from rein.model.vision.processor import ExpandedPrompt, VisionProcessor, _details
+
+if TYPE_CHECKING:
+    import torch
+    from PIL.Image import Image
+
+
+class LlavaVisionProcessor(VisionProcessor):
+    def __init__(self, hf_processor: Any, model_type: str) -> None:
+        super().__init__(hf_processor, model_type)
+        self.placeholder = hf_processor.image_token
+        self._image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.placeholder))
+        if hf_processor.patch_size is None:
+            raise UnsupportedModelError("the LLaVA processor's config names no patch_size: rein needs it to count "
+                                        "an image's tokens (processor_config.json, as transformers writes it)")
+        self.patch_size = int(hf_processor.patch_size)
+        self.extra = int(hf_processor.num_additional_image_tokens or 0)
+        self.drop_cls = hf_processor.vision_feature_select_strategy == "default"
+
+    @property
+    def image_token_id(self) -> int:
+        return self._image_token_id
+
+    def tokens_of(self, pixel_inputs: dict[str, torch.Tensor]) -> int:
+        height, width = pixel_inputs["pixel_values"].shape[-2:]
+        return (height // self.patch_size) * (width // self.patch_size) + self.extra - int(self.drop_cls)
+
+    def replacement(self, num_tokens: int) -> str:
+        return self.placeholder * num_tokens
+
+    def pixel_inputs(self, image: Image, detail: str = "auto") -> dict[str, torch.Tensor]:
+        out = self.image_processor(images=[image], return_tensors="pt")
+        return {"pixel_values": out["pixel_values"]}
+
+
+class Idefics3VisionProcessor(VisionProcessor):
+    FAKE = "<fake_token_around_image>"
+    GLOBAL = "<global-img>"
+
+    def __init__(self, hf_processor: Any, model_type: str) -> None:
+        super().__init__(hf_processor, model_type)
+        self.image_token = getattr(hf_processor, "image_token", "<image>")
+        self.placeholder = self.image_token
+        self._image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
+        self.fake_token_id = int(self.tokenizer.convert_tokens_to_ids(self.FAKE))
+        self.global_token_id = int(self.tokenizer.convert_tokens_to_ids(self.GLOBAL))
+        self.image_seq_len = int(hf_processor.image_seq_len)
+        self.splitting = bool(getattr(self.image_processor, "do_image_splitting", True))
+
+    @property
+    def image_token_id(self) -> int:
+        return self._image_token_id
+
+    def image_text(self, rows: int, cols: int) -> str:
+        """The expansion of one image of rows x cols tiles (0 x 0: not split), as transformers'."""
+        tile = self.image_token * self.image_seq_len
+        whole = f"{self.FAKE}{self.GLOBAL}{tile}{self.FAKE}"
+        if rows == 0 and cols == 0:
+            return whole
+        text = "".join("".join(f"{self.FAKE}<row_{r + 1}_col_{c + 1}>{tile}" for c in range(cols)) + "\n"
+                       for r in range(rows))
+        return text + "\n" + whole
+
+    def _tiles(self, image: Image, detail: str) -> tuple[Any, int, int]:
+        """The image processor's output for `image` at `detail`, and its rows and cols of tiles."""
+        split = self.splitting and detail != "low"
+        try:
+            out = self.image_processor(images=[[image]], return_tensors="pt", do_image_splitting=split,
+                                       return_row_col_info=True)
+        except ValueError as exc:
+            raise ImageError(f"the image cannot be taken: {exc}") from None
+        return out, int(out["rows"][0][0]), int(out["cols"][0][0])
+
+    def pixel_inputs(self, image: Image, detail: str = "auto") -> dict[str, torch.Tensor]:
+        import torch
+
+        out, rows, cols = self._tiles(image, detail)
+        ids = self.tokenizer(self.image_text(rows, cols), add_special_tokens=False)["input_ids"]
+        pixels = out["pixel_values"][0]
+        mask = out.get("pixel_attention_mask")
+        mask = torch.ones(pixels.shape[0], *pixels.shape[-2:], dtype=torch.bool) if mask is None else mask[0]
+        return {"pixel_values": pixels, "pixel_attention_mask": mask,
+                "span_token_ids": torch.tensor(ids, dtype=torch.long)}
+
+    def tokens_of(self, pixel_inputs: dict[str, torch.Tensor]) -> int:
+        return int(pixel_inputs["span_token_ids"].shape[0])
+
+    def expand(self, text: str, images: list[Image], details: list[str] | None = None) -> ExpandedPrompt:
+        """As VisionProcessor.expand, each image's expansion depending on its tiles; the counts are
+        the images' spans (their whole expansion, tile markers included: what the engine holds)."""
+        details = _details(details, len(images))
+        pieces = text.split(self.placeholder)
+        if len(pieces) - 1 != len(images):
+            raise ImageError(f"the prompt has {len(pieces) - 1} image placeholder(s) ({self.placeholder!r}) but "
+                             f"{len(images)} image(s) were given: give one image per placeholder (chat "
+                             f"messages write one placeholder per image part)", param="messages")
+        out, counts = [pieces[0]], []
+        for image, detail, piece in zip(images, details, pieces[1:], strict=True):
+            _, rows, cols = self._tiles(image, detail)
+            expansion = self.image_text(rows, cols)
+            counts.append(len(self.tokenizer(expansion, add_special_tokens=False)["input_ids"]))
+            out += [expansion, piece]
+        ids = self.tokenizer("".join(out), add_special_tokens=False)["input_ids"]
+        return ExpandedPrompt([int(t) for t in ids], counts)
+
+
+class Gemma3VisionProcessor(VisionProcessor):
+    def __init__(self, hf_processor: Any, model_type: str) -> None:
+        super().__init__(hf_processor, model_type)
+        tokenizer = self.tokenizer
+        self.placeholder = tokenizer.boi_token
+        self.image_token = tokenizer.image_token
+        self.eoi_token = tokenizer.eoi_token
+        self._image_token_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
+        self.image_seq_length = int(hf_processor.image_seq_length)
+
+    @property
+    def image_token_id(self) -> int:
+        return self._image_token_id
+
+    def tokens_of(self, pixel_inputs: dict[str, torch.Tensor]) -> int:
+        return self.image_seq_length
+
+    def count_tokens(self, image: Image, detail: str = "auto") -> int:
+        return self.image_seq_length
+
+    def replacement(self, num_tokens: int) -> str:
+        return f"\n\n{self.placeholder}{self.image_token * num_tokens}{self.eoi_token}\n\n"
+
+    def pixel_inputs(self, image: Image, detail: str = "auto") -> dict[str, torch.Tensor]:
+        out = self.image_processor(images=[image], return_tensors="pt", do_pan_and_scan=False)
+        return {"pixel_values": out["pixel_values"]}
+
+
+PROCESSORS = {"llava": LlavaVisionProcessor, "idefics3": Idefics3VisionProcessor,
+              "smolvlm": Idefics3VisionProcessor, "gemma3": Gemma3VisionProcessor}
