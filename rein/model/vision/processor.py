@@ -1,9 +1,11 @@
 """A vision model's prompt side: images -> the prompt's token ids and the encoder's inputs.
 
 `load_vision_processor(model_dir)` gives the model's `VisionProcessor` (None for a text-only
-model). It wraps transformers' own processor for the family (`AutoProcessor`; without
-torchvision transformers builds its `*ImageProcessorPil` classes, which rein uses), so the
-resizing, normalisation and token counts are exactly transformers'.
+model). It wraps transformers' own image processor for the family (`AutoImageProcessor`: without
+torchvision transformers builds its `*ImageProcessorPil` classes, which rein uses) and the
+model's tokenizer, and expands placeholders as the family's transformers processor does, so the
+resizing, normalisation and token counts are exactly transformers'. (Not `AutoProcessor` itself:
+the Qwen2-VL processor insists on its video processor, which needs torchvision.)
 
 * `expand(text, images, details)` -- `text` is the prompt already through the chat template,
   holding the template's placeholder once per image (Qwen2-VL: `<|image_pad|>` between
@@ -58,11 +60,10 @@ class VisionProcessor:
     # The text the chat template writes for one image, which `expand` replaces.
     placeholder: str = ""
 
-    def __init__(self, hf_processor: Any, model_type: str) -> None:
-        self.hf_processor = hf_processor
+    def __init__(self, image_processor: Any, tokenizer: Any, model_type: str) -> None:
+        self.image_processor = image_processor
+        self.tokenizer = tokenizer
         self.model_type = model_type
-        self.tokenizer = hf_processor.tokenizer
-        self.image_processor = hf_processor.image_processor
 
     @property
     def image_token_id(self) -> int:
@@ -114,9 +115,9 @@ class Qwen2VLProcessor(VisionProcessor):
     processor's min/max pixels; an image of grid (t, h, w) patches of 14 pixels takes
     t*h*w / merge_size^2 tokens, each `<|image_pad|>`."""
 
-    def __init__(self, hf_processor: Any, model_type: str) -> None:
-        super().__init__(hf_processor, model_type)
-        self.image_token = getattr(hf_processor, "image_token", "<|image_pad|>")
+    def __init__(self, image_processor: Any, tokenizer: Any, model_type: str) -> None:
+        super().__init__(image_processor, tokenizer, model_type)
+        self.image_token = getattr(tokenizer, "image_token", None) or "<|image_pad|>"
         self.placeholder = self.image_token
         self._image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
         size = self.image_processor.size
@@ -175,9 +176,10 @@ PROCESSORS: dict[str, type[VisionProcessor]] = {
 }
 
 
-def load_vision_processor(model_dir: str | Path) -> VisionProcessor | None:
+def load_vision_processor(model_dir: str | Path, tokenizer: Any = None) -> VisionProcessor | None:
     """The vision processor of the model in `model_dir`, or None for a model that takes no
-    images (its model_type is not a vision family rein runs)."""
+    images (its model_type is not a vision family rein runs). `tokenizer`: the one the caller
+    uses already (the engine's, with --tokenizer / --chat-template applied); else the model's."""
     config_path = Path(model_dir) / "config.json"
     if not config_path.is_file():
         return None
@@ -189,9 +191,11 @@ def load_vision_processor(model_dir: str | Path) -> VisionProcessor | None:
         cls = FAMILY_PROCESSORS.get(model_type)
     if cls is None:
         return None
-    from transformers import AutoProcessor
+    from transformers import AutoImageProcessor, AutoTokenizer
 
-    return cls(AutoProcessor.from_pretrained(str(model_dir)), model_type)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return cls(AutoImageProcessor.from_pretrained(str(model_dir)), tokenizer, model_type)
 
 
 def _details(details: list[str] | None, count: int) -> list[str]:
