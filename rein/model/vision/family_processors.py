@@ -21,6 +21,8 @@ transformers processor does it.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rein.core.images import ImageError
@@ -33,16 +35,18 @@ if TYPE_CHECKING:
 
 
 class LlavaVisionProcessor(VisionProcessor):
-    def __init__(self, hf_processor: Any, model_type: str) -> None:
-        super().__init__(hf_processor, model_type)
-        self.placeholder = hf_processor.image_token
-        self._image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.placeholder))
-        if hf_processor.patch_size is None:
-            raise UnsupportedModelError("the LLaVA processor's config names no patch_size: rein needs it to count "
-                                        "an image's tokens (processor_config.json, as transformers writes it)")
-        self.patch_size = int(hf_processor.patch_size)
-        self.extra = int(hf_processor.num_additional_image_tokens or 0)
-        self.drop_cls = hf_processor.vision_feature_select_strategy == "default"
+    def __init__(self, image_processor: Any, tokenizer: Any, model_type: str, config: dict[str, Any],
+                 settings: dict[str, Any]) -> None:
+        super().__init__(image_processor, tokenizer, model_type)
+        vision = config.get("vision_config") or {}
+        self._image_token_id = int(config.get("image_token_index", config.get("image_token_id", 32000)))
+        self.placeholder = settings.get("image_token") or tokenizer.convert_ids_to_tokens(self._image_token_id)
+        self.patch_size = int(settings.get("patch_size") or vision.get("patch_size") or 14)
+        # CLIP's tower adds a CLS position, SigLIP's none (the processor's setting when it has one).
+        cls_token = vision.get("model_type", "clip_vision_model") == "clip_vision_model"
+        self.extra = int(settings.get("num_additional_image_tokens", int(cls_token)))
+        strategy = settings.get("vision_feature_select_strategy") or config.get("vision_feature_select_strategy")
+        self.drop_cls = (strategy or "default") == "default"
 
     @property
     def image_token_id(self) -> int:
@@ -64,15 +68,16 @@ class Idefics3VisionProcessor(VisionProcessor):
     FAKE = "<fake_token_around_image>"
     GLOBAL = "<global-img>"
 
-    def __init__(self, hf_processor: Any, model_type: str) -> None:
-        super().__init__(hf_processor, model_type)
-        self.image_token = getattr(hf_processor, "image_token", "<image>")
+    def __init__(self, image_processor: Any, tokenizer: Any, model_type: str, config: dict[str, Any],
+                 settings: dict[str, Any]) -> None:
+        super().__init__(image_processor, tokenizer, model_type)
+        self._image_token_id = int(config.get("image_token_id", 128257))
+        self.image_token = tokenizer.convert_ids_to_tokens(self._image_token_id)
         self.placeholder = self.image_token
-        self._image_token_id = int(self.tokenizer.convert_tokens_to_ids(self.image_token))
-        self.fake_token_id = int(self.tokenizer.convert_tokens_to_ids(self.FAKE))
-        self.global_token_id = int(self.tokenizer.convert_tokens_to_ids(self.GLOBAL))
-        self.image_seq_len = int(hf_processor.image_seq_len)
-        self.splitting = bool(getattr(self.image_processor, "do_image_splitting", True))
+        vision = config.get("vision_config") or {}
+        patches = (int(vision.get("image_size", 224)) // int(vision.get("patch_size", 32))) ** 2
+        self.image_seq_len = int(settings.get("image_seq_len") or patches // int(config.get("scale_factor", 2)) ** 2)
+        self.splitting = bool(getattr(image_processor, "do_image_splitting", True))
 
     @property
     def image_token_id(self) -> int:
@@ -132,14 +137,14 @@ class Idefics3VisionProcessor(VisionProcessor):
 
 
 class Gemma3VisionProcessor(VisionProcessor):
-    def __init__(self, hf_processor: Any, model_type: str) -> None:
-        super().__init__(hf_processor, model_type)
-        tokenizer = self.tokenizer
-        self.placeholder = tokenizer.boi_token
-        self.image_token = tokenizer.image_token
-        self.eoi_token = tokenizer.eoi_token
-        self._image_token_id = int(tokenizer.convert_tokens_to_ids(self.image_token))
-        self.image_seq_length = int(hf_processor.image_seq_length)
+    def __init__(self, image_processor: Any, tokenizer: Any, model_type: str, config: dict[str, Any],
+                 settings: dict[str, Any]) -> None:
+        super().__init__(image_processor, tokenizer, model_type)
+        self._image_token_id = int(config.get("image_token_index", 262144))
+        self.image_token = tokenizer.convert_ids_to_tokens(self._image_token_id)
+        self.placeholder = tokenizer.convert_ids_to_tokens(int(config.get("boi_token_index", 255999)))
+        self.eoi_token = tokenizer.convert_ids_to_tokens(int(config.get("eoi_token_index", 256000)))
+        self.image_seq_length = int(settings.get("image_seq_length") or config.get("mm_tokens_per_image", 256))
 
     @property
     def image_token_id(self) -> int:
@@ -159,5 +164,35 @@ class Gemma3VisionProcessor(VisionProcessor):
         return {"pixel_values": out["pixel_values"]}
 
 
-PROCESSORS = {"llava": LlavaVisionProcessor, "idefics3": Idefics3VisionProcessor,
+PROCESSORS: dict[str, type[VisionProcessor]] = {"llava": LlavaVisionProcessor, "idefics3": Idefics3VisionProcessor,
               "smolvlm": Idefics3VisionProcessor, "gemma3": Gemma3VisionProcessor}
+
+# Vision-language model_types rein refuses, and why (any-resolution tiling, video, other towers).
+UNSUPPORTED = {
+    "llava_next": "LLaVA-NeXT's any-resolution tiling (image_grid_pinpoints, per-tile newline embeddings) is not "
+                  "implemented",
+    "llava_onevision": "LLaVA-OneVision's any-resolution tiling and video input are not implemented",
+    "llava_next_video": "LLaVA-NeXT-Video's any-resolution tiling and video input are not implemented",
+    "mistral3": "Mistral 3's Pixtral tower (any resolution, 2-D rope) is not implemented",
+    "idefics2": "Idefics2's perceiver resampler is not implemented (Idefics3 and SmolVLM are)",
+    "paligemma": "PaliGemma's prefix-LM attention is not implemented (Gemma 3 with vision is)",
+}
+
+
+def load_family_processor(model_dir: Path, model_type: str | None, tokenizer: Any = None) -> VisionProcessor | None:
+    """The processor of a LLaVA, Idefics3 / SmolVLM or Gemma 3 model directory (None for another
+    model_type); its settings from processor_config.json where present, else from config.json."""
+    if model_type in UNSUPPORTED:
+        raise UnsupportedModelError(f"{model_type}: {UNSUPPORTED[model_type]}; rein runs the vision models "
+                                    f"Qwen2-VL, Qwen2.5-VL, LLaVA (1.5), Idefics3, SmolVLM and Gemma 3")
+    cls = PROCESSORS.get(model_type)
+    if cls is None:
+        return None
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    config = json.loads((model_dir / "config.json").read_text())
+    settings_path = model_dir / "processor_config.json"
+    settings = json.loads(settings_path.read_text()) if settings_path.is_file() else {}
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    return cls(AutoImageProcessor.from_pretrained(str(model_dir)), tokenizer, model_type, config, settings)
