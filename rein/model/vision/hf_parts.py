@@ -74,3 +74,26 @@ def hf_config(config: dict[str, Any]) -> Any:
 
     config = dict(config)
     return AutoConfig.for_model(config.pop("model_type"), **config)
+
+
+def text_getter(get: Callable[..., Any], prefixes: tuple[str, ...], heads: tuple[str, ...] = ("lm_head.weight",)
+                ) -> Callable[..., Any]:
+    """A getter that serves a text model's `model.*` and `lm_head.weight` names (what rein's
+    native text models ask for) from a vision-language checkpoint, whose text model sits under
+    one of `prefixes` (e.g. transformers 5's `model.language_model.`, the older
+    `language_model.model.`) and whose head under one of `heads`. The prefix is the first whose
+    embedding table the checkpoint has."""
+    prefix = next((p for p in prefixes if get(p + "embed_tokens.weight") is not None), prefixes[0])
+
+    def lookup(name: str, *args: Any, **kwargs: Any) -> Any:
+        if name == "lm_head.weight":
+            for head in heads:
+                tensor = get(head, *args, **kwargs)
+                if tensor is not None:
+                    return tensor
+            return None
+        if name.startswith("model."):
+            name = prefix + name.removeprefix("model.")
+        return get(name, *args, **kwargs)
+
+    return lookup
