@@ -81,6 +81,8 @@ class EngineStats:
     peak_kv_usage: float = 0.0         # max share of blocks in use
     prefix_cache_queries: int = 0      # prompt tokens of requests admitted (first time, caching on)
     prefix_cache_hits: int = 0         # of those, tokens found in the prefix cache
+    encoder_seconds: float = 0.0       # vision models: time in the vision encoder (inside forward_seconds)
+    encoded_images: int = 0            # images the encoder ran on (the encoder cache's misses)
 
     @property
     def overhead_share(self) -> float:
@@ -455,6 +457,9 @@ class LLMEngine:
         stats.steps += 1
         stats.step_seconds += seconds
         stats.forward_seconds += forward_seconds
+        if self.encoder_cache is not None:
+            stats.encoder_seconds = self.runner.encoder_seconds
+            stats.encoded_images = self.encoder_cache.encoded_images
 
     def _fork(self, logits: torch.Tensor, sampling: list[Request],
               forks: list[tuple[Request, list[Request]]]) -> tuple[torch.Tensor, list[Request]]:
