@@ -29,6 +29,11 @@ SUPPORTED_ARCHITECTURES = {
     # Vision-language (rein.model.vision): the Qwen2 text model with M-RoPE, and a vision tower.
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    # Vision-language with a Llama / Gemma 3 text model (rein.model.vision.family_spec)
+    "LlavaForConditionalGeneration": "llava",
+    "Idefics3ForConditionalGeneration": "idefics3",
+    "SmolVLMForConditionalGeneration": "smolvlm",
+    "Gemma3ForConditionalGeneration": "gemma3_vision",
 }
 # Families that take images: their config.json nests the text model's fields in `text_config`
 # (transformers 5) or keeps them at the top level (older checkpoints); `vision_config` is whole
@@ -133,6 +138,10 @@ class ModelSpec:
                 f"rein runs: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        if family in ("llava", "idefics3", "smolvlm", "gemma3_vision"):
+            from rein.model.vision.family_spec import vision_family_spec
+
+            return vision_family_spec(config, generation, arch)
         full_config = config
         mrope_section = None
         if family in VISION_FAMILIES:

@@ -78,10 +78,49 @@ class Idefics3VisionProcessor(VisionProcessor):
         patches = (int(vision.get("image_size", 224)) // int(vision.get("patch_size", 32))) ** 2
         self.image_seq_len = int(settings.get("image_seq_len") or patches // int(config.get("scale_factor", 2)) ** 2)
         self.splitting = bool(getattr(image_processor, "do_image_splitting", True))
+        self.fake_token_id = int(tokenizer.convert_tokens_to_ids(self.FAKE))
+        self.global_token_id = int(tokenizer.convert_tokens_to_ids(self.GLOBAL))
+        self.first_tile_id = int(tokenizer.convert_tokens_to_ids("<row_1_col_1>"))
 
     @property
     def image_token_id(self) -> int:
         return self._image_token_id
+
+    def image_spans(self, token_ids: list[int]) -> list[tuple[int, int]]:
+        """Each image's (offset, length) in an expanded prompt: from the marker that opens its
+        first tile (or its global tile) to the marker that closes its global tile. An `<image>`
+        run outside any such span counts as a span of its own, so that the engine's check of
+        spans against images refuses the prompt."""
+        fake, image, n = self.fake_token_id, self._image_token_id, len(token_ids)
+        opening = (self.global_token_id, self.first_tile_id)
+        spans: list[tuple[int, int]] = []
+        covered = 0
+        i = 0
+        while i < n:
+            if token_ids[i] == fake and i + 1 < n and token_ids[i + 1] in opening:
+                try:
+                    glob = token_ids.index(self.global_token_id, i + 1)
+                except ValueError:
+                    break
+                end = glob + 1 + self.image_seq_len   # the closing marker
+                if end < n and token_ids[end] == fake and all(t == image for t in token_ids[glob + 1:end]):
+                    spans.append((i, end + 1 - i))
+                    covered += sum(t == image for t in token_ids[i:end + 1])
+                    i = end + 1
+                    continue
+            i += 1
+        if covered != sum(t == image for t in token_ids):
+            inside = {p for offset, length in spans for p in range(offset, offset + length)}
+            stray = [p for p, t in enumerate(token_ids) if t == image and p not in inside]
+            strays = set(stray)
+            for p in stray:
+                if p - 1 not in strays:
+                    spans.append((p, 1))
+                else:
+                    offset, length = spans[-1]
+                    spans[-1] = (offset, length + 1)
+            spans.sort()
+        return spans
 
     def image_text(self, rows: int, cols: int) -> str:
         """The expansion of one image of rows x cols tiles (0 x 0: not split), as transformers'."""

@@ -1,0 +1,46 @@
+"""The ModelSpec of a LLaVA, Idefics3 / SmolVLM or Gemma 3 (with vision) checkpoint: its text
+model's spec, as rein reads that model alone, under the VLM's architecture and family.
+
+The text model's fields come through transformers' config class, not config.json's dict: the
+older LLaVA checkpoints write only what differs from LlamaConfig's defaults in `text_config`
+(llava-1.5's lists its vocabulary and little else). The whole config.json is kept in
+`ModelSpec.vision_config`, where the model builds its encoder from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from rein.model.spec import ModelSpec, UnsupportedModelError
+
+# architecture -> (family, the text model types it may hold)
+VISION_ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "LlavaForConditionalGeneration": ("llava", ("llama", "mistral", "qwen2")),
+    "Idefics3ForConditionalGeneration": ("idefics3", ("llama",)),
+    "SmolVLMForConditionalGeneration": ("smolvlm", ("llama",)),
+    "Gemma3ForConditionalGeneration": ("gemma3_vision", ("gemma3_text",)),
+}
+TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "gemma3_text": "Gemma3ForCausalLM"}
+
+
+def vision_family_spec(config: dict[str, Any], generation: dict[str, Any] | None, arch: str) -> ModelSpec:
+    from rein.model.vision.hf_parts import hf_config
+
+    family, text_types = VISION_ARCHITECTURES[arch]
+    try:
+        full = hf_config(config)
+    except Exception as exc:   # a config transformers cannot read: many kinds
+        raise UnsupportedModelError(f"transformers cannot read the {arch} config: {type(exc).__name__}: {exc}") \
+            from exc
+    text = full.text_config.to_dict()
+    text_type = text.get("model_type")
+    if text_type not in text_types:
+        raise UnsupportedModelError(f"{arch} with a {text_type!r} text model is not supported: rein runs it with "
+                                    f"{', '.join(text_types)}")
+    text["architectures"] = [TEXT_ARCHITECTURES[text_type]]
+    if config.get("tie_word_embeddings") is not None:   # the VLM's own setting rules (as transformers)
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    spec = ModelSpec.from_config(text, generation)
+    return dataclasses.replace(spec, architecture=arch, family=family, vision_config=config)
