@@ -69,10 +69,16 @@ class Idefics3Encoder(nn.Module):
         super().__init__()
         if config.model_type == "smolvlm":
             from transformers.models.smolvlm.modeling_smolvlm import SmolVLMConnector as Connector
-            from transformers.models.smolvlm.modeling_smolvlm import SmolVLMVisionTransformer as Tower
+            from transformers.models.smolvlm.modeling_smolvlm import (
+                SmolVLMVisionTransformer as Tower,
+            )
         else:
-            from transformers.models.idefics3.modeling_idefics3 import Idefics3Connector as Connector
-            from transformers.models.idefics3.modeling_idefics3 import Idefics3VisionTransformer as Tower
+            from transformers.models.idefics3.modeling_idefics3 import (
+                Idefics3Connector as Connector,
+            )
+            from transformers.models.idefics3.modeling_idefics3 import (
+                Idefics3VisionTransformer as Tower,
+            )
         self.vision_model = Tower._from_config(config.vision_config)
         self.connector = Connector(config)
         self.patch_size = config.vision_config.patch_size
