@@ -242,7 +242,7 @@ class ModelSpec:
         sparse_mlp = self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)
         if self.shared_expert_intermediate_size:   # its gated MLP and its 1-wide sigmoid gate
             sparse_mlp += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
-        norms = 4 if self.family == "gemma3" else 2   # Gemma 3 norms before and after both halves
+        norms = 4 if self.family in ("gemma3", "gemma3_vision") else 2   # Gemma 3 norms before and after both halves
         per_layer = attn + norms * self.hidden_size
         mlps = sum(sparse_mlp if sparse else dense_mlp for sparse in self.sparse_layers)
         embed = self.vocab_size * self.hidden_size

@@ -88,3 +88,17 @@ def test_spec_is_the_text_model(model_dir):
     assert (spec.family, spec.architecture) == ("llava", "LlavaForConditionalGeneration")
     assert spec.hidden_size == 64 and not spec.tie_word_embeddings and spec.vision_config["model_type"] == "llava"
     assert np.isclose(spec.attention_scale, 16 ** -0.5)
+
+
+def test_other_towers_refused(model_dir, tmp_path):
+    import json
+    import shutil
+
+    copy = tmp_path / "pixtral"
+    shutil.copytree(model_dir, copy)
+    config = json.loads((copy / "config.json").read_text())
+    config["vision_config"] = {"model_type": "pixtral", "hidden_size": 32, "intermediate_size": 64,
+                               "num_hidden_layers": 1, "num_attention_heads": 4, "image_size": 28, "patch_size": 7}
+    (copy / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModelError, match="'pixtral' vision tower"):
+        ModelSpec.from_dir(copy)

@@ -34,6 +34,14 @@ def vision_family_spec(config: dict[str, Any], generation: dict[str, Any] | None
     except Exception as exc:   # a config transformers cannot read: many kinds
         raise UnsupportedModelError(f"transformers cannot read the {arch} config: {type(exc).__name__}: {exc}") \
             from exc
+    if family == "llava":
+        from rein.model.vision.encoders import LLAVA_TOWERS
+
+        tower = full.vision_config.model_type
+        if tower not in LLAVA_TOWERS:
+            raise UnsupportedModelError(
+                f"LLaVA with a {tower!r} vision tower is not supported: rein runs LLaVA with "
+                f"{' or '.join(LLAVA_TOWERS)} (one fixed image resolution)")
     text = full.text_config.to_dict()
     text_type = text.get("model_type")
     if text_type not in text_types:
