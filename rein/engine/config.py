@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 
-from rein.core.images import DEFAULT_MAX_IMAGE_PIXELS
 from rein.core.tool_call_parser_names import TOOL_CALL_PARSERS
 from rein.engine.generation_defaults import check_generation_config
 from rein.engine.options import AUTO, DTYPES, KV_CACHE_DTYPES, check_tensor_parallel_size
@@ -146,10 +145,9 @@ class EngineConfig:
     # encoder may produce per step, beside the text prefill (None: max_num_batched_tokens; an image
     # larger than the budget still runs alone in a step). encoder_cache_tokens: image embeddings
     # kept (rows, least recently used dropped first) so chunks, n > 1 choices, recomputes and
-    # repeated images never re-encode. max_image_pixels: the most pixels an image may declare.
+    # repeated images never re-encode.
     max_num_encoder_tokens: int | None = None
     encoder_cache_tokens: int = 16384
-    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
 
     def __post_init__(self) -> None:
         check_generation_config(self.generation_config)   # a ValueError naming the choices
@@ -175,8 +173,8 @@ class EngineConfig:
             )
         if self.max_num_encoder_tokens is None:
             self.max_num_encoder_tokens = self.max_num_batched_tokens
-        if self.max_num_encoder_tokens < 1 or self.encoder_cache_tokens < 1 or self.max_image_pixels < 1:
-            raise ValueError("max_num_encoder_tokens, encoder_cache_tokens and max_image_pixels must be at least 1")
+        if self.max_num_encoder_tokens < 1 or self.encoder_cache_tokens < 1:
+            raise ValueError("max_num_encoder_tokens and encoder_cache_tokens must be at least 1")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

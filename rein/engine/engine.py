@@ -52,7 +52,7 @@ from rein.engine.scheduler_output import ModelOutput, SchedulerOutput, StepUpdat
 from rein.engine.step_outputs import RequestOutput, TokenLogprob
 from rein.engine.structured.decoding import StructuredDecoding
 from rein.engine.window_blocks import WindowBlocks
-from rein.core.images import ImageInput
+from rein.core.images import DEFAULT_MAX_IMAGE_PIXELS, ImageInput
 from rein.model.files import resolve_model
 from rein.model.implementation import TRANSFORMERS_FAMILY, check_shardable, spec_for
 from rein.model.lora.request import LoRARequest
@@ -101,15 +101,17 @@ class LLMEngine:
             # (a host sync inside it fails the capture), so it runs every step eagerly.
             self.config = config = dataclasses.replace(config, enforce_eager=True)
         self.ranks: RankProcesses | None = None
-        # A vision model's processor (None: the model takes text only).
-        self.vision_processor = load_vision_processor(self.model_dir)
         if config.tensor_parallel_size > 1:
-            if self.vision_processor is not None:
+            if self.spec.vision_config is not None:
                 raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: vision models run on one "
                                  f"rank only for now; use tensor_parallel_size 1")
             self.config = config = self._check_tensor_parallel(config)
         # --tokenizer, --chat-template and --trust-remote-code as the API applies them.
         self.tokenizer = self.files.load_tokenizer(TokenizerOptions.of(config))
+        # A vision model's processor (None: the model takes text only), and the most pixels an
+        # image may declare (the worker sets REIN_MAX_IMAGE_PIXELS' value; the API checked it first).
+        self.vision_processor = load_vision_processor(self.model_dir, self.tokenizer)
+        self.max_image_pixels = DEFAULT_MAX_IMAGE_PIXELS
         if config.tensor_parallel_size > 1:
             # Ranks 1..N-1 start loading their shards while this one loads shard 0.
             self.ranks = RankProcesses.start(config)
@@ -195,6 +197,8 @@ class LLMEngine:
             raise EngineRequestError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
                                      param="prompt")
         if isinstance(params, PoolingParams):
+            if images:
+                raise EngineRequestError("embedding requests take text only, not images", param="input")
             if lora_request is not None:
                 raise EngineRequestError("LoRA adapters run generation requests only, not embeddings",
                                          param="lora_request")
@@ -216,9 +220,9 @@ class LLMEngine:
                 raise EngineRequestError("a request with images needs its prompt as token ids, expanded by the "
                                          "model's processor (VisionProcessor.expand)", param="prompt")
             request_images = prepare_images(token_ids, list(images), self.runner.model, self.vision_processor,
-                                            self.config.max_image_pixels)
+                                            self.max_image_pixels)
             self._check_image_chunks(request_images)
-        elif self.vision_processor is not None and self.runner.model.image_token_id in token_ids:
+        elif self.vision_processor is not None and getattr(self.runner.model, "image_token_id", None) in token_ids:
             raise EngineRequestError(
                 f"the prompt holds image tokens (id {self.runner.model.image_token_id}) but the request has no "
                 f"images: give one image per image placeholder", param="messages")
