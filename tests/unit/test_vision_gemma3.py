@@ -165,3 +165,13 @@ def test_legacy_layout(tmp_path, reference):
                                                                       logprobs=0)))
     assert results[0][0] == results[1][0]
     assert np.allclose(results[0][1]["r"], results[1][1]["r"], atol=1e-6)
+
+
+def test_image_longer_than_a_step_refused(model_dir):
+    from rein.core.images import ImageInput
+    from rein.engine.errors import EngineRequestError
+
+    eng = engine(model_dir, max_num_batched_tokens=3)   # an image is 4 tokens, computed in one step
+    ids = eng.vision_processor.expand(chat("<start_of_image>Hi"), [open_image(png(1))]).token_ids
+    with pytest.raises(EngineRequestError, match="in one step"):
+        eng.add_request("r", ids, SamplingParams(max_tokens=2), images=[ImageInput.of(png(1))])
