@@ -142,6 +142,20 @@ class Idefics3VisionProcessor(VisionProcessor):
             raise ImageError(f"the image cannot be taken: {exc}") from None
         return out, int(out["rows"][0][0]), int(out["cols"][0][0])
 
+    def _grid(self, image: Image, detail: str) -> tuple[int, int]:
+        """The image's rows and cols of tiles, from its size alone where the image processor can
+        tell (transformers' own count), else by preprocessing it."""
+        count = getattr(self.image_processor, "get_number_of_image_patches", None)
+        if count is not None:
+            width, height = image.size
+            try:
+                _, rows, cols = count(height, width, {"do_image_splitting": self.splitting and detail != "low"})
+                return int(rows), int(cols)
+            except (TypeError, KeyError, ValueError):
+                pass
+        _, rows, cols = self._tiles(image, detail)
+        return rows, cols
+
     def pixel_inputs(self, image: Image, detail: str = "auto") -> dict[str, torch.Tensor]:
         import torch
 
@@ -167,7 +181,7 @@ class Idefics3VisionProcessor(VisionProcessor):
                              f"messages write one placeholder per image part)", param="messages")
         out, counts = [pieces[0]], []
         for image, detail, piece in zip(images, details, pieces[1:], strict=True):
-            _, rows, cols = self._tiles(image, detail)
+            rows, cols = self._grid(image, detail)
             expansion = self.image_text(rows, cols)
             counts.append(len(self.tokenizer(expansion, add_special_tokens=False)["input_ids"]))
             out += [expansion, piece]
