@@ -47,10 +47,23 @@ class LlavaVisionProcessor(VisionProcessor):
         self.extra = int(settings.get("num_additional_image_tokens", int(cls_token)))
         strategy = settings.get("vision_feature_select_strategy") or config.get("vision_feature_select_strategy")
         self.drop_cls = (strategy or "default") == "default"
+        self._fixed_count: int | None = None
 
     @property
     def image_token_id(self) -> int:
         return self._image_token_id
+
+    def count_tokens(self, image: Image, detail: str = "auto") -> int:
+        """Every image takes the same count when the image processor ends at one size (a center
+        crop, or a fixed height x width): worked out once, from the first image."""
+        ip = self.image_processor
+        size = getattr(ip, "size", None) or {}
+        fixed = (getattr(ip, "do_center_crop", False) and getattr(ip, "crop_size", None)) or "height" in size
+        if not fixed:
+            return super().count_tokens(image, detail)
+        if self._fixed_count is None:
+            self._fixed_count = super().count_tokens(image, detail)
+        return self._fixed_count
 
     def tokens_of(self, pixel_inputs: dict[str, torch.Tensor]) -> int:
         height, width = pixel_inputs["pixel_values"].shape[-2:]
