@@ -129,7 +129,8 @@ class ModelSpec:
         if not architectures and config.get("model_type"):
             # As transformers' Auto classes do: no architectures (GGUF-derived and hand-made
             # configs) means the model_type's causal LM.
-            by_type = {MODEL_TYPES[family]: name for name, family in SUPPORTED_ARCHITECTURES.items()}
+            by_type = {MODEL_TYPES[family]: name for name, family in SUPPORTED_ARCHITECTURES.items()
+                       if family in MODEL_TYPES}   # the vision families always name theirs
             architectures = [by_type.get(config["model_type"], f"model_type {config['model_type']!r}")]
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
