@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from rein.core.images import DEFAULT_MAX_IMAGE_PIXELS, ImageInput
 from rein.engine.block_pool import BlockPool
 from rein.engine.config import EngineConfig
 from rein.engine.detokenizer import IncrementalDetokenizer
@@ -52,7 +53,6 @@ from rein.engine.scheduler_output import ModelOutput, SchedulerOutput, StepUpdat
 from rein.engine.step_outputs import RequestOutput, TokenLogprob
 from rein.engine.structured.decoding import StructuredDecoding
 from rein.engine.window_blocks import WindowBlocks
-from rein.core.images import DEFAULT_MAX_IMAGE_PIXELS, ImageInput
 from rein.model.files import resolve_model
 from rein.model.implementation import TRANSFORMERS_FAMILY, check_shardable, spec_for
 from rein.model.lora.request import LoRARequest

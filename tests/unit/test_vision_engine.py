@@ -240,3 +240,22 @@ def test_images_through_the_process_client(tmp_path):
             client.submit("bad", ids, params)
     finally:
         client.stop()
+
+
+def test_tensor_parallel_refused(tmp_path):
+    path = tiny_vision_model(tmp_path / "m", "qwen2_vl")
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        engine(path, tensor_parallel_size=2)
+
+
+def test_mrope_positions_match_transformers(model_dir, hf_model):
+    """The positions hook against transformers' get_rope_index, two images of different grids."""
+    eng = engine(model_dir)
+    vp = eng.vision_processor
+    images = [png(60, (56, 112)), png(61, (84, 56))]
+    ids = vp.expand(chat(f"a {IMAGE} b {IMAGE} c"), [open_image(d) for d in images]).token_ids
+    grids = torch.cat([vp.pixel_inputs(open_image(d))["image_grid_thw"] for d in images])
+    input_ids = torch.tensor([ids])
+    want, delta = hf_model.model.get_rope_index(input_ids, (input_ids == vp.image_token_id).int(), grids)
+    positions, got_delta = eng.runner.model.mrope_positions(ids, [tuple(g.tolist()) for g in grids])
+    assert torch.equal(positions, want[:, 0]) and got_delta == int(delta)

@@ -7,7 +7,9 @@ projections and CUDA graphs (decode steps have 1-D positions: see below) -- the 
 exact against transformers since the arithmetic is the same. The vision tower runs once per image,
 outside the KV cache; transformers' own module (`Qwen2VisionTransformerPretrainedModel`,
 `Qwen2_5_VisionTransformerPretrainedModel`), built from the config and filled from the checkpoint,
-is exact by construction and runs on any device.
+is exact by construction and runs on any device. Its attention modules run `vision_attention`
+(the same products with rein's rotary kernel), and on the CPU its linears are packed for oneDNN
+(`pack_cpu_weights`).
 
 M-RoPE: the rotary frequencies are split in three sections (`mrope_section`), rotated by a
 token's temporal, height and width position. Text tokens have the same position on all three,
@@ -22,13 +24,15 @@ older checkpoints `model.*`, `visual.*`, `lm_head.*`. Both load.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 from torch import nn
 
+from rein.kernels import elementwise
 from rein.model.architectures.llama import LlamaFamilyModel
-from rein.model.architectures.rope import RotaryEmbedding
+from rein.model.architectures.rope import RotaryEmbedding, apply_rotary
 from rein.model.architectures.weights import TensorGetter
 from rein.model.attention import AttentionMetadata, LayerCache
 from rein.model.parallel.group import SINGLE_RANK, ParallelGroup
@@ -55,6 +59,49 @@ class MRotaryEmbedding(RotaryEmbedding):
             sin.append(self.sin[rows, start:start + width])
             start += width
         return torch.cat(cos, dim=-1).unsqueeze(1), torch.cat(sin, dim=-1).unsqueeze(1)
+
+
+class _PatchMatmul:
+    """A patch embedding's Conv3d (kernel = stride = one patch) as the matmul it is: each row of
+    the input is one patch's C x T x P x P values, in the order the weight's flattening takes."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        from rein.model.architectures.linear import linear
+
+        return linear(pixels.to(self.weight.dtype), self.weight)
+
+
+def vision_attention(self: nn.Module, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor,
+                     position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                     max_seqlen: int | None = None, **kwargs: Any) -> torch.Tensor:
+    """transformers' Qwen2-VL / Qwen2.5-VL vision attention (VisionAttention.forward: the same
+    products), with rein's in-place rotary kernel (C on the CPU, Triton on CUDA) where transformers
+    builds rotate-half copies, and each image's (or window's) attention written into one output
+    instead of split and concatenated: the rotary copies and concatenations were a third of the
+    encoder's CPU time."""
+    tokens = hidden_states.shape[0]
+    heads, head_dim, dim = self.num_heads, self.head_dim, self.num_heads * self.head_dim
+    qkv = self.qkv(hidden_states)
+    cos, sin = position_embeddings   # [T, head_dim]: the same half twice (rotate-half layout)
+    half = head_dim // 2
+    cos = cos[:, :half].float().contiguous().unsqueeze(1)
+    sin = sin[:, :half].float().contiguous().unsqueeze(1)
+    qk = qkv[:, :2 * dim].view(tokens, 2 * heads, head_dim)
+    if not elementwise.rotary_(qk, cos, sin):
+        qk = apply_rotary(qk, cos, sin)
+    q, k = qk[:, :heads].transpose(0, 1), qk[:, heads:].transpose(0, 1)
+    v = qkv[:, 2 * dim:].view(tokens, heads, head_dim).transpose(0, 1)
+    out = torch.empty(heads, tokens, head_dim, dtype=qkv.dtype, device=qkv.device)
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:], strict=False):
+        if end > start:
+            # 4-D [1, heads, n, d], as transformers passes them: 3-D inputs take torch's math path.
+            out[:, start:end] = nn.functional.scaled_dot_product_attention(
+                q[None, :, start:end], k[None, :, start:end], v[None, :, start:end], scale=self.scaling)[0]
+    return self.proj(out.transpose(0, 1).reshape(tokens, dim))
 
 
 def hf_config(raw: dict[str, Any]) -> Any:
@@ -138,10 +185,31 @@ class Qwen2VLModel(LlamaFamilyModel):
         sizes = (grid.prod(-1) // self.merge_size**2).tolist()
         return [e.to(dtype) for e in torch.split(embeds, sizes)]
 
+    def pack_cpu_weights(self) -> None:
+        """On the CPU (the loader calls this there only): the text model's weights packed as
+        LlamaFamilyModel packs them, and the vision tower's linears made rein's `Linear` and
+        packed for oneDNN too (bench/vision.py: the encoder a third faster on one thread). Its
+        patch embedding, a Conv3d whose kernel is its stride over inputs already cut into patches,
+        becomes the same product as one matmul (the convolution took a sixth of the encoder)."""
+        super().pack_cpu_weights()
+        from rein.model.architectures.linear import Linear, pack_weights
+
+        for module in self.visual.modules():
+            if type(module) is nn.Linear:
+                module.__class__ = Linear
+        pack_weights(self.visual)
+        embed = self.visual.patch_embed
+        if isinstance(getattr(embed, "proj", None), nn.Conv3d) and embed.proj.bias is None:
+            embed.forward = _PatchMatmul(embed.proj.weight.detach().reshape(embed.proj.out_channels, -1).contiguous())
+
     def _build_visual(self, device: torch.device, dtype: torch.dtype) -> nn.Module:
         """transformers' vision tower, on `device` in `dtype`, parameters not set yet."""
-        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
-        from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+        from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import (
+            Qwen2_5_VisionTransformerPretrainedModel,
+        )
+        from transformers.models.qwen2_vl.modeling_qwen2_vl import (
+            Qwen2VisionTransformerPretrainedModel,
+        )
 
         config = self.hf_config.vision_config
         config._attn_implementation = "sdpa"
@@ -159,6 +227,9 @@ class Qwen2VLModel(LlamaFamilyModel):
                 with torch.device(device):
                     fresh = type(module)(config)
                 setattr(visual.get_submodule(owner) if owner else visual, leaf, fresh)
+        for module in visual.modules():
+            if type(module).__name__ in ("VisionAttention", "Qwen2_5_VLVisionAttention"):
+                module.forward = types.MethodType(vision_attention, module)
         return visual.eval()
 
     def load_hf_weights(self, get: TensorGetter) -> None:
