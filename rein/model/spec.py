@@ -134,6 +134,10 @@ class ModelSpec:
             architectures = [by_type.get(config["model_type"], f"model_type {config['model_type']!r}")]
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
+            from rein.model.vision.family_spec import UNSUPPORTED, unsupported_reason
+
+            if config.get("model_type") in UNSUPPORTED:   # a vision model rein knows it cannot run: why
+                raise UnsupportedModelError(unsupported_reason(config["model_type"]))
             raise UnsupportedModelError(
                 f"architecture {', '.join(architectures) or '(none given)'} is not supported; "
                 f"rein runs: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"

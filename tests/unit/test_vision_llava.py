@@ -81,6 +81,10 @@ def test_any_resolution_llava_refused(model_dir, tmp_path):
         (copy / "config.json").write_text(json.dumps(config))
         with pytest.raises(UnsupportedModelError, match="any-resolution"):
             load_vision_processor(copy)
+        from rein.model.implementation import spec_for
+
+        with pytest.raises(UnsupportedModelError, match="any-resolution tiling"):   # what the engine says
+            spec_for(copy, "auto")
 
 
 def test_spec_is_the_text_model(model_dir):

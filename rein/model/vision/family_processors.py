@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from rein.core.images import ImageError
 from rein.model.spec import UnsupportedModelError
+from rein.model.vision.family_spec import UNSUPPORTED, unsupported_reason
 from rein.model.vision.processor import ExpandedPrompt, VisionProcessor, _details
 
 if TYPE_CHECKING:
@@ -233,24 +234,11 @@ class Gemma3VisionProcessor(VisionProcessor):
 PROCESSORS: dict[str, type[VisionProcessor]] = {"llava": LlavaVisionProcessor, "idefics3": Idefics3VisionProcessor,
               "smolvlm": Idefics3VisionProcessor, "gemma3": Gemma3VisionProcessor}
 
-# Vision-language model_types rein refuses, and why (any-resolution tiling, video, other towers).
-UNSUPPORTED = {
-    "llava_next": "LLaVA-NeXT's any-resolution tiling (image_grid_pinpoints, per-tile newline embeddings) is not "
-                  "implemented",
-    "llava_onevision": "LLaVA-OneVision's any-resolution tiling and video input are not implemented",
-    "llava_next_video": "LLaVA-NeXT-Video's any-resolution tiling and video input are not implemented",
-    "mistral3": "Mistral 3's Pixtral tower (any resolution, 2-D rope) is not implemented",
-    "idefics2": "Idefics2's perceiver resampler is not implemented (Idefics3 and SmolVLM are)",
-    "paligemma": "PaliGemma's prefix-LM attention is not implemented (Gemma 3 with vision is)",
-}
-
-
 def load_family_processor(model_dir: Path, model_type: str | None, tokenizer: Any = None) -> VisionProcessor | None:
     """The processor of a LLaVA, Idefics3 / SmolVLM or Gemma 3 model directory (None for another
     model_type); its settings from processor_config.json where present, else from config.json."""
     if model_type in UNSUPPORTED:
-        raise UnsupportedModelError(f"{model_type}: {UNSUPPORTED[model_type]}; rein runs the vision models "
-                                    f"Qwen2-VL, Qwen2.5-VL, LLaVA (1.5), Idefics3, SmolVLM and Gemma 3")
+        raise UnsupportedModelError(unsupported_reason(model_type))
     cls = PROCESSORS.get(model_type)
     if cls is None:
         return None

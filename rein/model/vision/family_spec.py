@@ -21,6 +21,23 @@ VISION_ARCHITECTURES: dict[str, tuple[str, tuple[str, ...]]] = {
     "SmolVLMForConditionalGeneration": ("smolvlm", ("llama",)),
     "Gemma3ForConditionalGeneration": ("gemma3_vision", ("gemma3_text",)),
 }
+# Vision-language model_types rein refuses, and why (any-resolution tiling, video, other towers).
+UNSUPPORTED = {
+    "llava_next": "LLaVA-NeXT's any-resolution tiling (image_grid_pinpoints, per-tile newline embeddings) is not "
+                  "implemented",
+    "llava_onevision": "LLaVA-OneVision's any-resolution tiling and video input are not implemented",
+    "llava_next_video": "LLaVA-NeXT-Video's any-resolution tiling and video input are not implemented",
+    "mistral3": "Mistral 3's Pixtral tower (any resolution, 2-D rope) is not implemented",
+    "idefics2": "Idefics2's perceiver resampler is not implemented (Idefics3 and SmolVLM are)",
+    "paligemma": "PaliGemma's prefix-LM attention is not implemented (Gemma 3 with vision is)",
+}
+
+
+def unsupported_reason(model_type: str) -> str:
+    return (f"{model_type}: {UNSUPPORTED[model_type]}; rein runs the vision models Qwen2-VL, Qwen2.5-VL, "
+            f"LLaVA (1.5), Idefics3, SmolVLM and Gemma 3")
+
+
 TEXT_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                       "gemma3_text": "Gemma3ForCausalLM"}
 
