@@ -1,4 +1,4 @@
-"""LLaVA (tiny random weights, CLIP tower): rein's processor, encoder and engine against
+"""LLaVA (tiny random weights, CLIP or SigLIP tower): rein's processor, encoder and engine against
 transformers: the prompt's expansion, the image features, and greedy tokens / logprobs under
 chunked prefill, prefix caching and preemption, in both checkpoint layouts."""
 
@@ -18,9 +18,16 @@ from rein.model.vision.processor import load_vision_processor
 FAMILY = "llava"
 
 
+@pytest.fixture(scope="module", params=["llava", "llava_siglip"])
+def variant(request):
+    """LLaVA-1.5's shape (CLIP, CLS dropped, layer -2), and a SigLIP tower with the "full"
+    strategy and layers -2 and -1 concatenated."""
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return tiny_vision_model(tmp_path_factory.mktemp(FAMILY), FAMILY)
+def model_dir(variant, tmp_path_factory):
+    return tiny_vision_model(tmp_path_factory.mktemp(variant), variant)
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +45,7 @@ def test_expansion_matches_transformers_processor(model_dir):
     want = hf(text=text, images=images, return_tensors="pt")
     got = mine.expand(text, images)
     assert got.token_ids == want["input_ids"][0].tolist()
-    assert got.image_token_counts == [16, 16]   # 4 x 4 patches, CLS dropped
+    assert got.image_token_counts == [16, 16]   # 4 x 4 patches (CLIP's CLS dropped)
     assert (want["pixel_values"][1:] == mine.pixel_inputs(images[1])["pixel_values"]).all()
 
 
@@ -51,8 +58,8 @@ def test_greedy_matches_transformers(model_dir, reference, setting):
     check_parity(model_dir, reference, FAMILY, setting)
 
 
-def test_legacy_layout_and_prefix_cache(tmp_path, reference):
-    old = tiny_vision_model(tmp_path / "old", FAMILY, legacy_layout=True)
+def test_legacy_layout_and_prefix_cache(tmp_path, reference, variant):
+    old = tiny_vision_model(tmp_path / "old", variant, legacy_layout=True)
     eng = engine(old, block_size=4)
     ids = eng.vision_processor.expand(chat("<image>Describe it."), [open_image(png(7))]).token_ids
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
