@@ -104,11 +104,12 @@ def test_image_block_attention_against_a_dense_mask():
     v_cache = torch.zeros(16, block, kv_heads, dim)
     cache = LayerCache(k_cache, v_cache)
     image = 7
-    # Request A: 3 cached tokens, then a chunk of 9: text, image x3, text, image x2, text.
-    a_ids = [1, image, image, image, 2, image, image, 3, 4]
+    # Request A: 3 cached tokens, then a chunk of 14: text x6, image x3, text, image x2, text x2
+    # (with the window of 4, the first image row's window starts inside the chunk).
+    a_ids = [1, 2, 3, 4, 5, 6, image, image, image, 2, image, image, 3, 4]
     b_ids = [5, 6, 8, 9]   # request B: a text chunk of 4, nothing cached
     a_ctx, b_ctx = 3 + len(a_ids), len(b_ids)
-    a_table, b_table, d_table = [0, 1, 2], [3], [4]
+    a_table, b_table, d_table = [0, 1, 2, 5, 6], [3], [4]
     # The decode row: a request with 2 cached tokens in block 4.
     k_prefix = torch.randn(3, kv_heads, dim)
     v_prefix = torch.randn(3, kv_heads, dim)
@@ -121,7 +122,7 @@ def test_image_block_attention_against_a_dense_mask():
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots), num_decode_tokens=1,
         decode_block_tables=torch.tensor([d_table]), decode_context_lens=torch.tensor([3]), decode_groups=None,
-        prefill_block_tables=torch.tensor([a_table, b_table + [0, 0]]),
+        prefill_block_tables=torch.tensor([a_table, b_table + [0] * 4]),
         prefill_cu_seqlens_q=torch.tensor([0, len(a_ids), len(a_ids) + len(b_ids)]),
         prefill_context_lens=torch.tensor([a_ctx, b_ctx]))
     input_ids = torch.tensor([0] + a_ids + b_ids)
@@ -134,7 +135,7 @@ def test_image_block_attention_against_a_dense_mask():
         # Request A by hand: keys = its prefix + its chunk, mask = causal | same block, & window.
         keys = torch.cat([k_prefix, k[1:1 + len(a_ids)]]).repeat_interleave(heads // kv_heads, 1)
         values = torch.cat([v_prefix, v[1:1 + len(a_ids)]]).repeat_interleave(heads // kv_heads, 1)
-        block_of = [-1] * 3 + [-1, 0, 0, 0, -1, 1, 1, -1, -1]
+        block_of = [-1] * 9 + [0, 0, 0, -1, 1, 1, -1, -1]
         want = torch.empty(len(a_ids), heads, dim)
         for row in range(len(a_ids)):
             pos = 3 + row

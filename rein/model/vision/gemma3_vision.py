@@ -79,33 +79,41 @@ def find_image_blocks(input_ids: torch.Tensor, meta: AttentionMetadata, image_to
 
 def image_block_attention(out: torch.Tensor, q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
                           scale: float, window: int | None, blocks: ImageBlocks) -> torch.Tensor:
-    """`out` (the paged kernels' causal attention of the step) with the rows of the requests in
-    `blocks` recomputed under Gemma 3's image mask: a query sees a key when it is causal or in the
-    query's own image block, and (sliding layers) within the window."""
+    """`out` (the paged kernels' causal attention of the step) with the image rows of the requests
+    in `blocks` recomputed under Gemma 3's image mask: a query sees a key when it is causal or in
+    the query's own image block, and (sliding layers) within the window."""
     meta = meta.for_cache(cache, window)
     decode = meta.num_decode_tokens
     block_size = cache.k.shape[1]
     for i, q0, q1, ctx, row_blocks in blocks.requests:
         q_len = q1 - q0
-        first_block = 0 if window is None else max(0, ctx - q_len - window + 1) // block_size
-        offset = first_block * block_size
-        table = meta.prefill_block_tables[i, first_block:]
-        keys = gather_kv(cache.k, cache.k_scale, table, ctx - offset, q.dtype)   # [L, kvh, d]
-        values = gather_kv(cache.v, cache.v_scale, table, ctx - offset, q.dtype)
         device = q.device
-        q_pos = torch.arange(ctx - q_len, ctx, device=device).unsqueeze(1)
-        k_pos = torch.arange(offset, ctx, device=device).unsqueeze(0)
-        key_blocks = torch.full((ctx - offset,), -1, dtype=row_blocks.dtype, device=device)
-        key_blocks[ctx - q_len - offset:] = row_blocks.to(device)
-        query_blocks = row_blocks.to(device).unsqueeze(1)
-        mask = (k_pos <= q_pos) | ((query_blocks >= 0) & (query_blocks == key_blocks.unsqueeze(0)))
+        row_blocks = row_blocks.to(device)
+        # Only image rows see more than causal attention gives them: text rows keep the kernels' output.
+        rows = torch.nonzero(row_blocks >= 0).squeeze(1)
+        first_row = int(rows[0])
+        # Keys from the first image row's window (sliding layers) to the end of the last image block.
+        first = ctx - q_len + first_row
+        first_block = 0 if window is None else max(0, first - window + 1) // block_size
+        offset = first_block * block_size
+        end = ctx - q_len + int(rows[-1]) + 1
+        table = meta.prefill_block_tables[i, first_block:]
+        keys = gather_kv(cache.k, cache.k_scale, table, end - offset, q.dtype)   # [L, kvh, d]
+        values = gather_kv(cache.v, cache.v_scale, table, end - offset, q.dtype)
+        q_pos = (ctx - q_len + rows).unsqueeze(1)
+        k_pos = torch.arange(offset, end, device=device).unsqueeze(0)
+        key_blocks = torch.full((end - offset,), -1, dtype=row_blocks.dtype, device=device)
+        chunk_start = ctx - q_len - offset   # key index of the chunk's first row (may be < 0: window)
+        key_blocks[max(0, chunk_start):] = row_blocks[max(0, -chunk_start):end - offset - chunk_start]
+        query_blocks = row_blocks[rows].unsqueeze(1)
+        mask = (k_pos <= q_pos) | (query_blocks == key_blocks.unsqueeze(0))
         if window is not None:
             mask &= k_pos > q_pos - window
-        rows = slice(decode + q0, decode + q1)
+        targets = decode + q0 + rows
         o = nn.functional.scaled_dot_product_attention(
-            q[rows].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            q[targets].transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0), attn_mask=mask, scale=scale, enable_gqa=True)
-        out[rows] = o[0].transpose(0, 1).to(out.dtype)
+        out[targets] = o[0].transpose(0, 1).to(out.dtype)
     return out
 
 
