@@ -3,8 +3,8 @@ pixel-shuffle connector (rein.model.vision.encoders.Idefics3Encoder).
 
 An image is split into tiles, and its expansion interleaves tile markers with the tiles'
 `<image>` runs (rein.model.vision.family_processors.Idefics3VisionProcessor). The engine holds
-an image as one span, from its first `<fake_token_around_image>` to its last (the processor's `image_spans`);
-`encode_images` returns a row for every position of that span: the connector's rows at the
+an image as one span, from its first `<fake_token_around_image>` to its last (the processor's
+`image_spans`); `encode_images` returns a row for every position of that span: the connector's rows at the
 `<image>` positions, the markers' own token embeddings between them (the span's token ids come
 with the encoder inputs), which is exactly what transformers' merge leaves there. Attention is
 causal throughout, as in transformers: any chunk may cut an image.

@@ -25,46 +25,29 @@ from rein.model.vision.encoders import make_encoder
 from rein.model.vision.hf_parts import hf_config, text_getter
 
 
-class VisionTextMixin:
-    """What the Llama-text families share: the text forward with `inputs_embeds`, plain 1-D
-    positions, and the encoder built (and filled) after the text weights, where the device is known."""
+class LlavaModel(LlamaFamilyModel):
+    """See the module docstring; implements rein.model.vision.base.VisionLanguageModel. The
+    Idefics3 / SmolVLM model is this one with its own checkpoint names and spans
+    (rein.model.vision.idefics3)."""
 
     image_tokens_whole_chunk = False
-    text_prefixes: tuple[str, ...] = ()
-    head_names: tuple[str, ...] = ("lm_head.weight",)
-
-    def _init_vision(self, spec: ModelSpec, group: ParallelGroup) -> None:
-        self.hf_config = hf_config(spec.vision_config)
-        self.encoder: nn.Module | None = None   # built in load_hf_weights
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.embed_tokens(input_ids)
-
-    def mrope_positions(self, token_ids: list[int], image_grids: list[Any]) -> None:
-        return None
-
-    def encode_images(self, pixel_inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        dtype = self.embed_tokens.weight.dtype
-        return [rows.to(dtype) for rows in self.encoder(pixel_inputs)]
-
-    def load_vision_weights(self, get: TensorGetter, load_text) -> None:
-        load_text(text_getter(get, self.text_prefixes, self.head_names))
-        weight = self.embed_tokens.weight
-        self.encoder = make_encoder(self.hf_config, weight.dtype, weight.device, get)
-
-
-class LlavaModel(VisionTextMixin, LlamaFamilyModel):
-    """See the module docstring; implements rein.model.vision.base.VisionLanguageModel."""
-
-    text_prefixes = ("model.language_model.", "language_model.model.")
-    head_names = ("lm_head.weight", "language_model.lm_head.weight")
+    # Where the checkpoint keeps the text model and its head, most recent layout first.
+    text_prefixes: tuple[str, ...] = ("model.language_model.", "language_model.model.")
+    head_names: tuple[str, ...] = ("lm_head.weight", "language_model.lm_head.weight")
 
     def __init__(self, spec: ModelSpec, max_positions: int, group: ParallelGroup = SINGLE_RANK) -> None:
         if group.world_size > 1:   # before building a model of the wrong width
             raise ValueError("vision models run on one rank: use tensor_parallel_size 1")
         super().__init__(spec, max_positions, group)
-        self._init_vision(spec, group)
+        self.hf_config = hf_config(spec.vision_config)
         self.image_token_id = int(self.hf_config.image_token_id)
+        self.encoder: nn.Module | None = None   # built in load_hf_weights, where the device is known
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def mrope_positions(self, token_ids: list[int], image_grids: list[Any]) -> None:
+        return None   # plain 1-D positions
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
                 meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -74,5 +57,13 @@ class LlavaModel(VisionTextMixin, LlamaFamilyModel):
             x = layer(x, rotary, cache, meta)
         return self.norm(x)
 
+    def encode_images(self, pixel_inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        dtype = self.embed_tokens.weight.dtype
+        return [rows.to(dtype) for rows in self.encoder(pixel_inputs)]
+
     def load_hf_weights(self, get: TensorGetter) -> None:
-        self.load_vision_weights(get, super().load_hf_weights)
+        """The text model under rein's names (rein.model.vision.hf_parts.text_getter), then the
+        encoder on the text model's device and dtype."""
+        super().load_hf_weights(text_getter(get, self.text_prefixes, self.head_names))
+        weight = self.embed_tokens.weight
+        self.encoder = make_encoder(self.hf_config, weight.dtype, weight.device, get)
