@@ -37,6 +37,7 @@ from rein.model.architectures.weights import TensorGetter
 from rein.model.attention import AttentionMetadata, LayerCache
 from rein.model.parallel.group import SINGLE_RANK, ParallelGroup
 from rein.model.spec import ModelSpec
+from rein.model.vision.base import checkpoint_prefixes
 
 
 class MRotaryEmbedding(RotaryEmbedding):
@@ -233,11 +234,9 @@ class Qwen2VLModel(LlamaFamilyModel):
         return visual.eval()
 
     def load_hf_weights(self, get: TensorGetter) -> None:
-        def probe(name: str) -> bool:
-            return get(name) is not None
-
-        text = "model.language_model." if probe("model.language_model.embed_tokens.weight") else "model."
-        vision = "model.visual." if probe("model.visual.patch_embed.proj.weight") else "visual."
+        found = checkpoint_prefixes(get, {"text": ("model.language_model.", "model.", "embed_tokens.weight"),
+                                          "vision": ("model.visual.", "visual.", "patch_embed.proj.weight")})
+        text, vision = found["text"], found["vision"]
 
         def text_get(name: str, *args: Any, **kwargs: Any) -> Any:
             if name.startswith("model."):
