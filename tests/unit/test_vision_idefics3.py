@@ -107,3 +107,13 @@ def test_stray_image_tokens_refused(model_dir):
     stray = ids[:3] + [vp.image_token_id] * 2 + ids[3:]   # image tokens outside any image's markers
     with pytest.raises(EngineRequestError, match="2 image"):
         eng.add_request("s", stray, SamplingParams(max_tokens=2), images=[ImageInput.of(png(1))])
+
+
+def test_counts_agree_with_the_encoder_inputs(model_dir):
+    """count_tokens (from the image's size) and tokens_of (from its preprocessed tiles) agree,
+    at every detail, over shapes from tall to wide."""
+    vp = load_vision_processor(model_dir)
+    for size in ((5, 90), (28, 28), (29, 57), (60, 40), (200, 30), (90, 91)):
+        image = open_image(png(1, size))
+        for detail in ("auto", "low", "high"):
+            assert vp.count_tokens(image, detail) == vp.tokens_of(vp.pixel_inputs(image, detail)), (size, detail)

@@ -184,6 +184,13 @@ class Idefics3VisionProcessor(VisionProcessor):
     def tokens_of(self, pixel_inputs: dict[str, torch.Tensor]) -> int:
         return int(pixel_inputs["span_token_ids"].shape[0])
 
+    def count_tokens(self, image: Image, detail: str = "auto") -> int:
+        """The image's span length, from its size (no preprocessing)."""
+        return self._length(self.image_text(*self._grid(image, detail)))
+
+    def _length(self, expansion: str) -> int:
+        return len(self.tokenizer(expansion, add_special_tokens=False)["input_ids"])
+
     def expand(self, text: str, images: list[Image], details: list[str] | None = None) -> ExpandedPrompt:
         """As VisionProcessor.expand, each image's expansion depending on its tiles; the counts are
         the images' spans (their whole expansion, tile markers included: what the engine holds)."""
@@ -195,9 +202,8 @@ class Idefics3VisionProcessor(VisionProcessor):
                              f"messages write one placeholder per image part)", param="messages")
         out, counts = [pieces[0]], []
         for image, detail, piece in zip(images, details, pieces[1:], strict=True):
-            rows, cols = self._grid(image, detail)
-            expansion = self.image_text(rows, cols)
-            counts.append(len(self.tokenizer(expansion, add_special_tokens=False)["input_ids"]))
+            expansion = self.image_text(*self._grid(image, detail))
+            counts.append(self._length(expansion))
             out += [expansion, piece]
         ids = self.tokenizer("".join(out), add_special_tokens=False)["input_ids"]
         return ExpandedPrompt([int(t) for t in ids], counts)
