@@ -176,3 +176,18 @@ def test_image_longer_than_a_step_refused(model_dir):
     ids = eng.vision_processor.expand(chat("<start_of_image>Hi"), [open_image(png(1))]).token_ids
     with pytest.raises(EngineRequestError, match="in one step"):
         eng.add_request("r", ids, SamplingParams(max_tokens=2), images=[ImageInput.of(png(1))])
+
+
+@pytest.mark.parametrize("setting", ["plain", "chunked"])
+def test_images_longer_than_the_window(tmp_path, setting, monkeypatch):
+    """56-pixel images: 16 tokens each, twice the sliding window (8), so on the windowed layers an
+    image token sees its block's later tokens but not its earlier ones beyond the window."""
+    import vlm_support
+
+    from rein.fixtures.tiny_vlm import make_tiny_vlm
+
+    model_dir = make_tiny_vlm(tmp_path / "wide", FAMILY, image_size=56)
+    assert ModelSpec.from_dir(model_dir).layer_windows[0] == 8
+    monkeypatch.setitem(vlm_support.SETTINGS, "chunked",
+                        {"max_num_batched_tokens": 24, "max_num_encoder_tokens": 8, "block_size": 4})
+    check_parity(model_dir, hf_model(model_dir), FAMILY, setting)
