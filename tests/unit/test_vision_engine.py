@@ -96,15 +96,20 @@ def prompts(processor) -> dict[str, tuple[list[int], list[bytes]]]:
             for k, (text, imgs) in out.items()}
 
 
-@pytest.mark.parametrize("setting", ["plain", "chunked", "preempt"])
+@pytest.mark.parametrize("setting", ["plain", "chunked", "preempt", "evicting"])
 def test_greedy_matches_transformers(model_dir, hf_model, setting):
     kwargs = {"plain": {}, "chunked": {"max_num_batched_tokens": 16, "max_num_encoder_tokens": 8},
-              "preempt": {"max_num_batched_tokens": 32, "kv_cache_memory": 40 * 1024, "block_size": 4}}[setting]
+              "preempt": {"max_num_batched_tokens": 32, "kv_cache_memory": 40 * 1024, "block_size": 4},
+              # an encoder cache smaller than one image: every chunk and recompute encodes again
+              "evicting": {"max_num_batched_tokens": 8, "encoder_cache_tokens": 2, "kv_cache_memory": 40 * 1024,
+                           "block_size": 4}}[setting]
     eng = engine(model_dir, **kwargs)
     cases = prompts(eng.vision_processor)
     tokens, logprobs = run(eng, cases, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=0))
-    if setting == "preempt":
+    if setting in ("preempt", "evicting"):
         assert eng.stats.preemptions > 0
+    if setting == "evicting":
+        assert eng.encoder_cache.encoded_images > len([i for _, imgs in cases.values() for i in imgs])
     for rid, (ids, images) in cases.items():
         want, want_logprobs = hf_generate(hf_model, eng.vision_processor, ids, images, 12)
         assert tokens[(rid, 0)] == want, rid
@@ -259,3 +264,25 @@ def test_mrope_positions_match_transformers(model_dir, hf_model):
     want, delta = hf_model.model.get_rope_index(input_ids, (input_ids == vp.image_token_id).int(), grids)
     positions, got_delta = eng.runner.model.mrope_positions(ids, [tuple(g.tolist()) for g in grids])
     assert torch.equal(positions, want[:, 0]) and got_delta == int(delta)
+
+
+def test_low_detail_matches_transformers(model_dir, hf_model):
+    """detail "low": fewer image tokens, the same pixels HF gets from the processor at that detail."""
+    eng = engine(model_dir)
+    vp = eng.vision_processor
+    big = png(70, (600, 450))
+    image = open_image(big)
+    expanded = vp.expand(chat(f"{IMAGE}Describe."), [image], ["low"])
+    assert expanded.image_token_counts[0] < vp.count_tokens(image, "auto")
+    eng.add_request("low", expanded.token_ids, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                    images=[ImageInput.of(big, "low")])
+    tokens = []
+    while eng.has_unfinished():
+        for out in eng.step():
+            tokens.extend(out.new_token_ids)
+    pixels = vp.pixel_inputs(image, "low")
+    ids = torch.tensor([expanded.token_ids])
+    want = hf_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                             mm_token_type_ids=(ids == vp.image_token_id).int(), max_new_tokens=5, do_sample=False,
+                             **pixels)[0, ids.shape[1]:].tolist()
+    assert tokens == want
