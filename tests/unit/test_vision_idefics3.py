@@ -117,3 +117,23 @@ def test_counts_agree_with_the_encoder_inputs(model_dir):
         image = open_image(png(1, size))
         for detail in ("auto", "low", "high"):
             assert vp.count_tokens(image, detail) == vp.tokens_of(vp.pixel_inputs(image, detail)), (size, detail)
+
+
+def test_encoder_pads_tiles_of_different_sizes(model_dir, family):
+    """Images whose tiles differ in size encode together as each alone (padding masked off)."""
+    import torch
+
+    eng = engine(model_dir)
+    model, vp = eng.runner.model, eng.vision_processor
+    a = vp.pixel_inputs(open_image(png(1)))
+    b = vp.pixel_inputs(open_image(png(2, (30, 30))))
+    # b's tiles cut to 21 x 14 pixels (3 x 2 patches), as a smaller tile size would give them.
+    b = dict(b, pixel_values=b["pixel_values"][..., :21, :14].contiguous(),
+             pixel_attention_mask=b["pixel_attention_mask"][..., :21, :14].contiguous())
+    with torch.no_grad():
+        together = model.encoder([a, b])
+        alone = [model.encoder([a])[0], model.encoder([dict(b, pixel_values=torch.nn.functional.pad(
+            b["pixel_values"], (0, 14, 0, 7)), pixel_attention_mask=torch.nn.functional.pad(
+            b["pixel_attention_mask"], (0, 14, 0, 7)))])[0]]
+    for got, want in zip(together, alone, strict=True):
+        assert torch.allclose(got, want, atol=1e-5)

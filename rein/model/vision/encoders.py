@@ -86,8 +86,12 @@ class Idefics3Encoder(nn.Module):
     def forward(self, pixel_inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         """Each image's rows: its tiles' `image_seq_len` rows each, tile after tile."""
         dtype = self.connector.modality_projection.proj.weight.dtype
-        pixels = torch.cat([p["pixel_values"] for p in pixel_inputs]).to(dtype)
-        mask = torch.cat([p["pixel_attention_mask"] for p in pixel_inputs])
+        # Tiles of different images may differ in size: padded (masked off) to the largest, as
+        # transformers' processor pads a batch.
+        height = max(p["pixel_values"].shape[-2] for p in pixel_inputs)
+        width = max(p["pixel_values"].shape[-1] for p in pixel_inputs)
+        pixels = torch.cat([_pad(p["pixel_values"], height, width) for p in pixel_inputs]).to(dtype)
+        mask = torch.cat([_pad(p["pixel_attention_mask"], height, width) for p in pixel_inputs])
         # A tile's patch takes part where any of its pixels is real (not the processor's padding).
         patches = mask.unfold(1, self.patch_size, self.patch_size).unfold(2, self.patch_size, self.patch_size)
         patch_mask = (patches.sum(dim=(-1, -2)) > 0).bool()
@@ -100,6 +104,14 @@ class Idefics3Encoder(nn.Module):
     def load(self, get) -> None:
         load_module(self.vision_model, get, ("model.vision_model.",), "Idefics3 vision tower")
         load_module(self.connector, get, ("model.connector.",), "Idefics3 connector")
+
+
+def _pad(tensor: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """`tensor` [..., h, w] padded with zeros (False) at the bottom and right to height x width."""
+    h, w = tensor.shape[-2:]
+    if (h, w) == (height, width):
+        return tensor
+    return nn.functional.pad(tensor, (0, width - w, 0, height - h))
 
 
 class Gemma3Encoder(nn.Module):
