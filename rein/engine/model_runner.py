@@ -436,7 +436,7 @@ class ModelRunner:
         missing = [item for key, item in items.items() if key not in found]
         if missing:
             started = time.perf_counter()
-            inputs = [{name: tensor.to(self.device, non_blocking=True) for name, tensor in item.pixel_inputs.items()}
+            inputs = [{name: tensor.to(self.device, non_blocking=True) for name, tensor in item.inputs().items()}
                       for item in missing]
             outputs = self.model.encode_images(inputs)
             for item, output in zip(missing, outputs, strict=True):
@@ -450,6 +450,9 @@ class ModelRunner:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)   # so the encoder's time is its own, not the forward's
             self.encoder_seconds += time.perf_counter() - started
+        if cache is not None:   # the embeddings are cached: the pixels can go (made again if ever needed)
+            for _, item, _, _ in plan.image_rows:
+                item.release()
         return found
 
     def _forward(self, plan: StepPlan, embeds: dict[str, torch.Tensor] | None = None) -> torch.Tensor:

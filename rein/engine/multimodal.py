@@ -12,8 +12,9 @@ n > 1 request, never changed):
 
 * `items` -- per image its prompt span [offset, offset + length), its encoder-cache key (the
   image's SHA-256 and detail: the same image sent twice is encoded once), its encoder inputs
-  (kept for the request's life, so a preempted request that must recompute can re-encode it if
-  the encoder cache dropped it) and its `grid` for the positions hook.
+  (held until a step has its embeddings; a request preempted and recomputing after the encoder
+  cache dropped them makes them again from the image's bytes) and its `grid` for the positions
+  hook.
 * `key_token_ids` -- the prompt as the prefix cache keys it (rein.engine.block_pool keys blocks by
   their exact tokens): each image position holds a negative value derived from the image's key
   (no real token id is negative), so two prompts that differ only in their image never share a
@@ -26,6 +27,8 @@ Torch is imported only for the positions (the model's hook makes them).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -40,17 +43,34 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ImageItem:
-    """One image of a request: positions [offset, offset + length) of its prompt hold its tokens."""
+    """One image of a request: positions [offset, offset + length) of its prompt hold its tokens.
+
+    `pixel_inputs` (the encoder's inputs, a dict of CPU tensors: 24 MB for a 1280-token Qwen2-VL
+    image) are held only until a step has the image's embeddings (`release`, by the model runner);
+    a recompute that finds the encoder cache without them makes them again from the image
+    (`inputs`, through `reload`)."""
 
     offset: int
     length: int
     key: str                              # encoder-cache key: sha256 + ":" + detail
     pixel_inputs: dict[str, Any] = field(repr=False, hash=False, compare=False)
     grid: Any = None                      # the positions hook's input (Qwen2-VL: (t, h, w))
+    reload: Callable[[], dict[str, Any]] | None = field(default=None, repr=False, hash=False, compare=False)
 
     @property
     def end(self) -> int:
         return self.offset + self.length
+
+    def inputs(self) -> dict[str, Any]:
+        """The encoder's inputs for this image, made again if they were released."""
+        if not self.pixel_inputs and self.reload is not None:
+            self.pixel_inputs.update(self.reload())
+        return self.pixel_inputs
+
+    def release(self) -> None:
+        """Drop the encoder's inputs (the image's embeddings are in the encoder cache)."""
+        if self.reload is not None:
+            self.pixel_inputs.clear()
 
 
 @dataclass(frozen=True)
@@ -128,7 +148,8 @@ def prepare_images(token_ids: list[int], images: list[ImageInput], model: Any,
                 f"image {index} takes {tokens} tokens at detail {image.detail!r}, but the prompt holds {length} "
                 f"image tokens for it: expand the prompt with the model's processor at the same detail",
                 param="messages")
-        items.append(ImageItem(offset, length, image_key(image), pixels, processor.grid(pixels)))
+        items.append(ImageItem(offset, length, image_key(image), pixels, processor.grid(pixels),
+                               functools.partial(_pixel_inputs, processor, image, max_pixels)))
     keys = list(token_ids)
     for item in items:
         value = key_value(item.key)
@@ -136,6 +157,10 @@ def prepare_images(token_ids: list[int], images: list[ImageInput], model: Any,
     mrope = model.mrope_positions(token_ids, [item.grid for item in items])
     positions, delta = mrope if mrope is not None else (None, 0)
     return RequestImages(tuple(items), tuple(keys), positions, int(delta))
+
+
+def _pixel_inputs(processor: VisionProcessor, image: ImageInput, max_pixels: int) -> dict[str, Any]:
+    return processor.pixel_inputs(open_image(image.data, max_pixels=max_pixels), image.detail)
 
 
 def step_positions(images: RequestImages | None, start: int, end: int) -> torch.Tensor | None:

@@ -286,3 +286,25 @@ def test_low_detail_matches_transformers(model_dir, hf_model):
                              mm_token_type_ids=(ids == vp.image_token_id).int(), max_new_tokens=5, do_sample=False,
                              **pixels)[0, ids.shape[1]:].tolist()
     assert tokens == want
+
+
+def test_expand_equals_the_transformers_processor(model_dir):
+    """`expand` against transformers' own Qwen2VLProcessor.__call__ (built without its video
+    processor, which needs torchvision), several sizes: the same ids, and the token counts
+    `count_tokens` computes without preprocessing equal the image processor's grids."""
+    from transformers import AutoImageProcessor, AutoTokenizer, Qwen2VLProcessor
+
+    vp = engine(model_dir).vision_processor
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    hf = Qwen2VLProcessor.__new__(Qwen2VLProcessor)
+    hf.image_processor, hf.tokenizer, hf.video_processor, hf.chat_template = (
+        AutoImageProcessor.from_pretrained(str(model_dir)), tokenizer, None, None)
+    hf.image_token, hf.video_token = "<|image_pad|>", "<|video_pad|>"
+    hf.image_token_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    hf.video_token_id = tokenizer.convert_tokens_to_ids("<|video_pad|>")
+    images = [open_image(png(80 + i, size)) for i, size in enumerate([(56, 56), (57, 300), (640, 480), (30, 30)])]
+    text = chat(f"{IMAGE} one {IMAGE} two {IMAGE} three {IMAGE}")
+    want = hf(text=[text], images=images, return_tensors="pt")
+    got = vp.expand(text, images)
+    assert got.token_ids == want["input_ids"][0].tolist()
+    assert got.image_token_counts == (want["image_grid_thw"].prod(-1) // 4).tolist()
