@@ -67,7 +67,7 @@ def test_spec_has_windows_and_two_ropes(model_dir):
     assert spec.local_rope_theta == 10_000.0 and spec.rope_theta == 1_000_000.0 and spec.tie_word_embeddings
 
 
-@pytest.mark.parametrize("setting", ["plain", "chunked", "preempt"])
+@pytest.mark.parametrize("setting", ["plain", "chunked", "preempt", "no_encoder_cache"])
 def test_greedy_matches_transformers(model_dir, reference, setting):
     eng = check_parity(model_dir, reference, FAMILY, setting)
     assert eng.runner.model.image_tokens_whole_chunk

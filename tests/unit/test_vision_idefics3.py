@@ -55,7 +55,7 @@ def test_encoder_matches_transformers(model_dir, family):
     encoder_matches_hf(model_dir, family)
 
 
-@pytest.mark.parametrize("setting", ["plain", "chunked", "preempt"])
+@pytest.mark.parametrize("setting", ["plain", "chunked", "preempt", "no_encoder_cache"])
 def test_greedy_matches_transformers(model_dir, reference, family, setting):
     check_parity(model_dir, reference, family, setting)
 

@@ -53,7 +53,7 @@ def test_encoder_matches_transformers(model_dir):
     encoder_matches_hf(model_dir, FAMILY)
 
 
-@pytest.mark.parametrize("setting", ["plain", "chunked", "preempt"])
+@pytest.mark.parametrize("setting", ["plain", "chunked", "preempt", "no_encoder_cache"])
 def test_greedy_matches_transformers(model_dir, reference, setting):
     check_parity(model_dir, reference, FAMILY, setting)
 

@@ -20,6 +20,8 @@ SETTINGS = {
     "plain": {},
     "chunked": {"max_num_batched_tokens": 16, "max_num_encoder_tokens": 8, "block_size": 4},
     "preempt": {"max_num_batched_tokens": 48, "block_size": 4},
+    # An encoder cache smaller than any image: every chunk of an image encodes it again.
+    "no_encoder_cache": {"max_num_batched_tokens": 16, "block_size": 4, "encoder_cache_tokens": 2},
 }
 
 
