@@ -5,7 +5,8 @@ Auto classes and with rein; see rein.fixtures.tiny_model. `--embedding` writes a
 shaped like Qwen3-Embedding (sentence-transformers pooling files; `--pooling` picks the
 pooling, last token by default; the arch defaults to qwen3). `--thinking` gives the tokenizer
 <think> and </think> tokens and Qwen3's chat template (a reasoning model's, for --reasoning-parser).
-`--arch qwen2_vl | qwen2_5_vl` writes a vision-language model (rein.fixtures.tiny_vision: its
+`--arch qwen2_vl | qwen2_5_vl | llava | idefics3 | smolvlm | gemma3` (Gemma 3 with vision) writes a
+vision-language model (rein.fixtures.tiny_vision: its
 processor files and a chat template writing the image placeholders). torch is imported only when the command runs, so `rein --help` stays fast.
 """
 
@@ -23,7 +24,7 @@ from rein.fixtures.tiny_model import (
 )
 
 # rein.fixtures.tiny_vision's families (imported when the command runs: it needs transformers).
-VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl")
+VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl", "llava", "idefics3", "smolvlm", "gemma3")
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -127,7 +127,10 @@ def prepare_images(token_ids: list[int], images: list[ImageInput], model: Any,
         if not isinstance(image, ImageInput):
             raise EngineRequestError(f"images must be ImageInput values (rein.core.images), got "
                                      f"{type(image).__name__}", param="messages")
-    spans = image_spans(token_ids, model.image_token_id)
+    # A family whose image is more than one run of its image token (Idefics3: tiles between
+    # markers) says where its images are; the others are runs of the image token.
+    spans = processor.image_spans(token_ids) if hasattr(processor, "image_spans") \
+        else image_spans(token_ids, model.image_token_id)
     if len(spans) != len(images):
         raise EngineRequestError(
             f"the prompt holds {len(spans)} image(s) (runs of image token {model.image_token_id}) but the request "

@@ -29,6 +29,11 @@ SUPPORTED_ARCHITECTURES = {
     # Vision-language (rein.model.vision): the Qwen2 text model with M-RoPE, and a vision tower.
     "Qwen2VLForConditionalGeneration": "qwen2_vl",
     "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
+    # Vision-language with a Llama / Gemma 3 text model (rein.model.vision.family_spec)
+    "LlavaForConditionalGeneration": "llava",
+    "Idefics3ForConditionalGeneration": "idefics3",
+    "SmolVLMForConditionalGeneration": "smolvlm",
+    "Gemma3ForConditionalGeneration": "gemma3_vision",
 }
 # Families that take images: their config.json nests the text model's fields in `text_config`
 # (transformers 5) or keeps them at the top level (older checkpoints); `vision_config` is whole
@@ -124,15 +129,24 @@ class ModelSpec:
         if not architectures and config.get("model_type"):
             # As transformers' Auto classes do: no architectures (GGUF-derived and hand-made
             # configs) means the model_type's causal LM.
-            by_type = {MODEL_TYPES[family]: name for name, family in SUPPORTED_ARCHITECTURES.items()}
+            by_type = {MODEL_TYPES[family]: name for name, family in SUPPORTED_ARCHITECTURES.items()
+                       if family in MODEL_TYPES}   # the vision families always name theirs
             architectures = [by_type.get(config["model_type"], f"model_type {config['model_type']!r}")]
         arch = next((a for a in architectures if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
+            from rein.model.vision.family_spec import UNSUPPORTED, unsupported_reason
+
+            if config.get("model_type") in UNSUPPORTED:   # a vision model rein knows it cannot run: why
+                raise UnsupportedModelError(unsupported_reason(config["model_type"]))
             raise UnsupportedModelError(
                 f"architecture {', '.join(architectures) or '(none given)'} is not supported; "
                 f"rein runs: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        if family in ("llava", "idefics3", "smolvlm", "gemma3_vision"):
+            from rein.model.vision.family_spec import vision_family_spec
+
+            return vision_family_spec(config, generation, arch)
         full_config = config
         mrope_section = None
         if family in VISION_FAMILIES:
@@ -233,7 +247,7 @@ class ModelSpec:
         sparse_mlp = self.num_experts * (3 * self.hidden_size * self.moe_intermediate_size + self.hidden_size)
         if self.shared_expert_intermediate_size:   # its gated MLP and its 1-wide sigmoid gate
             sparse_mlp += 3 * self.hidden_size * self.shared_expert_intermediate_size + self.hidden_size
-        norms = 4 if self.family == "gemma3" else 2   # Gemma 3 norms before and after both halves
+        norms = 4 if self.family in ("gemma3", "gemma3_vision") else 2   # Gemma 3 norms before and after both halves
         per_layer = attn + norms * self.hidden_size
         mlps = sum(sparse_mlp if sparse else dense_mlp for sparse in self.sparse_layers)
         embed = self.vocab_size * self.hidden_size

@@ -22,6 +22,10 @@ NATIVE_MODELS = {
     "olmoe": "rein.model.architectures.moe_family:MoeFamilyModel",
     "qwen2_vl": "rein.model.vision.qwen2_vl:Qwen2VLModel",
     "qwen2_5_vl": "rein.model.vision.qwen2_vl:Qwen2VLModel",
+    "llava": "rein.model.vision.llava:LlavaModel",
+    "idefics3": "rein.model.vision.idefics3:Idefics3Model",
+    "smolvlm": "rein.model.vision.idefics3:Idefics3Model",
+    "gemma3_vision": "rein.model.vision.gemma3_vision:Gemma3VisionModel",
 }
 
 

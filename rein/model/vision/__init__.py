@@ -1,6 +1,9 @@
 """Vision-language models: the model-side protocol the engine drives (`base`), the image
 processor that turns a prompt's images into token ids and encoder inputs (`processor`), and the
-families rein runs (Qwen2-VL / Qwen2.5-VL: `qwen2_vl`).
+families rein runs (Qwen2-VL / Qwen2.5-VL: `qwen2_vl`; LLaVA: `llava`; Idefics3 / SmolVLM:
+`idefics3`; Gemma 3 with vision: `gemma3_vision`, with their processors in `family_processors`,
+encoders in `encoders` over transformers' modules (`hf_parts`), and their spec, the text model's,
+from `family_spec`).
 
 Adding a family (LLaVA, Idefics3 / SmolVLM, Gemma 3, ...) touches these places, nothing in the
 engine:

@@ -185,8 +185,10 @@ def load_vision_processor(model_dir: str | Path, tokenizer: Any = None) -> Visio
         return None
     model_type = json.loads(config_path.read_text()).get("model_type")
     cls = PROCESSORS.get(model_type)
-    if cls is None:
-        return None
+    if cls is None:   # LLaVA, Idefics3 / SmolVLM, Gemma 3 (None for a text-only model)
+        from rein.model.vision.family_processors import load_family_processor
+
+        return load_family_processor(Path(model_dir), model_type, tokenizer)
     from transformers import AutoImageProcessor, AutoTokenizer
 
     if tokenizer is None:
