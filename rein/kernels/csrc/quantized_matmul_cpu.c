@@ -10,6 +10,18 @@
  *     bits 4: q uint8 [panel][k][8], byte j = row j (low nibble) | row j + 8 (high nibble)
  *     scale, offset: float32 [panel][k / group][16]
  *
+ * or, for GGUF's 5- and 6-bit types held packed (rein/kernels/packed_bits.py), with GGUF's
+ * two-level scales and an integer zero:
+ *
+ *     w[n, k] = scale_g[n, k / group] * (q[n, k] - zero) + offset_g[n, k / group]
+ *     bits 5, 6: q uint8 [panel][k][2 * bits]: the 8 nibble bytes above, then one 16-bit plane
+ *                per high bit (bit j: row j's bit 4, then bit 5)
+ *     scale_g = float16 scale [panel][k / block][16] x int8 scale_sub [panel][k / group][16]
+ *     (no sub: x 1), offset_g likewise (or none)
+ *
+ * -- the group's scale and offset are made once per group in a 16-float buffer, the column's
+ * high bits join its nibbles with a masked add (AVX-512) or a shift and OR (AVX2) per plane.
+ *
  * -- so one load and one conversion give one column of a panel as a vector of 16 floats (one
  * AVX-512 register, two AVX2 ones), ready to multiply by a broadcast activation: the inner loop
  * of a register-tiled sgemm, with no transposition and no horizontal sums. Decode (a few rows)
@@ -25,6 +37,9 @@
 #include <string.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+#if defined(__F16C__) && !defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -66,12 +81,90 @@ typedef float vf;
 /* Below this many weights a call is not worth waking a thread team for. */
 #define PARALLEL_MIN_WEIGHTS 65536
 
+/* A panel's scales and offsets, in one of the two forms above. */
+typedef struct {
+    const float *scale, *offset;              /* bits 4, 8: float32 [groups][16] */
+    const uint16_t *scale_hi, *offset_hi;     /* bits 5, 6: float16 [blocks][16] */
+    const int8_t *scale_sub, *offset_sub;     /* bits 5, 6: int8 [groups][16], or NULL */
+    int64_t ratio;                            /* groups per block */
+    float zero;
+} scales_t;
+
+static inline float half_to_float(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    uint32_t bits;
+    float f;
+    if (exp == 0) {   /* zero or subnormal: man x 2^-24, exact in float */
+        f = (float)man * (1.0f / 16777216.0f);
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    } else if (exp == 31) {
+        bits = sign | 0x7F800000u | (man << 13);
+    } else {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* 16 float16 -> float32. */
+static inline void halves(const uint16_t *h, float *out) {
+#if VL == 16
+    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
+#elif defined(__F16C__)
+    for (int v = 0; v < 2; v++) _mm256_storeu_ps(out + 8 * v, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8 * v))));
+#else
+    for (int j = 0; j < PANEL; j++) out[j] = half_to_float(h[j]);
+#endif
+}
+
+/* Group g's 16 scales and offsets: pointers into the float32 form, or made in sbuf / obuf from
+ * the two-level form with the zero folded into the offset (scale * q + (offset - zero * scale)). */
+static inline __attribute__((always_inline)) void group_scales(const scales_t *sc, int packed, int64_t g,
+                                                               float *sbuf, float *obuf, const float **s,
+                                                               const float **o) {
+    if (!packed) {
+        *s = sc->scale + g * PANEL;
+        *o = sc->offset ? sc->offset + g * PANEL : NULL;
+        return;
+    }
+    const int64_t b = g / sc->ratio;
+    halves(sc->scale_hi + b * PANEL, sbuf);
+    if (sc->scale_sub)
+        for (int j = 0; j < PANEL; j++) sbuf[j] *= (float)sc->scale_sub[g * PANEL + j];
+    if (sc->offset_hi) {
+        halves(sc->offset_hi + b * PANEL, obuf);
+        if (sc->offset_sub)
+            for (int j = 0; j < PANEL; j++) obuf[j] *= (float)sc->offset_sub[g * PANEL + j];
+    } else {
+        for (int j = 0; j < PANEL; j++) obuf[j] = 0.0f;
+    }
+    if (sc->zero != 0.0f)
+        for (int j = 0; j < PANEL; j++) obuf[j] -= sc->zero * sbuf[j];
+    *s = sbuf;
+    *o = sc->offset_hi || sc->zero != 0.0f ? obuf : NULL;
+}
+
 /* Column k of a panel as NV vectors of floats: scale * q + offset (s, o: the group's 16 each). */
 static inline __attribute__((always_inline)) void column(const uint8_t *q, int bits, int64_t k, const float *s,
                                                          const float *o, vf *w) {
 #if VL == 16
     __m128i ints;
-    if (bits == 4) {
+    if (bits == 5 || bits == 6) {
+        const uint8_t *c = q + k * (2 * bits);
+        const __m128i packed = _mm_loadl_epi64((const __m128i *)c);
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        __m512i i32 = _mm512_cvtepu8_epi32(
+            _mm_unpacklo_epi64(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
+        uint16_t plane;
+        memcpy(&plane, c + 8, 2);
+        i32 = _mm512_mask_add_epi32(i32, (__mmask16)plane, i32, _mm512_set1_epi32(16));
+        if (bits == 6) {
+            memcpy(&plane, c + 10, 2);
+            i32 = _mm512_mask_add_epi32(i32, (__mmask16)plane, i32, _mm512_set1_epi32(32));
+        }
+        w[0] = _mm512_cvtepi32_ps(i32);
+    } else if (bits == 4) {
         const __m128i packed = _mm_loadl_epi64((const __m128i *)(q + k * 8));
         const __m128i mask = _mm_set1_epi8(0x0F);
         ints = _mm_unpacklo_epi64(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
@@ -82,7 +175,26 @@ static inline __attribute__((always_inline)) void column(const uint8_t *q, int b
     }
     w[0] = o ? V_FMA(w[0], V_LOAD(s), V_LOAD(o)) : _mm512_mul_ps(w[0], V_LOAD(s));
 #elif VL == 8
-    if (bits == 4) {
+    if (bits == 5 || bits == 6) {
+        const uint8_t *c = q + k * (2 * bits);
+        const __m128i packed = _mm_loadl_epi64((const __m128i *)c);
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        __m256i half[2] = {_mm256_cvtepu8_epi32(_mm_and_si128(packed, mask)),
+                           _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask))};
+        for (int p = 0; p < bits - 4; p++) {
+            uint16_t plane;
+            memcpy(&plane, c + 8 + 2 * p, 2);
+            const int bit = 4 + p;
+            for (int v = 0; v < 2; v++) {
+                /* lane j: bit j of this half's byte, moved to bit `bit` */
+                const __m256i spread = _mm256_srlv_epi32(_mm256_set1_epi32(((plane >> (8 * v)) & 0xFF) << bit), lanes);
+                half[v] = _mm256_or_si256(half[v], _mm256_and_si256(spread, _mm256_set1_epi32(1 << bit)));
+            }
+        }
+        w[0] = _mm256_cvtepi32_ps(half[0]);
+        w[1] = _mm256_cvtepi32_ps(half[1]);
+    } else if (bits == 4) {
         const __m128i packed = _mm_loadl_epi64((const __m128i *)(q + k * 8));
         const __m128i mask = _mm_set1_epi8(0x0F);
         w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(packed, mask)));
@@ -95,7 +207,14 @@ static inline __attribute__((always_inline)) void column(const uint8_t *q, int b
         w[v] = o ? V_FMA(w[v], V_LOAD(s + 8 * v), V_LOAD(o + 8 * v)) : _mm256_mul_ps(w[v], V_LOAD(s + 8 * v));
 #else
     for (int j = 0; j < PANEL; j++) {
-        const int value = bits == 4 ? (q[k * 8 + j % 8] >> (j < 8 ? 0 : 4)) & 0x0F : ((const int8_t *)q)[k * 16 + j];
+        int value;
+        if (bits == 5 || bits == 6) {
+            const uint8_t *c = q + k * (2 * bits);
+            value = (c[j % 8] >> (j < 8 ? 0 : 4)) & 0x0F;
+            for (int p = 0; p < bits - 4; p++) value |= ((c[8 + 2 * p + j / 8] >> (j % 8)) & 1) << (4 + p);
+        } else {
+            value = bits == 4 ? (q[k * 8 + j % 8] >> (j < 8 ? 0 : 4)) & 0x0F : ((const int8_t *)q)[k * 16 + j];
+        }
         w[j] = (float)value * s[j] + (o ? o[j] : 0.0f);
     }
 #endif
@@ -104,13 +223,15 @@ static inline __attribute__((always_inline)) void column(const uint8_t *q, int b
 /* out tile [mr x 16] of one panel: x rows 0..mr times the panel, column by column expanded in
  * registers (decode: no buffer, each column used by all mr rows). */
 static inline __attribute__((always_inline)) void fused_tile(const float *x, int64_t x_stride, const uint8_t *q,
-                                                             const float *scale, const float *offset, int64_t cols,
-                                                             int64_t group, int bits, int mr, float *tile) {
+                                                             const scales_t *sc, int64_t cols, int64_t group,
+                                                             int bits, int mr, float *tile) {
     vf acc[MP][NV];
+    float sbuf[PANEL] __attribute__((aligned(64))), obuf[PANEL] __attribute__((aligned(64)));
     for (int i = 0; i < MP; i++)
         for (int v = 0; v < NV; v++) acc[i][v] = V_ZERO();
     for (int64_t g = 0; g < cols / group; g++) {
-        const float *s = scale + g * PANEL, *o = offset ? offset + g * PANEL : NULL;
+        const float *s, *o;
+        group_scales(sc, bits == 5 || bits == 6, g, sbuf, obuf, &s, &o);
         for (int64_t k = g * group; k < (g + 1) * group; k++) {
             vf w[NV];
             column(q, bits, k, s, o, w);
@@ -156,10 +277,12 @@ static inline __attribute__((always_inline)) void dense_tile(const float *x, int
         case 9: CALL(9); break; case 10: CALL(10); break; case 11: CALL(11); break; default: CALL(MP); break; \
     }
 
-static void fused_rows(const float *x, int64_t x_stride, const uint8_t *q, const float *scale, const float *offset,
-                       int64_t cols, int64_t group, int bits, int mr, float *tile) {
-#define FUSED(R) (bits == 4 ? fused_tile(x, x_stride, q, scale, offset, cols, group, 4, R, tile) \
-                            : fused_tile(x, x_stride, q, scale, offset, cols, group, 8, R, tile))
+static void fused_rows(const float *x, int64_t x_stride, const uint8_t *q, const scales_t *sc, int64_t cols,
+                       int64_t group, int bits, int mr, float *tile) {
+#define FUSED(R) (bits == 4   ? fused_tile(x, x_stride, q, sc, cols, group, 4, R, tile) \
+                  : bits == 5 ? fused_tile(x, x_stride, q, sc, cols, group, 5, R, tile) \
+                  : bits == 6 ? fused_tile(x, x_stride, q, sc, cols, group, 6, R, tile) \
+                              : fused_tile(x, x_stride, q, sc, cols, group, 8, R, tile))
     FOR_EACH_ROW_COUNT(FUSED)
 #undef FUSED
 }
@@ -171,10 +294,11 @@ static void dense_rows(const float *x, int64_t x_stride, const float *wt, int64_
 }
 
 /* Panel p of w expanded to float32 into wt [cols][16]. */
-static void expand_panel(const uint8_t *q, const float *scale, const float *offset, int64_t cols, int64_t group,
-                         int bits, float *wt) {
+static void expand_panel(const uint8_t *q, const scales_t *sc, int64_t cols, int64_t group, int bits, float *wt) {
+    float sbuf[PANEL] __attribute__((aligned(64))), obuf[PANEL] __attribute__((aligned(64)));
     for (int64_t g = 0; g < cols / group; g++) {
-        const float *s = scale + g * PANEL, *o = offset ? offset + g * PANEL : NULL;
+        const float *s, *o;
+        group_scales(sc, bits == 5 || bits == 6, g, sbuf, obuf, &s, &o);
         for (int64_t k = g * group; k < (g + 1) * group; k++) {
             vf w[NV];
             column(q, bits, k, s, o, w);
@@ -185,14 +309,10 @@ static void expand_panel(const uint8_t *q, const float *scale, const float *offs
 
 int quantized_panels_mp(void) { return MP; }
 
-/* x [rows, cols] (rows x_stride floats apart) times w [n_out, cols] transposed -> out [rows, n_out]
- * (rows out_stride floats apart), plus bias [n_out] when not NULL. w: the panel layout above,
- * ceil(n_out / 16) panels (the last one's missing rows are zeros, never written out).
- * Returns 0, or -1 for a shape the layout cannot have (group not dividing cols). */
-int quantized_matmul_f32(const float *x, int64_t x_stride, const uint8_t *q, const float *scale,
-                         const float *offset, const float *bias, float *out, int64_t out_stride, int64_t rows,
-                         int64_t n_out, int64_t cols, int64_t group, int bits, int num_threads) {
-    if (group <= 0 || cols % group || (bits != 4 && bits != 8)) return -1;
+/* The product over all panels; `all` points at panel 0's scales, `blocks` per panel row. */
+static int matmul(const float *x, int64_t x_stride, const uint8_t *q, const scales_t *all, const float *bias,
+                  float *out, int64_t out_stride, int64_t rows, int64_t n_out, int64_t cols, int64_t group,
+                  int64_t blocks, int bits, int num_threads) {
     const int64_t panels = (n_out + PANEL - 1) / PANEL, groups = cols / group;
     const int64_t panel_bytes = cols * PANEL * bits / 8;
     const int fused = rows <= MP;   /* one tile of rows: expand in registers, no buffer */
@@ -203,13 +323,20 @@ int quantized_matmul_f32(const float *x, int64_t x_stride, const uint8_t *q, con
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < panels; p++) {
             const uint8_t *qp = q + p * panel_bytes;
-            const float *sp = scale + p * groups * PANEL, *op = offset ? offset + p * groups * PANEL : NULL;
+            const int64_t per_group = p * groups * PANEL, per_block = p * blocks * PANEL;
+            scales_t sc = *all;
+            if (sc.scale) sc.scale += per_group;
+            if (sc.offset) sc.offset += per_group;
+            if (sc.scale_hi) sc.scale_hi += per_block;
+            if (sc.offset_hi) sc.offset_hi += per_block;
+            if (sc.scale_sub) sc.scale_sub += per_group;
+            if (sc.offset_sub) sc.offset_sub += per_group;
             const int64_t n0 = p * PANEL;
             const int np = n_out - n0 < PANEL ? (int)(n_out - n0) : PANEL;
-            if (!fused) expand_panel(qp, sp, op, cols, group, bits, wt);
+            if (!fused) expand_panel(qp, &sc, cols, group, bits, wt);
             for (int64_t m0 = 0; m0 < rows; m0 += MP) {
                 const int mr = rows - m0 < MP ? (int)(rows - m0) : MP;
-                if (fused) fused_rows(x + m0 * x_stride, x_stride, qp, sp, op, cols, group, bits, mr, tile);
+                if (fused) fused_rows(x + m0 * x_stride, x_stride, qp, &sc, cols, group, bits, mr, tile);
                 else dense_rows(x + m0 * x_stride, x_stride, wt, cols, mr, tile);
                 for (int i = 0; i < mr; i++) {
                     float *o = out + (m0 + i) * out_stride + n0;
@@ -220,4 +347,33 @@ int quantized_matmul_f32(const float *x, int64_t x_stride, const uint8_t *q, con
         free(wt);
     }
     return 0;
+}
+
+/* x [rows, cols] (rows x_stride floats apart) times w [n_out, cols] transposed -> out [rows, n_out]
+ * (rows out_stride floats apart), plus bias [n_out] when not NULL. w: the 4- or 8-bit panel
+ * layout above, ceil(n_out / 16) panels (the last one's missing rows are zeros, never written
+ * out). Returns 0, or -1 for a shape the layout cannot have (group not dividing cols). */
+int quantized_matmul_f32(const float *x, int64_t x_stride, const uint8_t *q, const float *scale,
+                         const float *offset, const float *bias, float *out, int64_t out_stride, int64_t rows,
+                         int64_t n_out, int64_t cols, int64_t group, int bits, int num_threads) {
+    if (group <= 0 || cols % group || (bits != 4 && bits != 8)) return -1;
+    const scales_t sc = {scale, offset, NULL, NULL, NULL, NULL, 1, 0.0f};
+    return matmul(x, x_stride, q, &sc, bias, out, out_stride, rows, n_out, cols, group, cols / group, bits,
+                  num_threads);
+}
+
+/* The same for the packed 5- and 6-bit layout: scale_hi and offset_hi (or NULL) float16
+ * [panel][cols / block][16], scale_sub and offset_sub (or NULL) int8 [panel][cols / group][16],
+ * zero the integer subtracted. Returns -1 for a shape the layout cannot have. */
+int quantized_matmul_packed_f32(const float *x, int64_t x_stride, const uint8_t *q, const uint16_t *scale_hi,
+                                const int8_t *scale_sub, const uint16_t *offset_hi, const int8_t *offset_sub,
+                                int zero, const float *bias, float *out, int64_t out_stride, int64_t rows,
+                                int64_t n_out, int64_t cols, int64_t group, int64_t block, int bits,
+                                int num_threads) {
+    if (group <= 0 || block <= 0 || cols % block || block % group || (bits != 5 && bits != 6) || !scale_hi ||
+        (offset_sub && !offset_hi))
+        return -1;
+    const scales_t sc = {NULL, NULL, scale_hi, offset_hi, scale_sub, offset_sub, block / group, (float)zero};
+    return matmul(x, x_stride, q, &sc, bias, out, out_stride, rows, n_out, cols, group, cols / block, bits,
+                  num_threads);
 }
