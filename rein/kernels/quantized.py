@@ -19,8 +19,8 @@ into `QuantizedWeight`, group-wise affine integers:
 
   with the group's scale the product of a float16 per `block` columns and an int8 per group
   (`scale_sub`; absent: 1), the offset likewise -- GGUF's own two-level scales, so these types
-  are held at their file's size: 0.69 bytes a weight for Q5_0 and Q5_K, 0.75 for Q5_1, 0.82
-  for Q6_K (`zero` is 16 for Q5_0, 32 for Q6_K, whose integers are stored unsigned).
+  are held at about their file's size: 0.69 bytes a weight for Q5_0, 0.70 for Q5_K, 0.75 for
+  Q5_1, 0.82 for Q6_K (`zero` is 16 for Q5_0, 32 for Q6_K, whose integers are stored unsigned).
 
 For bits 4 and 8, scale and offset are float32 [N, K / group]: GGUF's Q4_K scales a sub-block by
 the product of two fp16/6-bit numbers, which float16 cannot hold exactly, and float32 keeps
