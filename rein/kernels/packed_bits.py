@@ -7,10 +7,11 @@ Two layouts of the same integers (unsigned, 0..31 or 0..63), one for each kernel
   bytes -- 16 bytes of nibbles exactly as 4-bit weights hold them (byte j: column j low, column
   j + 16 high), then one 4-byte plane per bit above the fourth (bit b of the plane's byte i:
   that bit of column 8i + b). A 5-bit run is 20 bytes, a 6-bit run 24.
-* panels (`CpuPanels`, what the C kernel reads): per column of a 16-row panel, 2 x bits bytes --
-  8 bytes of nibbles (byte j: row j low, row j + 8 high, as 4-bit panels) then one 16-bit
-  little-endian plane per high bit (bit j: row j's). One load and a masked add per plane turn
-  it into 16 integers (csrc/quantized_matmul_cpu.c).
+* panels (`CpuPanels`, what the C kernel reads): per 16-row panel, its nibbles as 4-bit panels
+  hold them (8 bytes a column, byte j: row j low, row j + 8 high), then one plane per high bit,
+  a little-endian uint16 a column (bit j: row j's) -- 2 x bits bytes a column in all. The C
+  kernel expands 16 columns at a time to int8 in L1 (two columns a vector; a plane's bits
+  joined by one masked add) and multiplies them as 8-bit columns (csrc/quantized_matmul_cpu.c).
 
 Packing and unpacking here are torch, run once at load (and by the reference paths).
 """
@@ -62,20 +63,26 @@ def unpack_rows(packed: torch.Tensor, bits: int, rows: int, cols: int) -> torch.
 
 
 def pack_panels(ints: torch.Tensor, bits: int) -> torch.Tensor:
-    """Integers [panels, cols, 16] (a panel's rows side by side) -> uint8 [panels, cols, 2 * bits]."""
+    """Integers [panels, cols, 16] (a panel's rows side by side) -> uint8 [panels, cols * 2 * bits]:
+    each panel's nibbles [cols][8], then its planes, uint16 [cols] each."""
     ints = ints.to(torch.int32)
+    count, cols = ints.shape[:2]
     low = ints & 0x0F
-    nibbles = (low[..., :8] | (low[..., 8:] << 4)).to(torch.uint8)
-    return torch.cat([nibbles, *(_planes(ints, 4 + p) for p in range(bits - 4))], dim=-1)
+    nibbles = (low[..., :8] | (low[..., 8:] << 4)).to(torch.uint8).reshape(count, cols * 8)
+    planes = [_planes(ints, 4 + p).reshape(count, cols * 2) for p in range(bits - 4)]
+    return torch.cat([nibbles, *planes], dim=1)
 
 
-def panel_integers(columns: torch.Tensor, bits: int, lanes: torch.Tensor) -> torch.Tensor:
-    """Row `lanes[i]` of panel columns [n, cols, 2 * bits] (the panel of row i) -> int32 [n, cols]."""
-    b = columns.to(torch.int32)
+def panel_integers(panels: torch.Tensor, bits: int, lanes: torch.Tensor) -> torch.Tensor:
+    """Row `lanes[i]` of panels [n, cols * 2 * bits] (the panel of row i) -> int32 [n, cols]."""
+    n, cols = panels.shape[0], panels.shape[1] // (2 * bits)
+    b = panels.to(torch.int32)
     lane = lanes.view(-1, 1)
-    index = (lane % 8).unsqueeze(-1).expand(-1, b.shape[1], 1)
-    q = (b[..., :8].gather(2, index).squeeze(2) >> (4 * (lane // 8))) & 0x0F
+    nibbles = b[:, :cols * 8].view(n, cols, 8)
+    index = (lane % 8).unsqueeze(-1).expand(-1, cols, 1)
+    q = (nibbles.gather(2, index).squeeze(2) >> (4 * (lane // 8))) & 0x0F
     for p in range(bits - 4):
-        word = b[..., 8 + 2 * p] | (b[..., 9 + 2 * p] << 8)
+        plane = b[:, cols * (8 + 2 * p):cols * (10 + 2 * p)].view(n, cols, 2)
+        word = plane[..., 0] | (plane[..., 1] << 8)
         q = q | (((word >> lane) & 1) << (4 + p))
     return q

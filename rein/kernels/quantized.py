@@ -293,8 +293,8 @@ PACK_SLICE_ROWS = 4096
 class CpuPanels(_HeldIntegers):
     """A QuantizedWeight in the CPU kernel's panel layout (same values; see the C file):
     q [panels, cols, 16] int8 or [panels, cols, 8] uint8 (byte j: row j low, row j + 8 high),
-    or for 5/6 bits uint8 [panels, cols, 2 * bits] (those nibbles, then 16-bit planes of the
-    high bits: rein.kernels.packed_bits); scale and offset [panels, cols / block, 16] (float32,
+    or for 5/6 bits uint8 [panels, cols * 2 * bits] (those nibbles, then a 16-bit plane a column
+    per high bit: rein.kernels.packed_bits); scale and offset [panels, cols / block, 16] (float32,
     float16 for 5/6 bits), scale_sub and offset_sub [panels, cols / group, 16] int8; the last
     panel's missing rows zero."""
 
@@ -317,8 +317,11 @@ class CpuPanels(_HeldIntegers):
     @classmethod
     def from_weight(cls, weight: QuantizedWeight) -> CpuPanels:
         panels = -(-weight.rows // PANEL)
-        width = PANEL * weight.bits // 8
-        q = torch.empty(panels, weight.cols, width, dtype=torch.int8 if weight.bits == 8 else torch.uint8)
+        if weight.packed:   # nibbles, then bit planes, per panel (rein.kernels.packed_bits)
+            q = torch.empty(panels, weight.cols * PANEL * weight.bits // 8, dtype=torch.uint8)
+        else:
+            q = torch.empty(panels, weight.cols, PANEL * weight.bits // 8,
+                            dtype=torch.int8 if weight.bits == 8 else torch.uint8)
 
         def panel_tensor(t):
             return _apply(lambda v: torch.zeros(panels, v.shape[1], PANEL, dtype=v.dtype), t)

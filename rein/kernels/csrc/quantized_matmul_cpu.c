@@ -14,13 +14,14 @@
  * two-level scales and an integer zero:
  *
  *     w[n, k] = scale_g[n, k / group] * (q[n, k] - zero) + offset_g[n, k / group]
- *     bits 5, 6: q uint8 [panel][k][2 * bits]: the 8 nibble bytes above, then one 16-bit plane
- *                per high bit (bit j: row j's bit 4, then bit 5)
+ *     bits 5, 6: q uint8 [panel]: nibbles [k][8] as bits 4 above, then one plane per high bit,
+ *                uint16 [k] each (bit j: row j's bit 4, then bit 5)
  *     scale_g = float16 scale [panel][k / block][16] x int8 scale_sub [panel][k / group][16]
  *     (no sub: x 1), offset_g likewise (or none)
  *
- * -- the group's scale and offset are made once per group in a 16-float buffer, the column's
- * high bits join its nibbles with a masked add (AVX-512) or a shift and OR (AVX2) per plane.
+ * -- the group's scale and offset are made once per group in a 16-float buffer, and 16 columns
+ * at a time are expanded to int8 [16][16] in L1 (nibbles two columns a vector, the high bits
+ * ORed in from their planes by a masked add or a byte shuffle) and multiplied as 8-bit ones.
  *
  * -- so one load and one conversion give one column of a panel as a vector of 16 floats (one
  * AVX-512 register, two AVX2 ones), ready to multiply by a broadcast activation: the inner loop
@@ -57,6 +58,7 @@ typedef __m512 vf;
 #define V_STORE(p, v) _mm512_storeu_ps(p, v)
 #define V_SET1(s) _mm512_set1_ps(s)
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define V_MUL(a, b) _mm512_mul_ps(a, b)
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VL 8
 #define MP 6
@@ -66,6 +68,7 @@ typedef __m256 vf;
 #define V_STORE(p, v) _mm256_storeu_ps(p, v)
 #define V_SET1(s) _mm256_set1_ps(s)
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define V_MUL(a, b) _mm256_mul_ps(a, b)
 #else
 #define VL 1
 #define MP 4
@@ -75,6 +78,7 @@ typedef float vf;
 #define V_STORE(p, v) (*(p) = (v))
 #define V_SET1(s) (s)
 #define V_FMA(a, b, c) ((a) * (b) + (c))
+#define V_MUL(a, b) ((a) * (b))
 #endif
 #define NV (PANEL / VL)
 
@@ -107,16 +111,20 @@ static inline float half_to_float(uint16_t h) {
     return f;
 }
 
-/* 16 float16 -> float32. */
-static inline void halves(const uint16_t *h, float *out) {
+/* VL float16 / int8 -> VL floats. */
 #if VL == 16
-    _mm512_storeu_ps(out, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)));
-#elif defined(__F16C__)
-    for (int v = 0; v < 2; v++) _mm256_storeu_ps(out + 8 * v, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8 * v))));
+#define V_HALVES(p) _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p)))
+#define V_INT8S(p) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p))))
+#elif VL == 8
+#if defined(__F16C__)
+#define V_HALVES(p) _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p)))
 #else
-    for (int j = 0; j < PANEL; j++) out[j] = half_to_float(h[j]);
+#define V_HALVES(p) _mm256_setr_ps(half_to_float((p)[0]), half_to_float((p)[1]), half_to_float((p)[2]), \
+                                   half_to_float((p)[3]), half_to_float((p)[4]), half_to_float((p)[5]), \
+                                   half_to_float((p)[6]), half_to_float((p)[7]))
 #endif
-}
+#define V_INT8S(p) _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p))))
+#endif
 
 /* Group g's 16 scales and offsets: pointers into the float32 form, or made in sbuf / obuf from
  * the two-level form with the zero folded into the offset (scale * q + (offset - zero * scale)). */
@@ -129,18 +137,28 @@ static inline __attribute__((always_inline)) void group_scales(const scales_t *s
         return;
     }
     const int64_t b = g / sc->ratio;
-    halves(sc->scale_hi + b * PANEL, sbuf);
-    if (sc->scale_sub)
-        for (int j = 0; j < PANEL; j++) sbuf[j] *= (float)sc->scale_sub[g * PANEL + j];
-    if (sc->offset_hi) {
-        halves(sc->offset_hi + b * PANEL, obuf);
-        if (sc->offset_sub)
-            for (int j = 0; j < PANEL; j++) obuf[j] *= (float)sc->offset_sub[g * PANEL + j];
-    } else {
-        for (int j = 0; j < PANEL; j++) obuf[j] = 0.0f;
+    const int8_t *ssub = sc->scale_sub ? sc->scale_sub + g * PANEL : NULL;
+    const int8_t *osub = sc->offset_sub ? sc->offset_sub + g * PANEL : NULL;
+#if VL >= 8
+    for (int v = 0; v < NV; v++) {   /* VL lanes at a time: float16 -> float32, x int8, zero folded in */
+        const vf top = V_HALVES(sc->scale_hi + b * PANEL + v * VL);
+        const vf scale = ssub ? V_MUL(top, V_INT8S(ssub + v * VL)) : top;
+        vf offset = V_ZERO();
+        if (sc->offset_hi) {
+            offset = V_HALVES(sc->offset_hi + b * PANEL + v * VL);
+            if (osub) offset = V_MUL(offset, V_INT8S(osub + v * VL));
+        }
+        offset = V_FMA(V_SET1(-sc->zero), scale, offset);
+        V_STORE(sbuf + v * VL, scale);
+        V_STORE(obuf + v * VL, offset);
     }
-    if (sc->zero != 0.0f)
-        for (int j = 0; j < PANEL; j++) obuf[j] -= sc->zero * sbuf[j];
+#else
+    for (int j = 0; j < PANEL; j++) {
+        sbuf[j] = half_to_float(sc->scale_hi[b * PANEL + j]) * (ssub ? (float)ssub[j] : 1.0f);
+        obuf[j] = sc->offset_hi ? half_to_float(sc->offset_hi[b * PANEL + j]) * (osub ? (float)osub[j] : 1.0f) : 0.0f;
+        obuf[j] -= sc->zero * sbuf[j];
+    }
+#endif
     *s = sbuf;
     *o = sc->offset_hi || sc->zero != 0.0f ? obuf : NULL;
 }
@@ -150,21 +168,7 @@ static inline __attribute__((always_inline)) void column(const uint8_t *q, int b
                                                          const float *o, vf *w) {
 #if VL == 16
     __m128i ints;
-    if (bits == 5 || bits == 6) {
-        const uint8_t *c = q + k * (2 * bits);
-        const __m128i packed = _mm_loadl_epi64((const __m128i *)c);
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        __m512i i32 = _mm512_cvtepu8_epi32(
-            _mm_unpacklo_epi64(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
-        uint16_t plane;
-        memcpy(&plane, c + 8, 2);
-        i32 = _mm512_mask_add_epi32(i32, (__mmask16)plane, i32, _mm512_set1_epi32(16));
-        if (bits == 6) {
-            memcpy(&plane, c + 10, 2);
-            i32 = _mm512_mask_add_epi32(i32, (__mmask16)plane, i32, _mm512_set1_epi32(32));
-        }
-        w[0] = _mm512_cvtepi32_ps(i32);
-    } else if (bits == 4) {
+    if (bits == 4) {
         const __m128i packed = _mm_loadl_epi64((const __m128i *)(q + k * 8));
         const __m128i mask = _mm_set1_epi8(0x0F);
         ints = _mm_unpacklo_epi64(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
@@ -175,26 +179,7 @@ static inline __attribute__((always_inline)) void column(const uint8_t *q, int b
     }
     w[0] = o ? V_FMA(w[0], V_LOAD(s), V_LOAD(o)) : _mm512_mul_ps(w[0], V_LOAD(s));
 #elif VL == 8
-    if (bits == 5 || bits == 6) {
-        const uint8_t *c = q + k * (2 * bits);
-        const __m128i packed = _mm_loadl_epi64((const __m128i *)c);
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-        __m256i half[2] = {_mm256_cvtepu8_epi32(_mm_and_si128(packed, mask)),
-                           _mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask))};
-        for (int p = 0; p < bits - 4; p++) {
-            uint16_t plane;
-            memcpy(&plane, c + 8 + 2 * p, 2);
-            const int bit = 4 + p;
-            for (int v = 0; v < 2; v++) {
-                /* lane j: bit j of this half's byte, moved to bit `bit` */
-                const __m256i spread = _mm256_srlv_epi32(_mm256_set1_epi32(((plane >> (8 * v)) & 0xFF) << bit), lanes);
-                half[v] = _mm256_or_si256(half[v], _mm256_and_si256(spread, _mm256_set1_epi32(1 << bit)));
-            }
-        }
-        w[0] = _mm256_cvtepi32_ps(half[0]);
-        w[1] = _mm256_cvtepi32_ps(half[1]);
-    } else if (bits == 4) {
+    if (bits == 4) {
         const __m128i packed = _mm_loadl_epi64((const __m128i *)(q + k * 8));
         const __m128i mask = _mm_set1_epi8(0x0F);
         w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(packed, mask)));
@@ -207,16 +192,59 @@ static inline __attribute__((always_inline)) void column(const uint8_t *q, int b
         w[v] = o ? V_FMA(w[v], V_LOAD(s + 8 * v), V_LOAD(o + 8 * v)) : _mm256_mul_ps(w[v], V_LOAD(s + 8 * v));
 #else
     for (int j = 0; j < PANEL; j++) {
-        int value;
-        if (bits == 5 || bits == 6) {
-            const uint8_t *c = q + k * (2 * bits);
-            value = (c[j % 8] >> (j < 8 ? 0 : 4)) & 0x0F;
-            for (int p = 0; p < bits - 4; p++) value |= ((c[8 + 2 * p + j / 8] >> (j % 8)) & 1) << (4 + p);
-        } else {
-            value = bits == 4 ? (q[k * 8 + j % 8] >> (j < 8 ? 0 : 4)) & 0x0F : ((const int8_t *)q)[k * 16 + j];
-        }
+        const int value = bits == 4 ? (q[k * 8 + j % 8] >> (j < 8 ? 0 : 4)) & 0x0F : ((const int8_t *)q)[k * 16 + j];
         w[j] = (float)value * s[j] + (o ? o[j] : 0.0f);
     }
+#endif
+}
+
+/* Columns k0..k0 + 15 of a 5/6-bit panel (q: the panel's bytes, cols its columns) as int8
+ * [16 columns][16 rows] in buf (0..63, the 8-bit panel layout). */
+#define EXPAND 16
+static inline __attribute__((always_inline)) void expand_packed(const uint8_t *q, int64_t cols, int bits, int64_t k0,
+                                                                int8_t *buf) {
+    const uint8_t *nib = q + k0 * 8;
+#if VL >= 8
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+#if !(defined(__AVX512BW__) && defined(__AVX512VL__))
+    /* byte i of a 2-column vector: bit (i % 8) of the plane byte (i / 8) -- a per-lane shuffle */
+    const __m256i spread = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1,
+                                            2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    const __m256i select = _mm256_set1_epi64x(0x8040201008040201LL);
+#endif
+    for (int c = 0; c < EXPAND; c += 4) {
+        /* 4 columns' nibbles: per 128-bit lane, column c (lo 8, hi 8) and c + 2, then c + 1 and c + 3 */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(nib + c * 8));
+        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        const __m256i even = _mm256_unpacklo_epi64(lo, hi), odd = _mm256_unpackhi_epi64(lo, hi);
+        __m256i pair[2] = {_mm256_permute2x128_si256(even, odd, 0x20), _mm256_permute2x128_si256(even, odd, 0x31)};
+        for (int p = 0; p < bits - 4; p++) {
+            const uint8_t *plane = q + cols * 8 + p * cols * 2 + (k0 + c) * 2;
+            for (int h = 0; h < 2; h++) {
+                uint32_t m;   /* columns c + 2h and c + 2h + 1: 32 rows' bits */
+                memcpy(&m, plane + 4 * h, 4);
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+                pair[h] = _mm256_mask_add_epi8(pair[h], (__mmask32)m, pair[h], _mm256_set1_epi8((char)(16 << p)));
+#else
+                const __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int)m), spread);
+                const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, select), select);
+                pair[h] = _mm256_or_si256(pair[h], _mm256_and_si256(set, _mm256_set1_epi8((char)(16 << p))));
+#endif
+            }
+        }
+        _mm256_storeu_si256((__m256i *)(buf + c * 16), pair[0]);
+        _mm256_storeu_si256((__m256i *)(buf + c * 16 + 32), pair[1]);
+    }
+#else
+    for (int c = 0; c < EXPAND; c++)
+        for (int j = 0; j < PANEL; j++) {
+            int value = (nib[c * 8 + j % 8] >> (j < 8 ? 0 : 4)) & 0x0F;
+            for (int p = 0; p < bits - 4; p++) {
+                const uint8_t *plane = q + cols * 8 + p * cols * 2 + (k0 + c) * 2;
+                value |= ((plane[j / 8] >> (j % 8)) & 1) << (4 + p);
+            }
+            buf[c * 16 + j] = (int8_t)value;
+        }
 #endif
 }
 
@@ -229,17 +257,24 @@ static inline __attribute__((always_inline)) void fused_tile(const float *x, int
     float sbuf[PANEL] __attribute__((aligned(64))), obuf[PANEL] __attribute__((aligned(64)));
     for (int i = 0; i < MP; i++)
         for (int v = 0; v < NV; v++) acc[i][v] = V_ZERO();
+    const int packed = bits == 5 || bits == 6;
+    const int64_t step = packed ? EXPAND : group;   /* columns expanded at a time (packed: to int8 in L1) */
+    int8_t ints[EXPAND * PANEL] __attribute__((aligned(64)));
     for (int64_t g = 0; g < cols / group; g++) {
         const float *s, *o;
-        group_scales(sc, bits == 5 || bits == 6, g, sbuf, obuf, &s, &o);
-        for (int64_t k = g * group; k < (g + 1) * group; k++) {
-            vf w[NV];
-            column(q, bits, k, s, o, w);
-            #pragma GCC unroll 12
-            for (int i = 0; i < MP; i++) {
-                if (i < mr) {
-                    const vf xb = V_SET1(x[i * x_stride + k]);
-                    for (int v = 0; v < NV; v++) acc[i][v] = V_FMA(w[v], xb, acc[i][v]);
+        group_scales(sc, packed, g, sbuf, obuf, &s, &o);
+        for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += step) {
+            if (packed) expand_packed(q, cols, bits, k0, ints);
+            for (int64_t k = k0; k < k0 + step; k++) {
+                vf w[NV];
+                if (packed) column((const uint8_t *)ints, 8, k - k0, s, o, w);
+                else column(q, bits, k, s, o, w);
+                #pragma GCC unroll 12
+                for (int i = 0; i < MP; i++) {
+                    if (i < mr) {
+                        const vf xb = V_SET1(x[i * x_stride + k]);
+                        for (int v = 0; v < NV; v++) acc[i][v] = V_FMA(w[v], xb, acc[i][v]);
+                    }
                 }
             }
         }
@@ -296,13 +331,20 @@ static void dense_rows(const float *x, int64_t x_stride, const float *wt, int64_
 /* Panel p of w expanded to float32 into wt [cols][16]. */
 static void expand_panel(const uint8_t *q, const scales_t *sc, int64_t cols, int64_t group, int bits, float *wt) {
     float sbuf[PANEL] __attribute__((aligned(64))), obuf[PANEL] __attribute__((aligned(64)));
+    const int packed = bits == 5 || bits == 6;
+    const int64_t step = packed ? EXPAND : group;   /* columns expanded at a time (packed: to int8 in L1) */
+    int8_t ints[EXPAND * PANEL] __attribute__((aligned(64)));
     for (int64_t g = 0; g < cols / group; g++) {
         const float *s, *o;
-        group_scales(sc, bits == 5 || bits == 6, g, sbuf, obuf, &s, &o);
-        for (int64_t k = g * group; k < (g + 1) * group; k++) {
-            vf w[NV];
-            column(q, bits, k, s, o, w);
-            for (int v = 0; v < NV; v++) V_STORE(wt + k * PANEL + v * VL, w[v]);
+        group_scales(sc, packed, g, sbuf, obuf, &s, &o);
+        for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += step) {
+            if (packed) expand_packed(q, cols, bits, k0, ints);
+            for (int64_t k = k0; k < k0 + step; k++) {
+                vf w[NV];
+                if (packed) column((const uint8_t *)ints, 8, k - k0, s, o, w);
+                else column(q, bits, k, s, o, w);
+                for (int v = 0; v < NV; v++) V_STORE(wt + k * PANEL + v * VL, w[v]);
+            }
         }
     }
 }
@@ -370,7 +412,7 @@ int quantized_matmul_packed_f32(const float *x, int64_t x_stride, const uint8_t 
                                 int zero, const float *bias, float *out, int64_t out_stride, int64_t rows,
                                 int64_t n_out, int64_t cols, int64_t group, int64_t block, int bits,
                                 int num_threads) {
-    if (group <= 0 || block <= 0 || cols % block || block % group || (bits != 5 && bits != 6) || !scale_hi ||
+    if (group <= 0 || group % EXPAND || block <= 0 || cols % block || block % group || (bits != 5 && bits != 6) || !scale_hi ||
         (offset_sub && !offset_hi))
         return -1;
     const scales_t sc = {NULL, NULL, scale_hi, offset_hi, scale_sub, offset_sub, block / group, (float)zero};
