@@ -39,7 +39,7 @@ def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0):
 def time_calls(calls: dict, repeats: int) -> dict[str, tuple[float, float]]:
     """(fastest, median) seconds of each call, interleaved."""
     times: dict[str, list[float]] = {name: [] for name in calls}
-    for name, call in calls.items():   # warm-up (and the library's build)
+    for call in calls.values():   # warm-up (and the library's build)
         call()
     for _ in range(repeats):
         for name, call in calls.items():
@@ -83,8 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 got, want = cpu_native.quantized_matmul(x, packed), cpu_native.quantized_matmul(x, old)
                 if not torch.allclose(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item()):
                     raise SystemExit(f"{type_name} {shape}: the packed and 8-bit products differ")
-                med = time_calls({"packed": lambda: cpu_native.quantized_matmul(x, packed),
-                                  "8bit": lambda: cpu_native.quantized_matmul(x, old)}, args.repeats)
+                med = time_calls({"packed": lambda x=x, w=packed: cpu_native.quantized_matmul(x, w),
+                                  "8bit": lambda x=x, w=old: cpu_native.quantized_matmul(x, w)}, args.repeats)
                 row = {"type": type_name, "rows": rows, "cols": cols, "batch": batch,
                        "packed_ms": med["packed"][0] * 1e3, "8bit_ms": med["8bit"][0] * 1e3,
                        "packed_median_ms": med["packed"][1] * 1e3, "8bit_median_ms": med["8bit"][1] * 1e3,

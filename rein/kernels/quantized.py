@@ -338,7 +338,7 @@ class CpuPanels(_HeldIntegers):
                 q[p0:p0 + count] = packed_bits.pack_panels(ints, weight.bits)
             else:
                 q[p0:p0 + count] = (ints[..., :8] | (ints[..., 8:] << 4)).to(torch.uint8)
-            for mine, theirs in zip(held, part.held()[1:]):
+            for mine, theirs in zip(held, part.held()[1:], strict=True):
                 if mine is not None:
                     padded = torch.nn.functional.pad(theirs, (0, 0, 0, pad))
                     mine[p0:p0 + count] = padded.view(count, PANEL, -1).transpose(1, 2)
