@@ -204,7 +204,24 @@ static inline __attribute__((always_inline)) void column(const uint8_t *q, int b
 static inline __attribute__((always_inline)) void expand_packed(const uint8_t *q, int64_t cols, int bits, int64_t k0,
                                                                 int8_t *buf) {
     const uint8_t *nib = q + k0 * 8;
-#if VL >= 8
+#if VL == 16 && defined(__AVX512BW__)
+    /* 4 columns a 512-bit vector: their 32 nibble bytes split and put in column order, then each
+     * plane's 64 bits (4 columns' words, contiguous) added under a byte mask */
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    for (int c = 0; c < EXPAND; c += 4) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(nib + c * 8));
+        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi64(lo, hi)),
+                                                 _mm256_unpackhi_epi64(lo, hi), 1);   /* c, c+2, c+1, c+3 */
+        __m512i four = _mm512_shuffle_i64x2(lanes, lanes, _MM_SHUFFLE(3, 1, 2, 0));
+        for (int p = 0; p < bits - 4; p++) {
+            uint64_t m;
+            memcpy(&m, q + cols * 8 + p * cols * 2 + (k0 + c) * 2, 8);
+            four = _mm512_mask_add_epi8(four, (__mmask64)m, four, _mm512_set1_epi8((char)(16 << p)));
+        }
+        _mm512_storeu_si512((void *)(buf + c * 16), four);
+    }
+#elif VL >= 8
     const __m256i mask = _mm256_set1_epi8(0x0F);
 #if !(defined(__AVX512BW__) && defined(__AVX512VL__))
     /* byte i of a 2-column vector: bit (i % 8) of the plane byte (i / 8) -- a per-lane shuffle */
