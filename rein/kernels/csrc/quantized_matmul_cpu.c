@@ -198,6 +198,27 @@ static inline __attribute__((always_inline)) void column(const uint8_t *q, int b
 #endif
 }
 
+#if VL == 16 && defined(__AVX512BW__)
+/* Columns k..k + 3 of a 5/6-bit panel as int8 in one 512-bit vector, column by 128-bit lane:
+ * their 32 nibble bytes split and put in column order, then each plane's 64 bits (the 4
+ * columns' words, contiguous) added under a byte mask. */
+static inline __attribute__((always_inline)) __m512i expand_four(const uint8_t *q, int64_t cols, int bits,
+                                                                 int64_t k) {
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)(q + k * 8));
+    const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+    const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi64(lo, hi)),
+                                             _mm256_unpackhi_epi64(lo, hi), 1);   /* k, k+2, k+1, k+3 */
+    __m512i four = _mm512_shuffle_i64x2(lanes, lanes, _MM_SHUFFLE(3, 1, 2, 0));
+    for (int p = 0; p < bits - 4; p++) {
+        uint64_t m;
+        memcpy(&m, q + cols * 8 + p * cols * 2 + k * 2, 8);
+        four = _mm512_mask_add_epi8(four, (__mmask64)m, four, _mm512_set1_epi8((char)(16 << p)));
+    }
+    return four;
+}
+#endif
+
 /* Columns k0..k0 + 15 of a 5/6-bit panel (q: the panel's bytes, cols its columns) as int8
  * [16 columns][16 rows] in buf (0..63, the 8-bit panel layout). */
 #define EXPAND 16
@@ -205,22 +226,7 @@ static inline __attribute__((always_inline)) void expand_packed(const uint8_t *q
                                                                 int8_t *buf) {
     const uint8_t *nib = q + k0 * 8;
 #if VL == 16 && defined(__AVX512BW__)
-    /* 4 columns a 512-bit vector: their 32 nibble bytes split and put in column order, then each
-     * plane's 64 bits (4 columns' words, contiguous) added under a byte mask */
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    for (int c = 0; c < EXPAND; c += 4) {
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(nib + c * 8));
-        const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-        const __m512i lanes = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_unpacklo_epi64(lo, hi)),
-                                                 _mm256_unpackhi_epi64(lo, hi), 1);   /* c, c+2, c+1, c+3 */
-        __m512i four = _mm512_shuffle_i64x2(lanes, lanes, _MM_SHUFFLE(3, 1, 2, 0));
-        for (int p = 0; p < bits - 4; p++) {
-            uint64_t m;
-            memcpy(&m, q + cols * 8 + p * cols * 2 + (k0 + c) * 2, 8);
-            four = _mm512_mask_add_epi8(four, (__mmask64)m, four, _mm512_set1_epi8((char)(16 << p)));
-        }
-        _mm512_storeu_si512((void *)(buf + c * 16), four);
-    }
+    for (int c = 0; c < EXPAND; c += 4) _mm512_storeu_si512((void *)(buf + c * 16), expand_four(q, cols, bits, k0 + c));
 #elif VL >= 8
     const __m256i mask = _mm256_set1_epi8(0x0F);
 #if !(defined(__AVX512BW__) && defined(__AVX512VL__))
@@ -275,6 +281,30 @@ static inline __attribute__((always_inline)) void fused_tile(const float *x, int
     for (int i = 0; i < MP; i++)
         for (int v = 0; v < NV; v++) acc[i][v] = V_ZERO();
     const int packed = bits == 5 || bits == 6;
+#if VL == 16 && defined(__AVX512BW__)
+    if (packed) {   /* 4 columns at a time, expanded and used in registers */
+        for (int64_t g = 0; g < cols / group; g++) {
+            const float *s, *o;
+            group_scales(sc, packed, g, sbuf, obuf, &s, &o);
+            const vf sv = V_LOAD(s), ov = o ? V_LOAD(o) : V_ZERO();
+            for (int64_t k = g * group; k < (g + 1) * group; k += 4) {
+                const __m512i four = expand_four(q, cols, bits, k);
+                const vf w[4] = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 0))),
+                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 1))),
+                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 2))),
+                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 3)))};
+                for (int j = 0; j < 4; j++) {
+                    const vf wj = V_FMA(w[j], sv, ov);
+                    #pragma GCC unroll 12
+                    for (int i = 0; i < MP; i++)
+                        if (i < mr) acc[i][0] = V_FMA(wj, V_SET1(x[i * x_stride + k + j]), acc[i][0]);
+                }
+            }
+        }
+        for (int i = 0; i < mr; i++) V_STORE(tile + i * PANEL, acc[i][0]);
+        return;
+    }
+#endif
     const int64_t step = packed ? EXPAND : group;   /* columns expanded at a time (packed: to int8 in L1) */
     int8_t ints[EXPAND * PANEL] __attribute__((aligned(64)));
     for (int64_t g = 0; g < cols / group; g++) {
