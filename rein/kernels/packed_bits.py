@@ -10,8 +10,9 @@ Two layouts of the same integers (unsigned, 0..31 or 0..63), one for each kernel
 * panels (`CpuPanels`, what the C kernel reads): per 16-row panel, its nibbles as 4-bit panels
   hold them (8 bytes a column, byte j: row j low, row j + 8 high), then one plane per high bit,
   a little-endian uint16 a column (bit j: row j's) -- 2 x bits bytes a column in all. The C
-  kernel expands 16 columns at a time to int8 in L1 (two columns a vector; a plane's bits
-  joined by one masked add) and multiplies them as 8-bit columns (csrc/quantized_matmul_cpu.c).
+  kernel turns four columns' nibbles into one vector of int8 and adds each plane's 64 bits
+  under a byte mask (AVX-512BW; AVX2 and plain C expand 16 columns to int8 in L1), then goes on
+  as for 8-bit columns (csrc/quantized_matmul_cpu.c).
 
 Packing and unpacking here are torch, run once at load (and by the reference paths).
 """

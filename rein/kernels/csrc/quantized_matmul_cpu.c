@@ -19,9 +19,11 @@
  *     scale_g = float16 scale [panel][k / block][16] x int8 scale_sub [panel][k / group][16]
  *     (no sub: x 1), offset_g likewise (or none)
  *
- * -- the group's scale and offset are made once per group in a 16-float buffer, and 16 columns
- * at a time are expanded to int8 [16][16] in L1 (nibbles two columns a vector, the high bits
- * ORed in from their planes by a masked add or a byte shuffle) and multiplied as 8-bit ones.
+ * -- the group's scale and offset are made once per group in a 16-float buffer (zero folded into
+ * the offset), and the integers are made as int8 columns and multiplied as 8-bit ones: four
+ * columns a 512-bit vector in registers with AVX-512BW (nibbles split, each plane one masked
+ * byte add), else 16 columns at a time into an int8 [16][16] buffer in L1 (AVX2: a byte
+ * shuffle and compare per plane; plain C: loops).
  *
  * -- so one load and one conversion give one column of a panel as a vector of 16 floats (one
  * AVX-512 register, two AVX2 ones), ready to multiply by a broadcast activation: the inner loop
