@@ -5,7 +5,9 @@ Reads the config only (config.json, or a GGUF file's metadata), no weights. The 
 so the estimate and the pool the engine builds agree. Memory for activations and the CUDA
 context is not counted: leave some headroom. A windowed model's sliding-window layers get
 storage of their own sized from --max-num-seqs and --max-num-batched-tokens (as the
-engine's), and the full-attention layers' pool the rest.
+engine's), and the full-attention layers' pool the rest. With --tensor-parallel-size N, --memory is
+one device's and the figures are one rank's: its share of the weights, and a cache of its KV
+heads (one replicated KV head per rank where N exceeds the model's KV heads).
 """
 
 from __future__ import annotations
@@ -48,6 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default="auto",
                         help="as the engine's flag: auto counts a GGUF file's blocks, AWQ and GPTQ at their "
                              "quantized size; none dequantized; int8 / int4 quantized at load")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                        help="ranks the model is sharded over: --memory is then one device's, and the "
+                             "weights and KV cache one rank's (default 1)")
     parser.add_argument("--model-impl", choices=MODEL_IMPLS, default="auto",
                         help="as the engine's flag: native code (rein), the Transformers backend, or auto")
     parser.add_argument("--trust-remote-code", action="store_true",
@@ -162,8 +167,8 @@ def estimate(args: argparse.Namespace) -> str:
 
     from rein.engine.config import EngineConfig, parse_bytes
     from rein.engine.model_runner import decide_max_model_len
-    from rein.model.capacity import kv_capacity
-    from rein.model.implementation import TRANSFORMERS_FAMILY
+    from rein.model.capacity import kv_capacity, parameters_per_rank, rank_spec
+    from rein.model.implementation import TRANSFORMERS_FAMILY, check_shardable
     from rein.model.quant.checkpoint import estimated_weight_bytes
 
     try:
@@ -177,6 +182,11 @@ def estimate(args: argparse.Namespace) -> str:
         spec, directory = _load_spec(args.model, args.model_impl, args.trust_remote_code)
         max_model_len = decide_max_model_len(spec, args.max_model_len)
         dtype, cache_dtype = config.torch_dtype, config.cache_torch_dtype
+        tp = args.tensor_parallel_size
+        if tp < 1:
+            raise ValueError(f"--tensor-parallel-size must be at least 1, got {tp}")
+        check_shardable(spec, tp)
+        rank = rank_spec(spec, tp)   # ValueError for a size the heads refuse
     except (ValueError, RuntimeError, FileNotFoundError) as exc:  # bad sizes, unsupported or missing model, ...
         raise EstimateError(str(exc)) from exc
 
@@ -195,6 +205,16 @@ def estimate(args: argparse.Namespace) -> str:
         f"{spec.num_kv_heads} KV heads, head_dim {spec.head_dim}, max_model_len {max_model_len}",
         f"weights: {counted} = {weights:,} bytes ({_size(weights)})",
     ]
+    if tp > 1:
+        # Scaled by the parameters a rank holds (its share, plus what every rank keeps whole).
+        share = parameters_per_rank(spec, tp)
+        weights = weights * share // params
+        copies = tp // spec.num_kv_heads
+        kv = (f"{rank.num_kv_heads} KV head{'s' if rank.num_kv_heads > 1 else ''} of {spec.num_kv_heads}"
+              if copies <= 1 else
+              f"1 KV head of {spec.num_kv_heads}, replicated: each KV head is computed and cached on {copies} ranks")
+        lines.append(f"tensor parallel: {tp} ranks, each with {rank.num_heads} query head{'s' if rank.num_heads > 1 else ''} and {kv}; weights per "
+                     f"rank: {share:,} of {params:,} parameters = about {weights:,} bytes ({_size(weights)})")
     if weights >= memory:
         raise EstimateError(
             f"the weights alone need {weights:,} bytes ({_size(weights)}, {_dtype_name(dtype)}), which is "
@@ -203,13 +223,13 @@ def estimate(args: argparse.Namespace) -> str:
 
     kv_memory = memory - weights
     max_num_seqs, max_num_batched_tokens = config.max_num_seqs, config.max_num_batched_tokens
-    capacity = kv_capacity(spec, kv_memory, cache_dtype, config.block_size, max_model_len, max_num_seqs,
+    capacity = kv_capacity(rank, kv_memory, cache_dtype, config.block_size, max_model_len, max_num_seqs,
                            max_num_batched_tokens)
     cache_elem = torch.empty((), dtype=cache_dtype).element_size()
-    formula = (f"2 x {spec.num_layers} layers x {spec.num_kv_heads} kv_heads x {spec.head_dim} head_dim "
+    formula = (f"2 x {spec.num_layers} layers x {rank.num_kv_heads} kv_heads x {spec.head_dim} head_dim "
                f"x {_bytes(cache_elem)} ({_dtype_name(cache_dtype)})")
     if cache_dtype == torch.int8:
-        formula += f" + 2 x {spec.num_layers} layers x {spec.num_kv_heads} kv_heads x 4 bytes (fp32 scales)"
+        formula += f" + 2 x {spec.num_layers} layers x {rank.num_kv_heads} kv_heads x 4 bytes (fp32 scales)"
     context_len = args.context_len or max_model_len
     if context_len < 1 or context_len > max_model_len:
         raise EstimateError(f"--context-len must be between 1 and max_model_len {max_model_len}, got {context_len}")

@@ -5,7 +5,8 @@ Auto classes and with rein; see rein.fixtures.tiny_model. `--embedding` writes a
 shaped like Qwen3-Embedding (sentence-transformers pooling files; `--pooling` picks the
 pooling, last token by default; the arch defaults to qwen3). `--thinking` gives the tokenizer
 <think> and </think> tokens and Qwen3's chat template (a reasoning model's, for --reasoning-parser).
-torch is imported only when the command runs, so `rein --help` stays fast.
+`--arch qwen2_vl | qwen2_5_vl` writes a vision-language model (rein.fixtures.tiny_vision: its
+processor files and a chat template writing the image placeholders). torch is imported only when the command runs, so `rein --help` stays fast.
 """
 
 from __future__ import annotations
@@ -21,16 +22,19 @@ from rein.fixtures.tiny_model import (
     model_summary,
 )
 
+# rein.fixtures.tiny_vision's families (imported when the command runs: it needs transformers).
+VISION_ARCHS = ("qwen2_vl", "qwen2_5_vl")
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "make-tiny-model",
-        help="write a random-weight model (" + "/".join(ARCHS) + ") for tests and benchmarks",
+        help="write a random-weight model (" + "/".join(ARCHS + VISION_ARCHS) + ") for tests and benchmarks",
         description=__doc__.splitlines()[0],
     )
     parser.add_argument("dir", metavar="DIR", help="output directory (created if missing)")
     parser.add_argument(
-        "--arch", choices=ARCHS, default=None,
+        "--arch", choices=ARCHS + VISION_ARCHS, default=None,
         help="architecture (default: llama; qwen3 with --embedding)",
     )
     parser.add_argument("--seed", type=int, default=0, help="weight seed (default: 0)")
@@ -58,6 +62,15 @@ def run(args: argparse.Namespace) -> int:
         return 2
     embedding = (args.pooling or "last") if args.embedding else None
     arch = args.arch or ("qwen3" if args.embedding else "llama")
+    if arch in VISION_ARCHS:
+        if args.embedding or args.thinking:
+            print("rein make-tiny-model: --embedding and --thinking are for text archs", file=sys.stderr)
+            return 2
+        from rein.fixtures.tiny_vision import tiny_vision_model
+
+        print(tiny_vision_model(args.dir, arch, seed=args.seed, preset=args.preset))
+        print(f"arch={arch} vision preset={args.preset} seed={args.seed}")
+        return 0
     out = make_tiny_model(args.dir, arch=arch, seed=args.seed, preset=args.preset, embedding=embedding,
                           thinking=args.thinking)
     info = model_summary(out)

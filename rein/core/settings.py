@@ -391,6 +391,12 @@ class Settings(BaseSettings):
     auto: an engine takes the most its KV cache holds, up to the model's own (on the CPU an unset one
     does too when the model's own does not fit); the API then checks requests against the model's own
     length, and one longer than a worker holds fails there with context_length_exceeded."""
+    max_num_encoder_tokens: int | None = Field(None, ge=1)
+    """Vision models: image tokens the vision encoder may produce in one engine step, beside the text
+    prefill (an image larger than this runs alone in a step); unset: max_num_batched_tokens."""
+    encoder_cache_tokens: int = Field(16384, ge=1)
+    """Vision models: image embeddings (rows) kept by image, least recently used dropped first, so
+    prompt chunks, n > 1 choices, recomputes and repeated images never run the encoder again."""
     enable_lora: bool = False
     """Serve LoRA adapters beside the base model (rein.LLM's lora_request; issue 44)."""
     max_loras: int = Field(8, ge=1)
@@ -601,7 +607,7 @@ ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "interactive_step_bud
                  "enforce_eager", "enable_prefix_caching", "seed", "generation_config", "model_impl", "tokenizer",
                  "revision", "tokenizer_revision", "chat_template", "trust_remote_code", "tensor_parallel_size",
                  "quantization", "reasoning_parser", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank",
-                 "tool_call_parser")
+                 "tool_call_parser", "max_num_encoder_tokens", "encoder_cache_tokens")
 
 
 class _EngineSettingsBase(BaseSettings):

@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from rein.core.images import ImageInput
 from rein.engine.engine import LLMEngine
 from rein.engine.loop import EngineCore
 from rein.engine.request_result import RequestResult
@@ -112,6 +113,7 @@ class _Add:
     error: BaseException | None = None
     group: str | None = None          # submit_group: aborting the group aborts this request
     lora_request: Any = None          # rein.model.lora.LoRARequest: the adapter it runs under
+    images: Any = None                # list[rein.core.images.ImageInput]: the prompt's images
 
 
 class EngineClient:
@@ -143,17 +145,19 @@ class EngineClient:
         return self._thread.is_alive()
 
     def submit(self, request_id: str, prompt: list[int] | str, params: SamplingParams | None = None,
-               priority: int = 0, *, collect: bool = False, lora_request: Any = None) -> RequestStream:
+               priority: int = 0, *, collect: bool = False, lora_request: Any = None,
+               images: list[ImageInput] | None = None) -> RequestStream:
         """Queue a request; validation errors (context length, a bad LoRA adapter, ...) raise here,
         in the caller.
 
         `collect=True` returns a CollectingStream: the outputs are gathered and handed over
         at the end rather than one by one. `lora_request`: the LoRA adapter it runs under.
+        `images`: the prompt's images (LLMEngine.add_request; the prompt ids already expanded).
         """
         self._check_running()
         stream = CollectingStream(request_id, self) if collect else RequestStream(request_id, self)
         command = _Add(request_id, prompt, params or SamplingParams(), priority, stream, threading.Event(),
-                       lora_request=lora_request)
+                       lora_request=lora_request, images=images)
         self._queue_add(command)
         self._wait_accepted(command)
         if command.error is not None:
@@ -243,7 +247,8 @@ class EngineClient:
             if isinstance(command, _Add):
                 try:
                     self.engine.add_request(command.request_id, command.prompt, command.params,
-                                            command.priority, lora_request=command.lora_request)
+                                            command.priority, lora_request=command.lora_request,
+                                            images=command.images)
                     self._streams[command.request_id] = command.stream
                     if command.group is not None:
                         self._groups.setdefault(command.group, set()).add(command.request_id)

@@ -141,6 +141,13 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
     reasoning_parser: str | None = None
+    # Vision models (rein.engine.multimodal). max_num_encoder_tokens: image tokens the vision
+    # encoder may produce per step, beside the text prefill (None: max_num_batched_tokens; an image
+    # larger than the budget still runs alone in a step). encoder_cache_tokens: image embeddings
+    # kept (rows, least recently used dropped first) so chunks, n > 1 choices, recomputes and
+    # repeated images never re-encode.
+    max_num_encoder_tokens: int | None = None
+    encoder_cache_tokens: int = 16384
 
     def __post_init__(self) -> None:
         check_generation_config(self.generation_config)   # a ValueError naming the choices
@@ -164,6 +171,10 @@ class EngineConfig:
             raise ValueError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}"
             )
+        if self.max_num_encoder_tokens is None:
+            self.max_num_encoder_tokens = self.max_num_batched_tokens
+        if self.max_num_encoder_tokens < 1 or self.encoder_cache_tokens < 1:
+            raise ValueError("max_num_encoder_tokens and encoder_cache_tokens must be at least 1")
         if self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < 1:

@@ -34,12 +34,15 @@ from typing import Any
 
 import torch
 
+from rein.core.images import DEFAULT_MAX_IMAGE_PIXELS, ImageInput
 from rein.engine.block_pool import BlockPool
 from rein.engine.config import EngineConfig
 from rein.engine.detokenizer import IncrementalDetokenizer
+from rein.engine.encoder_cache import EncoderCache
 from rein.engine.errors import ContextLengthExceeded, EngineRequestError
 from rein.engine.kv_cache_manager import KVCacheManager
 from rein.engine.model_runner import ModelRunner, StepResult
+from rein.engine.multimodal import RequestImages, prepare_images
 from rein.engine.pooler import add_pooling_request, pooled_outputs
 from rein.engine.rank_processes import RankProcesses, rank_device
 from rein.engine.request import ChoiceGroup, Request, RequestStatus
@@ -56,6 +59,7 @@ from rein.model.lora.request import LoRARequest
 from rein.model.parallel.layers import attention_heads
 from rein.model.pooling_config import PoolingParams, read_pooling_config
 from rein.model.tokenizer_files import TokenizerOptions
+from rein.model.vision.processor import load_vision_processor
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +81,8 @@ class EngineStats:
     peak_kv_usage: float = 0.0         # max share of blocks in use
     prefix_cache_queries: int = 0      # prompt tokens of requests admitted (first time, caching on)
     prefix_cache_hits: int = 0         # of those, tokens found in the prefix cache
+    encoder_seconds: float = 0.0       # vision models: time in the vision encoder (inside forward_seconds)
+    encoded_images: int = 0            # images the encoder ran on (the encoder cache's misses)
 
     @property
     def overhead_share(self) -> float:
@@ -96,9 +102,16 @@ class LLMEngine:
             self.config = config = dataclasses.replace(config, enforce_eager=True)
         self.ranks: RankProcesses | None = None
         if config.tensor_parallel_size > 1:
+            if self.spec.vision_config is not None:
+                raise ValueError(f"tensor_parallel_size {config.tensor_parallel_size}: vision models run on one "
+                                 f"rank only for now; use tensor_parallel_size 1")
             self.config = config = self._check_tensor_parallel(config)
         # --tokenizer, --chat-template and --trust-remote-code as the API applies them.
         self.tokenizer = self.files.load_tokenizer(TokenizerOptions.of(config))
+        # A vision model's processor (None: the model takes text only), and the most pixels an
+        # image may declare (the worker sets REIN_MAX_IMAGE_PIXELS' value; the API checked it first).
+        self.vision_processor = load_vision_processor(self.model_dir, self.tokenizer)
+        self.max_image_pixels = DEFAULT_MAX_IMAGE_PIXELS
         if config.tensor_parallel_size > 1:
             # Ranks 1..N-1 start loading their shards while this one loads shard 0.
             self.ranks = RankProcesses.start(config)
@@ -119,10 +132,17 @@ class LLMEngine:
         kv_cache = KVCacheManager.create(capacity.num_blocks, config.block_size, config.enable_prefix_caching,
                                          capacity.num_windowed_blocks, capacity.window)
         self.runner.attach(kv_cache)
+        # The vision encoder's outputs by image (rein.engine.encoder_cache); None for a text model.
+        self.encoder_cache = EncoderCache(config.encoder_cache_tokens) if self.vision_processor is not None else None
+        self.runner.encoder_cache = self.encoder_cache
         self.scheduler = Scheduler(kv_cache, config.max_num_seqs, config.max_num_batched_tokens,
                                    interactive_step_budget=config.interactive_step_budget,
                                    max_model_len=self.max_model_len,
-                                   max_loras=config.max_loras if config.enable_lora else None)
+                                   max_loras=config.max_loras if config.enable_lora else None,
+                                   encoder_cache=self.encoder_cache,
+                                   max_num_encoder_tokens=config.max_num_encoder_tokens,
+                                   image_tokens_whole_chunk=bool(
+                                       getattr(self.runner.model, "image_tokens_whole_chunk", False)))
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.eos_token_ids = frozenset(self.spec.eos_token_ids) | (
@@ -156,10 +176,14 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: list[int] | str,
                     params: SamplingParams | PoolingParams | None = None, priority: int = 0,
-                    lora_request: LoRARequest | None = None) -> Request:
+                    lora_request: LoRARequest | None = None, images: list[ImageInput] | None = None) -> Request:
         """Queue a request; raises EngineRequestError (e.g. ContextLengthExceeded) if it cannot run.
         PoolingParams make it an embedding request (rein.engine.pooler). `lora_request`: the
-        LoRA adapter it runs under (None: the base model); loaded now, its errors are the request's."""
+        LoRA adapter it runs under (None: the base model); loaded now, its errors are the request's.
+        `images`: the prompt's images, in order (rein.core.images.ImageInput); the prompt token ids
+        are already expanded (rein.model.vision.processor.VisionProcessor.expand), each image a run
+        of the model's image token (rein.engine.multimodal). Image tokens are prompt tokens: they
+        count in the context length and in usage."""
         params = params or SamplingParams()
         if request_id in self.requests:
             raise EngineRequestError(f"request id {request_id!r} is already in the engine", param="request_id")
@@ -173,6 +197,8 @@ class LLMEngine:
             raise EngineRequestError(f"prompt token id {bad} is outside the vocabulary (0..{vocab - 1})",
                                      param="prompt")
         if isinstance(params, PoolingParams):
+            if images:
+                raise EngineRequestError("embedding requests take text only, not images", param="input")
             if lora_request is not None:
                 raise EngineRequestError("LoRA adapters run generation requests only, not embeddings",
                                          param="lora_request")
@@ -188,6 +214,18 @@ class LLMEngine:
                 raise EngineRequestError(
                     f"logit_bias names token id {bad}, outside the vocabulary (0..{vocab - 1}): "
                     f"use token ids of this model's tokenizer", param="logit_bias")
+        request_images = None
+        if images:
+            if isinstance(prompt, str):
+                raise EngineRequestError("a request with images needs its prompt as token ids, expanded by the "
+                                         "model's processor (VisionProcessor.expand)", param="prompt")
+            request_images = prepare_images(token_ids, list(images), self.runner.model, self.vision_processor,
+                                            self.max_image_pixels)
+            self._check_image_chunks(request_images)
+        elif self.vision_processor is not None and getattr(self.runner.model, "image_token_id", None) in token_ids:
+            raise EngineRequestError(
+                f"the prompt holds image tokens (id {self.runner.model.image_token_id}) but the request has no "
+                f"images: give one image per image placeholder", param="messages")
         lora_weights = self._load_adapter(lora_request) if lora_request is not None else None
         request = Request(
             request_id=request_id,
@@ -197,6 +235,7 @@ class LLMEngine:
             priority=priority,
             lora_request=lora_request,
             lora_weights=lora_weights,
+            images=request_images,
         )
         ready = params.structured is None or self.grammars.attach(request)   # raises on a bad spec
         if params.prompt_logprobs is not None:
@@ -210,6 +249,19 @@ class LLMEngine:
         if ready:
             self.scheduler.add(request)
         return request
+
+    def _check_image_chunks(self, images: RequestImages) -> None:
+        """A model whose image tokens must be computed in one chunk (image_tokens_whole_chunk)
+        cannot take an image longer than a step's token budget."""
+        if not self.runner.model.image_tokens_whole_chunk:
+            return
+        longest = max(item.length for item in images.items)
+        if longest > self.config.max_num_batched_tokens:
+            raise EngineRequestError(
+                f"an image of the request takes {longest} tokens, more than a step computes "
+                f"(max_num_batched_tokens {self.config.max_num_batched_tokens}), and this model needs each "
+                f"image's tokens in one step: send a smaller image or raise max_num_batched_tokens",
+                param="messages")
 
     def _load_adapter(self, lora_request: LoRARequest) -> Any:
         """The adapter's weights (the runner's host cache, else read now); EngineRequestError when
@@ -409,6 +461,9 @@ class LLMEngine:
         stats.steps += 1
         stats.step_seconds += seconds
         stats.forward_seconds += forward_seconds
+        if self.encoder_cache is not None:
+            stats.encoder_seconds = self.runner.encoder_seconds
+            stats.encoded_images = self.encoder_cache.encoded_images
 
     def _fork(self, logits: torch.Tensor, sampling: list[Request],
               forks: list[tuple[Request, list[Request]]]) -> tuple[torch.Tensor, list[Request]]:
@@ -434,7 +489,7 @@ class LLMEngine:
                     priority=request.priority, arrival_time=request.arrival_time,
                     arrival_order=request.arrival_order, index=index, group=group,
                     num_cached_tokens=request.num_cached_tokens, lora_request=request.lora_request,
-                    lora_weights=request.lora_weights)
+                    lora_weights=request.lora_weights, images=request.images)
                 self._init_choice_state(child)
                 if request.grammar is not None:   # before the first token: the parent's start state
                     child.grammar = request.grammar.fork()

@@ -104,7 +104,7 @@ class KVCacheManager:
         n <= max_blocks whose windowed data (if any) is still there. Takes nothing."""
         if max_blocks <= 0:
             return []
-        cached = self.pool.find_prefix(request.tokens(0, max_blocks * self.block_size), max_blocks,
+        cached = self.pool.find_prefix(request.key_tokens(0, max_blocks * self.block_size), max_blocks,
                                        request.cache_root)
         if cached and self.windows is not None:
             del cached[self.windows.usable_prefix(cached):]
@@ -150,7 +150,7 @@ class KVCacheManager:
         """Offer the request's newly completed blocks to the prefix cache."""
         size = self.block_size
         full = request.num_computed_tokens // size
-        parent, tokens, blocks = request.cache_parent, request.tokens, request.block_ids
+        parent, tokens, blocks = request.cache_parent, request.key_tokens, request.block_ids
         windows = self.windows
         for i in range(request.num_registered_blocks, full):
             parent = self.pool.cache_block(blocks[i], parent, tokens(i * size, (i + 1) * size))

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,7 +44,9 @@ import torch
 
 from rein.engine.config import EngineConfig
 from rein.engine.cuda_graphs import DecodeGraphs
+from rein.engine.encoder_cache import EncoderCache
 from rein.engine.lora_slots import LoRASlots
+from rein.engine.multimodal import step_positions
 from rein.engine.options import AUTO
 from rein.engine.pooler import gather
 from rein.engine.prompt_logprobs import score_prompt_tokens
@@ -108,6 +111,11 @@ class StepPlan:
     # The adapters rank 0 put in a slot for this step, (slot, its LoRARequest): every other rank
     # reads each (through its own host cache, as its shard) into the same slot before the forward.
     lora_activations: list[tuple[int, LoRARequest]] = field(default_factory=list)
+    # Images (rein.engine.multimodal): rows [row, row + hi - lo) take rows [lo, hi) of the
+    # embeddings of the image `item`; M-RoPE prefill chunks' [3, k] positions from row `row` on.
+    # Vision models run on one rank, so these never travel to other ranks.
+    image_rows: list[tuple[int, Any, int, int]] = field(default_factory=list)
+    mrope_rows: list[tuple[int, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -147,7 +155,8 @@ class ModelRunner:
         self.group = group
         self.ranks = ranks
         self.kv_cache: KVCacheManager | None = None   # rank 0's, set by attach()
-        # This rank's share of the KV heads, which its cache holds (all of them on one rank).
+        # This rank's share of the KV heads, which its cache holds (all of them on one rank; one,
+        # a copy of the KV head its query heads read, where the ranks outnumber the KV heads).
         self.cache_spec = dataclasses.replace(spec, num_kv_heads=attention_heads(spec, group.world_size)[1]) \
             if group.world_size > 1 else spec
         self.device = config.torch_device
@@ -177,6 +186,10 @@ class ModelRunner:
         self._native_decode = (self.device.type == "cpu" and self.dtype == torch.float32
                                and self.cache_dtype == torch.float32 and cpu_native.library() is not None)
         log.info("%s", self.capacity.describe())
+        # A vision model's encoder outputs by image (rein.engine.encoder_cache, set by the engine)
+        # and the time spent encoding (for the engine's stats).
+        self.encoder_cache: EncoderCache | None = None
+        self.encoder_seconds = 0.0
         self.lora_model = None
         self.lora: LoRASlots | None = None
         if config.enable_lora:
@@ -299,7 +312,8 @@ class ModelRunner:
             except RuntimeError as exc:   # a collective that failed: say which rank died, if one did
                 raise self.ranks.error_of(exc) from exc
         else:
-            hidden = self._forward(plan)
+            embeds = self._image_embeddings(plan) if plan.image_rows else None
+            hidden = self._forward(plan, embeds)
             logits, prompt = self._logits(hidden, plan)
         sampling, scoring, pooling = local
         pooled = gather(hidden, pooling) if pooling else []
@@ -348,19 +362,28 @@ class ModelRunner:
         scoring: list[tuple[Request, int, int, int]] = []   # prompt logprobs: see _score_rows
         pooling: list[tuple[Request, int, int, int, int]] = []   # embedding requests' rows
         lora_slots: list[int] | None = [] if slot_of is not None else None
+        image_rows: list[tuple[int, Any, int, int]] = []
+        mrope_rows: list[tuple[int, Any]] = []
         for s in decodes + prefills:
             request, start, end = s.request, s.start, s.end
             row_start = len(input_ids)
             blocks = request.block_ids
+            images = request.images
             if end - start == 1:
                 input_ids.append(request.token_at(start))
-                positions.append(start)
+                # An M-RoPE request's later tokens are at index + delta on all three axes.
+                positions.append(start + images.mrope_delta if images is not None else start)
                 slots.append(blocks[start // bs] * bs + start % bs)
             else:
                 input_ids.extend(request.tokens(start, end))
                 span = range(start, end)
-                positions.extend(span)
+                if images is not None and images.mrope_delta:   # prompt rows are set from mrope_rows
+                    positions.extend(p + images.mrope_delta for p in span)
+                else:
+                    positions.extend(span)
                 slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+            if images is not None and start < request.num_prompt_tokens:
+                self._plan_images(images, start, end, row_start, image_rows, mrope_rows)
             if lora_slots is not None:
                 lora_slots.extend([slot_of.get(request.lora_int_id, -1)] * (end - start))
             if request.pooling is not None:
@@ -378,7 +401,8 @@ class ModelRunner:
             decode_lens=decode_lens, decode_rows=self._block_rows(decodes) if decodes else [],
             decode_groups=self._decode_groups(decode_lens),
             prefill_lens=[s.end for s in prefills], prefill_new=[s.num_new_tokens for s in prefills],
-            prefill_rows=self._block_rows(prefills) if prefills else [], lora_slots=lora_slots)
+            prefill_rows=self._block_rows(prefills) if prefills else [], lora_slots=lora_slots,
+            image_rows=image_rows, mrope_rows=mrope_rows)
         if scoring:
             plan.score_rows, plan.score_targets, plan.score_ks = self._score_rows(scoring)
         physical = self.kv_cache.window_map if self.kv_cache is not None else None
@@ -388,23 +412,67 @@ class ModelRunner:
             plan.windowed_prefill_rows = _windowed_rows(plan.prefill_rows, physical)
         return plan, (sampling, scoring, pooling)
 
-    def _forward(self, plan: StepPlan) -> torch.Tensor:
+    @staticmethod
+    def _plan_images(images: Any, start: int, end: int, row_start: int, image_rows: list, mrope_rows: list) -> None:
+        """Record the image rows and M-RoPE positions of a chunk [start, end) computed from hidden
+        row `row_start` on."""
+        for item in images.overlapping(start, end):
+            lo, hi = max(item.offset, start), min(item.end, end)
+            image_rows.append((row_start + lo - start, item, lo - item.offset, hi - item.offset))
+        block = step_positions(images, start, end)
+        if block is not None:
+            mrope_rows.append((row_start, block))
+
+    def _image_embeddings(self, plan: StepPlan) -> dict[str, torch.Tensor]:
+        """The embeddings of every image the plan's rows hold, by key: those in the encoder cache
+        first (taken before any put can drop them), the others encoded now, in one encoder call,
+        and cached."""
+        cache = self.encoder_cache
+        items = {item.key: item for _, item, _, _ in plan.image_rows}
+        found: dict[str, torch.Tensor] = {}
+        for key in items:
+            value = cache.get(key) if cache is not None else None
+            if value is not None:
+                found[key] = value
+        missing = [item for key, item in items.items() if key not in found]
+        if missing:
+            started = time.perf_counter()
+            inputs = [{name: tensor.to(self.device, non_blocking=True) for name, tensor in item.inputs().items()}
+                      for item in missing]
+            outputs = self.model.encode_images(inputs)
+            for item, output in zip(missing, outputs, strict=True):
+                if output.shape[0] != item.length:
+                    raise RuntimeError(f"the vision encoder gave {output.shape[0]} embeddings for an image of "
+                                       f"{item.length} tokens")
+                found[item.key] = output
+                if cache is not None:
+                    cache.put(item.key, output)
+                    cache.encoded_images += 1
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)   # so the encoder's time is its own, not the forward's
+            self.encoder_seconds += time.perf_counter() - started
+        if cache is not None:   # the embeddings are cached: the pixels can go (made again if ever needed)
+            for _, item, _, _ in plan.image_rows:
+                item.release()
+        return found
+
+    def _forward(self, plan: StepPlan, embeds: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The final hidden states of the plan's rows: a CUDA graph replay for a decode-only
-        step that fits one, else the model run eagerly."""
+        step that fits one, else the model run eagerly. `embeds`: the images' embeddings by key."""
         if plan.lora_slots is not None:
             # A step with LoRA tokens runs eagerly: the graphs were captured without the adapters'
             # products, and replaying them would drop them. (Simplest correct choice; capturing
             # graphs with the LoRA matmuls is left for later.)
             with self.lora_model.step(torch.tensor(plan.lora_slots, dtype=torch.int64)):
-                return self._eager_forward(plan)
+                return self._eager_forward(plan, embeds)
         graphs = self.decode_graphs
         if not plan.prefill_lens and graphs is not None and graphs.fits(len(plan.decode_lens)):
             return graphs.run(plan.input_ids, plan.positions, plan.slots, plan.decode_lens, plan.decode_rows,
                               (plan.windowed_slots, plan.windowed_decode_rows)
                               if plan.windowed_slots is not None else None)
-        return self._eager_forward(plan)
+        return self._eager_forward(plan, embeds)
 
-    def _eager_forward(self, plan: StepPlan) -> torch.Tensor:
+    def _eager_forward(self, plan: StepPlan, embeds: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The plan's forward, kernel by kernel."""
         windowed = plan.windowed_slots is not None
         decodes, prefills = bool(plan.decode_lens), bool(plan.prefill_lens)
@@ -423,8 +491,21 @@ class ModelRunner:
                 meta, slot_mapping=self._tensor(plan.windowed_slots, torch.int64),
                 decode_block_tables=self._tensor(plan.windowed_decode_rows, torch.int32) if decodes else None,
                 prefill_block_tables=self._tensor(plan.windowed_prefill_rows, torch.int32) if prefills else None)
-        return self.model(self._tensor(plan.input_ids, torch.int64), self._tensor(plan.positions, torch.int64),
-                          self.caches, meta)
+        input_ids = self._tensor(plan.input_ids, torch.int64)
+        if plan.mrope_rows:   # a chunk of an M-RoPE prompt: [3, T] positions (others the same on each axis)
+            positions = torch.tensor(plan.positions, dtype=torch.int64).expand(3, -1).clone()
+            for row, block in plan.mrope_rows:
+                positions[:, row:row + block.shape[1]] = block
+            positions = positions.to(self.device, non_blocking=True)
+        else:
+            positions = self._tensor(plan.positions, torch.int64)
+        if not plan.image_rows:
+            return self.model(input_ids, positions, self.caches, meta)
+        inputs_embeds = self.model.embed_input_ids(input_ids)
+        rows = torch.cat([torch.arange(row, row + hi - lo) for row, _, lo, hi in plan.image_rows])
+        values = torch.cat([embeds[item.key][lo:hi] for _, item, lo, hi in plan.image_rows])
+        inputs_embeds[rows.to(self.device)] = values.to(inputs_embeds.dtype)
+        return self.model(input_ids, positions, self.caches, meta, inputs_embeds=inputs_embeds)
 
     def _logits(self, hidden: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor | None, list[TokenLogprob] | None]:
         """The sampled rows' logits and the prompt tokens' logprob entries, each None when the

@@ -95,6 +95,12 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  commands=(WORKER, *OFFLINE, API)),
     EngineOption("max_num_seqs", "most requests in one step; the worker's concurrency too", int, "N"),
     EngineOption("max_num_batched_tokens", "token budget of one step (prefill chunks + decodes)", int, "N"),
+    EngineOption("max_num_encoder_tokens", "vision models: image tokens the vision encoder may produce in one "
+                 "step, beside the text prefill (an image larger than N runs alone in a step)", int, "N",
+                 shown_default="--max-num-batched-tokens", commands=(WORKER, *OFFLINE)),
+    EngineOption("encoder_cache_tokens", "vision models: image embeddings kept by image (rows, least recently "
+                 "used dropped first), so chunks, choices, recomputes and repeated images are encoded once",
+                 int, "N", commands=(WORKER, *OFFLINE)),
     EngineOption("interactive_step_budget", "while interactive requests (priority below batch) are in the engine, "
                  "hold a step's batch-priority work to N tokens (decodes 1 each, prefill chunks their length) so "
                  "interactive token latency stays near idle; the batch requests left out pause for that step, "

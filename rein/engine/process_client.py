@@ -158,7 +158,7 @@ class ProcessEngineClient(EngineClient):
             self._pending[command.request_id] = command
         try:
             self._send(("add", command.request_id, command.prompt, command.params, command.priority,
-                        command.lora_request))
+                        command.lora_request, command.images))
         except EngineStoppedError:
             with self._groups_lock:
                 self._pending.pop(command.request_id, None)
@@ -352,9 +352,10 @@ class _ChildLoop:
             block = False
             kind = message[0]
             if kind == "add":
-                _, request_id, prompt, params, priority, lora_request = message
+                _, request_id, prompt, params, priority, lora_request, images = message
                 try:
-                    self.engine.add_request(request_id, prompt, params, priority, lora_request=lora_request)
+                    self.engine.add_request(request_id, prompt, params, priority, lora_request=lora_request,
+                                            images=images)
                     error = None
                 except Exception as exc:   # a validation error: the caller raises it
                     error = portable_error(exc)

@@ -104,6 +104,9 @@ class Request:
     # while a request needs it). Its prefix-cache chains start from the adapter's own root.
     lora_request: LoRARequest | None = None
     lora_weights: Any = None
+    # Images (rein.engine.multimodal.RequestImages): their prompt spans, encoder inputs, the
+    # prefix-cache key tokens and M-RoPE positions; None for a text-only request. Shared by choices.
+    images: Any = None
 
     def __post_init__(self) -> None:
         if self.lora_request is not None:
@@ -144,6 +147,18 @@ class Request:
         if start >= n:
             return self.output_token_ids[start - n:end - n]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n]
+
+    def key_tokens(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) as the prefix cache keys them: an image's positions hold a value
+        derived from the image (rein.engine.multimodal), every other position its token."""
+        if self.images is None:
+            return self.tokens(start, end)
+        keys, n = self.images.key_token_ids, len(self.prompt_token_ids)
+        if end <= n:
+            return list(keys[start:end])
+        if start >= n:
+            return self.tokens(start, end)
+        return list(keys[start:n]) + self.output_token_ids[:end - n]
 
     @property
     def is_finished(self) -> bool:

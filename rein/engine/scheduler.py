@@ -90,6 +90,7 @@ import time
 
 from rein.core.priorities import PRIORITY_BATCH
 from rein.engine.block_pool import BlockPool
+from rein.engine.encoder_cache import EncoderCache
 from rein.engine.kv_cache_manager import KVCacheManager
 from rein.engine.request import Request, RequestStatus
 from rein.engine.scheduler_output import ModelOutput, ScheduledRequest, SchedulerOutput, StepUpdate
@@ -119,7 +120,9 @@ class Scheduler:
     def __init__(self, kv_cache: KVCacheManager | BlockPool, max_num_seqs: int, max_num_batched_tokens: int,
                  priority_aging_steps: int = DEFAULT_PRIORITY_AGING_STEPS,
                  windows: WindowBlocks | None = None, interactive_step_budget: int | None = None,
-                 max_model_len: int | None = None, max_loras: int | None = None) -> None:
+                 max_model_len: int | None = None, max_loras: int | None = None,
+                 encoder_cache: EncoderCache | None = None, max_num_encoder_tokens: int | None = None,
+                 image_tokens_whole_chunk: bool = False) -> None:
         if priority_aging_steps < 1:
             raise ValueError(f"priority_aging_steps must be at least 1, got {priority_aging_steps}")
         if interactive_step_budget is not None and interactive_step_budget < 0:
@@ -146,6 +149,13 @@ class Scheduler:
         self.num_steps = 0   # the aging clock: schedule() calls
         # Sequence slots kept for the choices running n > 1 requests will fork into.
         self._reserved_seqs = 0
+        # Images (see `_fit_images`): the encoder's outputs by image, its per-step budget of image
+        # tokens, and whether the model needs each image's tokens in one chunk.
+        self.encoder_cache = encoder_cache
+        self.max_num_encoder_tokens = max_num_encoder_tokens or max_num_batched_tokens
+        self.image_tokens_whole_chunk = image_tokens_whole_chunk
+        self._encoder_budget = self.max_num_encoder_tokens
+        self._encoding: set[str] = set()
 
     @property
     def pool(self) -> BlockPool:
@@ -231,16 +241,24 @@ class Scheduler:
         index = 0
         running, scheduled, block_size = self.running, out.scheduled, self.kv_cache.block_size
         batch_budget, decodes_free = self._batch_budget()
+        self._encoder_budget, self._encoding = self.max_num_encoder_tokens, set()
         while index < len(running) and budget > 0:
             request = running[index]
             computed = request.num_computed_tokens
             num_new = min(request.num_tokens - computed, budget)
-            if batch_budget is not None and request.priority >= PRIORITY_BATCH \
-                    and not (decodes_free and num_new == 1):   # a decode in the hold: not counted
+            capped = batch_budget is not None and request.priority >= PRIORITY_BATCH \
+                and not (decodes_free and num_new == 1)   # a decode in the hold: not counted
+            if capped:
                 if batch_budget <= 0:
                     index += 1
                     continue   # paused for this step: it stays running and keeps its blocks
                 num_new = min(num_new, batch_budget)
+            if request.images is not None and computed < request.num_prompt_tokens:
+                num_new = self._fit_images(request, computed, num_new)
+                if num_new == 0:
+                    index += 1
+                    continue   # its next image waits for the encoder's budget (or a whole chunk)
+            if capped:
                 batch_budget -= num_new
             # A decode whose next token still fits its last block needs no new block: the
             # common case, checked inline because it runs for every request every step.
@@ -299,8 +317,14 @@ class Scheduler:
             cached = kv.find_cached(request, max_cached)
             if len(cached) < max_cached and self._computing_prefix(request, len(cached)):
                 break   # its next block is being computed by a running request: a cache hit soon
+            if cached and request.images is not None and self.image_tokens_whole_chunk:
+                cached = self._whole_image_prefix(request, cached)
             computed = len(cached) * block_size if cached else request.num_computed_tokens
             num_new = min(request.num_tokens - computed, budget, batch_budget if capped else budget)
+            if request.images is not None and computed < request.num_prompt_tokens:
+                num_new = self._fit_images(request, computed, num_new)
+                if num_new == 0:
+                    break   # its first image waits for the encoder's budget: next step
             needed = kv.blocks_for(computed + num_new) - len(request.block_ids) - len(cached)
             if not kv.can_allocate(needed, cached):
                 refund = self._make_room(request, out)
@@ -330,6 +354,37 @@ class Scheduler:
         self.kv_cache.cover((s.request, s.end) for s in scheduled)
         return out
 
+    def _fit_images(self, request: Request, start: int, num_new: int) -> int:
+        """How many of `num_new` tokens from `start` the request computes this step given its
+        images: a chunk stops before an image whose embeddings are neither cached nor affordable
+        within the step's encoder budget (an image larger than the whole budget runs alone in a
+        step), and, for a model that needs an image's tokens in one chunk, before an image the
+        chunk would cut. The images it covers and that are not cached are counted as encoded this
+        step (the model runner encodes them). 0: nothing this step."""
+        end = start + num_new
+        cache = self.encoder_cache
+        for item in request.images.overlapping(start, end):
+            if self.image_tokens_whole_chunk and item.end > end:
+                return item.offset - start if item.offset > start else 0
+            if item.key in self._encoding or (cache is not None and item.key in cache):
+                continue
+            alone = self._encoder_budget == self.max_num_encoder_tokens   # nothing encoded yet this step
+            if item.length > self._encoder_budget and not alone:
+                return item.offset - start if item.offset > start else 0
+            self._encoder_budget -= item.length
+            self._encoding.add(item.key)
+        return num_new
+
+    def _whole_image_prefix(self, request: Request, cached: list[int]) -> list[int]:
+        """Cached blocks trimmed so that computing resumes at an image's start, never inside it
+        (a model whose image tokens attend to each other both ways computes an image in one chunk)."""
+        size = self.kv_cache.block_size
+        computed = len(cached) * size
+        for item in request.images.items:
+            if item.offset < computed < item.end:
+                return cached[:item.offset // size]
+        return cached
+
     def _adapter_fits(self, request: Request) -> bool:
         """Whether the LoRA `request` may run beside the running requests: its adapter is one of
         theirs, or they use fewer than max_loras adapters."""
@@ -348,8 +403,8 @@ class Scheduler:
             if (running.num_computed_tokens >= end or running.num_prompt_tokens < end
                     or running.cache_root != request.cache_root):
                 continue   # computed it already (it is cached, or never will be), never will, or another adapter
-            leading = leading if leading is not None else request.tokens(0, end)
-            if running.tokens(0, end) == leading:
+            leading = leading if leading is not None else request.key_tokens(0, end)
+            if running.key_tokens(0, end) == leading:
                 return True
         return False
 

@@ -13,6 +13,11 @@ every layer is windowed (Mistral) holds any context: its block pool is bookkeepi
 with enough block ids for max_num_seqs requests of max_model_len. When the bound does not
 fit, or the window spans the whole context, every layer keeps every position as before.
 
+Under tensor parallelism each rank's cache holds its own KV heads (`rank_spec`): num_kv_heads / N
+of them, or one where the ranks outnumber the KV heads and replicate them -- so past that count
+a rank's cache costs the same as at N = num_kv_heads, and the N ranks together hold
+N / num_kv_heads copies of every KV head. `parameters_per_rank` counts one rank's weights.
+
 `fit_max_model_len` is `--max-model-len auto`: the longest context, in whole blocks, whose
 request the pools hold (as vLLM's auto: at least one request of that length fits at once).
 """
@@ -24,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rein.model.parallel.layers import attention_heads, vocab_rows
 from rein.model.spec import ModelSpec
 
 
@@ -72,6 +78,27 @@ class KVCapacity:
         return (f"KV cache: full-attention layers: {self.num_blocks} blocks x {self.block_size} tokens = "
                 f"{self.num_tokens} tokens ({self.num_blocks * self.bytes_per_block / 1024**3:.2f} GiB, "
                 f"{self.bytes_per_block // self.block_size} bytes/token); {windowed}; {fit}")
+
+
+def rank_spec(spec: ModelSpec, world_size: int) -> ModelSpec:
+    """`spec` as one of `world_size` tensor-parallel ranks sees it: its query and KV heads
+    (what its KV cache is sized by), its share of the MLP and experts' widths and of the
+    vocabulary (ceil). ValueError for a size the heads refuse (rein.model.parallel.layers)."""
+    if world_size == 1:
+        return spec
+    heads, kv_heads = attention_heads(spec, world_size)
+    return dataclasses.replace(
+        spec, num_heads=heads, num_kv_heads=kv_heads, vocab_size=vocab_rows(spec.vocab_size, world_size),
+        intermediate_size=spec.intermediate_size // world_size,
+        moe_intermediate_size=spec.moe_intermediate_size // world_size,
+        shared_expert_intermediate_size=spec.shared_expert_intermediate_size // world_size)
+
+
+def parameters_per_rank(spec: ModelSpec, world_size: int) -> int:
+    """The parameters one of `world_size` tensor-parallel ranks holds: its share of the
+    projections, experts and vocabulary; the K and V rows of its KV head whole where KV heads
+    are replicated; norms and routers on every rank."""
+    return rank_spec(spec, world_size).num_parameters()
 
 
 def windowed_pool_bound(window: int, block_size: int, max_num_seqs: int, max_num_batched_tokens: int) -> int:

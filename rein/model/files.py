@@ -8,8 +8,10 @@ A GGUF file carries its config, tokenizer and chat template in its metadata. tra
 reads them (slowly: parsing the vocabulary takes seconds), so the first load writes them
 as an ordinary Hugging Face directory into rein's cache (`REIN_CACHE_DIR`, by default
 `~/.cache/rein`), keyed by the file's path, size and modification time; every later load,
-the API's included, reads that directory. The weights are always read from the GGUF
-itself and dequantized, one tensor at a time, to the engine's dtype (`rein.model.loader`).
+the API's included, reads that directory. A mixture-of-experts file's expert sizes (and
+Mixtral, which llama.cpp writes as "llama" with experts) are completed from its metadata
+(`moe_config`). The weights are always read from the GGUF itself, one tensor at a time
+(`rein.model.loader`: kept in their quantized blocks, or dequantized to the engine's dtype).
 
 A hub id is downloaded (config, tokenizer and safetensors only, at `--revision` when given)
 when the hub is reachable; otherwise the error names the three ways to give a model.
@@ -43,6 +45,14 @@ WAYS_TO_GIVE_A_MODEL = (
 )
 GGUF_EXTRA_HINT = "loading a GGUF file needs the gguf package: pip install 'rein[gguf]'"
 TENSOR_INDEX = "gguf_tensors.json"
+# Part of a GGUF view's cache key: raised when what a view holds changes, so views written by
+# an older rein are written again (2: MoE files' expert sizes and Mixtral read from the metadata).
+VIEW_VERSION = 2
+# GGUF metadata keys (after "<architecture>.") of a mixture-of-experts model, kept in the tensor
+# index for `moe_config`: transformers' GGUF config mapping reads some of them for some
+# architectures only.
+EXPERT_KEYS = ("expert_count", "expert_used_count", "expert_feed_forward_length",
+               "expert_shared_feed_forward_length")
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -144,7 +154,7 @@ def gguf_view(gguf_path: Path) -> Path:
     written on first use."""
     gguf_path = gguf_path.resolve()
     stat = gguf_path.stat()
-    key = hashlib.sha256(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"{gguf_path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{VIEW_VERSION}".encode()).hexdigest()[:16]
     view = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
     if (view / "config.json").is_file():
         return view
@@ -169,7 +179,7 @@ def _write_view(gguf_path: Path, out: Path) -> None:
 
     index = gguf_tensor_index(gguf_path)   # first: a damaged file is refused before anything else reads it
     folder, name = str(gguf_path.parent), gguf_path.name
-    config = AutoConfig.from_pretrained(folder, gguf_file=name).to_dict()
+    config = moe_config(AutoConfig.from_pretrained(folder, gguf_file=name).to_dict(), index)
     config["rein_gguf_source"] = str(gguf_path)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     generation = {k: config[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if config.get(k) is not None}
@@ -177,6 +187,35 @@ def _write_view(gguf_path: Path, out: Path) -> None:
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     tokenizer.save_pretrained(str(out))
     (out / TENSOR_INDEX).write_text(json.dumps(index))
+
+
+def moe_config(config: dict, index: dict) -> dict:
+    """transformers' config of a GGUF file completed with its experts' metadata (`index`'s
+    "experts"), which transformers 5's GGUF mapping leaves out: Qwen2-MoE's and Qwen3-MoE's
+    expert widths (expert_feed_forward_length, expert_shared_feed_forward_length; it would
+    keep its config class's defaults, Qwen2-MoE's 1408 and 5632), and Mixtral, which llama.cpp
+    writes as architecture "llama" with expert_count > 0 (transformers reads a dense Llama)."""
+    experts = index.get("experts") or {}
+    count = experts.get("expert_count", 0)
+    if not count:
+        return config
+    config = dict(config)
+    model_type = config.get("model_type")
+    if model_type in ("qwen2_moe", "qwen3_moe"):
+        config["num_experts"] = count
+        config["num_experts_per_tok"] = experts.get("expert_used_count", config.get("num_experts_per_tok"))
+        if "expert_feed_forward_length" in experts:
+            config["moe_intermediate_size"] = experts["expert_feed_forward_length"]
+        if model_type == "qwen2_moe":
+            config["shared_expert_intermediate_size"] = experts.get("expert_shared_feed_forward_length", 0)
+        # llama.cpp's Qwen MoE graphs route every layer through the experts.
+        config["mlp_only_layers"], config["decoder_sparse_step"] = [], 1
+    elif model_type in ("llama", "mistral"):
+        # llama.cpp's llama graph with experts is Mixtral's: every layer sparse, the experts
+        # feed_forward_length wide, the top-k weights renormalised.
+        config.update(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=count,
+                      num_experts_per_tok=experts.get("expert_used_count", 2))
+    return config
 
 
 def gguf_tensor_index(gguf_path: Path) -> dict:
@@ -188,8 +227,14 @@ def gguf_tensor_index(gguf_path: Path) -> dict:
         architecture = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
     except (KeyError, IndexError, UnicodeDecodeError) as exc:
         raise DamagedGGUFFile(f"{gguf_path}: the GGUF header names no general.architecture ({exc})") from None
+    experts = {}
+    for key in EXPERT_KEYS:
+        field = reader.fields.get(f"{architecture}.{key}")
+        if field is not None and field.data:
+            experts[key] = int(field.parts[field.data[0]][0])
     return {
         "architecture": architecture,
+        "experts": experts,
         "tensors": {t.name: {"type": int(t.tensor_type), "offset": int(t.data_offset), "bytes": int(t.n_bytes),
                              "dtype": t.data.dtype.str, "shape": list(t.data.shape)}
                     for t in reader.tensors},

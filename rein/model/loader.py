@@ -2,7 +2,8 @@
 a GGUF file. Finding the files is `rein.model.files`.
 
 A GGUF file's projection and embedding weights stay in their quantized blocks, repacked for
-rein's kernels (rein.model.quant.gguf_blocks); its other tensors, types rein has no kernel
+rein's kernels (rein.model.quant.gguf_blocks), and so do a MoE layer's stacked experts (3-D
+`ffn_*_exps` tensors, as rein.kernels.quantized_experts.QuantizedExperts); its other tensors, types rein has no kernel
 for, and everything under `--quantization none` are dequantized one tensor at a time to the
 engine's dtype. AWQ / GPTQ projections stay 4-bit the same way, and `--quantization int8 |
 int4` quantizes a float checkpoint's projections as they are read (rein.model.quant).
@@ -17,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -71,6 +73,7 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
     )
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
+    from rein.kernels.quantized_experts import QuantizedExperts
     from rein.model.quant.gguf_blocks import repack
 
     config = json.loads((directory / "config.json").read_text())
@@ -117,9 +120,36 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
         report.dequantized[qtype.name] += 1
         return None
 
+    def quantized_experts(gguf_name: str, entry: dict, data, shard: Shard | None, hf_name: str):
+        """A stacked [n_expert, rows, cols] tensor (`blk.N.ffn_gate_exps.weight`) as
+        QuantizedExperts, each expert repacked and cut to `shard` (a shard of dimension 1 or
+        2 of the 3-D tensor is one of dimension 0 or 1 of each expert); None to dequantize."""
+        qtype = GGMLQuantizationType(entry["type"])
+        block, type_bytes = GGML_QUANT_SIZES[qtype]
+        count, rows, row_bytes = data.shape
+        cols = row_bytes // type_bytes * block
+        reorder, order = row_order(gguf_name, rows)
+        cut = None if shard is None else Shard(shard.dim - 1, shard.index, shard.count, shard.uneven)
+        experts = []
+        for e in range(count):
+            weight = repack(data[e], qtype.name, rows, cols)
+            if weight is None or not reorder or (shard is not None and shard.dim == 0):
+                break
+            if order is not None:
+                weight = weight.permute_rows(order)
+            weight = shard_of(weight, cut, hf_name)
+            if weight is None:
+                break
+            experts.append(weight)
+        if len(experts) < count:
+            report.dequantized[qtype.name] += 1
+            return None
+        report.experts[qtype.name] += 1
+        return QuantizedExperts.of(experts)
+
     def get(hf_name: str, shard: Shard | None = None, quantized: bool = False) -> torch.Tensor | None:
         stem, _, suffix = hf_name.rpartition(".")
-        gguf_name = f"{names.get_name(stem)}.{suffix}"
+        gguf_name = f"{names.get_name(stem) or legacy_expert_name(stem)}.{suffix}"
         entry = tensors.get(gguf_name)
         if entry is None:
             return None
@@ -140,6 +170,10 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
             weight = quantized_weight(gguf_name, entry, data, shard, hf_name)
             if weight is not None:
                 return weight
+        if quantized and keep_quantized and entry["type"] in block_types and data.ndim == 3:
+            experts = quantized_experts(gguf_name, entry, data, shard, hf_name)
+            if experts is not None:
+                return experts
         weights = dequantize(data, GGMLQuantizationType(entry["type"]))
         weights = processor.process(weights=weights, name=gguf_name).weights
         if shard is not None:
@@ -150,6 +184,23 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
         yield get
     finally:
         file.close()
+
+
+# One expert's projection, as a checkpoint names it, and llama.cpp's per-expert tensor of it.
+_EXPERT_STEM = re.compile(r"(?:model\.)?layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\."
+                          r"(w1|w3|w2|gate_proj|up_proj|down_proj)")
+_LEGACY_EXPERT = {"w1": "ffn_gate", "gate_proj": "ffn_gate", "w3": "ffn_up", "up_proj": "ffn_up",
+                  "w2": "ffn_down", "down_proj": "ffn_down"}
+
+
+def legacy_expert_name(stem: str) -> str | None:
+    """llama.cpp's name for one expert's projection in files written before the experts were
+    stacked (early 2024 Mixtral GGUFs: `blk.N.ffn_gate.E`); None for any other stem."""
+    match = _EXPERT_STEM.fullmatch(stem)
+    if match is None:
+        return None
+    layer, expert, projection = match.groups()
+    return f"blk.{layer}.{_LEGACY_EXPERT[projection]}.{expert}"
 
 
 @contextmanager

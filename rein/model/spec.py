@@ -26,10 +26,18 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    # Vision-language (rein.model.vision): the Qwen2 text model with M-RoPE, and a vision tower.
+    "Qwen2VLForConditionalGeneration": "qwen2_vl",
+    "Qwen2_5_VLForConditionalGeneration": "qwen2_5_vl",
 }
+# Families that take images: their config.json nests the text model's fields in `text_config`
+# (transformers 5) or keeps them at the top level (older checkpoints); `vision_config` is whole
+# in ModelSpec.vision_config.
+VISION_FAMILIES = ("qwen2_vl", "qwen2_5_vl")
 # config.json's model_type of each family (for configs that name no architecture)
 MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3": "gemma3_text",
-               "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
+               "qwen3_moe": "qwen3_moe", "qwen2_moe": "qwen2_moe", "mixtral": "mixtral", "olmoe": "olmoe",
+               "qwen2_vl": "qwen2_vl", "qwen2_5_vl": "qwen2_5_vl"}
 
 
 class UnsupportedModelError(ValueError):
@@ -77,6 +85,10 @@ class ModelSpec:
     shared_expert_intermediate_size: int = 0
     # Per layer: True where the MLP is the sparse MoE block.
     sparse_layers: tuple[bool, ...] = ()
+    # Vision-language models: M-RoPE's split of the rotary frequencies over (t, h, w) positions
+    # (Qwen2-VL), and the whole config.json (the vision tower is built from it); None otherwise.
+    mrope_section: tuple[int, ...] | None = None
+    vision_config: dict[str, Any] | None = field(default=None, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         if not self.layer_windows:
@@ -121,6 +133,17 @@ class ModelSpec:
                 f"rein runs: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        full_config = config
+        mrope_section = None
+        if family in VISION_FAMILIES:
+            config = {**config, **(config.get("text_config") or {})}
+            rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+            mrope_section = tuple(rope.get("mrope_section") or ()) or None
+            # M-RoPE is ordinary rope with 3-D positions: the frequencies are the default ones.
+            config = {**config, "rope_scaling": None,
+                      "rope_parameters": {"rope_type": "default", "rope_theta": rope.get("rope_theta",
+                                                                                        config.get("rope_theta", 1e6))}}
+            config.pop("rope_theta", None)
         hidden = config["hidden_size"]
         heads = config["num_attention_heads"]
         rope_params = dict(config.get("rope_parameters") or {})
@@ -146,7 +169,7 @@ class ModelSpec:
                 )
         eos = (generation or {}).get("eos_token_id", config.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        attention_bias = bool(config.get("attention_bias", family == "qwen2"))
+        attention_bias = bool(config.get("attention_bias", family in ("qwen2",) + VISION_FAMILIES))
         if family == "qwen2_moe":   # its config names the q/k/v bias qkv_bias (on unless set off)
             attention_bias = bool(config.get("qkv_bias", True))
         num_layers = config["num_hidden_layers"]
@@ -183,6 +206,8 @@ class ModelSpec:
             layer_windows=windows,
             local_rope_theta=None if local_rope_theta is None else float(local_rope_theta),
             attention_scale=float(scalar) ** -0.5 if scalar else head_dim**-0.5,
+            mrope_section=mrope_section,
+            vision_config=full_config if family in VISION_FAMILIES else None,
             **moe,
         )
 

@@ -42,12 +42,13 @@ import itertools
 import logging
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from rein.core.images import ImageError, ImageInput, open_image
 from rein.engine.errors import EngineRequestError
 from rein.engine.generation_defaults import load_generation_defaults
 from rein.engine.options import ENGINE_OPTION_NAMES, resolve_engine_values
@@ -73,6 +74,7 @@ from rein.offline.prompts import (
     read_prompt,
 )
 from rein.openai.errors import RequestError
+from rein.openai.images import image_parts
 from rein.openai.prompts import chat_prompt
 from rein.openai.reasoning import check_parser_names
 
@@ -167,6 +169,8 @@ class LLM:
         max_cpu_loras: int | None = None,
         max_lora_rank: int = 16,
         reasoning_parser: str | None = None,
+        max_num_encoder_tokens: int | None = None,
+        encoder_cache_tokens: int = 16384,
         pipeline_parallel_size: int = 1,
         **kwargs: Any,
     ) -> None:
@@ -231,7 +235,8 @@ class LLM:
         Raises ValueError naming the first bad prompt.
         """
         items = as_prompt_list(prompts)
-        prepared = [read_prompt(index, prompt, self.engine.tokenizer, self.engine.spec.vocab_size)
+        prepared = [self._image_prompt(index, prompt) if isinstance(prompt, Mapping) and "multi_modal_data" in prompt
+                    else read_prompt(index, prompt, self.engine.tokenizer, self.engine.spec.vocab_size)
                     for index, prompt in enumerate(items)]
         return self._run(prepared, sampling_params, use_tqdm, "prompt", lora_request)
 
@@ -256,6 +261,13 @@ class LLM:
                 raise ValueError(f"conversation {index}: expected a list of {{'role', 'content'}} dicts, "
                                  f"got {type(conversation).__name__}")
             try:
+                conversation, images = image_parts(list(conversation))
+            except ImageError as exc:
+                raise ValueError(f"conversation {index}: {exc.message}") from exc
+            if images:
+                prepared.append(self._vision_chat(index, conversation, images))
+                continue
+            try:
                 token_ids = chat_prompt({"messages": list(conversation)}, tokenizer, max_model_len)
             except RequestError as exc:
                 raise ValueError(f"conversation {index}: {exc.message}") from exc
@@ -263,6 +275,40 @@ class LLM:
             prepared.append(checked_prompt(index, Prompt(text, token_ids), self.engine.spec.vocab_size,
                                            "conversation"))
         return self._run(prepared, sampling_params, use_tqdm, "conversation", lora_request)
+
+    def _image_prompt(self, index: int, prompt: Mapping[str, Any]) -> Prompt:
+        """vLLM's {"prompt": text, "multi_modal_data": {"image": PIL image or list}}: the text holds
+        the model's image placeholder once per image; expanded by the model's processor."""
+        data = prompt["multi_modal_data"]
+        if not isinstance(data, Mapping) or set(data) - {"image"}:
+            raise ValueError(f"prompt {index}: multi_modal_data takes {{'image': a PIL image or a list of them}}")
+        images = data.get("image") or []
+        images = list(images) if isinstance(images, (list, tuple)) else [images]
+        if not isinstance(prompt.get("prompt"), str):
+            raise ValueError(f"prompt {index}: a prompt with multi_modal_data needs its 'prompt' as text")
+        inputs = [ImageInput.of(_png(image)) for image in images]
+        return self._expanded(index, prompt["prompt"], inputs, "prompt")
+
+    def _vision_chat(self, index: int, conversation: list[Any], images: list[ImageInput]) -> Prompt:
+        """A conversation with image parts: the chat template writes a placeholder per image, the
+        processor expands them (rein.model.vision.processor)."""
+        tokenizer = self.engine.tokenizer
+        try:
+            text = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # the template may raise anything
+            raise ValueError(f"conversation {index}: the model's chat template rejected the messages: {exc}") from exc
+        return self._expanded(index, text, images, "conversation")
+
+    def _expanded(self, index: int, text: str, images: list[ImageInput], what: str) -> Prompt:
+        processor = self.engine.vision_processor
+        if processor is None:
+            raise ValueError(f"{what} {index}: this model takes text only; images need a vision model")
+        try:
+            opened = [open_image(image.data, max_pixels=self.engine.max_image_pixels) for image in images]
+            expanded = processor.expand(text, opened, [image.detail for image in images])
+        except ImageError as exc:
+            raise ValueError(f"{what} {index}: {exc.message}") from exc
+        return checked_prompt(index, Prompt(text, expanded.token_ids, images), self.engine.spec.vocab_size, what)
 
     def embed(
         self,
@@ -338,7 +384,7 @@ class LLM:
             request_id = str(next(self.request_counter))
             try:
                 self.engine.add_request(request_id, prompts[index].token_ids, params[index],
-                                        lora_request=adapters[index])
+                                        lora_request=adapters[index], images=prompts[index].images)
             except EngineRequestError as exc:
                 if exc.param == "lora_request":   # its adapter: this prompt fails, the others run
                     fail(index, request_id, exc.message)
@@ -382,6 +428,19 @@ class LLM:
         if missing:
             raise RuntimeError(f"the engine returned no output for {what}s {missing} (engine bug)")
         return results  # type: ignore[return-value]
+
+
+def _png(image: Any) -> bytes:
+    """A PIL image as PNG bytes (how an image travels to the engine: rein.core.images.ImageInput)."""
+    import io
+
+    if isinstance(image, (bytes, bytearray)):
+        return bytes(image)
+    if not hasattr(image, "save"):
+        raise ValueError(f"multi_modal_data images must be PIL images or encoded bytes, got {type(image).__name__}")
+    out = io.BytesIO()
+    image.save(out, "PNG")
+    return out.getvalue()
 
 
 def engine_argument_names() -> list[str]:

@@ -21,6 +21,7 @@ class Prompt:
 
     text: str | None
     token_ids: list[int]
+    images: list | None = None   # rein.core.images.ImageInput, for a vision model (token ids expanded)
 
 
 def read_prompt(index: int, prompt: PromptType, tokenizer: Any, vocab_size: int) -> Prompt:

@@ -35,6 +35,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
+from rein.core.images import ImageError, open_image
 from rein.core.priorities import job_priority
 from rein.core.settings import setting_or_default
 from rein.engine.errors import EngineRequestError
@@ -54,9 +55,10 @@ from rein.openai.batch_lines import (
     read_lines,
 )
 from rein.openai.choices_response import full_response
-from rein.openai.endpoints import EMBEDDINGS, RESPONSES, generated_as
+from rein.openai.endpoints import CHAT_COMPLETIONS, EMBEDDINGS, RESPONSES, generated_as
 from rein.openai.engine_errors import request_error
 from rein.openai.errors import RequestError
+from rein.openai.images import image_parts
 from rein.openai.priority import parse_priority
 from rein.openai.reasoning import ModelReasoning, apply_reasoning, parsers_by_model
 from rein.openai.request import ParsedRequest, parse_request
@@ -106,6 +108,7 @@ class _ReadLine:
     # Its `priority` (rein.openai.priority). Every line of an offline run is in one class, the
     # engine's default (interactive: no step budget or batch prefill cap applies among them).
     priority: int = 0
+    images: list | None = None      # a chat line's images (rein.core.images.ImageInput), in order
 
     def prompt_token_ids(self) -> list[int]:
         """What the prefix order sorts by (an embeddings line: nothing, so first)."""
@@ -164,6 +167,29 @@ def run_batch(
         batch.out, batch.err, batch.bar = out, err or out, bar
         batch.run(source)
     return batch.summary
+
+
+def vision_chat(engine: LLMEngine, url: str, body: Any) -> tuple[list | None, list[int] | None]:
+    """A chat line's images (image_url data-URL parts, rein.openai.images) and its prompt rendered
+    by the chat template and expanded by the model's processor; (None, None) for a line without
+    images. RequestError for images the line cannot have (not a data URL, a text-only model, a
+    placeholder count that does not match, an image that does not open)."""
+    if url != CHAT_COMPLETIONS or not isinstance(body, dict) or not isinstance(body.get("messages"), list):
+        return None, None
+    try:
+        messages, images = image_parts(body["messages"])
+        if not images:
+            return None, None
+        processor = engine.vision_processor
+        if processor is None:
+            raise ImageError("this model takes text only: the line has image parts; use a vision model",
+                             param="messages")
+        text = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        opened = [open_image(image.data, max_pixels=engine.max_image_pixels) for image in images]
+        ids = processor.expand(text, opened, [image.detail for image in images]).token_ids
+    except ImageError as exc:
+        raise RequestError(exc.message, exc.param or "messages") from exc
+    return images, ids
 
 
 def default_model_name(engine: LLMEngine) -> str:
@@ -252,15 +278,16 @@ class BatchRun:
                 parsed = parse_responses_request(batch_line.body, self.engine.tokenizer, self.engine.max_model_len,
                                                  self.generation_defaults, self.tool_call_parser, self.reasoning)
             else:
+                images, chat_ids = vision_chat(self.engine, batch_line.url, batch_line.body)
                 parsed = parse_request(batch_line.url, batch_line.body, self.engine.tokenizer,
                                        self.engine.max_model_len, self.generation_defaults, self.tool_call_parser,
-                                       self.reasoning)
+                                       self.reasoning, chat_token_ids=chat_ids)
             # service_tier "priority" is refused as on the service's batch lines; the rest only orders.
             priority = job_priority(parse_priority(batch_line.body, batch_line=True).priority)
         except RequestError as exc:
             self.fail(custom_id, line_number, exc.code, exc.message)
             return None
-        return _ReadLine(line_number, batch_line, parsed, priority)
+        return _ReadLine(line_number, batch_line, parsed, priority, images)
 
     def _take(self, read: _ReadLine) -> tuple[str, _Pending] | list[tuple[str, EmbeddingPart]] | None:
         """Add a read line's request to the engine, or answer the line with an error."""
@@ -270,7 +297,8 @@ class BatchRun:
         request_id = uuid.uuid4().hex
         try:
             self.engine.add_request(request_id, parsed.prompt_token_ids, parsed.params, priority=read.priority,
-                                    lora_request=self.adapters.get(parsed.model) if parsed.model else None)
+                                    lora_request=self.adapters.get(parsed.model) if parsed.model else None,
+                                    images=read.images)
         except EngineRequestError as exc:
             refused = request_error(exc)
             self.fail(batch_line.custom_id, line_number, refused.code, refused.message)

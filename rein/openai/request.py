@@ -83,14 +83,15 @@ class ParsedRequest:
 
 def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model_len: int,
                   defaults: GenerationDefaults | None = None, tool_parser: str | None = None,
-                  reasoning: ModelReasoning | None = None) -> ParsedRequest:
+                  reasoning: ModelReasoning | None = None, chat_token_ids: list[int] | None = None) -> ParsedRequest:
     """Turn one OpenAI request body into prompt token ids and sampling params.
 
     `defaults` (the model's generation_config.json, rein.engine.generation_defaults) fill the
     sampling fields the body leaves out (or sets to null); without them, rein's built-in ones.
     `tool_parser`: the format of auto tool answers (rein.openai.tool_call_parsers; None: hermes).
     `reasoning`: the model's reasoning parser (chat only): the answer's thinking is split out,
-    and a structured output applies after it.
+    and a structured output applies after it. `chat_token_ids`: a chat body's prompt already
+    rendered and expanded (its images' tokens: rein.model.vision.processor), used as it is.
     """
     default = defaults.get if defaults is not None else (lambda _name, builtin: builtin)
     if endpoint not in ENDPOINTS:
@@ -108,7 +109,8 @@ def parse_request(endpoint: str, body: dict[str, Any], tokenizer: Any, max_model
 
     tool_request = parse_tools(body, tool_parser) if chat else None
     if chat:
-        prompt = chat_prompt(body, tokenizer, max_model_len, tool_request)
+        prompt = chat_token_ids if chat_token_ids is not None else \
+            chat_prompt(body, tokenizer, max_model_len, tool_request)
         logprobs_mode = _chat_logprobs(body)
     else:
         prompt = completion_prompt(body, tokenizer, max_model_len)

@@ -287,3 +287,33 @@ def test_estimate_counts_a_transformers_backend_models_own_parameters(tmp_path, 
     assert f"weights: {params:,} parameters x 4 bytes (float32)" in capsys.readouterr().out
     assert main(["estimate", "--model", str(tmp_path), "--memory", "64MiB", "--model-impl", "rein"]) == 2
     assert "--model-impl transformers" in capsys.readouterr().err
+
+
+def test_estimate_per_rank_under_tensor_parallelism(model_dir, capsys):
+    """--tensor-parallel-size: one rank's weights and KV cache. The tiny llama's two KV heads split
+    over two ranks; over four they are replicated, so a rank's cache costs what it does at two."""
+    c = tiny_config(model_dir)
+    hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    heads, kv_heads, inter = c["num_attention_heads"], c["num_key_value_heads"], c["intermediate_size"]
+    head_dim = c.get("head_dim") or hidden // heads
+    assert (heads, kv_heads) == (4, 2)
+    per_layer = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 3 * hidden * inter + 2 * hidden
+    params = 2 * vocab * hidden + layers * per_layer + hidden
+    for size, rank_kv_heads in ((2, 1), (4, 1)):
+        # a rank: its query heads, its KV head (its own at 2, a copy at 4), its slices; norms whole
+        rank_layer = (2 * hidden * (heads // size) * head_dim + 2 * hidden * rank_kv_heads * head_dim
+                      + 3 * hidden * (inter // size) + 2 * hidden)
+        rank_params = 2 * (vocab // size) * hidden + layers * rank_layer + hidden
+        weights = params * 4 * rank_params // params
+        per_token = 2 * layers * rank_kv_heads * head_dim * 4
+        blocks = (64 * 1024**2 - weights) // (per_token * 16)
+        assert main(["estimate", "--model", str(model_dir), "--memory", "64MiB", "--dtype", "float32",
+                     "--tensor-parallel-size", str(size)]) == 0
+        out = capsys.readouterr().out
+        assert f"weights per rank: {rank_params:,} of {params:,} parameters = about {weights:,} bytes" in out
+        assert f"2 x {layers} layers x {rank_kv_heads} kv_heads x {head_dim} head_dim x 4 bytes" in out
+        assert f"{blocks:,} blocks x 16 tokens" in out
+        replicated = "1 KV head of 2, replicated: each KV head is computed and cached on 2 ranks"
+        assert (replicated in out) == (size == 4)
+    assert main(["estimate", "--model", str(model_dir), "--memory", "64MiB", "--tensor-parallel-size", "3"]) == 2
+    assert "tensor parallel size 3 does not divide the model's 4 attention heads" in capsys.readouterr().err

@@ -51,7 +51,8 @@ def test_the_commands_share_one_set_of_options(capsys):
             "--generation-config", "--model-impl", "--tokenizer", "--revision", "--tokenizer-revision",
             "--chat-template", "--trust-remote-code", "--no-trust-remote-code", "--tensor-parallel-size",
             "--quantization", "--enable-lora", "--no-enable-lora", "--max-loras", "--max-cpu-loras",
-            "--max-lora-rank", "--reasoning-parser", "--tool-call-parser"} == offline
+            "--max-lora-rank", "--reasoning-parser", "--tool-call-parser", "--max-num-encoder-tokens",
+            "--encoder-cache-tokens"} == offline
     # what intake applies: the context length, sampling defaults, the tokenizer and template it encodes
     # with, and what it checks LoRA adapters against
     assert engine_flags("api") == {"--max-model-len", "--generation-config", "--tokenizer", "--revision",

@@ -170,7 +170,9 @@ def test_bad_prompts_name_their_index_before_any_work(llm, monkeypatch):
         ([[1, 2], [3, vocab]], rf"^prompt 1: token id {vocab} \(at position 1\) is outside the vocabulary"),
         ([[1, -1]], r"^prompt 0: token id -1"),
         (["ok", [1, "2"]], r"^prompt 1: token ids must be integers"),
-        ([{"prompt_token_ids": [1], "multi_modal_data": {}}], r"^prompt 0: unsupported keys"),
+        ([{"prompt_token_ids": [1], "mm_processor_kwargs": {}}], r"^prompt 0: unsupported keys"),
+        # images (rein.model.vision) come with text holding the model's placeholders
+        ([{"prompt_token_ids": [1], "multi_modal_data": {}}], r"^prompt 0: a prompt with multi_modal_data needs"),
         (["ok", 3.5], r"^prompt 1: expected text"),
     ]
     for prompts, message in cases:

@@ -81,14 +81,16 @@ def projection_outputs(model, spec, adapter: LoRARequest, inputs: dict[str, torc
     return outputs
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2_moe"])
-def test_each_ranks_shard_adds_what_one_rank_adds(arch, tiny_models, tmp_path_factory):
+# Four ranks over the tiny llama's two KV heads replicate them (rein.model.parallel.layers): the
+# ranks sharing a KV head each keep its k and v adapter rows.
+@pytest.mark.parametrize(("arch", "world_size"), [("llama", WORLD_SIZE), ("qwen2_moe", WORLD_SIZE), ("llama", 4)])
+def test_each_ranks_shard_adds_what_one_rank_adds(arch, world_size, tiny_models, tmp_path_factory):
     model_dir = tiny_models(arch)
     out = tmp_path_factory.mktemp(f"lora-shards-{arch}")
     adapter = LoRARequest("all", 1, str(make_peft_adapter(model_dir, out / "all", r=8, target_modules=ATTENTION + MLP,
                                                           lora_alpha=16, seed=5, weight_std=0.1)))
     whole, spec = load_shard(model_dir, 0, 1)
-    shards = [load_shard(model_dir, rank, WORLD_SIZE)[0] for rank in range(WORLD_SIZE)]
+    shards = [load_shard(model_dir, rank, world_size)[0] for rank in range(world_size)]
     paths = [name for name, module in whole.named_modules()
              if isinstance(module, Linear) and name.rsplit(".", 1)[-1] in
              ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")]

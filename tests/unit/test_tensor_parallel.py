@@ -8,7 +8,8 @@ what sharding must get right: GQA and llama3 rope (llama), q/k/v bias and a tied
 (qwen2), per-head q/k norms and a head_dim of its own (qwen3), Gemma 3's sandwich norms and
 windows with a vocabulary that does not split evenly, MoE experts split by their width with
 a shared expert (qwen2_moe, also from a checkpoint with the experts stacked) and OLMoE's q/k
-norms over all heads. Then: a size that does not divide the heads is refused, and a rank
+norms over all heads. Then: a size that fits neither the heads nor the KV heads is refused
+(sizes above the KV heads that replicate them: tests/unit/test_tensor_parallel_kv_replicas.py), and a rank
 that is killed or hangs makes the other's collective raise within the timeout.
 """
 
@@ -188,15 +189,22 @@ def test_the_group_agrees_on_a_minimum_and_gathers_in_rank_order(two_ranks):
         assert torch.equal(rank["gathered"], torch.tensor([[0.0] * 3 + [1.0] * 3] * 2))
 
 
-@pytest.mark.parametrize("world_size", [3, 4])
-def test_a_size_that_does_not_divide_the_heads_is_refused(tiny_models, world_size):
-    spec = ModelSpec.from_dir(tiny_models("llama"))
+@pytest.mark.parametrize(("heads", "kv_heads", "world_size", "refusal", "sizes"), [
+    (4, 2, 3, "does not divide the model's 4 attention heads", "1, 2, 4"),
+    (4, 2, 8, "does not divide the model's 4 attention heads", "1, 2, 4"),
+    # Query heads split by 3, but 3 ranks can neither share 2 KV heads out nor replicate them evenly.
+    (6, 2, 3, "neither divides nor is a multiple of the model's 2 KV heads", "1, 2, 6"),
+    (12, 4, 6, "neither divides nor is a multiple of the model's 4 KV heads", "1, 2, 4, 12"),
+])
+def test_a_size_that_fits_neither_the_heads_nor_the_kv_heads_is_refused(tiny_models, heads, kv_heads, world_size,
+                                                                        refusal, sizes):
+    spec = replace(ModelSpec.from_dir(tiny_models("llama")), num_heads=heads, num_kv_heads=kv_heads)
     group = SimpleNamespace(rank=0, world_size=world_size)
     with torch.device("meta"), pytest.raises(ValueError) as info:
         native_model_class(spec)(spec, 64, group)
     message = str(info.value)
-    assert f"tensor parallel size {world_size}" in message
-    assert "4 attention heads and 2 KV heads" in message and "1, 2" in message
+    assert f"tensor parallel size {world_size} {refusal}" in message
+    assert message.endswith(f": {sizes}")
 
 
 def test_the_transformers_backend_refuses_more_than_one_rank(tiny_models):

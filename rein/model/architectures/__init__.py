@@ -20,6 +20,8 @@ NATIVE_MODELS = {
     "qwen2_moe": "rein.model.architectures.moe_family:MoeFamilyModel",
     "mixtral": "rein.model.architectures.moe_family:MoeFamilyModel",
     "olmoe": "rein.model.architectures.moe_family:MoeFamilyModel",
+    "qwen2_vl": "rein.model.vision.qwen2_vl:Qwen2VLModel",
+    "qwen2_5_vl": "rein.model.vision.qwen2_vl:Qwen2VLModel",
 }
 
 

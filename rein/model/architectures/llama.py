@@ -7,7 +7,8 @@ are flattened into one [T, hidden] batch; only attention looks at request bounda
 Q, K and V (and gate and up) are fused into one weight at load time for the same reason.
 
 Built with a tensor-parallel `group` (rein.model.parallel), every layer holds its rank's
-share: the query and KV heads, the MLP's intermediate slice, the vocabulary slice; o_proj and
+share: the query and KV heads (one KV head, replicated, where the ranks outnumber them;
+rein.model.parallel.layers), the MLP's intermediate slice, the vocabulary slice; o_proj and
 down_proj end in the layer's one all-reduce each, the logits are all-gathered. With the
 default single-rank group the layers are full width and the collectives return their input.
 """
@@ -28,6 +29,7 @@ from rein.model.parallel.layers import (
     VocabParallelEmbedding,
     attention_heads,
     gather_vocab,
+    kv_replicas,
     split_evenly,
     vocab_rows,
 )
@@ -238,12 +240,15 @@ def load_embeddings(model: nn.Module, weights: WeightLoader) -> None:
 
 def load_attention(weights: WeightLoader, spec: ModelSpec, src: str, dst: str) -> None:
     """One layer's attention: q/k/v fused (and their biases) from this rank's rows of each
-    (its heads), o_proj's matching columns, the q/k norms whole."""
+    (its heads; k's and v's those of its KV head where KV heads are replicated), o_proj's
+    matching columns, the q/k norms whole (they are per head)."""
     heads = weights.shard(0)
+    kv = weights.shard(0, replicas=kv_replicas(spec, weights.group.world_size))
     weights.linear(dst + "qkv_proj.weight", [src + "q_proj.weight", src + "k_proj.weight", src + "v_proj.weight"],
-                   heads)
+                   [heads, kv, kv])
     if spec.attention_bias:
-        weights.fused(dst + "qkv_proj.bias", [src + "q_proj.bias", src + "k_proj.bias", src + "v_proj.bias"], heads)
+        weights.fused(dst + "qkv_proj.bias", [src + "q_proj.bias", src + "k_proj.bias", src + "v_proj.bias"],
+                      [heads, kv, kv])
     weights.linear(dst + "o_proj.weight", [src + "o_proj.weight"], weights.shard(1))
     if spec.qk_norm:
         weights.put(dst + "q_norm.weight", weights.take(src + "q_norm.weight"))

@@ -15,6 +15,9 @@ over those k when the model says so (Mixtral always; Qwen-MoE and OLMoE by
 `norm_topk_prob`). Qwen2-MoE adds a shared expert that every token passes through, scaled by
 a sigmoid gate.
 
+A GGUF file's experts stay in their quantized blocks (`quantized_gate_up`, `quantized_down`:
+rein.kernels.quantized_experts), their matmuls run on the integers per expert.
+
 Under tensor parallelism every rank holds every expert's slice of the intermediate dimension
 (and the shared expert's), so the routed and shared outputs are partial sums: the block adds
 them and all-reduces once.
@@ -28,6 +31,11 @@ import torch
 from torch import nn
 
 from rein.kernels import elementwise, use_triton
+from rein.kernels.quantized_experts import (
+    QuantizedExperts,
+    grouped_quantized_experts,
+    triton_quantized_moe_fits,
+)
 from rein.model.architectures.linear import Linear, linear
 from rein.model.architectures.llama import MLP
 from rein.model.parallel.group import SINGLE_RANK, ParallelGroup
@@ -79,9 +87,17 @@ def grouped_experts(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     return torch.zeros_like(x).index_add_(0, token_of, out)
 
 
-def experts_forward(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                    weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The routed experts' sum for every token: Triton's fused MoE on CUDA, the grouped torch path elsewhere."""
+def experts_forward(x: torch.Tensor, gate_up_proj: torch.Tensor | QuantizedExperts,
+                    down_proj: torch.Tensor | QuantizedExperts, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The routed experts' sum for every token: Triton's fused MoE on CUDA, the grouped torch
+    path elsewhere; experts held quantized through rein.kernels.quantized_experts (Triton's
+    grouped quantized GEMM on CUDA, the C kernel per expert on the CPU)."""
+    if isinstance(gate_up_proj, QuantizedExperts):
+        if use_triton(x) and isinstance(down_proj, QuantizedExperts) and triton_quantized_moe_fits(gate_up_proj, down_proj):
+            from rein.kernels import triton_quantized_moe
+
+            return triton_quantized_moe.fused_quantized_experts(x, gate_up_proj, down_proj, weights, ids)
+        return grouped_quantized_experts(x, gate_up_proj, down_proj, weights, ids, silu_and_mul)
     if use_triton(x):
         from rein.kernels import triton_moe
 
@@ -104,6 +120,10 @@ class SparseMoeBlock(nn.Module):
         self.gate = Linear(hidden, spec.num_experts, bias=False)   # the router
         self.gate_up_proj = nn.Parameter(torch.empty(spec.num_experts, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(spec.num_experts, hidden, inter))
+        # Set at load where the checkpoint's experts stay quantized (a GGUF file's stacked
+        # ffn_*_exps): they then replace gate_up_proj and down_proj, left empty.
+        self.quantized_gate_up: QuantizedExperts | None = None
+        self.quantized_down: QuantizedExperts | None = None
         self.shared_expert = self.shared_expert_gate = None
         if spec.shared_expert_intermediate_size:
             self.shared_expert = MLP(replace(spec, intermediate_size=spec.shared_expert_intermediate_size), group,
@@ -112,7 +132,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)
-        out = experts_forward(x, self.gate_up_proj, self.down_proj, weights, ids)
+        if self.quantized_gate_up is not None:
+            out = experts_forward(x, self.quantized_gate_up, self.quantized_down, weights, ids)
+        else:
+            out = experts_forward(x, self.gate_up_proj, self.down_proj, weights, ids)
         if self.shared_expert is not None:
             out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.group.all_reduce_(out)

@@ -74,11 +74,13 @@ class WeightLoader:
         self.get = get
         self.group = group
 
-    def shard(self, dim: int, uneven: bool = False) -> Shard | None:
-        """This rank's part of dimension `dim`; None (the whole tensor) on a single rank."""
+    def shard(self, dim: int, uneven: bool = False, replicas: int = 1) -> Shard | None:
+        """This rank's part of dimension `dim`; None (the whole tensor) on a single rank.
+        `replicas`: that many consecutive ranks hold the same part (KV heads replicated past
+        their count, rein.model.parallel.layers), so the tensor splits into world_size / replicas."""
         if self.group.world_size == 1:
             return None
-        return Shard(dim, self.group.rank, self.group.world_size, uneven)
+        return Shard(dim, self.group.rank // replicas, self.group.world_size // replicas, uneven)
 
     def take(self, name: str, shard: Shard | None = None, quantized: bool = False) -> torch.Tensor | QuantizedWeight:
         tensor = self.get(name, shard, quantized) if quantized else self.get(name, shard)
@@ -86,10 +88,13 @@ class WeightLoader:
             raise ValueError(f"checkpoint is missing weight {name}")
         return tensor
 
-    def linear(self, name: str, sources: list[str], shard: Shard | None = None) -> None:
+    def linear(self, name: str, sources: list[str], shard: Shard | list[Shard | None] | None = None) -> None:
         """A projection's weight `name` from checkpoint tensors stacked on the output rows (one,
-        or q/k/v, gate/up), kept quantized when every part comes quantized."""
-        self.put(name, self._stacked([self.take(source, shard, quantized=True) for source in sources], name))
+        or q/k/v, gate/up), kept quantized when every part comes quantized. `shard`: one for
+        every source, or a list with each source's own (q's heads and replicated KV heads)."""
+        shards = shard if isinstance(shard, list) else [shard] * len(sources)
+        self.put(name, self._stacked([self.take(source, part, quantized=True)
+                                      for source, part in zip(sources, shards, strict=True)], name))
 
     def _stacked(self, parts: list[torch.Tensor | QuantizedWeight], name: str) -> torch.Tensor | QuantizedWeight:
         if all(isinstance(part, QuantizedWeight) for part in parts):
@@ -131,10 +136,11 @@ class WeightLoader:
         module.weight = dropped(target)
         self.loaded.add(name)
 
-    def fused(self, name: str, sources: list[str], shard: Shard | None = None) -> None:
-        """One model tensor from several checkpoint tensors (`shard` of each) stacked on the
-        output dimension."""
-        self.put(name, torch.cat([self.take(source, shard) for source in sources]))
+    def fused(self, name: str, sources: list[str], shard: Shard | list[Shard | None] | None = None) -> None:
+        """One model tensor from several checkpoint tensors (`shard` of each, or each its own
+        from a list, as `linear`) stacked on the output dimension."""
+        shards = shard if isinstance(shard, list) else [shard] * len(sources)
+        self.put(name, torch.cat([self.take(source, part) for source, part in zip(sources, shards, strict=True)]))
 
     def skip(self, name: str) -> None:
         """A model tensor the checkpoint legitimately lacks (the model drops the module)."""

@@ -14,8 +14,10 @@ each checkpoint tensor into N equal parts (llama.py's load_attention / load_mlp)
 * anything else an adapter may target (a MoE router `gate`, `shared_expert_gate`) is whole on
   every rank, and so is its adapter.
 
-KV heads are never replicated over ranks: `attention_heads` refuses a size that does not
-divide them, so a k or v part splits by heads like q.
+A k or v part splits by KV heads like q by query heads, into N parts -- or, where the ranks
+outnumber the KV heads and replicate them (rein.model.parallel.layers), into num_kv_heads
+parts, rank r holding part r // (N / num_kv_heads): the ranks sharing a KV head all keep its
+adapter rows.
 
 `load_peft_adapter` (rein.model.lora.adapters) maps an adapter onto the whole model's widths
 (`whole_parts`, `whole_in_features`: this rank's times N where the loader split them) and
@@ -29,6 +31,8 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 from torch import nn
+
+from rein.model.parallel.layers import kv_replicas
 
 if TYPE_CHECKING:
     from rein.model.lora.adapters import LoRATarget, LoRAWeights
@@ -63,6 +67,18 @@ def fused_sizes(parent: nn.Module, fused: str, module: nn.Linear) -> list[int]:
     return [half, half]
 
 
+def part_splits(model: nn.Module, path: str) -> list[tuple[int, int]]:
+    """For each part of the projection at `path` (as `local_parts`), (which part of the whole
+    this rank holds, into how many parts the ranks split it): a k or v part of replicated KV
+    heads splits into fewer parts than there are ranks."""
+    rank, world_size = ranks_of(model)
+    splits = [(rank, world_size)] * len(local_parts(model, path))
+    if path.rpartition(".")[2] == "qkv_proj" and world_size > 1:
+        replicas = kv_replicas(model.spec, world_size)
+        splits[1:] = [(rank // replicas, world_size // replicas)] * 2
+    return splits
+
+
 def local_parts(model: nn.Module, path: str) -> list[int]:
     """This rank's output widths of the parts of the projection at `path` ([out] if not fused)."""
     module = model.get_submodule(path)
@@ -74,9 +90,10 @@ def local_parts(model: nn.Module, path: str) -> list[int]:
 
 def whole_parts(model: nn.Module, path: str) -> list[int]:
     """The output widths of the projection's parts over all ranks (an adapter's B rows)."""
-    _, world_size = ranks_of(model)
-    scale = world_size if split_of(path) == "column" else 1
-    return [width * scale for width in local_parts(model, path)]
+    if split_of(path) != "column":
+        return local_parts(model, path)
+    return [width * count for width, (_, count) in zip(local_parts(model, path), part_splits(model, path),
+                                                        strict=True)]
 
 
 def whole_in_features(model: nn.Module, path: str) -> int:
@@ -88,12 +105,11 @@ def whole_in_features(model: nn.Module, path: str) -> int:
 def column_rows(model: nn.Module, path: str) -> torch.Tensor:
     """For each output column this rank holds of a column-parallel projection, the row of the
     whole projection it is (the loader's Shard(0) of each part, parts one after another)."""
-    rank, world_size = ranks_of(model)
     rows, offset = [], 0
-    for width in local_parts(model, path):
-        first = offset + rank * width
+    for width, (index, count) in zip(local_parts(model, path), part_splits(model, path), strict=True):
+        first = offset + index * width
         rows.append(torch.arange(first, first + width))
-        offset += width * world_size
+        offset += width * count
     return torch.cat(rows)
 
 

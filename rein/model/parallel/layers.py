@@ -13,14 +13,17 @@ one after the MLP, and nothing between:
   cut into parts of ceil(vocab / N) rows, so it need not divide; the last rank's missing rows
   are zero and its extra logits are dropped after the gather.
 
-Heads must divide evenly (a head is attention's unit); `attention_heads` refuses a size that
-does not. Each rank's attention then sees num_kv_heads / N KV heads, which is what its share
-of the paged KV cache holds.
+Heads are attention's unit: the query heads must split evenly over the N ranks. The KV heads
+split evenly too while N divides them; past their count, as vLLM does, they are replicated:
+each rank holds one KV head, rank r the head r // (N / num_kv_heads), so N must be a multiple
+of num_kv_heads. Either way a rank's query heads are the ones that read its KV heads (GQA's
+groups are consecutive query heads). `attention_heads` refuses a size that fits neither; each
+rank's attention then sees max(1, num_kv_heads / N) KV heads, which is what its share of the
+paged KV cache holds. Replicating costs memory: the N / num_kv_heads ranks of a KV head each
+compute and cache it whole, and each holds its K and V projection rows.
 """
 
 from __future__ import annotations
-
-from math import gcd
 
 import torch
 from torch import nn
@@ -32,13 +35,34 @@ from rein.model.spec import ModelSpec
 
 def attention_heads(spec: ModelSpec, world_size: int) -> tuple[int, int]:
     """This rank's (query heads, KV heads) of `spec` split over `world_size` ranks; also the
-    KV heads each rank's cache must be sized for."""
-    if spec.num_heads % world_size or spec.num_kv_heads % world_size:
-        common = gcd(spec.num_heads, spec.num_kv_heads)
-        sizes = ", ".join(str(n) for n in range(1, common + 1) if common % n == 0)
-        raise ValueError(f"tensor parallel size {world_size} does not divide the model's {spec.num_heads} "
-                         f"attention heads and {spec.num_kv_heads} KV heads; choose one that divides both: {sizes}")
-    return spec.num_heads // world_size, spec.num_kv_heads // world_size
+    KV heads each rank's cache must be sized for (one where the KV heads are replicated)."""
+    heads, kv_heads = spec.num_heads, spec.num_kv_heads
+    if heads % world_size:
+        raise ValueError(f"tensor parallel size {world_size} does not divide the model's {heads} attention heads "
+                         f"({kv_heads} KV heads); choose a size that divides the attention heads and divides "
+                         f"or is a multiple of the KV heads: {_sizes(heads, kv_heads)}")
+    if not _fits_kv(kv_heads, world_size):
+        raise ValueError(f"tensor parallel size {world_size} neither divides nor is a multiple of the model's "
+                         f"{kv_heads} KV heads: a rank's KV heads must be a whole share of them or one of them "
+                         f"replicated ({heads} attention heads); choose one of: {_sizes(heads, kv_heads)}")
+    return heads // world_size, max(1, kv_heads // world_size)
+
+
+def _fits_kv(kv_heads: int, world_size: int) -> bool:
+    """Whether `world_size` ranks can hold `kv_heads` KV heads: split evenly or replicated evenly."""
+    return kv_heads % world_size == 0 or world_size % kv_heads == 0
+
+
+def _sizes(heads: int, kv_heads: int) -> str:
+    """The tensor-parallel sizes a model of `heads` query and `kv_heads` KV heads can take."""
+    return ", ".join(str(n) for n in range(1, heads + 1) if heads % n == 0 and _fits_kv(kv_heads, n))
+
+
+def kv_replicas(spec: ModelSpec, world_size: int) -> int:
+    """How many ranks hold each KV head: 1 where the ranks split them, world_size / num_kv_heads
+    where they are replicated (consecutive ranks share a head)."""
+    attention_heads(spec, world_size)
+    return max(1, world_size // spec.num_kv_heads)
 
 
 def split_evenly(size: int, world_size: int, what: str) -> int:

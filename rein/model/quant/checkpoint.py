@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from rein.kernels.quantized import CpuPanels, QuantizedWeight
+from rein.kernels.quantized_experts import QuantizedExperts
 from rein.model.architectures.weights import Shard, TensorGetter
 from rein.model.quant.methods import (
     QuantizationConfig,
@@ -46,11 +47,16 @@ class LoadReport:
 
     quantized: Counter = field(default_factory=Counter)      # source format -> tensors
     dequantized: Counter = field(default_factory=Counter)    # source format -> tensors (no kernel / shape)
+    # source format -> stacked expert tensors (a GGUF file's ffn_{gate,up,down}_exps) kept quantized
+    experts: Counter = field(default_factory=Counter)
 
     def describe(self, resident: int) -> str:
         parts = [f"weights: {resident / 2**20:.1f} MiB resident"]
         if self.quantized:
             parts.append("kept quantized: " + ", ".join(f"{k} x{v}" for k, v in sorted(self.quantized.items())))
+        if self.experts:
+            parts.append("MoE experts kept quantized: "
+                         + ", ".join(f"{k} x{v}" for k, v in sorted(self.experts.items())))
         if self.dequantized:
             parts.append("dequantized (no kernel for the type or shape): "
                          + ", ".join(f"{k} x{v}" for k, v in sorted(self.dequantized.items())))
@@ -58,12 +64,13 @@ class LoadReport:
 
 
 def resident_bytes(model: nn.Module) -> int:
-    """Bytes the model's weights hold: parameters, buffers and quantized weights."""
+    """Bytes the model's weights hold: parameters, buffers and quantized weights (a Linear's
+    `quantized`, a MoE block's QuantizedExperts)."""
     total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
     for module in model.modules():
-        weight = getattr(module, "quantized", None)
-        if isinstance(weight, (QuantizedWeight, CpuPanels)):
-            total += weight.nbytes()
+        for value in vars(module).values():
+            if isinstance(value, (QuantizedWeight, CpuPanels, QuantizedExperts)):
+                total += value.nbytes()
     return total
 
 
@@ -120,7 +127,7 @@ def quantized_at_load(get: TensorGetter, method: str, report: LoadReport) -> Ten
         if not quantized or name.endswith(UNQUANTIZED):
             return get(name, shard)
         tensor = get(name, shard, True)
-        if tensor is None or isinstance(tensor, QuantizedWeight) or tensor.dim() != 2:
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 2:   # absent, already quantized, not a matrix
             return tensor
         try:
             weight = quantize_int8(tensor) if method == "int8" else quantize_int4(tensor, int4_group(method))
@@ -147,8 +154,9 @@ def quantized_bytes(rows: int, cols: int, bits: int, group: int, offset: bool) -
 
 
 def projection_shapes(spec) -> list[tuple[int, int]]:
-    """(rows, cols) of every projection a native model holds as a Linear (attention's q, k, v, o;
-    the dense MLPs' and shared experts' gate, up, down; routed experts are not Linears)."""
+    """(rows, cols) of every projection a native model holds quantized when the checkpoint or
+    --quantization has it so (attention's q, k, v, o; the dense MLPs' and shared experts' gate,
+    up, down; and each routed expert's, rein.kernels.quantized_experts)."""
     q, kv, hidden = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.hidden_size
     shapes = []
     for sparse in spec.sparse_layers:
@@ -156,6 +164,9 @@ def projection_shapes(spec) -> list[tuple[int, int]]:
         inter = spec.shared_expert_intermediate_size if sparse else spec.intermediate_size
         if inter:
             shapes += [(inter, hidden), (inter, hidden), (hidden, inter)]
+        if sparse:
+            expert = spec.moe_intermediate_size
+            shapes += [(expert, hidden), (expert, hidden), (hidden, expert)] * spec.num_experts
     return shapes
 
 
@@ -207,8 +218,8 @@ def _gguf_bytes(tensors: dict, element_size: int) -> tuple[int, str]:
             numel *= size
         cols = shape[-1] // type_bytes * block if block > 1 else shape[-1]   # quantized rows are bytes
         form = GGUF_FORMS.get(qtype.name)
-        if form is not None and len(shape) == 2:
-            total += held_bytes(qtype.name, shape[0], cols)
+        if form is not None and len(shape) in (2, 3):   # 3-D: a MoE layer's stacked experts
+            total += held_bytes(qtype.name, numel, cols)
             kinds[qtype.name] += 1
         else:
             total += numel * cols * element_size
