@@ -22,15 +22,13 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 
 def random_blocks(type_name: str, rows: int, cols: int, seed: int = 0):
     """Valid GGUF blocks of a type for a [rows, cols] matrix of weights about N(0, 0.05)."""
     import numpy as np
-    from gguf_kquants import quantize
+
+    from rein.fixtures.tiny_gguf import quantize
 
     w = np.random.default_rng(seed).standard_normal((rows, cols)).astype(np.float32) * 0.05
     return quantize(w, type_name)

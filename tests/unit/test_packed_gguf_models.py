@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, dequantize
-from gguf_kquants import quantize
 from test_quantized_models import checkpoint, is_projection, run, variant
 
+from rein.fixtures.tiny_gguf import quantize
 from rein.kernels.quantized import CpuPanels
 from rein.model import loader
 from rein.model.architectures.linear import Linear
@@ -120,3 +120,23 @@ def test_held_bytes_per_weight_are_the_files(kind):
     # The file's bytes; Q5_K's 6-bit sub-block factors are held a byte each (+4 bytes a block).
     assert held_bytes(kind, rows, cols) == data.nbytes + (rows * cols // 256 * 4 if kind == "Q5_K" else 0)
     torch.testing.assert_close(panels.dequantize(), weight.dequantize(), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("qtype, bits", [("Q5_K", 5), ("Q6_K", 6)])
+def test_a_gguf_file_of_k_quants_runs_as_the_file_dequantized(tiny_models, tmp_path, qtype, bits):
+    """A GGUF file (rein.fixtures.tiny_gguf) whose matrices are Q5_K or Q6_K -- the embedding,
+    q/k/v, o, gate/up; down_proj's 1408 columns are not whole 256-blocks and stay F32 -- read
+    by rein's GGUF loader: held packed, the same greedy tokens as the file dequantized."""
+    from rein.fixtures.tiny_gguf import write_gguf
+
+    path = write_gguf(tiny_models("llama", preset="small"), tmp_path / f"{qtype}.gguf", qtype)
+    engine, tokens, logprobs = run(path, kv_cache_memory=KV)
+    model = engine.runner.model
+    held = [m.quantized for m in model.modules() if isinstance(m, Linear) and m.quantized is not None]
+    assert len(held) == 3 * engine.spec.num_layers + 1   # qkv, o, gate/up; the LM head
+    assert {(w.source, w.bits) for w in held} == {(qtype, bits)}
+    assert model.embed_tokens.quantized.bits == bits
+    _, want_tokens, want_logprobs = run(path, "none", kv_cache_memory=KV)
+    assert tokens == want_tokens
+    error = max(abs(a - b) for i in logprobs for a, b in zip(logprobs[i], want_logprobs[i], strict=True))
+    assert error < LOGPROB_TOLERANCE
