@@ -96,7 +96,7 @@ FAST_PATH_FILES = frozenset({
     "kernels/test_cpu_native.py", "kernels/test_lora_cpu.py", "kernels/test_sliding_window.py",
     "unit/test_cpu_fast_paths.py", "unit/test_cpu_native_library.py", "unit/test_engine_dtypes.py",
     "unit/test_engine_parity.py", "unit/test_embeddings_engine.py", "unit/test_lora_engine.py",
-    "unit/test_lora_model.py", "unit/test_moe_models.py",
+    "unit/test_lora_model.py", "unit/test_moe_models.py", "unit/test_packed_gguf_models.py",
     "unit/test_quantized_models.py", "unit/test_sliding_window_models.py", "unit/test_tensor_parallel.py",
     "unit/test_transformers_backend.py", "unit/test_windowed_kv_engine.py",
     "real/test_hf_parity.py",

@@ -222,11 +222,20 @@ def quantized_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) 
     if lib is None:
         return None
     out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
-    rc = lib.quantized_matmul_f32(
-        x.data_ptr(), x.stride(0), weight.q.data_ptr(), weight.scale.data_ptr(),
-        None if weight.offset is None else weight.offset.data_ptr(), None if bias is None else bias.data_ptr(),
-        out.data_ptr(), out.stride(0), x.shape[0], weight.rows, weight.cols, weight.group, weight.bits,
-        torch.get_num_threads())
+
+    def ptr(t):
+        return None if t is None else t.data_ptr()
+
+    if weight.packed:   # 5/6-bit planes, float16 x int8 scales
+        rc = lib.quantized_matmul_packed_f32(
+            x.data_ptr(), x.stride(0), weight.q.data_ptr(), weight.scale.data_ptr(), ptr(weight.scale_sub),
+            ptr(weight.offset), ptr(weight.offset_sub), weight.zero, ptr(bias), out.data_ptr(), out.stride(0),
+            x.shape[0], weight.rows, weight.cols, weight.group, weight.block, weight.bits, torch.get_num_threads())
+    else:
+        rc = lib.quantized_matmul_f32(
+            x.data_ptr(), x.stride(0), weight.q.data_ptr(), weight.scale.data_ptr(), ptr(weight.offset), ptr(bias),
+            out.data_ptr(), out.stride(0), x.shape[0], weight.rows, weight.cols, weight.group, weight.bits,
+            torch.get_num_threads())
     return out if rc == 0 else None
 
 
@@ -400,6 +409,9 @@ def _load() -> ctypes.CDLL:
     lib.rotary_inplace_f32.argtypes = [p, i64, i64, i64, i64, p, p, ctypes.c_int]
     lib.quantized_matmul_f32.argtypes = [p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, ctypes.c_int, ctypes.c_int]
     lib.quantized_matmul_f32.restype = ctypes.c_int
+    lib.quantized_matmul_packed_f32.argtypes = [p, i64, p, p, p, p, p, ctypes.c_int, p, p, i64, i64, i64, i64, i64,
+                                                i64, ctypes.c_int, ctypes.c_int]
+    lib.quantized_matmul_packed_f32.restype = ctypes.c_int
     lib.quantized_panels_mp.restype = ctypes.c_int
     lib.lora_apply_f32.argtypes = [p, i64, p, i64, i64, p, p, i64, i64, i64, i64, i64, p, i64, p, i64, p,
                                    ctypes.c_int]

@@ -19,6 +19,13 @@ How the layout is read:
   columns and the high columns, each as a [BLOCK_M, BLOCK_K / 2] block of 16-column runs -- and
   takes two dots: x_low @ (byte & 15) + x_high @ (byte >> 4). The low and high column of a byte
   always share a group (groups are whole runs of 32), so one scale serves both nibbles.
+* bits 5 and 6 (GGUF's Q5 / Q6 types, rein.kernels.packed_bits): each run of 32 columns is 16
+  nibble bytes laid out as the 4-bit runs, then one 4-byte plane per high bit. The kernel
+  (`_packed_matmul_kernel`) reads the nibbles as the 4-bit path does (two dots, low and high
+  columns), gathers each column's plane byte (the bytes repeat across a run's columns and are
+  served from L1) and ORs its bit in. The group's scale is the float16 per-block scale times the
+  int8 per-group factor, gathered per column for the low and the high columns apart (Q6_K's
+  groups of 16 put a byte's two columns in different groups); `zero` is subtracted first.
 * scales: BLOCK_K divides the group where it can (one scale per row per tile, a [BLOCK_N]
   vector); for groups 16 and 32 a 64-column tile spans several groups and the scale is gathered
   per column ([BLOCK_K, BLOCK_N], served from L1).
@@ -135,6 +142,101 @@ def _quantized_matmul_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
 
 
+@triton.jit
+def _group_factor(top_rows, sub_rows, c, mask, BLOCK_S: tl.constexpr, GROUP: tl.constexpr,
+                  HAS_SUB: tl.constexpr, EVEN_K: tl.constexpr):
+    """The scale (or offset) of the groups of columns c [BK / 2] for the tile's rows [BLOCK_N]:
+    float16 per block times int8 per group, float32 [BK / 2, BLOCK_N]."""
+    if EVEN_K:
+        f = tl.load(top_rows[None, :] + (c // BLOCK_S)[:, None]).to(tl.float32)
+        if HAS_SUB:
+            f = f * tl.load(sub_rows[None, :] + (c // GROUP)[:, None]).to(tl.float32)
+    else:
+        f = tl.load(top_rows[None, :] + (c // BLOCK_S)[:, None], mask=mask[:, None], other=0.0).to(tl.float32)
+        if HAS_SUB:
+            f = f * tl.load(sub_rows[None, :] + (c // GROUP)[:, None], mask=mask[:, None], other=0).to(tl.float32)
+    return f
+
+
+@triton.jit
+def _packed_matmul_kernel(
+    x_ptr, q_ptr, scale_ptr, ssub_ptr, offset_ptr, osub_ptr, bias_ptr, c_ptr,
+    M, N, K, tiles_per_split,
+    stride_xm, stride_qn, stride_sn, stride_ssn, stride_on, stride_osn, stride_cs, stride_cm,
+    BITS: tl.constexpr, GROUP: tl.constexpr, BLOCK_S: tl.constexpr, ZERO: tl.constexpr,
+    HAS_SSUB: tl.constexpr, HAS_OFFSET: tl.constexpr, HAS_OSUB: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_PREC: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    split = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    x_rows = x_ptr + (offs_m % M).to(tl.int64)[:, None] * stride_xm
+    n_rows = (offs_n % N).to(tl.int64)
+    q_rows = q_ptr + n_rows[None, :] * stride_qn
+    s_rows = scale_ptr + n_rows * stride_sn
+    ss_rows = ssub_ptr + n_rows * stride_ssn
+    o_rows = offset_ptr + n_rows * stride_on
+    os_rows = osub_ptr + n_rows * stride_osn
+    dtype = x_ptr.dtype.element_ty
+    RUN_BYTES: tl.constexpr = 4 * BITS
+    # The tile's nibble bytes, 16 a run: byte b holds column (b // 16) * 32 + b % 16 (low) and
+    # that + 16 (high); `place` is the low column's place in its run.
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    place = offs_b % 16
+    offs_c = (offs_b // 16) * 32 + place
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    first = split * tiles_per_split
+    last = tl.minimum(first + tiles_per_split, tl.cdiv(K, BLOCK_K))
+    for t in range(first, last):
+        k0 = t * BLOCK_K
+        cols = k0 + offs_c
+        k_mask = cols < K   # K is whole runs: a low column inside K has its high column inside too
+        run = (k0 // 32 + offs_b // 16) * RUN_BYTES
+        if EVEN_K:
+            nib = tl.load(q_rows + (run + place)[:, None]).to(tl.int32)
+        else:
+            nib = tl.load(q_rows + (run + place)[:, None], mask=k_mask[:, None], other=0).to(tl.int32)
+        lo = nib & 0xF
+        hi = nib >> 4
+        for plane in tl.static_range(BITS - 4):
+            at = run + 16 + 4 * plane + place // 8
+            if EVEN_K:
+                b_lo = tl.load(q_rows + at[:, None]).to(tl.int32)
+                b_hi = tl.load(q_rows + (at + 2)[:, None]).to(tl.int32)
+            else:
+                b_lo = tl.load(q_rows + at[:, None], mask=k_mask[:, None], other=0).to(tl.int32)
+                b_hi = tl.load(q_rows + (at + 2)[:, None], mask=k_mask[:, None], other=0).to(tl.int32)
+            shift = (place % 8)[:, None]
+            lo = lo | (((b_lo >> shift) & 1) << (4 + plane))
+            hi = hi | (((b_hi >> shift) & 1) << (4 + plane))
+        s_lo = _group_factor(s_rows, ss_rows, cols, k_mask, BLOCK_S, GROUP, HAS_SSUB, EVEN_K)
+        s_hi = _group_factor(s_rows, ss_rows, cols + 16, k_mask, BLOCK_S, GROUP, HAS_SSUB, EVEN_K)
+        w_lo = (lo - ZERO).to(tl.float32) * s_lo
+        w_hi = (hi - ZERO).to(tl.float32) * s_hi
+        if HAS_OFFSET:
+            w_lo += _group_factor(o_rows, os_rows, cols, k_mask, BLOCK_S, GROUP, HAS_OSUB, EVEN_K)
+            w_hi += _group_factor(o_rows, os_rows, cols + 16, k_mask, BLOCK_S, GROUP, HAS_OSUB, EVEN_K)
+        if EVEN_K:
+            x_lo = tl.load(x_rows + cols[None, :])
+            x_hi = tl.load(x_rows + (cols + 16)[None, :])
+        else:
+            x_lo = tl.load(x_rows + cols[None, :], mask=k_mask[None, :], other=0.0)
+            x_hi = tl.load(x_rows + (cols + 16)[None, :], mask=k_mask[None, :], other=0.0)
+        acc = tl.dot(x_lo, w_lo.to(dtype), acc, input_precision=DOT_PREC)
+        acc = tl.dot(x_hi, w_hi.to(dtype), acc, input_precision=DOT_PREC)
+
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + n_rows).to(tl.float32)
+        acc += tl.where(split == 0, b, 0.0)[None, :]
+    c_ptrs = (c_ptr + split.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm
+              + offs_n[None, :])
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & (offs_n < N)[None, :])
+
+
 @dataclass(frozen=True)
 class TilePlan:
     """How one matmul is tiled and launched."""
@@ -192,6 +294,8 @@ def _check(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None) 
         raise ValueError(f"quantized linear: x is on {x.device} but the weight on {weight.device}; move one")
     if weight.bits == 4 and weight.group % NIBBLE_RUN:
         raise ValueError(f"4-bit weight: group {weight.group} is not a multiple of {NIBBLE_RUN}")
+    if weight.packed and weight.group % 16:
+        raise ValueError(f"{weight.bits}-bit weight: group {weight.group} is not a multiple of 16")
     if weight.bits == 8 and weight.group % 16:
         raise ValueError(f"8-bit weight: group {weight.group} is not a multiple of 16 (the Triton kernel's "
                          f"smallest K-tile); use the torch path (reference_linear) for it")
@@ -222,6 +326,31 @@ def launch(x2d: torch.Tensor, weight: QuantizedWeight, bias: torch.Tensor | None
     target = out if split_k == 1 else torch.empty(split_k, m, n, dtype=torch.float32, device=x2d.device)
     stride_cs = 0 if split_k == 1 else target.stride(0)
     grid = (triton.cdiv(m, plan.block_m), triton.cdiv(n, plan.block_n), split_k)
+    if weight.packed:
+        if plan.block_k % 32:
+            raise ValueError(f"{weight.bits}-bit weight: K-tiles of {plan.block_k} columns are not whole runs of 32")
+        ssub, osub = weight.scale_sub, weight.offset_sub
+        ssub, osub = _unit_cols(ssub) if ssub is not None else None, _unit_cols(osub) if osub is not None else None
+
+        def stride(t):
+            return scale.stride(0) if t is None else t.stride(0)
+
+        _packed_matmul_kernel[grid](
+            x2d, q, scale, ssub if ssub is not None else scale, offset if offset is not None else scale,
+            osub if osub is not None else scale, bias if bias is not None else scale, target,
+            m, n, k, tiles_per_split,
+            x2d.stride(0), q.stride(0), scale.stride(0), stride(ssub), stride(offset), stride(osub),
+            stride_cs, target.stride(-2),
+            BITS=weight.bits, GROUP=weight.group, BLOCK_S=weight.block, ZERO=weight.zero,
+            HAS_SSUB=ssub is not None, HAS_OFFSET=offset is not None, HAS_OSUB=osub is not None,
+            HAS_BIAS=bias is not None, EVEN_K=k % plan.block_k == 0,
+            DOT_PREC="ieee" if x2d.dtype == torch.float32 else "tf32",
+            BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+            num_warps=plan.num_warps, num_stages=plan.num_stages,
+        )
+        if split_k > 1:
+            out.copy_(target.sum(dim=0))
+        return out
     _quantized_matmul_kernel[grid](
         x2d, q, scale, offset if offset is not None else scale, bias if bias is not None else scale, target,
         m, n, k, tiles_per_split,
@@ -245,5 +374,6 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight, bias: torch.Tenso
     x2d = x.reshape(-1, weight.cols)
     if bias is not None:
         bias = bias.contiguous()
+    # (A packed weight's tiles are whole 32-column runs: its groups of 16 or 32 take 64.)
     plan = plan_tiles(x2d.shape[0], weight.rows, weight.cols, weight.group, _sm_count(x.device), x.dtype)
     return launch(x2d, weight, bias, plan).view(*lead, weight.rows)

@@ -10,6 +10,7 @@ from kernel_builds import use_c_kernels
 
 from rein.core.settings import get_settings
 from rein.kernels import quantized
+from rein.kernels.packed_bits import pack_rows, unpack_rows
 from rein.kernels.quantized import (
     CpuPanels,
     QuantizedWeight,
@@ -104,3 +105,79 @@ def test_stacked_mixed_formats_multiply_as_their_parts():
     x = torch.randn(4, 256)
     want = torch.cat([reference_linear(x, p) for p in parts], dim=1)
     assert_close(quantized_linear(x, fused), want)
+
+
+# GGUF's 5- and 6-bit types held packed (rein.kernels.packed_bits): bits, group, block, zero,
+# and which of scale_sub / offset / offset_sub they carry.
+PACKED_FORMS = {
+    "Q5_0": dict(bits=5, group=32, block=32, zero=16, sub=False, offset=False, offset_sub=False),
+    "Q5_1": dict(bits=5, group=32, block=32, zero=0, sub=False, offset=True, offset_sub=False),
+    "Q5_K": dict(bits=5, group=32, block=256, zero=0, sub=True, offset=True, offset_sub=True),
+    "Q6_K": dict(bits=6, group=16, block=256, zero=32, sub=True, offset=False, offset_sub=False),
+}
+
+
+def random_packed(name, rows, cols, seed=0):
+    form = PACKED_FORMS[name]
+    bits, group, block = form["bits"], form["group"], form["block"]
+    gen = torch.Generator().manual_seed(seed)
+    ints = torch.randint(0, 1 << bits, (rows, cols), generator=gen)
+
+    def half(n):
+        return ((torch.rand(rows, n, generator=gen) - 0.5) * 0.02).to(torch.float16)
+
+    def sub(n, low):
+        return torch.randint(low, 64, (rows, n), dtype=torch.int8, generator=gen)
+
+    return QuantizedWeight(
+        bits, pack_rows(ints, bits), half(cols // block), half(cols // block) if form["offset"] else None, group,
+        rows, cols, name, zero=form["zero"], block=block,
+        scale_sub=sub(cols // group, -64) if form["sub"] else None,
+        offset_sub=sub(cols // group, 0) if form["offset_sub"] else None)
+
+
+@pytest.mark.parametrize("name", sorted(PACKED_FORMS))
+@pytest.mark.parametrize("rows", [1, 3, 8, 13, 70])
+def test_packed_5_and_6_bit_matmul_equals_the_dequantized_product(name, rows):
+    weight = random_packed(name, 37, 512, seed=rows)
+    x = torch.randn(rows, 512)
+    bias = torch.randn(37)
+    assert_close(quantized_linear(x, weight, bias), reference_linear(x, weight, bias))
+    assert_close(quantized_linear(x, weight), reference_linear(x, weight))
+
+
+@pytest.mark.parametrize("name", sorted(PACKED_FORMS))
+def test_packed_panels_hold_the_same_weight(name, monkeypatch):
+    weight = random_packed(name, 37, 256)
+    panels = CpuPanels.from_weight(weight)
+    assert panels.nbytes() == weight.padded_rows(48).nbytes()   # the same bytes, the last panel padded
+    torch.testing.assert_close(panels.dequantize(), weight.dequantize(), rtol=0, atol=0)
+    ids = torch.tensor([[0, 36, 17], [16, 15, 3]])
+    torch.testing.assert_close(panels.rows_of(ids), weight.rows_of(ids), rtol=0, atol=0)
+    monkeypatch.setattr(quantized, "reference_linear", lambda *a: pytest.fail("fell back to the reference"))
+    for rows in (1, 9, 40):   # registers, and an expanded panel: the C kernel either way
+        quantized_linear(torch.randn(rows, 256), panels)
+
+
+def test_packed_rows_round_trip():
+    for bits in (5, 6):
+        ints = torch.randint(0, 1 << bits, (7, 96))
+        assert torch.equal(unpack_rows(pack_rows(ints, bits), bits, 7, 96), ints)
+        assert pack_rows(ints, bits).shape == (7, 96 * bits // 8)
+
+
+def test_packed_stacks_and_shards():
+    """Same-form parts stack packed; Q5_K beside Q6_K (a GGUF _M file's q/k/v) widens to 8 bits;
+    a column shard on block boundaries stays packed."""
+    a, b = random_packed("Q5_K", 20, 512, seed=1), random_packed("Q5_K", 12, 512, seed=2)
+    fused = stack_rows([a, b])
+    assert fused.bits == 5 and fused.rows == 32
+    x = torch.randn(3, 512)
+    assert_close(quantized_linear(x, fused), torch.cat([reference_linear(x, a), reference_linear(x, b)], dim=1))
+    mixed = stack_rows([a, random_packed("Q6_K", 12, 512, seed=3)])
+    assert mixed.bits == 8
+    torch.testing.assert_close(mixed.dequantize()[:20], a.dequantize(), rtol=0, atol=0)
+    half = a.narrow_cols(256, 256)
+    assert half.bits == 5
+    torch.testing.assert_close(half.dequantize(), a.dequantize()[:, 256:], rtol=0, atol=0)
+    assert a.narrow_cols(32, 224) is None   # splits a 256-column scale block

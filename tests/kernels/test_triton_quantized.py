@@ -150,3 +150,69 @@ def test_bad_inputs_are_refused_before_launch():
         tq.quantized_linear(activations(2, 64), weight, activations(15))
     with pytest.raises(ValueError, match="move one"):
         tq.quantized_linear(activations(2, 64).to("meta"), weight)
+
+
+# GGUF's 5- and 6-bit types held packed: (bits, group, block, zero, has scale_sub, has offset,
+# has offset_sub) as rein.model.quant.gguf_blocks makes them.
+PACKED = {
+    "Q5_0": (5, 32, 32, 16, False, False, False),
+    "Q5_1": (5, 32, 32, 0, False, True, False),
+    "Q5_K": (5, 32, 256, 0, True, True, True),
+    "Q6_K": (6, 16, 256, 32, True, False, False),
+}
+
+
+def make_packed(name, rows, cols, seed=0):
+    from rein.kernels.packed_bits import pack_rows
+
+    bits, group, block, zero, sub, offset, offset_sub = PACKED[name]
+    block = min(block, cols)
+    gen = torch.Generator().manual_seed(seed)
+    ints = torch.randint(0, 1 << bits, (rows, cols), generator=gen)
+
+    def half(n):
+        return (torch.randn(rows, n, generator=gen) * 0.02).to(torch.float16)
+
+    def factor(low):
+        return torch.randint(low, 64, (rows, cols // group), generator=gen).to(torch.int8)
+
+    return QuantizedWeight(bits, pack_rows(ints, bits), half(cols // block), half(cols // block) if offset else None,
+                           group, rows, cols, name, zero=zero, block=block,
+                           scale_sub=factor(-64) if sub else None,
+                           offset_sub=factor(0) if offset_sub else None).to(DEVICE)
+
+
+@pytest.mark.parametrize("name", sorted(PACKED))
+@pytest.mark.parametrize("cols", [256, 96])   # 96: a part K-tile (block 96 there)
+@pytest.mark.parametrize("m", [1, 8])
+def test_packed_5_and_6_bit_equal_the_reference(name, cols, m):
+    if cols % PACKED[name][1]:
+        pytest.skip("group does not divide the columns")
+    weight = make_packed(name, 40, cols)
+    x = activations(m, cols)
+    bias = activations(40, seed=2)
+    assert_matches(tq.quantized_linear(x, weight, bias), reference_linear(x, weight, bias))
+
+
+def test_packed_split_k_and_small_tiles():
+    weight = make_packed("Q6_K", 40, 256, seed=3)
+    x = activations(17, 256, seed=4)
+    want = reference_linear(x, weight)
+    for split_k in (1, 3):
+        plan = tq.TilePlan(block_m=16, block_n=16, block_k=32, split_k=split_k)
+        assert_matches(tq.launch(x, weight, None, plan), want)
+
+
+def test_each_high_bit_lands_on_its_column():
+    """A single 6-bit 48 (bits 4 and 5 set, nibble 0) per row at columns hitting both nibbles and
+    both plane halves of two runs: out[:, n] must be exactly 48 * x[:, column n]."""
+    from rein.kernels.packed_bits import pack_rows
+
+    cols = [0, 7, 8, 15, 16, 23, 31, 32, 40, 63]
+    ints = torch.zeros(len(cols), 64, dtype=torch.int32)
+    for n, c in enumerate(cols):
+        ints[n, c] = 48
+    weight = QuantizedWeight(6, pack_rows(ints, 6), torch.ones(len(cols), 4, dtype=torch.float16), None, 16,
+                             len(cols), 64).to(DEVICE)
+    x = activations(3, 64, seed=9)
+    torch.testing.assert_close(tq.quantized_linear(x, weight).cpu(), 48 * x[:, cols].cpu(), atol=0, rtol=0)

@@ -324,3 +324,16 @@ def test_against_transformers_reading_the_same_gguf(moe_models, tmp_path):
     assert {b.quantized_down.source for b in sparse_blocks(engine)} == {"Q8_0"}
     hf_tokens, hf_logprobs = hf_reference(out, path.name)
     assert tokens == hf_tokens and max_error(logprobs, hf_logprobs) < LOGPROB_TOLERANCE
+
+
+def test_5_bit_experts_are_held_packed(moe_models, tmp_path):
+    """Q5_1 experts (rein.kernels.packed_bits: a nibble plane, a bit plane, the file's float16
+    scales) run per expert through the C kernel and give the file dequantized's tokens."""
+    path = write_gguf(moe_models["qwen3_moe"], tmp_path / "q5.gguf", "Q8_0", expert_qtype="Q5_1")
+    engine, tokens, logprobs = run(path)
+    blocks = sparse_blocks(engine)
+    for block in blocks:
+        for experts in (block.quantized_gate_up, block.quantized_down):
+            assert experts.source == "Q5_1" and {p.bits for p in experts.panels} == {5}
+    _, want_tokens, want_logprobs = run(path, "none")
+    assert tokens == want_tokens and max_error(logprobs, want_logprobs) < LOGPROB_TOLERANCE

@@ -141,9 +141,11 @@ def quantized_at_load(get: TensorGetter, method: str, report: LoadReport) -> Ten
     return lookup
 
 
-# GGUF types kept quantized -> (bits, group, has an offset): rein.model.quant.gguf_blocks.
-GGUF_FORMS = {"Q4_0": (4, 32, True), "Q4_1": (4, 32, True), "Q4_K": (4, 32, True), "Q5_0": (8, 32, False),
-              "Q5_1": (8, 32, True), "Q8_0": (8, 32, False), "Q5_K": (8, 32, True), "Q6_K": (8, 16, False)}
+# GGUF types kept quantized -> (bits, group, has an offset): rein.model.quant.gguf_blocks. The
+# 5- and 6-bit forms hold GGUF's float16 x int8 scales, not float32 ones, so their bytes come
+# from gguf_blocks.held_bytes rather than `quantized_bytes`.
+GGUF_FORMS = {"Q4_0": (4, 32, True), "Q4_1": (4, 32, True), "Q4_K": (4, 32, True), "Q5_0": (5, 32, False),
+              "Q5_1": (5, 32, True), "Q8_0": (8, 32, False), "Q5_K": (5, 32, True), "Q6_K": (6, 16, False)}
 
 
 def quantized_bytes(rows: int, cols: int, bits: int, group: int, offset: bool) -> int:
@@ -204,6 +206,8 @@ def estimated_weight_bytes(spec, directory, element_size: int, quantization: str
 def _gguf_bytes(tensors: dict, element_size: int) -> tuple[int, str]:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+    from rein.model.quant.gguf_blocks import held_bytes
+
     total, kinds = 0, Counter()
     for entry in tensors.values():
         qtype = GGMLQuantizationType(entry["type"])
@@ -215,7 +219,7 @@ def _gguf_bytes(tensors: dict, element_size: int) -> tuple[int, str]:
         cols = shape[-1] // type_bytes * block if block > 1 else shape[-1]   # quantized rows are bytes
         form = GGUF_FORMS.get(qtype.name)
         if form is not None and len(shape) in (2, 3):   # 3-D: a MoE layer's stacked experts
-            total += quantized_bytes(numel, cols, *form)
+            total += held_bytes(qtype.name, numel, cols)
             kinds[qtype.name] += 1
         else:
             total += numel * cols * element_size
