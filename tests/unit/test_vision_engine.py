@@ -5,11 +5,11 @@ image; n > 1; the refusals."""
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 import pytest
 import torch
+import vlm_support
+from vlm_support import chat
 
 from rein.core.images import ImageInput, open_image
 from rein.engine.config import EngineConfig
@@ -22,18 +22,8 @@ IMAGE = "<|vision_start|><|image_pad|><|vision_end|>"
 
 
 def png(seed: int, size: tuple[int, int] = (56, 84)) -> bytes:
-    from PIL import Image
-
-    pixels = np.random.default_rng(seed).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, "PNG")
-    return out.getvalue()
-
-
-def chat(*turns: str) -> str:
-    """A ChatML prompt (as the fixture's template writes it) of user turns, then the assistant's."""
-    body = "".join(f"<|im_start|>user\n{turn}<|im_end|>\n" for turn in turns)
-    return f"<|begin_of_text|>{body}<|im_start|>assistant\n"
+    """A random picture (Qwen2-VL's patches are 14 px: 56 x 84 is 4 x 6 of them)."""
+    return vlm_support.png(seed, size)
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl"])
