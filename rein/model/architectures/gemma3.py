@@ -14,6 +14,8 @@ llama.py's: the sandwich norms see the all-reduced outputs of attention and the 
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -64,8 +66,10 @@ class Gemma3DecoderLayer(nn.Module):
             setattr(self, name, RMSNorm(spec.hidden_size, spec.rms_norm_eps))
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
-                meta: AttentionMetadata) -> torch.Tensor:
-        attended = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rotary, cache, meta))
+                meta: AttentionMetadata, *attention_args: Any) -> torch.Tensor:
+        """`attention_args`: more for the attention (Gemma 3 with vision: the step's image blocks)."""
+        attended = self.post_attention_layernorm(
+            self.self_attn(self.input_layernorm(x), rotary, cache, meta, *attention_args))
         norm = self.pre_feedforward_layernorm
         # x += attended and the pre-MLP norm in one pass where the fused kernel runs.
         normed = elementwise.add_rms_norm(x, attended, norm.weight, norm.eps)

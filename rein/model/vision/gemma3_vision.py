@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from rein.kernels import elementwise
 from rein.kernels.reference import gather_kv
 from rein.model.architectures.gemma3 import Gemma3DecoderLayer, Gemma3Model
 from rein.model.architectures.llama import Attention
@@ -138,17 +137,7 @@ class ImageBlockAttention(Attention):
 class Gemma3VisionDecoderLayer(Gemma3DecoderLayer):
     def __init__(self, spec: ModelSpec, window: int | None, group: ParallelGroup = SINGLE_RANK) -> None:
         super().__init__(spec, window, group)
-        self.self_attn = ImageBlockAttention(spec, window, group)
-
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor], cache: LayerCache,
-                meta: AttentionMetadata, blocks: ImageBlocks | None = None) -> torch.Tensor:
-        attended = self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rotary, cache, meta, blocks))
-        norm = self.pre_feedforward_layernorm
-        normed = elementwise.add_rms_norm(x, attended, norm.weight, norm.eps)
-        if normed is None:
-            x = x + attended
-            normed = norm(x)
-        return x + self.post_feedforward_layernorm(self.mlp(normed))
+        self.self_attn = ImageBlockAttention(spec, window, group)   # the layer passes it the image blocks
 
 
 class Gemma3VisionModel(Gemma3Model):
