@@ -156,9 +156,11 @@ class LlamaFamilyModel(nn.Module):
         return [DecoderLayer(spec, window, group) for window in spec.layer_windows]
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm, for every token of the step."""
-        x = self.embed_tokens(input_ids)
+                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm, for every token of the step.
+        `inputs_embeds`: the step's input embeddings in place of the tokens' (a vision model's,
+        with its images' embeddings at their placeholders)."""
+        x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         rotary = self.rope(positions)
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, rotary, cache, meta)

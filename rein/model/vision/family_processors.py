@@ -28,7 +28,12 @@ from typing import TYPE_CHECKING, Any
 from rein.core.images import ImageError
 from rein.model.spec import UnsupportedModelError
 from rein.model.vision.family_spec import UNSUPPORTED, unsupported_reason
-from rein.model.vision.processor import ExpandedPrompt, VisionProcessor, _details
+from rein.model.vision.processor import (
+    ExpandedPrompt,
+    VisionProcessor,
+    _details,
+    split_at_placeholders,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -195,11 +200,7 @@ class Idefics3VisionProcessor(VisionProcessor):
         """As VisionProcessor.expand, each image's expansion depending on its tiles; the counts are
         the images' spans (their whole expansion, tile markers included: what the engine holds)."""
         details = _details(details, len(images))
-        pieces = text.split(self.placeholder)
-        if len(pieces) - 1 != len(images):
-            raise ImageError(f"the prompt has {len(pieces) - 1} image placeholder(s) ({self.placeholder!r}) but "
-                             f"{len(images)} image(s) were given: give one image per placeholder (chat "
-                             f"messages write one placeholder per image part)", param="messages")
+        pieces = split_at_placeholders(text, self.placeholder, len(images))
         out, counts = [pieces[0]], []
         for image, detail, piece in zip(images, details, pieces[1:], strict=True):
             expansion = self.image_text(*self._grid(image, detail))

@@ -18,7 +18,6 @@ from torch import nn
 
 from rein.model.architectures.llama import LlamaFamilyModel
 from rein.model.architectures.weights import TensorGetter
-from rein.model.attention import AttentionMetadata, LayerCache
 from rein.model.parallel.group import SINGLE_RANK, ParallelGroup
 from rein.model.spec import ModelSpec
 from rein.model.vision.encoders import make_encoder
@@ -48,14 +47,6 @@ class LlavaModel(LlamaFamilyModel):
 
     def mrope_positions(self, token_ids: list[int], image_grids: list[Any]) -> None:
         return None   # plain 1-D positions
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-        rotary = self.rope(positions)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, rotary, cache, meta)
-        return self.norm(x)
 
     def encode_images(self, pixel_inputs: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
         dtype = self.embed_tokens.weight.dtype

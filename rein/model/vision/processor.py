@@ -96,11 +96,7 @@ class VisionProcessor:
         placeholder expanded to its image's tokens; ImageError when placeholders and images
         differ in number (or `details` in length)."""
         details = _details(details, len(images))
-        pieces = text.split(self.placeholder)
-        if len(pieces) - 1 != len(images):
-            raise ImageError(f"the prompt has {len(pieces) - 1} image placeholder(s) ({self.placeholder!r}) but "
-                             f"{len(images)} image(s) were given: give one image per placeholder (chat "
-                             f"messages write one placeholder per image part)", param="messages")
+        pieces = split_at_placeholders(text, self.placeholder, len(images))
         counts = [self.count_tokens(image, detail) for image, detail in zip(images, details, strict=True)]
         out = [pieces[0]]
         for count, piece in zip(counts, pieces[1:], strict=True):
@@ -194,6 +190,17 @@ def load_vision_processor(model_dir: str | Path, tokenizer: Any = None) -> Visio
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     return cls(AutoImageProcessor.from_pretrained(str(model_dir)), tokenizer, model_type)
+
+
+def split_at_placeholders(text: str, placeholder: str, images: int) -> list[str]:
+    """`text` cut at each image placeholder (images + 1 pieces); ImageError when it holds another
+    number of placeholders than `images`."""
+    pieces = text.split(placeholder)
+    if len(pieces) - 1 != images:
+        raise ImageError(f"the prompt has {len(pieces) - 1} image placeholder(s) ({placeholder!r}) but {images} "
+                         f"image(s) were given: give one image per placeholder (chat messages write one "
+                         f"placeholder per image part)", param="messages")
+    return pieces
 
 
 def _details(details: list[str] | None, count: int) -> list[str]:

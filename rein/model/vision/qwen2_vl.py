@@ -34,7 +34,6 @@ from rein.kernels import elementwise
 from rein.model.architectures.llama import LlamaFamilyModel
 from rein.model.architectures.rope import RotaryEmbedding, apply_rotary
 from rein.model.architectures.weights import TensorGetter
-from rein.model.attention import AttentionMetadata, LayerCache
 from rein.model.parallel.group import SINGLE_RANK, ParallelGroup
 from rein.model.spec import ModelSpec
 from rein.model.vision.base import checkpoint_prefixes
@@ -134,14 +133,6 @@ class Qwen2VLModel(LlamaFamilyModel):
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[LayerCache],
-                meta: AttentionMetadata, inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-        rotary = self.rope(positions)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, rotary, cache, meta)
-        return self.norm(x)
 
     def mrope_positions(self, token_ids: list[int], image_grids: list[Any]) -> tuple[torch.Tensor, int]:
         """The prompt's [3, n] positions and its delta, as transformers' get_rope_index: text
