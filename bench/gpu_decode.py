@@ -21,7 +21,8 @@ HBM bandwidth, where weight bytes = every parameter once in the weights' dtype (
 input embedding left out: only its looked-up rows are read) and K/V bytes = the requests'
 context lengths summed x the cache's bytes per token (K and V, all layers). ratio = bound /
 step time (1.0 would be a step that only streams its bytes at the peak). Target: the batch-64
-engine step at >= 50% of the bound.
+engine step at >= 35% of the bound (issue 47). The 8B shape's decode, prefill and the GPU's
+idle share are bench/gpu_targets.py.
 
 With --device cpu (gpu_check's CPU mode) the same code runs on a tiny shape at batches 4 and
 8; the ratio is printed but not judged.
@@ -50,7 +51,7 @@ QWEN2_05B_SHAPE = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_h
                    "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936}
 CPU_SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 4096}
-TARGET_RATIO = 0.5      # of the bound, for the batch-64 engine step
+TARGET_RATIO = 0.35     # of the bound, for the batch-64 engine step (issue 47)
 TARGET_BATCH = 64
 BATCHED_TOKENS = 2048   # the engine's step budget (EngineConfig.max_num_batched_tokens default)
 
@@ -313,7 +314,7 @@ def decode_check(device: str, hbm_tbps: float, models_dir: Path, batches: list[i
     if device != "cuda":
         result["status"] = "PASS"
         result["reason"] = ("ran on CPU (tiny shape, batches " + ", ".join(result["batches"]) +
-                            "); the >= 50% target applies on CUDA only")
+                            "); the >= 35% target applies on CUDA only")
     elif not judged:
         result["status"] = "PASS"
         result["reason"] = f"ran batches {', '.join(result['batches'])}; batch {TARGET_BATCH} not run, target not judged"
