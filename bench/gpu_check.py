@@ -74,6 +74,7 @@ The summary is printed last (one line per part, then one JSON object) and writte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -741,38 +742,54 @@ def part_kernel_compare(ctx: dict) -> dict:
     return result("PASS" if rows else "SKIP", (summary or "nothing compared") + note, comparisons=rows)
 
 
-def compare_elementwise(ctx: dict) -> dict:
-    """The 0.5B shape's decode step (bench/gpu_decode.py, one batch) with rein's fused Triton
-    element-wise kernels (norms, rotary, SiLU-and-mul) and with them as torch ops (as
-    bench/attention_kernels.py --unfused-elementwise does); each engine captures its own graphs."""
+def decode_step_ms(ctx: dict, variants: dict) -> tuple[int, dict[str, float]]:
+    """(batch, the 0.5B shape's median decode step in ms under each variant): bench/gpu_decode.py
+    at one batch, a fresh engine (its own CUDA graphs) inside each variant's context manager
+    (`variants`: label -> a function returning one)."""
     sys.path.insert(0, str(BENCH))
     from gpu_decode import decode_check
 
-    from rein.kernels import elementwise
-
     batch = 64 if cuda_mode(ctx) else 4
-    saved = {op: getattr(elementwise, op) for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_")}
-    runs = {}
-    for label in ("fused", "torch ops"):
-        if label == "torch ops":
-            for op in ("rms_norm", "add_rms_norm", "silu_and_mul"):
-                setattr(elementwise, op, lambda *a: None)
-            elementwise.rotary_ = lambda *a: False
-        try:
+    steps = {}
+    for label, variant in variants.items():
+        with variant():
             out = decode_check(ctx["device"], ctx["hbm_tbps"], Path(ctx["models_dir"]), batches=[batch],
                                tokenizer_dir=tiny_model(ctx, "qwen2"))
-        finally:
-            for op, fn in saved.items():
-                setattr(elementwise, op, fn)
-        runs[label] = out["batches"][str(batch)]["step_ms"]
-    ratio = runs["torch ops"] / runs["fused"]
-    return {"step_ms": runs, "batch": batch, "speedup": ratio,
-            "summary": f"decode step at batch {batch}: {runs['fused']:.2f} ms fused, {runs['torch ops']:.2f} ms "
+        steps[label] = out["batches"][str(batch)]["step_ms"]
+    return batch, steps
+
+
+@contextlib.contextmanager
+def torch_elementwise():
+    """A layer's element-wise work as torch ops instead of rein's Triton kernels (as
+    bench/attention_kernels.py --unfused-elementwise)."""
+    from rein.kernels import elementwise
+
+    saved = {op: getattr(elementwise, op) for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_")}
+    for op in ("rms_norm", "add_rms_norm", "silu_and_mul"):
+        setattr(elementwise, op, lambda *a: None)
+    elementwise.rotary_ = lambda *a: False
+    try:
+        yield
+    finally:
+        for op, fn in saved.items():
+            setattr(elementwise, op, fn)
+
+
+def compare_elementwise(ctx: dict) -> dict:
+    """The decode step with rein's fused element-wise kernels (norms, rotary, SiLU-and-mul)
+    and with them as torch ops."""
+    batch, steps = decode_step_ms(ctx, {"fused": contextlib.nullcontext, "torch ops": torch_elementwise})
+    ratio = steps["torch ops"] / steps["fused"]
+    return {"step_ms": steps, "batch": batch, "speedup": ratio,
+            "summary": f"decode step at batch {batch}: {steps['fused']:.2f} ms fused, {steps['torch ops']:.2f} ms "
                        f"as torch ops ({ratio:.2f}x)"}
 
 
 # Kernel comparisons for part kernel_compare: name -> function(ctx) returning a dict with a
-# one-line "summary" (and its figures). Add a new kernel's comparison here.
+# one-line "summary" (and its figures). Add a new kernel's comparison here; one that switches
+# a kernel on and off in the decode step is `decode_step_ms(ctx, {"on": ..., "off": ...})`
+# with a context manager for each, as compare_elementwise.
 KERNEL_COMPARISONS = {"elementwise_fused_vs_torch": compare_elementwise}
 
 

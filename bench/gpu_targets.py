@@ -225,7 +225,7 @@ def idle_shares(steps: list[tuple[float, float]], launches: dict, activity: list
     last = max(b for _, b in busy_steps[-1])
     span = last - first
     busy = sum(b - a for a, b in merged([iv for s in busy_steps for iv in s]))
-    gaps = [max(0.0, min(a for a, _ in nxt) - max(b for _, b in cur)) for cur, nxt in zip(busy_steps, busy_steps[1:])]
+    gaps = [max(0.0, min(a for a, _ in nxt) - max(b for _, b in cur)) for cur, nxt in zip(busy_steps, busy_steps[1:], strict=False)]
     return {"steps_with_gpu_work": len(busy_steps), "span_us": span, "busy_us": busy,
             "between_steps_pct": 100.0 * sum(gaps) / span, "idle_pct": 100.0 * (1.0 - busy / span),
             "median_gap_us": statistics.median(gaps)}
@@ -330,7 +330,7 @@ def targets_check(device: str, models_dir: Path, tokenizer_dir: Path | None = No
     elem = torch.empty((), dtype=engine.runner.dtype).element_size()
     weight_bytes = (spec.num_parameters() - (0 if spec.tie_word_embeddings else spec.vocab_size * spec.hidden_size)) * elem
 
-    def decode() -> None:
+    def decode(engine) -> None:
         row = run_batch(engine, plan["batch"], plan["prompt_len"], plan["warmup_steps"], plan["timed_steps"],
                         weight_bytes, kv_per_token, hbm_tbps or 1.0, seed=1)
         result["decode"] = row
@@ -339,7 +339,7 @@ def targets_check(device: str, models_dir: Path, tokenizer_dir: Path | None = No
               f"bound {row['bound_ms']:.3f} ms -> {100 * row['ratio']:.1f}% of the HBM bound "
               f"(target >= {TARGETS['decode_8b_b64_pct_of_hbm_bound']:.0f}%)", flush=True)
 
-    def idle() -> None:
+    def idle(engine) -> None:
         shares = profile_idle(engine, plan["batch"], plan["prompt_len"], plan["warmup_steps"],
                               plan["profiled_steps"], seed=2)
         result["idle"] = shares
@@ -349,7 +349,7 @@ def targets_check(device: str, models_dir: Path, tokenizer_dir: Path | None = No
               f"{shares.get('idle_pct', float('nan')):.1f}% (target between steps <= "
               f"{TARGETS['gpu_idle_between_steps_pct']:.0f}%)", flush=True)
 
-    def prefill() -> None:
+    def prefill(engine) -> None:
         seconds = time_prefill(engine, prefill_tokens, plan["prefill_runs"], seed=3)
         if len(seconds) < 2:
             raise RuntimeError(f"{len(seconds)} prefill steps of {prefill_tokens} tokens were timed, not "
@@ -371,7 +371,7 @@ def targets_check(device: str, models_dir: Path, tokenizer_dir: Path | None = No
                 print(f"targets: {what} skipped ({result['skipped'][what]})", flush=True)
                 continue
             try:
-                measure()
+                measure(engine)
             except Exception as exc:   # one measurement's error is reported; the others still run
                 import traceback
 
