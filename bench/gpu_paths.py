@@ -18,10 +18,12 @@ one drives:
   Triton kernels and the windowed storage's CUDA-graph buffers (rein/engine/cuda_graphs.py);
 * gemma3_vision: the tiny Gemma 3 vision model with images: the image-block (bidirectional)
   attention in the Triton prefill; then the same engine in bf16 (the bf16 vision tower), whose
-  token agreement with the fp32 CPU run must be at least BF16_AGREEMENT.
+  token agreement with the fp32 CPU run must be at least BF16_AGREEMENT;
+* lora: the tiny Llama with a rank-8 adapter on every projection, every other request under
+  it: the Triton LoRA kernels (rein/kernels/triton_lora.py), under CUDA graphs in decode.
 
 The fused MoE kernel (unquantized) runs in gpu_check's greedy_tiny (MoE archs == HF); the
-kernels' own tests (LoRA, AWQ/GPTQ 4-bit, all of the above) in its cuda_tests.
+kernels' own tests (AWQ/GPTQ 4-bit, all of the above) in its cuda_tests.
 
 tensor_parallel: with two CUDA devices or more, a two-rank engine (NCCL) gives the one-rank
 engine's greedy tokens, and a rank killed mid-run fails the next steps with RankDiedError
@@ -34,6 +36,7 @@ not a CUDA kernel, and says so.
 
 from __future__ import annotations
 
+import importlib.util
 import io
 import json
 import random
@@ -111,6 +114,41 @@ def vision_case(models_dir: Path) -> Path:
     return tiny_vision_model(out, "gemma3")
 
 
+def lora_case(models_dir: Path) -> tuple[Path, Path]:
+    """The tiny Llama and a rank-8 LoRA adapter on all seven of its projections (PEFT's files,
+    written directly: A and B N(0, 0.05), as tests/lora_support.py draws them)."""
+    from safetensors.torch import save_file
+
+    from rein.fixtures.tiny_model import ensure_tiny_model
+
+    model = ensure_tiny_model(models_dir / "llama", arch="llama")
+    adapter = models_dir / "llama-lora-r8"
+    if (adapter / "adapter_model.safetensors").is_file():
+        return model, adapter
+    config = json.loads((model / "config.json").read_text())
+    hidden, inter, rank = config["hidden_size"], config["intermediate_size"], 8
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    shapes = {"self_attn.q_proj": (hidden, q), "self_attn.k_proj": (hidden, kv), "self_attn.v_proj": (hidden, kv),
+              "self_attn.o_proj": (q, hidden), "mlp.gate_proj": (hidden, inter), "mlp.up_proj": (hidden, inter),
+              "mlp.down_proj": (inter, hidden)}
+    generator = torch.Generator().manual_seed(0)
+    tensors = {}
+    for layer in range(config["num_hidden_layers"]):
+        for module, (fan_in, fan_out) in shapes.items():
+            name = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{name}.lora_A.weight"] = torch.randn(rank, fan_in, generator=generator) * 0.05
+            tensors[f"{name}.lora_B.weight"] = torch.randn(fan_out, rank, generator=generator) * 0.05
+    tmp = adapter.with_name(adapter.name + ".partial")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(tmp / "adapter_model.safetensors"))
+    (tmp / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": rank, "lora_alpha": 16, "lora_dropout": 0.0, "bias": "none",
+        "target_modules": sorted(m.split(".")[1] for m in shapes), "task_type": "CAUSAL_LM"}))
+    tmp.rename(adapter)
+    return model, adapter
+
+
 def png(seed: int, size: tuple[int, int]) -> bytes:
     import numpy as np
     from PIL import Image
@@ -145,18 +183,27 @@ def image_requests(engine) -> dict:
             for name, (text, images) in cases.items()}
 
 
-def run(model: Path, device: str, requests: dict | None, dtype: str = "float32", **config) -> tuple[dict, dict, object]:
-    """Greedy tokens and each token's top-2 logprobs per request; the engine."""
+def run(model: Path, device: str, requests: dict | None, dtype: str = "float32", adapter: Path | None = None,
+        **config) -> tuple[dict, dict, object]:
+    """Greedy tokens and each token's top-2 logprobs per request; the engine. With `adapter`,
+    every other request runs under it (a step mixes adapted and base rows)."""
     from rein.core.images import ImageInput
     from rein.engine import EngineConfig, LLMEngine, SamplingParams
+    from rein.model.lora.request import LoRARequest
+
+    if adapter is not None:
+        config["enable_lora"] = True
 
     engine = LLMEngine(EngineConfig(model=str(model), device=device, dtype=dtype, kv_cache_memory="64MiB",
                                     max_model_len=512, max_num_seqs=8, **config))
     if requests is None:
         requests = image_requests(engine)
     params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True, logprobs=2)
-    for rid, (ids, images) in requests.items():
-        engine.add_request(rid, ids, params, **({"images": [ImageInput.of(d) for d in images]} if images else {}))
+    for i, (rid, (ids, images)) in enumerate(requests.items()):
+        extra = {"images": [ImageInput.of(d) for d in images]} if images else {}
+        if adapter is not None and i % 2 == 0:
+            extra["lora_request"] = LoRARequest("gpu-check", 1, str(adapter))
+        engine.add_request(rid, ids, params, **extra)
     tokens: dict[str, list[int]] = {}
     tops: dict[str, list] = {}
     while engine.has_unfinished():
@@ -188,9 +235,9 @@ def compare(got: dict, want: dict, want_tops: dict, near_tie: float) -> dict:
 
 
 # In the order they run: when time runs short the last ones are listed as not run.
-CASES = ("gguf_q6_k", "gemma3_windowed", "gguf_moe_q4_0", "gemma3_vision", "gguf_q5_k", "gguf_q4_k")
+CASES = ("gguf_q6_k", "gemma3_windowed", "gguf_moe_q4_0", "gemma3_vision", "lora", "gguf_q5_k", "gguf_q4_k")
 # The small Llama's GGUF runs take minutes on a loaded 2-core CPU: the dry run leaves them out.
-CPU_CASES = ("gguf_moe_q4_0", "gemma3_windowed", "gemma3_vision")
+CPU_CASES = ("gguf_moe_q4_0", "gemma3_windowed", "gemma3_vision", "lora")
 
 
 def case_model(name: str, models_dir: Path) -> Path:
@@ -200,6 +247,8 @@ def case_model(name: str, models_dir: Path) -> Path:
         return gguf_moe_case(models_dir)
     if name == "gemma3_windowed":
         return gemma3_case(models_dir)
+    if name == "lora":
+        return lora_case(models_dir)[0]
     return vision_case(models_dir)
 
 
@@ -209,11 +258,13 @@ def check_case(name: str, device: str, models_dir: Path, near_tie: float) -> dic
     # A GGUF file's reference is the same file dequantized at load (the kernel's own reference,
     # and fast); the others' is the CPU engine.
     gguf = name.startswith("gguf")
-    want, want_tops, reference = run(model, device if gguf else "cpu", requests, **({"quantization": "none"} if gguf else {}))
+    adapter = lora_case(models_dir)[1] if name == "lora" else None
+    want, want_tops, reference = run(model, device if gguf else "cpu", requests, adapter=adapter,
+                                     **({"quantization": "none"} if gguf else {}))
     if requests is None:
         requests = image_requests(reference)
     del reference
-    got, _, engine = run(model, device, requests)
+    got, _, engine = run(model, device, requests, adapter=adapter)
     row = compare(got, want, want_tops, near_tie)
     problems = [f"diverged at {', '.join(row['diverged'])}"] if row["diverged"] else []
     if engine.pool.num_used:
@@ -229,6 +280,13 @@ def check_case(name: str, device: str, models_dir: Path, near_tie: float) -> dic
         if not held:
             problems.append("no weight was held quantized")
     del engine
+    if name == "lora":   # the adapter must matter, or the check would pass with it ignored
+        base, _, engine = run(model, "cpu", requests)
+        adapted = [rid for i, rid in enumerate(requests) if i % 2 == 0]
+        row["adapted_requests_changed"] = sum(base[rid] != want[rid] for rid in adapted)
+        if not row["adapted_requests_changed"]:
+            problems.append("the adapter changed no adapted request's tokens")
+        del engine
     if name == "gemma3_vision":
         bf16, _, engine = run(model, device, requests, dtype="bfloat16")
         row["bf16_agreement"] = compare(bf16, want, want_tops, near_tie)["agreement"]
@@ -245,7 +303,12 @@ def paths_check(device: str, models_dir: Path, near_tie: float, time_left, on_ca
     not_run: list[str] = []
     failures: list[str] = []
     last = 0.0
+    missing: dict[str, str] = {}
     for name in CASES if device == "cuda" else CPU_CASES:
+        needs = "gguf" if name.startswith("gguf") else "PIL" if name == "gemma3_vision" else None
+        if needs and importlib.util.find_spec(needs) is None:
+            missing[name] = f"the {needs} package is not installed"
+            continue
         if rows and time_left() < 1.5 * last + 10:
             not_run.append(name)
             continue
@@ -268,11 +331,14 @@ def paths_check(device: str, models_dir: Path, near_tie: float, time_left, on_ca
     where = ("CUDA == the reference engine" if device == "cuda"
              else "CPU mode, the CPU engine on both sides (checks the script, not a CUDA kernel)")
     note = f"; not run for lack of time: {', '.join(not_run)}" if not_run else ""
+    note += "".join(f"; {name} skipped: {why}" for name, why in missing.items())
     if failures:
-        return result("FAIL", "; ".join(failures) + note, cases=rows, not_run=not_run)
+        return result("FAIL", "; ".join(failures) + note, cases=rows, not_run=not_run, missing=missing)
+    if not rows:
+        return result("SKIP", "no case could run" + note, cases=rows, not_run=not_run, missing=missing)
     ties = sum(r.get("near_ties", 0) for r in rows.values())
     return result("PASS", f"{where}: greedy tokens of {', '.join(rows)}" + (f" ({ties} near-ties)" if ties else "")
-                  + note, cases=rows, not_run=not_run)
+                  + note, cases=rows, not_run=not_run, missing=missing)
 
 
 def tensor_parallel_check(device: str, tokenizer_model: Path) -> dict:

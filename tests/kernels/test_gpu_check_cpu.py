@@ -61,8 +61,10 @@ def test_cpu_mode_passes_every_part_that_runs_without_cuda(tmp_path, tiny_models
     assert all(row["step_ms"] > 0 and row["bound_ms"] > 0 for row in parts["decode"]["batches"].values())
     # Every named CUDA path has tests selected; each end-to-end case agreed with its reference.
     assert all(row.get("SELECTED", 0) > 0 for row in parts["cuda_tests"]["paths"].values()), parts["cuda_tests"]["paths"]
-    assert set(parts["cuda_paths"]["cases"]) == {"gguf_moe_q4_0", "gemma3_windowed", "gemma3_vision"}
-    assert all(case["identical"] == case["requests"] for case in parts["cuda_paths"]["cases"].values())
+    cases = parts["cuda_paths"]["cases"]
+    assert set(cases) == {"gguf_moe_q4_0", "gemma3_windowed", "gemma3_vision", "lora"}
+    assert all(case["identical"] == case["requests"] for case in cases.values())
+    assert cases["lora"]["adapted_requests_changed"] > 0
     targets = parts["targets"]
     assert targets["decode"]["step_ms"] > 0 and targets["prefill"]["tflops"] > 0
     assert targets["idle"]["steps"] == 3 and 0 <= targets["idle"]["idle_pct"] <= 100
