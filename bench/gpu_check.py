@@ -22,8 +22,8 @@ reason, and the run goes on after a failure. Parts, in the order they run:
   `choice`-constrained request through the engine beside unconstrained ones.
 * cuda_paths: end to end, the CUDA engine's greedy tokens against a reference engine's for
   tiny GGUF models (Q5_K, Q6_K, Q4_K; a MoE with Q4_0 experts: against the file dequantized),
-  a windowed Gemma 3, the Gemma 3 vision model with images (also in bf16) and a LoRA adapter
-  on the tiny Llama (against the CPU engine): bench/gpu_paths.py.
+  a windowed Gemma 3, the Gemma 3 vision model with images (also in bf16), a LoRA adapter on
+  the tiny Llama and the tiny Llama in int4 at load (against the CPU engine): bench/gpu_paths.py.
 * n_choices_graphs: n > 1 requests (seeded sampling and greedy), with prompt logprobs,
   beside a plain one: the engine replaying CUDA graphs gives the tokens of an
   enforce_eager engine, decode steps did replay, each n > 1 prompt was prefilled once,

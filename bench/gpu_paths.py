@@ -19,6 +19,8 @@ one drives:
 * gemma3_vision: the tiny Gemma 3 vision model with images: the image-block (bidirectional)
   attention in the Triton prefill; then the same engine in bf16 (the bf16 vision tower), whose
   token agreement with the fp32 CPU run must be at least BF16_AGREEMENT;
+* int4_g32_at_load: the tiny Llama quantized to 4 bits in groups of 32 as it loads, on both
+  sides (CPU: its C kernels): the 4-bit affine matmul AWQ and GPTQ checkpoints run on;
 * lora: the tiny Llama with a rank-8 adapter on every projection, every other request under
   it: the Triton LoRA kernels (rein/kernels/triton_lora.py), under CUDA graphs in decode.
 
@@ -235,20 +237,23 @@ def compare(got: dict, want: dict, want_tops: dict, near_tie: float) -> dict:
 
 
 # In the order they run: when time runs short the last ones are listed as not run.
-CASES = ("gguf_q6_k", "gemma3_windowed", "gguf_moe_q4_0", "gemma3_vision", "lora", "gguf_q5_k", "gguf_q4_k")
+CASES = ("gguf_q6_k", "gemma3_windowed", "gguf_moe_q4_0", "gemma3_vision", "lora", "int4_g32_at_load", "gguf_q5_k",
+         "gguf_q4_k")
 # The small Llama's GGUF runs take minutes on a loaded 2-core CPU: the dry run leaves them out.
 CPU_CASES = ("gguf_moe_q4_0", "gemma3_windowed", "gemma3_vision", "lora")
 
 
 def case_model(name: str, models_dir: Path) -> Path:
+    from rein.fixtures.tiny_model import ensure_tiny_model
+
     if name.startswith("gguf_q"):
         return gguf_case(models_dir, name.removeprefix("gguf_").upper())
     if name == "gguf_moe_q4_0":
         return gguf_moe_case(models_dir)
     if name == "gemma3_windowed":
         return gemma3_case(models_dir)
-    if name == "lora":
-        return lora_case(models_dir)[0]
+    if name in ("lora", "int4_g32_at_load"):
+        return lora_case(models_dir)[0] if name == "lora" else ensure_tiny_model(models_dir / "llama", arch="llama")
     return vision_case(models_dir)
 
 
@@ -259,12 +264,13 @@ def check_case(name: str, device: str, models_dir: Path, near_tie: float) -> dic
     # and fast); the others' is the CPU engine.
     gguf = name.startswith("gguf")
     adapter = lora_case(models_dir)[1] if name == "lora" else None
+    quantization = {"quantization": "int4-g32"} if name == "int4_g32_at_load" else {}
     want, want_tops, reference = run(model, device if gguf else "cpu", requests, adapter=adapter,
-                                     **({"quantization": "none"} if gguf else {}))
+                                     **({"quantization": "none"} if gguf else quantization))
     if requests is None:
         requests = image_requests(reference)
     del reference
-    got, _, engine = run(model, device, requests, adapter=adapter)
+    got, _, engine = run(model, device, requests, adapter=adapter, **quantization)
     row = compare(got, want, want_tops, near_tie)
     problems = [f"diverged at {', '.join(row['diverged'])}"] if row["diverged"] else []
     if engine.pool.num_used:
@@ -273,7 +279,7 @@ def check_case(name: str, device: str, models_dir: Path, near_tie: float) -> dic
         problems.append("no CUDA graphs were captured")
     if name == "gemma3_windowed" and engine.windows is None:
         problems.append("no windowed storage (the sliding-window path did not run)")
-    if gguf:
+    if gguf or quantization:
         held = sorted({type(m.quantized).__name__ for m in engine.runner.model.modules()
                        if getattr(m, "quantized", None) is not None})
         row["held_quantized"] = held
