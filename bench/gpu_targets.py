@@ -279,7 +279,7 @@ def profile_idle(engine, batch: int, prompt_len: int, warmup_steps: int, steps: 
         launches = {}
         source = "CPU ops (CPU mode: no GPU timeline; not a GPU figure)"
     shares = idle_shares(spans, launches, activity)
-    shares.update(source=source, steps=len(spans), batch=batch, gpu_events=len(activity))
+    shares.update(source=source, steps=len(spans), batch=batch, events=len(activity))
     return shares
 
 

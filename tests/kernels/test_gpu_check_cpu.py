@@ -59,6 +59,7 @@ def test_cpu_mode_passes_every_part_that_runs_without_cuda(tmp_path, tiny_models
     assert parts["n_choices_graphs"]["archs"]["llama"]["replayed_steps"] > 0
     assert set(parts["decode"]["batches"]) == {"4", "8"}
     assert all(row["step_ms"] > 0 and row["bound_ms"] > 0 for row in parts["decode"]["batches"].values())
+    assert parts["decode"]["idle"]["steps"] == 3 and parts["decode"]["idle"]["events"] > 0
     # Every named CUDA path has tests selected; each end-to-end case agreed with its reference.
     assert all(row.get("SELECTED", 0) > 0 for row in parts["cuda_tests"]["paths"].values()), parts["cuda_tests"]["paths"]
     cases = parts["cuda_paths"]["cases"]
