@@ -1,44 +1,72 @@
 """The GPU check: correctness and speed of rein's CUDA path in one run (not a test).
 
     python bench/gpu_check.py [--device auto|cuda|cpu] [--parts a,b,...] [--budget SECONDS]
-                              [--hbm-tbps 4.8] [--json PATH] [--models-dir DIR]
+                              [--hbm-tbps T] [--bf16-tflops F] [--json PATH] [--models-dir DIR]
 
 `bench/gpu_check.sh` sets up the Python environment of a fresh GPU machine and runs this.
 Each part runs in a subprocess of its own with a timeout, prints PASS, FAIL or SKIP with a
 reason, and the run goes on after a failure. Parts, in the order they run:
 
-* cuda_tests: the CUDA tests of the suite, in the background while the next four parts run
-  (they only check, never time): every test of a tests/ file that calls
-  `torch.cuda.is_available()` (the suite's marker of CUDA-only code: tests/kernels run
-  their Triton kernels on CUDA, or under TRITON_INTERPRET without one) that lives in
-  tests/kernels or carries a skipif whose reason names a GPU (tests/unit: CUDA-graph replay,
-  n > 1 forks under graphs, windowed storage under graphs). Selected by this module's
-  `pytest_collection_modifyitems` (loaded with `-p gpu_check`).
+* cuda_tests: the CUDA tests of the suite, in the background while the check parts run
+  (they only check, never time; with pytest-xdist, XDIST_WORKERS at once): every test of a
+  tests/ file that calls `torch.cuda.is_available()` (the suite's marker of CUDA-only code:
+  tests/kernels run their Triton kernels on CUDA, or under TRITON_INTERPRET without one) that
+  lives in tests/kernels or carries a skipif whose reason names a GPU (tests/unit: CUDA-graph
+  replay, n > 1 forks under graphs, windowed storage under graphs). Selected by this module's
+  `pytest_collection_modifyitems` (loaded with `-p gpu_check`). Its result gives each CUDA
+  path of PATH_TESTS (sliding-window kernels, fused MoE, quantized matmul incl. the packed
+  Q5/Q6 kernel and AWQ/GPTQ, grouped quantized MoE, LoRA, windowed CUDA-graph buffers, ...)
+  its own outcome counts; a path whose test file is not selected is a FAIL.
 * bitmask: the structured-output token-bitmask Triton kernel against the torch
   implementation (vocabularies of SmolLM2, Qwen2, Gemma 3), its time per call, and a
   `choice`-constrained request through the engine beside unconstrained ones.
-* greedy_tiny: per architecture of rein.fixtures.tiny_model (dense and MoE), the engine's
-  greedy tokens in fp32 (Triton path on CUDA) equal Hugging Face generate(), also with a
-  16-token step budget (chunked prefill) and for prompts sharing their first blocks (prefix
-  caching, with hits); bf16 and the int8 KV cache run end to end (their token agreement
-  with fp32 HF is reported); no KV block leaks.
+* cuda_paths: end to end, the CUDA engine's greedy tokens against a reference engine's for
+  tiny GGUF models (Q5_K, Q6_K, Q4_K; a MoE with Q4_0 experts: against the file dequantized),
+  a windowed Gemma 3, the Gemma 3 vision model with images (also in bf16), a LoRA adapter on
+  the tiny Llama and the tiny Llama in int4 at load (against the CPU engine): bench/gpu_paths.py.
 * n_choices_graphs: n > 1 requests (seeded sampling and greedy), with prompt logprobs,
   beside a plain one: the engine replaying CUDA graphs gives the tokens of an
   enforce_eager engine, decode steps did replay, each n > 1 prompt was prefilled once,
   greedy choices agree, no leak. (CPU: the same static padded buffers, run eagerly.)
+* greedy_tiny: per architecture of rein.fixtures.tiny_model (dense and MoE: the fused MoE
+  kernel), the engine's greedy tokens in fp32 (Triton path on CUDA) equal Hugging Face
+  generate(), also with a 16-token step budget (chunked prefill) and for prompts sharing their
+  first blocks (prefix caching, with hits); bf16 and the int8 KV cache run end to end (their
+  token agreement with fp32 HF is reported); no KV block leaks. Architectures that would not
+  fit in its time are listed as not run.
+* tensor_parallel: two ranks over NCCL == one rank, and a killed rank fails the step naming
+  it; SKIP (with the reason) on a machine with one CUDA device (bench/gpu_paths.py).
 * real_models: SmolLM2-135M-Instruct and Gemma 3 270M (GGUF, `rein fetch-model [gemma3-270m]`)
   when their files are in the cache: engine greedy (fp32, GGUF blocks kept quantized) ==
   HF generate() (fp32, from the same GGUF) on a few prompts; a difference where HF's own
-  top-2 margin is under --near-tie counts as a near-tie, not a failure. Never fetches.
+  top-2 margin is under --near-tie counts as a near-tie, not a failure. Never fetches. (CPU
+  mode: the first model found, two prompts.)
+
+Then the timed parts (TIMED_PARTS), alone on the device; each keeps TIMED_RESERVE seconds
+free for itself while the parts before it run:
+
+* targets: issue 47's targets beside their bounds on an 8B Llama shape built in place on the
+  device (bench/gpu_targets.py): batch-64 decode against the HBM bound (>= 75%), an 8,192-token
+  prefill against the bf16 matmul peak (>= 60%), the GPU's idle share between decode steps
+  (<= 5%). A missed target is a FAIL.
 * decode: engine tokens/s on a Qwen2-0.5B-shaped random model at decode batches 64 and 256
-  against the HBM bandwidth bound (bench/gpu_decode.py; target: batch 64 at >= 50%).
+  against the HBM bound (bench/gpu_decode.py; target: batch 64 at >= 35%), and the GPU's idle
+  share between its batch-64 decode steps beside it (as targets measures it; not judged).
 * attention_kernels: `bench/attention_kernels.py --quick --no-engine` (paged decode /
   prefill / int8 / store kernel micro-benchmarks), its figures summarized.
+* kernel_compare: each entry of KERNEL_COMPARISONS, a rein kernel against what it replaces in
+  one process (now: the fused element-wise kernels against torch ops in the 0.5B decode
+  step); runs only in the time left over. A new kernel's comparison is a function added there.
+
+The HBM bandwidth and bf16 peak come from the device's name (gpu_targets.device_peaks), or
+--hbm-tbps / --bf16-tflops.
 
 CPU mode (`--device cpu` or REIN_GPU_CHECK_DEVICE=cpu, and what `auto` picks without CUDA):
 the same code on tiny shapes, so the check is known to work before a GPU runs it:
 cuda_tests collects the selection only, bitmask runs the Triton kernel under the
-interpreter, decode runs a tiny shape; attention_kernels and real models (when absent) skip.
+interpreter, cuda_paths runs its tiny cases with the CPU engine on both sides, targets,
+decode and kernel_compare run tiny shapes (not judged); attention_kernels, tensor_parallel
+and real models (when absent) skip.
 
 The summary is printed last (one line per part, then one JSON object) and written to
 --json, and to $OUT/gpu_check.json when $OUT is set. Exit status 1 when a part failed.
@@ -47,6 +75,7 @@ The summary is printed last (one line per part, then one JSON object) and writte
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -62,19 +91,41 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
-PARTS = ("cuda_tests", "bitmask", "greedy_tiny", "n_choices_graphs", "real_models", "decode", "attention_kernels")
+PARTS = ("cuda_tests", "bitmask", "cuda_paths", "n_choices_graphs", "greedy_tiny", "tensor_parallel", "real_models",
+         "targets", "decode", "attention_kernels", "kernel_compare")
 BACKGROUND = "cuda_tests"
+# The timed parts run last, alone on the device, in this order.
+TIMED_PARTS = ("targets", "decode", "attention_kernels", "kernel_compare")
 # Seconds each part may take on CUDA (its timeout); on CPU the tiny shapes need far less.
-TIMEOUTS = {"cuda_tests": 260, "bitmask": 60, "greedy_tiny": 200, "n_choices_graphs": 60,
-            "real_models": 150, "decode": 150, "attention_kernels": 120}
-CPU_TIMEOUTS = {"cuda_tests": 60, "bitmask": 60, "greedy_tiny": 120, "n_choices_graphs": 60,
-                "real_models": 120, "decode": 60, "attention_kernels": 60}
-# Seconds kept for the timed parts (decode, attention_kernels) that run after the others
-# (37 s together on the H200, 2026-12-04).
-TIMED_RESERVE = 120
-CPU_TIMED_RESERVE = 40
+TIMEOUTS = {"cuda_tests": 300, "bitmask": 60, "cuda_paths": 130, "n_choices_graphs": 60, "greedy_tiny": 120,
+            "tensor_parallel": 90, "real_models": 150, "targets": 170, "decode": 90, "attention_kernels": 90,
+            "kernel_compare": 120}
+CPU_TIMEOUTS = {"cuda_tests": 60, "bitmask": 60, "cuda_paths": 150, "n_choices_graphs": 60, "greedy_tiny": 120,
+                "tensor_parallel": 30, "real_models": 120, "targets": 60, "decode": 60, "attention_kernels": 60,
+                "kernel_compare": 60}
+# Seconds kept for each timed part while the parts before it run: estimates for an H100 (the
+# H200 ran decode and attention_kernels in 37 s together, 2026-12-04; targets loads an 8B
+# shape, captures its graphs and compiles the 8k prefill). kernel_compare runs only in what is
+# left over.
+TIMED_RESERVE = {"targets": 130, "decode": 45, "attention_kernels": 40, "kernel_compare": 0}
+CPU_TIMED_RESERVE = {"targets": 30, "decode": 20, "attention_kernels": 5, "kernel_compare": 20}
+# The CUDA paths of issue 47 and the test files that run them on the device (cuda_tests
+# reports each path's outcomes; a file missing from the selection is a FAIL).
+PATH_TESTS = {
+    "sliding-window attention kernels (Gemma 3 windows)": "tests/kernels/test_sliding_window.py",
+    "fused MoE kernel": "tests/kernels/test_triton_moe.py",
+    "quantized-weight matmul (GGUF, AWQ/GPTQ 4-bit, packed Q5/Q6)": "tests/kernels/test_triton_quantized.py",
+    "grouped quantized MoE kernel": "tests/kernels/test_triton_quantized_moe.py",
+    "LoRA kernels (and under CUDA graphs)": "tests/kernels/test_triton_lora.py",
+    "paged attention / store / prefill kernels": "tests/kernels/test_triton_kernels.py",
+    "fused element-wise kernels": "tests/kernels/test_triton_elementwise.py",
+    "windowed storage under CUDA graphs": "tests/unit/test_windowed_kv_engine.py",
+    "CUDA graph replay": "tests/unit/test_cuda_graphs.py",
+}
+XDIST_WORKERS = 4   # cuda_tests on CUDA with pytest-xdist when installed: Triton compiles on many cores
 MIN_PART_S = 15          # a part is not started with less time than this left
 DEFAULT_BUDGET = 450     # under the 8-minute device call, after gpu_check.sh's setup
+DEFAULT_HBM_TBPS = 4.8   # when the device's name is not in gpu_targets.device_peaks (an H200's)
 DENSE_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 MOE_ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 REAL_MODELS = ("smollm2-135m-instruct", "gemma3-270m")
@@ -165,6 +216,9 @@ def part_cuda_tests(ctx: dict) -> dict:
                    if not p.name.startswith("test_gpu_check_") and "cuda.is_available" in p.read_text(errors="replace"))
     if not files:
         return result("FAIL", "no test file under tests/ calls torch.cuda.is_available(): the selection is stale")
+    missing = [f"{path} ({label})" for label, path in PATH_TESTS.items() if path not in files]
+    if missing:
+        return result("FAIL", f"the CUDA paths' test files are not in the selection: {', '.join(missing)}", files=files)
     work = Path(tempfile.mkdtemp(prefix="rein-gpu-check-pytest-"))
     selected, junit = work / "selected.txt", work / "junit.xml"
     env = dict(os.environ, REIN_GPU_CHECK_SELECT=str(selected),
@@ -174,21 +228,26 @@ def part_cuda_tests(ctx: dict) -> dict:
     if not cuda_mode(ctx):
         command[command.index("-v")] = "-q"   # node ids, not the verbose tree
         command.append("--collect-only")
+    elif importlib.util.find_spec("xdist") is not None:
+        command[3:3] = ["-n", str(XDIST_WORKERS)]   # right after "-m pytest"
     print("cuda_tests: " + " ".join(command[1:]), flush=True)
     started = time.perf_counter()
     limit = max(10, ctx["timeout"] - 15)
     outcomes: dict[str, int] = {}
+    by_file: dict[str, dict[str, int]] = {}
     failed: list[str] = []
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
     def read() -> None:   # echo, and count the -v outcome lines (what is known if pytest must be stopped)
         for line in proc.stdout:
             print(line, end="", flush=True)
-            match = re.match(r"(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", line)
-            if match:
-                outcomes[match.group(2)] = outcomes.get(match.group(2), 0) + 1
-                if match.group(2) in ("FAILED", "ERROR"):
-                    failed.append(match.group(1))
+            node, outcome = outcome_of(line)
+            if node:
+                outcomes[outcome] = outcomes.get(outcome, 0) + 1
+                counts = by_file.setdefault(node.split("::")[0], {})
+                counts[outcome] = counts.get(outcome, 0) + 1
+                if outcome in ("FAILED", "ERROR"):
+                    failed.append(node)
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
@@ -200,11 +259,21 @@ def part_cuda_tests(ctx: dict) -> dict:
         reader.join(timeout=5)
         done = ", ".join(f"{n} {k.lower()}" for k, n in sorted(outcomes.items())) or "no test finished"
         return result("FAIL", f"pytest ran past {limit:.0f} s and was stopped ({done} by then"
-                      + (f"; failed: {', '.join(failed[:5])}" if failed else "") + ")", outcomes=outcomes, failed=failed)
+                      + (f"; failed: {', '.join(failed[:5])}" if failed else "") + ")", outcomes=outcomes, failed=failed,
+                      paths=path_outcomes(by_file))
     reader.join(timeout=5)
     seconds = time.perf_counter() - started
     ids = selected.read_text().split("\n") if selected.is_file() and selected.read_text() else []
     details = {"files": files, "selected": len(ids), "pytest_rc": proc.returncode, "seconds": round(seconds, 1)}
+    if not cuda_mode(ctx):   # what the device would run, per path
+        by_file = {}
+        for node in ids:
+            counts = by_file.setdefault(node.split("::")[0], {})
+            counts["SELECTED"] = counts.get("SELECTED", 0) + 1
+    details["paths"] = path_outcomes(by_file)
+    unselected = [label for label, row in details["paths"].items() if not row]
+    if unselected and not cuda_mode(ctx):
+        return result("FAIL", f"no test of {', '.join(unselected)} was selected", **details)
     if not ids:
         return result("FAIL", f"no CUDA test was selected from {len(files)} files (pytest rc {proc.returncode})", **details)
     if not cuda_mode(ctx):
@@ -219,8 +288,31 @@ def part_cuda_tests(ctx: dict) -> dict:
     details["failed_tests"] = failed
     if failed:
         summary += f"; failed: {', '.join(failed[:5])}" + (f" and {len(failed) - 5} more" if len(failed) > 5 else "")
-    ok = proc.returncode == 0 and counts.get("failed", 0) == 0 and counts.get("errors", 0) == 0 and counts.get("passed", 0) > 0
+    bad = [label for label, row in details["paths"].items() if row.get("FAILED") or row.get("ERROR")]
+    unpassed = [label for label, row in details["paths"].items() if not row.get("PASSED")]   # all skipped
+    summary += (f"; paths failing: {', '.join(bad)}" if bad else
+                f"; paths with no test passed: {', '.join(unpassed)}" if unpassed else
+                f"; all {len(details['paths'])} named CUDA paths passed")
+    ok = (proc.returncode == 0 and counts.get("failed", 0) == 0 and counts.get("errors", 0) == 0
+          and counts.get("passed", 0) > 0 and not unpassed)
     return result("PASS" if ok else "FAIL", summary + ("" if ok else f" (pytest rc {proc.returncode})"), **details)
+
+
+def outcome_of(line: str) -> tuple[str | None, str | None]:
+    """(node id, outcome) of a pytest -v line, plain ("node PASSED") or from an xdist worker
+    ("[gw0] [ 12%] PASSED node"); (None, None) for any other line."""
+    match = re.match(r"(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)\b", line)
+    if match:
+        return match.group(1), match.group(2)
+    match = re.match(r"\[gw\d+\] \[\s*\d+%\] (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS) (\S+::\S+)", line)
+    if match:
+        return match.group(2), match.group(1)
+    return None, None
+
+
+def path_outcomes(by_file: dict[str, dict[str, int]]) -> dict[str, dict[str, int]]:
+    """PATH_TESTS' labels -> their test file's outcome counts (empty: none seen)."""
+    return {label: by_file.get(path, {}) for label, path in PATH_TESTS.items()}
 
 
 def junit_counts(path: Path) -> dict:
@@ -524,6 +616,8 @@ def part_real_models(ctx: dict) -> dict:
     except ImportError as exc:
         return result("SKIP", f"the gguf package is not installed, so HF cannot read the GGUF files ({exc})")
     rows, failures = {}, []
+    if not cuda_mode(ctx):   # the dry run: the first model on two prompts shows the code works
+        present = dict(list(present.items())[:1])
     for name, path in present.items():
         rows[name] = row = real_model_check(ctx, path, max_tokens=24 if cuda_mode(ctx) else 8)
         print(f"real_models: {name}: {row}", flush=True)
@@ -550,7 +644,7 @@ def real_model_check(ctx: dict, gguf_path: Path, max_tokens: int) -> dict:
     engine = LLMEngine(EngineConfig(model=str(gguf_path), device=device, dtype="float32", max_model_len=1024,
                                     kv_cache_memory="256MiB", max_num_seqs=16))
     tokenizer = engine.tokenizer
-    prompts = [tokenizer(text).input_ids for text in REAL_PROMPTS]
+    prompts = [tokenizer(text).input_ids for text in (REAL_PROMPTS if cuda_mode(ctx) else REAL_PROMPTS[:2])]
     for i, prompt in enumerate(prompts):
         engine.add_request(f"p{i}", prompt, SamplingParams(max_tokens=max_tokens, temperature=0))
     got = drain(engine)
@@ -603,7 +697,106 @@ def part_decode(ctx: dict) -> dict:
     from gpu_decode import decode_check
 
     return decode_check(ctx["device"], ctx["hbm_tbps"], Path(ctx["models_dir"]),
-                        tokenizer_dir=tiny_model(ctx, "qwen2"), on_batch=lambda done: save_partial(ctx, done))
+                        tokenizer_dir=tiny_model(ctx, "qwen2"), on_batch=lambda done: save_partial(ctx, done),
+                        idle_steps=16 if cuda_mode(ctx) else 3)
+
+
+def part_cuda_paths(ctx: dict) -> dict:
+    sys.path.insert(0, str(BENCH))
+    from gpu_paths import paths_check
+
+    return paths_check(ctx["device"], Path(ctx["models_dir"]), ctx["near_tie"], lambda: time_left(ctx),
+                       on_case=lambda done: save_partial(ctx, done))
+
+
+def part_tensor_parallel(ctx: dict) -> dict:
+    sys.path.insert(0, str(BENCH))
+    from gpu_paths import tensor_parallel_check
+
+    return tensor_parallel_check(ctx["device"], tiny_model(ctx, "llama"))
+
+
+def part_targets(ctx: dict) -> dict:
+    sys.path.insert(0, str(BENCH))
+    from gpu_targets import targets_check
+
+    return targets_check(ctx["device"], Path(ctx["models_dir"]), tokenizer_dir=tiny_model(ctx, "llama"),
+                         hbm_tbps=ctx["hbm_tbps"], bf16_tflops=ctx.get("bf16_tflops"),
+                         budget_s=time_left(ctx) - 10, on_partial=lambda done: save_partial(ctx, done))
+
+
+def part_kernel_compare(ctx: dict) -> dict:
+    """Each of KERNEL_COMPARISONS: the same measurement with rein's kernel and with what it
+    replaces, side by side in this one process; figures, not judged (a crash FAILs)."""
+    rows, failures, not_run = {}, [], []
+    for name, compare in KERNEL_COMPARISONS.items():
+        if time_left(ctx) < 20:
+            not_run.append(name)
+            continue
+        try:
+            rows[name] = compare(ctx)
+        except Exception as exc:   # noqa: BLE001 - one comparison's crash is its failure
+            import traceback
+
+            traceback.print_exc()
+            failures.append(f"{name}: {type(exc).__name__}: {str(exc)[:200]}")
+        save_partial(ctx, {"comparisons": rows, "failures": failures})
+    note = f"; not run for lack of time: {', '.join(not_run)}" if not_run else ""
+    summary = "; ".join(f"{name}: {row['summary']}" for name, row in rows.items())
+    if failures:
+        return result("FAIL", "; ".join(failures) + (f" ({summary})" if summary else "") + note, comparisons=rows)
+    return result("PASS" if rows else "SKIP", (summary or "nothing compared") + note, comparisons=rows)
+
+
+def decode_step_ms(ctx: dict, variants: dict) -> tuple[int, dict[str, float]]:
+    """(batch, the 0.5B shape's median decode step in ms under each variant): bench/gpu_decode.py
+    at one batch, a fresh engine (its own CUDA graphs) inside each variant's context manager
+    (`variants`: label -> a function returning one)."""
+    sys.path.insert(0, str(BENCH))
+    from gpu_decode import decode_check
+
+    batch = 64 if cuda_mode(ctx) else 4
+    steps = {}
+    for label, variant in variants.items():
+        with variant():
+            out = decode_check(ctx["device"], ctx["hbm_tbps"], Path(ctx["models_dir"]), batches=[batch],
+                               tokenizer_dir=tiny_model(ctx, "qwen2"))
+        steps[label] = out["batches"][str(batch)]["step_ms"]
+    return batch, steps
+
+
+@contextlib.contextmanager
+def torch_elementwise():
+    """A layer's element-wise work as torch ops instead of rein's Triton kernels (as
+    bench/attention_kernels.py --unfused-elementwise)."""
+    from rein.kernels import elementwise
+
+    saved = {op: getattr(elementwise, op) for op in ("rms_norm", "add_rms_norm", "silu_and_mul", "rotary_")}
+    for op in ("rms_norm", "add_rms_norm", "silu_and_mul"):
+        setattr(elementwise, op, lambda *a: None)
+    elementwise.rotary_ = lambda *a: False
+    try:
+        yield
+    finally:
+        for op, fn in saved.items():
+            setattr(elementwise, op, fn)
+
+
+def compare_elementwise(ctx: dict) -> dict:
+    """The decode step with rein's fused element-wise kernels (norms, rotary, SiLU-and-mul)
+    and with them as torch ops."""
+    batch, steps = decode_step_ms(ctx, {"fused": contextlib.nullcontext, "torch ops": torch_elementwise})
+    ratio = steps["torch ops"] / steps["fused"]
+    return {"step_ms": steps, "batch": batch, "speedup": ratio,
+            "summary": f"decode step at batch {batch}: {steps['fused']:.2f} ms fused, {steps['torch ops']:.2f} ms "
+                       f"as torch ops ({ratio:.2f}x)"}
+
+
+# Kernel comparisons for part kernel_compare: name -> function(ctx) returning a dict with a
+# one-line "summary" (and its figures). Add a new kernel's comparison here; one that switches
+# a kernel on and off in the decode step is `decode_step_ms(ctx, {"on": ..., "off": ...})`
+# with a context manager for each, as compare_elementwise.
+KERNEL_COMPARISONS = {"elementwise_fused_vs_torch": compare_elementwise}
 
 
 def part_attention_kernels(ctx: dict) -> dict:
@@ -645,8 +838,10 @@ def part_attention_kernels(ctx: dict) -> dict:
 
 
 PART_FUNCTIONS = {"cuda_tests": part_cuda_tests, "bitmask": part_bitmask, "greedy_tiny": part_greedy_tiny,
-                  "n_choices_graphs": part_n_choices_graphs, "real_models": part_real_models,
-                  "decode": part_decode, "attention_kernels": part_attention_kernels}
+                  "n_choices_graphs": part_n_choices_graphs, "cuda_paths": part_cuda_paths,
+                  "tensor_parallel": part_tensor_parallel, "real_models": part_real_models,
+                  "targets": part_targets, "decode": part_decode, "attention_kernels": part_attention_kernels,
+                  "kernel_compare": part_kernel_compare}
 
 
 # --------------------------------------------------------------------------- pytest selection
@@ -705,6 +900,8 @@ class PartProcess:
         args = [sys.executable, str(Path(__file__).resolve()), "--part", name, "--result", str(self.result_path),
                 "--device", ctx["device"], "--hbm-tbps", str(ctx["hbm_tbps"]), "--models-dir", ctx["models_dir"],
                 "--near-tie", str(ctx["near_tie"]), "--part-timeout", str(int(timeout))]
+        if ctx.get("bf16_tflops"):
+            args += ["--bf16-tflops", str(ctx["bf16_tflops"])]
         env = dict(os.environ)
         if ctx["device"] != "cuda" and name == "bitmask":
             env["TRITON_INTERPRET"] = "1"   # before triton.jit defines the kernel, so in the child
@@ -775,7 +972,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--budget", type=float, default=float(os.environ.get("REIN_GPU_CHECK_BUDGET", DEFAULT_BUDGET)),
                         help="seconds for the whole run; parts that would start too late are skipped")
-    parser.add_argument("--hbm-tbps", type=float, default=4.8, help="HBM bandwidth in TB/s for the decode bound (H200: 4.8)")
+    parser.add_argument("--hbm-tbps", type=float, default=None,
+                        help=f"HBM bandwidth in TB/s for the decode bounds (default: from the device's name, "
+                             f"else {DEFAULT_HBM_TBPS:g})")
+    parser.add_argument("--bf16-tflops", type=float, default=None,
+                        help="dense bf16 matmul TFLOP/s for the prefill target (default: from the device's name)")
     parser.add_argument("--near-tie", type=float, default=1e-3,
                         help="real models: a difference from HF where HF's top-2 margin is below this is a near-tie")
     parser.add_argument("--json", default=None, help="also write the summary here")
@@ -786,7 +987,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     if args.part:
-        ctx = {"device": args.device, "hbm_tbps": args.hbm_tbps, "near_tie": args.near_tie,
+        ctx = {"device": args.device, "hbm_tbps": args.hbm_tbps or DEFAULT_HBM_TBPS, "near_tie": args.near_tie,
+               "bf16_tflops": args.bf16_tflops,
                "models_dir": args.models_dir or tempfile.mkdtemp(prefix="rein-gpu-check-models-"),
                "timeout": args.part_timeout or TIMEOUTS[args.part], "started": time.perf_counter(),
                "partial": str(Path(args.result).with_suffix(".partial.json")) if args.result else None}
@@ -802,12 +1004,21 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    sys.path.insert(0, str(BENCH))
+    from gpu_targets import device_peaks
+
+    named_hbm, named_tflops = device_peaks(name)
+    hbm_tbps = args.hbm_tbps or named_hbm or DEFAULT_HBM_TBPS
+    bf16_tflops = args.bf16_tflops or named_tflops
+    peaks_from = ("given" if args.hbm_tbps else "the device's name" if named_hbm
+                  else f"assumed: {name} is not in gpu_targets.device_peaks")
     print(f"gpu_check: device {name} ({device} mode); torch {torch.__version__}; budget {args.budget:.0f} s; "
-          f"HBM {args.hbm_tbps:g} TB/s; parts {', '.join(wanted)}", flush=True)
+          f"HBM {hbm_tbps:g} TB/s, bf16 {bf16_tflops or '?'} TFLOP/s ({peaks_from}); parts {', '.join(wanted)}",
+          flush=True)
     if note:
         print(f"gpu_check: {note}", flush=True)
-    summary: dict = {"device": name, "mode": device, "torch": torch.__version__, "hbm_tbps": args.hbm_tbps,
-                     "budget_s": args.budget, "parts": {}}
+    summary: dict = {"device": name, "mode": device, "torch": torch.__version__, "hbm_tbps": hbm_tbps,
+                     "bf16_tflops": bf16_tflops, "peaks_from": peaks_from, "budget_s": args.budget, "parts": {}}
     if os.environ.get("REIN_GPU_CHECK_SETUP"):
         try:
             summary["setup"] = json.loads(os.environ["REIN_GPU_CHECK_SETUP"])
@@ -818,10 +1029,12 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="rein-gpu-check-") as tmp:
         work = Path(tmp)
         models_dir = args.models_dir or str(work / "models")
-        ctx = {"device": device, "hbm_tbps": args.hbm_tbps, "models_dir": models_dir, "near_tie": args.near_tie}
+        ctx = {"device": device, "hbm_tbps": hbm_tbps, "bf16_tflops": bf16_tflops, "models_dir": models_dir,
+               "near_tie": args.near_tie}
         timeouts = TIMEOUTS if device == "cuda" else CPU_TIMEOUTS
-        timed_parts = [p for p in ("decode", "attention_kernels") if p in wanted]
-        reserve = (TIMED_RESERVE if device == "cuda" else CPU_TIMED_RESERVE) if timed_parts else 0
+        timed_parts = [p for p in TIMED_PARTS if p in wanted]
+        reserves = TIMED_RESERVE if device == "cuda" else CPU_TIMED_RESERVE
+        reserve = sum(reserves[p] for p in timed_parts)
 
         def allowed(part: str, keep: float) -> float:
             return min(timeouts[part], deadline - time.perf_counter() - keep)
@@ -844,7 +1057,8 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"gpu_check: cuda_tests runs in the background (up to {seconds:.0f} s), log {log}", flush=True)
                 background = PartProcess(BACKGROUND, ctx, seconds, work, log)
-        if any(p in wanted for p in ("bitmask", "greedy_tiny", "n_choices_graphs", "decode")):
+        if any(p in wanted for p in ("bitmask", "greedy_tiny", "n_choices_graphs", "cuda_paths", "tensor_parallel",
+                                     "targets", "decode", "kernel_compare")):
             prepare_models(ctx)
         for part in wanted:
             if part == BACKGROUND:
@@ -854,10 +1068,9 @@ def main(argv: list[str] | None = None) -> int:
                 finish(BACKGROUND, background.wait())
                 print("gpu_check: cuda_tests output (last lines):\n  " + "\n  ".join(background.tail), flush=True)
                 background = None
-            keep = 0 if part in timed_parts else reserve
-            if part == "decode" and "attention_kernels" in timed_parts:
-                keep = min(timeouts["attention_kernels"], 60)
-            seconds = allowed(part, keep)
+            # What the timed parts after this one keep (all of them, for a part before them).
+            later = timed_parts[timed_parts.index(part) + 1:] if part in timed_parts else timed_parts
+            seconds = allowed(part, sum(reserves[p] for p in later))
             if seconds < MIN_PART_S:
                 finish(part, result("SKIP", f"time budget ({max(0, deadline - time.perf_counter()):.0f} s left of {args.budget:.0f})"))
                 continue

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The GPU check in one call: set up Python on a fresh GPU machine from what is installed
-# there (no network, no .venv), then run bench/gpu_check.py (CUDA tests, greedy == HF through
-# the Triton path, n > 1 under CUDA graphs, the bitmask kernel, real models when cached,
-# decode tok/s against the HBM bound, bench/attention_kernels.py). See bench/gpu_check.py.
+# there (no network, no .venv), then run bench/gpu_check.py (the CUDA tests per CUDA path,
+# the bitmask kernel, the CUDA paths end to end against a reference engine, n > 1 under CUDA
+# graphs, greedy == HF through the Triton path, tensor parallelism with two devices, real
+# models when cached; then issue 47's targets on an 8B shape, decode against the HBM bound,
+# bench/attention_kernels.py and the kernel comparisons). See bench/gpu_check.py.
 #
-#   bash bench/gpu_check.sh [--cpu | --dry-run] [gpu_check.py options: --hbm-tbps 4.8 --parts a,b ...]
+#   bash bench/gpu_check.sh [--cpu | --dry-run] [gpu_check.py options: --hbm-tbps T --parts a,b ...]
 #
 # Environment: OUT (the summary goes to $OUT/gpu_check.json, the CUDA tests' log beside it),
 # REIN_GPU_CHECK_PYTHON (the interpreter to use), REIN_GPU_CHECK_DEVICE (auto|cuda|cpu; --cpu

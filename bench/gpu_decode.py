@@ -21,7 +21,8 @@ HBM bandwidth, where weight bytes = every parameter once in the weights' dtype (
 input embedding left out: only its looked-up rows are read) and K/V bytes = the requests'
 context lengths summed x the cache's bytes per token (K and V, all layers). ratio = bound /
 step time (1.0 would be a step that only streams its bytes at the peak). Target: the batch-64
-engine step at >= 50% of the bound.
+engine step at >= 35% of the bound (issue 47). The 8B shape's decode, prefill and the GPU's
+idle share are bench/gpu_targets.py.
 
 With --device cpu (gpu_check's CPU mode) the same code runs on a tiny shape at batches 4 and
 8; the ratio is printed but not judged.
@@ -50,7 +51,7 @@ QWEN2_05B_SHAPE = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_h
                    "num_key_value_heads": 2, "intermediate_size": 4864, "vocab_size": 151936}
 CPU_SHAPE = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
              "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 4096}
-TARGET_RATIO = 0.5      # of the bound, for the batch-64 engine step
+TARGET_RATIO = 0.35     # of the bound, for the batch-64 engine step (issue 47)
 TARGET_BATCH = 64
 BATCHED_TOKENS = 2048   # the engine's step budget (EngineConfig.max_num_batched_tokens default)
 
@@ -244,10 +245,11 @@ def profile_batch(engine, batch: int, prompt_len: int, warmup_steps: int, steps:
 
 def decode_check(device: str, hbm_tbps: float, models_dir: Path, batches: list[int] | None = None,
                  vocab: int | None = None, tokenizer_dir: Path | None = None, on_batch=None,
-                 profile_steps: int = 0, trace: Path | None = None) -> dict:
+                 profile_steps: int = 0, trace: Path | None = None, idle_steps: int = 0) -> dict:
     """Build the model, run each batch, return a gpu_check part result (status, reason, figures);
-    `on_batch(result so far)` after each batch; with `profile_steps`, then `profile_batch` on
-    the first batch size."""
+    `on_batch(result so far)` after each batch; with `idle_steps`, then the GPU's idle shares
+    over that many decode steps of the first batch size (bench/gpu_targets.py's profile_idle;
+    reported, not judged); with `profile_steps`, then `profile_batch` on the first batch size."""
     from attention_kernels import build_qwen2_model  # bench/ is on sys.path, as for gpu_check.py
 
     from rein.engine import EngineConfig, LLMEngine
@@ -302,6 +304,15 @@ def decode_check(device: str, hbm_tbps: float, models_dir: Path, batches: list[i
                   f"bound {row['bound_ms']:.3f} ms ({row['weight_gb']:.3f} GB weights + {row['kv_gb']:.3f} GB K/V); "
                   f"step at {100 * row['ratio']:.1f}% of the bound (execute {100 * row['execute_ratio']:.1f}%); "
                   f"whole run {row['run_tokens_per_s']:,.0f} tok/s incl. prefill", flush=True)
+        if idle_steps:
+            from gpu_targets import profile_idle
+
+            shares = profile_idle(engine, plan["batches"][0], plan["prompt_len"], plan["warmup_steps"], idle_steps,
+                                  seed=7)
+            result["idle"] = shares
+            print(f"decode: GPU idle over {shares['steps']} decode steps of {plan['batches'][0]} ({shares['source']}): "
+                  f"between steps {shares.get('between_steps_pct', float('nan')):.1f}%, all idle "
+                  f"{shares.get('idle_pct', float('nan')):.1f}%", flush=True)
         if profile_steps:
             profile_batch(engine, plan["batches"][0], plan["prompt_len"], plan["warmup_steps"], profile_steps, trace)
     finally:
@@ -313,7 +324,7 @@ def decode_check(device: str, hbm_tbps: float, models_dir: Path, batches: list[i
     if device != "cuda":
         result["status"] = "PASS"
         result["reason"] = ("ran on CPU (tiny shape, batches " + ", ".join(result["batches"]) +
-                            "); the >= 50% target applies on CUDA only")
+                            "); the >= 35% target applies on CUDA only")
     elif not judged:
         result["status"] = "PASS"
         result["reason"] = f"ran batches {', '.join(result['batches'])}; batch {TARGET_BATCH} not run, target not judged"
@@ -325,6 +336,9 @@ def decode_check(device: str, hbm_tbps: float, models_dir: Path, batches: list[i
         result["status"] = "PASS" if row["ratio"] >= TARGET_RATIO else "FAIL"
         result["reason"] = (figures + f" (target: batch {TARGET_BATCH} >= {100 * TARGET_RATIO:.0f}%"
                             + ("" if row["ratio"] >= TARGET_RATIO else ", not met") + ")")
+        if "between_steps_pct" in result.get("idle", {}):
+            result["reason"] += (f"; GPU idle between steps {result['idle']['between_steps_pct']:.1f}% "
+                                 f"(all idle {result['idle']['idle_pct']:.1f}%)")
     return result
 
 
