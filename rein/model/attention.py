@@ -57,6 +57,23 @@ class AttentionMetadata:
         return self.windowed
 
 
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    cache: LayerCache,
+    meta: AttentionMetadata,
+    window: int | None = None,
+) -> bool:
+    """Rotate q in place and store the rotated k and v in the cache, in one kernel where one
+    applies (CUDA); then call paged_attention with kv_stored=True. False, nothing done,
+    elsewhere: the caller rotates q and k itself and paged_attention stores them."""
+    meta = meta.for_cache(cache, window)
+    return kernels.rotary_store_kv(q, k, v, *rotary, cache.k, cache.v, meta.slot_mapping,
+                                   cache.k_scale, cache.v_scale)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -65,11 +82,14 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    kv_stored: bool = False,
 ) -> torch.Tensor:
     """Store this step's k/v [T, kvh, d] in the cache, then attend; q [T, heads, d] -> same shape.
-    window: the layer's sliding window in tokens (None: full causal attention)."""
+    window: the layer's sliding window in tokens (None: full causal attention). kv_stored: k and
+    v are in the cache already (rotary_store_kv wrote them); k and v are then not read."""
     meta = meta.for_cache(cache, window)
-    kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+    if not kv_stored:
+        kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
     num_decode = meta.num_decode_tokens
     if num_decode == 0:
         return _prefill(q, cache, meta, scale, window)
