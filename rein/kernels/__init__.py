@@ -32,7 +32,7 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=N
 
 
 def rotary_store_kv(query, key, value, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> bool:
-    """Rotate query in place and write the rotated key and the value into the cache in one
+    """Rotate query and key in place and write the rotated key and the value into the cache in one
     kernel (rein.kernels.triton_rotary_store; CUDA only). False, nothing touched, elsewhere:
     the caller rotates q and k and calls store_kv."""
     if not use_triton(query):

@@ -3,10 +3,11 @@ otherwise launched two (rotary in place on Q and K, then `store_kv`).
 
 One program per (token, head) over the query heads and then the KV heads:
   * a query head is rotated in place (attention reads q next);
-  * a KV head's key is rotated in registers and written, with its value, straight into the
-    paged cache at the token's slot (quantized to int8 with per token/head scales for an int8
-    cache, exactly as `triton_store`); the key tensor itself is left as it was -- attention
-    reads keys from the cache only. A slot of -1 (padding) writes nothing.
+  * a KV head's key is rotated in place and written, with its value, into the paged cache at
+    the token's slot (quantized to int8 with per token/head scales for an int8 cache, exactly
+    as `triton_store`); a slot of -1 (padding) writes nothing to the cache. The key is rotated
+    in place too because a prefill without a cached prefix may attend over the step's own k
+    and v (rein.model.attention) rather than the cache.
 The arithmetic is rein.model.architectures.rope.apply_rotary's (rotate-half layout, float32
 rotation, the result rounded to the activation dtype) followed by triton_store's write of that
 rounded key, so the cache holds the bytes the two separate kernels wrote.
@@ -65,14 +66,16 @@ def _rotary_store_kernel(
     else:
         kvh = head - num_heads
         slot = tl.load(SLOTS + tok).to(tl.int64)
+        k_base = K + tok * stride_kt + kvh * stride_kh
+        k1 = tl.load(k_base + offs, mask=mask, other=0.0)
+        k2 = tl.load(k_base + HALF + offs, mask=mask, other=0.0)
+        a, b = k1.to(tl.float32), k2.to(tl.float32)
+        # Rounded to the activation dtype first, as the unfused path stores the rotated tensor.
+        r1 = (a * c - b * s).to(k1.dtype)
+        r2 = (b * c + a * s).to(k1.dtype)
+        tl.store(k_base + offs, r1, mask=mask)
+        tl.store(k_base + HALF + offs, r2, mask=mask)
         if slot >= 0:
-            k_base = K + tok * stride_kt + kvh * stride_kh
-            k1 = tl.load(k_base + offs, mask=mask, other=0.0)
-            k2 = tl.load(k_base + HALF + offs, mask=mask, other=0.0)
-            a, b = k1.to(tl.float32), k2.to(tl.float32)
-            # Rounded to the activation dtype first, as the unfused path stores the rotated tensor.
-            r1 = (a * c - b * s).to(k1.dtype)
-            r2 = (b * c + a * s).to(k1.dtype)
             v_base = V + tok * stride_vt + kvh * stride_vh
             v1 = tl.load(v_base + offs, mask=mask, other=0.0)
             v2 = tl.load(v_base + HALF + offs, mask=mask, other=0.0)
@@ -100,8 +103,8 @@ def rotary_store_kv(
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
 ) -> bool:
-    """Rotate query [T, heads, d] in place and write the rotated key and the value [T, kv_heads, d]
-    into the paged cache at slot_mapping [T] (the contract of `store_kv`); key is not modified.
+    """Rotate query [T, heads, d] and key [T, kv_heads, d] in place and write the rotated key and
+    the value into the paged cache at slot_mapping [T] (the contract of `store_kv`).
     cos/sin: float32 [T, 1, d / 2] or [T, d / 2], contiguous (RotaryEmbedding's lookup).
     Returns False, touching nothing, where the layout does not fit (the caller then rotates and
     calls store_kv); raises ValueError on a malformed cache or index, as store_kv does."""

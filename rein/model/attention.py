@@ -66,7 +66,7 @@ def rotary_store_kv(
     meta: AttentionMetadata,
     window: int | None = None,
 ) -> bool:
-    """Rotate q in place and store the rotated k and v in the cache, in one kernel where one
+    """Rotate q and k in place and store the rotated k and v in the cache, in one kernel where one
     applies (CUDA); then call paged_attention with kv_stored=True. False, nothing done,
     elsewhere: the caller rotates q and k itself and paged_attention stores them."""
     meta = meta.for_cache(cache, window)
@@ -86,7 +86,7 @@ def paged_attention(
 ) -> torch.Tensor:
     """Store this step's k/v [T, kvh, d] in the cache, then attend; q [T, heads, d] -> same shape.
     window: the layer's sliding window in tokens (None: full causal attention). kv_stored: k and
-    v are in the cache already (rotary_store_kv wrote them); k and v are then not read."""
+    v are in the cache already (rotary_store_kv wrote them)."""
     meta = meta.for_cache(cache, window)
     if not kv_stored:
         kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)

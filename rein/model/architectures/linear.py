@@ -23,15 +23,22 @@ The embedding table stays dense (a lookup); a tied head gets a packed copy of it
 primitive for on this CPU (bfloat16 without AVX-512-BF16 or AMX: rein.kernels.cpu_paths
 probes each dtype once), a single row on a dense weight, autograd, REIN_CPU_FAST_PATHS=0 --
 keeps `F.linear`.
+
+On CUDA a matmul of at most 64 rows (a decode step) may instead run rein's split-K Triton
+kernel (rein.kernels.triton_small_gemm) when REIN_CUDA_SMALL_GEMM=triton; the default is
+cuBLAS until the device's measurements say otherwise.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from rein.core.settings import setting_or_default
+from rein.kernels import use_triton
 from rein.kernels.cpu_paths import onednn_dtypes
 from rein.kernels.quantized import CpuPanels, QuantizedWeight, quantized_linear
 
@@ -70,7 +77,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), weight, bias, "none", [], "")
             return out.view(*shape[:-1], weight.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if use_triton(x) and cuda_small_gemm() and not (torch.is_grad_enabled() and weight.requires_grad):
+        from rein.kernels.triton_small_gemm import small_m_linear
+
+        out = small_m_linear(x, weight, bias)   # None past 64 rows or for a layout it does not take
+        if out is not None:
+            return out
     return nn.functional.linear(x, weight, bias)
+
+
+@functools.cache
+def cuda_small_gemm() -> bool:
+    """REIN_CUDA_SMALL_GEMM=triton (rein.core.settings), read once per process
+    (`cuda_small_gemm.cache_clear()` re-reads)."""
+    return setting_or_default("cuda_small_gemm") == "triton"
 
 
 class Linear(nn.Linear):

@@ -83,7 +83,7 @@ class Attention(nn.Module):
             q = qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
             q, k = self.q_norm(q), self.k_norm(k)
-        # On CUDA one kernel rotates q and writes the rotated k and v into the cache.
+        # On CUDA one kernel rotates q and k in place and writes k and v into the cache.
         kv_stored = rotary_store_kv(q, k, v, rotary, cache, meta, self.window)
         if not kv_stored and self.q_norm is None:
             # Q's and K's heads sit side by side in the fused projection: one rotary call for
