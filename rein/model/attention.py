@@ -26,7 +26,7 @@ import torch
 from rein import kernels
 from rein.core.settings import setting_or_default
 
-try:   # torch >= 2.10 on CUDA; without it every prefill takes the Triton kernel
+try:   # recent torch only; without it every prefill takes the Triton kernel
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
     varlen_attn = None
