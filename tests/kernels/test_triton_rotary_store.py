@@ -61,7 +61,7 @@ def test_matches_rotary_then_store(dtype, cache_dtype):
     assert torch.equal(q, want_q)
     assert torch.equal(k, want_k)
     # the cache holds the bytes rotary-then-store wrote, padding slot untouched
-    for got, want in zip(caches + scales, want_caches + want_scales):
+    for got, want in zip(caches + scales, want_caches + want_scales, strict=True):
         if got is not None:
             torch.testing.assert_close(got, want, atol=0, rtol=0)
 

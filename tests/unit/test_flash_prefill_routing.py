@@ -18,7 +18,7 @@ def fake_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, e
     assert torch.equal(cu_q, cu_k) and enable_gqa and max_q >= int((cu_q[1:] - cu_q[:-1]).max())
     out = torch.zeros_like(q)
     left, right = window_size
-    for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist()):
+    for start, end in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True):
         n = end - start
         i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
         allowed = (j <= i + right) & ((j >= i - left) if left >= 0 else True)
