@@ -1,7 +1,7 @@
 """The CUDA kernels of issue 47's "fewer, fuller kernels", each against what it replaces, side by
 side in one run on one GPU.
 
-    python bench/fused_kernels.py [--rounds 5] [--sections gemm,rotary,decode,prefill] [--quick]
+    python bench/fused_kernels.py [--rounds 5] [--sections gemm,mlp_down,rotary,decode,prefill] [--quick]
 
 Sections (each row: both sides' microseconds per call, their ratio, the largest difference
 between their outputs):
@@ -12,6 +12,9 @@ between their outputs):
   (hidden 4096, intermediate 14336; 32/8/8 heads of 128); GB/s = weight bytes / time, and the
   share of --hbm-tbps. Each timed call reads a different copy of the weight, cycling through
   copies totalling >= 256 MB, so the weight comes from HBM as in a model, not from L2.
+* mlp_down: `triton_small_gemm.silu_and_mul_linear` (SiLU-and-multiply folded into the down
+  projection's loads, one kernel) against `triton_elementwise.silu_and_mul` then cuBLAS, the same
+  models and rows as gemm, the weight cycled the same way.
 * rotary: `triton_rotary_store.rotary_store_kv` (one kernel) against `triton_elementwise.rotary_`
   on the fused q/k heads then `triton_store.store_kv` (two), bf16 cache, the two models' heads,
   64 and 256 tokens.
@@ -128,6 +131,30 @@ def bench_gemm(args, rows_out: list) -> None:
                       f"{row['triton_bw_share']:>10.0%} {row['cublas_bw_share']:>10.0%} {row['max_diff']:>8.3g}")
 
 
+def bench_mlp_down(args, rows_out: list) -> None:
+    from rein.kernels.triton_small_gemm import silu_and_mul_linear
+
+    print("\n== MLP down projection: a = silu_and_mul_linear (one kernel), b = silu_and_mul then F.linear")
+    for model, (hidden, inter, *_) in MODELS.items():
+        nbytes = hidden * inter * 2
+        copies = max(1, min(64, -(-COLD_BYTES // nbytes)))
+        weights = [torch.randn(hidden, inter, dtype=BF16, device="cuda") * 0.02 for _ in range(copies)]
+        for m in args.rows:
+            gate_up = torch.randn(m, 2 * inter, dtype=BF16, device="cuda")
+            row = compare(f"mlp_down {model} M={m}", cycling(silu_and_mul_linear, gate_up, weights),
+                          cycling(silu_then_linear, gate_up, weights), args.reps, args.rounds)
+            row["max_diff"] = max_diff(silu_and_mul_linear(gate_up, weights[0]), silu_then_linear(gate_up, weights[0]))
+            rows_out.append(row)
+            print(f"{model:>11} M={m:>3}: fused {row['a_us']:.2f} us, two kernels {row['b_us']:.2f} us "
+                  f"(x{row['b_over_a']:.2f}); max diff {row['max_diff']:.3g}")
+
+
+def silu_then_linear(gate_up, weight):
+    from rein.kernels.triton_elementwise import silu_and_mul
+
+    return torch.nn.functional.linear(silu_and_mul(gate_up), weight)
+
+
 def cycling(fn, x, weights):
     """fn(x, w) for the next of `weights` at each call (in a captured graph: each captured call
     reads its own copy, so the weight comes from HBM)."""
@@ -234,7 +261,7 @@ def bench_prefill(args, rows_out: list) -> None:
               f"Triton {row['b_us']:.1f} us ({row['triton_tflops']:.0f} TFLOP/s); max diff {row['max_diff']:.3g}")
 
 
-SECTIONS = {"gemm": bench_gemm, "rotary": bench_rotary, "decode": bench_decode, "prefill": bench_prefill}
+SECTIONS = {"gemm": bench_gemm, "mlp_down": bench_mlp_down, "rotary": bench_rotary, "decode": bench_decode, "prefill": bench_prefill}
 
 
 def main() -> int:

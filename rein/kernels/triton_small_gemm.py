@@ -9,6 +9,9 @@ four GEMMs took 24 us a layer, against the ~6 us its 30 MB of bf16 weights take 
   * one program owns BLOCK_N output columns for all M rows (one [BLOCK_M, BLOCK_N] fp32
     accumulator, M padded to 16 for tl.dot) and a 1/split_k share of K; W tiles are read
     [BLOCK_N, BLOCK_K] with K contiguous, as the nn.Linear weight is stored;
+  * `silu_and_mul_linear` feeds the down projection straight from gate_up: SiLU(gate) * up is
+    computed as each x tile is loaded (rounded as rein.kernels.triton_elementwise rounds it), so
+    a decode step's MLP loses the separate SiLU-and-multiply kernel and its round trip;
   * split_k is chosen so that about TARGET_WAVES x SMs programs exist; with split_k > 1 each
     program writes an fp32 partial sum and `_reduce_kernel` adds the splits, the bias, and
     rounds to the activation dtype once (a second launch; no atomics, so results are
@@ -47,7 +50,7 @@ def _small_m_gemm_kernel(
     X, W, BIAS, OUT, PART,
     M, N, K, k_per_split,
     stride_xm, stride_wn, stride_om, stride_ps, stride_pm,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, SILU_AND_MUL: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
@@ -63,8 +66,14 @@ def _small_m_gemm_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_mask = ks < k_end
-        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                    other=0.0)
+        x_mask = row_mask[:, None] & k_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_xm + ks[None, :], mask=x_mask, other=0.0)
+        if SILU_AND_MUL:
+            # X is gate_up [M, 2K]: x = silu(gate) * up, each rounded to the activation dtype.
+            up = tl.load(X + rows[:, None] * stride_xm + K + ks[None, :], mask=x_mask, other=0.0)
+            gate = x.to(tl.float32)
+            silu = (gate / (1.0 + tl.exp(-gate))).to(x.dtype).to(tl.float32)
+            x = (silu * up.to(tl.float32)).to(x.dtype)
         w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
         acc += tl.dot(x, tl.trans(w), input_precision=DOT_PREC)
     mask = row_mask[:, None] & col_mask[None, :]
@@ -103,13 +112,28 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     """x [..., K] @ weight[N, K]^T (+ bias) as torch.nn.functional.linear, for at most MAX_ROWS
     rows; None where it does not apply (more rows, a dtype mismatch, a strided weight): the
     caller runs F.linear. Keywords: tiles and splits (split_k None: choose_split_k), for sweeps."""
-    k = x.shape[-1]
-    rows = x.numel() // k if k else 0
+    return _launch(x, x.shape[-1], weight, bias, False, block_n, block_k, split_k, num_warps, num_stages)
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, weight: torch.Tensor, *, block_n: int = 64, block_k: int = 128,
+                        split_k: int | None = None, num_warps: int = 4,
+                        num_stages: int = 4) -> torch.Tensor | None:
+    """(silu(gate) * up) @ weight[N, I]^T for gate_up [M, 2I] (gate first), at most MAX_ROWS rows,
+    as silu_and_mul followed by F.linear; None where small_m_linear would decline."""
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        return None
+    return _launch(gate_up, gate_up.shape[1] // 2, weight, None, True, block_n, block_k, split_k, num_warps,
+                   num_stages)
+
+
+def _launch(x: torch.Tensor, k: int, weight: torch.Tensor, bias: torch.Tensor | None, silu_and_mul: bool,
+            block_n: int, block_k: int, split_k: int | None, num_warps: int, num_stages: int) -> torch.Tensor | None:
+    rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (rows == 0 or rows > MAX_ROWS or weight.dim() != 2 or weight.shape[1] != k or x.dtype not in DTYPES
             or weight.dtype != x.dtype or not weight.is_contiguous() or x.device != weight.device
             or (bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()))):
         return None
-    x2 = x.reshape(rows, k)
+    x2 = x.reshape(rows, x.shape[-1])
     if x2.stride(1) != 1:
         x2 = x2.contiguous()
     n = weight.shape[0]
@@ -128,7 +152,7 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
         rows, n, k, k_per_split,
         x2.stride(0), weight.stride(0), out.stride(0), part.stride(0) if splits > 1 else 0,
         part.stride(1) if splits > 1 else 0,
-        HAS_BIAS=bias is not None, SPLIT=splits > 1, DOT_PREC=dot_prec,
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, SILU_AND_MUL=silu_and_mul, DOT_PREC=dot_prec,
         BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -14,7 +14,12 @@ import pytest  # noqa: E402
 
 pytest.importorskip("triton")
 
-from rein.kernels.triton_small_gemm import MAX_ROWS, choose_split_k, small_m_linear  # noqa: E402
+from rein.kernels.triton_small_gemm import (  # noqa: E402
+    MAX_ROWS,
+    choose_split_k,
+    silu_and_mul_linear,
+    small_m_linear,
+)
 
 DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda"
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
@@ -43,6 +48,17 @@ def test_matches_linear(dtype, rows, n, k, split_k, bias):
     b = rand(n, dtype=dtype, seed=2) if bias else None
     got = small_m_linear(x, w, b, block_n=32, block_k=32, split_k=split_k)
     torch.testing.assert_close(got, want(x, w, b), **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16_ON_GPU])
+@pytest.mark.parametrize("split_k", [1, 3])
+def test_silu_and_mul_folded_into_the_down_projection(dtype, split_k):
+    inter, n = 80, 24
+    gate_up, w = rand(6, 2 * inter, dtype=dtype), rand(n, inter, dtype=dtype, seed=1)
+    gate, up = gate_up.split(inter, dim=-1)
+    hidden = torch.nn.functional.silu(gate) * up   # the MLP's unfused path (two roundings)
+    got = silu_and_mul_linear(gate_up, w, block_n=16, block_k=16, split_k=split_k)
+    torch.testing.assert_close(got, want(hidden, w, None), **TOL[dtype])
 
 
 def test_keeps_leading_dimensions():

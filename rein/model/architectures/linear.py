@@ -25,8 +25,9 @@ probes each dtype once), a single row on a dense weight, autograd, REIN_CPU_FAST
 keeps `F.linear`.
 
 On CUDA a matmul of at most 64 rows (a decode step) may instead run rein's split-K Triton
-kernel (rein.kernels.triton_small_gemm) when REIN_CUDA_SMALL_GEMM=triton; the default is
-cuBLAS until the device's measurements say otherwise.
+kernel (rein.kernels.triton_small_gemm) when REIN_CUDA_SMALL_GEMM=triton, the MLP's down
+projection then taking gate_up with SiLU-and-multiply folded in (`silu_and_mul_linear`); the
+default is cuBLAS until the device's measurements say otherwise.
 """
 
 from __future__ import annotations
@@ -84,6 +85,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         if out is not None:
             return out
     return nn.functional.linear(x, weight, bias)
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, layer: Linear) -> torch.Tensor | None:
+    """layer(silu(gate) * up) in one kernel for a decode step's rows on CUDA when the small-row
+    Triton GEMM is selected and `layer` is a plain dense projection (no bias, quantized weight or
+    LoRA); None elsewhere: the caller runs silu_and_mul, then the layer."""
+    if not (use_triton(gate_up) and cuda_small_gemm() and layer.quantized is None and layer.lora is None
+            and layer.bias is None and not (torch.is_grad_enabled() and layer.weight.requires_grad)):
+        return None
+    from rein.kernels.triton_small_gemm import silu_and_mul_linear as fused
+
+    return fused(gate_up, layer.weight)
 
 
 @functools.cache

@@ -20,7 +20,13 @@ from torch import nn
 
 from rein.kernels import elementwise
 from rein.kernels.quantized import quantized_linear
-from rein.model.architectures.linear import PACK_ROWS_HINT, Linear, linear, pack_weights
+from rein.model.architectures.linear import (
+    PACK_ROWS_HINT,
+    Linear,
+    linear,
+    pack_weights,
+    silu_and_mul_linear,
+)
 from rein.model.architectures.rope import RotaryEmbedding, apply_rotary
 from rein.model.architectures.weights import TensorGetter, WeightLoader
 from rein.model.attention import AttentionMetadata, LayerCache, paged_attention, rotary_store_kv
@@ -113,11 +119,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        hidden = elementwise.silu_and_mul(gate_up)   # one pass: C on CPU (float32), Triton on CUDA
-        if hidden is None:
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            hidden = nn.functional.silu(gate) * up
-        return self.group.all_reduce_(self.down_proj(hidden))
+        out = silu_and_mul_linear(gate_up, self.down_proj)   # decode rows, REIN_CUDA_SMALL_GEMM=triton: one kernel
+        if out is None:
+            hidden = elementwise.silu_and_mul(gate_up)   # one pass: C on CPU (float32), Triton on CUDA
+            if hidden is None:
+                gate, up = gate_up.split(self.intermediate, dim=-1)
+                hidden = nn.functional.silu(gate) * up
+            out = self.down_proj(hidden)
+        return self.group.all_reduce_(out)
 
 
 class DecoderLayer(nn.Module):
