@@ -532,6 +532,14 @@ class Settings(BaseSettings):
     """On CPU, use the fast paths this CPU can run (probed once per process, named in the load
     log: oneDNN linears per dtype, rein's C kernels, malloc thresholds; rein.kernels.cpu_paths);
     false: torch's code alone, on any CPU."""
+    cuda_small_gemm: Literal["cublas", "triton"] = "cublas"
+    """On CUDA, the matmuls of at most 64 rows (decode steps) in fp16/bf16/fp32: `cublas`
+    (torch's F.linear) or `triton`, rein's split-K kernel (rein.kernels.triton_small_gemm),
+    for devices where it measures faster."""
+    cuda_prefill_attention: Literal["triton", "flash"] = "triton"
+    """On CUDA, the attention of a step whose prompts have no cached prefix: `triton`, rein's
+    paged prefill kernel, or `flash`, torch's flash varlen attention over the step's own K/V
+    (rein.model.attention); prompts with a cached prefix always take the Triton kernel."""
     cpu_mallopt: bool = True
     """On CPU, raise glibc malloc's mmap and trim thresholds at engine start so large step tensors
     reuse heap memory (rein.model.cpu_allocator); false: leave malloc alone."""

@@ -1,7 +1,7 @@
 """Attention over the paged KV cache: Triton kernels on CUDA, native C decode and prefill
 attention on the CPU where they build (rein.kernels.cpu_native), the torch reference otherwise.
 
-The engine calls only the three functions exported here; `use_triton` decides once per
+The engine calls only the functions defined here; `use_triton` decides once per
 call which implementation runs, by the device of the tensors.
 """
 
@@ -29,6 +29,18 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=N
 
         return triton_ops.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return reference.store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
+
+
+def rotary_store_kv(query, key, value, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> bool:
+    """Rotate query and key in place and write the rotated key and the value into the cache in one
+    kernel (rein.kernels.triton_rotary_store; CUDA only). False, nothing touched, elsewhere:
+    the caller rotates q and k and calls store_kv."""
+    if not use_triton(query):
+        return False
+    from rein.kernels import triton_rotary_store
+
+    return triton_rotary_store.rotary_store_kv(query, key, value, cos, sin, k_cache, v_cache, slot_mapping,
+                                               k_scale, v_scale)
 
 
 def check_window(window: int | None) -> None:

@@ -40,6 +40,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
     return kernels.silu_and_mul(gate_up) if kernels else None
 
 
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    """gelu(gate, approximate="tanh") * up in one pass on CUDA (Gemma 3's MLP); None elsewhere."""
+    kernels = _triton(gate_up)
+    return kernels.gelu_tanh_and_mul(gate_up) if kernels else None
+
+
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """Rotate x [tokens, heads, head_dim] in place; False (x untouched) where not applicable."""
     if x.device.type == "cpu":

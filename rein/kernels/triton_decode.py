@@ -17,8 +17,14 @@ A sliding window (`window` tokens) moves each request's partitions to start at i
 first token, so no block before the window is read (the engine may have freed it), and bounds
 the number of splits by the window instead of the block table.
 With more than one split each program writes its normalized partial output and its
-log-sum-exp (base 2) to fp32 scratch, and `_decode_reduce_kernel` merges the splits per
-(request, head). With one split the main kernel writes the output directly.
+log-sum-exp (base 2) to fp32 scratch, and the splits are merged per (request, head): by the
+last program of each (request, KV head) to finish, which a per-(request, KV head) atomic ticket
+names ("folded", one launch; the ticket is reset by that program, so a CUDA graph replays it),
+or by `_decode_reduce_kernel`, a second launch (fold_reduce=False, or more (request, KV head)
+pairs than the ticket buffer holds). At small batches the kernel is launch-bound (a batch of 1:
+~90 us a call on an H200 where SDPA took 9-20 us, docs/benchmarks.md), and every split step also
+paid the reduction's launch and the gap before it. With one split the main kernel writes the
+output directly.
 
 The launcher never synchronizes with the device: the grid is sized from
 block_tables.shape[1] (an upper bound on any context) and programs whose partition starts
@@ -45,7 +51,19 @@ LOG2E = 1.4426950408889634
 # one kernel (Triton specializes an int only on divisibility by 16: a compile or two at most).
 NO_WINDOW = 2**31 - 1
 
+# Tickets for the folded reduction: one int32 per (request, KV head), zero between launches.
+TICKET_SLOTS = 1 << 16
+
 _SM_COUNT: dict[int, int] = {}
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device) -> torch.Tensor:
+    """The device's ticket buffer, allocated (zeroed) once and kept: a captured CUDA graph holds
+    its address, and every launch leaves it zero again."""
+    if device not in _TICKETS:
+        _TICKETS[device] = torch.zeros(TICKET_SLOTS, dtype=torch.int32, device=device)
+    return _TICKETS[device]
 
 
 def _sm_count(device: torch.device) -> int:
@@ -76,8 +94,8 @@ def choose_partition(batch: int, num_kv_heads: int, max_tokens: int, block_n: in
 
 @triton.jit
 def _decode_kernel(
-    Q, K, V, KS, VS, BT, CL, OUT, MID_O, MID_LSE,
-    qk_scale, partition_size, window,
+    Q, K, V, KS, VS, BT, CL, OUT, MID_O, MID_LSE, TICKETS,
+    qk_scale, partition_size, window, num_kv_heads,
     stride_qb, stride_qh,
     stride_kb, stride_kt, stride_kh,
     stride_vb, stride_vt, stride_vh,
@@ -89,7 +107,7 @@ def _decode_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-    USE_SCALE: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    USE_SCALE: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -109,8 +127,9 @@ def _decode_kernel(
 
     if start >= ctx:
         # Partition past this request's context. Without splits this means an empty context:
-        # write zeros rather than leave garbage (the reduction handles the split case).
-        if not SPLIT:
+        # write zeros rather than leave garbage (so does split 0 of an empty context when the
+        # reduction is folded; the reduce kernel handles the unfolded case).
+        if (not SPLIT) or (FOLD and split == 0):
             zeros = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=OUT.dtype.element_ty)
             tl.store(out_ptrs, zeros, mask=out_mask)
         return
@@ -153,8 +172,43 @@ def _decode_kernel(
         tl.store(mid, o, mask=out_mask)
         lse = MID_LSE + b64 * stride_lb + heads * stride_lh + split
         tl.store(lse, m_i + tl.log2(l_i), mask=g_mask)
+        if FOLD:
+            # Every thread's partial stores are issued before the ticket is taken (the barrier),
+            # and the ticket's acq_rel makes them visible to whichever program merges.
+            tl.debug_barrier()
+            ticket_ptr = TICKETS + b * num_kv_heads + kvh
+            ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+            span = ctx - tl.maximum(ctx - window, 0)
+            n_valid = (span + partition_size - 1) // partition_size
+            if ticket == n_valid - 1:
+                tl.atomic_xchg(ticket_ptr, 0)   # the last one: zero for the next launch
+                _merge_splits(MID_O + b64 * stride_mb + heads[:, None] * stride_mh + d[None, :],
+                              MID_LSE + b64 * stride_lb + heads * stride_lh, n_valid, stride_ms,
+                              out_ptrs, out_mask, g_mask, GROUP_PAD, HEAD_DIM_PAD)
     else:
         tl.store(out_ptrs, o.to(OUT.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _merge_splits(mid_ptrs, lse_ptrs, n_valid, stride_ms, out_ptrs, out_mask, g_mask,
+                  GROUP_PAD: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
+    """One (request, KV head)'s GROUP query heads: merge the n_valid splits' partial outputs,
+    each weighted by exp2(lse - max lse), online over the splits. Loads bypass L1 (.cg): the
+    partials were written by other programs."""
+    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([GROUP_PAD], dtype=tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+    for s in range(0, n_valid):
+        # Padded heads read lse 0 (not -inf) so their weights stay finite; they are never stored.
+        lse = tl.load(lse_ptrs + s, mask=g_mask, other=0.0, cache_modifier=".cg")
+        o = tl.load(mid_ptrs + s * stride_ms, mask=out_mask, other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        denom = denom * alpha + w
+        m = m_new
+    tl.store(out_ptrs, (acc / denom[:, None]).to(out_ptrs.dtype.element_ty), mask=out_mask)
 
 
 @triton.jit
@@ -210,6 +264,7 @@ def paged_decode_attention(
     *,
     partition_size: int | None = None,
     max_context_len: int | None = None,
+    fold_reduce: bool = True,
 ) -> torch.Tensor:
     """Same contract as `reference.paged_decode_attention`; returns [B, num_heads, head_dim].
 
@@ -217,6 +272,8 @@ def paged_decode_attention(
       partition_size: tokens per split; forces split-K when smaller than the context (tests).
       max_context_len: a host-side bound on context_lens, tighter than the block table's
         capacity, used only to choose the number of splits.
+      fold_reduce: merge the splits in the main kernel (one launch) where the ticket buffer
+        holds batch x KV heads; False: the separate reduce kernel (for comparisons).
     Requests with context_len 0 get a zero output (the reference would give NaN).
     """
     device = query.device
@@ -259,6 +316,7 @@ def paged_decode_attention(
         block_n = max(16, min(block_n, triton.next_power_of_2(partition_size)))
     num_splits = triton.cdiv(max_tokens, partition_size)
     split = num_splits > 1
+    fold = split and fold_reduce and batch * num_kv_heads <= TICKET_SLOTS
 
     use_scale = k_scale is not None
     ks, vs = (k_scale, v_scale) if use_scale else (k_cache, v_cache)  # dummies when unused
@@ -276,7 +334,8 @@ def paged_decode_attention(
 
     _decode_kernel[(batch, num_kv_heads, num_splits)](
         query, k_cache, v_cache, ks, vs, block_tables, context_lens, out, mid_o, mid_lse,
-        qk_scale, partition_size, NO_WINDOW if window is None else window,
+        _tickets(device) if fold else out,
+        qk_scale, partition_size, NO_WINDOW if window is None else window, num_kv_heads,
         query.stride(0), query.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -288,10 +347,10 @@ def paged_decode_attention(
         GROUP=group, GROUP_PAD=group_pad,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=d_pad,
         BLOCK_SIZE=block_size, BLOCK_N=block_n,
-        USE_SCALE=use_scale, SPLIT=split, DOT_PREC=dot_prec,
+        USE_SCALE=use_scale, SPLIT=split, FOLD=fold, DOT_PREC=dot_prec,
         num_warps=4, num_stages=2,
     )
-    if split:
+    if split and not fold:
         _decode_reduce_kernel[(batch, num_heads)](
             mid_o, mid_lse, context_lens, out,
             partition_size, NO_WINDOW if window is None else window,

@@ -1,6 +1,6 @@
 """A layer's element-wise work on CUDA in one Triton kernel each: RMSNorm, the residual add
-fused with RMSNorm (residual updated in place), SiLU-and-multiply, and rotary in place on the
-fused Q/K projection.
+fused with RMSNorm (residual updated in place), SiLU-and-multiply (GeLU-tanh-and-multiply for
+Gemma 3), and rotary in place on the fused Q/K projection.
 
 torch runs each of these as several kernels with a full read and write of the activations in
 between (RMSNorm alone: square, mean, add, rsqrt, two multiplies, two casts); at decode sizes a
@@ -43,15 +43,23 @@ def _rms_norm_kernel(x_ptr, x_stride, res_ptr, res_stride, add_ptr, add_stride, 
 
 
 @triton.jit
-def _silu_and_mul_kernel(gu_ptr, gu_stride, out_ptr, out_stride, inter, BLOCK: tl.constexpr):
+def _act_and_mul_kernel(gu_ptr, gu_stride, out_ptr, out_stride, inter, GELU_TANH: tl.constexpr,
+                        BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     g = tl.load(gu_ptr + row * gu_stride + offs, mask=mask, other=0.0)
     u = tl.load(gu_ptr + row * gu_stride + inter + offs, mask=mask, other=0.0)
     gf = g.to(tl.float32)
-    silu = (gf / (1.0 + tl.exp(-gf))).to(g.dtype).to(tl.float32)
-    tl.store(out_ptr + row * out_stride + offs, (silu * u.to(tl.float32)).to(g.dtype), mask=mask)
+    if GELU_TANH:
+        # torch's gelu(approximate="tanh"); tanh(y) = 1 - 2 / (1 + exp(2y)) (libdevice's tanh is
+        # an extern call, which the interpreter the tests use cannot run).
+        y = 0.7978845608028654 * (gf + 0.044715 * gf * gf * gf)
+        act = 0.5 * gf * (2.0 - 2.0 / (1.0 + tl.exp(2.0 * y)))
+    else:
+        act = gf / (1.0 + tl.exp(-gf))
+    act = act.to(g.dtype).to(tl.float32)   # rounded before the product, as torch's two ops
+    tl.store(out_ptr + row * out_stride + offs, (act * u.to(tl.float32)).to(g.dtype), mask=mask)
 
 
 @triton.jit
@@ -104,13 +112,23 @@ def add_rms_norm(residual: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, 
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    return _act_and_mul(gate_up, gelu_tanh=False)
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
+    return _act_and_mul(gate_up, gelu_tanh=True)
+
+
+def _act_and_mul(gate_up: torch.Tensor, gelu_tanh: bool) -> torch.Tensor | None:
     if gate_up.dim() != 2 or gate_up.stride(1) != 1:
         return None
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    if rows == 0:
+        return out
     block = min(1024, triton.next_power_of_2(inter))
-    _silu_and_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, gate_up.stride(0), out, out.stride(0), inter,
-                                                            BLOCK=block)
+    _act_and_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, gate_up.stride(0), out, out.stride(0), inter,
+                                                           GELU_TANH=gelu_tanh, BLOCK=block)
     return out
 
 

@@ -4,6 +4,12 @@ A step's tokens are laid out decode requests first (one token each), then the ch
 requests being prefilled. Each group goes to its own kernel: decode attention batches
 all single-token queries; prefill attention handles variable-length chunks with a prefix.
 
+On CUDA, a step whose prompts all start at their first token (no cached prefix, no earlier
+chunk) can instead attend over its own K/V with torch's flash varlen attention, which the GPU
+check measured at about twice the Triton prefill kernel's TFLOP/s (docs/benchmarks.md): chosen
+by REIN_CUDA_PREFILL_ATTENTION=flash and the step's `prefill_without_prefix`; everything else
+takes the paged kernel.
+
 Sliding-window layers may keep their K/V in storage of their own (rein.engine.window_blocks),
 indexed by other block ids than the full-attention layers' caches: their LayerCache says
 so (`windowed`), and the step's metadata then carries their slots and block tables in
@@ -12,11 +18,18 @@ so (`windowed`), and the step's metadata then carries their slots and block tabl
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from rein import kernels
+from rein.core.settings import setting_or_default
+
+try:   # recent torch only; without it every prefill takes the Triton kernel
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
 
 
 @dataclass
@@ -43,6 +56,9 @@ class AttentionMetadata:
     prefill_block_tables: torch.Tensor | None
     prefill_cu_seqlens_q: torch.Tensor | None   # offsets relative to the first prefill row
     prefill_context_lens: torch.Tensor | None
+    # Host-side: every prefill chunk starts at its prompt's first token (nothing cached before
+    # it), so its attention needs only this step's own K/V.
+    prefill_without_prefix: bool = False
     # The same step for the windowed layers' own storage: its slots and block tables (blocks
     # before every query's window map to 0, which the kernels never read); None without one.
     windowed: AttentionMetadata | None = None
@@ -57,6 +73,23 @@ class AttentionMetadata:
         return self.windowed
 
 
+def rotary_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rotary: tuple[torch.Tensor, torch.Tensor],
+    cache: LayerCache,
+    meta: AttentionMetadata,
+    window: int | None = None,
+) -> bool:
+    """Rotate q and k in place and store the rotated k and v in the cache, in one kernel where one
+    applies (CUDA); then call paged_attention with kv_stored=True. False, nothing done,
+    elsewhere: the caller rotates q and k itself and paged_attention stores them."""
+    meta = meta.for_cache(cache, window)
+    return kernels.rotary_store_kv(q, k, v, *rotary, cache.k, cache.v, meta.slot_mapping,
+                                   cache.k_scale, cache.v_scale)
+
+
 def paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -65,14 +98,17 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    kv_stored: bool = False,
 ) -> torch.Tensor:
     """Store this step's k/v [T, kvh, d] in the cache, then attend; q [T, heads, d] -> same shape.
-    window: the layer's sliding window in tokens (None: full causal attention)."""
+    window: the layer's sliding window in tokens (None: full causal attention). kv_stored: k and
+    v are in the cache already (rotary_store_kv wrote them)."""
     meta = meta.for_cache(cache, window)
-    kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+    if not kv_stored:
+        kernels.store_kv(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
     num_decode = meta.num_decode_tokens
     if num_decode == 0:
-        return _prefill(q, cache, meta, scale, window)
+        return _prefill(q, k, v, cache, meta, scale, window)
     if num_decode == q.shape[0] and not meta.decode_groups:
         return kernels.paged_decode_attention(
             q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, scale,
@@ -85,13 +121,34 @@ def paged_attention(
             meta.decode_context_lens[start:end], scale, cache.k_scale, cache.v_scale, window,
         )
     if num_decode < q.shape[0]:
-        out[num_decode:] = _prefill(q[num_decode:], cache, meta, scale, window)
+        out[num_decode:] = _prefill(q[num_decode:], k[num_decode:], v[num_decode:], cache, meta, scale, window)
     return out
 
 
-def _prefill(q: torch.Tensor, cache: LayerCache, meta: AttentionMetadata, scale: float,
-             window: int | None) -> torch.Tensor:
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: LayerCache, meta: AttentionMetadata,
+             scale: float, window: int | None) -> torch.Tensor:
+    if flash_prefill(q, meta):
+        # Sequences are packed back to back and each query sees its own prompt only: the
+        # query offsets are the key offsets, the step's row count bounds every length.
+        rows = q.shape[0]
+        cu_seqlens = meta.prefill_cu_seqlens_q
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, rows, rows, scale=scale,
+                           window_size=(-1, 0) if window is None else (window - 1, 0), enable_gqa=True)
     return kernels.paged_prefill_attention(
         q, cache.k, cache.v, meta.prefill_block_tables, meta.prefill_cu_seqlens_q,
         meta.prefill_context_lens, scale, cache.k_scale, cache.v_scale, window,
     )
+
+
+def flash_prefill(q: torch.Tensor, meta: AttentionMetadata) -> bool:
+    """Whether this step's prefill runs torch's flash varlen attention over its own K/V: on CUDA
+    in fp16/bf16, selected (REIN_CUDA_PREFILL_ATTENTION=flash), no prompt with a cached prefix."""
+    return (meta.prefill_without_prefix and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
+            and varlen_attn is not None and cuda_prefill_flash())
+
+
+@functools.cache
+def cuda_prefill_flash() -> bool:
+    """REIN_CUDA_PREFILL_ATTENTION=flash (rein.core.settings), read once per process
+    (`cuda_prefill_flash.cache_clear()` re-reads)."""
+    return setting_or_default("cuda_prefill_attention") == "flash"

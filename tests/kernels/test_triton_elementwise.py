@@ -58,6 +58,14 @@ def test_silu_and_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", [F32, F16])
+def test_gelu_tanh_and_mul(dtype):
+    gate_up = rand(3, 2 * 40, dtype=dtype)
+    gate, up = gate_up.split(40, dim=-1)
+    want = torch.nn.functional.gelu(gate, approximate="tanh") * up   # Gemma 3's GeluMLP
+    torch.testing.assert_close(tew.gelu_tanh_and_mul(gate_up), want, **TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [F32, F16])
 def test_rotary_in_place_on_the_fused_projection(dtype):
     tokens, heads, kv_heads, head_dim = 3, 4, 2, 16
     qkv = rand(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)

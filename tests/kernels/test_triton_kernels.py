@@ -211,6 +211,28 @@ def test_choose_partition():
     assert 16 <= -(-32768 // p) <= 64
 
 
+@pytest.mark.parametrize("cache_dtype", [F32, I8])
+def test_decode_reduction_folded_or_launched_alike(cache_dtype):
+    """Splits merged by the last program of each (request, KV head) equal the reduce kernel's
+    merge, requests with fewer valid splits than others included, and the tickets are zero
+    again afterwards (a CUDA graph replays the launch with the same buffer)."""
+    from rein.kernels import triton_decode
+
+    kvh, group, d = 2, 3, 64
+    lengths = [70, 5, 33, 0]
+    kc, vc, ks, vs, tables = make_cache(lengths, kvh, d, cache_dtype, seed=11)
+    context_lens = torch.tensor(lengths, dtype=torch.int32, device=DEVICE)
+    query = torch.randn(len(lengths), kvh * group, d, generator=_gen(12)).to(DEVICE)
+    outs = [tops.paged_decode_attention(query, kc, vc, tables, context_lens, 0.125, ks, vs, partition_size=16,
+                                        fold_reduce=fold) for fold in (True, False)]
+    assert torch.equal(triton_decode._tickets(query.device), torch.zeros_like(triton_decode._tickets(query.device)))
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=0)
+    assert torch.equal(outs[0][3].cpu(), torch.zeros(kvh * group, d))
+    want = ref_fp32(reference.paged_decode_attention, query[:3], kc, vc, tables[:3], context_lens[:3], 0.125,
+                    k_scale=ks, v_scale=vs)
+    torch.testing.assert_close(outs[0][:3].float().cpu(), want, atol=ATOL[F32], rtol=0)
+
+
 @pytest.mark.parametrize("partition", [None, 16])
 def test_decode_empty_context_gives_zeros(partition):
     kc, vc, _, _, tables = make_cache([20, 0], 1, 64, F32, seed=7)

@@ -52,8 +52,12 @@ class GeluMLP(nn.Module):
         self.down_proj = Linear(self.intermediate, spec.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.group.all_reduce_(self.down_proj(nn.functional.gelu(gate, approximate="tanh").mul_(up)))
+        gate_up = self.gate_up_proj(x)
+        hidden = elementwise.gelu_tanh_and_mul(gate_up)   # one pass on CUDA (Triton)
+        if hidden is None:
+            gate, up = gate_up.split(self.intermediate, dim=-1)
+            hidden = nn.functional.gelu(gate, approximate="tanh").mul_(up)
+        return self.group.all_reduce_(self.down_proj(hidden))
 
 
 class Gemma3DecoderLayer(nn.Module):

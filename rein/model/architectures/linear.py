@@ -23,15 +23,23 @@ The embedding table stays dense (a lookup); a tied head gets a packed copy of it
 primitive for on this CPU (bfloat16 without AVX-512-BF16 or AMX: rein.kernels.cpu_paths
 probes each dtype once), a single row on a dense weight, autograd, REIN_CPU_FAST_PATHS=0 --
 keeps `F.linear`.
+
+On CUDA a matmul of at most 64 rows (a decode step) may instead run rein's split-K Triton
+kernel (rein.kernels.triton_small_gemm) when REIN_CUDA_SMALL_GEMM=triton, the MLP's down
+projection then taking gate_up with SiLU-and-multiply folded in (`silu_and_mul_linear`); the
+default is cuBLAS until the device's measurements say otherwise.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from rein.core.settings import setting_or_default
+from rein.kernels import use_triton
 from rein.kernels.cpu_paths import onednn_dtypes
 from rein.kernels.quantized import CpuPanels, QuantizedWeight, quantized_linear
 
@@ -70,7 +78,32 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
             out = torch.ops.mkldnn._linear_pointwise(x.reshape(-1, shape[-1]), weight, bias, "none", [], "")
             return out.view(*shape[:-1], weight.shape[0])
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    if use_triton(x) and cuda_small_gemm() and not (torch.is_grad_enabled() and weight.requires_grad):
+        from rein.kernels.triton_small_gemm import small_m_linear
+
+        out = small_m_linear(x, weight, bias)   # None past 64 rows or for a layout it does not take
+        if out is not None:
+            return out
     return nn.functional.linear(x, weight, bias)
+
+
+def silu_and_mul_linear(gate_up: torch.Tensor, layer: Linear) -> torch.Tensor | None:
+    """layer(silu(gate) * up) in one kernel for a decode step's rows on CUDA when the small-row
+    Triton GEMM is selected and `layer` is a plain dense projection (no bias, quantized weight or
+    LoRA); None elsewhere: the caller runs silu_and_mul, then the layer."""
+    if not (use_triton(gate_up) and cuda_small_gemm() and layer.quantized is None and layer.lora is None
+            and layer.bias is None and not (torch.is_grad_enabled() and layer.weight.requires_grad)):
+        return None
+    from rein.kernels.triton_small_gemm import silu_and_mul_linear as fused
+
+    return fused(gate_up, layer.weight)
+
+
+@functools.cache
+def cuda_small_gemm() -> bool:
+    """REIN_CUDA_SMALL_GEMM=triton (rein.core.settings), read once per process
+    (`cuda_small_gemm.cache_clear()` re-reads)."""
+    return setting_or_default("cuda_small_gemm") == "triton"
 
 
 class Linear(nn.Linear):

@@ -20,10 +20,16 @@ from torch import nn
 
 from rein.kernels import elementwise
 from rein.kernels.quantized import quantized_linear
-from rein.model.architectures.linear import PACK_ROWS_HINT, Linear, linear, pack_weights
+from rein.model.architectures.linear import (
+    PACK_ROWS_HINT,
+    Linear,
+    linear,
+    pack_weights,
+    silu_and_mul_linear,
+)
 from rein.model.architectures.rope import RotaryEmbedding, apply_rotary
 from rein.model.architectures.weights import TensorGetter, WeightLoader
-from rein.model.attention import AttentionMetadata, LayerCache, paged_attention
+from rein.model.attention import AttentionMetadata, LayerCache, paged_attention, rotary_store_kv
 from rein.model.parallel.group import SINGLE_RANK, ParallelGroup
 from rein.model.parallel.layers import (
     VocabParallelEmbedding,
@@ -77,18 +83,23 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is None:
-            # Q's and K's heads sit side by side in the fused projection: one rotary call for
-            # both (half the element-wise calls of a layer's attention; same arithmetic).
             qk = qkv[:, :self.q_size + self.kv_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-            if not elementwise.rotary_(qk, *rotary):   # rotated in place: C on CPU (float32), Triton on CUDA
-                qk = apply_rotary(qk, *rotary)
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         else:
             q = qkv[:, :self.q_size].view(tokens, self.num_heads, self.head_dim)
             k = qkv[:, self.q_size:self.q_size + self.kv_size].view(tokens, self.num_kv_heads, self.head_dim)
             q, k = self.q_norm(q), self.k_norm(k)
+        # On CUDA one kernel rotates q and k in place and writes k and v into the cache.
+        kv_stored = rotary_store_kv(q, k, v, rotary, cache, meta, self.window)
+        if not kv_stored and self.q_norm is None:
+            # Q's and K's heads sit side by side in the fused projection: one rotary call for
+            # both (half the element-wise calls of a layer's attention; same arithmetic).
+            if not elementwise.rotary_(qk, *rotary):   # rotated in place: C on CPU (float32)
+                qk = apply_rotary(qk, *rotary)
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        elif not kv_stored:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        out = paged_attention(q, k, v, cache, meta, self.scale, window=self.window)
+        out = paged_attention(q, k, v, cache, meta, self.scale, window=self.window, kv_stored=kv_stored)
         return self.group.all_reduce_(self.o_proj(out.reshape(tokens, self.q_size)))
 
 
@@ -108,11 +119,14 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        hidden = elementwise.silu_and_mul(gate_up)   # one pass: C on CPU (float32), Triton on CUDA
-        if hidden is None:
-            gate, up = gate_up.split(self.intermediate, dim=-1)
-            hidden = nn.functional.silu(gate) * up
-        return self.group.all_reduce_(self.down_proj(hidden))
+        out = silu_and_mul_linear(gate_up, self.down_proj)   # decode rows, REIN_CUDA_SMALL_GEMM=triton: one kernel
+        if out is None:
+            hidden = elementwise.silu_and_mul(gate_up)   # one pass: C on CPU (float32), Triton on CUDA
+            if hidden is None:
+                gate, up = gate_up.split(self.intermediate, dim=-1)
+                hidden = nn.functional.silu(gate) * up
+            out = self.down_proj(hidden)
+        return self.group.all_reduce_(out)
 
 
 class DecoderLayer(nn.Module):

@@ -48,7 +48,7 @@ from rein.model.architectures.llama import (
 from rein.model.architectures.moe import SparseMoeBlock
 from rein.model.architectures.rope import apply_rotary
 from rein.model.architectures.weights import Shard, TensorGetter, WeightLoader, dropped
-from rein.model.attention import AttentionMetadata, LayerCache, paged_attention
+from rein.model.attention import AttentionMetadata, LayerCache, paged_attention, rotary_store_kv
 from rein.model.parallel.group import SINGLE_RANK, ParallelGroup
 from rein.model.parallel.layers import kv_replicas
 from rein.model.spec import ModelSpec
@@ -76,8 +76,10 @@ class OlmoeAttention(Attention):
         k = self.norm_whole(qkv[:, self.q_size:self.q_size + self.kv_size], self.k_norm, self.kv_replicas)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
-        out = paged_attention(q, k, v, cache, meta, self.scale, window=self.window)
+        kv_stored = rotary_store_kv(q, k, v, rotary, cache, meta, self.window)   # one kernel on CUDA
+        if not kv_stored:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        out = paged_attention(q, k, v, cache, meta, self.scale, window=self.window, kv_stored=kv_stored)
         return self.group.all_reduce_(self.o_proj(out.reshape(tokens, self.q_size)))
 
     def norm_whole(self, part: torch.Tensor, norm: RMSNorm, replicas: int = 1) -> torch.Tensor:
