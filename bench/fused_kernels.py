@@ -19,7 +19,7 @@ between their outputs):
   on the fused q/k heads then `triton_store.store_kv` (two), bf16 cache, the two models' heads,
   64 and 256 tokens.
 * decode: `triton_decode.paged_decode_attention` with the split merge folded into the main kernel
-  (fold_reduce=True, the default) against the separate reduce kernel (fold_reduce=False); batch
+  (fold_reduce=True; the default is False until this has run on a device) against the separate reduce kernel (fold_reduce=False); batch
   1, 8, 64, context 1024, a block table as wide as 32k tokens (the CUDA graphs' shape).
 * prefill: torch's flash varlen attention over the step's own K/V (REIN_CUDA_PREFILL_ATTENTION=
   flash) against `triton_prefill.paged_prefill_attention` over the paged cache, 4 prompts of

@@ -20,7 +20,8 @@ With more than one split each program writes its normalized partial output and i
 log-sum-exp (base 2) to fp32 scratch, and the splits are merged per (request, head): by the
 last program of each (request, KV head) to finish, which a per-(request, KV head) atomic ticket
 names ("folded", one launch; the ticket is reset by that program, so a CUDA graph replays it),
-or by `_decode_reduce_kernel`, a second launch (fold_reduce=False, or more (request, KV head)
+or by `_decode_reduce_kernel`, a second launch (fold_reduce=False, the default until a GPU
+has run the folded merge; or more (request, KV head)
 pairs than the ticket buffer holds). At small batches the kernel is launch-bound (a batch of 1:
 ~90 us a call on an H200 where SDPA took 9-20 us, docs/benchmarks.md), and every split step also
 paid the reduction's launch and the gap before it. With one split the main kernel writes the
@@ -264,7 +265,7 @@ def paged_decode_attention(
     *,
     partition_size: int | None = None,
     max_context_len: int | None = None,
-    fold_reduce: bool = True,
+    fold_reduce: bool = False,
 ) -> torch.Tensor:
     """Same contract as `reference.paged_decode_attention`; returns [B, num_heads, head_dim].
 
@@ -273,7 +274,9 @@ def paged_decode_attention(
       max_context_len: a host-side bound on context_lens, tighter than the block table's
         capacity, used only to choose the number of splits.
       fold_reduce: merge the splits in the main kernel (one launch) where the ticket buffer
-        holds batch x KV heads; False: the separate reduce kernel (for comparisons).
+        holds batch x KV heads; False (the default until the GPU check has run the folded
+        merge on a device: its memory ordering cannot be checked under the interpreter): the
+        separate reduce kernel.
     Requests with context_len 0 get a zero output (the reference would give NaN).
     """
     device = query.device
