@@ -119,6 +119,8 @@ PATH_TESTS = {
     "LoRA kernels (and under CUDA graphs)": "tests/kernels/test_triton_lora.py",
     "paged attention / store / prefill kernels": "tests/kernels/test_triton_kernels.py",
     "fused element-wise kernels": "tests/kernels/test_triton_elementwise.py",
+    "rotary fused with the K/V store": "tests/kernels/test_triton_rotary_store.py",
+    "small-row split-K GEMM (and SiLU-and-mul folded into it)": "tests/kernels/test_triton_small_gemm.py",
     "windowed storage under CUDA graphs": "tests/unit/test_windowed_kv_engine.py",
     "CUDA graph replay": "tests/unit/test_cuda_graphs.py",
 }
@@ -796,7 +798,23 @@ def compare_elementwise(ctx: dict) -> dict:
 # one-line "summary" (and its figures). Add a new kernel's comparison here; one that switches
 # a kernel on and off in the decode step is `decode_step_ms(ctx, {"on": ..., "off": ...})`
 # with a context manager for each, as compare_elementwise.
-KERNEL_COMPARISONS = {"elementwise_fused_vs_torch": compare_elementwise}
+def compare_fused_kernels(ctx: dict) -> dict:
+    """bench/fused_kernels.py --quick: the small-row GEMM against cuBLAS, SiLU-and-mul folded
+    into the down projection, rotary fused with the K/V store, the folded decode split merge
+    against its reduce kernel, flash prefill against rein's Triton kernel (its JSON line)."""
+    if ctx["device"] != "cuda":
+        return {"summary": "no CUDA device: bench/fused_kernels.py measures nothing here"}
+    command = [sys.executable, str(BENCH / "fused_kernels.py"), "--quick"]
+    timeout = max(10, min(150, time_left(ctx) - 10))
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    print(proc.stdout, end="", flush=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench/fused_kernels.py exited {proc.returncode}: {proc.stderr.strip()[-300:]}")
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    return {**figures, "summary": f"bench/fused_kernels.py: {len(figures.get('rows', []))} rows (see the log)"}
+
+
+KERNEL_COMPARISONS = {"elementwise_fused_vs_torch": compare_elementwise, "fused_kernels": compare_fused_kernels}
 
 
 def part_attention_kernels(ctx: dict) -> dict:
