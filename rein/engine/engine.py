@@ -93,7 +93,8 @@ class EngineStats:
 
     @property
     def overhead_share(self) -> float:
-        """Share of step time spent outside the model forward (scheduling, sampling, text)."""
+        """Share of step time spent outside the model forward (scheduling, sampling, text). Under
+        async scheduling a step's time runs from its launch to its outputs, overlapping the next."""
         return 1.0 - self.forward_seconds / self.step_seconds if self.step_seconds else 0.0
 
 

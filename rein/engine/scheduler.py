@@ -44,6 +44,8 @@ After a step, `update` applies everything the step did to the requests (as vLLM 
 `update_from_output`): computed tokens, the prefix cache's new blocks and the windows' moves,
 the forks of n > 1 requests, each sampled token and the stops it causes (finished requests
 leave and free their blocks), finished embedding requests. The engine then only makes outputs.
+Under async scheduling (rein.engine.async_scheduling) `schedule_ahead` plans a step of plain
+decodes before the update of the step in flight, only where `schedule` would plan the same after it.
 
 No starvation — an aging rule, not a reserved share: the rank counts a priority level as
 `priority_aging_steps` engine steps of waiting. A request with priority 6 ranks as if it had
@@ -368,7 +370,8 @@ class Scheduler:
         when one ends), a request not in `plan` or still in its prompt, the step budget or the
         free blocks short of the decodes (`schedule` would preempt), windowed layers with storage
         of their own (their windows move after each step), or an interactive step budget with
-        both interactive and batch requests running (`schedule` would pause batch decodes)."""
+        both interactive and batch requests running (`schedule` would pause batch decodes); and
+        when `plan`'s tokens end every request by length (nothing to plan)."""
         running = self.running
         if self._num_waiting or len(running) > self.max_num_batched_tokens or self.windows is not None:
             return None
