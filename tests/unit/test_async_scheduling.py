@@ -224,3 +224,23 @@ def test_engine_core_stop_aborts_what_is_in_flight(model_dir):
     assert not engine.has_unfinished()
     assert engine.pool.num_free == engine.pool.num_blocks
     engine.close()
+
+
+def test_interactive_and_batch_priorities_under_the_step_budget(model_dir):
+    """With both interactive and batch requests running, the step budget pauses batch decodes:
+    not planned ahead then, and the outputs still agree; once the interactive ones are done
+    the batch ones are planned ahead."""
+    from rein.core.priorities import PRIORITY_BATCH
+
+    def add(engine):
+        rng = random.Random(11)
+        for i in range(8):
+            engine.add_request(f"b{i}", prompt_of(rng, 12), SamplingParams(max_tokens=40, temperature=1.0, seed=i,
+                                                                          ignore_eos=True),
+                               priority=PRIORITY_BATCH)
+        for i in range(2):
+            engine.add_request(f"i{i}", prompt_of(rng, 6), SamplingParams(max_tokens=10, temperature=0,
+                                                                         ignore_eos=True))
+
+    _, _, _, async_engine = both(model_dir, add, interactive_step_budget=4)
+    assert async_engine.stats.planned_ahead > 0
