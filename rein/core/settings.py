@@ -468,6 +468,8 @@ class Settings(BaseSettings):
     """On CUDA, launch decode steps kernel by kernel instead of replaying CUDA graphs (for debugging)."""
     enable_prefix_caching: bool = True
     """Reuse the KV blocks of leading tokens other requests computed (automatic prefix caching)."""
+    async_scheduling: bool = False
+    """Plan the next step and finish the last while the model runs this one (the same outputs)."""
     seed: int = 0
     """Seeds the random seeds of requests that give none."""
     generation_config: str = "auto"
@@ -658,7 +660,7 @@ PER_MODEL_FIELDS = ("tokenizer", "revision", "tokenizer_revision", "chat_templat
 # generate` and `rein.LLM` read them under their flags and keywords).
 ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "interactive_step_budget", "max_model_len",
                  "kv_cache_memory", "gpu_memory_utilization", "device", "dtype", "kv_cache_dtype", "block_size",
-                 "enforce_eager", "enable_prefix_caching", "seed", "generation_config", "model_impl", "tokenizer",
+                 "enforce_eager", "enable_prefix_caching", "async_scheduling", "seed", "generation_config", "model_impl", "tokenizer",
                  "revision", "tokenizer_revision", "chat_template", "trust_remote_code", "tensor_parallel_size",
                  "quantization", "reasoning_parser", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank",
                  "tool_call_parser", "max_num_encoder_tokens", "encoder_cache_tokens", "max_image_pixels")

@@ -72,6 +72,12 @@ class EngineConfig:
     vLLM's, memory other processes hold counts against it); on CPU a fixed 1 GiB.
     enforce_eager: on CUDA, run decode-only steps kernel by kernel instead of replaying the
     CUDA graphs captured at start (rein.engine.cuda_graphs); CPU engines always run eagerly.
+    async_scheduling (vLLM's name): overlap the host's work with the forward pass: the next step
+    is planned while the model runs this one, and the forward and sampling run on a worker thread
+    while the engine's thread detokenizes, checks stops and makes the outputs of the step before
+    (rein.engine.async_scheduling). Outputs are the same as without it; steps that need a token on
+    the host before the next can be planned (structured outputs, n > 1 forks, LoRA, images,
+    tensor parallelism, requests waiting) run as before. Off by default until measured on CUDA.
     enable_prefix_caching: a request whose leading tokens (whole KV blocks) another request
     already computed reuses those blocks instead of computing them (rein.engine.block_pool).
     generation_config: where the sampling defaults of requests come from (auto: the model's
@@ -125,6 +131,7 @@ class EngineConfig:
     max_model_len: int | str | None = None
     seed: int = 0
     enforce_eager: bool = False
+    async_scheduling: bool = False
     enable_prefix_caching: bool = True
     generation_config: str = "auto"
     model_impl: str = "auto"

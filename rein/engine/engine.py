@@ -21,6 +21,11 @@ loads it (from the runner's host cache, rein.engine.lora_slots) and the request 
 weights; a bad adapter, or an adapter on an engine without enable_lora, is that request's error
 (EngineRequestError, param "lora_request"), never the engine's. The scheduler keeps a step's
 adapters within max_loras; the runner puts them in the model's slots.
+
+Async scheduling (EngineConfig.async_scheduling): `step` hands over to
+rein.engine.async_scheduling.AsyncScheduling, which runs the same stages in another order (the
+forward and sampling of one step on a worker thread while this thread finishes the step before
+and plans the next) with the helpers below, so both orders make the same outputs.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 import torch
 
 from rein.core.images import ImageInput
+from rein.engine.async_scheduling import AsyncScheduling
 from rein.engine.block_pool import BlockPool
 from rein.engine.config import EngineConfig
 from rein.engine.detokenizer import IncrementalDetokenizer
@@ -83,10 +89,12 @@ class EngineStats:
     prefix_cache_hits: int = 0         # of those, tokens found in the prefix cache
     encoder_seconds: float = 0.0       # vision models: time in the vision encoder (inside forward_seconds)
     encoded_images: int = 0            # images the encoder ran on (the encoder cache's misses)
+    planned_ahead: int = 0             # async scheduling: steps planned while the step before ran
 
     @property
     def overhead_share(self) -> float:
-        """Share of step time spent outside the model forward (scheduling, sampling, text)."""
+        """Share of step time spent outside the model forward (scheduling, sampling, text). Under
+        async scheduling a step's time runs from its launch to its outputs, overlapping the next."""
         return 1.0 - self.forward_seconds / self.step_seconds if self.step_seconds else 0.0
 
 
@@ -154,6 +162,15 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self._aborted: list[RequestOutput] = []
         self._num_unforked = 0   # n > 1 requests not forked yet (the step checks for forks)
+        # Async scheduling's pipeline (None: every step synchronous). Not under tensor parallelism:
+        # the other ranks follow rank 0's plans in lockstep, which this pipeline has not been
+        # checked against.
+        self._pipeline: AsyncScheduling | None = None
+        if config.async_scheduling:
+            if self.ranks is not None:
+                log.info("async scheduling is off under tensor parallelism: every step runs synchronously")
+            else:
+                self._pipeline = AsyncScheduling(self)
 
     def _check_tensor_parallel(self, config: EngineConfig) -> EngineConfig:
         """Refuse, before any rank starts, a model tensor parallelism cannot shard (ValueError
@@ -168,7 +185,9 @@ class LLMEngine:
         return dataclasses.replace(config, enforce_eager=True)
 
     def close(self) -> None:
-        """Stop a tensor-parallel engine's other ranks (a single-rank engine holds nothing to stop)."""
+        """Stop a tensor-parallel engine's other ranks and async scheduling's worker thread."""
+        if self._pipeline is not None:
+            self._pipeline.close()
         if self.ranks is not None:
             self.ranks.close()
 
@@ -320,6 +339,10 @@ class LLMEngine:
         return True
 
     def has_unfinished(self) -> bool:
+        return self._has_work() or (self._pipeline is not None and self._pipeline.busy)
+
+    def _has_work(self) -> bool:
+        """Whether a step has anything to do besides finishing the one in flight (async scheduling)."""
         return self.scheduler.has_unfinished() or bool(self._aborted) or self.grammars.has_held
 
     @property
@@ -343,20 +366,37 @@ class LLMEngine:
     # -- the step --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self._pipeline is not None:
+            return self._pipeline.step()
         started = time.perf_counter()
         outputs = self._between_steps()
+        plan = self._schedule()
+        if not plan.is_empty:
+            outputs.extend(self._run_step(plan, started))
+        return outputs
+
+    def _schedule(self) -> SchedulerOutput:
         plan = self.scheduler.schedule()
         self.stats.preemptions += len(plan.preempted)
         self.stats.prefix_cache_queries += plan.prefix_cache_queries
         self.stats.prefix_cache_hits += plan.prefix_cache_hits
-        if plan.is_empty:
-            return outputs
+        return plan
+
+    def _run_step(self, plan: SchedulerOutput, started: float) -> list[RequestOutput]:
+        """The step of `plan`, synchronously: forward, sampling, update, outputs."""
         forward_start = time.perf_counter()
         result = self.runner.execute(plan.scheduled)
         forward_seconds = time.perf_counter() - forward_start
         output, sampled, deltas = self._sample(result)
-        update = self.scheduler.update(plan, output)
-        outputs.extend(self._token_outputs(output, sampled, deltas, update))
+        return self._finish_step(plan, result, output, sampled, deltas, started, forward_seconds)
+
+    def _finish_step(self, plan: SchedulerOutput, result: StepResult, output: ModelOutput,
+                     sampled: SamplerOutput | None, deltas: list[str], started: float, forward_seconds: float,
+                     appended: bool = False) -> list[RequestOutput]:
+        """The scheduler's update of a sampled step and its outputs (`appended`: the sampled
+        tokens are in the requests' outputs already, async scheduling's `Scheduler.update`)."""
+        update = self.scheduler.update(plan, output, appended)
+        outputs = self._token_outputs(output, sampled, deltas, update)
         outputs.extend(self._pooled_outputs(result))
         self._record(plan, update, len(output.sampled), time.perf_counter() - started, forward_seconds)
         return outputs
@@ -386,19 +426,28 @@ class LLMEngine:
         logits, sampling = result.logits, result.sampling
         if self._num_unforked:
             logits, sampling = self._fork(logits, sampling, output.forks)
-        batch = SamplingBatch(
+        self.grammars.apply_masks(logits, sampling)
+        sampled = self.sampler(logits, self._sampling_batch(sampling))
+        output.sampled, output.token_ids = sampling, sampled.token_ids
+        return output, sampled, self._read_tokens(output)
+
+    @staticmethod
+    def _sampling_batch(sampling: list[Request]) -> SamplingBatch:
+        return SamplingBatch(
             params=[r.sampling_params for r in sampling],
             generators=[r.generator for r in sampling],
             prompt_token_ids=[r.prompt_token_ids for r in sampling],
             output_token_ids=[r.output_token_ids for r in sampling],
             eos_token_ids=[r.eos_token_ids for r in sampling],
         )
-        self.grammars.apply_masks(logits, sampling)
-        sampled = self.sampler(logits, batch)
-        output.sampled, output.token_ids = sampling, sampled.token_ids
+
+    @staticmethod
+    def _read_tokens(output: ModelOutput) -> list[str]:
+        """Run each sampled token through its choice's detokenizer (stop strings) and grammar,
+        noting in `output` the rows they end; returns each row's text delta."""
         deltas = []
         append = deltas.append
-        for row, (request, token) in enumerate(zip(sampling, sampled.token_ids, strict=True)):
+        for row, (request, token) in enumerate(zip(output.sampled, output.token_ids, strict=True)):
             detokenizer = request.detokenizer
             # The end-of-sequence token that ends a request is not part of its text, as in vLLM
             # (it would show where special tokens are kept: skip_special_tokens false).
@@ -407,7 +456,7 @@ class LLMEngine:
                 output.stop_strings[row] = detokenizer.stop_string
             if request.grammar is not None and request.grammar.accept(token):
                 output.complete.add(row)
-        return output, sampled, deltas
+        return deltas
 
     def _token_outputs(self, output: ModelOutput, sampled: SamplerOutput | None, deltas: list[str],
                        update: StepUpdate) -> list[RequestOutput]:

@@ -14,7 +14,9 @@ The loop: apply the pending commands (waiting for one when there is nothing to s
 while any request is unfinished, hand each step's outputs on; when `drain` says stop, abort
 what is left and step until it has ended, so every request gets its final output. Under
 tensor parallelism this loop runs on rank 0 alone (the scheduler runs once); the other ranks
-follow its model runner's step plans (rein.engine.rank_processes).
+follow its model runner's step plans (rein.engine.rank_processes). With async scheduling a step
+returns the outputs of the step before the one it leaves running (rein.engine.async_scheduling);
+the engine has work while one is in flight, so the loop steps on until every output is out.
 """
 
 from __future__ import annotations

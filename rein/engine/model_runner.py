@@ -130,6 +130,17 @@ class StepResult:
     pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
 
 
+@dataclass
+class PreparedStep:
+    """A step between `ModelRunner.prepare` and `ModelRunner.run`: the plan, what rank 0 reads
+    the results by (the sampling requests, prompt-logprob chunks, embedding rows), and whether
+    block copies were queued (made by `run`, before the forward)."""
+
+    plan: StepPlan
+    local: tuple[list, list, list]
+    has_copies: bool
+
+
 def decide_max_model_len(spec: ModelSpec, requested: int | str | None) -> int:
     """The context the engine is built for: the requested one, or the model's own for None or
     "auto" (which the KV cache may shorten: ModelRunner)."""
@@ -291,18 +302,31 @@ class ModelRunner:
                 caches.append(LayerCache(k, v, windowed=windowed))
         return caches
 
-    @torch.inference_mode()
     def execute(self, scheduled: list[ScheduledRequest]) -> StepResult:
         """Make the block copies the forks queued, run one step's forward pass (on every rank,
-        under tensor parallelism) and return what rank 0 samples from."""
+        under tensor parallelism) and return what rank 0 samples from: `run(prepare(...))`."""
+        return self.run(self.prepare(scheduled))
+
+    def prepare(self, scheduled: list[ScheduledRequest]) -> PreparedStep:
+        """The host half of a step: its plan, with the adapters put in slots and the block copies
+        the forks queued. Reads the requests, so async scheduling (rein.engine.async_scheduling)
+        calls it on the engine's thread while no forward runs; `run` may then go on another."""
         slot_of, activations = self._adapter_slots(scheduled) if self.lora is not None else (None, [])
         plan, local = self._plan(scheduled, slot_of)
         plan.lora_activations = activations
         copies = self.kv_cache.take_copies() if self.kv_cache is not None else None
-        # No forward ran since they were queued, so their sources hold what the fork saw; a
-        # block freed and handed out again meanwhile is written by this forward only, after.
         if copies is not None:
             plan.copies, plan.windowed_copies = copies
+        return PreparedStep(plan, local, copies is not None)
+
+    @torch.inference_mode()
+    def run(self, prepared: PreparedStep) -> StepResult:
+        """The device half of a step: the block copies, the forward (every rank's, under tensor
+        parallelism) and the logits; touches no request, only the plan and the device."""
+        plan = prepared.plan
+        # No forward ran since they were queued, so their sources hold what the fork saw; a
+        # block freed and handed out again meanwhile is written by this forward only, after.
+        if prepared.has_copies:
             self._copy(plan.copies, plan.windowed_copies)
         if self.ranks is not None:
             try:
@@ -315,7 +339,7 @@ class ModelRunner:
             embeds = self._image_embeddings(plan) if plan.image_rows else None
             hidden = self._forward(plan, embeds)
             logits, prompt = self._logits(hidden, plan)
-        sampling, scoring, pooling = local
+        sampling, scoring, pooling = prepared.local
         pooled = gather(hidden, pooling) if pooling else []
         entries = self._prompt_entries(prompt, scoring) if prompt is not None else None
         if logits is None:

@@ -122,6 +122,10 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "(--no-enable-prefix-caching: compute every prompt in full)", boolean=True),
     EngineOption("enforce_eager", "on CUDA, launch decode steps kernel by kernel instead of replaying CUDA graphs",
                  boolean=True),
+    EngineOption("async_scheduling", "plan the next step and make the outputs of the last while the model runs "
+                 "this one (forward and sampling on a worker thread); the same outputs, steps that need a token "
+                 "first (structured outputs, n > 1 forks, LoRA, images, tensor parallelism) run as without it",
+                 boolean=True),
     EngineOption("model_impl", "rein: rein's native model code only; transformers: the model's own transformers "
                  "code with rein's paged attention (any causal LM transformers builds); auto: native code where "
                  "rein has it, else transformers", choices=MODEL_IMPLS),

@@ -44,6 +44,8 @@ After a step, `update` applies everything the step did to the requests (as vLLM 
 `update_from_output`): computed tokens, the prefix cache's new blocks and the windows' moves,
 the forks of n > 1 requests, each sampled token and the stops it causes (finished requests
 leave and free their blocks), finished embedding requests. The engine then only makes outputs.
+Under async scheduling (rein.engine.async_scheduling) `schedule_ahead` plans a step of plain
+decodes before the update of the step in flight, only where `schedule` would plan the same after it.
 
 No starvation — an aging rule, not a reserved share: the rank counts a priority level as
 `priority_aging_steps` engine steps of waiting. A request with priority 6 ranks as if it had
@@ -354,6 +356,65 @@ class Scheduler:
         self.kv_cache.cover((s.request, s.end) for s in scheduled)
         return out
 
+    def schedule_ahead(self, plan: SchedulerOutput) -> SchedulerOutput | None:
+        """Async scheduling (rein.engine.async_scheduling): the next step's plan while `plan`'s
+        forward is still running, before its tokens are known, or None when that plan could
+        differ from the one `schedule` would make after `update`, so the caller waits instead.
+
+        Planned ahead only where the next step is plain: every running request samples in
+        `plan`, nothing waits, and each gets one decode token at the position `plan` ends it on
+        (the token `plan` samples, which the caller appends before the step runs). Requests that
+        `plan`'s token ends by length are left out (their end is known now); those that end by a
+        stop or end-of-sequence token are in it, and the caller drops their rows. Refused (None)
+        where the plan would differ from `schedule`'s: a request waiting (it could be admitted
+        when one ends), a request not in `plan` or still in its prompt, the step budget or the
+        free blocks short of the decodes (`schedule` would preempt), windowed layers with storage
+        of their own (their windows move after each step), or an interactive step budget with
+        both interactive and batch requests running (`schedule` would pause batch decodes); and
+        when `plan`'s tokens end every request by length (nothing to plan)."""
+        running = self.running
+        if self._num_waiting or len(running) > self.max_num_batched_tokens or self.windows is not None:
+            return None
+        ends: dict[int, int] = {}
+        for s in plan.scheduled:
+            if not s.samples:
+                return None
+            if not s.request.status.finished:
+                ends[id(s.request)] = s.end
+        if len(ends) != len(running):
+            return None
+        if self.interactive_step_budget is not None:
+            interactive = sum(r.priority < PRIORITY_BATCH for r in running)
+            if 0 < interactive < len(running):
+                return None
+        kv, max_len = self.kv_cache, self.max_model_len
+        block_size = kv.block_size
+        decodes: list[tuple[Request, int]] = []
+        new_blocks = 0
+        for request in running:
+            end = ends.get(id(request))
+            if end is None:
+                return None
+            params = request.sampling_params
+            num_output = len(request.output_token_ids) + 1   # with the token `plan` samples
+            if num_output >= params.max_tokens or (max_len is not None and end + 1 >= max_len):
+                continue   # that token ends it (length): `schedule` would not have it
+            decodes.append((request, end))
+            new_blocks += end >= len(request.block_ids) * block_size
+        if not decodes or new_blocks > kv.num_free:
+            return None
+        self.num_steps += 1
+        self._batch_budget()   # its clock (the last step with interactive requests), as `schedule`'s
+        out = SchedulerOutput()
+        scheduled = out.scheduled
+        for request, end in decodes:
+            if end >= len(request.block_ids) * block_size:
+                kv.allocate(request, 1)
+            ahead = ScheduledRequest(request, end, 1)
+            ahead.samples = True   # its input token is the one `plan` samples
+            scheduled.append(ahead)
+        return out
+
     def _fit_images(self, request: Request, start: int, num_new: int) -> int:
         """How many of `num_new` tokens from `start` the request computes this step given its
         images: a chunk stops before an image whose embeddings are neither cached nor affordable
@@ -492,12 +553,14 @@ class Scheduler:
 
     # -- after the step ----------------------------------------------------------------------------
 
-    def update(self, plan: SchedulerOutput, output: ModelOutput) -> StepUpdate:
+    def update(self, plan: SchedulerOutput, output: ModelOutput, appended: bool = False) -> StepUpdate:
         """Apply what the step of `plan` computed (`output`) to its requests, in this order:
         computed tokens (and with them the prefix cache's new blocks and the windows' moves),
         prompt logprobs, the forks of n > 1 requests, then each sampled token: appended, and
         the stop it causes, if any, ends its choice (its blocks go back at once; the request
-        ends with its last choice). Embedding requests whose prompt is done end last."""
+        ends with its last choice). Embedding requests whose prompt is done end last.
+        `appended`: the sampled tokens are in the requests' outputs already (async scheduling
+        appends them before the next step runs, rein.engine.async_scheduling)."""
         kv = self.kv_cache
         for s in plan.scheduled:
             request = s.request
@@ -518,7 +581,8 @@ class Scheduler:
         now = time.monotonic()
         ended, stop_strings, complete, max_len = update.ended, output.stop_strings, output.complete, self.max_model_len
         for row, (request, token) in enumerate(zip(output.sampled, output.token_ids, strict=True)):
-            request.output_token_ids.append(token)
+            if not appended:
+                request.output_token_ids.append(token)
             if request.first_token_time is None:
                 request.first_token_time = now
             status = request.check_stop(token, stop_strings.get(row) if stop_strings else None, max_len)

@@ -109,7 +109,7 @@ class LLM:
     (None: the model's; "auto": the most the KV cache holds, which None also is on the CPU when
     the model's own does not fit), `dtype` and `kv_cache_dtype` ("auto", "float32", "float16",
     "bfloat16"; the KV cache also "int8"), `gpu_memory_utilization`, `enforce_eager`,
-    `enable_prefix_caching`, `block_size`, `seed` (for requests that give none),
+    `enable_prefix_caching`, `async_scheduling`, `block_size`, `seed` (for requests that give none),
     `generation_config` ("auto": the model's generation_config.json gives the sampling
     defaults, "vllm": built-in ones, or a folder), `model_impl` ("auto", "rein", "transformers":
     rein.engine.config), `tokenizer` (a tokenizer directory or hub id instead of the model's),
@@ -149,6 +149,7 @@ class LLM:
         gpu_memory_utilization: float = 0.9,
         enforce_eager: bool = False,
         enable_prefix_caching: bool = True,
+        async_scheduling: bool = False,
         block_size: int = 16,
         seed: int = 0,
         device: str = "auto",
