@@ -60,6 +60,9 @@ static inline vec load_vec(const float *p) {
 
 static inline void store_vec(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
+/* Rows fetched this many tokens ahead while packing. */
+#define PACK_PREFETCH 8
+
 /* K rows 0..len-1 of kv head `g` -> kt [ceil(len / NR)][head_dim][NR], zero past len; V rows ->
  * vt [len][head_dim]; both float32. */
 static void pack_keys_values(const char *k_cache, const char *v_cache, int type, const int32_t *table,
@@ -70,6 +73,15 @@ static void pack_keys_values(const char *k_cache, const char *v_cache, int type,
     float k[MAX_HEAD_DIM];
     for (int64_t t = 0; t < len; t++) {
         const int64_t at = (((int64_t)table[t / block_size] * block_size + t % block_size) * row + g * head_dim) * esize;
+        if (t + PACK_PREFETCH < len) {   /* the cache blocks are scattered: fetch ahead across them */
+            const int64_t ta = t + PACK_PREFETCH;
+            const int64_t ahead = (((int64_t)table[ta / block_size] * block_size + ta % block_size) * row
+                                   + g * head_dim) * esize;
+            for (int64_t c = 0; c < head_dim * esize; c += 64) {
+                __builtin_prefetch(k_cache + ahead + c, 0, 3);
+                __builtin_prefetch(v_cache + ahead + c, 0, 3);
+            }
+        }
         kv_to_f32(k_cache + at, type, k, head_dim);
         kv_to_f32(v_cache + at, type, vt + t * head_dim, head_dim);
         float *dst = kt + (t / NR) * head_dim * NR + t % NR;
@@ -205,6 +217,9 @@ static void query_block(const float *query, float *out, int64_t q0, int64_t t0, 
     for (int64_t r = 0; r < rows; r++) {
         float *dst = out + (q0 + t0 + r) * qrow + h * head_dim;
         float l = 0.0f;
+        /* in vectors: a sequential sum of KB lanes, each add waiting for the last, took 4% of a
+         * step of 256-token prompts */
+        #pragma omp simd reduction(+:l)
         for (int64_t j = 0; j < KB; j++) l += lsum[r * KB + j];
         const float inv = 1.0f / l;
         #pragma omp simd
