@@ -135,6 +135,47 @@ static inline void add_values(const float *p, int64_t n, const float *vt, const 
     }
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* exp(x) on 16 lanes for x <= 0: fast_exp.h's reduction and polynomial, the 2^n applied by
+ * vscalefps, which also takes exp's underflow to 0 (no clamping): 11 instructions where the
+ * vectorized fast_expf takes 16, and the exponentials were a tenth of a long prompt's time. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* A row of KB scores all visible, its maximum x (>= every score): s = exp(s - x), and the lane
+ * sums l = l * a + s. */
+static inline void exp_row(float *sr, float *lr, float x, float a) {
+#if defined(__AVX512F__)
+    const __m512 vx = _mm512_set1_ps(x), va = _mm512_set1_ps(a);
+    for (int j = 0; j < KB; j += 16) {
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vx));
+        _mm512_storeu_ps(sr + j, e);
+        _mm512_storeu_ps(lr + j, _mm512_fmadd_ps(_mm512_loadu_ps(lr + j), va, e));
+    }
+#else
+    #pragma omp simd
+    for (int64_t j = 0; j < KB; j++) {
+        sr[j] = fast_expf(sr[j] - x);
+        lr[j] = lr[j] * a + sr[j];
+    }
+#endif
+}
+
 /* Online softmax of one tile of scores s[MR][KB] (keys key0 .. key0 + n; row r sees keys from
  * lo[r] up to pos[r]): the running maxima m move up, alpha[r] = exp(old max - new max) (the
  * factor add_values scales the outputs by), the per-lane running sums lsum are rescaled by it,
@@ -167,11 +208,7 @@ static inline void softmax_tile(float *s, int64_t key0, int64_t n, const int64_t
         float *sr = s + r * KB, *lr = lsum + r * KB;
         const float x = mx[r], a = alpha[r];
         if (visible[r] == KB && first[r] <= 0) {
-            #pragma omp simd
-            for (int64_t j = 0; j < KB; j++) {
-                sr[j] = fast_expf(sr[j] - x);
-                lr[j] = lr[j] * a + sr[j];
-            }
+            exp_row(sr, lr, x, a);
         } else {
             const int64_t v = visible[r], f = first[r];
             #pragma omp simd
