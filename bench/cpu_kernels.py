@@ -147,7 +147,7 @@ def bench_prefill(repeat: int, gen: torch.Generator) -> list[dict]:
             return lambda: cpu_native.paged_prefill_attention(query, cache_k, cache_v, tables, cu, lens, 0.125)
 
         ms = interleaved_best_ms({
-            "torch": lambda: reference.paged_prefill_attention(query, k, v, tables, cu, lens, 0.125),
+            "torch": lambda case=(query, k, v, tables, cu, lens): reference.paged_prefill_attention(*case, 0.125),
             "native": native(k, v),
             **{str(dtype): native(k.to(dtype), v.to(dtype)) for dtype in KV_DTYPES}}, repeat)
         torch_ms, native_ms = ms["torch"], ms["native"]

@@ -22,8 +22,9 @@ the library's SHA-256, recorded beside it at build time, is checked before every
 library changed since it was built is built again rather than loaded. -march=native makes the build this CPU's: AVX-512
 or AVX2+FMA code where it has them, plain loops (vectorized by the compiler as far as the CPU
 allows) elsewhere, so every x86-64 CPU runs them. Where there is no compiler, the build fails,
-the tensors are not float32 (a float16 or bfloat16 KV cache is, for attention), or REIN_CPU_KERNELS=0 or REIN_CPU_FAST_PATHS=0, callers get None
-and use torch.
+the tensors are not float32 (the attention kernels also read a float16 or bfloat16 KV cache,
+csrc/kv_types.h), or REIN_CPU_KERNELS=0 or REIN_CPU_FAST_PATHS=0, callers get None and use
+torch.
 """
 
 from __future__ import annotations

@@ -61,8 +61,9 @@ static inline void kv_to_f32(const void *src, int type, float *dst, int64_t n) {
 #if defined(__AVX512F__)
     for (; i + 16 <= n; i += 16) {
         const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
-        _mm512_storeu_ps(dst + i, type == KV_F16 ? _mm512_cvtph_ps(h)
-                                                 : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        const __m512 f = type == KV_F16 ? _mm512_cvtph_ps(h)
+                                        : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+        _mm512_storeu_ps(dst + i, f);
     }
 #elif defined(__AVX2__) && defined(__F16C__)
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, kv_load8(src, i, type));

@@ -72,7 +72,8 @@ static void pack_keys_values(const char *k_cache, const char *v_cache, int type,
     memset(kt + (panels - 1) * head_dim * NR, 0, sizeof(float) * head_dim * NR);
     float k[MAX_HEAD_DIM];
     for (int64_t t = 0; t < len; t++) {
-        const int64_t at = (((int64_t)table[t / block_size] * block_size + t % block_size) * row + g * head_dim) * esize;
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const int64_t at = (slot * row + g * head_dim) * esize;
         if (t + PACK_PREFETCH < len) {   /* the cache blocks are scattered: fetch ahead across them */
             const int64_t ta = t + PACK_PREFETCH;
             const int64_t ahead = (((int64_t)table[ta / block_size] * block_size + ta % block_size) * row
