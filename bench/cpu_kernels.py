@@ -6,15 +6,19 @@ SmolLM2-135M's shapes (9 query heads, 3 KV heads, head_dim 64, hidden 576, inter
 1536, 30 layers), float32, random data, glibc malloc set up as the engine sets it
 (rein.model.cpu_allocator). Each figure is the best of --repeat timings of
 CPU time (time.process_time: what the thread itself spent, so neighbours on a shared
-machine disturb it less than wall time), and each pair is taken back to back:
+machine disturb it less than wall time); the variants of one figure are timed in interleaved
+rounds (`interleaved_best_ms`), the others back to back:
 
 * decode attention, per layer: `rein.kernels.cpu_native.paged_decode_attention` (reads K/V
   in place from the cache blocks) against `rein.kernels.reference.paged_decode_attention`
-  (gathers K/V into a padded copy, then torch SDPA), batch x context, each request's blocks
+  (gathers K/V into a padded copy, then torch SDPA), and the C kernel on the same cache in
+  float16 and bfloat16 (`--kv-cache-dtype`), batch x context, each request's blocks
   scattered, context lengths varied +-25%; the timing cycles through several layers' caches
   (256 MiB or 30 layers) so that, as in a real step, K and V come from memory, not the L3;
-* prefill attention, one layer of a 2048-token step (8 prompts of 256 or 2 of 1024):
-  `cpu_native.paged_prefill_attention` against the reference (torch's flash kernel);
+* prefill attention, one layer of a 2048-token step (8 prompts of 256 or 2 of 1024) and of
+  one 4096-token prompt: `cpu_native.paged_prefill_attention` (float32, float16 and bfloat16
+  caches) against the reference (torch's flash kernel), with the C kernel's rate in GFLOP/s
+  (4 x head_dim flops per query head and visible key: the causal half);
 * a layer's element-wise work at 32 rows (a decode step) and 2048 rows (a prefill step):
   RMSNorm, rotary on the fused Q/K projection, residual add + RMSNorm, SiLU-and-multiply and
   the last residual add, as rein.model.architectures.llama runs them with and without the kernels;
@@ -58,6 +62,24 @@ def best_ms(fn, repeat: int, inner: int = 1, args: tuple = ()) -> float:
     return best * 1e3
 
 
+def interleaved_best_ms(fns: dict, repeat: int) -> dict[str, float]:
+    """Each of `fns`' best CPU time in ms, timed in `repeat` rounds that run each once in turn
+    (a neighbour's load then falls on all of them alike)."""
+    best = {}
+    for name, fn in fns.items():
+        fn()
+        best[name] = float("inf")
+    for _ in range(repeat):
+        for name, fn in fns.items():
+            start = time.process_time()
+            fn()
+            best[name] = min(best[name], time.process_time() - start)
+    return {name: t * 1e3 for name, t in best.items()}
+
+
+KV_DTYPES = (torch.float16, torch.bfloat16)
+
+
 def paged_cache(lengths: list[int], gen: torch.Generator):
     """K and V caches holding `lengths` tokens per request, each request's blocks scattered."""
     per = [(int(n) + BLOCK - 1) // BLOCK for n in lengths]
@@ -87,36 +109,55 @@ def bench_decode(repeat: int, gen: torch.Generator) -> list[dict]:
             layers = [(torch.randn(batch, HEADS, HEAD_DIM, generator=gen), *paged_cache(lengths, gen))
                       for _ in range(min(LAYERS, max(2, -(-STREAMED_BYTES // layer_bytes))))]
 
+            half = {dtype: [(q, k.to(dtype), v.to(dtype), tables, lens) for q, k, v, tables, lens in layers]
+                    for dtype in KV_DTYPES}
+
             def run(attention, layers=layers):
                 for q, k, v, tables, lens in layers:
                     attention(q, k, v, tables, lens, 0.125)
 
-            torch_ms = best_ms(run, repeat, 1, (reference.paged_decode_attention,)) / len(layers)
-            native_ms = best_ms(run, repeat, 1, (cpu_native.paged_decode_attention,)) / len(layers)
+            ms = interleaved_best_ms({
+                "torch": lambda: run(reference.paged_decode_attention),
+                "native": lambda: run(cpu_native.paged_decode_attention),
+                **{str(dtype): lambda cache=half[dtype]: run(cpu_native.paged_decode_attention, cache)
+                   for dtype in KV_DTYPES}}, repeat)
+            torch_ms, native_ms = ms["torch"] / len(layers), ms["native"] / len(layers)
+            f16_ms, bf16_ms = (ms[str(dtype)] / len(layers) for dtype in KV_DTYPES)
             row = {"batch": batch, "context": ctx, "torch_ms": torch_ms, "native_ms": native_ms,
-                   "speedup": torch_ms / native_ms}
+                   "speedup": torch_ms / native_ms, "native_f16_ms": f16_ms, "native_bf16_ms": bf16_ms}
             print(f"decode attention  batch {batch:3d} context ~{ctx:5d}: torch {torch_ms:7.3f} ms   "
-                  f"native {native_ms:7.3f} ms   {row['speedup']:5.2f}x  (a layer, {len(layers)} layers' caches)",
-                  flush=True)
+                  f"native {native_ms:7.3f} ms   {row['speedup']:5.2f}x   f16 cache {f16_ms:7.3f} ms   "
+                  f"bf16 cache {bf16_ms:7.3f} ms  (a layer, {len(layers)} layers' caches)", flush=True)
             rows.append(row)
     return rows
 
 
 def bench_prefill(repeat: int, gen: torch.Generator) -> list[dict]:
-    """One layer's attention over a 2048-token prefill step: whole prompts of 256 or 1024 tokens."""
+    """One layer's attention over a 2048-token prefill step (whole prompts of 256 or 1024 tokens)
+    and over one 4096-token prompt."""
     rows = []
-    for prompt in (256, 1024):
-        lengths = [prompt] * (2048 // prompt)
+    for prompt, count in ((256, 8), (1024, 2), (4096, 1)):
+        lengths = [prompt] * count
         k, v, tables, lens = paged_cache(lengths, gen)
         query = torch.randn(sum(lengths), HEADS, HEAD_DIM, generator=gen)
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-        case = (query, k, v, tables, cu, lens, 0.125)
-        torch_ms = best_ms(reference.paged_prefill_attention, repeat, 1, case)
-        native_ms = best_ms(cpu_native.paged_prefill_attention, repeat, 1, case)
-        row = {"prompt": prompt, "prompts": len(lengths), "torch_ms": torch_ms, "native_ms": native_ms,
-               "speedup": torch_ms / native_ms}
-        print(f"prefill attention {len(lengths):2d} prompts of {prompt:4d}: torch {torch_ms:7.3f} ms   "
-              f"native {native_ms:7.3f} ms   {row['speedup']:5.2f}x  (a layer)", flush=True)
+        gflop = 4 * HEAD_DIM * HEADS * count * prompt * (prompt + 1) / 2 / 1e9
+
+        def native(cache_k, cache_v, query=query, tables=tables, cu=cu, lens=lens):
+            return lambda: cpu_native.paged_prefill_attention(query, cache_k, cache_v, tables, cu, lens, 0.125)
+
+        ms = interleaved_best_ms({
+            "torch": lambda case=(query, k, v, tables, cu, lens): reference.paged_prefill_attention(*case, 0.125),
+            "native": native(k, v),
+            **{str(dtype): native(k.to(dtype), v.to(dtype)) for dtype in KV_DTYPES}}, repeat)
+        torch_ms, native_ms = ms["torch"], ms["native"]
+        f16_ms, bf16_ms = (ms[str(dtype)] for dtype in KV_DTYPES)
+        row = {"prompt": prompt, "prompts": count, "torch_ms": torch_ms, "native_ms": native_ms,
+               "speedup": torch_ms / native_ms, "native_gflops": gflop / native_ms * 1e3,
+               "native_f16_ms": f16_ms, "native_bf16_ms": bf16_ms}
+        print(f"prefill attention {count:2d} prompts of {prompt:4d}: torch {torch_ms:8.3f} ms   "
+              f"native {native_ms:8.3f} ms ({row['native_gflops']:5.1f} GFLOP/s)   {row['speedup']:5.2f}x   "
+              f"f16 cache {f16_ms:8.3f} ms   bf16 cache {bf16_ms:8.3f} ms  (a layer)", flush=True)
         rows.append(row)
     return rows
 

@@ -193,9 +193,10 @@ class ModelRunner:
                     f"lower max_model_len, or set it to auto (--max-model-len auto: the most that fits)")
             self._fit_context()
         self.caches = self._allocate_cache()
-        # Float32 decode attention on the CPU runs rein's C kernel when it builds (rein.kernels.cpu_native).
+        # Float32 decode attention on the CPU runs rein's C kernel when it builds (rein.kernels.cpu_native),
+        # over a float32, float16 or bfloat16 cache.
         self._native_decode = (self.device.type == "cpu" and self.dtype == torch.float32
-                               and self.cache_dtype == torch.float32 and cpu_native.library() is not None)
+                               and self.cache_dtype in cpu_native.KV_TYPES and cpu_native.library() is not None)
         log.info("%s", self.capacity.describe())
         # A vision model's encoder outputs by image (rein.engine.encoder_cache, set by the engine)
         # and the time spent encoding (for the engine's stats).

@@ -22,8 +22,9 @@ the library's SHA-256, recorded beside it at build time, is checked before every
 library changed since it was built is built again rather than loaded. -march=native makes the build this CPU's: AVX-512
 or AVX2+FMA code where it has them, plain loops (vectorized by the compiler as far as the CPU
 allows) elsewhere, so every x86-64 CPU runs them. Where there is no compiler, the build fails,
-the tensors are not float32, or REIN_CPU_KERNELS=0 or REIN_CPU_FAST_PATHS=0, callers get None
-and use torch.
+the tensors are not float32 (the attention kernels also read a float16 or bfloat16 KV cache,
+csrc/kv_types.h), or REIN_CPU_KERNELS=0 or REIN_CPU_FAST_PATHS=0, callers get None and use
+torch.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "prefill_attention_cpu.c", CSRC / "elementwise_cpu.c",
            CSRC / "quantized_matmul_cpu.c", CSRC / "lora_cpu.c", CSRC / "instruction_set.c")
-HEADERS = (CSRC / "fast_exp.h",)
+HEADERS = (CSRC / "fast_exp.h", CSRC / "kv_types.h")
 # The target CPU: this one. The sources pick AVX-512, AVX2+FMA or plain loops by what it has
 # (instruction_set.c); the tests also build for the x86-64 baseline to run the plain loops.
 MARCH = "native"
@@ -93,8 +94,9 @@ def why_unavailable() -> str:
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
                            window: int | None = None) -> torch.Tensor | None:
-    """Same contract as rein.kernels.reference.paged_decode_attention, float32 cache only;
-    None when this kernel does not apply (the caller falls back to the reference)."""
+    """Same contract as rein.kernels.reference.paged_decode_attention for a float32 query and a
+    float32, float16 or bfloat16 cache (computed in float32); None when this kernel does not
+    apply (the caller falls back to the reference)."""
     lib = library() if _attention_applies(query, k_cache, v_cache) else None
     if lib is None:
         return None
@@ -108,7 +110,8 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
     out = torch.empty_like(query)
     scratch = torch.empty(threads * num_heads * max_len, dtype=torch.float32)
     rc = lib.paged_decode_attention_f32(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[k_cache.dtype],
+        tables.data_ptr(), tables.stride(0),
         lens.data_ptr(), out.data_ptr(), scratch.data_ptr(), max_len,
         batch, num_heads, num_kv_heads, head_dim, block_size, scale, _c_window(window), threads,
     )
@@ -117,8 +120,9 @@ def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, 
 
 def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens,
                             scale, window: int | None = None) -> torch.Tensor | None:
-    """Same contract as rein.kernels.reference.paged_prefill_attention, float32 cache only;
-    None when this kernel does not apply (the caller falls back to the reference)."""
+    """Same contract as rein.kernels.reference.paged_prefill_attention for a float32 query and a
+    float32, float16 or bfloat16 cache (computed in float32); None when this kernel does not
+    apply (the caller falls back to the reference)."""
     lib = library() if _attention_applies(query, k_cache, v_cache) else None
     if lib is None:
         return None
@@ -129,13 +133,15 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     starts = cu_seqlens_q.to(torch.int64).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
     panel = lib.prefill_attention_f32_nr()
-    keys = (int(lens.max()) + panel - 1) // panel * panel
+    max_context = int(lens.max())
     out = torch.empty_like(query)
-    packed_keys = torch.empty(keys * head_dim, dtype=torch.float32)
+    # one kv head's K panels and V rows, widened to float32
+    packed = torch.empty(2 * ((max_context + panel - 1) // panel * panel) * head_dim, dtype=torch.float32)
     rc = lib.paged_prefill_attention_f32(
-        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.stride(0),
-        starts.data_ptr(), lens.data_ptr(), out.data_ptr(), packed_keys.data_ptr(), lens.shape[0],
-        num_heads, num_kv_heads, head_dim, block_size, scale, _c_window(window), torch.get_num_threads(),
+        query.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[k_cache.dtype],
+        tables.data_ptr(), tables.stride(0), starts.data_ptr(), lens.data_ptr(), out.data_ptr(),
+        packed.data_ptr(), max_context, lens.shape[0], num_heads, num_kv_heads, head_dim, block_size, scale,
+        _c_window(window), torch.get_num_threads(),
     )
     return out if rc == 0 else None
 
@@ -149,9 +155,16 @@ def _f32_cpu(*tensors: torch.Tensor) -> bool:
     return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
 
 
+# The cache element types the attention kernels read, by their code in csrc/kv_types.h.
+KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
+
+
 def _attention_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The attention kernels' inputs: float32 on the CPU, the caches contiguous."""
-    return _f32_cpu(query, k_cache, v_cache) and k_cache.is_contiguous() and v_cache.is_contiguous()
+    """The attention kernels' inputs: a float32 query, the caches contiguous and of one of
+    KV_TYPES, all on the CPU."""
+    return (_f32_cpu(query) and k_cache.dtype in KV_TYPES and v_cache.dtype == k_cache.dtype
+            and k_cache.device.type == "cpu" and v_cache.device.type == "cpu"
+            and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
@@ -396,10 +409,11 @@ def _load() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention_f32
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    fn.argtypes = [p, p, p, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_int]
+    fn.argtypes = [p, p, p, ctypes.c_int, p, i64, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_float, i64,
+                   ctypes.c_int]
     fn.restype = ctypes.c_int
-    lib.paged_prefill_attention_f32.argtypes = [p, p, p, p, i64, p, p, p, p, i64, i64, i64, i64, i64,
-                                                ctypes.c_float, i64, ctypes.c_int]
+    lib.paged_prefill_attention_f32.argtypes = [p, p, p, ctypes.c_int, p, i64, p, p, p, p, i64, i64, i64, i64,
+                                                i64, i64, ctypes.c_float, i64, ctypes.c_int]
     lib.paged_prefill_attention_f32.restype = ctypes.c_int
     lib.prefill_attention_f32_nr.restype = ctypes.c_int
     f32 = ctypes.c_float

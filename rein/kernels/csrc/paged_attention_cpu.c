@@ -1,15 +1,18 @@
-/* Decode attention over the paged KV cache on the CPU, float32.
+/* Decode attention over the paged KV cache on the CPU: float32 queries and arithmetic, the
+ * cache float32, float16 or bfloat16 (kv_types.h: K and V widened to float32 as they are loaded;
+ * one copy of the kernel per cache type, the type a constant in each).
  *
  * One query token per request attends to its cached context, reading K and V straight
  * from the cache blocks: no gathered copy, no padding to the longest request. Work is
  * split over requests; each reads every cached K/V row of its context once per step, for
  * all its query heads (grouped-query attention: a kv head serves its group of query heads).
  *
- * With AVX2 and FMA (x86-64 since 2013) the two passes use intrinsics: scores 8 tokens at a
+ * With AVX2, FMA and F16C (x86-64 since 2013) the two passes use intrinsics: scores 8 tokens at a
  * time with one combined reduction, and the value sums held in registers per query head
  * (head_dim a multiple of 8, resp. 64); otherwise the plain loops, vectorized by the compiler.
  * A sliding window starts a request's loops at the block holding its window's first token.
- * Measured by bench/cpu_kernels.py.
+ * Measured by bench/cpu_kernels.py: a 16-bit cache took 0.57-0.65x the float32 cache's time
+ * (K and V streamed from memory, half the bytes).
  *
  * Built at first use by rein/kernels/cpu_native.py (cc -O3 -march=native -fopenmp) and
  * called through ctypes; the torch reference path stands in when no compiler is there.
@@ -20,6 +23,7 @@
 #include <string.h>
 
 #include "fast_exp.h"
+#include "kv_types.h"
 #include <omp.h>
 
 #define MAX_HEADS 256
@@ -32,12 +36,15 @@
 #define PREFETCH_TOKENS 32
 #define PREFETCH_V_TOKENS 16
 
-static inline void prefetch_row(const float *row_start, int64_t floats) {
-    for (int64_t c = 0; c < floats; c += 16) __builtin_prefetch(row_start + c, 0, 2);
+static inline void prefetch_row(const char *row_start, int64_t bytes) {
+    for (int64_t c = 0; c < bytes; c += 64) __builtin_prefetch(row_start + c, 0, 2);
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+/* Inlined into each cache type's copy of the kernel, where `type` is a constant. */
+#define SPECIALIZED static inline __attribute__((always_inline))
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define DECODE_AVX2 1
 
 /* The sums of a0..a7's lanes, as one vector: [sum(a0), ..., sum(a7)]. */
 static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
@@ -50,33 +57,34 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
 /* Scores of 8 tokens at a time: each query head's dot products with 8 K rows accumulate in 8
  * vectors, reduced together (9 instructions for 8 dots, where one dot's own reduction costs
  * about 5). Returns how many tokens it did (a multiple of 8); the caller does the rest. */
-static int64_t scores_avx2(const float *q, const float *k_cache, const int32_t *table, int64_t block_size,
-                           int64_t row, int64_t len, int64_t num_heads, int64_t group, int64_t head_dim,
-                           float scale, float *s) {
+SPECIALIZED int64_t scores_avx2(const float *q, const char *k_cache, const int32_t *table, int64_t block_size,
+                                int64_t row, int64_t len, int64_t num_heads, int64_t group, int64_t head_dim,
+                                float scale, float *s, int type) {
+    const int64_t row_bytes = row * kv_size(type);
     const __m256 vscale = _mm256_set1_ps(scale);
     int64_t t = 0;
     for (; t + 8 <= len; t += 8) {
-        const float *kr[8];
+        const char *kr[8];
         for (int j = 0; j < 8; j++)
-            kr[j] = k_cache + ((int64_t)table[(t + j) / block_size] * block_size + (t + j) % block_size) * row;
+            kr[j] = k_cache + ((int64_t)table[(t + j) / block_size] * block_size + (t + j) % block_size) * row_bytes;
         if (t + PREFETCH_TOKENS + 8 <= len)
             for (int j = 0; j < 8; j++)
                 prefetch_row(k_cache + ((int64_t)table[(t + PREFETCH_TOKENS + j) / block_size] * block_size
-                                        + (t + PREFETCH_TOKENS + j) % block_size) * row, row);
+                                        + (t + PREFETCH_TOKENS + j) % block_size) * row_bytes, row_bytes);
         for (int64_t hq = 0; hq < num_heads; hq++) {
             const float *qh = q + hq * head_dim;
             const int64_t off = (hq / group) * head_dim;
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
             for (int64_t d = 0; d < head_dim; d += 8) {
                 const __m256 qv = _mm256_loadu_ps(qh + d);
-                a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[0] + off + d), a0);
-                a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[1] + off + d), a1);
-                a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[2] + off + d), a2);
-                a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[3] + off + d), a3);
-                a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[4] + off + d), a4);
-                a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[5] + off + d), a5);
-                a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[6] + off + d), a6);
-                a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kr[7] + off + d), a7);
+                a0 = _mm256_fmadd_ps(qv, kv_load8(kr[0], off + d, type), a0);
+                a1 = _mm256_fmadd_ps(qv, kv_load8(kr[1], off + d, type), a1);
+                a2 = _mm256_fmadd_ps(qv, kv_load8(kr[2], off + d, type), a2);
+                a3 = _mm256_fmadd_ps(qv, kv_load8(kr[3], off + d, type), a3);
+                a4 = _mm256_fmadd_ps(qv, kv_load8(kr[4], off + d, type), a4);
+                a5 = _mm256_fmadd_ps(qv, kv_load8(kr[5], off + d, type), a5);
+                a6 = _mm256_fmadd_ps(qv, kv_load8(kr[6], off + d, type), a6);
+                a7 = _mm256_fmadd_ps(qv, kv_load8(kr[7], off + d, type), a7);
             }
             _mm256_storeu_ps(s + hq * len + t, _mm256_mul_ps(sum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale));
         }
@@ -87,31 +95,33 @@ static int64_t scores_avx2(const float *q, const float *k_cache, const int32_t *
 /* out_hq = sum_t p_hq[t] v_t / sum_hq for head_dim a multiple of 64: one query head and 64
  * columns at a time, their sums held in 8 registers over the whole context (no load and
  * store of the accumulator per token). */
-static void values_avx2(const float *v_cache, const int32_t *table, int64_t block_size, int64_t row,
-                        int64_t len, int64_t num_heads, int64_t group, int64_t head_dim, const float *s,
-                        const float *inv_sum, float *o) {
+SPECIALIZED void values_avx2(const char *v_cache, const int32_t *table, int64_t block_size, int64_t row,
+                             int64_t len, int64_t num_heads, int64_t group, int64_t head_dim, const float *s,
+                             const float *inv_sum, float *o, int type) {
+    const int64_t esize = kv_size(type);
     for (int64_t hq = 0; hq < num_heads; hq++) {
         const float *p = s + hq * len;
         for (int64_t c = (hq / group) * head_dim, end = c + head_dim, oc = hq * head_dim; c < end; c += 64, oc += 64) {
             __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
             for (int64_t t0 = 0; t0 < len; t0 += block_size) {
-                const float *v = v_cache + (int64_t)table[t0 / block_size] * block_size * row + c;
+                const char *v = v_cache + ((int64_t)table[t0 / block_size] * block_size * row + c) * esize;
                 const int64_t n = len - t0 < block_size ? len - t0 : block_size;
-                for (int64_t j = 0; j < n; j++, v += row) {
+                for (int64_t j = 0; j < n; j++, v += row * esize) {
                     /* the first head's pass brings whole V rows into L2 for the other kv heads' passes */
                     if (hq == 0 && c == 0 && t0 + j + PREFETCH_V_TOKENS < len) {
                         const int64_t ta = t0 + j + PREFETCH_V_TOKENS;
-                        prefetch_row(v_cache + ((int64_t)table[ta / block_size] * block_size + ta % block_size) * row, row);
+                        const int64_t slot = (int64_t)table[ta / block_size] * block_size + ta % block_size;
+                        prefetch_row(v_cache + slot * row * esize, row * esize);
                     }
                     const __m256 pv = _mm256_set1_ps(p[t0 + j]);
-                    a0 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v), a0);
-                    a1 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 8), a1);
-                    a2 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 16), a2);
-                    a3 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 24), a3);
-                    a4 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 32), a4);
-                    a5 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 40), a5);
-                    a6 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 48), a6);
-                    a7 = _mm256_fmadd_ps(pv, _mm256_loadu_ps(v + 56), a7);
+                    a0 = _mm256_fmadd_ps(pv, kv_load8(v, 0, type), a0);
+                    a1 = _mm256_fmadd_ps(pv, kv_load8(v, 8, type), a1);
+                    a2 = _mm256_fmadd_ps(pv, kv_load8(v, 16, type), a2);
+                    a3 = _mm256_fmadd_ps(pv, kv_load8(v, 24, type), a3);
+                    a4 = _mm256_fmadd_ps(pv, kv_load8(v, 32, type), a4);
+                    a5 = _mm256_fmadd_ps(pv, kv_load8(v, 40, type), a5);
+                    a6 = _mm256_fmadd_ps(pv, kv_load8(v, 48, type), a6);
+                    a7 = _mm256_fmadd_ps(pv, kv_load8(v, 56, type), a7);
                 }
             }
             const __m256 inv = _mm256_set1_ps(inv_sum[hq]);
@@ -129,27 +139,91 @@ static void values_avx2(const float *v_cache, const int32_t *table, int64_t bloc
 }
 #endif
 
-/* query [B, Hq, D]; k_cache, v_cache [num_blocks, block_size, Hkv, D]; block_tables [B, bt_stride]
- * (int32); context_lens [B] (int32, >= 1); out [B, Hq, D]. scratch holds num_threads * Hq * max_len
- * floats. window > 0: the query (position len - 1) sees only its last `window` tokens, and table
- * entries before the block holding the first of them are never read (freed blocks, maybe -1);
- * window <= 0: the whole context. Returns 0, or -1 when the shapes are outside what this kernel
- * handles.
+/* One request's attention: its query q [Hq, D] against its `len` cached tokens (table, from the
+ * window's first block; the first `skip` of them before the window) into o [Hq, D], with scores
+ * in s (Hq * len floats). */
+SPECIALIZED void decode_request(const float *q, const char *k_cache, const char *v_cache, const int32_t *table,
+                                int64_t len, int64_t skip, float *o, float *s, int64_t num_heads, int64_t group,
+                                int64_t head_dim, int64_t row, int64_t block_size, float scale, int type) {
+    const int64_t row_bytes = row * kv_size(type);
+    /* scores s[hq * len + t] = scale * q_hq . k_t[kv head of hq] */
+    int64_t t = 0;
+#if DECODE_AVX2
+    if (head_dim % 8 == 0)
+        t = scores_avx2(q, k_cache, table, block_size, row, len, num_heads, group, head_dim, scale, s, type);
+#endif
+    for (; t < len; t++) {
+        const char *k = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_bytes;
+        for (int64_t hq = 0; hq < num_heads; hq++) {
+            const float *qh = q + hq * head_dim;
+            const int64_t off = (hq / group) * head_dim;
+            float dot = 0.0f;
+            #pragma omp simd reduction(+:dot)
+            for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * kv_at(k, off + d, type);
+            s[hq * len + t] = dot * scale;
+        }
+    }
+    /* softmax over t, per query head */
+    float inv_sum[MAX_HEADS];
+    for (int64_t hq = 0; hq < num_heads; hq++) {
+        float *sh = s + hq * len;
+        float m = -INFINITY;
+        #pragma omp simd reduction(max:m)
+        for (int64_t t = skip; t < len; t++) m = sh[t] > m ? sh[t] : m;
+        float sum = 0.0f;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t t = skip; t < len; t++) {
+            float e = fast_expf(sh[t] - m);
+            sh[t] = e;
+            sum += e;
+        }
+        for (int64_t t = 0; t < skip; t++) sh[t] = 0.0f;
+        inv_sum[hq] = 1.0f / sum;
+    }
+    /* out_hq = sum_t p_hq[t] v_t[kv head of hq] / sum_hq, accumulated in out itself */
+#if DECODE_AVX2
+    if (head_dim % 64 == 0) {
+        values_avx2(v_cache, table, block_size, row, len, num_heads, group, head_dim, s, inv_sum, o, type);
+        return;
+    }
+#endif
+    memset(o, 0, sizeof(float) * num_heads * head_dim);
+    for (int64_t t = 0; t < len; t++) {
+        const char *v = v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row_bytes;
+        for (int64_t hq = 0; hq < num_heads; hq++) {
+            const float p = s[hq * len + t];
+            const int64_t off = (hq / group) * head_dim;
+            float *a = o + hq * head_dim;
+            #pragma omp simd
+            for (int64_t d = 0; d < head_dim; d++) a[d] += p * kv_at(v, off + d, type);
+        }
+    }
+    for (int64_t hq = 0; hq < num_heads; hq++)
+        for (int64_t d = 0; d < head_dim; d++) o[hq * head_dim + d] *= inv_sum[hq];
+}
+
+/* query [B, Hq, D] float32; k_cache, v_cache [num_blocks, block_size, Hkv, D] of kv_type (enum
+ * kv_type); block_tables [B, bt_stride] (int32); context_lens [B] (int32, >= 1); out [B, Hq, D]
+ * float32. scratch holds num_threads * Hq * max_len floats. window > 0: the query (position
+ * len - 1) sees only its last `window` tokens, and table entries before the block holding the
+ * first of them are never read (freed blocks, maybe -1); window <= 0: the whole context.
+ * Returns 0, or -1 when the shapes or the cache type are outside what this kernel handles.
  *
  * One request per iteration, all its heads together: a cache slot's K (or V) row of all kv
  * heads is contiguous, so each row is streamed once, front to back, which the hardware
  * prefetcher follows far better than one head's slice of every row. */
 int paged_decode_attention_f32(
-    const float *query, const float *k_cache, const float *v_cache,
+    const float *query, const void *k_cache, const void *v_cache, int kv_type,
     const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
     float *out, float *scratch, int64_t max_len,
     int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     int64_t block_size, float scale, int64_t window, int num_threads)
 {
     const int64_t group = num_heads / num_kv_heads;
-    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads)
+    if (num_heads > MAX_HEADS || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads
+        || (kv_type != KV_F32 && kv_type != KV_F16 && kv_type != KV_BF16))
         return -1;
-    const int64_t row = num_kv_heads * head_dim;          /* floats per cache slot */
+    const int64_t row = num_kv_heads * head_dim;          /* elements per cache slot */
 
     #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
     for (int64_t b = 0; b < batch; b++) {
@@ -163,62 +237,23 @@ int paged_decode_attention_f32(
         const int64_t skip = window_start - first_block * block_size;
         const int32_t *table = block_tables + b * bt_stride + first_block;
         const float *q = query + b * num_heads * head_dim;
-        float *s = scratch + (int64_t)omp_get_thread_num() * num_heads * max_len;
-
-        /* scores s[hq * len + t] = scale * q_hq . k_t[kv head of hq] */
-        int64_t t = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-        if (head_dim % 8 == 0)
-            t = scores_avx2(q, k_cache, table, block_size, row, len, num_heads, group, head_dim, scale, s);
-#endif
-        for (; t < len; t++) {
-            const float *k = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row;
-            for (int64_t hq = 0; hq < num_heads; hq++) {
-                const float *qh = q + hq * head_dim, *kh = k + (hq / group) * head_dim;
-                float dot = 0.0f;
-                #pragma omp simd reduction(+:dot)
-                for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * kh[d];
-                s[hq * len + t] = dot * scale;
-            }
-        }
-        /* softmax over t, per query head */
-        float inv_sum[MAX_HEADS];
-        for (int64_t hq = 0; hq < num_heads; hq++) {
-            float *sh = s + hq * len;
-            float m = -INFINITY;
-            #pragma omp simd reduction(max:m)
-            for (int64_t t = skip; t < len; t++) m = sh[t] > m ? sh[t] : m;
-            float sum = 0.0f;
-            #pragma omp simd reduction(+:sum)
-            for (int64_t t = skip; t < len; t++) {
-                float e = fast_expf(sh[t] - m);
-                sh[t] = e;
-                sum += e;
-            }
-            for (int64_t t = 0; t < skip; t++) sh[t] = 0.0f;
-            inv_sum[hq] = 1.0f / sum;
-        }
-        /* out_hq = sum_t p_hq[t] v_t[kv head of hq] / sum_hq, accumulated in out itself */
         float *o = out + b * num_heads * head_dim;
-#if defined(__AVX2__) && defined(__FMA__)
-        if (head_dim % 64 == 0) {
-            values_avx2(v_cache, table, block_size, row, len, num_heads, group, head_dim, s, inv_sum, o);
-            continue;
+        float *s = scratch + (int64_t)omp_get_thread_num() * num_heads * max_len;
+        /* the switch here, inside the parallel loop's body (which OpenMP outlines before
+         * inlining), gives each cache type a copy with its loads fixed */
+        switch (kv_type) {
+        case KV_F16:
+            decode_request(q, k_cache, v_cache, table, len, skip, o, s, num_heads, group, head_dim, row,
+                           block_size, scale, KV_F16);
+            break;
+        case KV_BF16:
+            decode_request(q, k_cache, v_cache, table, len, skip, o, s, num_heads, group, head_dim, row,
+                           block_size, scale, KV_BF16);
+            break;
+        default:
+            decode_request(q, k_cache, v_cache, table, len, skip, o, s, num_heads, group, head_dim, row,
+                           block_size, scale, KV_F32);
         }
-#endif
-        memset(o, 0, sizeof(float) * num_heads * head_dim);
-        for (int64_t t = 0; t < len; t++) {
-            const float *v = v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row;
-            for (int64_t hq = 0; hq < num_heads; hq++) {
-                const float p = s[hq * len + t];
-                const float *vh = v + (hq / group) * head_dim;
-                float *a = o + hq * head_dim;
-                #pragma omp simd
-                for (int64_t d = 0; d < head_dim; d++) a[d] += p * vh[d];
-            }
-        }
-        for (int64_t hq = 0; hq < num_heads; hq++)
-            for (int64_t d = 0; d < head_dim; d++) o[hq * head_dim + d] *= inv_sum[hq];
     }
     return 0;
 }

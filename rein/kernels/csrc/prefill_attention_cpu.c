@@ -1,17 +1,20 @@
-/* Prefill attention over the paged KV cache on the CPU, float32: each request's chunk of query
- * tokens attends causally to its cached context (prefix and chunk), flash-attention style.
+/* Prefill attention over the paged KV cache on the CPU: each request's chunk of query tokens
+ * attends causally to its cached context (prefix and chunk), flash-attention style. Queries,
+ * outputs and arithmetic are float32; the cache float32, float16 or bfloat16 (kv_types.h),
+ * widened to float32 once per request and kv head as K and V are packed.
  *
  * torch's CPU flash kernel (the path rein's reference takes) runs its block products through
  * the BLAS sgemm, which on the AMD benchmark machine took 31% of a long-prompt prefill at about
  * 43 GFLOPS; this kernel keeps the products in registers instead:
  *
  * - for each request and kv head, K is packed once, transposed into panels of NR keys
- *   ([keys / NR][head_dim][NR]), which every query head of the group then reuses;
+ *   ([keys / NR][head_dim][NR]), and V into contiguous rows ([keys][head_dim]), which every
+ *   query head of the group then reuses;
  * - MR query rows at a time (one head, MR consecutive tokens) compute their scores against a
  *   panel with MR x NR sums in registers (a broadcast q value times a panel row of NR keys),
- *   fold them into a running max and sum (online softmax), and add P x V to their outputs, V
- *   read in place from the cache blocks, NR output columns at a time with MR x NR sums in
- *   registers;
+ *   fold them into a running max and sum (online softmax), and add P x V to their outputs,
+ *   NR output columns at a time with MR x NR sums in registers, the outputs' rescaling by the
+ *   moved maxima done as they are loaded;
  * - panels past a block's last query position are skipped (causal), and with a sliding window
  *   so are the panels before its first row's window, and the cache blocks before the chunk's
  *   first row's window are never read (the engine may have freed them).
@@ -27,6 +30,7 @@
 #include <string.h>
 
 #include "fast_exp.h"
+#include "kv_types.h"
 #include <omp.h>
 
 #if defined(__AVX512F__)
@@ -37,11 +41,15 @@
 #define MR 6
 #endif
 #define NR (2 * VEC)
+/* Keys per softmax tile: KB / NR panels' scores, then one online-softmax update and one P x V
+ * pass over them (the per-tile work: row maxima, rescaling factors, loading and storing the
+ * outputs, comes once per KB keys). */
+#define KB (2 * NR)
 #define MAX_HEAD_DIM 256
 
 typedef float vec __attribute__((vector_size(VEC * sizeof(float)), aligned(4)));
 
-/* Keys per panel: the caller sizes the packed-K scratch by it. */
+/* Keys per panel: the caller sizes the packed K/V scratch by it. */
 int prefill_attention_f32_nr(void) { return NR; }
 
 static inline vec load_vec(const float *p) {
@@ -52,19 +60,37 @@ static inline vec load_vec(const float *p) {
 
 static inline void store_vec(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
-/* K rows 0..len-1 of kv head `g` -> kt [ceil(len / NR)][head_dim][NR], zero past len. */
-static void pack_keys(const float *k_cache, const int32_t *table, int64_t block_size, int64_t row,
-                      int64_t g, int64_t head_dim, int64_t len, float *kt) {
-    const int64_t panels = (len + NR - 1) / NR;
+/* Rows fetched this many tokens ahead while packing. */
+#define PACK_PREFETCH 8
+
+/* K rows 0..len-1 of kv head `g` -> kt [ceil(len / NR)][head_dim][NR], zero past len; V rows ->
+ * vt [len][head_dim]; both float32. */
+static void pack_keys_values(const char *k_cache, const char *v_cache, int type, const int32_t *table,
+                             int64_t block_size, int64_t row, int64_t g, int64_t head_dim, int64_t len,
+                             float *kt, float *vt) {
+    const int64_t panels = (len + NR - 1) / NR, esize = kv_size(type);
     memset(kt + (panels - 1) * head_dim * NR, 0, sizeof(float) * head_dim * NR);
+    float k[MAX_HEAD_DIM];
     for (int64_t t = 0; t < len; t++) {
-        const float *k = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row + g * head_dim;
+        const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
+        const int64_t at = (slot * row + g * head_dim) * esize;
+        if (t + PACK_PREFETCH < len) {   /* the cache blocks are scattered: fetch ahead across them */
+            const int64_t ta = t + PACK_PREFETCH;
+            const int64_t ahead = (((int64_t)table[ta / block_size] * block_size + ta % block_size) * row
+                                   + g * head_dim) * esize;
+            for (int64_t c = 0; c < head_dim * esize; c += 64) {
+                __builtin_prefetch(k_cache + ahead + c, 0, 3);
+                __builtin_prefetch(v_cache + ahead + c, 0, 3);
+            }
+        }
+        kv_to_f32(k_cache + at, type, k, head_dim);
+        kv_to_f32(v_cache + at, type, vt + t * head_dim, head_dim);
         float *dst = kt + (t / NR) * head_dim * NR + t % NR;
         for (int64_t d = 0; d < head_dim; d++) dst[d * NR] = k[d];
     }
 }
 
-/* s[MR][NR] = scale * q rows . panel (head_dim x NR) */
+/* s[MR][0..NR) (rows KB apart) = scale * q rows . panel (head_dim x NR) */
 static inline void scores(const float *const *q, const float *panel, int64_t head_dim, float scale, float *s) {
     vec acc[MR][2];
     for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = (vec){0};
@@ -78,32 +104,27 @@ static inline void scores(const float *const *q, const float *panel, int64_t hea
         }
     }
     for (int r = 0; r < MR; r++) {
-        store_vec(s + r * NR, acc[r][0] * scale);
-        store_vec(s + r * NR + VEC, acc[r][1] * scale);
+        store_vec(s + r * KB, acc[r][0] * scale);
+        store_vec(s + r * KB + VEC, acc[r][1] * scale);
     }
 }
 
-/* o[MR][head_dim] += p[MR][0..n) x V rows (keys key0 .. key0 + n) of kv head g, NR columns at
+/* o[MR][head_dim] = o * alpha (per row) + p[MR][0..n) (rows KB apart) x vt rows 0..n, NR columns at
  * a time. */
-static inline void add_values(const float *p, int64_t n, const float *v_cache, const int32_t *table,
-                              int64_t block_size, int64_t row, int64_t g, int64_t head_dim, int64_t key0,
+static inline void add_values(const float *p, int64_t n, const float *vt, const float *alpha, int64_t head_dim,
                               float *o) {
-    const float *vrow[NR];
-    for (int64_t j = 0; j < n; j++) {
-        const int64_t t = key0 + j;
-        vrow[j] = v_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * row + g * head_dim;
-    }
     for (int64_t c = 0; c < head_dim; c += NR) {
         vec acc[MR][2];
         for (int r = 0; r < MR; r++) {
-            acc[r][0] = load_vec(o + r * head_dim + c);
-            acc[r][1] = load_vec(o + r * head_dim + c + VEC);
+            acc[r][0] = load_vec(o + r * head_dim + c) * alpha[r];
+            acc[r][1] = load_vec(o + r * head_dim + c + VEC) * alpha[r];
         }
-        for (int64_t j = 0; j < n; j++) {
-            const vec v0 = load_vec(vrow[j] + c), v1 = load_vec(vrow[j] + c + VEC);
+        const float *v = vt + c;
+        for (int64_t j = 0; j < n; j++, v += head_dim) {
+            const vec v0 = load_vec(v), v1 = load_vec(v + VEC);
             #pragma GCC unroll 12
             for (int r = 0; r < MR; r++) {
-                const float a = p[r * NR + j];
+                const float a = p[r * KB + j];
                 acc[r][0] += a * v0;
                 acc[r][1] += a * v1;
             }
@@ -115,24 +136,66 @@ static inline void add_values(const float *p, int64_t n, const float *v_cache, c
     }
 }
 
-/* Online softmax of one tile of scores s[MR][NR] (keys key0 .. key0 + n; row r sees keys from
- * lo[r] up to pos[r]): the running maxima m move up, the outputs o and the per-lane running sums
- * lsum are rescaled by exp(old max - new max), and s becomes exp(s - max), 0 where masked. Lane
- * sums (reduced once at the end) keep a horizontal add out of every tile. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+
+/* exp(x) on 16 lanes for x <= 0: fast_exp.h's reduction and polynomial, the 2^n applied by
+ * vscalefps, which also takes exp's underflow to 0 (no clamping): 11 instructions where the
+ * vectorized fast_expf takes 16, and the exponentials were a tenth of a long prompt's time. */
+static inline __m512 exp_nonpositive(__m512 x) {
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+#endif
+
+/* A row of KB scores all visible, its maximum x (>= every score): s = exp(s - x), and the lane
+ * sums l = l * a + s. */
+static inline void exp_row(float *sr, float *lr, float x, float a) {
+#if defined(__AVX512F__)
+    const __m512 vx = _mm512_set1_ps(x), va = _mm512_set1_ps(a);
+    for (int j = 0; j < KB; j += 16) {
+        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vx));
+        _mm512_storeu_ps(sr + j, e);
+        _mm512_storeu_ps(lr + j, _mm512_fmadd_ps(_mm512_loadu_ps(lr + j), va, e));
+    }
+#else
+    #pragma omp simd
+    for (int64_t j = 0; j < KB; j++) {
+        sr[j] = fast_expf(sr[j] - x);
+        lr[j] = lr[j] * a + sr[j];
+    }
+#endif
+}
+
+/* Online softmax of one tile of scores s[MR][KB] (keys key0 .. key0 + n; row r sees keys from
+ * lo[r] up to pos[r]): the running maxima m move up, alpha[r] = exp(old max - new max) (the
+ * factor add_values scales the outputs by), the per-lane running sums lsum are rescaled by it,
+ * and s becomes exp(s - max), 0 where masked. Lane sums (reduced once at the end) keep a
+ * horizontal add out of every tile. */
 static inline void softmax_tile(float *s, int64_t key0, int64_t n, const int64_t *pos, const int64_t *lo,
-                                float *m, float *lsum, float *o, int64_t head_dim) {
-    float mx[MR], alpha[MR];
+                                float *m, float *lsum, float *alpha) {
+    float mx[MR];
     int64_t visible[MR], first[MR];
     for (int r = 0; r < MR; r++) {
-        const float *sr = s + r * NR;
+        const float *sr = s + r * KB;
         const int64_t v = pos[r] + 1 - key0 < n ? pos[r] + 1 - key0 : n, f = lo[r] - key0;
         float x = m[r];
-        if (v == NR && f <= 0) {
+        if (v == KB && f <= 0) {
             #pragma omp simd reduction(max:x)
-            for (int64_t j = 0; j < NR; j++) x = sr[j] > x ? sr[j] : x;
+            for (int64_t j = 0; j < KB; j++) x = sr[j] > x ? sr[j] : x;
         } else {
             #pragma omp simd reduction(max:x)
-            for (int64_t j = 0; j < NR; j++) x = j >= f && j < v && sr[j] > x ? sr[j] : x;
+            for (int64_t j = 0; j < KB; j++) x = j >= f && j < v && sr[j] > x ? sr[j] : x;
         }
         visible[r] = v;
         first[r] = f;
@@ -143,52 +206,91 @@ static inline void softmax_tile(float *s, int64_t key0, int64_t n, const int64_t
     #pragma omp simd
     for (int r = 0; r < MR; r++) alpha[r] = mx[r] == -INFINITY ? 1.0f : fast_expf(m[r] - mx[r]);
     for (int r = 0; r < MR; r++) {
-        float *sr = s + r * NR, *lr = lsum + r * NR;
+        float *sr = s + r * KB, *lr = lsum + r * KB;
         const float x = mx[r], a = alpha[r];
-        if (visible[r] == NR && first[r] <= 0) {
-            #pragma omp simd
-            for (int64_t j = 0; j < NR; j++) {
-                sr[j] = fast_expf(sr[j] - x);
-                lr[j] = lr[j] * a + sr[j];
-            }
+        if (visible[r] == KB && first[r] <= 0) {
+            exp_row(sr, lr, x, a);
         } else {
             const int64_t v = visible[r], f = first[r];
             #pragma omp simd
-            for (int64_t j = 0; j < NR; j++) {
+            for (int64_t j = 0; j < KB; j++) {
                 sr[j] = j >= f && j < v ? fast_expf(sr[j] - x) : 0.0f;
                 lr[j] = lr[j] * a + sr[j];
             }
-        }
-        if (a != 1.0f) {
-            float *orow = o + r * head_dim;
-            #pragma omp simd
-            for (int64_t d = 0; d < head_dim; d++) orow[d] *= a;
         }
         m[r] = x;
     }
 }
 
-/* query [T, Hq, D] (rows of request i: cu_seqlens_q[i] .. cu_seqlens_q[i+1]); caches [num_blocks,
- * block_size, Hkv, D]; block_tables [B, bt_stride] int32; context_lens [B] int32 (cached tokens,
- * the chunk included); out [T, Hq, D]. kt_scratch holds ceil(max context / NR) * NR * D floats.
- * window > 0: the row at position p sees keys p - window < k <= p only; window <= 0: all k <= p.
- * Returns 0, or -1 for shapes this kernel does not handle (nothing written). */
+/* Rows t0 .. t0 + rows of one query head h (at most MR) of a request's chunk against its packed
+ * K/V (kt, vt); q0: the chunk's first row in query/out. */
+static void query_block(const float *query, float *out, int64_t q0, int64_t t0, int64_t rows, int64_t h,
+                        int64_t qrow, int64_t head_dim, int64_t first_pos, int64_t window, float scale,
+                        const float *kt, const float *vt) {
+    const float *qp[MR];
+    int64_t pos[MR], lo[MR];
+    for (int r = 0; r < MR; r++) {   /* rows past the chunk repeat its last row */
+        const int64_t t = t0 + (r < rows ? r : rows - 1);
+        qp[r] = query + (q0 + t) * qrow + h * head_dim;
+        pos[r] = first_pos + t;
+        lo[r] = window > 0 ? pos[r] - window + 1 : 0;
+    }
+    /* keys lo[0]..last are visible to some row; panels before lo[0]'s are skipped */
+    const int64_t last = pos[rows - 1];
+    const int64_t key_start = lo[0] > 0 ? lo[0] / NR * NR : 0;
+    float o[MR * MAX_HEAD_DIM], m[MR], alpha[MR], lsum[MR * KB], s[MR * KB];
+    memset(o, 0, sizeof(float) * MR * head_dim);
+    memset(lsum, 0, sizeof lsum);
+    for (int r = 0; r < MR; r++) m[r] = -INFINITY;
+
+    for (int64_t key0 = key_start; key0 <= last; key0 += KB) {
+        /* the tile's second panel only where some row sees a key in it (its scores are masked
+         * out otherwise) */
+        for (int64_t panel = 0; panel < KB / NR && key0 + panel * NR <= last; panel++)
+            scores(qp, kt + (key0 / NR + panel) * head_dim * NR, head_dim, scale, s + panel * NR);
+        const int64_t n = last + 1 - key0 < KB ? last + 1 - key0 : KB;
+        softmax_tile(s, key0, n, pos, lo, m, lsum, alpha);
+        add_values(s, n, vt + key0 * head_dim, alpha, head_dim, o);
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        float *dst = out + (q0 + t0 + r) * qrow + h * head_dim;
+        float l = 0.0f;
+        /* in vectors: a sequential sum of KB lanes, each add waiting for the last, took 4% of a
+         * step of 256-token prompts */
+        #pragma omp simd reduction(+:l)
+        for (int64_t j = 0; j < KB; j++) l += lsum[r * KB + j];
+        const float inv = 1.0f / l;
+        #pragma omp simd
+        for (int64_t d = 0; d < head_dim; d++) dst[d] = o[r * head_dim + d] * inv;
+    }
+}
+
+/* query [T, Hq, D] float32 (rows of request i: cu_seqlens_q[i] .. cu_seqlens_q[i+1]); caches
+ * [num_blocks, block_size, Hkv, D] of kv_type (enum kv_type); block_tables [B, bt_stride] int32;
+ * context_lens [B] int32 (cached tokens, the chunk included); out [T, Hq, D] float32. scratch
+ * holds 2 * ceil(max context / NR) * NR * D floats (packed K, then V). window > 0: the row at
+ * position p sees keys p - window < k <= p only; window <= 0: all k <= p. Returns 0, or -1 for
+ * shapes or a cache type this kernel does not handle (nothing written). */
 int paged_prefill_attention_f32(
-    const float *query, const float *k_cache, const float *v_cache,
+    const float *query, const void *k_cache, const void *v_cache, int kv_type,
     const int32_t *block_tables, int64_t bt_stride, const int64_t *cu_seqlens_q, const int32_t *context_lens,
-    float *out, float *kt_scratch, int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t block_size, float scale, int64_t window, int num_threads)
+    float *out, float *scratch, int64_t max_context, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
+    int64_t head_dim, int64_t block_size, float scale, int64_t window, int num_threads)
 {
     const int64_t group = num_heads / num_kv_heads;
-    if (head_dim % NR != 0 || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads)
+    if (head_dim % NR != 0 || head_dim > MAX_HEAD_DIM || group * num_kv_heads != num_heads
+        || (kv_type != KV_F32 && kv_type != KV_F16 && kv_type != KV_BF16))
         return -1;
     const int64_t row = num_kv_heads * head_dim;
     const int64_t qrow = num_heads * head_dim;
+    float *kt = scratch, *vt = scratch + (max_context + NR - 1) / NR * NR * head_dim;
 
     for (int64_t b = 0; b < batch; b++) {
         const int64_t q0 = cu_seqlens_q[b], q_len = cu_seqlens_q[b + 1] - q0, ctx = context_lens[b];
         if (q_len <= 0)
             continue;
+        if (ctx > max_context)
+            return -1;
         /* Keys are numbered from `base`, the start of the block holding the first key the chunk's
          * first row sees (0 without a window): blocks before it are never read. */
         const int64_t window_start = window > 0 && ctx - q_len - window + 1 > 0 ? ctx - q_len - window + 1 : 0;
@@ -197,42 +299,13 @@ int paged_prefill_attention_f32(
         const int64_t first_pos = ctx - q_len - base;   /* the chunk's first token, from base */
         const int64_t blocks = (q_len + MR - 1) / MR;
         for (int64_t g = 0; g < num_kv_heads; g++) {
-            pack_keys(k_cache, table, block_size, row, g, head_dim, ctx - base, kt_scratch);
+            pack_keys_values(k_cache, v_cache, kv_type, table, block_size, row, g, head_dim, ctx - base, kt, vt);
 
             #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
             for (int64_t item = 0; item < group * blocks; item++) {
                 const int64_t h = g * group + item / blocks, t0 = (item % blocks) * MR;
                 const int64_t rows = q_len - t0 < MR ? q_len - t0 : MR;
-                const float *q[MR];
-                int64_t pos[MR], lo[MR];
-                for (int r = 0; r < MR; r++) {   /* rows past the chunk repeat its last row */
-                    const int64_t t = t0 + (r < rows ? r : rows - 1);
-                    q[r] = query + (q0 + t) * qrow + h * head_dim;
-                    pos[r] = first_pos + t;
-                    lo[r] = window > 0 ? pos[r] - window + 1 : 0;
-                }
-                /* keys lo[0]..last are visible to some row; panels before lo[0]'s are skipped */
-                const int64_t last = pos[rows - 1];
-                const int64_t key_start = lo[0] > 0 ? lo[0] / NR * NR : 0;
-                float o[MR * MAX_HEAD_DIM], m[MR], lsum[MR * NR], s[MR * NR];
-                memset(o, 0, sizeof(float) * MR * head_dim);
-                memset(lsum, 0, sizeof lsum);
-                for (int r = 0; r < MR; r++) m[r] = -INFINITY;
-
-                for (int64_t key0 = key_start; key0 <= last; key0 += NR) {
-                    scores(q, kt_scratch + (key0 / NR) * head_dim * NR, head_dim, scale, s);
-                    const int64_t n = last + 1 - key0 < NR ? last + 1 - key0 : NR;
-                    softmax_tile(s, key0, n, pos, lo, m, lsum, o, head_dim);
-                    add_values(s, n, v_cache, table, block_size, row, g, head_dim, key0, o);
-                }
-                for (int64_t r = 0; r < rows; r++) {
-                    float *dst = out + (q0 + t0 + r) * qrow + h * head_dim;
-                    float l = 0.0f;
-                    for (int64_t j = 0; j < NR; j++) l += lsum[r * NR + j];
-                    const float inv = 1.0f / l;
-                    #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) dst[d] = o[r * head_dim + d] * inv;
-                }
+                query_block(query, out, q0, t0, rows, h, qrow, head_dim, first_pos, window, scale, kt, vt);
             }
         }
     }
