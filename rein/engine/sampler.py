@@ -119,6 +119,33 @@ def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_TEMPERATURE_EPS
 
 
+def _plain_greedy(params: Sequence[SamplingParams]) -> bool:
+    """Whether every row is greedy with nothing to process first: no logprobs, logit_bias,
+    min_tokens or penalties (a row with min_tokens, met or not, takes the general path, which
+    looks at its output count)."""
+    for p in params:
+        if (p.temperature >= GREEDY_TEMPERATURE_EPS or p.logprobs is not None or p.logit_bias
+                or p.min_tokens or p.needs_penalties):
+            return False
+    return True
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, as torch's: the first maximum, a NaN counting as the maximum. A CPU
+    float32 tensor goes through NumPy, whose vectorized argmax is some 15x faster than torch's
+    (1.2 ms vs 80 us for [256, 2048] on one thread; bench/host_step.py) with the same answers."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """`argmax_rows(logits)` as a list of token ids."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def _flat_tokens(
     seqs: Sequence[Sequence[int]], num_cols: int, device: torch.device
 ) -> torch.Tensor:
@@ -250,6 +277,9 @@ class Sampler:
             raise ValueError(f"batch has {len(params)} rows but logits have {num_rows}")
         device = logits.device
 
+        if _plain_greedy(params):
+            return SamplerOutput(greedy_tokens(logits), None, None)
+
         greedy = [_is_greedy(p) for p in params]
         want_logprobs = any(p.logprobs is not None for p in params)
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
@@ -259,7 +289,7 @@ class Sampler:
                      if p.logit_bias or (p.min_tokens and len(batch.output_token_ids[i]) < p.min_tokens)]
 
         if all(greedy) and not want_logprobs and not pen_rows and not proc_rows:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
+            return SamplerOutput(greedy_tokens(logits), None, None)   # min_tokens already met
 
         # float32 view of the input; never written in place (it may alias `logits`).
         x = logits.float()
@@ -271,14 +301,14 @@ class Sampler:
         sample_rows = [i for i in range(num_rows) if not greedy[i]]
         greedy_rows = [i for i in range(num_rows) if greedy[i]]
         if not sample_rows:
-            tokens = x.argmax(dim=-1)
+            tokens = argmax_rows(x)
         elif not greedy_rows:
             tokens = self._sample(x, batch, sample_rows)
         else:
             tokens = torch.empty(num_rows, dtype=torch.long, device=device)
             g_idx = torch.tensor(greedy_rows, dtype=torch.long, device=device)
             s_idx = torch.tensor(sample_rows, dtype=torch.long, device=device)
-            tokens[g_idx] = x.index_select(0, g_idx).argmax(dim=-1)
+            tokens[g_idx] = argmax_rows(x.index_select(0, g_idx))
             tokens[s_idx] = self._sample(x.index_select(0, s_idx), batch, sample_rows)
 
         if not want_logprobs:
@@ -373,7 +403,7 @@ class Sampler:
                 q[u_idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
         # argmax(x - log q) == argmax(softmax(x) / q): the exponential race picks token i
         # with probability softmax(x)_i, with no softmax needed.
-        return (x - q.clamp_min_(_MIN_EXP_DRAW).log_()).argmax(dim=-1)
+        return argmax_rows(x - q.clamp_min_(_MIN_EXP_DRAW).log_())
 
     @staticmethod
     def _logprobs(
