@@ -386,15 +386,8 @@ class LLMEngine:
         logits, sampling = result.logits, result.sampling
         if self._num_unforked:
             logits, sampling = self._fork(logits, sampling, output.forks)
-        batch = SamplingBatch(
-            params=[r.sampling_params for r in sampling],
-            generators=[r.generator for r in sampling],
-            prompt_token_ids=[r.prompt_token_ids for r in sampling],
-            output_token_ids=[r.output_token_ids for r in sampling],
-            eos_token_ids=[r.eos_token_ids for r in sampling],
-        )
         self.grammars.apply_masks(logits, sampling)
-        sampled = self.sampler(logits, batch)
+        sampled = self.sampler(logits, SamplingBatch.of(sampling))
         output.sampled, output.token_ids = sampling, sampled.token_ids
         deltas = []
         append = deltas.append

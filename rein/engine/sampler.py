@@ -52,6 +52,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import torch
 
@@ -87,6 +88,17 @@ class SamplingBatch:
     prompt_token_ids: list[Sequence[int]]
     output_token_ids: list[Sequence[int]]
     eos_token_ids: list[Collection[int]] | None = None
+
+    @classmethod
+    def of(cls, requests: Sequence[Any]) -> SamplingBatch:
+        """The batch of the engine's requests (rein.engine.request.Request), their own lists
+        (not copied). When every row is plain greedy (`Sampler` then reads only `params`), the
+        per-row lists are left empty: building them was a good share of a large batch's step."""
+        params = [r.sampling_params for r in requests]
+        if _plain_greedy(params):
+            return cls(params, [], [], [])
+        return cls(params, [r.generator for r in requests], [r.prompt_token_ids for r in requests],
+                   [r.output_token_ids for r in requests], [r.eos_token_ids for r in requests])
 
 
 @dataclass

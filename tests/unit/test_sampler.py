@@ -475,3 +475,32 @@ def test_greedy_paths_agree(extra):
     outputs = [[1, 2] for _ in params]
     out = Sampler()(logits, make_batch(params, outputs=outputs))
     assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def _requests(params: list[SamplingParams]) -> list:
+    from types import SimpleNamespace
+    return [SimpleNamespace(sampling_params=p, generator=make_generator(i, CPU), prompt_token_ids=[1, 2, i],
+                            output_token_ids=[3] * i, eos_token_ids=frozenset({4})) for i, p in enumerate(params)]
+
+
+def test_batch_of_plain_greedy_requests_samples_as_the_full_batch():
+    requests = _requests([SamplingParams(temperature=0) for _ in range(5)])
+    lean = SamplingBatch.of(requests)
+    assert lean.params == [r.sampling_params for r in requests] and not lean.output_token_ids
+    full = SamplingBatch([r.sampling_params for r in requests], [r.generator for r in requests],
+                         [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+                         [r.eos_token_ids for r in requests])
+    logits = torch.randn(5, 40)
+    assert Sampler()(logits, lean) == Sampler()(logits, full)
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 1.0}, {"min_tokens": 3}, {"repetition_penalty": 1.3},
+                                   {"logprobs": 1}, {"logit_bias": {2: 5.0}}])
+def test_batch_of_requests_carries_every_list_a_row_may_need(extra):
+    params = [SamplingParams(temperature=0) for _ in range(3)] + [SamplingParams(**({"temperature": 0} | extra))]
+    requests = _requests(params)
+    batch = SamplingBatch.of(requests)
+    assert batch.generators == [r.generator for r in requests]
+    assert batch.prompt_token_ids == [r.prompt_token_ids for r in requests]
+    assert batch.output_token_ids == [r.output_token_ids for r in requests]
+    assert batch.eos_token_ids == [r.eos_token_ids for r in requests]
