@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     medians = {variant: statistics.median(f["steps_per_s"] for f in rounds) for variant, rounds in figures.items()}
     summary: dict = {"batch": args.batch, "threads": args.threads, "rounds": figures, "median_steps_per_s": medians,
                      "on_over_off": medians["on"] / medians["off"]}
-    line = f"median steps/s: " + ", ".join(f"{v} {m:.1f}" for v, m in medians.items())
+    line = "median steps/s: " + ", ".join(f"{v} {m:.1f}" for v, m in medians.items())
     line += f"; on/off {summary['on_over_off']:.3f}"
     if "base" in medians:
         summary["base"] = args.base

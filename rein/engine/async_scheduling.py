@@ -49,12 +49,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from rein.engine.sampler import SamplingBatch
 from rein.engine.scheduler_output import ModelOutput, SchedulerOutput
 
 if TYPE_CHECKING:
     from rein.engine.engine import LLMEngine
     from rein.engine.model_runner import PreparedStep, StepResult
-    from rein.engine.sampler import SamplerOutput
+    from rein.engine.sampler import SamplerOutput  # noqa: F401 (annotations)
     from rein.engine.step_outputs import RequestOutput
 
 
@@ -133,7 +134,7 @@ class AsyncScheduling:
         sampled = None
         if result.sampling:
             with torch.inference_mode():
-                sampled = engine.sampler(result.logits, engine._sampling_batch(result.sampling))
+                sampled = engine.sampler(result.logits, SamplingBatch.of(result.sampling))
         return result, sampled, time.perf_counter() - started
 
     def _complete(self) -> list[RequestOutput]:

@@ -314,8 +314,10 @@ class IncrementalDetokenizer:
             return self._emit(piece)
         if not piece:
             return ""
-        if not self._stops:
-            return self._emit(piece)
+        if not self._stops:   # the common case, `_emit` inline: this runs for every token
+            self._pieces.append(piece)
+            self._text = None
+            return piece
         return self._scan(piece, final=False)
 
     def finish(self) -> str:

@@ -427,19 +427,9 @@ class LLMEngine:
         if self._num_unforked:
             logits, sampling = self._fork(logits, sampling, output.forks)
         self.grammars.apply_masks(logits, sampling)
-        sampled = self.sampler(logits, self._sampling_batch(sampling))
+        sampled = self.sampler(logits, SamplingBatch.of(sampling))
         output.sampled, output.token_ids = sampling, sampled.token_ids
         return output, sampled, self._read_tokens(output)
-
-    @staticmethod
-    def _sampling_batch(sampling: list[Request]) -> SamplingBatch:
-        return SamplingBatch(
-            params=[r.sampling_params for r in sampling],
-            generators=[r.generator for r in sampling],
-            prompt_token_ids=[r.prompt_token_ids for r in sampling],
-            output_token_ids=[r.output_token_ids for r in sampling],
-            eos_token_ids=[r.eos_token_ids for r in sampling],
-        )
 
     @staticmethod
     def _read_tokens(output: ModelOutput) -> list[str]:

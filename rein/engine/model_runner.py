@@ -36,10 +36,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import time
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from rein.engine.config import EngineConfig
@@ -74,6 +77,10 @@ CPU_DEFAULT_KV_MEMORY = 1024**3
 # The CPU attention pads a decode batch to its longest context; splitting the batch into
 # this many groups of similar length avoids most of that padding.
 DECODE_LENGTH_GROUPS = 4
+_END = operator.attrgetter("end")
+# Host arrays for the step's index tensors: NumPy makes one from a list of ints some 3x faster
+# than torch.tensor does (bench/host_step.py), which at batch 256 is a good share of a step.
+_NUMPY_DTYPES = {torch.int64: np.int64, torch.int32: np.int32}
 
 
 class CapacityError(ValueError):
@@ -375,8 +382,11 @@ class ModelRunner:
         logits-row order), the prompt-logprob chunks and the embedding requests' rows.
         `slot_of`: the LoRA slot of each of the step's adapters (None: the step has none)."""
         # Decodes sorted by context length, so similar lengths sit in contiguous rows.
-        decodes = sorted((s for s in scheduled if s.num_new_tokens == 1), key=lambda s: s.end)
-        prefills = [s for s in scheduled if s.num_new_tokens > 1]
+        decodes: list[ScheduledRequest] = []
+        prefills: list[ScheduledRequest] = []
+        for s in scheduled:
+            (decodes if s.num_new_tokens == 1 else prefills).append(s)
+        decodes.sort(key=_END)
         bs = self.block_size
 
         input_ids: list[int] = []
@@ -386,39 +396,56 @@ class ModelRunner:
         sampling: list[Request] = []
         scoring: list[tuple[Request, int, int, int]] = []   # prompt logprobs: see _score_rows
         pooling: list[tuple[Request, int, int, int, int]] = []   # embedding requests' rows
-        lora_slots: list[int] | None = [] if slot_of is not None else None
         image_rows: list[tuple[int, Any, int, int]] = []
         mrope_rows: list[tuple[int, Any]] = []
-        for s in decodes + prefills:
+
+        def add_rows(s: ScheduledRequest) -> None:
+            """Any request's rows: images, M-RoPE, pooling and prompt logprobs included."""
             request, start, end = s.request, s.start, s.end
             row_start = len(input_ids)
             blocks = request.block_ids
             images = request.images
-            if end - start == 1:
-                input_ids.append(request.token_at(start))
+            input_ids.extend(request.tokens(start, end))
+            span = range(start, end)
+            if images is not None and images.mrope_delta:   # prompt rows are set from mrope_rows
                 # An M-RoPE request's later tokens are at index + delta on all three axes.
-                positions.append(start + images.mrope_delta if images is not None else start)
-                slots.append(blocks[start // bs] * bs + start % bs)
+                positions.extend(p + images.mrope_delta for p in span)
             else:
-                input_ids.extend(request.tokens(start, end))
-                span = range(start, end)
-                if images is not None and images.mrope_delta:   # prompt rows are set from mrope_rows
-                    positions.extend(p + images.mrope_delta for p in span)
-                else:
-                    positions.extend(span)
-                slots.extend(blocks[p // bs] * bs + p % bs for p in span)
+                positions.extend(span)
+            slots.extend(blocks[p // bs] * bs + p % bs for p in span)
             if images is not None and start < request.num_prompt_tokens:
                 self._plan_images(images, start, end, row_start, image_rows, mrope_rows)
-            if lora_slots is not None:
-                lora_slots.extend([slot_of.get(request.lora_int_id, -1)] * (end - start))
             if request.pooling is not None:
                 pooling.append((request, row_start, len(input_ids), start, end))
             elif s.samples:
                 sample_rows.append(len(input_ids) - 1)
                 sampling.append(request)
             if request.prompt_logprobs is not None and start < request.num_prompt_tokens - 1:
-                scoring.append((request, start, min(end, request.num_prompt_tokens - 1),
-                                len(input_ids) - (end - start)))
+                scoring.append((request, start, min(end, request.num_prompt_tokens - 1), row_start))
+
+        # The common row, a text request's decode, inline: this loop runs for every request of
+        # every step, and at large batch its cost is the step's on the host.
+        append_id, append_position, append_slot = input_ids.append, positions.append, slots.append
+        for row, s in enumerate(decodes):
+            request = s.request
+            if request.images is not None or request.pooling is not None or request.prompt_logprobs is not None:
+                add_rows(s)
+                continue
+            start = s.start
+            prompt = request.prompt_token_ids
+            append_id(prompt[start] if start < len(prompt) else request.output_token_ids[start - len(prompt)])
+            append_position(start)
+            append_slot(request.block_ids[start // bs] * bs + start % bs)
+            if s.samples:
+                sample_rows.append(row)
+                sampling.append(request)
+        for s in prefills:
+            add_rows(s)
+        lora_slots = None
+        if slot_of is not None:
+            lora_slots = [slot_of.get(s.request.lora_int_id, -1) for s in decodes]
+            for s in prefills:
+                lora_slots.extend([slot_of.get(s.request.lora_int_id, -1)] * s.num_new_tokens)
 
         decode_lens = [s.end for s in decodes]
         plan = StepPlan(
@@ -504,18 +531,18 @@ class ModelRunner:
         meta = AttentionMetadata(
             slot_mapping=self._tensor(plan.slots, torch.int64),
             num_decode_tokens=len(plan.decode_lens),
-            decode_block_tables=self._tensor(plan.decode_rows, torch.int32) if decodes else None,
+            decode_block_tables=self._table(plan.decode_rows) if decodes else None,
             decode_context_lens=self._tensor(plan.decode_lens, torch.int32) if decodes else None,
             decode_groups=plan.decode_groups,
-            prefill_block_tables=self._tensor(plan.prefill_rows, torch.int32) if prefills else None,
+            prefill_block_tables=self._table(plan.prefill_rows) if prefills else None,
             prefill_cu_seqlens_q=self._tensor(_offsets(plan.prefill_new), torch.int32) if prefills else None,
             prefill_context_lens=self._tensor(plan.prefill_lens, torch.int32) if prefills else None,
         )
         if windowed:
             meta.windowed = dataclasses.replace(
                 meta, slot_mapping=self._tensor(plan.windowed_slots, torch.int64),
-                decode_block_tables=self._tensor(plan.windowed_decode_rows, torch.int32) if decodes else None,
-                prefill_block_tables=self._tensor(plan.windowed_prefill_rows, torch.int32) if prefills else None)
+                decode_block_tables=self._table(plan.windowed_decode_rows) if decodes else None,
+                prefill_block_tables=self._table(plan.windowed_prefill_rows) if prefills else None)
         input_ids = self._tensor(plan.input_ids, torch.int64)
         if plan.mrope_rows:   # a chunk of an M-RoPE prompt: [3, T] positions (others the same on each axis)
             positions = torch.tensor(plan.positions, dtype=torch.int64).expand(3, -1).clone()
@@ -595,13 +622,20 @@ class ModelRunner:
         return bounds if grouped < 0.7 * count * lengths[-1] else None
 
     def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype).to(self.device, non_blocking=True)
+        """A flat list of ints (int64 or int32) as a tensor on the device."""
+        return torch.from_numpy(np.array(values, dtype=_NUMPY_DTYPES[dtype])).to(self.device, non_blocking=True)
+
+    def _table(self, rows: list[list[int]]) -> torch.Tensor:
+        """Block rows of one width as an int32 [rows, width] tensor on the device."""
+        flat = np.fromiter(chain.from_iterable(rows), dtype=np.int32, count=len(rows) * len(rows[0]))
+        return torch.from_numpy(flat.reshape(len(rows), -1)).to(self.device, non_blocking=True)
 
     @staticmethod
     def _block_rows(group: list[ScheduledRequest]) -> list[list[int]]:
         """The requests' block ids, each padded with 0 to the longest."""
-        width = max(len(s.request.block_ids) for s in group)
-        return [s.request.block_ids + [0] * (width - len(s.request.block_ids)) for s in group]
+        rows = [s.request.block_ids for s in group]
+        padding = [0] * max(map(len, rows))
+        return [row + padding[len(row):] for row in rows]   # new lists: the requests' keep growing
 
 
 def _windowed_rows(rows: list[list[int]], physical: list[int]) -> list[list[int]]:

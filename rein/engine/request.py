@@ -38,18 +38,20 @@ class RequestStatus(enum.IntEnum):
 
     @property
     def finished(self) -> bool:
-        return self >= RequestStatus.FINISHED_STOPPED
+        return self >= _FIRST_FINISHED
 
     @property
     def finish_reason(self) -> str | None:
-        return _FINISH_REASONS.get(self)
+        return _FINISH_REASONS[self]
 
 
-_FINISH_REASONS = {
-    RequestStatus.FINISHED_STOPPED: "stop",
-    RequestStatus.FINISHED_LENGTH: "length",
-    RequestStatus.FINISHED_ABORTED: "abort",
-}
+# Read for every request of every step: a plain int to compare with and a list indexed by
+# status are cheaper than enum members and a dict keyed by them.
+_FIRST_FINISHED = int(RequestStatus.FINISHED_STOPPED)
+_FINISH_REASONS: list[str | None] = [None] * (max(RequestStatus) + 1)
+_FINISH_REASONS[RequestStatus.FINISHED_STOPPED] = "stop"
+_FINISH_REASONS[RequestStatus.FINISHED_LENGTH] = "length"
+_FINISH_REASONS[RequestStatus.FINISHED_ABORTED] = "abort"
 
 
 @dataclass
@@ -162,11 +164,11 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status.finished
+        return self.status >= _FIRST_FINISHED
 
     @property
     def finish_reason(self) -> str | None:
-        return self.status.finish_reason
+        return _FINISH_REASONS[self.status]
 
     def check_stop(self, token: int, stop_string: str | None, max_model_len: int | None) -> RequestStatus | None:
         """The finished status the just appended output `token` gives the request, or None: a

@@ -52,6 +52,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from itertools import chain
+from typing import Any
 
 import torch
 
@@ -88,6 +89,17 @@ class SamplingBatch:
     output_token_ids: list[Sequence[int]]
     eos_token_ids: list[Collection[int]] | None = None
 
+    @classmethod
+    def of(cls, requests: Sequence[Any]) -> SamplingBatch:
+        """The batch of the engine's requests (rein.engine.request.Request), their own lists
+        (not copied). When every row is plain greedy (`Sampler` then reads only `params`), the
+        per-row lists are left empty: building them was a good share of a large batch's step."""
+        params = [r.sampling_params for r in requests]
+        if _plain_greedy(params):
+            return cls(params, [], [], [])
+        return cls(params, [r.generator for r in requests], [r.prompt_token_ids for r in requests],
+                   [r.output_token_ids for r in requests], [r.eos_token_ids for r in requests])
+
 
 @dataclass
 class SamplerOutput:
@@ -117,6 +129,33 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
 
 def _is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_TEMPERATURE_EPS
+
+
+def _plain_greedy(params: Sequence[SamplingParams]) -> bool:
+    """Whether every row is greedy with nothing to process first: no logprobs, logit_bias,
+    min_tokens or penalties (a row with min_tokens, met or not, takes the general path, which
+    looks at its output count)."""
+    for p in params:
+        if (p.temperature >= GREEDY_TEMPERATURE_EPS or p.logprobs is not None or p.logit_bias
+                or p.min_tokens or p.needs_penalties):
+            return False
+    return True
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, as torch's: the first maximum, a NaN counting as the maximum. A CPU
+    float32 tensor goes through NumPy, whose vectorized argmax is some 15x faster than torch's
+    (1.2 ms vs 80 us for [256, 2048] on one thread; bench/host_step.py) with the same answers."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not x.requires_grad:
+        return torch.from_numpy(x.numpy().argmax(axis=-1))
+    return x.argmax(dim=-1)
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """`argmax_rows(logits)` as a list of token ids."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def _flat_tokens(
@@ -250,6 +289,9 @@ class Sampler:
             raise ValueError(f"batch has {len(params)} rows but logits have {num_rows}")
         device = logits.device
 
+        if _plain_greedy(params):
+            return SamplerOutput(greedy_tokens(logits), None, None)
+
         greedy = [_is_greedy(p) for p in params]
         want_logprobs = any(p.logprobs is not None for p in params)
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
@@ -259,7 +301,7 @@ class Sampler:
                      if p.logit_bias or (p.min_tokens and len(batch.output_token_ids[i]) < p.min_tokens)]
 
         if all(greedy) and not want_logprobs and not pen_rows and not proc_rows:
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), None, None)
+            return SamplerOutput(greedy_tokens(logits), None, None)   # min_tokens already met
 
         # float32 view of the input; never written in place (it may alias `logits`).
         x = logits.float()
@@ -271,14 +313,14 @@ class Sampler:
         sample_rows = [i for i in range(num_rows) if not greedy[i]]
         greedy_rows = [i for i in range(num_rows) if greedy[i]]
         if not sample_rows:
-            tokens = x.argmax(dim=-1)
+            tokens = argmax_rows(x)
         elif not greedy_rows:
             tokens = self._sample(x, batch, sample_rows)
         else:
             tokens = torch.empty(num_rows, dtype=torch.long, device=device)
             g_idx = torch.tensor(greedy_rows, dtype=torch.long, device=device)
             s_idx = torch.tensor(sample_rows, dtype=torch.long, device=device)
-            tokens[g_idx] = x.index_select(0, g_idx).argmax(dim=-1)
+            tokens[g_idx] = argmax_rows(x.index_select(0, g_idx))
             tokens[s_idx] = self._sample(x.index_select(0, s_idx), batch, sample_rows)
 
         if not want_logprobs:
@@ -373,7 +415,7 @@ class Sampler:
                 q[u_idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
         # argmax(x - log q) == argmax(softmax(x) / q): the exponential race picks token i
         # with probability softmax(x)_i, with no softmax needed.
-        return (x - q.clamp_min_(_MIN_EXP_DRAW).log_()).argmax(dim=-1)
+        return argmax_rows(x - q.clamp_min_(_MIN_EXP_DRAW).log_())
 
     @staticmethod
     def _logprobs(

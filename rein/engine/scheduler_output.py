@@ -22,7 +22,7 @@ class ScheduledRequest:
         self.start = start
         self.num_new_tokens = num_new_tokens
         self.end = start + num_new_tokens
-        self.samples = self.end == request.num_tokens
+        self.samples = self.end == len(request.prompt_token_ids) + len(request.output_token_ids)   # num_tokens
 
 
 @dataclass
@@ -40,7 +40,9 @@ class SchedulerOutput:
     @property
     def num_prompt_tokens(self) -> int:
         """Prompt tokens this step computes (recomputes included)."""
-        return sum(max(0, min(s.end, s.request.num_prompt_tokens) - s.start) for s in self.scheduled)
+        # Decodes (start past the prompt) are skipped by the filter, before any arithmetic.
+        return sum(min(s.end, n) - s.start for s in self.scheduled
+                   if s.start < (n := len(s.request.prompt_token_ids)))
 
     @property
     def is_empty(self) -> bool:

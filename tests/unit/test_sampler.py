@@ -15,6 +15,8 @@ from rein.engine.sampler import (
     SamplerOutput,
     SamplingBatch,
     apply_penalties,
+    argmax_rows,
+    greedy_tokens,
     make_generator,
 )
 from rein.engine.sampling_params import SamplingParams
@@ -423,3 +425,82 @@ def test_penalties_accept_tensor_token_ids():
                                  [torch.tensor(o, dtype=torch.long) for o in outputs])
     mixed = apply_penalties(logits, params, [torch.tensor(prompts[0]), prompts[1]], outputs)
     assert torch.equal(ref, as_tensors) and torch.equal(ref, mixed)
+
+
+# -- the greedy fast path (NumPy's argmax on CPU float32) against torch's argmax ---------------------
+
+
+def _hard_rows() -> torch.Tensor:
+    """Rows where argmax conventions differ: ties, NaN, infinities, all -inf, negative zero."""
+    nan, inf = float("nan"), float("inf")
+    rows = torch.tensor([
+        [1.0, 3.0, 3.0, 2.0, 3.0],          # ties: the first maximum
+        [1.0, nan, 5.0, nan, 0.0],          # a NaN counts as the maximum: the first NaN
+        [-inf, -inf, -inf, -inf, -inf],     # nothing allowed: index 0
+        [inf, 1.0, inf, 0.0, -inf],
+        [-0.0, 0.0, -1.0, -0.0, 0.0],       # -0.0 == 0.0: a tie
+        [-5.0, -4.0, -3.0, -2.0, -1.0],
+    ])
+    return torch.cat([rows, torch.randn(64, 5), torch.randn(64, 5).round()])
+
+
+@pytest.mark.parametrize("inference", [False, True])
+def test_argmax_rows_matches_torch(inference):
+    x = _hard_rows()
+    with torch.inference_mode(inference):
+        x = x.clone()
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+        assert greedy_tokens(x) == x.argmax(dim=-1).tolist()
+        strided = torch.randn(8, 64)[:, ::3]   # not contiguous
+        assert torch.equal(argmax_rows(strided), strided.argmax(dim=-1))
+
+
+def test_argmax_rows_other_dtypes_use_torch():
+    x = _hard_rows().to(torch.bfloat16)
+    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert greedy_tokens(x) == x.argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("extra", [
+    {},                                        # the fast path itself
+    {"logprobs": 0},                           # the general path, all rows greedy
+    {"min_tokens": 1},                         # min_tokens met: the general path's early argmax
+    {"logit_bias": {3: 0.0}},                  # a no-op bias: the general path processes it
+])
+def test_greedy_paths_agree(extra):
+    """A batch of greedy rows gives torch's argmax of the logits whichever path the sampler takes
+    (the fast one for plain rows, the general one when a row asks for more)."""
+    logits = torch.cat([_hard_rows(), torch.randn(30, 5)]).repeat(1, 3)
+    params = [SamplingParams(temperature=0, **extra) for _ in range(logits.shape[0])]
+    outputs = [[1, 2] for _ in params]
+    out = Sampler()(logits, make_batch(params, outputs=outputs))
+    assert out.token_ids == logits.argmax(dim=-1).tolist()
+
+
+def _requests(params: list[SamplingParams]) -> list:
+    from types import SimpleNamespace
+    return [SimpleNamespace(sampling_params=p, generator=make_generator(i, CPU), prompt_token_ids=[1, 2, i],
+                            output_token_ids=[3] * i, eos_token_ids=frozenset({4})) for i, p in enumerate(params)]
+
+
+def test_batch_of_plain_greedy_requests_samples_as_the_full_batch():
+    requests = _requests([SamplingParams(temperature=0) for _ in range(5)])
+    lean = SamplingBatch.of(requests)
+    assert lean.params == [r.sampling_params for r in requests] and not lean.output_token_ids
+    full = SamplingBatch([r.sampling_params for r in requests], [r.generator for r in requests],
+                         [r.prompt_token_ids for r in requests], [r.output_token_ids for r in requests],
+                         [r.eos_token_ids for r in requests])
+    logits = torch.randn(5, 40)
+    assert Sampler()(logits, lean) == Sampler()(logits, full)
+
+
+@pytest.mark.parametrize("extra", [{"temperature": 1.0}, {"min_tokens": 3}, {"repetition_penalty": 1.3},
+                                   {"logprobs": 1}, {"logit_bias": {2: 5.0}}])
+def test_batch_of_requests_carries_every_list_a_row_may_need(extra):
+    params = [SamplingParams(temperature=0) for _ in range(3)] + [SamplingParams(**({"temperature": 0} | extra))]
+    requests = _requests(params)
+    batch = SamplingBatch.of(requests)
+    assert batch.generators == [r.generator for r in requests]
+    assert batch.prompt_token_ids == [r.prompt_token_ids for r in requests]
+    assert batch.output_token_ids == [r.output_token_ids for r in requests]
+    assert batch.eos_token_ids == [r.eos_token_ids for r in requests]
