@@ -537,6 +537,7 @@ class ModelRunner:
             prefill_block_tables=self._table(plan.prefill_rows) if prefills else None,
             prefill_cu_seqlens_q=self._tensor(_offsets(plan.prefill_new), torch.int32) if prefills else None,
             prefill_context_lens=self._tensor(plan.prefill_lens, torch.int32) if prefills else None,
+            prefill_without_prefix=prefills and plan.prefill_new == plan.prefill_lens,
         )
         if windowed:
             meta.windowed = dataclasses.replace(
