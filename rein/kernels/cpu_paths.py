@@ -1,7 +1,8 @@
 """Which CPU fast paths this machine can run: probed once per process, named in the load log.
 
 rein's CPU forward has three fast paths beside plain torch:
-- oneDNN linears (rein.model.architectures.linear), with float32 weights prepacked at load. oneDNN
+- oneDNN linears (rein.model.architectures.linear), with float32 weights prepacked at load, and
+  bfloat16 ones where the CPU has AVX-512-BF16 or AMX (`packed_dtypes`). oneDNN
   has no low-precision inner product on every CPU: on an AVX2-only CPU (no AVX-512-BF16,
   AMX or AVX-NE-CONVERT) `mkldnn._linear_pointwise` raises "could not create a primitive
   descriptor" for bfloat16 and float16. So each dtype is tried once on a tiny input, checked
@@ -87,6 +88,24 @@ def onednn_dtypes() -> frozenset[torch.dtype]:
     return frozenset(dtype for dtype in ONEDNN_DTYPES if _why_not_onednn(dtype) is None)
 
 
+# CPU features with bfloat16 dot products in hardware (AVX-512-BF16's vdpbf16ps, AMX's tiles).
+NATIVE_BF16_FEATURES = ("avx512_bf16", "amx_bf16")
+
+
+@functools.cache
+def packed_dtypes() -> frozenset[torch.dtype]:
+    """The dtypes whose Linear weights are prepacked for oneDNN at load
+    (rein.model.architectures.linear.pack_weights): float32 where it runs on oneDNN, bfloat16
+    where it does and the CPU multiplies bfloat16 in hardware. bench/bf16_weights.py (Zen 4,
+    AVX-512-BF16, 1 thread): SmolLM2's projections of a layer in bfloat16 took 0.51-0.57x
+    float32 packed's time and 0.61-0.94x bfloat16's on the dense weight (1 to 2048 rows). A
+    CPU that runs bfloat16 on oneDNN without such instructions converts to float32 inside it;
+    unmeasured there, so its weights stay dense, as before. `reset()` forgets it."""
+    onednn = onednn_dtypes()
+    native_bf16 = any(feature in cpu_features() for feature in NATIVE_BF16_FEATURES)
+    return frozenset(dtype for dtype in onednn if dtype == torch.float32 or (dtype == torch.bfloat16 and native_bf16))
+
+
 def _why_not_onednn(dtype: torch.dtype) -> str | None:
     if not enabled():
         return "REIN_CPU_FAST_PATHS=0"
@@ -99,6 +118,7 @@ def reset() -> None:
     """Forget the probes and the switch (for tests that change REIN_CPU_FAST_PATHS)."""
     probe_onednn.cache_clear()
     onednn_dtypes.cache_clear()
+    packed_dtypes.cache_clear()
 
 
 def describe(dtype: torch.dtype) -> str:
@@ -110,7 +130,7 @@ def describe(dtype: torch.dtype) -> str:
     name = str(dtype).removeprefix("torch.")
     why = _why_not_onednn(dtype)
     if why is None:
-        linear = f"oneDNN packed ({name})" if dtype == torch.float32 else f"oneDNN ({name})"
+        linear = f"oneDNN packed ({name})" if dtype in packed_dtypes() else f"oneDNN ({name})"
     else:
         linear = f"torch ({name}: {why})"
     if dtype != torch.float32:

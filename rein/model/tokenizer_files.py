@@ -9,6 +9,15 @@ Remote code: a config whose `auto_map` names Python files of the repository runs
 transformers loads it. rein refuses such a tokenizer or model unless `--trust-remote-code` is
 set, with a message that says so, and always passes transformers an explicit
 `trust_remote_code` (left unset, transformers would ask on the terminal and wait).
+
+Memory: `AutoTokenizer.from_pretrained` parses tokenizer.json in Python (for its added tokens),
+and a class with a constructor of its own (GemmaTokenizer, LlamaTokenizer) parses it again and
+rebuilds the Rust tokenizer from the vocabulary and merges. For Gemma 3's 262k tokens that
+leaves about 265 MiB resident where the Rust tokenizer alone holds about 97 MiB. Where
+tokenizer.json is already what that constructor builds -- a GGUF file's tokenizer, which rein
+wrote with transformers' `save_pretrained` (rein.model.files) -- or the class is transformers'
+generic one (which loads the file as it is), `load_tokenizer` loads the file straight into
+the Rust tokenizer, once, inside an object of the same class (`lean_tokenizer`).
 """
 
 from __future__ import annotations
@@ -23,6 +32,11 @@ from rein.model.files import ModelNotFoundError, download_from_hub, looks_local
 REMOTE_CODE_HINT = ("rein runs it only with --trust-remote-code (REIN_TRUST_REMOTE_CODE=true, "
                     "rein.LLM(trust_remote_code=True)), which lets that code run with this process's rights: "
                     "read it first")
+# Files besides tokenizer.json, tokenizer_config.json and chat_template.jinja that AutoTokenizer
+# reads: a directory holding one is left to it (`lean_tokenizer`); the legacy ones only where
+# tokenizer_config.json has no added_tokens_decoder (transformers reads them only then).
+OTHER_TOKENIZER_FILES = ("chat_template.json", "chat_templates")
+LEGACY_TOKENIZER_FILES = ("special_tokens_map.json", "added_tokens.json")
 TEMPLATE_MARKS = ("{{", "{%", "\n")   # text holding one of these is a template, not a file name
 
 
@@ -59,10 +73,55 @@ def load_tokenizer(model_directory: Path, options: TokenizerOptions = TokenizerO
     template = read_chat_template(options.chat_template) if options.chat_template is not None else None
     directory = tokenizer_directory(options) if options.tokenizer is not None else model_directory
     check_tokenizer_code(directory, options.trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=options.trust_remote_code)
+    tokenizer = lean_tokenizer(directory)
+    if tokenizer is None:
+        tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=options.trust_remote_code)
     if template is not None:
         tokenizer.chat_template = template
     return tokenizer
+
+
+def lean_tokenizer(directory: Path) -> Any:
+    """The tokenizer in `directory` with tokenizer.json loaded once, straight into the Rust
+    tokenizer, as an object of the class tokenizer_config.json names; None where that could
+    differ from what AutoTokenizer loads (then it loads it)."""
+    config_path, tokenizer_json = directory / "tokenizer_config.json", directory / "tokenizer.json"
+    if not (config_path.is_file() and tokenizer_json.is_file()):
+        return None
+    config = json.loads(config_path.read_text())
+    others = OTHER_TOKENIZER_FILES + (() if "added_tokens_decoder" in config else LEGACY_TOKENIZER_FILES)
+    if any((directory / other).exists() for other in others):
+        return None   # files that AutoTokenizer merges in; this loader reads none of them
+    if config.get("auto_map"):
+        return None
+    from transformers import TokenizersBackend
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    name = config.get("tokenizer_class")
+    cls = tokenizer_class_from_name(name) if name else None
+    if cls is None or not issubclass(cls, TokenizersBackend):
+        return None
+    if cls is not TokenizersBackend:
+        if not is_gguf_view(directory):
+            return None   # its constructor may build something other than the file (transformers' fixes)
+        if any(callable(value) for key, value in vars(cls).items() if key not in ("__init__", "model")):
+            return None   # a class with behaviour of its own beyond building the tokenizer
+    # Left out: what describes the files, and the added tokens, which tokenizer.json holds already.
+    for key in ("tokenizer_class", "added_tokens_decoder", "is_local", "local_files_only", "backend"):
+        config.pop(key, None)
+    template = directory / "chat_template.jinja"
+    if template.is_file():
+        config["chat_template"] = template.read_text()
+    tokenizer = cls.__new__(cls)
+    # The generic constructor, which loads tokenizer.json as it is; the class's own would rebuild it.
+    TokenizersBackend.__init__(tokenizer, tokenizer_file=str(tokenizer_json), name_or_path=str(directory), **config)
+    return tokenizer
+
+
+def is_gguf_view(directory: Path) -> bool:
+    """A GGUF file's config and tokenizer as rein wrote them (rein.model.files.gguf_view)."""
+    config = directory / "config.json"
+    return config.is_file() and "rein_gguf_source" in json.loads(config.read_text())
 
 
 def tokenizer_directory(options: TokenizerOptions) -> Path:

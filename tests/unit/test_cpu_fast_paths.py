@@ -197,9 +197,69 @@ def test_loaded_cpu_model_logits_equal_on_both_paths(tiny_models, arch, fast_pat
 
 
 def test_pack_weights_leaves_other_dtypes_and_plain_linears():
-    model = torch.nn.Sequential(Linear(8, 8).bfloat16(), torch.nn.Linear(8, 8))
+    model = torch.nn.Sequential(Linear(8, 8).half(), torch.nn.Linear(8, 8))
     assert linear_module.pack_weights(model) == 0
     assert not model[0].weight.is_mkldnn and not model[1].weight.is_mkldnn
+
+
+@pytest.mark.parametrize("features", [("avx2", "fma", "avx512f"), ("avx512f", "avx512_bf16"), ("amx_bf16",)])
+def test_bfloat16_weights_are_packed_only_where_the_cpu_multiplies_bfloat16(monkeypatch, features):
+    """Packed where oneDNN runs bfloat16 and the CPU has AVX-512-BF16 or AMX; elsewhere (oneDNN
+    converting to float32 inside, unmeasured) the weights stay dense, as before."""
+    monkeypatch.setattr(cpu_paths, "cpu_features", lambda: features)
+    cpu_paths.reset()
+    try:
+        native = features != ("avx2", "fma", "avx512f")
+        on_onednn = torch.bfloat16 in cpu_paths.onednn_dtypes()
+        assert (torch.bfloat16 in cpu_paths.packed_dtypes()) == (on_onednn and native)
+        model = torch.nn.Sequential(Linear(8, 8).bfloat16())
+        assert linear_module.pack_weights(model) == (1 if on_onednn and native else 0)
+        assert ("linear: oneDNN packed (bfloat16)" in cpu_paths.describe(torch.bfloat16)) == (on_onednn and native)
+    finally:
+        monkeypatch.undo()
+        cpu_paths.reset()
+
+
+needs_packed_bfloat16 = pytest.mark.skipif(torch.bfloat16 not in cpu_paths.packed_dtypes(),
+                                           reason="bfloat16 weights are not packed on this CPU")
+
+
+@needs_packed_bfloat16
+def test_packed_bfloat16_weights_give_torchs_bfloat16_outputs():
+    """Against torch's own bfloat16 F.linear on the dense weights: both round the products'
+    float32 sums to bfloat16, so they differ by the summation order, within a bfloat16 step."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(Linear(96, 160, bias=True), Linear(160, 96, bias=False)).bfloat16()
+    dense = [(m.weight.detach().clone(), None if m.bias is None else m.bias.detach().clone()) for m in model]
+    inputs = [torch.randn(rows, 96, dtype=torch.bfloat16) for rows in (1, 3, 32, 300)] + \
+        [torch.randn(2, 5, 96, dtype=torch.bfloat16)]
+    with torch.inference_mode():
+        assert linear_module.pack_weights(model) == 2
+        for x in inputs:
+            want = x
+            for weight, bias in dense:
+                want = torch.nn.functional.linear(want, weight, bias)
+            got = model(x)
+            assert got.dtype == torch.bfloat16 and got.shape == want.shape
+            torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert all(m.weight.is_mkldnn for m in model)
+
+
+@needs_packed_bfloat16
+def test_a_bfloat16_model_loads_packed_with_its_tied_head(tiny_models):
+    from rein.model.files import resolve_model
+    from rein.model.loader import load_model
+    from rein.model.spec import ModelSpec
+
+    files = resolve_model(tiny_models(arch="qwen2"))
+    spec = ModelSpec.from_dir(files.directory)
+    model = load_model(files, spec, 64, torch.bfloat16, torch.device("cpu"))
+    assert model.layers[0].mlp.down_proj.weight.is_mkldnn and model.packed_tied_head is not None
+    hidden = torch.randn(5, spec.hidden_size, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        logits = model.compute_logits(hidden)
+    want = torch.nn.functional.linear(hidden, model.embed_tokens.weight)
+    torch.testing.assert_close(logits.float(), want.float(), rtol=2e-2, atol=2e-2)
 
 
 def test_keep_freed_memory_can_be_disabled(monkeypatch):

@@ -11,7 +11,9 @@ the time of `F.linear` for every step shape from 8 rows up: SmolLM2's four proje
 this is the largest single CPU speed-up. Results are float32 both ways; only the order of the
 additions differs (differences of about 1e-7 relative).
 
-Once loaded, a CPU float32 model's Linear weights are prepacked (`pack_weights`): oneDNN
+Once loaded, a CPU float32 model's Linear weights are prepacked (`pack_weights`), and a
+bfloat16 model's where the CPU has AVX-512-BF16 or AMX (rein.kernels.cpu_paths.packed_dtypes;
+bench/bf16_weights.py: half float32's time, and 0.6-0.94x bfloat16 on dense weights): oneDNN
 reorders each weight once into its blocked layout, which it otherwise redoes inside every call.
 The packed tensor replaces the dense one (no second copy in memory) and serves every row count.
 Measured on the second benchmark machine (Intel Xeon with AVX-512, 1 thread, SmolLM2's 30
@@ -22,7 +24,7 @@ The embedding table stays dense (a lookup); a tied head gets a packed copy of it
 (LlamaFamilyModel.pack_cpu_weights). Everything else -- CUDA, float16, a dtype oneDNN has no
 primitive for on this CPU (bfloat16 without AVX-512-BF16 or AMX: rein.kernels.cpu_paths
 probes each dtype once), a single row on a dense weight, autograd, REIN_CPU_FAST_PATHS=0 --
-keeps `F.linear`.
+keeps `F.linear`; bfloat16 on a CPU without those instructions runs oneDNN on the dense weight.
 
 On CUDA a matmul of at most 64 rows (a decode step) may instead run rein's split-K Triton
 kernel (rein.kernels.triton_small_gemm) when REIN_CUDA_SMALL_GEMM=triton, the MLP's down
@@ -40,7 +42,7 @@ from torch import nn
 
 from rein.core.settings import setting_or_default
 from rein.kernels import use_triton
-from rein.kernels.cpu_paths import onednn_dtypes
+from rein.kernels.cpu_paths import onednn_dtypes, packed_dtypes
 from rein.kernels.quantized import CpuPanels, QuantizedWeight, quantized_linear
 
 # Below this many rows F.linear is as fast (a decode step of one or two requests).
@@ -52,16 +54,17 @@ PACK_ROWS_HINT = 32
 
 
 def pack_weights(model: nn.Module) -> int:
-    """Replace every float32 CPU `Linear` weight of `model` by oneDNN's packed copy; returns
-    how many were packed (0 where float32 does not run on oneDNN here). For inference only:
-    packed weights take no grad."""
-    if torch.float32 not in onednn_dtypes():
+    """Replace every CPU `Linear` weight of `model` in a dtype of `cpu_paths.packed_dtypes()`
+    (float32; bfloat16 where the CPU multiplies it in hardware) by oneDNN's packed copy; returns
+    how many were packed. For inference only: packed weights take no grad."""
+    dtypes = packed_dtypes()
+    if not dtypes:
         return 0
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (isinstance(module, Linear) and weight is not None and weight.numel() and not weight.is_mkldnn
-                and weight.device.type == "cpu" and weight.dtype == torch.float32):
+                and weight.device.type == "cpu" and weight.dtype in dtypes):
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), PACK_ROWS_HINT)
             module.weight = nn.Parameter(packed, requires_grad=False)
             count += 1

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from rein.kernels import elementwise
+from rein.kernels.cpu_paths import packed_dtypes
 from rein.kernels.quantized import quantized_linear
 from rein.model.architectures.linear import (
     PACK_ROWS_HINT,
@@ -201,7 +202,7 @@ class LlamaFamilyModel(nn.Module):
         vocab x hidden more memory (113 MB on SmolLM2-135M), as vLLM's CPU build keeps one:
         the logits of a decode step at 8-32 rows took 16-23 ms unpacked, 11-20 ms packed."""
         if pack_weights(self) and self.lm_head is None and self.can_generate \
-                and self.embed_tokens.quantized is None and self.embed_tokens.weight.dtype == torch.float32:
+                and self.embed_tokens.quantized is None and self.embed_tokens.weight.dtype in packed_dtypes():
             self.packed_tied_head = torch.ops.mkldnn._reorder_linear_weight(
                 self.embed_tokens.weight.detach(), PACK_ROWS_HINT)
 
