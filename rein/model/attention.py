@@ -19,6 +19,7 @@ so (`windowed`), and the step's metadata then carries their slots and block tabl
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -26,10 +27,18 @@ import torch
 from rein import kernels
 from rein.core.settings import setting_or_default
 
-try:   # recent torch only; without it every prefill takes the Triton kernel
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:
-    varlen_attn = None
+
+def varlen_attn(*args, **kwargs) -> torch.Tensor:
+    """torch's flash varlen attention, imported on first use: its module imports torch._dynamo
+    (with sympy and triton, about 130 MiB resident), which a CPU engine never needs."""
+    from torch.nn.attention.varlen import varlen_attn as attend
+    return attend(*args, **kwargs)
+
+
+@functools.cache
+def has_varlen_attn() -> bool:
+    """Recent torch only; without it every prefill takes the Triton kernel."""
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
 
 
 @dataclass
@@ -144,7 +153,7 @@ def flash_prefill(q: torch.Tensor, meta: AttentionMetadata) -> bool:
     """Whether this step's prefill runs torch's flash varlen attention over its own K/V: on CUDA
     in fp16/bf16, selected (REIN_CUDA_PREFILL_ATTENTION=flash), no prompt with a cached prefix."""
     return (meta.prefill_without_prefix and q.device.type == "cuda" and q.dtype in (torch.float16, torch.bfloat16)
-            and varlen_attn is not None and cuda_prefill_flash())
+            and has_varlen_attn() and cuda_prefill_flash())
 
 
 @functools.cache
