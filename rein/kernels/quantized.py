@@ -385,7 +385,6 @@ def cpu_panels(weight: QuantizedWeight | CpuPanels) -> CpuPanels:
 # that is smaller: Q6_K's 16) to int8 with a float scale, as llama.cpp's Q8_0, and multiplied
 # with integer dot products (csrc/quantized_matmul_int8act.c).
 ACT_BLOCK = 32
-QUANTIZED_ACTIVATIONS = ("float32", "int8")
 
 
 def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
