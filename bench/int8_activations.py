@@ -130,7 +130,7 @@ def model_logits(engine, prompts: list[list[int]], outputs: list[list[int]]):
             engine.add_request(f"tf{i}", prompt + out, SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
             while engine.has_unfinished():
                 engine.step()
-            if len(captured) != 1:
+            if len(captured) != 1 or captured[0].shape[0] != len(prompt) + len(out):
                 raise RuntimeError("the teacher-forced prefill did not run as one step")
             with torch.inference_mode():
                 logits.append(model.compute_logits(captured[0][len(prompt) - 1:len(prompt) + len(out) - 1]).float())
@@ -175,7 +175,8 @@ def bench_model(args: argparse.Namespace) -> dict:
     for label, (quantization, activations) in ways.items():
         engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", quantization=quantization,
                                         quantized_activations=activations, max_num_seqs=args.prompts,
-                                        max_model_len=longest, max_num_batched_tokens=max(2048, longest)))
+                                        max_model_len=longest, max_num_batched_tokens=max(2048, longest),
+                                        enable_prefix_caching=False))   # teacher forcing prefills all
         with torch.inference_mode():
             started = time.perf_counter()
             tokens = greedy(engine, prompts, args.output_tokens)
