@@ -14,7 +14,13 @@ import torch
 from rein.core.images import DEFAULT_MAX_IMAGE_PIXELS
 from rein.core.tool_call_parser_names import TOOL_CALL_PARSERS
 from rein.engine.generation_defaults import check_generation_config
-from rein.engine.options import AUTO, DTYPES, KV_CACHE_DTYPES, QUANTIZED_ACTIVATIONS, check_tensor_parallel_size
+from rein.engine.options import (
+    AUTO,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZED_ACTIVATIONS,
+    check_tensor_parallel_size,
+)
 from rein.model.implementation_names import check_model_impl
 from rein.model.quant.names import check_quantization
 
