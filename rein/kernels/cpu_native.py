@@ -265,7 +265,6 @@ def _bind_int8act(lib: ctypes.CDLL) -> None:
     lib.quantized_matmul_int8act.argtypes = [p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_int,
                                              ctypes.c_int]
     lib.quantized_matmul_int8act.restype = ctypes.c_int
-    lib.int8act_mp.restype = ctypes.c_int
 
 # --- end of the int8-activation block ----------------------------------------------------------
 

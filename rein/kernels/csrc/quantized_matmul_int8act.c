@@ -239,8 +239,6 @@ static void int8_rows(const int8_t *xq, const float *xd, const float *xsum, int6
 #undef I8_TILE
 }
 
-int int8act_mp(void) { return I8_MP; }
-
 /* x [rows, cols] float32 (rows x_stride floats apart) quantized per row and block of ablock
  * columns, times w [n_out, cols] transposed (the panel layout above, ceil(n_out / 16) panels) ->
  * out [rows, n_out] (rows out_stride floats apart), plus bias [n_out] when not NULL. bits: 4
