@@ -257,7 +257,10 @@ int quantized_matmul_int8act(const float *x, int64_t x_stride, const uint8_t *q,
         return -2;
     }
     const int parallel = num_threads > 1 && n_out * cols >= I8_PARALLEL_MIN_WEIGHTS;
-    #pragma omp parallel for num_threads(num_threads) if (parallel && rows > 1) schedule(static)
+    /* A decode step's few rows are quantized in microseconds: a thread team of their own would
+     * cost more (and on a busy machine, a wait for every thread to be scheduled). */
+    #pragma omp parallel for num_threads(num_threads) if (num_threads > 1 && rows * cols >= I8_PARALLEL_MIN_WEIGHTS) \
+        schedule(static)
     for (int64_t m = 0; m < rows; m++)
         quantize_row(x + m * x_stride, cols, ablock, xq + m * cols, xd + m * blocks, xsum + m * blocks);
     const int64_t panels = (n_out + I8_PANEL - 1) / I8_PANEL, groups = cols / group;
