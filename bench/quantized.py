@@ -1,7 +1,8 @@
 """Quantized weights: GGUF files kept quantized in rein, against the same files dequantized to
 float32 in rein, against llama.cpp on the same files.
 
-    python bench/quantized.py [--models smollm2,gemma3] [--batches 1,8,32] [--systems quantized,dequantized,llamacpp]
+    python bench/quantized.py [--models smollm2,gemma3] [--batches 1,8,32]
+                              [--systems quantized,int8,dequantized,llamacpp]
                               [--prompt-tokens 128] [--output-tokens 128] [--threads N]
                               [--llamacpp-python PATH] [--cache-dir ~/.cache/rein/bench]
 
@@ -10,6 +11,8 @@ Models: `rein fetch-model`'s SmolLM2-135M-Instruct (Q4_1, its embedding Q8_0) an
 
 Systems, each in a child process of its own (so each peak RSS is its own), one after the other:
 * rein, quantized: `--quantization auto`, the file's blocks repacked (rein.model.quant);
+* rein, int8: the same with `--quantized-activations int8` (activations quantized per block of
+  32 to int8 and integer dot products, as llama.cpp does; rein.kernels.quantized.Int8Panels);
 * rein, dequantized: `--quantization none`, every tensor float32 (rein before this);
 * llama.cpp: llama-cpp-python built from source for this CPU in its own venv under
   --cache-dir (bench/peers_llamacpp.py, never a rein dependency), driven through its low-level
@@ -43,7 +46,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-SYSTEMS = ("quantized", "dequantized", "llamacpp")
+SYSTEMS = ("quantized", "int8", "dequantized", "llamacpp")
 MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
 TARGETS = {"quantized_over_dequantized_at_8": 1.5, "rein_over_llamacpp_at_8": 1.2,
            "rein_over_llamacpp_at_32": 1.2, "rss_over_llamacpp": 1.3}
@@ -91,6 +94,7 @@ def rein_child() -> int:
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig(
         model=job["model"], device="cpu", dtype="float32", quantization=job["quantization"],
+        quantized_activations=job["quantized_activations"],
         max_num_seqs=job["parallel"], max_model_len=longest + 16, kv_cache_memory=job["kv_bytes"]))
     load_seconds = time.perf_counter() - started
     rss_loaded = current_rss()
@@ -113,7 +117,7 @@ def current_rss() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def run_rein(model: Path, quantization: str, requests: dict, threads: int) -> dict:
+def run_rein(model: Path, quantization: str, activations: str, requests: dict, threads: int) -> dict:
     import torch
 
     from rein.model.files import resolve_model
@@ -122,7 +126,8 @@ def run_rein(model: Path, quantization: str, requests: dict, threads: int) -> di
     spec = resolve_model(str(model)).spec
     longest = max(len(p) + m for p, m in zip(requests["prompts"], requests["max_tokens"], strict=True))
     kv_bytes = spec.kv_bytes_per_token(torch.float32) * requests["parallel"] * (longest + 32)
-    job = {**requests, "model": str(model), "quantization": quantization, "threads": threads, "kv_bytes": kv_bytes}
+    job = {**requests, "model": str(model), "quantization": quantization, "quantized_activations": activations,
+           "threads": threads, "kv_bytes": kv_bytes}
     proc = subprocess.run([sys.executable, __file__, "--child"], input=json.dumps(job), capture_output=True,
                           text=True, timeout=3600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{\"output_tokens\"")]
@@ -139,17 +144,18 @@ def mib(n: int | None) -> str:
 
 def print_table(model: str, rows: dict, systems: list[str]) -> None:
     print(f"\n{model}: output tok/s (peak RSS MiB)")
-    print(f"{'batch':>6} " + " ".join(f"{s:>22}" for s in systems) + "   q/deq   rein/llama.cpp")
+    print(f"{'batch':>6} " + " ".join(f"{s:>22}" for s in systems) + "   q/deq   rein/llama.cpp   int8/llama.cpp")
     for batch, result in rows.items():
         cells = []
         for system in systems:
             r = result.get(system, {})
             cells.append(f"{'error' if 'error' in r else format(r.get('output_tps', 0), '.1f')} "
                          f"({mib(r.get('peak_rss_bytes'))})".rjust(22))
-        q, d, ll = (result.get(s, {}).get("output_tps") for s in SYSTEMS)
+        q, i8, d, ll = (result.get(s, {}).get("output_tps") for s in SYSTEMS)
         ratio = f"{q / d:5.2f}x" if q and d else "    -"
         peer = f"{q / ll:5.2f}x" if q and ll else "    -"
-        print(f"{batch:>6} " + " ".join(cells) + f"   {ratio}   {peer}")
+        int8_peer = f"{i8 / ll:5.2f}x" if i8 and ll else "    -"
+        print(f"{batch:>6} " + " ".join(cells) + f"   {ratio}   {peer:>14}   {int8_peer:>14}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,13 +204,18 @@ def main(argv: list[str] | None = None) -> int:
                     result = run_llamacpp(llama_python, {**requests, "model": str(model), "threads": args.threads},
                                           timeout=3600)
                 else:
-                    result = run_rein(model, "auto" if system == "quantized" else "none", requests, args.threads)
+                    result = run_rein(model, "none" if system == "dequantized" else "auto",
+                                      "int8" if system == "int8" else "float32", requests, args.threads)
                 rows[batch][system] = result
                 shown = result.get("error") or f"{result['output_tps']:.1f} tok/s, peak RSS {mib(result['peak_rss_bytes'])} MiB"
                 print(f"  batch {batch:>2} {system:>11}: {shown}", flush=True)
             firsts = {s: rows[batch][s].pop("tokens") for s in systems if "tokens" in rows[batch][s]}
             if "quantized" in firsts and "dequantized" in firsts:
                 rows[batch]["rein_same_tokens"] = firsts["quantized"] == firsts["dequantized"]
+            if "int8" in firsts and "dequantized" in firsts:   # int8 activations are not exact: a share
+                pairs = [(a, b) for x, y in zip(firsts["int8"], firsts["dequantized"], strict=True)
+                         for a, b in zip(x, y, strict=True)]
+                rows[batch]["int8_same_first_tokens"] = sum(a == b for a, b in pairs) / len(pairs)
         print_table(key, rows, systems)
         report["models"][key] = rows
     print(json.dumps(report))

@@ -501,6 +501,9 @@ class Settings(BaseSettings):
     quantization: str = "auto"
     """Weights: auto (the checkpoint's own: GGUF, AWQ, GPTQ kept quantized), none (all dequantized
     to the dtype), int8, int4, int4-g32/64/128/256 (float projections quantized at load)."""
+    quantized_activations: Literal["float32", "int8"] = "float32"
+    """CPU quantized weights: float32 multiplies the activations as they are; int8 quantizes them per row
+    and block of 32 to int8 first and uses integer dot products (faster at large batch, approximate)."""
     worker_interactive_slots: int | None = Field(None, ge=0)
     """Jobs a worker takes from its model's interactive queue beyond max_num_seqs, so that an
     interactive job is taken (and, by its priority, admitted by the engine) while batch jobs
@@ -663,7 +666,8 @@ ENGINE_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "interactive_step_bud
                  "enforce_eager", "enable_prefix_caching", "async_scheduling", "seed", "generation_config", "model_impl", "tokenizer",
                  "revision", "tokenizer_revision", "chat_template", "trust_remote_code", "tensor_parallel_size",
                  "quantization", "reasoning_parser", "enable_lora", "max_loras", "max_cpu_loras", "max_lora_rank",
-                 "tool_call_parser", "max_num_encoder_tokens", "encoder_cache_tokens", "max_image_pixels")
+                 "tool_call_parser", "max_num_encoder_tokens", "encoder_cache_tokens", "max_image_pixels",
+                 "quantized_activations")
 
 
 class _EngineSettingsBase(BaseSettings):

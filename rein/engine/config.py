@@ -14,7 +14,13 @@ import torch
 from rein.core.images import DEFAULT_MAX_IMAGE_PIXELS
 from rein.core.tool_call_parser_names import TOOL_CALL_PARSERS
 from rein.engine.generation_defaults import check_generation_config
-from rein.engine.options import AUTO, DTYPES, KV_CACHE_DTYPES, check_tensor_parallel_size
+from rein.engine.options import (
+    AUTO,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    QUANTIZED_ACTIVATIONS,
+    check_tensor_parallel_size,
+)
 from rein.model.implementation_names import check_model_impl
 from rein.model.quant.names import check_quantization
 
@@ -100,6 +106,10 @@ class EngineConfig:
     quantization (vLLM's name): auto keeps the checkpoint's own (GGUF blocks, AWQ, GPTQ kept
     quantized; float stays float), none dequantizes everything to `dtype`, int8 / int4 /
     int4-gN quantize a float checkpoint's projections at load (rein.model.quant.checkpoint).
+    quantized_activations: on the CPU, what quantized weights multiply -- float32 activations as
+    they are (the default), or int8: each row's activations quantized per block of 32 to int8
+    with a float scale (llama.cpp's Q8_0) and integer dot products (AVX-512 VNNI, AVX2), faster
+    at large batch and not exact (rein.kernels.quantized.Int8Panels; bench/int8_activations.py).
     interactive_step_budget: while a request with interactive priority (below PRIORITY_BATCH) is
     in the engine, a step holds at most this many batch-priority tokens (decodes 1 each, prefill
     chunks their length), so that interactive requests' steps cost near what they cost idle; the
@@ -143,6 +153,7 @@ class EngineConfig:
     trust_remote_code: bool = False
     tensor_parallel_size: int = 1
     quantization: str = "auto"
+    quantized_activations: str = "float32"
     interactive_step_budget: int | str | None = "auto"
     enable_lora: bool = False
     max_loras: int = 8
@@ -193,6 +204,9 @@ class EngineConfig:
                 f"max_num_batched_tokens must be at least 1, got {self.max_num_batched_tokens}"
             )
         check_quantization(self.quantization)
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(f"quantized_activations {self.quantized_activations!r}: use one of "
+                             f"{', '.join(QUANTIZED_ACTIVATIONS)}")
         check_tensor_parallel_size(self.tensor_parallel_size)
         self.interactive_step_budget = resolve_step_budget(self.interactive_step_budget, self.device)
         if isinstance(self.max_model_len, str) and self.max_model_len != AUTO:

@@ -56,7 +56,7 @@ from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
 from rein.engine.scheduler_output import ScheduledRequest
 from rein.engine.step_outputs import TokenLogprob
-from rein.kernels import cpu_native, cpu_paths
+from rein.kernels import cpu_native, cpu_paths, quantized
 from rein.model.attention import AttentionMetadata, LayerCache
 from rein.model.capacity import KVCapacity, fit_max_model_len, kv_capacity
 from rein.model.cpu_allocator import keep_freed_memory
@@ -185,6 +185,9 @@ class ModelRunner:
         self.model = load_model(files, spec, self.max_model_len, self.dtype, self.device,
                                 trust_remote_code=config.trust_remote_code, group=group,
                                 quantization=config.quantization)
+        if config.quantized_activations == "int8" and self.device.type == "cpu":
+            repacked = quantized.with_int8_activations(self.model)
+            log.info("int8 activations: %d quantized weights take the int8 kernel", repacked)
         if self.device.type == "cpu":
             # Large step tensors reuse heap memory (rein.model.cpu_allocator) -- from here on,
             # so the load's one-off buffers went back to the system; the log names every fast

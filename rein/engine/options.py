@@ -27,6 +27,8 @@ from rein.model.quant.names import QUANTIZATIONS
 # which resolves them to torch dtypes; defined here because this module imports no torch.
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = (*DTYPES, "int8")
+# --quantized-activations: what CPU quantized weights multiply (rein.kernels.quantized.Int8Panels).
+QUANTIZED_ACTIVATIONS = ("float32", "int8")
 
 AUTO = "auto"      # --max-model-len auto: the longest context the KV cache holds (rein.engine.model_runner)
 
@@ -137,6 +139,9 @@ ENGINE_OPTIONS: tuple[EngineOption, ...] = (
                  "(groups of 128, or int4-gN) quantize a float checkpoint's projections at load; awq, gptq, gguf "
                  "(vLLM's names) are auto for a checkpoint of that method",
                  choices=QUANTIZATIONS),
+    EngineOption("quantized_activations", "CPU quantized weights: float32 multiplies the activations as they "
+                 "are; int8 quantizes them per row and block of 32 (llama.cpp's Q8_0) and uses integer dot "
+                 "products: faster at large batch, not exact", choices=QUANTIZED_ACTIVATIONS),
     EngineOption("seed", "engine seed: seeds the sampling of requests that give no seed", int, "N"),
     EngineOption("generation_config", "sampling defaults of requests: auto (the model's generation_config.json), "
                  "vllm (built-in; none is the same), or a folder holding a generation_config.json",

@@ -49,7 +49,8 @@ log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "prefill_attention_cpu.c", CSRC / "elementwise_cpu.c",
-           CSRC / "quantized_matmul_cpu.c", CSRC / "lora_cpu.c", CSRC / "instruction_set.c")
+           CSRC / "quantized_matmul_cpu.c", CSRC / "lora_cpu.c", CSRC / "instruction_set.c",
+           CSRC / "quantized_matmul_int8act.c")
 HEADERS = (CSRC / "fast_exp.h", CSRC / "kv_types.h")
 # The target CPU: this one. The sources pick AVX-512, AVX2+FMA or plain loops by what it has
 # (instruction_set.c); the tests also build for the x86-64 baseline to run the plain loops.
@@ -252,6 +253,35 @@ def quantized_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) 
     return out if rc == 0 else None
 
 
+# --- int8-activation quantized matmul (csrc/quantized_matmul_int8act.c) ---------------------------
+
+def quantized_matmul_int8act(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [rows, cols] float32 @ w.T (+ bias) for a `rein.kernels.quantized.Int8Panels` weight, x
+    quantized to int8 per row and block of `weight.act_block` columns first; None where the kernel
+    does not apply (the caller dequantizes instead)."""
+    if not (_f32_cpu(x) and x.dim() == 2 and x.stride(1) == 1 and weight.q.device.type == "cpu"
+            and (bias is None or (_f32_cpu(bias) and bias.is_contiguous()))):
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
+    rc = lib.quantized_matmul_int8act(
+        x.data_ptr(), x.stride(0), weight.q.data_ptr(), weight.scale.data_ptr(), weight.offset.data_ptr(),
+        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], weight.rows,
+        weight.cols, weight.group, weight.act_block, weight.layout_bits, torch.get_num_threads())
+    return out if rc == 0 else None
+
+
+def _bind_int8act(lib: ctypes.CDLL) -> None:
+    p, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.quantized_matmul_int8act.argtypes = [p, i64, p, p, p, p, p, i64, i64, i64, i64, i64, i64, ctypes.c_int,
+                                             ctypes.c_int]
+    lib.quantized_matmul_int8act.restype = ctypes.c_int
+
+# --- end of the int8-activation block ----------------------------------------------------------
+
+
 def lora_apply(x: torch.Tensor, out: torch.Tensor, offset: int, lora_a: torch.Tensor, lora_b: torch.Tensor,
                order: torch.Tensor, chunks: torch.Tensor, live: torch.Tensor) -> bool:
     """out[t, offset:offset + N] += lora_b[s] @ (lora_a[s] @ x[t]) for every token t of a live
@@ -434,5 +464,6 @@ def _load() -> ctypes.CDLL:
     for name in ("rms_norm_f32", "add_rms_norm_f32", "silu_and_mul_f32", "rotary_inplace_f32"):
         getattr(lib, name).restype = None
     lib.rein_instruction_set.restype = ctypes.c_int
+    _bind_int8act(lib)
     log.info("native CPU kernels: %s (%s)", target.name, INSTRUCTION_SETS.get(lib.rein_instruction_set()))
     return lib

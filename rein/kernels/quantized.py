@@ -380,11 +380,168 @@ def cpu_panels(weight: QuantizedWeight | CpuPanels) -> CpuPanels:
     return weight if isinstance(weight, CpuPanels) else CpuPanels.from_weight(weight)
 
 
-def quantized_linear(x: torch.Tensor, weight: QuantizedWeight | CpuPanels,
+# --- int8 activations (`--quantized-activations int8`) -------------------------------------------
+# Activations are quantized per row and per block of ACT_BLOCK columns (the weight's group where
+# that is smaller: Q6_K's 16) to int8 with a float scale, as llama.cpp's Q8_0, and multiplied
+# with integer dot products (csrc/quantized_matmul_int8act.c).
+ACT_BLOCK = 32
+
+
+def quantize_activations(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, cols] float32 -> (int8 [rows, cols], scale float32 [rows, cols / block]) with
+    x ~ q * scale per block: scale = amax / 127, q = round(x / scale) (half to even), the C
+    kernel's own arithmetic, so its integers are these."""
+    rows, cols = x.shape
+    blocks = x.float().reshape(rows, cols // block, block)
+    d = blocks.abs().amax(-1, keepdim=True) / 127.0
+    inverse = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(blocks * inverse).to(torch.int8)
+    return q.reshape(rows, cols), d.squeeze(-1)
+
+
+@dataclass
+class Int8Panels(_HeldIntegers):
+    """A QuantizedWeight in the int8-activation kernel's layout (csrc/quantized_matmul_int8act.c):
+    unsigned integers u (a source's zero, or 8-bit's sign, shifted out and folded into the
+    offset), w = scale * u + offset per group, rows in panels of 16 and columns in runs whose
+    16 rows hold one 32-bit lane each -- q uint8 [panels, cols * 16 * layout_bits / 8]: 4-bit
+    sources as nibbles (8 columns a run), every other width a byte a weight (4 a run); scale and
+    offset float32 [panels, cols / group, 16]."""
+
+    bits: int
+    q: torch.Tensor
+    scale: torch.Tensor
+    offset: torch.Tensor
+    group: int
+    rows: int
+    cols: int
+    source: str = ""
+    scale_sub = None
+    offset_sub = None
+
+    @property
+    def layout_bits(self) -> int:
+        return 4 if self.bits == 4 else 8
+
+    @property
+    def act_block(self) -> int:
+        """Columns per activation scale: ACT_BLOCK, or the weight's group where smaller."""
+        return min(ACT_BLOCK, self.group)
+
+    @classmethod
+    def applies_to(cls, weight: QuantizedWeight | CpuPanels) -> bool:
+        """Whether the layout holds this weight: groups a multiple of the activation block."""
+        return weight.group % min(ACT_BLOCK, weight.group) == 0 and min(ACT_BLOCK, weight.group) % 8 == 0
+
+    @classmethod
+    def from_weight(cls, weight: QuantizedWeight | CpuPanels) -> Int8Panels:
+        panels, cols = -(-weight.rows // PANEL), weight.cols
+        layout_bits = 4 if weight.bits == 4 else 8
+        q = torch.empty(panels, cols * PANEL * layout_bits // 8, dtype=torch.uint8)
+        groups = cols // weight.group
+        scale = torch.zeros(panels, groups, PANEL)
+        offset = torch.zeros(panels, groups, PANEL)
+        # u = q + 128 for 8 bits (signed), q otherwise; w = s * (u - shift) + o = s * u + (o - shift * s)
+        shift = 128 if weight.bits == 8 else weight.zero
+        for start in range(0, weight.rows, PACK_SLICE_ROWS):
+            count_rows = min(PACK_SLICE_ROWS, weight.rows - start)
+            ints, s, o = _slice_values(weight, start, count_rows)
+            p0, count = start // PANEL, -(-count_rows // PANEL)
+            pad = count * PANEL - count_rows
+            if weight.bits == 8:
+                ints += 128
+            ints = torch.nn.functional.pad(ints, (0, 0, 0, pad)).view(count, PANEL, cols)
+            if layout_bits == 4:   # [panel, run, row, 4]: column 8c + i low, 8c + 4 + i high
+                runs = ints.view(count, PANEL, cols // 8, 2, 4)
+                packed = runs[:, :, :, 0] | (runs[:, :, :, 1] << 4)
+            else:
+                packed = ints.view(count, PANEL, cols // 4, 4)
+            q[p0:p0 + count] = packed.transpose(1, 2).reshape(count, -1).to(torch.uint8)
+            o = torch.zeros_like(s) if o is None else o
+            if shift:
+                o = o - float(shift) * s
+            for mine, theirs in ((scale, s), (offset, o)):
+                padded = torch.nn.functional.pad(theirs, (0, 0, 0, pad))
+                mine[p0:p0 + count] = padded.view(count, PANEL, groups).transpose(1, 2)
+        return cls(weight.bits, q, scale, offset, weight.group, weight.rows, cols, weight.source)
+
+    def unsigned(self, ids: torch.Tensor) -> torch.Tensor:
+        """The held integers u of rows `ids` -> int32 [n, cols]."""
+        panels, lanes = ids // PANEL, ids % PANEL
+        if self.layout_bits == 4:
+            runs = self.q.view(-1, self.cols // 8, PANEL, 4)[panels, :, lanes].to(torch.int32)
+            return torch.cat([runs & 0x0F, runs >> 4], dim=-1).reshape(ids.numel(), self.cols)
+        return self.q.view(-1, self.cols // 4, PANEL, 4)[panels, :, lanes].to(torch.int32).reshape(ids.numel(), self.cols)
+
+    def rows_of(self, ids: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The dense rows `ids` (an embedding lookup): [*ids.shape, cols]."""
+        flat = ids.reshape(-1)
+        panels, lanes = flat // PANEL, flat % PANEL
+        u = self.unsigned(flat).view(flat.numel(), -1, self.group).to(torch.float32)
+        w = u * self.scale[panels, :, lanes].unsqueeze(-1) + self.offset[panels, :, lanes].unsqueeze(-1)
+        return w.view(flat.numel(), self.cols).to(dtype).view(*ids.shape, self.cols)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return self.rows_of(torch.arange(self.rows), dtype)
+
+
+def _slice_values(weight: QuantizedWeight | CpuPanels, start: int, count: int):
+    """Rows start..start+count of either layout: (integers int32 [count, cols] with the zero not
+    subtracted, group scales float32 [count, groups], group offsets or None)."""
+    if isinstance(weight, QuantizedWeight):
+        part = weight.narrow_rows(start, count)
+        return part.integers(), part.group_scales(), part.group_offsets()
+    ids = torch.arange(start, start + count)
+    panels, lanes = ids // PANEL, ids % PANEL
+    groups = weight.cols // weight.group
+
+    def of_rows(t):
+        return _apply(lambda v: v[panels, :, lanes], t)
+
+    return (weight._integers(panels, lanes), weight._expand(of_rows(weight.scale), of_rows(weight.scale_sub), groups),
+            weight._expand(of_rows(weight.offset), of_rows(weight.offset_sub), groups))
+
+
+def int8_activation_reference(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """What the int8-activation kernel computes, in torch: x quantized per row and block (the
+    kernel's integers and scales), dequantized, times the dequantized weight."""
+    rows = x.reshape(-1, weight.cols).float()
+    q, d = quantize_activations(rows, min(ACT_BLOCK, weight.group))
+    xq = (q.float().view(rows.shape[0], -1, min(ACT_BLOCK, weight.group)) * d.unsqueeze(-1)).view_as(rows)
+    out = torch.nn.functional.linear(xq, weight.dequantize(torch.float32), None if bias is None else bias.float())
+    return out.view(*x.shape[:-1], weight.rows).to(x.dtype)
+
+
+def with_int8_activations(model: torch.nn.Module) -> int:
+    """Every CPU quantized weight a module of `model` holds (`module.quantized`, a CpuPanels)
+    repacked for the int8-activation kernel; returns how many were. Weights whose groups the
+    kernel does not take keep the float32 path."""
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "quantized", None)
+        if isinstance(weight, CpuPanels) and Int8Panels.applies_to(weight):
+            module.quantized = Int8Panels.from_weight(weight)
+            count += 1
+    return count
+
+# --- end of the int8-activation block -------------------------------------------------------------
+
+
+def quantized_linear(x: torch.Tensor, weight: QuantizedWeight | CpuPanels | Int8Panels,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., cols] @ w.T (+ bias) -> [..., rows] in x's dtype, on the weight's device: the C
     kernel on the CPU (a QuantizedWeight is repacked into panels first: the engine does it once
-    at load), Triton on CUDA, dequantize-then-multiply where neither applies."""
+    at load; an Int8Panels weight takes the int8-activation kernel), Triton on CUDA,
+    dequantize-then-multiply where neither applies."""
+    if isinstance(weight, Int8Panels):
+        from rein.kernels import cpu_native
+
+        rows = x.reshape(-1, weight.cols).float()
+        out = cpu_native.quantized_matmul_int8act(rows if rows.stride(1) == 1 else rows.contiguous(), weight,
+                                                  None if bias is None else bias.float())
+        if out is not None:
+            return out.view(*x.shape[:-1], weight.rows).to(x.dtype)
+        return reference_linear(x, weight, bias)
     if x.device.type == "cuda" and isinstance(weight, QuantizedWeight):
         from rein.kernels import use_triton
 

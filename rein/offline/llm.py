@@ -129,7 +129,8 @@ class LLM:
     `tensor_parallel_size` shards the model over that many processes, one device each (on CUDA
     `device` and the ones after it; rein.engine.rank_processes); `quantization` keeps a
     checkpoint's quantized weights (auto), dequantizes them (none) or quantizes a float one
-    (int8, int4, int4-gN: rein.model.quant.checkpoint); `pipeline_parallel_size` must
+    (int8, int4, int4-gN: rein.model.quant.checkpoint), and `quantized_activations="int8"` multiplies
+    quantized weights on the CPU with int8 activations; `pipeline_parallel_size` must
     be 1; `disable_log_stats` is
     accepted and changes nothing. Any other vLLM argument raises
     TypeError rather than being silently ignored.
@@ -165,6 +166,7 @@ class LLM:
         max_in_flight: int | None = None,
         tensor_parallel_size: int = 1,
         quantization: str = "auto",
+        quantized_activations: str = "float32",
         enable_lora: bool = False,
         max_loras: int = 8,
         max_cpu_loras: int | None = None,

@@ -53,7 +53,7 @@ def test_the_commands_share_one_set_of_options(capsys):
             "--chat-template", "--trust-remote-code", "--no-trust-remote-code", "--tensor-parallel-size",
             "--quantization", "--enable-lora", "--no-enable-lora", "--max-loras", "--max-cpu-loras",
             "--max-lora-rank", "--reasoning-parser", "--tool-call-parser", "--max-num-encoder-tokens",
-            "--encoder-cache-tokens", "--max-image-pixels"} == offline
+            "--encoder-cache-tokens", "--max-image-pixels", "--quantized-activations"} == offline
     # what intake applies: the context length, sampling defaults, the tokenizer and template it encodes
     # with, and what it checks LoRA adapters against
     assert engine_flags("api") == {"--max-model-len", "--generation-config", "--tokenizer", "--revision",
@@ -191,15 +191,15 @@ def test_worker_takes_celery_flags(settings):
 
 
 def test_the_flags_choices_are_the_names_the_engine_checks():
-    """--quantization, --model-impl, --dtype and --kv-cache-dtype list the very tuples EngineConfig
+    """--quantization, --model-impl, --dtype, --kv-cache-dtype and --quantized-activations list the very tuples EngineConfig
     checks against, each defined once in a module without torch (rein.model.quant.names,
     rein.model.implementation_names, rein.engine.options): every name listed is taken, others refused."""
-    from rein.engine.options import DTYPES, KV_CACHE_DTYPES, options_by_name
+    from rein.engine.options import DTYPES, KV_CACHE_DTYPES, QUANTIZED_ACTIVATIONS, options_by_name
     from rein.model.implementation_names import MODEL_IMPLS
     from rein.model.quant.names import QUANTIZATIONS
 
     checked = {"quantization": QUANTIZATIONS, "model_impl": MODEL_IMPLS, "dtype": DTYPES,
-               "kv_cache_dtype": KV_CACHE_DTYPES}
+               "kv_cache_dtype": KV_CACHE_DTYPES, "quantized_activations": QUANTIZED_ACTIVATIONS}
     for name, names in checked.items():
         assert options_by_name(name).choices is names
         for value in names:

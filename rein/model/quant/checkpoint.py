@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from rein.kernels.quantized import CpuPanels, QuantizedWeight
+from rein.kernels.quantized import CpuPanels, Int8Panels, QuantizedWeight
 from rein.kernels.quantized_experts import QuantizedExperts
 from rein.model.architectures.weights import Shard, TensorGetter
 from rein.model.quant.methods import (
@@ -69,7 +69,7 @@ def resident_bytes(model: nn.Module) -> int:
     total = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
     for module in model.modules():
         for value in vars(module).values():
-            if isinstance(value, (QuantizedWeight, CpuPanels, QuantizedExperts)):
+            if isinstance(value, (QuantizedWeight, CpuPanels, Int8Panels, QuantizedExperts)):
                 total += value.nbytes()
     return total
 
