@@ -106,8 +106,11 @@ def lean_tokenizer(directory: Path) -> Any:
             return None   # its constructor may build something other than the file (transformers' fixes)
         if any(callable(value) for key, value in vars(cls).items() if key not in ("__init__", "model")):
             return None   # a class with behaviour of its own beyond building the tokenizer
-    # Left out: what describes the files, and the added tokens, which tokenizer.json holds already.
-    for key in ("tokenizer_class", "added_tokens_decoder", "is_local", "local_files_only", "backend"):
+    # Left out: what describes the files, and the added tokens, which tokenizer.json holds already;
+    # add_bos_token / add_eos_token too, as transformers drops them where there is a tokenizer.json
+    # (given, they would rebuild its post-processor: an embedding model's appended EOS lost).
+    for key in ("tokenizer_class", "added_tokens_decoder", "is_local", "local_files_only", "backend",
+                "add_bos_token", "add_eos_token"):
         config.pop(key, None)
     template = directory / "chat_template.jinja"
     if template.is_file():

@@ -61,6 +61,15 @@ def test_a_generic_tokenizer_loads_as_autotokenizer_loads_it(tiny_models, thinki
     assert_same_as_auto(tiny_models(thinking=thinking))
 
 
+def test_an_embedding_tokenizers_appended_eos_is_kept(tiny_models):
+    """Its tokenizer.json's post-processor appends EOS (last-token pooling reads it) while
+    tokenizer_config.json says add_eos_token false: the file wins, as with AutoTokenizer."""
+    directory = tiny_models(embedding="last")
+    assert_same_as_auto(directory)
+    lean = lean_tokenizer(directory)
+    assert lean.encode("hello world")[-1] == lean.eos_token_id
+
+
 def test_a_gguf_files_tokenizer_loads_as_autotokenizer_loads_it(tiny_models, tmp_path, monkeypatch):
     monkeypatch.setenv("REIN_CACHE_DIR", str(tmp_path / "cache"))
     from rein.core.settings import get_settings
