@@ -225,14 +225,20 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return True
 
 
+def _matmul_library(x: torch.Tensor, weight, bias: torch.Tensor | None) -> ctypes.CDLL | None:
+    """The library, where the quantized matmul kernels take these inputs: float32 rows on the
+    CPU with unit column stride, the weight on the CPU, a contiguous float32 bias or none."""
+    if not (_f32_cpu(x) and x.dim() == 2 and x.stride(1) == 1 and weight.q.device.type == "cpu"
+            and (bias is None or (_f32_cpu(bias) and bias.is_contiguous()))):
+        return None
+    return library()
+
+
 def quantized_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [rows, cols] float32 @ w.T (+ bias) for a `rein.kernels.quantized.CpuPanels` weight
     (csrc/quantized_matmul_cpu.c); None where the kernel does not apply (the caller
     dequantizes instead)."""
-    if not (_f32_cpu(x) and x.dim() == 2 and x.stride(1) == 1 and weight.q.device.type == "cpu"
-            and (bias is None or (_f32_cpu(bias) and bias.is_contiguous()))):
-        return None
-    lib = library()
+    lib = _matmul_library(x, weight, bias)
     if lib is None:
         return None
     out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
@@ -259,10 +265,7 @@ def quantized_matmul_int8act(x: torch.Tensor, weight, bias: torch.Tensor | None 
     """x [rows, cols] float32 @ w.T (+ bias) for a `rein.kernels.quantized.Int8Panels` weight, x
     quantized to int8 per row and block of `weight.act_block` columns first; None where the kernel
     does not apply (the caller dequantizes instead)."""
-    if not (_f32_cpu(x) and x.dim() == 2 and x.stride(1) == 1 and weight.q.device.type == "cpu"
-            and (bias is None or (_f32_cpu(bias) and bias.is_contiguous()))):
-        return None
-    lib = library()
+    lib = _matmul_library(x, weight, bias)
     if lib is None:
         return None
     out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
