@@ -58,7 +58,10 @@ TENANT_SHARE = QUEUE_DEPTH // 2
 STREAMS_PER_KEY = 500        # REIN_MAX_STREAMS_PER_KEY: the followers of one key, exactly
 FOLLOW_JOBS = 50             # 25 per tenant ...
 FOLLOWERS_PER_JOB = 20       # ... 500 followers per key, 1,000 in all
-JOB_TOKENS = 64
+# Long enough that no job can end between the last job's first event and the worker's pause
+# (the test reads that event through the API, then stops the worker): at 64 tokens a loaded
+# CI machine lost that race (the tiny model's steps are a few milliseconds).
+JOB_TOKENS = 192
 MAX_NUM_SEQS = 64            # the worker runs all FOLLOW_JOBS at once
 NOFILE_NEEDED = 4096
 TIMEOUT = 120.0
