@@ -42,27 +42,15 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from packed_matmul import time_calls  # noqa: E402  (interleaved per-call minimums and medians)
+
 MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
-
-
-def time_calls(calls: dict, repeats: int) -> dict[str, tuple[float, float]]:
-    """(fastest, median) seconds of each call, interleaved call by call."""
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for call in calls.values():   # warm-up
-        call()
-    for _ in range(repeats):
-        for name, call in calls.items():
-            started = time.perf_counter()
-            call()
-            times[name].append(time.perf_counter() - started)
-    return {name: (min(t), statistics.median(t)) for name, t in times.items()}
 
 
 def bench_kernels(args: argparse.Namespace) -> dict:
