@@ -74,8 +74,10 @@ class _ByteLevelVocab:
 
     A token whose bytes are valid UTF-8 on their own is stored as its text, so the common
     case (no partial character pending) costs one dict lookup and no decoding; any other
-    token is stored as bytes for the UTF-8 decoder. Filled lazily: a request only pays for
-    ids not seen before, and the vocabulary is never walked as a whole.
+    token is stored as bytes for the UTF-8 decoder. Two tables, filled lazily together (a
+    request only pays for ids not seen before, and the vocabulary is never walked as a
+    whole): `entries` for every token, and `entries_skipping`, where the special tokens are
+    "" (skip_special_tokens), so that skipping them costs no lookup of its own.
     """
 
     def __init__(self, backend: Tokenizer) -> None:
@@ -87,15 +89,22 @@ class _ByteLevelVocab:
             i for i, tok in backend.get_added_tokens_decoder().items() if tok.special
         )
         self.entries: dict[int, str | bytes] = {}
+        self.entries_skipping: dict[int, str | bytes] = {}
 
-    def lookup(self, token_id: int) -> str | bytes:
+    def table(self, skip_special_tokens: bool) -> dict[int, str | bytes]:
+        """The table of a stream that skips special tokens or keeps them."""
+        return self.entries_skipping if skip_special_tokens else self.entries
+
+    def lookup(self, token_id: int, skip_special_tokens: bool) -> str | bytes:
+        """A token not in the tables yet: its entry, now in both."""
         data = self._token_bytes(token_id)
         try:
             entry: str | bytes = data.decode("utf-8")
         except UnicodeDecodeError:
             entry = data
         self.entries[token_id] = entry
-        return entry
+        self.entries_skipping[token_id] = "" if token_id in self.special_ids else entry
+        return self.table(skip_special_tokens)[token_id]
 
     def _token_bytes(self, token_id: int) -> bytes:
         token = self.backend.id_to_token(token_id)
@@ -144,40 +153,42 @@ def _backend_of(tokenizer: Any) -> Tokenizer | None:
 class _ByteStream:
     """Byte-level tokenizers: token bytes through an incremental UTF-8 decoder.
 
-    `_pending` holds the bytes of an incomplete trailing character. The decoding is
+    `pending` holds the bytes of an incomplete trailing character. The decoding is
     `codecs.utf_8_decode` with errors="replace", which substitutes maximal invalid
     subparts like Rust's `String::from_utf8_lossy` that tokenizers uses, so even the number
     of U+FFFD matches the full decode. (It is what the codecs incremental decoder does,
     without that wrapper's Python-level overhead.)
     """
 
-    __slots__ = ("_entries", "_lookup", "_skip", "_pending")
+    __slots__ = ("entries", "_vocab", "_skip", "pending")
 
     def __init__(self, vocab: _ByteLevelVocab, skip_special_tokens: bool) -> None:
-        self._entries = vocab.entries
-        self._lookup = vocab.lookup
-        self._skip = vocab.special_ids if skip_special_tokens else frozenset()
-        self._pending = b""
+        # Token id -> its text, or its bytes when they are no UTF-8 of their own; a skipped
+        # special token's text is "" (_ByteLevelVocab.table).
+        self.entries = vocab.table(skip_special_tokens)
+        self._vocab = vocab
+        self._skip = skip_special_tokens
+        self.pending = b""
 
     def push(self, token_id: int) -> str:
-        if token_id in self._skip:
-            return ""
-        entry = self._entries.get(token_id)
+        entry = self.entries.get(token_id)
         if entry is None:
-            entry = self._lookup(token_id)
-        if not self._pending:
+            entry = self._vocab.lookup(token_id, self._skip)
+        if not entry:   # a skipped special token (or an id out of range): no bytes at all
+            return ""
+        if not self.pending:
             if type(entry) is str:  # the common case: nothing to decode
                 return entry
             data = entry
         else:
-            data = self._pending + (entry.encode("utf-8") if type(entry) is str else entry)
+            data = self.pending + (entry.encode("utf-8") if type(entry) is str else entry)
         text, consumed = codecs.utf_8_decode(data, "replace", False)
-        self._pending = data[consumed:]
+        self.pending = data[consumed:]
         return text
 
     def flush(self) -> str:
-        text, _ = codecs.utf_8_decode(self._pending, "replace", True)
-        self._pending = b""
+        text, _ = codecs.utf_8_decode(self.pending, "replace", True)
+        self.pending = b""
         return text
 
 
@@ -249,6 +260,8 @@ class IncrementalDetokenizer:
         "_text",
         "_finished",
         "_unchecked",
+        "_table",
+        "_plain",
     )
 
     def __init__(
@@ -295,6 +308,14 @@ class IncrementalDetokenizer:
         # without looking for stop strings (vLLM's rule), so a stop string cannot end the
         # request before min_tokens either.
         self._unchecked = min_tokens if self._stops else 0
+        # The engine feeds every request's token through `add_token` each step, so its common
+        # case is read inline: `_plain` is the byte-level stream's table while a token whose
+        # entry is text gives that text and nothing else (no partial character pending, not
+        # finished), None otherwise; `_table` the same table whenever that can be, for a
+        # request without stop strings (None: never).
+        stream = self._stream
+        self._table = stream.entries if type(stream) is _ByteStream and not self._stops else None
+        self._plain = self._table
 
     @property
     def text(self) -> str:
@@ -306,9 +327,20 @@ class IncrementalDetokenizer:
 
     def add_token(self, token_id: int) -> str:
         """Feed one generated token; return the new text delta ('' while holding back)."""
+        plain = self._plain
+        if plain is not None:
+            piece = plain.get(token_id)
+            if type(piece) is str:   # `_ByteStream.push` and `_emit`, inline (see `__init__`)
+                if piece:
+                    self._pieces.append(piece)
+                    self._text = None
+                return piece
         if self.stopped or self._finished:
             return ""
-        piece = self._stream.push(token_id)
+        stream = self._stream
+        piece = stream.push(token_id)
+        if self._table is not None:   # a partial character may be pending now, or complete
+            self._plain = None if stream.pending else self._table
         if self._unchecked:   # counted per token, whether it completed any text or not
             self._unchecked -= 1
             return self._emit(piece)
@@ -329,6 +361,7 @@ class IncrementalDetokenizer:
         if self.stopped or self._finished:
             return ""
         self._finished = True
+        self._plain = None
         piece = self._stream.flush()
         if not self._stops:
             return self._emit(piece)

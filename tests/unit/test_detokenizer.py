@@ -13,7 +13,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from rein.engine.detokenizer import IncrementalDetokenizer, _ByteStream, _WindowStream
+from rein.engine.detokenizer import _VOCAB_CACHE, IncrementalDetokenizer, _ByteStream, _WindowStream
 
 CHINESE = "你好，世界！这是一个测试。"
 EMOJI = "😀🎉👨‍👩‍👧 ok"
@@ -166,6 +166,25 @@ def test_special_tokens(tok, skip):
         assert deltas[ids.index(eos)] == ""
     else:
         assert det.text == f"hi{tok.eos_token} there{tok.eos_token}"
+
+
+def test_requests_skipping_and_keeping_special_tokens_share_the_vocabulary_table(tok):
+    # Both read one lazily filled table per tokenizer; a token first looked up by either must
+    # read right for both, a special token in the middle of a split character included.
+    eos = tok.eos_token_id
+    split = tok.encode(EMOJI, add_special_tokens=False)
+    ids = tok.encode("hi", add_special_tokens=False) + [eos] + split[:1] + [eos] + split[1:] + [eos]
+    for skipping_first in (True, False):
+        _VOCAB_CACHE.pop(tok, None)   # every token looked up afresh
+        skipping = IncrementalDetokenizer(tok, [])
+        keeping = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
+        for token_id in ids:
+            for det in (skipping, keeping) if skipping_first else (keeping, skipping):
+                det.add_token(token_id)
+        skipping.finish(), keeping.finish()
+        assert skipping.text == full_decode(tok, ids, True)
+        assert keeping.text == full_decode(tok, ids, False)
+        assert tok.eos_token in keeping.text and tok.eos_token not in skipping.text
 
 
 def test_stop_string_in_a_special_token_counts_only_when_it_is_printed(tok):
