@@ -17,12 +17,14 @@ class ScheduledRequest:
 
     __slots__ = ("request", "start", "num_new_tokens", "end", "samples")
 
-    def __init__(self, request: Request, start: int, num_new_tokens: int) -> None:
+    def __init__(self, request: Request, start: int, num_new_tokens: int, samples: bool | None = None) -> None:
         self.request = request
         self.start = start
         self.num_new_tokens = num_new_tokens
-        self.end = start + num_new_tokens
-        self.samples = self.end == len(request.prompt_token_ids) + len(request.output_token_ids)   # num_tokens
+        self.end = end = start + num_new_tokens
+        # `samples` given: the scheduler knows it already (it read the request's num_tokens).
+        self.samples = end == len(request.prompt_token_ids) + len(request.output_token_ids) \
+            if samples is None else samples
 
 
 @dataclass
