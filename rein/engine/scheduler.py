@@ -564,10 +564,13 @@ class Scheduler:
         `appended`: the sampled tokens are in the requests' outputs already (async scheduling
         appends them before the next step runs, rein.engine.async_scheduling)."""
         kv = self.kv_cache
+        block_size, caching, windows = kv.block_size, kv.enable_caching, kv.windows
         for s in plan.scheduled:
             request = s.request
-            request.num_computed_tokens = s.end
-            kv.mark_computed(request)
+            request.num_computed_tokens = end = s.end
+            # `mark_computed`'s own test, inline: most steps fill no block of most requests.
+            if windows is not None or (caching and end // block_size > request.num_registered_blocks):
+                kv.mark_computed(request)
         if output.prompt_logprobs:
             for request, first, entries in output.prompt_logprobs:
                 # A recompute after preemption scores the same tokens again: replace them.
