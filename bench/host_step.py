@@ -2,7 +2,7 @@
 optionally against an earlier commit.
 
     python bench/host_step.py [--batch 256] [--max-tokens 200] [--steps 120] [--rounds 3]
-                              [--threads 1] [--base REV] [--model-dir DIR]
+                              [--threads 1] [--base REV ...] [--sync-only] [--model-dir DIR]
 
 The tiny random-weight llama (`rein make-tiny-model`, built once into --model-dir) decodes a
 batch of --batch requests (16 prompt tokens each, greedy, ignore_eos, --max-tokens each). Once
@@ -11,11 +11,14 @@ process: both threads under async scheduling). Each measurement runs in a proces
 and the variants alternate round by round (base, off, on, base, off, on, ...) so that drift on
 a shared machine falls on all of them alike; each variant's median round is compared.
 
-Variants: `off` and `on` are this checkout with --no-async-scheduling / --async-scheduling;
-with --base REV, `base` is that commit (checked out into a temporary git worktree, as
-bench/ab_commits.py does), run synchronously as it is. Prints every round, then the medians
-and the ratios on/off and on/base (the figure issue 47 asks for: steps/s at batch 256, at
-least 1.5x the commit before the change); the last line of stdout is one JSON object.
+Variants: `off` and `on` are this checkout with --no-async-scheduling / --async-scheduling
+(--sync-only: `off` alone); with --base REV, `base` is that commit (checked out into a
+temporary git worktree, as bench/ab_commits.py does), run synchronously as it is. --base may
+be given again, for more commits side by side (`base2`, `base3`, ...: the branch point of a
+change, say, beside the commit before issue 47). Prints every round, then the medians and the
+ratios on/off, off/base and on/base (the figure issue 47 asks for, read with async scheduling
+off, its default: steps/s at batch 256, at least 1.5x the commit before the change); the last
+line of stdout is one JSON object.
 
 On a machine other processes load, the wall figures move with them: read `uptime` (printed at
 the start and the end) and prefer the ratios of one run to figures across runs.
@@ -92,7 +95,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=120, help="steps timed per round, in steady decode")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
-    ap.add_argument("--base", help="also measure this commit (synchronous, as it is)")
+    ap.add_argument("--base", action="append", default=[],
+                    help="also measure this commit (synchronous, as it is); may be given again")
+    ap.add_argument("--sync-only", action="store_true", help="leave out `on` (async scheduling)")
     ap.add_argument("--model-dir", default=str(Path.home() / ".cache" / "rein" / "bench" / "tiny-llama"))
     ap.add_argument("--child", choices=("base", "off", "on"), dest="variant", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -106,35 +111,38 @@ def main(argv: list[str] | None = None) -> int:
     figures: dict[str, list[dict]] = {}
     print(f"# batch {args.batch}, {args.steps} steps timed a round, {args.threads} torch thread(s); {uptime()}",
           flush=True)
+    # Each base's label: `base`, then `base2`, `base3`, ...
+    bases = {("base" if i == 0 else f"base{i + 1}"): rev for i, rev in enumerate(args.base)}
     with tempfile.TemporaryDirectory(prefix="rein-host-step-") as tmp:
-        roots = {"off": HEAD, "on": HEAD}
-        if args.base:
-            base = Path(tmp) / "base"
-            subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(base), args.base], cwd=HEAD,
-                           check=True)
-            roots = {"base": base, **roots}
+        roots = {label: Path(tmp) / label for label in bases}
+        roots |= {"off": HEAD} if args.sync_only else {"off": HEAD, "on": HEAD}
         try:
+            for label, rev in bases.items():
+                subprocess.run(["git", "worktree", "add", "--detach", "--quiet", str(roots[label]), rev], cwd=HEAD,
+                               check=True)
             for round_ in range(args.rounds):
                 for variant, root in roots.items():
-                    figure = child(root, variant, args)
+                    figure = child(root, "base" if variant in bases else variant, args)
                     figures.setdefault(variant, []).append(figure)
-                    print(f"round {round_ + 1} {variant:4s}: {figure['steps_per_s']:7.1f} steps/s "
+                    print(f"round {round_ + 1} {variant:5s}: {figure['steps_per_s']:7.1f} steps/s "
                           f"({figure['wall_ms']:.2f} ms wall, {figure['cpu_ms']:.2f} ms CPU a step; "
                           f"{figure['planned_ahead']} planned ahead)", flush=True)
         finally:
-            if args.base:
-                subprocess.run(["git", "worktree", "remove", "--force", str(Path(tmp) / "base")], cwd=HEAD,
-                               check=False)
+            for label in bases:
+                subprocess.run(["git", "worktree", "remove", "--force", str(roots[label])], cwd=HEAD, check=False)
     medians = {variant: statistics.median(f["steps_per_s"] for f in rounds) for variant, rounds in figures.items()}
-    summary: dict = {"batch": args.batch, "threads": args.threads, "rounds": figures, "median_steps_per_s": medians,
-                     "on_over_off": medians["on"] / medians["off"]}
-    line = "median steps/s: " + ", ".join(f"{v} {m:.1f}" for v, m in medians.items())
-    line += f"; on/off {summary['on_over_off']:.3f}"
-    if "base" in medians:
-        summary["base"] = args.base
-        summary["on_over_base"] = medians["on"] / medians["base"]
-        line += f", on/base {summary['on_over_base']:.3f}"
-    print(line)
+    summary: dict = {"batch": args.batch, "threads": args.threads, "rounds": figures, "median_steps_per_s": medians}
+    ratios = {}
+    if "on" in medians:
+        ratios["on/off"] = medians["on"] / medians["off"]
+    for label, rev in bases.items():
+        summary[label] = rev
+        for variant in ("off", "on"):
+            if variant in medians:
+                ratios[f"{variant}/{label}"] = medians[variant] / medians[label]
+    summary["ratios"] = ratios
+    print("median steps/s: " + ", ".join(f"{v} {m:.1f}" for v, m in medians.items()) + "; "
+          + ", ".join(f"{name} {ratio:.3f}" for name, ratio in ratios.items()))
     print(f"# {uptime()}")
     print(json.dumps(summary))
     return 0
