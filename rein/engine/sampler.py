@@ -80,7 +80,8 @@ class SamplingBatch:
     length is the row's output count), so the engine may pass empty sequences for other
     rows. Either may be a list or a 1-D integer tensor. `eos_token_ids[i]` (the request's
     EOS ids, empty with ignore_eos) is only read for rows still short of `min_tokens`;
-    None means no EOS ids (only the rows' stop_token_ids are held back).
+    None means no EOS ids (only the rows' stop_token_ids are held back). `plain_greedy`:
+    whether every row is plain greedy, when the maker knows it (`of`); None: `Sampler` looks.
     """
 
     params: list[SamplingParams]
@@ -88,6 +89,7 @@ class SamplingBatch:
     prompt_token_ids: list[Sequence[int]]
     output_token_ids: list[Sequence[int]]
     eos_token_ids: list[Collection[int]] | None = None
+    plain_greedy: bool | None = None
 
     @classmethod
     def of(cls, requests: Sequence[Any]) -> SamplingBatch:
@@ -96,9 +98,9 @@ class SamplingBatch:
         per-row lists are left empty: building them was a good share of a large batch's step."""
         params = [r.sampling_params for r in requests]
         if _plain_greedy(params):
-            return cls(params, [], [], [])
+            return cls(params, [], [], [], plain_greedy=True)
         return cls(params, [r.generator for r in requests], [r.prompt_token_ids for r in requests],
-                   [r.output_token_ids for r in requests], [r.eos_token_ids for r in requests])
+                   [r.output_token_ids for r in requests], [r.eos_token_ids for r in requests], plain_greedy=False)
 
 
 @dataclass
@@ -289,7 +291,8 @@ class Sampler:
             raise ValueError(f"batch has {len(params)} rows but logits have {num_rows}")
         device = logits.device
 
-        if _plain_greedy(params):
+        # `of` looked already (a pass over every row's params: a share of a large batch's step).
+        if batch.plain_greedy if batch.plain_greedy is not None else _plain_greedy(params):
             return SamplerOutput(greedy_tokens(logits), None, None)
 
         greedy = [_is_greedy(p) for p in params]

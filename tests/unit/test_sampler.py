@@ -494,6 +494,21 @@ def test_batch_of_plain_greedy_requests_samples_as_the_full_batch():
     assert Sampler()(logits, lean) == Sampler()(logits, full)
 
 
+def test_the_sampler_takes_the_plain_greedy_check_of_a_batch_of_requests(monkeypatch):
+    # `of` looked at every row's params: the sampler does not look again, either way.
+    import rein.engine.sampler as sampler
+
+    logits = torch.randn(4, 40)
+    greedy = SamplingBatch.of(_requests([SamplingParams(temperature=0) for _ in range(4)]))
+    sampled = SamplingBatch.of(_requests([SamplingParams(temperature=1.0, seed=1) for _ in range(4)]))
+    assert greedy.plain_greedy is True and sampled.plain_greedy is False
+    calls = []
+    monkeypatch.setattr(sampler, "_plain_greedy", lambda params: calls.append(params) or False)
+    assert Sampler()(logits, greedy).token_ids == logits.argmax(dim=-1).tolist()
+    assert len(Sampler()(logits, sampled).token_ids) == 4
+    assert not calls
+
+
 @pytest.mark.parametrize("extra", [{"temperature": 1.0}, {"min_tokens": 3}, {"repetition_penalty": 1.3},
                                    {"logprobs": 1}, {"logit_bias": {2: 5.0}}])
 def test_batch_of_requests_carries_every_list_a_row_may_need(extra):
