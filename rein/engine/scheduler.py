@@ -268,6 +268,7 @@ class Scheduler:
             if capped:
                 batch_budget -= num_new
             end = computed + num_new
+            # A decode whose next token still fits its last block needs no new block.
             if end > len(request.block_ids) * block_size and not self._grow(request, num_new, out):
                 break  # the request itself was preempted; everyone after it already was
             scheduled.append(ScheduledRequest(request, computed, num_new, end == num_tokens))
