@@ -49,7 +49,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rein.engine.sampler import SamplingBatch
 from rein.engine.scheduler_output import ModelOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -134,7 +133,7 @@ class AsyncScheduling:
         sampled = None
         if result.sampling:
             with torch.inference_mode():
-                sampled = engine.sampler(result.logits, SamplingBatch.of(result.sampling))
+                sampled = engine.sample(result)
         return result, sampled, time.perf_counter() - started
 
     def _complete(self) -> list[RequestOutput]:

@@ -424,12 +424,22 @@ class LLMEngine:
             return output, None, []
         # The hot loop of the step on CPU (one pass per sampled request), kept lean on purpose.
         logits, sampling = result.logits, result.sampling
-        if self._num_unforked:
-            logits, sampling = self._fork(logits, sampling, output.forks)
-        self.grammars.apply_masks(logits, sampling)
-        sampled = self.sampler(logits, SamplingBatch.of(sampling))
+        if result.sampled is not None:   # sampled inside the decode graph: no fork, no grammar
+            sampled = self.sample(result)
+        else:
+            if self._num_unforked:
+                logits, sampling = self._fork(logits, sampling, output.forks)
+            self.grammars.apply_masks(logits, sampling)
+            sampled = self.sampler(logits, SamplingBatch.of(sampling))
         output.sampled, output.token_ids = sampling, sampled.token_ids
         return output, sampled, self._read_tokens(output)
+
+    def sample(self, result: StepResult) -> SamplerOutput:
+        """The step's tokens, as the decode graph sampled them (waiting for their copy to the host)
+        or sampled now from its logits, for a step with no forks or grammar masks."""
+        if result.sampled is not None:
+            return SamplerOutput(result.sampled.tolist(), None, None)
+        return self.sampler(result.logits, SamplingBatch.of(result.sampling))
 
     @staticmethod
     def _read_tokens(output: ModelOutput) -> list[str]:
