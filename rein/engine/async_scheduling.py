@@ -58,6 +58,11 @@ if TYPE_CHECKING:
     from rein.engine.step_outputs import RequestOutput
 
 
+# A request's last output token while it is only on the device (`_launch_ahead`): a valid id,
+# never read as a token (the decode graph feeds the real one, or it is replaced first).
+PENDING_TOKEN = 0
+
+
 @dataclass
 class _InFlight:
     """A step running on the worker: its plan, its result to come (the runner's result, the
@@ -126,15 +131,43 @@ class AsyncScheduling:
         self._inflight = _InFlight(plan, self._worker.submit(self._run, prepared), started)
 
     def _run(self, prepared: PreparedStep) -> tuple[StepResult, SamplerOutput | None, float]:
-        """On the worker: the step's forward and its sampling."""
+        """On the worker: the step's forward and its sampling, or None where its decode graph
+        samples (the ids are read on the engine's thread, when it needs them)."""
         started = time.perf_counter()
         engine = self.engine
         result = engine.runner.run(prepared)
         sampled = None
-        if result.sampling:
+        if result.sampling and result.sampled is None:
             with torch.inference_mode():
                 sampled = engine.sample(result)
         return result, sampled, time.perf_counter() - started
+
+    def _launch_ahead(self, ahead: SchedulerOutput, result: StepResult, sampled: SamplerOutput | None
+                      ) -> SamplerOutput:
+        """Start the step planned ahead of the one that came back (`result`, `sampled`: None
+        while its ids are in its decode graph's output only): its requests get their token,
+        the next step's input, appended first (a PENDING_TOKEN until it is on the host). The
+        next step goes before the ids are read where its decode graph takes them from the
+        device (`ModelRunner.feed`); otherwise, once they are, in the plan. Returns the sampled
+        step's tokens."""
+        engine = self.engine
+        started = time.perf_counter()
+        rows = [row for row, request in enumerate(result.sampling) if not request.status.finished]
+        for row in rows:
+            result.sampling[row].output_token_ids.append(PENDING_TOKEN)
+        prepared = engine.runner.prepare(ahead.scheduled)
+        pending = engine.runner.feed(prepared, result)
+        if prepared.fed is not None:
+            self._launch(ahead, prepared, started)
+        if sampled is None:
+            sampled = engine.sample(result)
+        _set_tokens(result, rows, sampled.token_ids)
+        if prepared.fed is None:
+            input_ids = prepared.plan.input_ids
+            for row, source in pending:
+                input_ids[row] = sampled.token_ids[source]
+            self._launch(ahead, prepared, started)
+        return sampled
 
     def _complete(self) -> list[RequestOutput]:
         """Wait for the step in flight; start the next one when it can be planned ahead (with
@@ -145,13 +178,12 @@ class AsyncScheduling:
         if not engine.grammars.has_held:   # a compiled grammar lets its request in at the next schedule
             ahead = engine.scheduler.schedule_ahead(inflight.plan)
         result, sampled, forward_seconds = inflight.future.result()
-        _drop_ended(inflight.plan, result, sampled)
         if ahead is not None:
-            started = time.perf_counter()
-            for request, token in zip(result.sampling, sampled.token_ids, strict=True):
-                request.output_token_ids.append(token)
-            self._launch(ahead, engine.runner.prepare(ahead.scheduled), started)
+            sampled = self._launch_ahead(ahead, result, sampled)
             engine.stats.planned_ahead += 1
+        elif sampled is None and result.sampling:
+            sampled = engine.sample(result)
+        _drop_ended(inflight.plan, result, sampled)
         output = ModelOutput(prompt_logprobs=result.prompt_logprobs)
         deltas: list[str] = []
         if sampled is not None:
@@ -159,6 +191,13 @@ class AsyncScheduling:
             deltas = engine._read_tokens(output)
         return engine._finish_step(inflight.plan, result, output, sampled, deltas, inflight.started,
                                    forward_seconds, appended=ahead is not None)
+
+
+def _set_tokens(result: StepResult, rows: list[int], token_ids: list[int]) -> None:
+    """Each of `rows`' requests gets its token in place of the PENDING_TOKEN `_launch_ahead` put."""
+    sampling = result.sampling
+    for row in rows:
+        sampling[row].output_token_ids[-1] = token_ids[row]
 
 
 def _drop_ended(plan: SchedulerOutput, result: StepResult, sampled: SamplerOutput | None) -> None:

@@ -150,7 +150,11 @@ class DecodeGraphs:
                 self.greedy = torch.ones(size, dtype=torch.bool, device=device)
                 # The random rows' Exp(1) noise, drawn from their generators before each replay.
                 self.noise = torch.ones((size, vocab_size), dtype=torch.float32, device=device)
-                self.host_ids = torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
+                # Two host buffers for the sampled ids, taken in turn: async scheduling reads a
+                # step's ids while the next step, launched before, copies its own.
+                self.host_ids = [torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
+                                 for _ in range(2)]
+                self._host_turn = 0
         # graphs[size][mode] and its outputs (hidden, logits, sampled ids or None).
         self.graphs: dict[int, dict[str, torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
@@ -177,12 +181,15 @@ class DecodeGraphs:
     def run(self, input_ids: list[int], positions: list[int], slots: list[int], context_lens: list[int],
             block_rows: list[list[int]],
             windowed: tuple[list[int], list[list[int]]] | None = None,
-            mode: str = GREEDY, sampling: GraphSampling | None = None) -> DecodeStep:
+            mode: str = GREEDY, sampling: GraphSampling | None = None,
+            fed: tuple[torch.Tensor, list[int], list[int]] | None = None) -> DecodeStep:
         """A decode-only step of n = len(input_ids) rows through the graph of `mode`; block_rows
         are the requests' block ids, each padded to one common width; `windowed`: the slots and
         block rows of the windowed storage (required when it was built with one). `sampling`:
         sample the n rows inside the graph (`mode` must be `mode_for` their params); None: the
-        caller samples from the logits."""
+        caller samples from the logits. `fed` (ids, rows, sources): rows `rows` take their input
+        id from `ids[sources]`, ids sampled by the step before that are still on the device
+        (async scheduling), in place of the placeholders `input_ids` holds for them."""
         n = len(input_ids)
         size = self.size_for(n)
         pad = size - n
@@ -198,6 +205,12 @@ class DecodeGraphs:
             windowed_slots, windowed_rows = windowed
             self.windowed_slots[:size].copy_(_host(windowed_slots + [-1] * pad, torch.int64), non_blocking=True)
             self.windowed_block_tables[:n, :width].copy_(_host(windowed_rows, torch.int32), non_blocking=True)
+        if fed is not None:
+            ids, rows, sources = fed
+            self.input_ids.index_copy_(0, _host(rows, torch.int64).to(self.device, non_blocking=True),
+                                       ids.index_select(0, _host(sources, torch.int64).to(self.device,
+                                                                                          non_blocking=True)))
+            self.runs["fed"] += 1
         if sampling is not None:
             self._set_sampling(sampling, size, mode)
         graph = self.graphs.get(size, {}).get(mode)
@@ -242,7 +255,8 @@ class DecodeGraphs:
         draw_exponential(self.noise, random_rows, generators)
 
     def _to_host(self, ids: torch.Tensor) -> SampledIds:
-        host = self.host_ids[:ids.shape[0]]
+        host = self.host_ids[self._host_turn][:ids.shape[0]]
+        self._host_turn ^= 1
         host.copy_(ids, non_blocking=True)
         event = None
         if ids.device.type == "cuda":

@@ -174,15 +174,13 @@ class LLMEngine:
 
     def _check_tensor_parallel(self, config: EngineConfig) -> EngineConfig:
         """Refuse, before any rank starts, a model tensor parallelism cannot shard (ValueError
-        naming the sizes that would do); decode steps run eagerly (no CUDA graphs) under it."""
+        naming the sizes that would do). Decode steps replay CUDA graphs on every rank in
+        lockstep (rein.engine.rank_processes)."""
         size = config.tensor_parallel_size
-        # Rank 0's device with its index: NCCL binds each rank to one (rank r takes index + r).
-        config = dataclasses.replace(config, device=rank_device(config.device, 0))
         check_shardable(self.spec, size)
         attention_heads(self.spec, size)
-        # CUDA graphs would capture NCCL collectives, which every rank must then replay in
-        # lockstep; not done yet, so each decode step launches its kernels (and collectives) eagerly.
-        return dataclasses.replace(config, enforce_eager=True)
+        # Rank 0's device with its index: NCCL binds each rank to one (rank r takes index + r).
+        return dataclasses.replace(config, device=rank_device(config.device, 0))
 
     def close(self) -> None:
         """Stop a tensor-parallel engine's other ranks and async scheduling's worker thread."""

@@ -155,6 +155,9 @@ class PreparedStep:
     has_copies: bool
     # What the decode graph samples the step's rows with; None: the engine samples on the host.
     device_sampling: GraphSampling | None = None
+    # Async scheduling: (ids, rows, sources), rows whose input id is ids[source], the step
+    # before's sampled ids still on the device (`feed`); None: every input id is in the plan.
+    fed: tuple[torch.Tensor, list[int], list[int]] | None = None
 
 
 def decide_max_model_len(spec: ModelSpec, requested: int | str | None) -> int:
@@ -342,6 +345,20 @@ class ModelRunner:
         self._choose_graph(prepared)
         return prepared
 
+    def feed(self, prepared: PreparedStep, previous: StepResult) -> list[tuple[int, int]]:
+        """Async scheduling, before the tokens of the step before (`previous`) reach the host: the
+        rows of `prepared` whose input id is one of them, as (row, row of `previous`'s sampling),
+        their plan's input ids being placeholders. When `previous` sampled in its decode graph and
+        `prepared` samples in its own, the graph takes them from the device (`prepared.fed`) and
+        this returns []; otherwise the caller writes them into the plan once they are known."""
+        position = {id(request): row for row, request in enumerate(previous.sampling)}
+        pairs = [(row, position[id(request)]) for row, request in zip(prepared.plan.sample_rows, prepared.local[0],
+                                                                       strict=True) if id(request) in position]
+        if previous.sampled is None or prepared.device_sampling is None or not pairs:
+            return pairs
+        prepared.fed = (previous.sampled.device, [row for row, _ in pairs], [source for _, source in pairs])
+        return []
+
     def _choose_graph(self, prepared: PreparedStep) -> None:
         """Whether the step replays a decode graph, and whether the graph samples it: every row
         samples, with nothing the host does between the logits and the ids (a grammar's mask, the
@@ -378,11 +395,13 @@ class ModelRunner:
             try:
                 self.ranks.send(plan)
                 hidden, logits, prompt, sampled = self._step(plan, prepared.device_sampling)
+                if plan.graph_mode is not None and self.device.type == "cuda":
+                    self.ranks.wait_for_device(self.device)
             except RuntimeError as exc:   # a collective that failed: say which rank died, if one did
                 raise self.ranks.error_of(exc) from exc
         else:
             embeds = self._image_embeddings(plan) if plan.image_rows else None
-            hidden, logits, prompt, sampled = self._step(plan, prepared.device_sampling, embeds)
+            hidden, logits, prompt, sampled = self._step(plan, prepared.device_sampling, embeds, prepared.fed)
         sampling, scoring, pooling = prepared.local
         pooled = gather(hidden, pooling) if pooling else []
         entries = self._prompt_entries(prompt, scoring) if prompt is not None else None
@@ -400,18 +419,19 @@ class ModelRunner:
             self._copy(plan.copies, plan.windowed_copies)
         self._step(plan, None)
 
-    def _step(self, plan: StepPlan, sampling: GraphSampling | None, embeds: dict[str, torch.Tensor] | None = None
+    def _step(self, plan: StepPlan, sampling: GraphSampling | None, embeds: dict[str, torch.Tensor] | None = None,
+              fed: tuple[torch.Tensor, list[int], list[int]] | None = None
               ) -> tuple[torch.Tensor, torch.Tensor | None, list[TokenLogprob] | None, SampledIds | None]:
         """The plan's hidden states, sampled rows' logits, prompt-logprob entries (each None when
         the plan has none) and, when the decode graph sampled the rows (`sampling`), their ids.
-        Every rank calls this alike, so the collectives inside meet."""
+        Every rank calls this alike, so the collectives inside meet. `fed`: PreparedStep's."""
         if plan.graph_mode is None:
             hidden = self._forward(plan, embeds)
             return (hidden, *self._logits(hidden, plan), None)
         step = self.decode_graphs.run(
             plan.input_ids, plan.positions, plan.slots, plan.decode_lens, plan.decode_rows,
             (plan.windowed_slots, plan.windowed_decode_rows) if plan.windowed_slots is not None else None,
-            plan.graph_mode, sampling)
+            plan.graph_mode, sampling, fed)
         prompt = score_prompt_tokens(self.model.compute_logits, step.hidden, plan.score_rows, plan.score_targets,
                                      plan.score_ks) if plan.score_rows else None
         logits = step.logits

@@ -106,6 +106,9 @@ def test_the_graph_samples_the_plain_paths_tokens(model_dir, kinds, modes, async
     assert graphs.runs["device"] > 0, "decode steps must have sampled inside the graph"
     assert graphs.runs["device"] == sum(graphs.runs[mode] for mode in STEP_MODES), "no step fell back"
     assert modes <= {mode for mode in STEP_MODES if graphs.runs[mode]}
+    # Async scheduling launches a step planned ahead before the ids of the one before reach the
+    # host: its graph takes them from the device.
+    assert (graphs.runs["fed"] > 0) == async_scheduling
     assert engine.pool.num_used == 0
 
 
