@@ -34,10 +34,14 @@ its row is in flight is dropped the same way. The blocks the dropped rows write 
 freed (written again only by a later forward, which runs after this one) or are the partly
 filled last block of a finished request, which the prefix cache never holds.
 
-On CUDA the worker waits for the sampled ids (the sampler's copy to the host) while the
-engine's thread works; the step after still needs them on the host before it is laid out.
-Feeding the sampled ids to the next step on the device (and planning it with placeholder ids)
-would take the last host wait off the forward's path: not done yet.
+Where step N sampled inside its decode graph (rein.engine.cuda_graphs) and step N+1, planned
+ahead, samples inside its own, N+1 does not wait for N's ids to reach the host: its requests get
+a placeholder token (PENDING_TOKEN), the runner's `prepare` lays it out, and its graph takes
+those rows' input ids from N's sampled ids on the device (`ModelRunner.feed`); the engine's
+thread launches N+1 and only then reads N's ids, for N's outputs (stops, detokenizing) and in
+place of the placeholders. Otherwise N's ids are read first and written into N+1's plan. The
+CPU runs the same logic, with the graphs run eagerly (`DecodeGraphs(capture=False)`) or, without
+graphs, with the ids read and written into the plan.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Decode steps replayed from CUDA graphs instead of launched kernel by kernel.
+"""Decode steps replayed from CUDA graphs instead of launched kernel by kernel: one graph per
+batch size and kind of sampling, from the token ids to the sampled ids.
 
 A decode-only step of a small or mid-sized model is bound by the host: each layer launches
 a few dozen kernels, and Python and PyTorch take longer to launch them than the GPU takes
@@ -8,21 +9,43 @@ step's launches once and replays them with a single call.
 
 A graph replays fixed shapes and fixed addresses, so `DecodeGraphs` keeps static input
 buffers (token ids, positions, cache slots, block tables, context lengths) and records
-one graph per batch size in `capture_sizes` (1, 2, 4, 8, then every 8 up to max_num_seqs,
-like vLLM). A step of n decodes runs the smallest graph of at least n rows; the rows
+graphs for each batch size in `capture_sizes` (1, 2, 4, 8, then every 8 up to max_num_seqs,
+like vLLM). A step of n decodes runs the smallest size of at least n rows; the rows
 past n are padding: slot -1 (the KV store skips it) and context length 0 (attention gives
 zeros), and their outputs are dropped. The block table has the full width a request can
 reach (max_model_len / block_size) so every step fits; only the columns in use are copied
 in, and the kernels read a row no further than its context length.
+
+The whole step is in the graph: embedding, layers, final norm, the logits of every row
+(float32; gathered over the vocabulary under tensor parallelism) and, on rank 0, the sampled
+ids ([size] int64). Sampling keeps rein.engine.sampler's semantics and batch invariance by
+running its own tensor code (`race`): greedy rows take the argmax, random rows the exponential
+race argmax(x - log q) after temperature and the per-row top-k / top-p / min-p cutoff, where q
+is drawn before the replay into a static [size, V] noise buffer, V draws from each row's own
+generator (`draw_exponential`, the eager Sampler's draws), so the ids are the eager path's.
+Shapes must not depend on the rows, so each size has one graph per mode (`step_mode`): GREEDY
+(argmax only), SAMPLE (temperature and the race) and FILTER (every filter on every row, with a
+full sort; a row's unused filters leave it unchanged). The knobs of the step's rows go into
+static buffers (greedy and padding rows: temperature 1, no filter). The ids are copied to a
+pinned host buffer without blocking, with an event (`SampledIds`): the host waits for that
+copy when it reads the tokens, and async scheduling feeds the ids to the next step's graph
+on the device (`run(fed=...)`: a gather into the static input ids) without waiting.
+
+Rows the graph cannot sample (logprobs, logit_bias, min_tokens, penalties, a grammar's mask,
+an n > 1 fork; rein.engine.model_runner decides, `samples_on_device`) make the step replay the
+GREEDY graph and sample on the host from its logits, as do graphs built without `vocab_size`.
+Under tensor parallelism every rank captures the same sizes and modes in the same order (their
+collectives pair up) and replays the mode rank 0's plan names; only rank 0's graphs sample.
 
 Sliding-window layers with storage of their own (rein.engine.window_blocks) get a second
 slot buffer and block table (`windowed=True`), filled each replay with the step's
 translated ids, as the full layers' are; the graph's metadata carries them in
 AttentionMetadata.windowed.
 
-Steps with a prefill chunk, and batches larger than the largest graph, run eagerly. So do
-CPU engines and `EngineConfig(enforce_eager=True)`. The same buffers and padding can run
-eagerly too (`capture=False`): the CPU tests check that path against the plain one.
+Steps with a prefill chunk or LoRA tokens, and batches larger than the largest graph, run
+eagerly. So do CPU engines and `EngineConfig(enforce_eager=True)`. The same buffers, padding,
+knobs and noise can run eagerly too (`capture=False`): the CPU tests check that path against
+the plain one.
 """
 
 from __future__ import annotations

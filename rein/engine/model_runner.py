@@ -1,6 +1,10 @@
 """Owns the device side of the engine: the model weights, the paged KV cache tensors, and
 turning a scheduled step into one forward pass.
 
+A decode-only step replays a CUDA graph (rein.engine.cuda_graphs), which on rank 0 also samples
+the step's ids when its rows need nothing the host does (`_choose_graph`): StepResult.sampled;
+otherwise the engine's Sampler samples from the logits.
+
 The scheduler hands over requests and how many of their tokens to compute; this module
 lays them out (decodes first, then prefill chunks), computes positions and cache slots
 from the block tables, runs the model, and returns logits only for the requests that

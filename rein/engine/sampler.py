@@ -42,7 +42,10 @@ request must get the same tokens whatever else shares its batch. Therefore
     exponential race / Gumbel-max trick: ``argmax(x - log q)`` with ``q ~ Exp(1)``,
     which samples from ``softmax(x)`` exactly.
 Everything else is vectorized over the batch; the only per-row Python work is reading
-the params and the generator draws. Work no row needs is skipped; with all rows greedy,
+the params and the generator draws. The draws (`draw_exponential`) and the temperature,
+filters and race (`race`) are also what the whole-step decode graphs run
+(rein.engine.cuda_graphs), for the rows that need nothing else (`samples_on_device`), so a
+token is the same whichever path sampled it. Work no row needs is skipped; with all rows greedy,
 no logprobs, no bias, no min_tokens and no penalties the step is a single argmax of the
 input.
 """
