@@ -9,6 +9,7 @@ graph sampled, so a test fails when the path it is about was not taken.
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
@@ -182,3 +183,36 @@ def test_a_mode_that_cannot_sample_the_rows_is_refused(model_dir):
 ])
 def test_step_mode(kinds, mode):
     assert step_mode([SamplingParams(**kind) for kind in kinds]) == mode
+
+
+class InProcessFollower:
+    """Stands in for rein.engine.rank_processes.RankProcesses with one follower runner in this
+    process: each plan, pickled as the pipe would carry it, runs on it at once (one rank's
+    model, so no collective to meet)."""
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+
+    def send(self, plan) -> None:
+        self.runner.follow(pickle.loads(pickle.dumps(plan)))
+
+
+def test_other_ranks_replay_the_mode_rank_0s_plan_names(model_dir):
+    """Under tensor parallelism the other ranks' graphs (no sampling) replay what rank 0's plan
+    says, so the collectives pair up: here a follower runner beside rank 0's, fed its plans,
+    runs the same modes and writes the same KV cache."""
+    kinds = [GREEDY_PARAMS, *RANDOM_PARAMS, HOST_PARAMS[0]]
+    engine = make_engine(model_dir)
+    graphs = with_graphs(engine)
+    follower = make_engine(model_dir).runner
+    follower_graphs = DecodeGraphs(follower.model, follower.caches, max_num_seqs=6,
+                                   max_blocks_per_seq=-(-follower.max_model_len // follower.block_size),
+                                   device=follower.device, capture=False, modes=STEP_MODES)
+    follower.decode_graphs = follower_graphs
+    engine.runner.ranks = InProcessFollower(follower)
+    run_workload(engine, kinds)
+    assert graphs.runs["device"] > 0 and follower_graphs.runs["device"] == 0
+    assert {mode: follower_graphs.runs[mode] for mode in STEP_MODES} == {mode: graphs.runs[mode] for mode in STEP_MODES}
+    assert len({mode for mode in STEP_MODES if graphs.runs[mode]}) >= 2
+    for mine, theirs in zip(engine.runner.caches, follower.caches, strict=True):
+        assert torch.equal(mine.k, theirs.k) and torch.equal(mine.v, theirs.v)
