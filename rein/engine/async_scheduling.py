@@ -148,24 +148,27 @@ class AsyncScheduling:
 
     def _launch_ahead(self, ahead: SchedulerOutput, result: StepResult, sampled: SamplerOutput | None
                       ) -> SamplerOutput:
-        """Start the step planned ahead of the one that came back (`result`, `sampled`: None
-        while its ids are in its decode graph's output only): its requests get their token,
-        the next step's input, appended first (a PENDING_TOKEN until it is on the host). The
-        next step goes before the ids are read where its decode graph takes them from the
-        device (`ModelRunner.feed`); otherwise, once they are, in the plan. Returns the sampled
-        step's tokens."""
+        """Start the step planned ahead of the one that came back (`result`, and `sampled`, None
+        while its ids are in its decode graph's output only) with its requests' tokens, the next
+        step's inputs, appended. Ids still on the device are appended as PENDING_TOKEN first; the
+        next step goes before they are read where its decode graph takes them from the device
+        (`ModelRunner.feed`), otherwise once they are, written into its plan. Returns the
+        sampled step's tokens."""
         engine = self.engine
         started = time.perf_counter()
         rows = [row for row, request in enumerate(result.sampling) if not request.status.finished]
-        for row in rows:
-            result.sampling[row].output_token_ids.append(PENDING_TOKEN)
+        if sampled is not None:
+            _append_tokens(result, rows, sampled.token_ids)
+            self._launch(ahead, engine.runner.prepare(ahead.scheduled), started)
+            return sampled
+        _append_tokens(result, rows, None)
         prepared = engine.runner.prepare(ahead.scheduled)
         pending = engine.runner.feed(prepared, result)
         if prepared.fed is not None:
             self._launch(ahead, prepared, started)
-        if sampled is None:
-            sampled = engine.sample(result)
-        _set_tokens(result, rows, sampled.token_ids)
+        sampled = engine.sample(result)
+        for row in rows:
+            result.sampling[row].output_token_ids[-1] = sampled.token_ids[row]
         if prepared.fed is None:
             input_ids = prepared.plan.input_ids
             for row, source in pending:
@@ -197,11 +200,15 @@ class AsyncScheduling:
                                    forward_seconds, appended=ahead is not None)
 
 
-def _set_tokens(result: StepResult, rows: list[int], token_ids: list[int]) -> None:
-    """Each of `rows`' requests gets its token in place of the PENDING_TOKEN `_launch_ahead` put."""
+def _append_tokens(result: StepResult, rows: list[int], token_ids: list[int] | None) -> None:
+    """Each of `rows`' requests gets its token (None: PENDING_TOKEN, replaced once known)."""
     sampling = result.sampling
-    for row in rows:
-        sampling[row].output_token_ids[-1] = token_ids[row]
+    if token_ids is None:
+        for row in rows:
+            sampling[row].output_token_ids.append(PENDING_TOKEN)
+    else:
+        for row in rows:
+            sampling[row].output_token_ids.append(token_ids[row])
 
 
 def _drop_ended(plan: SchedulerOutput, result: StepResult, sampled: SamplerOutput | None) -> None:

@@ -138,18 +138,24 @@ def _plain_greedy(params: Sequence[SamplingParams]) -> bool:
     """Whether every row is greedy with nothing to process first: no logprobs, logit_bias,
     min_tokens or penalties (a row with min_tokens, met or not, takes the general path, which
     looks at its output count)."""
-    return all(p.temperature < GREEDY_TEMPERATURE_EPS and not _processed(p) for p in params)
-
-
-def _processed(p: SamplingParams) -> bool:
-    return p.logprobs is not None or bool(p.logit_bias) or bool(p.min_tokens) or p.needs_penalties
+    return _unprocessed(params, greedy=True)
 
 
 def samples_on_device(params: Sequence[SamplingParams]) -> bool:
     """Whether every row needs only greedy, temperature, top-k, top-p and min-p: what the
     whole-step decode graphs (rein.engine.cuda_graphs) sample; the others (logprobs, logit_bias,
     min_tokens, penalties) need this module's host-side steps."""
-    return not any(_processed(p) for p in params)
+    return _unprocessed(params, greedy=False)
+
+
+def _unprocessed(params: Sequence[SamplingParams], greedy: bool) -> bool:
+    """Whether no row asks for logprobs, logit_bias, min_tokens or penalties (and, with `greedy`,
+    every row is greedy). One plain loop: it runs for every row of every step."""
+    for p in params:
+        if ((greedy and p.temperature >= GREEDY_TEMPERATURE_EPS) or p.logprobs is not None or p.logit_bias
+                or p.min_tokens or p.needs_penalties):
+            return False
+    return True
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
