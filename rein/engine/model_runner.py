@@ -398,7 +398,7 @@ class ModelRunner:
         if self.ranks is not None:
             try:
                 self.ranks.send(plan)
-                hidden, logits, prompt, sampled = self._step(plan, prepared.device_sampling)
+                hidden, logits, prompt, sampled = self._step(plan, prepared.device_sampling, None, prepared.fed)
                 if plan.graph_mode is not None and self.device.type == "cuda":
                     self.ranks.wait_for_device(self.device)
             except RuntimeError as exc:   # a collective that failed: say which rank died, if one did
