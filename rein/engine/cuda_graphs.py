@@ -26,7 +26,9 @@ generator (`draw_exponential`, the eager Sampler's draws), so the ids are the ea
 Shapes must not depend on the rows, so each size has one graph per mode (`step_mode`): GREEDY
 (argmax only), SAMPLE (temperature and the race) and FILTER (every filter on every row, with a
 full sort; a row's unused filters leave it unchanged). The knobs of the step's rows go into
-static buffers (greedy and padding rows: temperature 1, no filter). The ids are copied to a
+static buffers (greedy and padding rows: temperature 1, no filter), and every graph writes its
+logits into one shared [max size, V] buffer (kept per graph, they would cost gigabytes at a large
+vocabulary). The ids are copied to a
 pinned host buffer without blocking, with an event (`SampledIds`): the host waits for that
 copy when it reads the tokens, and async scheduling feeds the ids to the next step's graph
 on the device (`run(fed=...)`: a gather into the static input ids) without waiting.
@@ -178,6 +180,9 @@ class DecodeGraphs:
                 self.host_ids = [torch.zeros(size, dtype=torch.int64, pin_memory=device.type == "cuda")
                                  for _ in range(2)]
                 self._host_turn = 0
+        # Every size's logits, float32 [max size, V]: one buffer, made by the first step (the
+        # largest graph's warm-up), not one per graph (at V ~ 150k and 256 rows, 155 MB each).
+        self.logits: torch.Tensor | None = None
         # graphs[size][mode] and its outputs (hidden, logits, sampled ids or None).
         self.graphs: dict[int, dict[str, torch.cuda.CUDAGraph]] = {}
         self.outputs: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
@@ -305,7 +310,11 @@ class DecodeGraphs:
         the static knobs and noise (SAMPLE without filters, FILTER with all three, which leave
         rows that do not use them unchanged)."""
         hidden = self._forward(size)
-        logits = self.model.compute_logits(hidden).float()
+        computed = self.model.compute_logits(hidden)
+        if self.logits is None:
+            self.logits = torch.empty((self.max_size, computed.shape[1]), dtype=torch.float32, device=self.device)
+        logits = self.logits[:size]
+        logits.copy_(computed)
         if not self.samples:
             return hidden, logits, None
         ids = argmax_rows(logits)
