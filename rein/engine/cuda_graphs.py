@@ -317,6 +317,9 @@ class DecodeGraphs:
         logits.copy_(computed)
         if not self.samples:
             return hidden, logits, None
+        if logits.shape[1] != self.noise.shape[1]:
+            raise ValueError(f"the model's logits have {logits.shape[1]} columns, the decode graphs' noise "
+                             f"{self.noise.shape[1]} (vocab_size)")
         ids = argmax_rows(logits)
         if mode != GREEDY:
             filters = mode == FILTER
