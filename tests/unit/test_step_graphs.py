@@ -172,6 +172,10 @@ def test_a_mode_that_cannot_sample_the_rows_is_refused(model_dir):
     with pytest.raises(ValueError, match="modes"):
         DecodeGraphs(graphs.model, graphs.caches, max_num_seqs=2, max_blocks_per_seq=1,
                      device=torch.device("cpu"), capture=False, modes=(SAMPLE,))
+    wrong = DecodeGraphs(graphs.model, graphs.caches, max_num_seqs=2, max_blocks_per_seq=1, device=torch.device("cpu"),
+                         capture=False, vocab_size=graphs.noise.shape[1] + 1, modes=STEP_MODES)
+    with pytest.raises(ValueError, match="columns"), torch.inference_mode():
+        wrong.run([3], [0], [-1], [1], [[0]], None, FILTER, GraphSampling(rows, [None]))
 
 
 @pytest.mark.parametrize(("kinds", "mode"), [
