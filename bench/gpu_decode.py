@@ -28,7 +28,8 @@ With --device cpu (gpu_check's CPU mode) the same code runs on a tiny shape at b
 8; the ratio is printed but not judged.
 
 --profile STEPS then splits a decode step of the first batch size (`profile_batch`: the plan,
-the host copies with the graph replay, the replay alone, the logits, each synchronized) and
+the host copies with the graph replay, the replay alone (forward, logits and argmax: the graph
+is the whole step, rein/engine/cuda_graphs.py), each synchronized) and
 prints torch.profiler's tables over STEPS engine steps (docs/benchmarks.md has the H200's).
 """
 
@@ -162,12 +163,13 @@ def run_batch(engine, batch: int, prompt_len: int, warmup_steps: int, timed_step
 def profile_batch(engine, batch: int, prompt_len: int, warmup_steps: int, steps: int, trace: Path | None) -> None:
     """Where a decode step of `batch` rows spends its time: the step split into the runner's
     parts, each synchronized and timed alone over the same decode (the plan and host copies,
-    the graph replay, the logits, sampling and the rest of the engine step), then
+    the replay of the greedy graph: forward, logits and argmax), then
     torch.profiler's CPU and CUDA tables over `steps` engine steps (and a Chrome trace to
     `trace`)."""
     from torch.profiler import ProfilerActivity, profile
 
     from rein.engine import SamplingParams
+    from rein.engine.cuda_graphs import GREEDY
 
     runner = engine.runner
     rng = random.Random(batch + 1)
@@ -183,7 +185,7 @@ def profile_batch(engine, batch: int, prompt_len: int, warmup_steps: int, steps:
     sync = (lambda: torch.cuda.synchronize(runner.device)) if runner.device.type == "cuda" else (lambda: None)
     graphs = runner.decode_graphs
     parts: dict[str, list[float]] = {"engine step": [], "plan (python)": [], "graph replay (host copies + replay)": [],
-                                     "replay call (host side)": [], "replay alone": [], "logits": []}
+                                     "replay call (host side)": [], "replay alone": []}
     plan_of = runner._plan
     seen: list = []
 
@@ -213,18 +215,15 @@ def profile_batch(engine, batch: int, prompt_len: int, warmup_steps: int, steps:
             for _ in range(steps):
                 sync()
                 start = time.perf_counter()
-                hidden = graphs.run(plan.input_ids, plan.positions, plan.slots, plan.decode_lens, plan.decode_rows)
+                # The greedy graph: the forward, the logits and their argmax (rein.engine.cuda_graphs).
+                graphs.run(plan.input_ids, plan.positions, plan.slots, plan.decode_lens, plan.decode_rows)
                 sync()
                 parts["graph replay (host copies + replay)"].append(time.perf_counter() - start)
                 start = time.perf_counter()
-                graphs.graphs[size].replay()
+                graphs.graphs[size][GREEDY].replay()
                 parts["replay call (host side)"].append(time.perf_counter() - start)
                 sync()
                 parts["replay alone"].append(time.perf_counter() - start)
-                start = time.perf_counter()
-                runner._logits(hidden, plan)
-                sync()
-                parts["logits"].append(time.perf_counter() - start)
     print(f"profile: batch {batch}, medians over {steps} steps:", flush=True)
     for name, values in parts.items():
         if values:

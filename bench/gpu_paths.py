@@ -27,6 +27,14 @@ one drives:
 The fused MoE kernel (unquantized) runs in gpu_check's greedy_tiny (MoE archs == HF); the
 kernels' own tests (AWQ/GPTQ 4-bit, all of the above) in its cuda_tests.
 
+step_graphs (first, in the same part): the whole-step decode graphs (rein/engine/cuda_graphs.py:
+forward, logits and sampling of a decode step in one graph) against an enforce_eager engine on
+the same device, fp32: greedy rows and seeded random ones (temperature, top-k, top-p, min-p), in
+batches whose size changes as requests end (buckets, padding rows), with async scheduling off
+and on. PASS when the tokens agree as above (the reference asks for logprobs, which its host
+sampler reports without changing a token) and decode steps did sample inside the graph. On CPU
+the graph engine gets the same graphs run eagerly (`DecodeGraphs(capture=False)`).
+
 tensor_parallel: with two CUDA devices or more, a two-rank engine (NCCL) gives the one-rank
 engine's greedy tokens, and a rank killed mid-run fails the next steps with RankDiedError
 naming it. With one device it is a SKIP saying so.
@@ -215,6 +223,63 @@ def run(model: Path, device: str, requests: dict | None, dtype: str = "float32",
     return tokens, tops, engine
 
 
+# Every row kind a whole-step graph samples: greedy, temperature alone, and each filter.
+STEP_GRAPH_KINDS = ({"temperature": 0}, {"temperature": 0.8}, {"temperature": 1.2, "top_k": 5},
+                    {"temperature": 0.9, "top_p": 0.8}, {"temperature": 1.0, "min_p": 0.1})
+
+
+def run_step_graphs(model: Path, device: str, requests: dict, reference: bool, **config) -> tuple[dict, dict, object]:
+    """Tokens (and top-2 logprobs, `reference`: enforce_eager, every step sampled on the host) of
+    the requests, each of a STEP_GRAPH_KINDS kind and seed and a length that ends them apart;
+    without `reference`, on CPU, the engine gets rank 0's sampling graphs run eagerly."""
+    from rein.engine import EngineConfig, LLMEngine, SamplingParams
+    from rein.engine.cuda_graphs import STEP_MODES, DecodeGraphs
+
+    engine = LLMEngine(EngineConfig(model=str(model), device=device, dtype="float32", kv_cache_memory="64MiB",
+                                    max_model_len=512, max_num_seqs=8, enforce_eager=reference, **config))
+    runner = engine.runner
+    if device == "cpu" and not reference:
+        runner.decode_graphs = DecodeGraphs(
+            runner.model, runner.caches, max_num_seqs=8, max_blocks_per_seq=-(-runner.max_model_len // runner.block_size),
+            device=runner.device, capture=False, vocab_size=runner.spec.vocab_size, modes=STEP_MODES)
+    for i, (rid, (ids, _)) in enumerate(requests.items()):
+        engine.add_request(rid, ids, SamplingParams(max_tokens=MAX_TOKENS - 2 * i, ignore_eos=True, seed=i,
+                                                    logprobs=2 if reference else None,
+                                                    **STEP_GRAPH_KINDS[i % len(STEP_GRAPH_KINDS)]))
+    tokens: dict[str, list[int]] = {}
+    tops: dict[str, list] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+            tops.setdefault(out.request_id, []).extend(lp.top for lp in out.logprobs or [])
+    engine.close()
+    return tokens, tops, engine
+
+
+def step_graphs_check(device: str, models_dir: Path, near_tie: float) -> dict:
+    """The whole-step decode graphs against enforce_eager (module docstring: step_graphs)."""
+    from rein.fixtures.tiny_model import ensure_tiny_model
+
+    model = ensure_tiny_model(models_dir / "llama", arch="llama")
+    requests = text_requests()
+    want, want_tops, _ = run_step_graphs(model, device, requests, reference=True)
+    row: dict = {"problems": []}
+    for name, config in (("sync", {}), ("async", {"async_scheduling": True})):
+        got, _, engine = run_step_graphs(model, device, requests, reference=False, **config)
+        graphs = engine.runner.decode_graphs
+        runs = dict(graphs.runs) if graphs is not None else {}
+        row[name] = {**compare(got, want, want_tops, near_tie), "runs": runs}
+        if row[name]["diverged"]:
+            row["problems"].append(f"{name}: diverged at {', '.join(row[name]['diverged'])}")
+        if device == "cuda" and (graphs is None or not graphs.captured):
+            row["problems"].append(f"{name}: no CUDA graphs were captured")
+        if not runs.get("device"):
+            row["problems"].append(f"{name}: no decode step sampled inside its graph")
+        if engine.pool.num_used:
+            row["problems"].append(f"{name}: {engine.pool.num_used} KV blocks leaked")
+    return row
+
+
 def compare(got: dict, want: dict, want_tops: dict, near_tie: float) -> dict:
     """identical / near-tie / diverged requests, and the token agreement."""
     identical, near_ties, diverged, margins = 0, 0, [], []
@@ -310,6 +375,17 @@ def paths_check(device: str, models_dir: Path, near_tie: float, time_left, on_ca
     failures: list[str] = []
     last = 0.0
     missing: dict[str, str] = {}
+    started = time.perf_counter()
+    try:
+        step_graphs = step_graphs_check(device, models_dir, near_tie)
+    except Exception as exc:   # its crash is its failure; the cases still run
+        import traceback
+        traceback.print_exc()
+        step_graphs = {"problems": [f"{type(exc).__name__}: {str(exc)[:300]}"]}
+    step_graphs["seconds"] = round(time.perf_counter() - started, 1)
+    print(f"cuda_paths: {'step_graphs':16s} {step_graphs}", flush=True)
+    if step_graphs["problems"]:
+        failures.append(f"step_graphs: {'; '.join(step_graphs['problems'])}")
     for name in CASES if device == "cuda" else CPU_CASES:
         needs = "gguf" if name.startswith("gguf") else "PIL" if name == "gemma3_vision" else None
         if needs and importlib.util.find_spec(needs) is None:
@@ -339,12 +415,15 @@ def paths_check(device: str, models_dir: Path, near_tie: float, time_left, on_ca
     note = f"; not run for lack of time: {', '.join(not_run)}" if not_run else ""
     note += "".join(f"; {name} skipped: {why}" for name, why in missing.items())
     if failures:
-        return result("FAIL", "; ".join(failures) + note, cases=rows, not_run=not_run, missing=missing)
+        return result("FAIL", "; ".join(failures) + note, cases=rows, not_run=not_run, missing=missing,
+                      step_graphs=step_graphs)
     if not rows:
-        return result("SKIP", "no case could run" + note, cases=rows, not_run=not_run, missing=missing)
+        return result("SKIP", "no case could run" + note, cases=rows, not_run=not_run, missing=missing,
+                      step_graphs=step_graphs)
     ties = sum(r.get("near_ties", 0) for r in rows.values())
     return result("PASS", f"{where}: greedy tokens of {', '.join(rows)}" + (f" ({ties} near-ties)" if ties else "")
-                  + note, cases=rows, not_run=not_run, missing=missing)
+                  + "; whole-step graphs == enforce_eager (greedy and seeded sampling, async off and on)"
+                  + note, cases=rows, not_run=not_run, missing=missing, step_graphs=step_graphs)
 
 
 def tensor_parallel_check(device: str, tokenizer_model: Path) -> dict:

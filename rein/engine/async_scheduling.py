@@ -34,10 +34,14 @@ its row is in flight is dropped the same way. The blocks the dropped rows write 
 freed (written again only by a later forward, which runs after this one) or are the partly
 filled last block of a finished request, which the prefix cache never holds.
 
-On CUDA the worker waits for the sampled ids (the sampler's copy to the host) while the
-engine's thread works; the step after still needs them on the host before it is laid out.
-Feeding the sampled ids to the next step on the device (and planning it with placeholder ids)
-would take the last host wait off the forward's path: not done yet.
+Where step N sampled inside its decode graph (rein.engine.cuda_graphs) and step N+1, planned
+ahead, samples inside its own, N+1 does not wait for N's ids to reach the host: its requests get
+a placeholder token (PENDING_TOKEN), the runner's `prepare` lays it out, and its graph takes
+those rows' input ids from N's sampled ids on the device (`ModelRunner.feed`); the engine's
+thread launches N+1 and only then reads N's ids, for N's outputs (stops, detokenizing) and in
+place of the placeholders. Otherwise N's ids are read first and written into N+1's plan. The
+CPU runs the same logic, with the graphs run eagerly (`DecodeGraphs(capture=False)`) or, without
+graphs, with the ids read and written into the plan.
 """
 
 from __future__ import annotations
@@ -49,7 +53,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from rein.engine.sampler import SamplingBatch
 from rein.engine.scheduler_output import ModelOutput, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -57,6 +60,11 @@ if TYPE_CHECKING:
     from rein.engine.model_runner import PreparedStep, StepResult
     from rein.engine.sampler import SamplerOutput  # noqa: F401 (annotations)
     from rein.engine.step_outputs import RequestOutput
+
+
+# A request's last output token while it is only on the device (`_launch_ahead`): a valid id,
+# never read as a token (the decode graph feeds the real one, or it is replaced first).
+PENDING_TOKEN = 0
 
 
 @dataclass
@@ -127,15 +135,46 @@ class AsyncScheduling:
         self._inflight = _InFlight(plan, self._worker.submit(self._run, prepared), started)
 
     def _run(self, prepared: PreparedStep) -> tuple[StepResult, SamplerOutput | None, float]:
-        """On the worker: the step's forward and its sampling."""
+        """On the worker: the step's forward and its sampling, or None where its decode graph
+        samples (the ids are read on the engine's thread, when it needs them)."""
         started = time.perf_counter()
         engine = self.engine
         result = engine.runner.run(prepared)
         sampled = None
-        if result.sampling:
+        if result.sampling and result.sampled is None:
             with torch.inference_mode():
-                sampled = engine.sampler(result.logits, SamplingBatch.of(result.sampling))
+                sampled = engine.sample(result)
         return result, sampled, time.perf_counter() - started
+
+    def _launch_ahead(self, ahead: SchedulerOutput, result: StepResult, sampled: SamplerOutput | None
+                      ) -> SamplerOutput:
+        """Start the step planned ahead of the one that came back (`result`, and `sampled`, None
+        while its ids are in its decode graph's output only) with its requests' tokens, the next
+        step's inputs, appended. Ids still on the device are appended as PENDING_TOKEN first; the
+        next step goes before they are read where its decode graph takes them from the device
+        (`ModelRunner.feed`), otherwise once they are, written into its plan. Returns the
+        sampled step's tokens."""
+        engine = self.engine
+        started = time.perf_counter()
+        rows = [row for row, request in enumerate(result.sampling) if not request.status.finished]
+        if sampled is not None:
+            _append_tokens(result, rows, sampled.token_ids)
+            self._launch(ahead, engine.runner.prepare(ahead.scheduled), started)
+            return sampled
+        _append_tokens(result, rows, None)
+        prepared = engine.runner.prepare(ahead.scheduled)
+        pending = engine.runner.feed(prepared, result)
+        if prepared.fed is not None:
+            self._launch(ahead, prepared, started)
+        sampled = engine.sample(result)
+        for row in rows:
+            result.sampling[row].output_token_ids[-1] = sampled.token_ids[row]
+        if prepared.fed is None:
+            input_ids = prepared.plan.input_ids
+            for row, source in pending:
+                input_ids[row] = sampled.token_ids[source]
+            self._launch(ahead, prepared, started)
+        return sampled
 
     def _complete(self) -> list[RequestOutput]:
         """Wait for the step in flight; start the next one when it can be planned ahead (with
@@ -146,13 +185,12 @@ class AsyncScheduling:
         if not engine.grammars.has_held:   # a compiled grammar lets its request in at the next schedule
             ahead = engine.scheduler.schedule_ahead(inflight.plan)
         result, sampled, forward_seconds = inflight.future.result()
-        _drop_ended(inflight.plan, result, sampled)
         if ahead is not None:
-            started = time.perf_counter()
-            for request, token in zip(result.sampling, sampled.token_ids, strict=True):
-                request.output_token_ids.append(token)
-            self._launch(ahead, engine.runner.prepare(ahead.scheduled), started)
+            sampled = self._launch_ahead(ahead, result, sampled)
             engine.stats.planned_ahead += 1
+        elif sampled is None and result.sampling:
+            sampled = engine.sample(result)
+        _drop_ended(inflight.plan, result, sampled)
         output = ModelOutput(prompt_logprobs=result.prompt_logprobs)
         deltas: list[str] = []
         if sampled is not None:
@@ -160,6 +198,17 @@ class AsyncScheduling:
             deltas = engine._read_tokens(output)
         return engine._finish_step(inflight.plan, result, output, sampled, deltas, inflight.started,
                                    forward_seconds, appended=ahead is not None)
+
+
+def _append_tokens(result: StepResult, rows: list[int], token_ids: list[int] | None) -> None:
+    """Each of `rows`' requests gets its token (None: PENDING_TOKEN, replaced once known)."""
+    sampling = result.sampling
+    if token_ids is None:
+        for row in rows:
+            sampling[row].output_token_ids.append(PENDING_TOKEN)
+    else:
+        for row in rows:
+            sampling[row].output_token_ids.append(token_ids[row])
 
 
 def _drop_ended(plan: SchedulerOutput, result: StepResult, sampled: SamplerOutput | None) -> None:

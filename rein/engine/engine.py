@@ -174,15 +174,13 @@ class LLMEngine:
 
     def _check_tensor_parallel(self, config: EngineConfig) -> EngineConfig:
         """Refuse, before any rank starts, a model tensor parallelism cannot shard (ValueError
-        naming the sizes that would do); decode steps run eagerly (no CUDA graphs) under it."""
+        naming the sizes that would do). Decode steps replay CUDA graphs on every rank in
+        lockstep (rein.engine.rank_processes)."""
         size = config.tensor_parallel_size
-        # Rank 0's device with its index: NCCL binds each rank to one (rank r takes index + r).
-        config = dataclasses.replace(config, device=rank_device(config.device, 0))
         check_shardable(self.spec, size)
         attention_heads(self.spec, size)
-        # CUDA graphs would capture NCCL collectives, which every rank must then replay in
-        # lockstep; not done yet, so each decode step launches its kernels (and collectives) eagerly.
-        return dataclasses.replace(config, enforce_eager=True)
+        # Rank 0's device with its index: NCCL binds each rank to one (rank r takes index + r).
+        return dataclasses.replace(config, device=rank_device(config.device, 0))
 
     def close(self) -> None:
         """Stop a tensor-parallel engine's other ranks and async scheduling's worker thread."""
@@ -424,12 +422,22 @@ class LLMEngine:
             return output, None, []
         # The hot loop of the step on CPU (one pass per sampled request), kept lean on purpose.
         logits, sampling = result.logits, result.sampling
-        if self._num_unforked:
-            logits, sampling = self._fork(logits, sampling, output.forks)
-        self.grammars.apply_masks(logits, sampling)
-        sampled = self.sampler(logits, SamplingBatch.of(sampling))
+        if result.sampled is not None:   # sampled inside the decode graph: no fork, no grammar
+            sampled = self.sample(result)
+        else:
+            if self._num_unforked:
+                logits, sampling = self._fork(logits, sampling, output.forks)
+            self.grammars.apply_masks(logits, sampling)
+            sampled = self.sampler(logits, SamplingBatch.of(sampling))
         output.sampled, output.token_ids = sampling, sampled.token_ids
         return output, sampled, self._read_tokens(output)
+
+    def sample(self, result: StepResult) -> SamplerOutput:
+        """The step's tokens, as the decode graph sampled them (waiting for their copy to the host)
+        or sampled now from its logits, for a step with no forks or grammar masks."""
+        if result.sampled is not None:
+            return SamplerOutput(result.sampled.tolist(), None, None)
+        return self.sampler(result.logits, SamplingBatch.of(result.sampling))
 
     @staticmethod
     def _read_tokens(output: ModelOutput) -> list[str]:

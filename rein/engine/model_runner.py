@@ -1,6 +1,10 @@
 """Owns the device side of the engine: the model weights, the paged KV cache tensors, and
 turning a scheduled step into one forward pass.
 
+A decode-only step replays a CUDA graph (rein.engine.cuda_graphs), which on rank 0 also samples
+the step's ids when its rows need nothing the host does (`_choose_graph`): StepResult.sampled;
+otherwise the engine's Sampler samples from the logits.
+
 The scheduler hands over requests and how many of their tokens to compute; this module
 lays them out (decodes first, then prefill chunks), computes positions and cache slots
 from the block tables, runs the model, and returns logits only for the requests that
@@ -46,7 +50,7 @@ import numpy as np
 import torch
 
 from rein.engine.config import EngineConfig
-from rein.engine.cuda_graphs import DecodeGraphs
+from rein.engine.cuda_graphs import GREEDY, STEP_MODES, DecodeGraphs, GraphSampling, SampledIds
 from rein.engine.encoder_cache import EncoderCache
 from rein.engine.lora_slots import LoRASlots
 from rein.engine.multimodal import step_positions
@@ -54,6 +58,7 @@ from rein.engine.options import AUTO
 from rein.engine.pooler import gather
 from rein.engine.prompt_logprobs import score_prompt_tokens
 from rein.engine.request import Request
+from rein.engine.sampler import samples_on_device
 from rein.engine.scheduler_output import ScheduledRequest
 from rein.engine.step_outputs import TokenLogprob
 from rein.kernels import cpu_native, cpu_paths, quantized
@@ -123,6 +128,9 @@ class StepPlan:
     # Vision models run on one rank, so these never travel to other ranks.
     image_rows: list[tuple[int, Any, int, int]] = field(default_factory=list)
     mrope_rows: list[tuple[int, Any]] = field(default_factory=list)
+    # The decode graph mode (rein.engine.cuda_graphs) rank 0 runs this decode-only step with, and
+    # every other rank too; None: the step runs eagerly.
+    graph_mode: str | None = None
 
 
 @dataclass
@@ -135,6 +143,9 @@ class StepResult:
     # Embedding requests whose prompt this step finished, with their pooled float32 vector
     # (rein.engine.pooler); they have no logits rows.
     pooled: list[tuple[Request, torch.Tensor]] = field(default_factory=list)
+    # The sampling rows' ids when the decode graph sampled them (then `logits` is not sampled
+    # from again); None: the engine's Sampler samples from `logits`.
+    sampled: SampledIds | None = None
 
 
 @dataclass
@@ -146,6 +157,11 @@ class PreparedStep:
     plan: StepPlan
     local: tuple[list, list, list]
     has_copies: bool
+    # What the decode graph samples the step's rows with; None: the engine samples on the host.
+    device_sampling: GraphSampling | None = None
+    # Async scheduling: (ids, rows, sources), rows whose input id is ids[source], the step
+    # before's sampled ids still on the device (`feed`); None: every input id is in the plan.
+    fed: tuple[torch.Tensor, list[int], list[int]] | None = None
 
 
 def decide_max_model_len(spec: ModelSpec, requested: int | str | None) -> int:
@@ -216,14 +232,15 @@ class ModelRunner:
         self.lora: LoRASlots | None = None
         if config.enable_lora:
             self._enable_lora()
-        # Decode-only steps replay CUDA graphs (rein.engine.cuda_graphs); everything else,
-        # and everything on CPU, runs eagerly.
+        # Decode-only steps replay CUDA graphs (rein.engine.cuda_graphs), which sample on rank 0
+        # when the rows let them; everything else, and everything on CPU, runs eagerly.
         self.decode_graphs: DecodeGraphs | None = None
         if self.device.type == "cuda" and not config.enforce_eager:
             self.decode_graphs = DecodeGraphs(
                 self.model, self.caches, max_num_seqs=config.max_num_seqs,
                 max_blocks_per_seq=-(-self.max_model_len // self.block_size), device=self.device,
-                windowed=self.capacity.num_windowed_blocks > 0)
+                windowed=self.capacity.num_windowed_blocks > 0,
+                vocab_size=spec.vocab_size if group.rank == 0 else None, modes=STEP_MODES)
 
     def _enable_lora(self) -> None:
         """Give the model `max_loras` adapter slots; adapters are read as requests name them."""
@@ -328,7 +345,45 @@ class ModelRunner:
         copies = self.kv_cache.take_copies() if self.kv_cache is not None else None
         if copies is not None:
             plan.copies, plan.windowed_copies = copies
-        return PreparedStep(plan, local, copies is not None)
+        prepared = PreparedStep(plan, local, copies is not None)
+        self._choose_graph(prepared)
+        return prepared
+
+    def feed(self, prepared: PreparedStep, previous: StepResult) -> list[tuple[int, int]]:
+        """Async scheduling, before the tokens of the step before (`previous`) reach the host: the
+        rows of `prepared` whose input id is one of them, as (row, row of `previous`'s sampling),
+        their plan's input ids being placeholders. When `previous` sampled in its decode graph and
+        `prepared` samples in its own, the graph takes them from the device (`prepared.fed`) and
+        this returns []; otherwise the caller writes them into the plan once they are known."""
+        position = {id(request): row for row, request in enumerate(previous.sampling)}
+        pairs = [(row, position[id(request)]) for row, request in zip(prepared.plan.sample_rows, prepared.local[0],
+                                                                       strict=True) if id(request) in position]
+        if previous.sampled is None or prepared.device_sampling is None or not pairs:
+            return pairs
+        prepared.fed = (previous.sampled.device, [row for row, _ in pairs], [source for _, source in pairs])
+        return []
+
+    def _choose_graph(self, prepared: PreparedStep) -> None:
+        """Whether the step replays a decode graph, and whether the graph samples it: every row
+        samples, with nothing the host does between the logits and the ids (a grammar's mask, the
+        fork of an n > 1 request, or what `samples_on_device` refuses). Rank 0 decides; the plan
+        carries the mode to the other ranks."""
+        plan, graphs = prepared.plan, self.decode_graphs
+        if plan.prefill_lens or plan.lora_slots is not None or graphs is None \
+                or not graphs.fits(len(plan.decode_lens)):
+            return
+        plan.graph_mode = GREEDY
+        sampling = prepared.local[0]
+        if len(plan.sample_rows) != len(plan.input_ids):
+            return
+        for request in sampling:
+            if request.grammar is not None or (request.group is not None and not request.group.forked):
+                return
+        params = [request.sampling_params for request in sampling]
+        mode = graphs.mode_for(params) if samples_on_device(params) else None
+        if mode is not None:
+            plan.graph_mode = mode
+            prepared.device_sampling = GraphSampling(params, [request.generator for request in sampling])
 
     @torch.inference_mode()
     def run(self, prepared: PreparedStep) -> StepResult:
@@ -339,23 +394,24 @@ class ModelRunner:
         # block freed and handed out again meanwhile is written by this forward only, after.
         if prepared.has_copies:
             self._copy(plan.copies, plan.windowed_copies)
+        sampled = None
         if self.ranks is not None:
             try:
                 self.ranks.send(plan)
-                hidden = self._forward(plan)
-                logits, prompt = self._logits(hidden, plan)
+                hidden, logits, prompt, sampled = self._step(plan, prepared.device_sampling, None, prepared.fed)
+                if plan.graph_mode is not None and self.device.type == "cuda":
+                    self.ranks.wait_for_device(self.device)
             except RuntimeError as exc:   # a collective that failed: say which rank died, if one did
                 raise self.ranks.error_of(exc) from exc
         else:
             embeds = self._image_embeddings(plan) if plan.image_rows else None
-            hidden = self._forward(plan, embeds)
-            logits, prompt = self._logits(hidden, plan)
+            hidden, logits, prompt, sampled = self._step(plan, prepared.device_sampling, embeds, prepared.fed)
         sampling, scoring, pooling = prepared.local
         pooled = gather(hidden, pooling) if pooling else []
         entries = self._prompt_entries(prompt, scoring) if prompt is not None else None
         if logits is None:
             logits = hidden.new_empty((0, self.spec.vocab_size), dtype=torch.float32)
-        return StepResult(logits.float(), sampling, entries, pooled)
+        return StepResult(logits.float(), sampling, entries, pooled, sampled)
 
     @torch.inference_mode()
     def follow(self, plan: StepPlan) -> None:
@@ -365,7 +421,29 @@ class ModelRunner:
             self.lora.place(slot, lora_request)
         if plan.copies:
             self._copy(plan.copies, plan.windowed_copies)
-        self._logits(self._forward(plan), plan)
+        self._step(plan, None)
+
+    def _step(self, plan: StepPlan, sampling: GraphSampling | None, embeds: dict[str, torch.Tensor] | None = None,
+              fed: tuple[torch.Tensor, list[int], list[int]] | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor | None, list[TokenLogprob] | None, SampledIds | None]:
+        """The plan's hidden states, sampled rows' logits, prompt-logprob entries (each None when
+        the plan has none) and, when the decode graph sampled the rows (`sampling`), their ids.
+        Every rank calls this alike, so the collectives inside meet. `fed`: PreparedStep's."""
+        if plan.graph_mode is None:
+            hidden = self._forward(plan, embeds)
+            return (hidden, *self._logits(hidden, plan), None)
+        step = self.decode_graphs.run(
+            plan.input_ids, plan.positions, plan.slots, plan.decode_lens, plan.decode_rows,
+            (plan.windowed_slots, plan.windowed_decode_rows) if plan.windowed_slots is not None else None,
+            plan.graph_mode, sampling, fed)
+        prompt = score_prompt_tokens(self.model.compute_logits, step.hidden, plan.score_rows, plan.score_targets,
+                                     plan.score_ks) if plan.score_rows else None
+        logits = step.logits
+        if not plan.sample_rows:
+            logits = None
+        elif len(plan.sample_rows) != logits.shape[0]:
+            logits = logits[self._tensor(plan.sample_rows, torch.int64)]
+        return step.hidden, logits, prompt, step.sampled
 
     def _adapter_slots(self, scheduled: list[ScheduledRequest]
                        ) -> tuple[dict[int, int] | None, list[tuple[int, LoRARequest]]]:
@@ -512,20 +590,15 @@ class ModelRunner:
         return found
 
     def _forward(self, plan: StepPlan, embeds: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-        """The final hidden states of the plan's rows: a CUDA graph replay for a decode-only
-        step that fits one, else the model run eagerly. `embeds`: the images' embeddings by key."""
-        if plan.lora_slots is not None:
-            # A step with LoRA tokens runs eagerly: the graphs were captured without the adapters'
-            # products, and replaying them would drop them. (Simplest correct choice; capturing
-            # graphs with the LoRA matmuls is left for later.)
-            with self.lora_model.step(torch.tensor(plan.lora_slots, dtype=torch.int64)):
-                return self._eager_forward(plan, embeds)
-        graphs = self.decode_graphs
-        if not plan.prefill_lens and graphs is not None and graphs.fits(len(plan.decode_lens)):
-            return graphs.run(plan.input_ids, plan.positions, plan.slots, plan.decode_lens, plan.decode_rows,
-                              (plan.windowed_slots, plan.windowed_decode_rows)
-                              if plan.windowed_slots is not None else None)
-        return self._eager_forward(plan, embeds)
+        """The final hidden states of a step that replays no graph, the model run eagerly.
+        `embeds`: the images' embeddings by key."""
+        if plan.lora_slots is None:
+            return self._eager_forward(plan, embeds)
+        # A step with LoRA tokens runs eagerly (`_choose_graph`): the graphs were captured without
+        # the adapters' products, and replaying them would drop them. (Simplest correct choice;
+        # capturing graphs with the LoRA matmuls is left for later.)
+        with self.lora_model.step(torch.tensor(plan.lora_slots, dtype=torch.int64)):
+            return self._eager_forward(plan, embeds)
 
     def _eager_forward(self, plan: StepPlan, embeds: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """The plan's forward, kernel by kernel."""

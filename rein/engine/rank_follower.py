@@ -3,8 +3,9 @@
 Started by rank 0 (rein.engine.rank_processes) with one end of a pipe as file descriptor FD
 and rank 0's pid. It reads its setup from the pipe (the engine configuration with its own
 device, its rank and the group's rendezvous), joins the group, loads its shard of the model
-and KV cache, says ready, then runs every plan the pipe brings (ModelRunner.follow) until the
-pipe closes: rank 0 stopped, or died.
+and KV cache (on CUDA capturing the same decode graphs as rank 0, in the same order), says ready,
+then runs every plan the pipe brings (ModelRunner.follow: a decode step replays the graph mode
+the plan names) until the pipe closes: rank 0 stopped, or died.
 """
 
 from __future__ import annotations

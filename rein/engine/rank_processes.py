@@ -14,6 +14,12 @@ meet. Pipes rather than a collective for the plan: a rank waits on its pipe for 
 the engine is idle, which a collective's timeout would not allow, and a pipe tells a rank
 that rank 0 is gone (EOF) however it died.
 
+Decode steps replay CUDA graphs on every rank (rein.engine.cuda_graphs): each rank captured the
+same sizes and modes in the same order, so the collectives inside pair up, and replays the mode
+rank 0's plan names (`StepPlan.graph_mode`); rank 0's graph also samples, the others' stop at the
+gathered logits. A replayed collective is not watched by NCCL's watchdog, so rank 0 waits for a
+replayed step with `wait_for_device`, which watches the other ranks' processes meanwhile.
+
 Crash-only, as one engine: a rank that dies fails rank 0's next step (`RankDiedError`, or the
 collective it was in raising), which fails the engine like any engine error, and the worker
 replaces the engine (rein.engine.process_client; rein.worker's dead-engine path), whose ranks
@@ -151,6 +157,16 @@ class RankProcesses:
                 return RankDiedError(f"tensor-parallel rank {rank} (pid {process.pid}) exited with code "
                                      f"{process.returncode}: the engine stops and is replaced ({reason})")
         return exc
+
+    def wait_for_device(self, device: torch.device, poll_s: float = 1e-4) -> None:
+        """Wait until the work queued on `device` so far is done, raising RankDiedError if a rank
+        exits meanwhile: a collective replayed from a CUDA graph would wait for it for ever."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(device))
+        while not event.query():
+            if any(process.poll() is not None for process in self.processes):
+                raise self.error_of(RuntimeError("a rank exited during a CUDA graph replay"))
+            time.sleep(poll_s)
 
     def send(self, plan: object) -> None:
         """`plan` to every other rank: pickled once, written to each pipe (an anonymous pipe to

@@ -42,7 +42,10 @@ request must get the same tokens whatever else shares its batch. Therefore
     exponential race / Gumbel-max trick: ``argmax(x - log q)`` with ``q ~ Exp(1)``,
     which samples from ``softmax(x)`` exactly.
 Everything else is vectorized over the batch; the only per-row Python work is reading
-the params and the generator draws. Work no row needs is skipped; with all rows greedy,
+the params and the generator draws. The draws (`draw_exponential`) and the temperature,
+filters and race (`race`) are also what the whole-step decode graphs run
+(rein.engine.cuda_graphs), for the rows that need nothing else (`samples_on_device`), so a
+token is the same whichever path sampled it. Work no row needs is skipped; with all rows greedy,
 no logprobs, no bias, no min_tokens and no penalties the step is a single argmax of the
 input.
 """
@@ -129,7 +132,7 @@ def make_generator(seed: int | None, device: torch.device | str) -> torch.Genera
     return generator
 
 
-def _is_greedy(params: SamplingParams) -> bool:
+def is_greedy(params: SamplingParams) -> bool:
     return params.temperature < GREEDY_TEMPERATURE_EPS
 
 
@@ -137,8 +140,21 @@ def _plain_greedy(params: Sequence[SamplingParams]) -> bool:
     """Whether every row is greedy with nothing to process first: no logprobs, logit_bias,
     min_tokens or penalties (a row with min_tokens, met or not, takes the general path, which
     looks at its output count)."""
+    return _unprocessed(params, greedy=True)
+
+
+def samples_on_device(params: Sequence[SamplingParams]) -> bool:
+    """Whether every row needs only greedy, temperature, top-k, top-p and min-p: what the
+    whole-step decode graphs (rein.engine.cuda_graphs) sample; the others (logprobs, logit_bias,
+    min_tokens, penalties) need this module's host-side steps."""
+    return _unprocessed(params, greedy=False)
+
+
+def _unprocessed(params: Sequence[SamplingParams], greedy: bool) -> bool:
+    """Whether no row asks for logprobs, logit_bias, min_tokens or penalties (and, with `greedy`,
+    every row is greedy). One plain loop: it runs for every row of every step."""
     for p in params:
-        if (p.temperature >= GREEDY_TEMPERATURE_EPS or p.logprobs is not None or p.logit_bias
+        if ((greedy and p.temperature >= GREEDY_TEMPERATURE_EPS) or p.logprobs is not None or p.logit_bias
                 or p.min_tokens or p.needs_penalties):
             return False
     return True
@@ -279,6 +295,53 @@ def _filter_cutoffs(x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Te
     return cutoff
 
 
+def filter_knobs(params: SamplingParams, vocab: int) -> tuple[float, int, float, float]:
+    """A random row's (temperature, top_k, top_p, min_p) as the tensor code reads them: top_k >= V
+    keeps everything, so it is off (0)."""
+    return params.temperature, params.top_k if params.top_k < vocab else 0, params.top_p, params.min_p
+
+
+def needs_filters(params: SamplingParams) -> bool:
+    """Whether a random row uses top-k, top-p or min-p (else the race runs on the scaled logits)."""
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
+
+
+def draw_exponential(q: torch.Tensor, rows: Sequence[int], generators: Sequence[torch.Generator | None]) -> None:
+    """Fill rows `rows` of `q` ([*, V] float32) with Exp(1) noise, each from its own generator
+    (`generators`, aligned with `rows`): exactly V draws per row, so a row's randomness depends
+    neither on its position nor on the batch. Rows without a generator draw from torch's global
+    RNG (not reproducible). The eager Sampler and the whole-step decode graphs
+    (rein.engine.cuda_graphs), which draw into a static buffer before a replay, both call this."""
+    unseeded = []
+    for row, gen in zip(rows, generators, strict=True):
+        if gen is None:
+            unseeded.append(row)
+        else:
+            q[row].exponential_(generator=gen)
+    if unseeded:
+        if len(unseeded) == q.shape[0]:
+            q.exponential_()
+        else:
+            u_idx = torch.tensor(unseeded, dtype=torch.long, device=q.device)
+            q[u_idx] = torch.empty(len(unseeded), q.shape[1], device=q.device).exponential_()
+
+
+def race(x: torch.Tensor, knobs: torch.Tensor, top_k: torch.Tensor | None, q: torch.Tensor, k_max: int,
+         need_p: bool, need_min_p: bool) -> torch.Tensor:
+    """One token per row of `x` ([S, V] float32 logits): temperature (`knobs[:, 0]`), then top-k
+    (`top_k`, 0 = off; None when no row uses it, `k_max` its largest value), top-p (`knobs[:, 1]`)
+    and min-p (`knobs[:, 2]`) as one per-row cutoff, then the exponential race with the Exp(1)
+    noise `q` (overwritten). Fixed shapes and no host reads: the whole-step decode graphs capture
+    it (with need_p and need_min_p set, which leave the rows that do not use them unchanged)."""
+    x = x / knobs[:, 0:1]
+    if top_k is not None or need_p or need_min_p:
+        cutoff = _filter_cutoffs(x, top_k, knobs[:, 1], knobs[:, 2], k_max, need_p, need_min_p)
+        x = x.masked_fill(x < cutoff.unsqueeze(1), float("-inf"))
+    # argmax(x - log q) == argmax(softmax(x) / q): the exponential race picks token i
+    # with probability softmax(x)_i, with no softmax needed.
+    return argmax_rows(x - q.clamp_min_(_MIN_EXP_DRAW).log_())
+
+
 class Sampler:
     """Stateless: all per-request state (generators, token history) lives in the batch."""
 
@@ -295,7 +358,7 @@ class Sampler:
         if batch.plain_greedy if batch.plain_greedy is not None else _plain_greedy(params):
             return SamplerOutput(greedy_tokens(logits), None, None)
 
-        greedy = [_is_greedy(p) for p in params]
+        greedy = [is_greedy(p) for p in params]
         want_logprobs = any(p.logprobs is not None for p in params)
         pen_rows = [i for i, p in enumerate(params) if p.needs_penalties]
         # Rows with a bias or a min_tokens still to reach: min_tokens is almost always 0,
@@ -382,43 +445,16 @@ class Sampler:
         params = [batch.params[i] for i in rows]
         num, vocab = x.shape
         device = x.device
-        # top_k >= V keeps everything, so it is treated as off (0).
-        top_ks = [p.top_k if p.top_k < vocab else 0 for p in params]
+        rows_knobs = [filter_knobs(p, vocab) for p in params]
         # One host-to-device copy for the float knobs of all rows.
-        knobs = torch.tensor(
-            [[p.temperature, p.top_p, p.min_p] for p in params],
-            dtype=torch.float32, device=device,
-        )
-        x = x / knobs[:, 0:1]
-
+        knobs = torch.tensor([[t, p, m] for t, _, p, m in rows_knobs], dtype=torch.float32, device=device)
+        top_ks = [k for _, k, _, _ in rows_knobs]
         k_max = max(top_ks)
-        need_p = any(p.top_p < 1.0 for p in params)
-        need_min_p = any(p.min_p > 0.0 for p in params)
-        if k_max or need_p or need_min_p:
-            top_k = torch.tensor(top_ks, dtype=torch.long, device=device) if k_max else None
-            cutoff = _filter_cutoffs(x, top_k, knobs[:, 1], knobs[:, 2],
-                                     k_max, need_p, need_min_p)
-            x = x.masked_fill(x < cutoff.unsqueeze(1), float("-inf"))
-
-        # Exactly V draws per row from the row's own generator: a row's randomness does
-        # not depend on its position or on the batch size.
+        top_k = torch.tensor(top_ks, dtype=torch.long, device=device) if k_max else None
         q = torch.empty(num, vocab, dtype=torch.float32, device=device)
-        unseeded = []
-        for j, i in enumerate(rows):
-            gen = batch.generators[i]
-            if gen is None:
-                unseeded.append(j)
-            else:
-                q[j].exponential_(generator=gen)
-        if unseeded:
-            if len(unseeded) == num:
-                q.exponential_()
-            else:
-                u_idx = torch.tensor(unseeded, dtype=torch.long, device=device)
-                q[u_idx] = torch.empty(len(unseeded), vocab, device=device).exponential_()
-        # argmax(x - log q) == argmax(softmax(x) / q): the exponential race picks token i
-        # with probability softmax(x)_i, with no softmax needed.
-        return argmax_rows(x - q.clamp_min_(_MIN_EXP_DRAW).log_())
+        draw_exponential(q, range(num), [batch.generators[i] for i in rows])
+        return race(x, knobs, top_k, q, k_max, need_p=any(p < 1.0 for _, _, p, _ in rows_knobs),
+                    need_min_p=any(m > 0.0 for _, _, _, m in rows_knobs))
 
     @staticmethod
     def _logprobs(
