@@ -35,7 +35,8 @@ and on. PASS when the tokens agree as above (the reference asks for logprobs, wh
 sampler reports without changing a token) and decode steps did sample inside the graph. On CPU
 the graph engine gets the same graphs run eagerly (`DecodeGraphs(capture=False)`).
 
-tensor_parallel: with two CUDA devices or more, a two-rank engine (NCCL) gives the one-rank
+tensor_parallel: with two CUDA devices or more, a two-rank engine (NCCL), eager and replaying
+decode graphs (REIN_CUDA_GRAPHS_TENSOR_PARALLEL=1), gives the one-rank
 engine's greedy tokens, and a rank killed mid-run fails the next steps with RankDiedError
 naming it. With one device it is a SKIP saying so.
 
@@ -427,10 +428,12 @@ def paths_check(device: str, models_dir: Path, near_tie: float, time_left, on_ca
 
 
 def tensor_parallel_check(device: str, tokenizer_model: Path) -> dict:
-    """Two ranks over NCCL == one rank; a dead rank fails the step naming it."""
+    """Two ranks over NCCL, eager and replaying decode graphs, == one rank; a dead rank fails
+    the step naming it."""
     import os
     import signal
 
+    from rein.core.settings import get_settings, swap_environment
     from rein.engine import EngineConfig, LLMEngine, SamplingParams
     from rein.engine.rank_processes import RankDiedError
 
@@ -440,14 +443,21 @@ def tensor_parallel_check(device: str, tokenizer_model: Path) -> dict:
                       + ("" if device == "cuda" else " (CPU mode; gloo runs in the suite's tests)"))
     requests = text_requests()
 
-    def engine(ranks: int):
-        return LLMEngine(EngineConfig(model=str(tokenizer_model), device="cuda", dtype="float32",
-                                      tensor_parallel_size=ranks, kv_cache_memory="32MiB", max_model_len=256,
-                                      max_num_seqs=8))
+    def engine(ranks: int, graphs: bool = False):
+        # Graphs under tensor parallelism are opt-in (REIN_CUDA_GRAPHS_TENSOR_PARALLEL): run both.
+        previous = swap_environment({"REIN_CUDA_GRAPHS_TENSOR_PARALLEL": "1" if graphs else None})
+        get_settings.cache_clear()
+        try:
+            return LLMEngine(EngineConfig(model=str(tokenizer_model), device="cuda", dtype="float32",
+                                          tensor_parallel_size=ranks, kv_cache_memory="32MiB", max_model_len=256,
+                                          max_num_seqs=8))
+        finally:
+            swap_environment(previous)
+            get_settings.cache_clear()
 
     outputs = {}
-    for ranks in (1, 2):
-        eng = engine(ranks)
+    for ranks, graphs in ((1, False), (2, False), (2, True)):
+        eng = engine(ranks, graphs)
         try:
             params = SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
             for rid, (ids, _) in requests.items():
@@ -456,10 +466,11 @@ def tensor_parallel_check(device: str, tokenizer_model: Path) -> dict:
             while eng.has_unfinished():
                 for out in eng.step():
                     tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            outputs[ranks] = tokens
+            outputs[ranks, graphs] = tokens
         finally:
             eng.close()
-    problems = [] if outputs[1] == outputs[2] else ["two ranks' greedy tokens differ from one rank's"]
+    problems = [f"two ranks' greedy tokens ({'graphs' if graphs else 'eager'}) differ from one rank's"
+                for ranks, graphs in ((2, False), (2, True)) if outputs[ranks, graphs] != outputs[1, False]]
     eng = engine(2)
     died = None
     try:
@@ -479,5 +490,6 @@ def tensor_parallel_check(device: str, tokenizer_model: Path) -> dict:
         problems.append(f"killing rank 1 gave {died!r}, not a RankDiedError naming rank 1")
     if problems:
         return result("FAIL", "; ".join(problems), devices=count)
-    return result("PASS", f"two ranks over NCCL == one rank ({len(requests)} requests); a killed rank: {died[:120]}",
+    return result("PASS", f"two ranks over NCCL, eager and with decode graphs, == one rank ({len(requests)} requests);"
+                  f" a killed rank: {died[:120]}",
                   devices=count)

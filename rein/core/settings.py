@@ -545,6 +545,11 @@ class Settings(BaseSettings):
     """On CUDA, the attention of a step whose prompts have no cached prefix: `triton`, rein's
     paged prefill kernel, or `flash`, torch's flash varlen attention over the step's own K/V
     (rein.model.attention); prompts with a cached prefix always take the Triton kernel."""
+    cuda_graphs_tensor_parallel: bool = False
+    """On CUDA under tensor parallelism, capture the decode graphs on every rank (each rank's
+    NCCL collectives inside them, replayed in lockstep: rein.engine.rank_processes); false:
+    decode steps run eagerly there. Off by default until a multi-GPU run of the GPU check
+    (bench/gpu_paths.py, tensor_parallel) has passed with it."""
     cpu_mallopt: bool = True
     """On CPU, raise glibc malloc's mmap and trim thresholds at engine start so large step tensors
     reuse heap memory (rein.model.cpu_allocator); false: leave malloc alone."""

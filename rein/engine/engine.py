@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from rein.core.images import ImageInput
+from rein.core.settings import setting_or_default
 from rein.engine.async_scheduling import AsyncScheduling
 from rein.engine.block_pool import BlockPool
 from rein.engine.config import EngineConfig
@@ -175,12 +176,17 @@ class LLMEngine:
     def _check_tensor_parallel(self, config: EngineConfig) -> EngineConfig:
         """Refuse, before any rank starts, a model tensor parallelism cannot shard (ValueError
         naming the sizes that would do). Decode steps replay CUDA graphs on every rank in
-        lockstep (rein.engine.rank_processes)."""
+        lockstep (rein.engine.rank_processes) only with REIN_CUDA_GRAPHS_TENSOR_PARALLEL=1;
+        otherwise they run eagerly."""
         size = config.tensor_parallel_size
         check_shardable(self.spec, size)
         attention_heads(self.spec, size)
         # Rank 0's device with its index: NCCL binds each rank to one (rank r takes index + r).
-        return dataclasses.replace(config, device=rank_device(config.device, 0))
+        config = dataclasses.replace(config, device=rank_device(config.device, 0))
+        # Graphs capture the NCCL collectives, which no multi-GPU run has checked yet: opt in.
+        if not setting_or_default("cuda_graphs_tensor_parallel"):
+            config = dataclasses.replace(config, enforce_eager=True)
+        return config
 
     def close(self) -> None:
         """Stop a tensor-parallel engine's other ranks and async scheduling's worker thread."""
