@@ -106,9 +106,8 @@ static inline vec vec_max(vec a, vec b) {
 }
 
 /* s[MR][0..NR) (rows KB apart) = scale * q rows . panel (head_dim x NR); rmax[r] = the lane-wise
- * maximum of rmax[r] and row r's new scores, taken
- * while they are in registers (the softmax of a row that sees the whole tile needs no pass of
- * its own for its maximum). */
+ * maximum of rmax[r] and row r's new scores, taken while they are in registers (the softmax of
+ * a row that sees the whole tile needs no pass of its own for its maximum). */
 static inline void scores(const float *const *q, const float *panel, int64_t head_dim, float scale, float *s,
                           vec *rmax) {
     vec acc[MR][2];
