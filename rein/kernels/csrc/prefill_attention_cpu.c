@@ -22,7 +22,7 @@
  *
  * GCC's vector extensions, so -march=native picks the instructions (AVX-512: MR 12, NR 32;
  * otherwise MR 6, NR 16). head_dim must be a multiple of NR; the caller falls back to torch
- * otherwise. Work is split over (head, query block) pairs with OpenMP, and so is the packing.
+ * otherwise. Work is split over (head, query block) pairs with OpenMP.
  *
  * These products run at this CPU's float32 FMA peak; what keeps the kernel below it is the
  * softmax (an exponential a score) and the per-tile work around the products. bfloat16 dot
@@ -66,23 +66,21 @@ static inline vec load_vec(const float *p) {
 
 static inline void store_vec(float *p, vec v) { memcpy(p, &v, sizeof v); }
 
-/* Rows fetched this many tokens ahead while packing; panels packed by one thread at a time. */
+/* Rows fetched this many tokens ahead while packing. */
 #define PACK_PREFETCH 8
-#define PACK_PANELS 8
 
-/* Panels p0 .. p1 of kv head `g`'s first len keys (keys p0 * NR .. min(p1 * NR, len)): K rows ->
- * kt [ceil(len / NR)][head_dim][NR], zero past len; V rows -> vt [len][head_dim]; both float32. */
+/* K rows 0..len-1 of kv head `g` -> kt [ceil(len / NR)][head_dim][NR], zero past len; V rows ->
+ * vt [len][head_dim]; both float32. */
 static void pack_keys_values(const char *k_cache, const char *v_cache, int type, const int32_t *table,
                              int64_t block_size, int64_t row, int64_t g, int64_t head_dim, int64_t len,
-                             int64_t p0, int64_t p1, float *kt, float *vt) {
-    const int64_t esize = kv_size(type), end = p1 * NR < len ? p1 * NR : len;
-    if (end == len && len % NR)
-        memset(kt + len / NR * head_dim * NR, 0, sizeof(float) * head_dim * NR);
+                             float *kt, float *vt) {
+    const int64_t panels = (len + NR - 1) / NR, esize = kv_size(type);
+    memset(kt + (panels - 1) * head_dim * NR, 0, sizeof(float) * head_dim * NR);
     float k[MAX_HEAD_DIM];
-    for (int64_t t = p0 * NR; t < end; t++) {
+    for (int64_t t = 0; t < len; t++) {
         const int64_t slot = (int64_t)table[t / block_size] * block_size + t % block_size;
         const int64_t at = (slot * row + g * head_dim) * esize;
-        if (t + PACK_PREFETCH < end) {   /* the cache blocks are scattered: fetch ahead across them */
+        if (t + PACK_PREFETCH < len) {   /* the cache blocks are scattered: fetch ahead across them */
             const int64_t ta = t + PACK_PREFETCH;
             const int64_t ahead = (((int64_t)table[ta / block_size] * block_size + ta % block_size) * row
                                    + g * head_dim) * esize;
@@ -341,23 +339,16 @@ int paged_prefill_attention_f32(
         const int32_t *table = block_tables + b * bt_stride + window_start / block_size;
         const int64_t first_pos = ctx - q_len - base;   /* the chunk's first token, from base */
         const int64_t blocks = (q_len + MR - 1) / MR;
-        const int64_t len = ctx - base, panels = (len + NR - 1) / NR;
         for (int64_t g = 0; g < num_kv_heads; g++) {
-            #pragma omp parallel num_threads(num_threads) if (num_threads > 1)
-            {
-                /* the packing split over the threads too, PACK_PANELS panels at a time */
-                #pragma omp for schedule(static)
-                for (int64_t p = 0; p < panels; p += PACK_PANELS)
-                    pack_keys_values(k_cache, v_cache, kv_type, table, block_size, row, g, head_dim, len, p,
-                                     p + PACK_PANELS, kt, vt);
-                /* each head's blocks last to first: a block's work grows with its position
-                 * (causal), so the blocks left when the threads run out of work are the small ones */
-                #pragma omp for schedule(dynamic, 1)
-                for (int64_t item = 0; item < group * blocks; item++) {
-                    const int64_t h = g * group + item / blocks, t0 = (blocks - 1 - item % blocks) * MR;
-                    const int64_t rows = q_len - t0 < MR ? q_len - t0 : MR;
-                    query_block(query, out, q0, t0, rows, h, qrow, head_dim, first_pos, window, scale, kt, vt);
-                }
+            pack_keys_values(k_cache, v_cache, kv_type, table, block_size, row, g, head_dim, ctx - base, kt, vt);
+
+            /* each head's blocks last to first: a block's work grows with its position (causal),
+             * so the blocks left when the threads run out of work are the small ones */
+            #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
+            for (int64_t item = 0; item < group * blocks; item++) {
+                const int64_t h = g * group + item / blocks, t0 = (blocks - 1 - item % blocks) * MR;
+                const int64_t rows = q_len - t0 < MR ? q_len - t0 : MR;
+                query_block(query, out, q0, t0, rows, h, qrow, head_dim, first_pos, window, scale, kt, vt);
             }
         }
     }
