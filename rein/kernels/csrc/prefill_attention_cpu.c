@@ -12,9 +12,10 @@
  *   query head of the group then reuses;
  * - MR query rows at a time (one head, MR consecutive tokens) compute their scores against a
  *   panel with MR x NR sums in registers (a broadcast q value times a panel row of NR keys),
- *   fold them into a running max and sum (online softmax), and add P x V to their outputs,
- *   NR output columns at a time with MR x NR sums in registers, the outputs' rescaling by the
- *   moved maxima done as they are loaded;
+ *   fold them into a running max and sum (online softmax, in base 2: the scores scaled by
+ *   log2(e) as they leave the registers, where their row maxima are also taken), and add P x V
+ *   to their outputs, NR output columns at a time with MR x NR sums in registers, the outputs'
+ *   rescaling by the moved maxima done as they are loaded;
  * - panels past a block's last query position are skipped (causal), and with a sliding window
  *   so are the panels before its first row's window, and the cache blocks before the chunk's
  *   first row's window are never read (the engine may have freed them).
@@ -22,6 +23,11 @@
  * GCC's vector extensions, so -march=native picks the instructions (AVX-512: MR 12, NR 32;
  * otherwise MR 6, NR 16). head_dim must be a multiple of NR; the caller falls back to torch
  * otherwise. Work is split over (head, query block) pairs with OpenMP.
+ *
+ * These products run at this CPU's float32 FMA peak; what keeps the kernel below it is the
+ * softmax (an exponential a score) and the per-tile work around the products. bfloat16 dot
+ * products (avx512_bf16) would double the rate but need Q or P rounded to bfloat16, errors of
+ * ~1e-3 in the outputs against the 2e-5 the tests (and float32 outputs) allow.
  *
  * Built at first use by rein/kernels/cpu_native.py and called through ctypes.
  */
@@ -90,8 +96,18 @@ static void pack_keys_values(const char *k_cache, const char *v_cache, int type,
     }
 }
 
-/* s[MR][0..NR) (rows KB apart) = scale * q rows . panel (head_dim x NR) */
-static inline void scores(const float *const *q, const float *panel, int64_t head_dim, float scale, float *s) {
+/* Lane-wise maximum (a compare and a blend: vmaxps where the compiler sees it). */
+static inline vec vec_max(vec a, vec b) {
+    typedef int32_t ivec __attribute__((vector_size(VEC * sizeof(int32_t)), aligned(4)));
+    const ivec take_a = a > b;
+    return (vec)((take_a & (ivec)a) | (~take_a & (ivec)b));
+}
+
+/* s[MR][0..NR) (rows KB apart) = scale * q rows . panel (head_dim x NR); rmax[r] = the lane-wise
+ * maximum of rmax[r] and row r's new scores, taken while they are in registers (the softmax of
+ * a row that sees the whole tile needs no pass of its own for its maximum). */
+static inline void scores(const float *const *q, const float *panel, int64_t head_dim, float scale, float *s,
+                          vec *rmax) {
     vec acc[MR][2];
     for (int r = 0; r < MR; r++) acc[r][0] = acc[r][1] = (vec){0};
     for (int64_t d = 0; d < head_dim; d++) {
@@ -104,8 +120,11 @@ static inline void scores(const float *const *q, const float *panel, int64_t hea
         }
     }
     for (int r = 0; r < MR; r++) {
-        store_vec(s + r * KB, acc[r][0] * scale);
-        store_vec(s + r * KB + VEC, acc[r][1] * scale);
+        acc[r][0] *= scale;
+        acc[r][1] *= scale;
+        store_vec(s + r * KB, acc[r][0]);
+        store_vec(s + r * KB + VEC, acc[r][1]);
+        rmax[r] = vec_max(rmax[r], vec_max(acc[r][0], acc[r][1]));
     }
 }
 
@@ -136,54 +155,84 @@ static inline void add_values(const float *p, int64_t n, const float *vt, const 
     }
 }
 
+/* The scores are kept in base 2 (scaled by scale * log2(e) as they leave the registers), so the
+ * softmax's exponentials are 2^x: no multiply by log2(e) in each of them. */
+#define LOG2E 1.44269504088896341f
+#define LN2 0.693147180559945309f
+
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
-/* exp(x) on 16 lanes for x <= 0: fast_exp.h's reduction and polynomial, the 2^n applied by
- * vscalefps, which also takes exp's underflow to 0 (no clamping): 11 instructions where the
- * vectorized fast_expf takes 16, and the exponentials were a tenth of a long prompt's time. */
-static inline __m512 exp_nonpositive(__m512 x) {
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+/* 2^x on 16 lanes for finite x <= 0: f = x - floor(x) in [0, 1) by vreduceps, a degree-5
+ * polynomial for 2^f (a Chebyshev fit, relative error under 2e-7 in float32, as fast_exp.h's),
+ * and 2^floor(x) applied by vscalefps, which takes the floor itself and underflows to 0 (no
+ * clamping): 8 instructions, where exp through fast_exp.h's reduction takes 11. */
+static inline __m512 exp2_nonpositive(__m512 x) {
+    const __m512 f = _mm512_reduce_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(0.00189510733f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0089462148f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.0558632836f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.240140766f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.693154633f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.999999881f));
+    return _mm512_scalef_ps(p, x);
 }
 #endif
 
-/* A row of KB scores all visible, its maximum x (>= every score): s = exp(s - x), and the lane
- * sums l = l * a + s. */
+/* 2^x in float32 for the plain and AVX2 builds: fast_exp.h's exp of x ln 2. */
+static inline float exp2_scalar(float x) { return fast_expf(x * LN2); }
+
+/* The largest of a vector's lanes. */
+static inline float hmax(vec v) {
+#if defined(__AVX512F__)
+    return _mm512_reduce_max_ps((__m512)v);
+#else
+    float x = v[0];
+    for (int i = 1; i < VEC; i++) x = v[i] > x ? v[i] : x;
+    return x;
+#endif
+}
+
+/* Row r of a tile: sr[j] = 2^(sr[j] - x) for keys first <= j < visible, 0 for the others; the
+ * row's lane sums lr[VEC] = lr * a + the new values, VEC lanes wide (reduced once at the end: a
+ * horizontal add in every tile would wait on each of its adds). */
+static inline void exp_row_masked(float *sr, float *lr, float x, float a, int64_t first, int64_t visible) {
+    float sum[VEC] = {0};
+    for (int64_t c = 0; c < KB; c += VEC) {
+        #pragma omp simd
+        for (int64_t l = 0; l < VEC; l++) {
+            const int64_t j = c + l;
+            sr[j] = j >= first && j < visible ? exp2_scalar(sr[j] - x) : 0.0f;
+            sum[l] += sr[j];
+        }
+    }
+    #pragma omp simd
+    for (int64_t l = 0; l < VEC; l++) lr[l] = lr[l] * a + sum[l];
+}
+
+/* The same for a row that sees every key of the tile. */
 static inline void exp_row(float *sr, float *lr, float x, float a) {
 #if defined(__AVX512F__)
-    const __m512 vx = _mm512_set1_ps(x), va = _mm512_set1_ps(a);
+    const __m512 vx = _mm512_set1_ps(x);
+    __m512 sum = _mm512_setzero_ps();
     for (int j = 0; j < KB; j += 16) {
-        const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vx));
+        const __m512 e = exp2_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(sr + j), vx));
         _mm512_storeu_ps(sr + j, e);
-        _mm512_storeu_ps(lr + j, _mm512_fmadd_ps(_mm512_loadu_ps(lr + j), va, e));
+        sum = _mm512_add_ps(sum, e);
     }
+    _mm512_storeu_ps(lr, _mm512_fmadd_ps(_mm512_loadu_ps(lr), _mm512_set1_ps(a), sum));
 #else
-    #pragma omp simd
-    for (int64_t j = 0; j < KB; j++) {
-        sr[j] = fast_expf(sr[j] - x);
-        lr[j] = lr[j] * a + sr[j];
-    }
+    exp_row_masked(sr, lr, x, a, 0, KB);
 #endif
 }
 
-/* Online softmax of one tile of scores s[MR][KB] (keys key0 .. key0 + n; row r sees keys from
- * lo[r] up to pos[r]): the running maxima m move up, alpha[r] = exp(old max - new max) (the
- * factor add_values scales the outputs by), the per-lane running sums lsum are rescaled by it,
- * and s becomes exp(s - max), 0 where masked. Lane sums (reduced once at the end) keep a
- * horizontal add out of every tile. */
+/* Online softmax of one tile of scores s[MR][KB] in base 2 (keys key0 .. key0 + n; row r sees
+ * keys from lo[r] up to pos[r]; rmax[r]: the lane-wise maximum of its computed scores, used for
+ * rows that see the whole tile): the running maxima m move up, alpha[r] = 2^(old max - new
+ * max) (the factor add_values scales the outputs by), the lane sums lsum are rescaled by it,
+ * and s becomes 2^(s - max), 0 where masked. */
 static inline void softmax_tile(float *s, int64_t key0, int64_t n, const int64_t *pos, const int64_t *lo,
-                                float *m, float *lsum, float *alpha) {
+                                const vec *rmax, float *m, float *lsum, float *alpha) {
     float mx[MR];
     int64_t visible[MR], first[MR];
     for (int r = 0; r < MR; r++) {
@@ -191,8 +240,8 @@ static inline void softmax_tile(float *s, int64_t key0, int64_t n, const int64_t
         const int64_t v = pos[r] + 1 - key0 < n ? pos[r] + 1 - key0 : n, f = lo[r] - key0;
         float x = m[r];
         if (v == KB && f <= 0) {
-            #pragma omp simd reduction(max:x)
-            for (int64_t j = 0; j < KB; j++) x = sr[j] > x ? sr[j] : x;
+            const float t = hmax(rmax[r]);
+            x = t > x ? t : x;
         } else {
             #pragma omp simd reduction(max:x)
             for (int64_t j = 0; j < KB; j++) x = j >= f && j < v && sr[j] > x ? sr[j] : x;
@@ -202,23 +251,15 @@ static inline void softmax_tile(float *s, int64_t key0, int64_t n, const int64_t
         mx[r] = x;
     }
     /* m = -inf: ~0, nothing to scale yet. A row whose window starts past this tile has seen no
-     * key at all (x = -inf too): 1, where exp(-inf - -inf) would be NaN. */
+     * key at all (x = -inf too): 1, where 2^(-inf - -inf) would be NaN. */
     #pragma omp simd
-    for (int r = 0; r < MR; r++) alpha[r] = mx[r] == -INFINITY ? 1.0f : fast_expf(m[r] - mx[r]);
+    for (int r = 0; r < MR; r++) alpha[r] = mx[r] == -INFINITY ? 1.0f : exp2_scalar(m[r] - mx[r]);
     for (int r = 0; r < MR; r++) {
-        float *sr = s + r * KB, *lr = lsum + r * KB;
-        const float x = mx[r], a = alpha[r];
-        if (visible[r] == KB && first[r] <= 0) {
-            exp_row(sr, lr, x, a);
-        } else {
-            const int64_t v = visible[r], f = first[r];
-            #pragma omp simd
-            for (int64_t j = 0; j < KB; j++) {
-                sr[j] = j >= f && j < v ? fast_expf(sr[j] - x) : 0.0f;
-                lr[j] = lr[j] * a + sr[j];
-            }
-        }
-        m[r] = x;
+        if (visible[r] == KB && first[r] <= 0)
+            exp_row(s + r * KB, lsum + r * VEC, mx[r], alpha[r]);
+        else
+            exp_row_masked(s + r * KB, lsum + r * VEC, mx[r], alpha[r], first[r], visible[r]);
+        m[r] = mx[r];
     }
 }
 
@@ -238,27 +279,27 @@ static void query_block(const float *query, float *out, int64_t q0, int64_t t0, 
     /* keys lo[0]..last are visible to some row; panels before lo[0]'s are skipped */
     const int64_t last = pos[rows - 1];
     const int64_t key_start = lo[0] > 0 ? lo[0] / NR * NR : 0;
-    float o[MR * MAX_HEAD_DIM], m[MR], alpha[MR], lsum[MR * KB], s[MR * KB];
+    float o[MR * MAX_HEAD_DIM], m[MR], alpha[MR], lsum[MR * VEC], s[MR * KB];
     memset(o, 0, sizeof(float) * MR * head_dim);
     memset(lsum, 0, sizeof lsum);
     for (int r = 0; r < MR; r++) m[r] = -INFINITY;
 
     for (int64_t key0 = key_start; key0 <= last; key0 += KB) {
+        vec rmax[MR];
+        for (int r = 0; r < MR; r++) rmax[r] = (vec){0} - INFINITY;
         /* the tile's second panel only where some row sees a key in it (its scores are masked
          * out otherwise) */
         for (int64_t panel = 0; panel < KB / NR && key0 + panel * NR <= last; panel++)
-            scores(qp, kt + (key0 / NR + panel) * head_dim * NR, head_dim, scale, s + panel * NR);
+            scores(qp, kt + (key0 / NR + panel) * head_dim * NR, head_dim, scale * LOG2E, s + panel * NR, rmax);
         const int64_t n = last + 1 - key0 < KB ? last + 1 - key0 : KB;
-        softmax_tile(s, key0, n, pos, lo, m, lsum, alpha);
+        softmax_tile(s, key0, n, pos, lo, rmax, m, lsum, alpha);
         add_values(s, n, vt + key0 * head_dim, alpha, head_dim, o);
     }
     for (int64_t r = 0; r < rows; r++) {
         float *dst = out + (q0 + t0 + r) * qrow + h * head_dim;
         float l = 0.0f;
-        /* in vectors: a sequential sum of KB lanes, each add waiting for the last, took 4% of a
-         * step of 256-token prompts */
         #pragma omp simd reduction(+:l)
-        for (int64_t j = 0; j < KB; j++) l += lsum[r * KB + j];
+        for (int64_t j = 0; j < VEC; j++) l += lsum[r * VEC + j];
         const float inv = 1.0f / l;
         #pragma omp simd
         for (int64_t d = 0; d < head_dim; d++) dst[d] = o[r * head_dim + d] * inv;
@@ -301,9 +342,11 @@ int paged_prefill_attention_f32(
         for (int64_t g = 0; g < num_kv_heads; g++) {
             pack_keys_values(k_cache, v_cache, kv_type, table, block_size, row, g, head_dim, ctx - base, kt, vt);
 
+            /* each head's blocks last to first: a block's work grows with its position (causal),
+             * so the blocks left when the threads run out of work are the small ones */
             #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
             for (int64_t item = 0; item < group * blocks; item++) {
-                const int64_t h = g * group + item / blocks, t0 = (item % blocks) * MR;
+                const int64_t h = g * group + item / blocks, t0 = (blocks - 1 - item % blocks) * MR;
                 const int64_t rows = q_len - t0 < MR ? q_len - t0 : MR;
                 query_block(query, out, q0, t0, rows, h, qrow, head_dim, first_pos, window, scale, kt, vt);
             }
