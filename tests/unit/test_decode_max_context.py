@@ -18,7 +18,7 @@ def decode_step(lens):
                        torch.randn(blocks, BLOCK, KV_HEADS, DIM, generator=g))
     tables = torch.arange(len(lens) * 4, dtype=torch.int32).view(len(lens), 4)
     lens_t = torch.tensor(lens, dtype=torch.int32)
-    slots = torch.tensor([int(t[(n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens)])
+    slots = torch.tensor([int(t[(n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK for t, n in zip(tables, lens, strict=True)])
     meta = AttentionMetadata(slot_mapping=slots, num_decode_tokens=len(lens), decode_block_tables=tables,
                              decode_context_lens=lens_t, decode_groups=None, prefill_block_tables=None,
                              prefill_cu_seqlens_q=None, prefill_context_lens=None)
