@@ -79,10 +79,10 @@ def bench_kernels(args: argparse.Namespace) -> dict:
                 for batch in (int(b) for b in args.batches.split(",")):
                     x = torch.randn(batch, cols)
                     want = cpu_native.quantized_matmul(x, floats)
-                    got = cpu_native.quantized_matmul_int8act(x, ints)
+                    got = cpu_native.quantized_matmul(x, ints)
                     rel = ((got - want).abs().max() / want.abs().max()).item()
                     t = time_calls({"float32": lambda x=x, w=floats: cpu_native.quantized_matmul(x, w),
-                                    "int8": lambda x=x, w=ints: cpu_native.quantized_matmul_int8act(x, w)},
+                                    "int8": lambda x=x, w=ints: cpu_native.quantized_matmul(x, w)},
                                    args.repeats)
                     row = {"type": type_name, "rows": rows, "cols": cols, "threads": threads, "batch": batch,
                            "float32_ms": t["float32"][0] * 1e3, "int8_ms": t["int8"][0] * 1e3,

@@ -94,7 +94,8 @@ TIERS = ("unit", "integration", "e2e", "kernels", "real", "deploy")
 # scheduling, formats and services, the same on either path.
 FAST_PATH_FILES = frozenset({
     "kernels/test_cpu_native.py", "kernels/test_lora_cpu.py", "kernels/test_sliding_window.py",
-    "kernels/test_kv_16bit_cpu.py", "unit/test_kv_cache_dtypes.py",
+    "kernels/test_kv_16bit_cpu.py", "kernels/test_rotary_store_cpu.py", "unit/test_kv_cache_dtypes.py",
+    "unit/test_decode_max_context.py",
     "unit/test_cpu_fast_paths.py", "unit/test_cpu_native_library.py", "unit/test_engine_dtypes.py",
     "unit/test_engine_parity.py", "unit/test_embeddings_engine.py", "unit/test_lora_engine.py",
     "unit/test_lora_model.py", "unit/test_moe_models.py", "unit/test_packed_gguf_models.py",

@@ -33,8 +33,15 @@ def store_kv(key, value, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=N
 
 def rotary_store_kv(query, key, value, cos, sin, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> bool:
     """Rotate query and key in place and write the rotated key and the value into the cache in one
-    kernel (rein.kernels.triton_rotary_store; CUDA only). False, nothing touched, elsewhere:
-    the caller rotates q and k and calls store_kv."""
+    kernel (rein.kernels.triton_rotary_store on CUDA; rein.kernels.cpu_native's C kernel for float32
+    on the CPU, any cache but int8). False, nothing touched, elsewhere: the caller rotates q and k
+    and calls store_kv."""
+    if query.device.type == "cpu":
+        if k_scale is not None:
+            return False
+        from rein.kernels import cpu_native
+
+        return cpu_native.rotary_store_kv(query, key, value, cos, sin, k_cache, v_cache, slot_mapping)
     if not use_triton(query):
         return False
     from rein.kernels import triton_rotary_store
@@ -50,21 +57,24 @@ def check_window(window: int | None) -> None:
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
-                           k_scale=None, v_scale=None, window: int | None = None) -> torch.Tensor:
-    """See rein.kernels.reference.paged_decode_attention (window: sliding-window attention)."""
+                           k_scale=None, v_scale=None, window: int | None = None,
+                           max_context: int | None = None) -> torch.Tensor:
+    """See rein.kernels.reference.paged_decode_attention (window: sliding-window attention;
+    max_context: the longest context length where the caller knows it, for the C kernel)."""
     check_window(window)
-    if use_triton(query):
+    if query.is_cpu:
+        if k_scale is None:
+            from rein.kernels import cpu_native
+
+            out = cpu_native.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
+                                                    window=window, max_context=max_context)
+            if out is not None:
+                return out
+    elif use_triton(query):
         from rein.kernels import triton_ops
 
         return triton_ops.paged_decode_attention(query, k_cache, v_cache, block_tables,
                                                  context_lens, scale, k_scale, v_scale, window)
-    if k_scale is None and query.device.type == "cpu":
-        from rein.kernels import cpu_native
-
-        out = cpu_native.paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
-                                                window=window)
-        if out is not None:
-            return out
     return reference.paged_decode_attention(query, k_cache, v_cache, block_tables,
                                             context_lens, scale, k_scale, v_scale, window)
 

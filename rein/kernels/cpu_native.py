@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "prefill_attention_cpu.c", CSRC / "elementwise_cpu.c",
            CSRC / "quantized_matmul_cpu.c", CSRC / "lora_cpu.c", CSRC / "instruction_set.c",
-           CSRC / "quantized_matmul_int8act.c")
+           CSRC / "quantized_matmul_int8act.c", CSRC / "rotary_store_cpu.c")
 HEADERS = (CSRC / "fast_exp.h", CSRC / "kv_types.h")
 # The target CPU: this one. The sources pick AVX-512, AVX2+FMA or plain loops by what it has
 # (instruction_set.c); the tests also build for the x86-64 baseline to run the plain loops.
@@ -94,19 +94,21 @@ def why_unavailable() -> str:
 
 
 def paged_decode_attention(query, k_cache, v_cache, block_tables, context_lens, scale,
-                           window: int | None = None) -> torch.Tensor | None:
+                           window: int | None = None, max_context: int | None = None) -> torch.Tensor | None:
     """Same contract as rein.kernels.reference.paged_decode_attention for a float32 query and a
     float32, float16 or bfloat16 cache (computed in float32); None when this kernel does not
-    apply (the caller falls back to the reference)."""
+    apply (the caller falls back to the reference). `max_context`: the longest of context_lens
+    where the caller knows it (one step's layers share it), else read from the tensor."""
     lib = library() if _attention_applies(query, k_cache, v_cache) else None
     if lib is None:
         return None
     batch, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     query = query.contiguous()
+    # The engine's tables and lengths are int32 already: these are no-ops there.
     tables = block_tables.to(torch.int32).contiguous()
     lens = context_lens.to(torch.int32).contiguous()
-    max_len = int(lens.max())
+    max_len = int(lens.max()) if max_context is None else max_context
     threads = torch.get_num_threads()
     out = torch.empty_like(query)
     scratch = torch.empty(threads * num_heads * max_len, dtype=torch.float32)
@@ -153,7 +155,7 @@ def _c_window(window: int | None) -> int:
 
 
 def _f32_cpu(*tensors: torch.Tensor) -> bool:
-    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors)
+    return all(t.dtype == torch.float32 and t.is_cpu for t in tensors)
 
 
 # The cache element types the attention kernels read, by their code in csrc/kv_types.h.
@@ -163,8 +165,8 @@ KV_TYPES = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 def _attention_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """The attention kernels' inputs: a float32 query, the caches contiguous and of one of
     KV_TYPES, all on the CPU."""
-    return (_f32_cpu(query) and k_cache.dtype in KV_TYPES and v_cache.dtype == k_cache.dtype
-            and k_cache.device.type == "cpu" and v_cache.device.type == "cpu"
+    return (query.dtype == torch.float32 and query.is_cpu and k_cache.dtype in KV_TYPES
+            and v_cache.dtype == k_cache.dtype and k_cache.is_cpu and v_cache.is_cpu
             and k_cache.is_contiguous() and v_cache.is_contiguous())
 
 
@@ -225,55 +227,103 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return True
 
 
-def _matmul_library(x: torch.Tensor, weight, bias: torch.Tensor | None) -> ctypes.CDLL | None:
-    """The library, where the quantized matmul kernels take these inputs: float32 rows on the
-    CPU with unit column stride, the weight on the CPU, a contiguous float32 bias or none."""
-    if not (_f32_cpu(x) and x.dim() == 2 and x.stride(1) == 1 and weight.q.device.type == "cpu"
-            and (bias is None or (_f32_cpu(bias) and bias.is_contiguous()))):
-        return None
-    return library()
+def rotary_store_kv(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
+                    sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> bool:
+    """Rotate query [T, heads, d] and key [T, kv_heads, d] in place (rotate-half layout) with cos,
+    sin [T, 1 or absent, d / 2], then write key and value [T, kv_heads, d] into the caches
+    [blocks, block_size, kv_heads, d] (float32, float16 or bfloat16) at slot_mapping [T] (int64;
+    negative: not stored), in one call (csrc/rotary_store_cpu.c). False, nothing touched, where it
+    does not apply: the caller rotates and stores with the separate kernels."""
+    # Called once per layer per step: torch's cheap accessors only (shape and stride tuples).
+    f32 = torch.float32
+    if not (query.dtype == f32 and key.dtype == f32 and value.dtype == f32 and cos.dtype == f32
+            and sin.dtype == f32 and query.is_cpu and key.is_cpu and value.is_cpu and cos.is_cpu and sin.is_cpu
+            and k_cache.is_cpu and v_cache.is_cpu and slot_mapping.is_cpu and slot_mapping.dtype == torch.int64
+            and k_cache.dtype in KV_TYPES and v_cache.dtype == k_cache.dtype
+            and len(query.shape) == 3 and len(key.shape) == 3 and len(k_cache.shape) == 4):
+        return False
+    tokens, heads, head_dim = query.shape
+    kv_heads = key.shape[1]
+    kv_row = (kv_heads, head_dim)
+    q_stride, k_stride, v_stride = query.stride(), key.stride(), value.stride()
+    if not (tuple(key.shape) == (tokens, *kv_row) and tuple(value.shape) == (tokens, *kv_row)
+            and tuple(k_cache.shape[2:]) == kv_row and k_cache.shape == v_cache.shape and head_dim % 2 == 0
+            and q_stride[1:] == (head_dim, 1) and k_stride[1:] == (head_dim, 1) and v_stride[1:] == (head_dim, 1)
+            and cos.numel() == tokens * head_dim // 2 and sin.numel() == cos.numel() and cos.is_contiguous()
+            and sin.is_contiguous() and tuple(slot_mapping.shape) == (tokens,) and slot_mapping.is_contiguous()
+            and k_cache.is_contiguous() and v_cache.is_contiguous()):
+        return False
+    lib = library()
+    if lib is None:
+        return False
+    lib.rotary_store_kv_f32(query.data_ptr(), q_stride[0], heads, key.data_ptr(), k_stride[0], value.data_ptr(),
+                            v_stride[0], kv_heads, head_dim, tokens, cos.data_ptr(), sin.data_ptr(),
+                            k_cache.data_ptr(), v_cache.data_ptr(), KV_TYPES[k_cache.dtype], slot_mapping.data_ptr(),
+                            torch.get_num_threads())
+    return True
 
 
 def quantized_matmul(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """x [rows, cols] float32 @ w.T (+ bias) for a `rein.kernels.quantized.CpuPanels` weight
-    (csrc/quantized_matmul_cpu.c); None where the kernel does not apply (the caller
-    dequantizes instead)."""
-    lib = _matmul_library(x, weight, bias)
-    if lib is None:
+    (csrc/quantized_matmul_cpu.c) or an `Int8Panels` one (csrc/quantized_matmul_int8act.c: x
+    quantized to int8 per row and block of `weight.act_block` columns first); None where the
+    kernel does not apply (the caller dequantizes instead): x not float32 rows [rows, cols] on the
+    CPU with unit column stride, a bias not a contiguous float32 vector, or no kernels."""
+    # Called once per projection per step: torch's cheap accessors only (shape and stride tuples).
+    if not (x.dtype == torch.float32 and x.is_cpu and len(x.shape) == 2 and x.stride(1) == 1
+            and x.shape[1] == weight.cols and (bias is None or (bias.dtype == torch.float32 and bias.is_cpu and bias.is_contiguous()))):
         return None
-    out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
+    kernel = matmul_kernel(weight)
+    return None if kernel is None else kernel(x, bias)
+
+
+def matmul_kernel(weight):
+    """`weight`'s kernel call, `run(x, bias) -> out or None`, with the weight's pointers and
+    sizes bound once (cached on the weight, `weight.kernel`, for the loaded library); None
+    without the kernels or for a weight not on the CPU. `x` and `bias` are not checked: see
+    `quantized_matmul`. The weights' tensors are never reassigned (a changed weight is a new
+    one: dataclasses.replace), so the bound pointers stay theirs."""
+    lib = library()
+    if lib is None or weight.q.device.type != "cpu":
+        return None
+    kernel = weight.kernel
+    if kernel is None or kernel.lib is not lib:
+        kernel = weight.kernel = _bind_matmul(lib, weight)
+    return kernel
+
+
+def _bind_matmul(lib: ctypes.CDLL, weight):
+    """The kernel call for `weight` (see matmul_kernel): the C functions take (x, x stride,
+    weight..., bias, out, out stride, rows, sizes..., threads)."""
+    from rein.kernels.quantized import Int8Panels
 
     def ptr(t):
         return None if t is None else t.data_ptr()
 
-    if weight.packed:   # 5/6-bit planes, float16 x int8 scales
-        rc = lib.quantized_matmul_packed_f32(
-            x.data_ptr(), x.stride(0), weight.q.data_ptr(), weight.scale.data_ptr(), ptr(weight.scale_sub),
-            ptr(weight.offset), ptr(weight.offset_sub), weight.zero, ptr(bias), out.data_ptr(), out.stride(0),
-            x.shape[0], weight.rows, weight.cols, weight.group, weight.block, weight.bits, torch.get_num_threads())
+    n = weight.rows
+    if isinstance(weight, Int8Panels):
+        fn = lib.quantized_matmul_int8act
+        held = (ptr(weight.q), ptr(weight.scale), ptr(weight.offset))
+        sizes = (n, weight.cols, weight.group, weight.act_block, weight.layout_bits)
+    elif weight.packed:   # 5/6-bit planes, float16 x int8 scales
+        fn = lib.quantized_matmul_packed_f32
+        held = (ptr(weight.q), ptr(weight.scale), ptr(weight.scale_sub), ptr(weight.offset),
+                ptr(weight.offset_sub), weight.zero)
+        sizes = (n, weight.cols, weight.group, weight.block, weight.bits)
     else:
-        rc = lib.quantized_matmul_f32(
-            x.data_ptr(), x.stride(0), weight.q.data_ptr(), weight.scale.data_ptr(), ptr(weight.offset), ptr(bias),
-            out.data_ptr(), out.stride(0), x.shape[0], weight.rows, weight.cols, weight.group, weight.bits,
-            torch.get_num_threads())
-    return out if rc == 0 else None
+        fn = lib.quantized_matmul_f32
+        held = (ptr(weight.q), ptr(weight.scale), ptr(weight.offset))
+        sizes = (n, weight.cols, weight.group, weight.bits)
+    tensors = weight.held()   # kept alive with the pointers
 
+    def run(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+        out = torch.empty(x.shape[0], n, dtype=torch.float32)
+        rc = fn(x.data_ptr(), x.stride(0), *held, None if bias is None else bias.data_ptr(), out.data_ptr(), n,
+                x.shape[0], *sizes, torch.get_num_threads())
+        return out if rc == 0 else None
 
-# --- int8-activation quantized matmul (csrc/quantized_matmul_int8act.c) ---------------------------
-
-def quantized_matmul_int8act(x: torch.Tensor, weight, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """x [rows, cols] float32 @ w.T (+ bias) for a `rein.kernels.quantized.Int8Panels` weight, x
-    quantized to int8 per row and block of `weight.act_block` columns first; None where the kernel
-    does not apply (the caller dequantizes instead)."""
-    lib = _matmul_library(x, weight, bias)
-    if lib is None:
-        return None
-    out = torch.empty(x.shape[0], weight.rows, dtype=torch.float32)
-    rc = lib.quantized_matmul_int8act(
-        x.data_ptr(), x.stride(0), weight.q.data_ptr(), weight.scale.data_ptr(), weight.offset.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0), x.shape[0], weight.rows,
-        weight.cols, weight.group, weight.act_block, weight.layout_bits, torch.get_num_threads())
-    return out if rc == 0 else None
+    run.lib, run.tensors = lib, tensors
+    return run
 
 
 def _bind_int8act(lib: ctypes.CDLL) -> None:
@@ -282,7 +332,7 @@ def _bind_int8act(lib: ctypes.CDLL) -> None:
                                              ctypes.c_int]
     lib.quantized_matmul_int8act.restype = ctypes.c_int
 
-# --- end of the int8-activation block ----------------------------------------------------------
+
 
 
 def lora_apply(x: torch.Tensor, out: torch.Tensor, offset: int, lora_a: torch.Tensor, lora_b: torch.Tensor,
@@ -464,7 +514,9 @@ def _load() -> ctypes.CDLL:
                                    ctypes.c_int]
     lib.lora_apply_f32.restype = ctypes.c_int
     lib.lora_max_chunk.restype = ctypes.c_int
-    for name in ("rms_norm_f32", "add_rms_norm_f32", "silu_and_mul_f32", "rotary_inplace_f32"):
+    lib.rotary_store_kv_f32.argtypes = [p, i64, i64, p, i64, p, i64, i64, i64, i64, p, p, p, p, ctypes.c_int, p,
+                                        ctypes.c_int]
+    for name in ("rms_norm_f32", "add_rms_norm_f32", "silu_and_mul_f32", "rotary_inplace_f32", "rotary_store_kv_f32"):
         getattr(lib, name).restype = None
     lib.rein_instruction_set.restype = ctypes.c_int
     _bind_int8act(lib)

@@ -36,11 +36,12 @@ layout rein's C kernel multiplies with.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 
 import torch
 
-from rein.kernels import packed_bits
+from rein.kernels import cpu_native, packed_bits
 from rein.kernels.packed_bits import PACKED_BITS
 
 # Columns per packed 4-bit run: 16 bytes, column j low nibble, column j + 16 high nibble.
@@ -310,6 +311,8 @@ class CpuPanels(_HeldIntegers):
     block: int = 0
     scale_sub: torch.Tensor | None = None
     offset_sub: torch.Tensor | None = None
+    # The C kernel's call with this weight's pointers bound (rein.kernels.cpu_native.matmul_kernel).
+    kernel: Callable | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.block = self.block or self.group
@@ -418,6 +421,7 @@ class Int8Panels(_HeldIntegers):
     source: str = ""
     scale_sub = None
     offset_sub = None
+    kernel: Callable | None = field(default=None, init=False, repr=False, compare=False)   # as CpuPanels'
 
     @property
     def layout_bits(self) -> int:
@@ -533,16 +537,16 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight | CpuPanels | Int8
     kernel on the CPU (a QuantizedWeight is repacked into panels first: the engine does it once
     at load; an Int8Panels weight takes the int8-activation kernel), Triton on CUDA,
     dequantize-then-multiply where neither applies."""
-    if isinstance(weight, Int8Panels):
-        from rein.kernels import cpu_native
-
-        rows = x.reshape(-1, weight.cols).float()
-        out = cpu_native.quantized_matmul_int8act(rows if rows.stride(1) == 1 else rows.contiguous(), weight,
-                                                  None if bias is None else bias.float())
+    if x.is_cpu or isinstance(weight, Int8Panels):
+        panels = weight if isinstance(weight, (CpuPanels, Int8Panels)) else CpuPanels.from_weight(weight)
+        # A step's float32 rows [T, cols] go as they are (a decode step: no copy, no view).
+        plain = x.dtype == torch.float32 and len(x.shape) == 2
+        rows = x if plain else x.reshape(-1, weight.cols).float()
+        out = cpu_native.quantized_matmul(rows if rows.stride(1) == 1 else rows.contiguous(), panels,
+                                          None if bias is None else bias.float())
         if out is not None:
-            return out.view(*x.shape[:-1], weight.rows).to(x.dtype)
-        return reference_linear(x, weight, bias)
-    if x.device.type == "cuda" and isinstance(weight, QuantizedWeight):
+            return out if plain else out.view(*x.shape[:-1], weight.rows).to(x.dtype)
+    elif x.device.type == "cuda" and isinstance(weight, QuantizedWeight):
         from rein.kernels import use_triton
 
         # The Triton kernel's K-tiles take groups of 16 columns or more (the 8-bit form allows 8).
@@ -550,12 +554,4 @@ def quantized_linear(x: torch.Tensor, weight: QuantizedWeight | CpuPanels | Int8
             from rein.kernels import triton_quantized
 
             return triton_quantized.quantized_linear(x, weight, bias)
-    elif x.device.type == "cpu":
-        from rein.kernels import cpu_native
-
-        rows = x.reshape(-1, weight.cols).float()
-        out = cpu_native.quantized_matmul(rows if rows.stride(1) == 1 else rows.contiguous(), cpu_panels(weight),
-                                          None if bias is None else bias.float())
-        if out is not None:
-            return out.view(*x.shape[:-1], weight.rows).to(x.dtype)
     return reference_linear(x, weight, bias)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -71,6 +71,15 @@ class AttentionMetadata:
     # The same step for the windowed layers' own storage: its slots and block tables (blocks
     # before every query's window map to 0, which the kernels never read); None without one.
     windowed: AttentionMetadata | None = None
+    # The longest decode context, read from decode_context_lens once (a reduction and a host
+    # read) for all of a step's layers; the metadata's tensors are not changed once it is built.
+    _decode_max_context: int | None = field(default=None, init=False, repr=False, compare=False)
+
+    def decode_max_context(self) -> int:
+        """max(decode_context_lens), for the CPU decode kernel's scratch."""
+        if self._decode_max_context is None:
+            self._decode_max_context = int(self.decode_context_lens.max())
+        return self._decode_max_context
 
     def for_cache(self, cache: LayerCache, window: int | None) -> AttentionMetadata:
         """The metadata that indexes `cache`."""
@@ -92,7 +101,7 @@ def rotary_store_kv(
     window: int | None = None,
 ) -> bool:
     """Rotate q and k in place and store the rotated k and v in the cache, in one kernel where one
-    applies (CUDA); then call paged_attention with kv_stored=True. False, nothing done,
+    applies (CUDA; float32 on the CPU); then call paged_attention with kv_stored=True. False, nothing done,
     elsewhere: the caller rotates q and k itself and paged_attention stores them."""
     meta = meta.for_cache(cache, window)
     return kernels.rotary_store_kv(q, k, v, *rotary, cache.k, cache.v, meta.slot_mapping,
@@ -121,7 +130,7 @@ def paged_attention(
     if num_decode == q.shape[0] and not meta.decode_groups:
         return kernels.paged_decode_attention(
             q, cache.k, cache.v, meta.decode_block_tables, meta.decode_context_lens, scale,
-            cache.k_scale, cache.v_scale, window,
+            cache.k_scale, cache.v_scale, window, meta.decode_max_context() if q.is_cpu else None,
         )
     out = torch.empty_like(q)
     for start, end in meta.decode_groups or [(0, num_decode)]:

@@ -9,7 +9,7 @@ import torch
 from kernel_builds import use_c_kernels
 
 from rein.core.settings import get_settings
-from rein.kernels import quantized
+from rein.kernels import cpu_native, quantized
 from rein.kernels.packed_bits import pack_rows, unpack_rows
 from rein.kernels.quantized import (
     CpuPanels,
@@ -71,6 +71,22 @@ def test_the_kernel_runs_rather_than_the_fallback(monkeypatch):
     weight = CpuPanels.from_weight(random_weight(4, 64, 256, 32))
     for rows in (1, 9, 40, 300):
         quantized_linear(torch.randn(rows, 256), weight)
+
+
+def test_the_bound_kernel_follows_the_library(monkeypatch):
+    """A weight's kernel call is bound once and reused, bound again for another library (a
+    rebuilt or reloaded one); rows of another width are refused, not read past their end."""
+    weight = CpuPanels.from_weight(random_weight(4, 37, 256, 32))
+    x = torch.randn(1, 256)
+    first = quantized_linear(x, weight)
+    bound = weight.kernel
+    assert bound is not None and bound.lib is cpu_native.library()
+    assert torch.equal(quantized_linear(x, weight), first) and weight.kernel is bound
+    monkeypatch.setattr(cpu_native, "_lib", None)
+    monkeypatch.setattr(cpu_native, "_tried", False)
+    assert torch.equal(quantized_linear(x, weight), first)
+    assert weight.kernel is not bound and weight.kernel.lib is cpu_native.library()
+    assert cpu_native.quantized_matmul(torch.randn(1, 128), weight) is None
 
 
 def test_batched_input_shapes_and_dtypes():

@@ -61,6 +61,7 @@ typedef __m512 vf;
 #define V_SET1(s) _mm512_set1_ps(s)
 #define V_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define V_MUL(a, b) _mm512_mul_ps(a, b)
+#define V_ADD(a, b) _mm512_add_ps(a, b)
 #elif defined(__AVX2__) && defined(__FMA__)
 #define VL 8
 #define MP 6
@@ -71,6 +72,7 @@ typedef __m256 vf;
 #define V_SET1(s) _mm256_set1_ps(s)
 #define V_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define V_MUL(a, b) _mm256_mul_ps(a, b)
+#define V_ADD(a, b) _mm256_add_ps(a, b)
 #else
 #define VL 1
 #define MP 4
@@ -81,6 +83,7 @@ typedef float vf;
 #define V_SET1(s) (s)
 #define V_FMA(a, b, c) ((a) * (b) + (c))
 #define V_MUL(a, b) ((a) * (b))
+#define V_ADD(a, b) ((a) + (b))
 #endif
 #define NV (PANEL / VL)
 
@@ -332,6 +335,60 @@ static inline __attribute__((always_inline)) void fused_tile(const float *x, int
         for (int v = 0; v < NV; v++) V_STORE(tile + i * PANEL + v * VL, acc[i][v]);
 }
 
+/* fused_tile for one row (decode at batch 1) whose group is a multiple of 4: the same products,
+ * summed in four accumulators (one per column of each run of four), added at the end. With one
+ * accumulator every column waited for the previous column's FMA (4 cycles of latency on a few
+ * uops of work), which bounded a batch-1 step; the sums differ from one accumulator's by the
+ * order of float32 additions only. */
+static inline __attribute__((always_inline)) void fused_row(const float *x, const uint8_t *q, const scales_t *sc,
+                                                            int64_t cols, int64_t group, int bits, float *tile) {
+    vf acc[4][NV];
+    float sbuf[PANEL] __attribute__((aligned(64))), obuf[PANEL] __attribute__((aligned(64)));
+    for (int j = 0; j < 4; j++)
+        for (int v = 0; v < NV; v++) acc[j][v] = V_ZERO();
+    const int packed = bits == 5 || bits == 6;
+#if VL == 16 && defined(__AVX512BW__)
+    if (packed) {   /* 4 columns at a time, expanded and used in registers */
+        for (int64_t g = 0; g < cols / group; g++) {
+            const float *s, *o;
+            group_scales(sc, packed, g, sbuf, obuf, &s, &o);
+            const vf sv = V_LOAD(s), ov = o ? V_LOAD(o) : V_ZERO();
+            for (int64_t k = g * group; k < (g + 1) * group; k += 4) {
+                const __m512i four = expand_four(q, cols, bits, k);
+                const vf w[4] = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 0))),
+                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 1))),
+                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 2))),
+                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 3)))};
+                for (int j = 0; j < 4; j++) acc[j][0] = V_FMA(V_FMA(w[j], sv, ov), V_SET1(x[k + j]), acc[j][0]);
+            }
+        }
+    } else
+#endif
+    {
+        const int64_t step = packed ? EXPAND : group;   /* columns expanded at a time (packed: to int8 in L1) */
+        int8_t ints[EXPAND * PANEL] __attribute__((aligned(64)));
+        for (int64_t g = 0; g < cols / group; g++) {
+            const float *s, *o;
+            group_scales(sc, packed, g, sbuf, obuf, &s, &o);
+            for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += step) {
+                if (packed) expand_packed(q, cols, bits, k0, ints);
+                for (int64_t k = k0; k < k0 + step; k += 4) {
+                    #pragma GCC unroll 4
+                    for (int j = 0; j < 4; j++) {
+                        vf w[NV];
+                        if (packed) column((const uint8_t *)ints, 8, k + j - k0, s, o, w);
+                        else column(q, bits, k + j, s, o, w);
+                        const vf xb = V_SET1(x[k + j]);
+                        for (int v = 0; v < NV; v++) acc[j][v] = V_FMA(w[v], xb, acc[j][v]);
+                    }
+                }
+            }
+        }
+    }
+    for (int v = 0; v < NV; v++)
+        V_STORE(tile + v * VL, V_ADD(V_ADD(acc[0][v], acc[1][v]), V_ADD(acc[2][v], acc[3][v])));
+}
+
 /* The same tile from a panel already expanded into wt [cols][16] floats. */
 static inline __attribute__((always_inline)) void dense_tile(const float *x, int64_t x_stride, const float *wt,
                                                              int64_t cols, int mr, float *tile) {
@@ -363,6 +420,14 @@ static inline __attribute__((always_inline)) void dense_tile(const float *x, int
 
 static void fused_rows(const float *x, int64_t x_stride, const uint8_t *q, const scales_t *sc, int64_t cols,
                        int64_t group, int bits, int mr, float *tile) {
+    if (mr == 1 && group % 4 == 0) {
+        switch (bits) {
+            case 4: fused_row(x, q, sc, cols, group, 4, tile); return;
+            case 5: fused_row(x, q, sc, cols, group, 5, tile); return;
+            case 6: fused_row(x, q, sc, cols, group, 6, tile); return;
+            default: fused_row(x, q, sc, cols, group, 8, tile); return;
+        }
+    }
 #define FUSED(R) (bits == 4   ? fused_tile(x, x_stride, q, sc, cols, group, 4, R, tile) \
                   : bits == 5 ? fused_tile(x, x_stride, q, sc, cols, group, 5, R, tile) \
                   : bits == 6 ? fused_tile(x, x_stride, q, sc, cols, group, 6, R, tile) \

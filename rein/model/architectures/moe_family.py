@@ -76,7 +76,7 @@ class OlmoeAttention(Attention):
         k = self.norm_whole(qkv[:, self.q_size:self.q_size + self.kv_size], self.k_norm, self.kv_replicas)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = qkv[:, self.q_size + self.kv_size:].view(tokens, self.num_kv_heads, self.head_dim)
-        kv_stored = rotary_store_kv(q, k, v, rotary, cache, meta, self.window)   # one kernel on CUDA
+        kv_stored = rotary_store_kv(q, k, v, rotary, cache, meta, self.window)   # one kernel (CUDA; C on the CPU)
         if not kv_stored:
             q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
         out = paged_attention(q, k, v, cache, meta, self.scale, window=self.window, kv_stored=kv_stored)
