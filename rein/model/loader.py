@@ -28,7 +28,7 @@ import torch
 from rein.model.architectures import native_model_class
 from rein.model.architectures.rope import RotaryEmbedding
 from rein.model.architectures.weights import Shard, TensorGetter
-from rein.model.cpu_allocator import release_free_memory
+from rein.model.cpu_allocator import release_free_memory, return_freed_memory
 from rein.model.files import (
     TENSOR_INDEX,
     DamagedGGUFFile,
@@ -250,6 +250,8 @@ def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: to
     under `trust_remote_code`: rein.model.architectures.transformers_backend). With a `group` of
     several ranks, this rank's shard of it (rein.model.parallel). `quantization`: see
     rein.model.quant.checkpoint."""
+    if device.type == "cpu":
+        return_freed_memory()   # one-off buffers back to the system as they are freed (rein.model.cpu_allocator)
     if spec.family == TRANSFORMERS_FAMILY:
         check_shardable(spec, group.world_size)
         if quantization not in ("auto", "none") or read_quantization_config(_config(files)) is not None:

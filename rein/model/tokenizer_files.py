@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rein.model.cpu_allocator import release_free_memory
+from rein.model.cpu_allocator import release_free_memory, return_freed_memory
 from rein.model.files import ModelNotFoundError, download_from_hub, looks_local
 
 REMOTE_CODE_HINT = ("rein runs it only with --trust-remote-code (REIN_TRUST_REMOTE_CODE=true, "
@@ -77,6 +77,7 @@ def load_tokenizer(model_directory: Path, options: TokenizerOptions = TokenizerO
     template = read_chat_template(options.chat_template) if options.chat_template is not None else None
     directory = tokenizer_directory(options) if options.tokenizer is not None else model_directory
     check_tokenizer_code(directory, options.trust_remote_code)
+    return_freed_memory()   # the parse's large buffers back as they are freed (rein.model.cpu_allocator)
     tokenizer = lean_tokenizer(directory)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=options.trust_remote_code)
