@@ -24,8 +24,16 @@ Workload, for each batch size B: B requests at once (4 one after the other at B 
 (the same token ids for every system; the model's BOS first where it has one), greedy, EOS
 ignored, exactly --output-tokens tokens each. Throughput is output tokens / seconds from the
 first request handed over to the last token (model load and a short warm-up excluded). Peak
-RSS is the child's ru_maxrss, load included. rein's KV cache is float32 and sized to the
-workload; llama.cpp's is its default float16.
+RSS is the child's ru_maxrss, load included.
+
+KV caches, alike in both: float16 (llama.cpp's default type; rein's `kv_cache_dtype
+float16`, its C decode attention reads it), sized to the workload: room for B sequences of
+the longest request (prompt + output tokens) at once and no more -- llama.cpp's n_ctx is B
+times that (rounded up to 256 cells a sequence by llama.cpp itself), rein's block pool holds B
+times it rounded up to whole blocks, with max_model_len the longest request. rein's cache is
+zeroed at start, so all of it counts in its peak RSS. llama.cpp's peak barely moves with the
+batch (SmolLM2: 362, 365, 367 MiB at batch 1, 8, 32, where 32 x 256 tokens of float16 K and V
+are 180 MiB), so its cache's pages do not all count in its peak; why is not known yet.
 
 Both use --threads threads (default: the cores this process may use). The machine may be
 shared: compare the figures of one run with each other. The last line of stdout is one JSON
@@ -50,6 +58,7 @@ SYSTEMS = ("quantized", "int8", "dequantized", "llamacpp")
 MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
 TARGETS = {"quantized_over_dequantized_at_8": 1.5, "rein_over_llamacpp_at_8": 1.2,
            "rein_over_llamacpp_at_32": 1.2, "rss_over_llamacpp": 1.3}
+KV_CACHE_DTYPE = "float16"   # llama.cpp's default KV type, given to rein too
 
 
 def default_threads() -> int:
@@ -90,14 +99,13 @@ def rein_child() -> int:
     from rein.engine.config import EngineConfig
     from rein.engine.engine import LLMEngine
 
-    longest = max(len(p) for p in job["prompts"]) + max(job["max_tokens"])
     started = time.perf_counter()
     engine = LLMEngine(EngineConfig(
         model=job["model"], device="cpu", dtype="float32", quantization=job["quantization"],
-        quantized_activations=job["quantized_activations"],
-        max_num_seqs=job["parallel"], max_model_len=longest + 16, kv_cache_memory=job["kv_bytes"]))
+        quantized_activations=job["quantized_activations"], kv_cache_dtype=KV_CACHE_DTYPE,
+        max_num_seqs=job["parallel"], max_model_len=job["max_model_len"], kv_cache_memory=job["kv_bytes"]))
     load_seconds = time.perf_counter() - started
-    rss_loaded = current_rss()
+    rss_loaded, peak_loaded = rss_now_and_peak()
     rein_warmup(engine, list(range(100, 2000)))
     with torch.inference_mode():
         started = time.perf_counter()
@@ -107,27 +115,44 @@ def rein_child() -> int:
     produced = sum(len(t) for t in outputs)
     print(json.dumps({"output_tokens": produced, "seconds": seconds, "output_tps": produced / seconds,
                       "load_seconds": load_seconds, "rss_after_load_bytes": rss_loaded,
+                      "peak_rss_at_load_bytes": peak_loaded, "rss_at_end_bytes": rss_now_and_peak()[0],
+                      "kv_cache_bytes": job["kv_bytes"], "preemptions": engine.stats.preemptions,
                       "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                       "tokens": [t[:8] for t in outputs]}))
     return 0
 
 
-def current_rss() -> int:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+def rss_now_and_peak() -> tuple[int, int]:
+    """This process's resident bytes now and at their peak so far (VmRSS, VmHWM)."""
+    fields = {}
+    with open("/proc/self/status") as status:
+        for line in status:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields["VmRSS"], fields["VmHWM"]
+
+
+def rein_kv_cache(block_tokens: int, kv_bytes_per_token: int, requests: dict) -> tuple[int, int]:
+    """(max_model_len, KV cache bytes) for the workload: `parallel` sequences of the longest
+    request at once, each rounded up to whole blocks of `block_tokens` (what llama.cpp's n_ctx
+    holds, bench/peers_llamacpp.py)."""
+    longest = max(len(p) + m for p, m in zip(requests["prompts"], requests["max_tokens"], strict=True))
+    blocks = -(-longest // block_tokens)
+    return longest, kv_bytes_per_token * block_tokens * blocks * requests["parallel"]
 
 
 def run_rein(model: Path, quantization: str, activations: str, requests: dict, threads: int) -> dict:
     import torch
 
+    from rein.engine.config import EngineConfig
     from rein.model.files import resolve_model
 
-    # A float32 KV cache just large enough for the batch's requests at once (no preemption).
     spec = resolve_model(str(model)).spec
-    longest = max(len(p) + m for p, m in zip(requests["prompts"], requests["max_tokens"], strict=True))
-    kv_bytes = spec.kv_bytes_per_token(torch.float32) * requests["parallel"] * (longest + 32)
+    max_model_len, kv_bytes = rein_kv_cache(EngineConfig.block_size, spec.kv_bytes_per_token(
+        getattr(torch, KV_CACHE_DTYPE)), requests)
     job = {**requests, "model": str(model), "quantization": quantization, "quantized_activations": activations,
-           "threads": threads, "kv_bytes": kv_bytes}
+           "threads": threads, "kv_bytes": kv_bytes, "max_model_len": max_model_len}
     proc = subprocess.run([sys.executable, __file__, "--child"], input=json.dumps(job), capture_output=True,
                           text=True, timeout=3600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{\"output_tokens\"")]
@@ -143,8 +168,9 @@ def mib(n: int | None) -> str:
 
 
 def print_table(model: str, rows: dict, systems: list[str]) -> None:
-    print(f"\n{model}: output tok/s (peak RSS MiB)")
-    print(f"{'batch':>6} " + " ".join(f"{s:>22}" for s in systems) + "   q/deq   rein/llama.cpp   int8/llama.cpp")
+    print(f"\n{model}: output tok/s (peak RSS MiB); rein / llama.cpp: tok/s ratio, then peak RSS ratio")
+    print(f"{'batch':>6} " + " ".join(f"{s:>22}" for s in systems)
+          + "   q/deq   rein/llama.cpp   int8/llama.cpp   RSS rein/llama.cpp   RSS int8/llama.cpp")
     for batch, result in rows.items():
         cells = []
         for system in systems:
@@ -152,10 +178,13 @@ def print_table(model: str, rows: dict, systems: list[str]) -> None:
             cells.append(f"{'error' if 'error' in r else format(r.get('output_tps', 0), '.1f')} "
                          f"({mib(r.get('peak_rss_bytes'))})".rjust(22))
         q, i8, d, ll = (result.get(s, {}).get("output_tps") for s in SYSTEMS)
-        ratio = f"{q / d:5.2f}x" if q and d else "    -"
-        peer = f"{q / ll:5.2f}x" if q and ll else "    -"
-        int8_peer = f"{i8 / ll:5.2f}x" if i8 and ll else "    -"
-        print(f"{batch:>6} " + " ".join(cells) + f"   {ratio}   {peer:>14}   {int8_peer:>14}")
+        q_rss, i8_rss, _, ll_rss = (result.get(s, {}).get("peak_rss_bytes") for s in SYSTEMS)
+        print(f"{batch:>6} " + " ".join(cells) + f"   {ratio(q, d)}   {ratio(q, ll):>14}   {ratio(i8, ll):>14}"
+              f"   {ratio(q_rss, ll_rss):>18}   {ratio(i8_rss, ll_rss):>18}")
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:5.2f}x" if a and b else "    -"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,7 +28,7 @@ import torch
 from rein.model.architectures import native_model_class
 from rein.model.architectures.rope import RotaryEmbedding
 from rein.model.architectures.weights import Shard, TensorGetter
-from rein.model.cpu_allocator import release_free_memory
+from rein.model.cpu_allocator import release_free_memory, return_freed_memory
 from rein.model.files import (
     TENSOR_INDEX,
     DamagedGGUFFile,
@@ -74,7 +74,7 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
     from rein.kernels.quantized_experts import QuantizedExperts
-    from rein.model.quant.gguf_blocks import repack
+    from rein.model.quant.gguf_blocks import repack, repack_rows
 
     config = json.loads((directory / "config.json").read_text())
     index = json.loads((directory / TENSOR_INDEX).read_text())
@@ -104,11 +104,13 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
             return True, None
         return True, torch.from_numpy(order.astype(np.int64))
 
-    def quantized_weight(gguf_name: str, entry: dict, data, shard: Shard | None, hf_name: str):
+    def quantized_weight(gguf_name: str, entry: dict, read_rows, shard: Shard | None, hf_name: str):
+        """A 2-D tensor repacked a few rows at a time (rein.model.quant.gguf_blocks.repack_rows),
+        so its file bytes are never all held next to it; None to dequantize it."""
         qtype = GGMLQuantizationType(entry["type"])
         block, type_bytes = GGML_QUANT_SIZES[qtype]
-        rows, row_bytes = data.shape
-        weight = repack(data, qtype.name, rows, row_bytes // type_bytes * block)
+        rows, row_bytes = (int(n) for n in entry["shape"])
+        weight = repack_rows(read_rows, qtype.name, rows, row_bytes // type_bytes * block, row_bytes)
         reorder, order = row_order(gguf_name, rows) if weight is not None else (False, None)
         if weight is not None and reorder:
             if order is not None:
@@ -161,15 +163,25 @@ def gguf_tensors(gguf_path: Path, directory: Path, dtype: torch.dtype, keep_quan
         if start < 0 or start + length > file_bytes:
             raise DamagedGGUFFile(f"{gguf_path}: tensor {gguf_name!r} lies at bytes {start}..{start + length}, past "
                                   f"the end of the file ({file_bytes} bytes): the file is truncated or damaged")
-        raw = os.pread(file.fileno(), length, start)
-        if len(raw) != length:
-            raise DamagedGGUFFile(f"{gguf_path}: tensor {gguf_name!r}: read {len(raw)} of its {length} bytes at "
-                                  f"{start}: the file is truncated or damaged")
-        data = np.frombuffer(raw, dtype=item).reshape(entry["shape"])
-        if quantized and keep_quantized and entry["type"] in block_types and data.ndim == 2:
-            weight = quantized_weight(gguf_name, entry, data, shard, hf_name)
+
+        def read(offset: int, size: int) -> bytes:
+            raw = os.pread(file.fileno(), size, start + offset)
+            if len(raw) != size:
+                raise DamagedGGUFFile(f"{gguf_path}: tensor {gguf_name!r}: read {len(raw)} of {size} bytes at "
+                                      f"{start + offset}: the file is truncated or damaged")
+            return raw
+
+        if quantized and keep_quantized and entry["type"] in block_types and len(entry["shape"]) == 2:
+            row_bytes = int(entry["shape"][1]) * item.itemsize
+
+            def read_rows(first: int, stop: int) -> np.ndarray:
+                raw = read(first * row_bytes, (stop - first) * row_bytes)
+                return np.frombuffer(raw, dtype=item).reshape(stop - first, -1)
+
+            weight = quantized_weight(gguf_name, entry, read_rows, shard, hf_name)
             if weight is not None:
                 return weight
+        data = np.frombuffer(read(0, length), dtype=item).reshape(entry["shape"])
         if quantized and keep_quantized and entry["type"] in block_types and data.ndim == 3:
             experts = quantized_experts(gguf_name, entry, data, shard, hf_name)
             if experts is not None:
@@ -238,6 +250,8 @@ def load_model(files: ModelFiles, spec: ModelSpec, max_positions: int, dtype: to
     under `trust_remote_code`: rein.model.architectures.transformers_backend). With a `group` of
     several ranks, this rank's shard of it (rein.model.parallel). `quantization`: see
     rein.model.quant.checkpoint."""
+    if device.type == "cpu":
+        return_freed_memory()   # one-off buffers back to the system as they are freed (rein.model.cpu_allocator)
     if spec.family == TRANSFORMERS_FAMILY:
         check_shardable(spec, group.world_size)
         if quantization not in ("auto", "none") or read_quantization_config(_config(files)) is not None:

@@ -17,7 +17,10 @@ leaves about 265 MiB resident where the Rust tokenizer alone holds about 97 MiB.
 tokenizer.json is already what that constructor builds -- a GGUF file's tokenizer, which rein
 wrote with transformers' `save_pretrained` (rein.model.files) -- or the class is transformers'
 generic one (which loads the file as it is), `load_tokenizer` loads the file straight into
-the Rust tokenizer, once, inside an object of the same class (`lean_tokenizer`).
+the Rust tokenizer, once, inside an object of the same class (`lean_tokenizer`). Parsing
+Gemma 3's 33 MB tokenizer.json frees about 195 MiB of the 290 MiB it touched, which glibc keeps
+in the heap: `load_tokenizer` hands it back (malloc_trim, rein.model.cpu_allocator), so the
+process holds 97 MiB for it, not 290, until something reuses the pages.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rein.model.cpu_allocator import release_free_memory, return_freed_memory
 from rein.model.files import ModelNotFoundError, download_from_hub, looks_local
 
 REMOTE_CODE_HINT = ("rein runs it only with --trust-remote-code (REIN_TRUST_REMOTE_CODE=true, "
@@ -73,11 +77,13 @@ def load_tokenizer(model_directory: Path, options: TokenizerOptions = TokenizerO
     template = read_chat_template(options.chat_template) if options.chat_template is not None else None
     directory = tokenizer_directory(options) if options.tokenizer is not None else model_directory
     check_tokenizer_code(directory, options.trust_remote_code)
+    return_freed_memory()   # the parse's large buffers back as they are freed (rein.model.cpu_allocator)
     tokenizer = lean_tokenizer(directory)
     if tokenizer is None:
         tokenizer = AutoTokenizer.from_pretrained(str(directory), trust_remote_code=options.trust_remote_code)
     if template is not None:
         tokenizer.chat_template = template
+    release_free_memory()   # the parse's freed buffers (see the module docstring)
     return tokenizer
 
 

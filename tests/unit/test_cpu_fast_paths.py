@@ -265,7 +265,7 @@ def test_a_bfloat16_model_loads_packed_with_its_tied_head(tiny_models):
 def test_keep_freed_memory_can_be_disabled(monkeypatch):
     from rein.core.settings import get_settings
 
-    monkeypatch.setattr(cpu_allocator, "_done", False)
+    monkeypatch.setattr(cpu_allocator, "_mode", "default")
     monkeypatch.setenv("REIN_CPU_MALLOPT", "0")
     get_settings.cache_clear()
     assert cpu_allocator.keep_freed_memory() is False

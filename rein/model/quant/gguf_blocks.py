@@ -25,6 +25,9 @@ their file's size: `held_bytes` gives what each type costs.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -73,6 +76,39 @@ def repack(raw: np.ndarray, type_name: str, rows: int, cols: int) -> QuantizedWe
     bits, q, scale, offset, group = form
     return QuantizedWeight(bits, _tensor(q), _tensor(scale.astype(np.float32)),
                            None if offset is None else _tensor(offset.astype(np.float32)), group, rows, cols, type_name)
+
+
+# The file bytes `repack_rows` reads at a time: a large matrix (an embedding of a 262k-token
+# vocabulary is 178 MiB of Q8_0) is never held twice, once as the file's blocks and once repacked.
+CHUNK_BYTES = 16 << 20
+
+# The fields of a QuantizedWeight that hold one entry (or run) per row, in the first dimension.
+ROW_FIELDS = ("q", "scale", "offset", "scale_sub", "offset_sub")
+
+
+def repack_rows(read_rows: Callable[[int, int], np.ndarray], type_name: str, rows: int, cols: int,
+                row_bytes: int, chunk_bytes: int | None = None) -> QuantizedWeight | None:
+    """`repack` of a [rows, cols] matrix read a few rows at a time: `read_rows(start, stop)`
+    gives rows start..stop of the file's bytes (uint8 [stop - start, row_bytes]), and each
+    chunk's repacked rows are copied into tensors made once for the whole matrix. The load's
+    extra memory is one chunk, not the matrix's file bytes. None for a type rein does not keep
+    quantized (nothing is read)."""
+    if type_name not in _UNPACKERS:
+        return None
+    step = max(1, (chunk_bytes or CHUNK_BYTES) // row_bytes)
+    first = repack(read_rows(0, min(step, rows)), type_name, min(step, rows), cols)
+    if first.rows == rows:
+        return first
+    whole = {name: torch.empty((rows, *part.shape[1:]), dtype=part.dtype)
+             for name in ROW_FIELDS if (part := getattr(first, name)) is not None}
+    for name, tensor in whole.items():
+        tensor[:first.rows] = getattr(first, name)
+    for start in range(first.rows, rows, step):
+        stop = min(rows, start + step)
+        chunk = repack(read_rows(start, stop), type_name, stop - start, cols)
+        for name, tensor in whole.items():
+            tensor[start:stop] = getattr(chunk, name)
+    return dataclasses.replace(first, rows=rows, **whole)
 
 
 def _packed(bits: int, q: np.ndarray, group: int, scale: np.ndarray, *, zero: int = 0, offset=None,
