@@ -215,13 +215,18 @@ def run(model: Path, device: str, requests: dict | None, dtype: str = "float32",
         if adapter is not None and i % 2 == 0:
             extra["lora_request"] = LoRARequest("gpu-check", 1, str(adapter))
         engine.add_request(rid, ids, params, **extra)
+    return *run_to_end(engine), engine
+
+
+def run_to_end(engine) -> tuple[dict[str, list[int]], dict[str, list]]:
+    """Step the engine until its requests end: each request's tokens and top logprobs."""
     tokens: dict[str, list[int]] = {}
     tops: dict[str, list] = {}
     while engine.has_unfinished():
         for out in engine.step():
             tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
             tops.setdefault(out.request_id, []).extend(lp.top for lp in out.logprobs or [])
-    return tokens, tops, engine
+    return tokens, tops
 
 
 # Every row kind a whole-step graph samples: greedy, temperature alone, and each filter.
@@ -247,12 +252,7 @@ def run_step_graphs(model: Path, device: str, requests: dict, reference: bool, *
         engine.add_request(rid, ids, SamplingParams(max_tokens=MAX_TOKENS - 2 * i, ignore_eos=True, seed=i,
                                                     logprobs=2 if reference else None,
                                                     **STEP_GRAPH_KINDS[i % len(STEP_GRAPH_KINDS)]))
-    tokens: dict[str, list[int]] = {}
-    tops: dict[str, list] = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-            tops.setdefault(out.request_id, []).extend(lp.top for lp in out.logprobs or [])
+    tokens, tops = run_to_end(engine)
     engine.close()
     return tokens, tops, engine
 
