@@ -436,14 +436,7 @@ class ModelRunner:
             plan.input_ids, plan.positions, plan.slots, plan.decode_lens, plan.decode_rows,
             (plan.windowed_slots, plan.windowed_decode_rows) if plan.windowed_slots is not None else None,
             plan.graph_mode, sampling, fed)
-        prompt = score_prompt_tokens(self.model.compute_logits, step.hidden, plan.score_rows, plan.score_targets,
-                                     plan.score_ks) if plan.score_rows else None
-        logits = step.logits
-        if not plan.sample_rows:
-            logits = None
-        elif len(plan.sample_rows) != logits.shape[0]:
-            logits = logits[self._tensor(plan.sample_rows, torch.int64)]
-        return step.hidden, logits, prompt, step.sampled
+        return (step.hidden, *self._logits(step.hidden, plan, step.logits), step.sampled)
 
     def _adapter_slots(self, scheduled: list[ScheduledRequest]
                        ) -> tuple[dict[int, int] | None, list[tuple[int, LoRARequest]]]:
@@ -636,16 +629,19 @@ class ModelRunner:
         inputs_embeds[rows.to(self.device)] = values.to(inputs_embeds.dtype)
         return self.model(input_ids, positions, self.caches, meta, inputs_embeds=inputs_embeds)
 
-    def _logits(self, hidden: torch.Tensor, plan: StepPlan) -> tuple[torch.Tensor | None, list[TokenLogprob] | None]:
+    def _logits(self, hidden: torch.Tensor, plan: StepPlan, every_row: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor | None, list[TokenLogprob] | None]:
         """The sampled rows' logits and the prompt tokens' logprob entries, each None when the
-        plan has none. Every rank calls this alike: compute_logits gathers the vocabulary."""
+        plan has none; `every_row`: the logits of every hidden row, when a decode graph made
+        them. Every rank calls this alike: compute_logits gathers the vocabulary."""
         prompt = score_prompt_tokens(self.model.compute_logits, hidden, plan.score_rows, plan.score_targets,
                                      plan.score_ks) if plan.score_rows else None
         if not plan.sample_rows:
             return None, prompt
         if len(plan.sample_rows) == hidden.shape[0]:   # every row samples (rows only increase): no gather
-            return self.model.compute_logits(hidden), prompt
-        return self.model.compute_logits(hidden[self._tensor(plan.sample_rows, torch.int64)]), prompt
+            return (self.model.compute_logits(hidden) if every_row is None else every_row), prompt
+        rows = self._tensor(plan.sample_rows, torch.int64)
+        return (self.model.compute_logits(hidden[rows]) if every_row is None else every_row[rows]), prompt
 
     @staticmethod
     def _score_rows(scoring: list[tuple[Request, int, int, int]]) -> tuple[list[int], list[int], list[int]]:
