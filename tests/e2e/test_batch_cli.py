@@ -112,7 +112,9 @@ def test_submit_without_wait_then_cancel(service: Service, tmp_path: Path) -> No
 
 
 def test_wait_on_a_cancelled_batch_downloads_the_error_file(service: Service, tmp_path: Path) -> None:
-    ids = write_input(tmp_path / "slow.jsonl", 40, max_tokens=300, ignore_eos=True)
+    # Enough work that the batch is still running when the cancel lands, a CLI start (seconds
+    # on a loaded machine) after validation: 40 such lines once finished first (3 s of engine).
+    ids = write_input(tmp_path / "slow.jsonl", 400, max_tokens=300, ignore_eos=True)
     out = tmp_path / "slow-out.jsonl"
     env = service.env | {"REIN_API_KEY": service.keys["a"]}
     waiting = subprocess.Popen([*REIN, "batch", "submit", str(tmp_path / "slow.jsonl"), "--endpoint",
