@@ -3,7 +3,7 @@ weights as a float32 safetensors directory.
 
     python bench/load.py [--gguf PATH] [--dtype float32]
 
-Each case runs in a fresh subprocess so its peak resident memory (ru_maxrss) is its own:
+Each case runs in a fresh subprocess so its peak resident memory (VmHWM) is its own:
 
 * gguf, first load: an empty REIN_CACHE_DIR, so transformers reads the config and
   tokenizer from the file's metadata and rein writes them as a directory (once per file);
@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -43,7 +42,14 @@ def measure(model: str) -> dict:
     seconds = time.perf_counter() - started
     del engine
     return {"seconds": round(seconds, 2),
-            "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)}
+            "peak_rss_mib": round(peak_rss_kib() / 1024, 1)}
+
+
+def peak_rss_kib() -> int:
+    """This process's own peak resident KiB (VmHWM): ru_maxrss would also count the parent's
+    resident pages at the fork, which Linux carries into a child across exec."""
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
 
 
 def run_case(model: str, cache_dir: Path, dtype: str) -> dict:

@@ -35,7 +35,8 @@ max_tokens output tokens per request. Prompts are used as given: no tokenization
 The result line:
 
     {"output_tokens", "prompt_tokens", "seconds" (the generation loop only), "output_tps",
-     "peak_rss_bytes" (ru_maxrss at the end), "load_seconds" (load + warm-up), "version",
+     "peak_rss_bytes" (VmHWM at the end: this process's own peak; ru_maxrss would count the
+     parent's resident pages at the fork too), "load_seconds" (load + warm-up), "version",
      "tokens" (the first keep_tokens output ids of each request), "n_ctx", "n_ctx_seq", ...}
 
 or {"error": "..."}. Check that it works:
@@ -48,7 +49,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
@@ -123,6 +123,17 @@ def probe_llamacpp(python: str) -> str | None:
         last = (probe.stderr.strip().splitlines() or ["?"])[-1]
         return f"`import llama_cpp` fails with {python}: {last}"
     return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident bytes since its exec (VmHWM). Not ru_maxrss: Linux carries a
+    forked child's starting RSS -- its parent's, a benchmark driver holding a tokenizer and torch
+    -- into the child's ru_maxrss across exec, which put a floor under every child's figure."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise OSError("no VmHWM in /proc/self/status")
 
 
 def ensure_llamacpp(python: str | None, cache_dir: Path = DEFAULT_CACHE_DIR) -> tuple[str | None, str | None]:
@@ -377,7 +388,7 @@ def run_job(job: dict) -> dict:
         "prompt_tokens": sum(len(p) for p in job["prompts"]),
         "seconds": seconds,
         "output_tps": output_tokens / seconds if seconds > 0 else None,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "peak_rss_bytes": peak_rss_bytes(),
         "load_seconds": load_seconds,
         "version": llama_cpp.__version__,
         "tokens": [o[:job["keep_tokens"]] for o in outputs],

@@ -24,16 +24,17 @@ Workload, for each batch size B: B requests at once (4 one after the other at B 
 (the same token ids for every system; the model's BOS first where it has one), greedy, EOS
 ignored, exactly --output-tokens tokens each. Throughput is output tokens / seconds from the
 first request handed over to the last token (model load and a short warm-up excluded). Peak
-RSS is the child's ru_maxrss, load included.
+RSS is the child's VmHWM, load included: its own address space's peak. (ru_maxrss, used before
+2026-12-06, is not a child's own: Linux carries the RSS a forked child starts with -- this
+driver's, tokenizer and torch included -- into it across exec, which put a floor of several
+hundred MiB under every system's figure and hid llama.cpp's KV cache.)
 
 KV caches, alike in both: float16 (llama.cpp's default type; rein's `kv_cache_dtype
 float16`, its C decode attention reads it), sized to the workload: room for B sequences of
 the longest request (prompt + output tokens) at once and no more -- llama.cpp's n_ctx is B
 times that (rounded up to 256 cells a sequence by llama.cpp itself), rein's block pool holds B
 times it rounded up to whole blocks, with max_model_len the longest request. rein's cache is
-zeroed at start, so all of it counts in its peak RSS. llama.cpp's peak barely moves with the
-batch (SmolLM2: 362, 365, 367 MiB at batch 1, 8, 32, where 32 x 256 tokens of float16 K and V
-are 180 MiB), so its cache's pages do not all count in its peak; why is not known yet.
+zeroed at start, so all of it counts in its peak RSS.
 
 Both use --threads threads (default: the cores this process may use). The machine may be
 shared: compare the figures of one run with each other. The last line of stdout is one JSON
@@ -46,7 +47,6 @@ import argparse
 import json
 import os
 import random
-import resource
 import subprocess
 import sys
 import time
@@ -117,7 +117,7 @@ def rein_child() -> int:
                       "load_seconds": load_seconds, "rss_after_load_bytes": rss_loaded,
                       "peak_rss_at_load_bytes": peak_loaded, "rss_at_end_bytes": rss_now_and_peak()[0],
                       "kv_cache_bytes": job["kv_bytes"], "preemptions": engine.stats.preemptions,
-                      "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                      "peak_rss_bytes": rss_now_and_peak()[1],
                       "tokens": [t[:8] for t in outputs]}))
     return 0
 

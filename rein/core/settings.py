@@ -557,6 +557,10 @@ class Settings(BaseSettings):
     """On CPU, build rein's C attention kernels with the system compiler at first use (into
     cache_dir/kernels) and run decode attention on them (rein.kernels.cpu_native); false, or no
     compiler: torch's reference path."""
+    cpu_fused_decode: bool = True
+    """On CPU, run a decode step's layers of a quantized Llama-family or Gemma 3 model in one C
+    call (rein.kernels.cpu_decode_layers) instead of layer by layer from Python; false: as
+    modules. Needs the C kernels (cpu_kernels)."""
 
     # --- operating
     log_format: Literal["auto", "json", "text"] = "auto"

@@ -50,7 +50,7 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = (CSRC / "paged_attention_cpu.c", CSRC / "prefill_attention_cpu.c", CSRC / "elementwise_cpu.c",
            CSRC / "quantized_matmul_cpu.c", CSRC / "lora_cpu.c", CSRC / "instruction_set.c",
-           CSRC / "quantized_matmul_int8act.c", CSRC / "rotary_store_cpu.c")
+           CSRC / "quantized_matmul_int8act.c", CSRC / "rotary_store_cpu.c", CSRC / "decode_layers_cpu.c")
 HEADERS = (CSRC / "fast_exp.h", CSRC / "kv_types.h")
 # The target CPU: this one. The sources pick AVX-512, AVX2+FMA or plain loops by what it has
 # (instruction_set.c); the tests also build for the x86-64 baseline to run the plain loops.

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from rein.kernels import elementwise
+from rein.kernels.cpu_decode_layers import LayerParts
 from rein.model.architectures.linear import Linear
 from rein.model.architectures.llama import (
     Attention,
@@ -28,6 +29,7 @@ from rein.model.architectures.llama import (
     load_attention,
     load_embeddings,
     load_mlp,
+    run_decode_layers,
 )
 from rein.model.architectures.rope import RotaryEmbedding
 from rein.model.architectures.weights import TensorGetter, WeightLoader
@@ -82,6 +84,17 @@ class Gemma3DecoderLayer(nn.Module):
             normed = norm(x)
         return x + self.post_feedforward_layernorm(self.mlp(normed))
 
+    def decode_parts(self) -> LayerParts | None:
+        """This layer for rein.kernels.cpu_decode_layers (one rank only)."""
+        att = self.self_attn
+        if att.group.world_size != 1:
+            return None
+        return LayerParts(att.qkv_proj, att.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj, self.input_layernorm,
+                          self.pre_feedforward_layernorm, att.num_heads, att.num_kv_heads, att.head_dim,
+                          self.mlp.intermediate, att.scale, "gelu_tanh", window=att.window,
+                          local_rope=self.window is not None, post_attention_norm=self.post_attention_layernorm,
+                          post_mlp_norm=self.post_feedforward_layernorm, q_norm=att.q_norm, k_norm=att.k_norm)
+
 
 class Gemma3Model(LlamaFamilyModel):
     """The step's forward and the logits as LlamaFamilyModel's; Gemma's layers and two ropes."""
@@ -100,8 +113,9 @@ class Gemma3Model(LlamaFamilyModel):
         # As transformers: sqrt(hidden) rounded to the weights' dtype, then multiplied in.
         x = x * torch.tensor(self.spec.hidden_size**0.5, dtype=x.dtype)
         full, local = self.rope(positions), self.local_rope(positions)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, local if layer.window is not None else full, cache, meta)
+        if not run_decode_layers(self, x, full, local, caches, meta):
+            for layer, cache in zip(self.layers, caches, strict=True):
+                x = layer(x, local if layer.window is not None else full, cache, meta)
         return self.norm(x)
 
     def load_hf_weights(self, get: TensorGetter) -> None:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from rein.kernels import elementwise
+from rein.kernels.cpu_decode_layers import LayerParts, decode_layers
 from rein.kernels.cpu_paths import packed_dtypes
 from rein.kernels.quantized import quantized_linear
 from rein.model.architectures.linear import (
@@ -150,6 +151,16 @@ class DecoderLayer(nn.Module):
             normed = norm(x)
         return x + self.mlp(normed)
 
+    def decode_parts(self) -> LayerParts | None:
+        """This layer for rein.kernels.cpu_decode_layers (one rank only)."""
+        att = self.self_attn
+        if att.group.world_size != 1:
+            return None
+        return LayerParts(att.qkv_proj, att.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj, self.input_layernorm,
+                          self.post_attention_layernorm, att.num_heads, att.num_kv_heads, att.head_dim,
+                          self.mlp.intermediate, att.scale, "silu", window=att.window, q_norm=att.q_norm,
+                          k_norm=att.k_norm)
+
 
 class LlamaFamilyModel(nn.Module):
     # False once loaded from a checkpoint without lm_head weights (an embedding model saved
@@ -177,8 +188,9 @@ class LlamaFamilyModel(nn.Module):
         with its images' embeddings at their placeholders)."""
         x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         rotary = self.rope(positions)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, rotary, cache, meta)
+        if not run_decode_layers(self, x, rotary, None, caches, meta):
+            for layer, cache in zip(self.layers, caches, strict=True):
+                x = layer(x, rotary, cache, meta)
         return self.norm(x)
 
     # Tied embeddings on the CPU: oneDNN's packed copy of the embedding for the logits
@@ -224,6 +236,19 @@ class LlamaFamilyModel(nn.Module):
             for norm in ("input_layernorm", "post_attention_layernorm"):
                 weights.put(f"{dst}{norm}.weight", weights.take(f"{src}{norm}.weight"))
         weights.finish()
+
+
+def run_decode_layers(model: nn.Module, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor],
+                      local_rotary: tuple[torch.Tensor, torch.Tensor] | None, caches: list[LayerCache],
+                      meta: AttentionMetadata) -> bool:
+    """A step of single-token decodes through all of `model`'s layers in one C call on the CPU
+    (x updated in place), where rein.kernels.cpu_decode_layers applies: a quantized model,
+    float32; `local_rotary`: the windowed layers' rope (Gemma 3), None: `rotary` for all. False,
+    nothing done: the caller runs the layers as modules."""
+    if not (x.is_cpu and x.dtype == torch.float32):
+        return False
+    bound = decode_layers(model, caches)
+    return bound is not None and bound.run(x, rotary, local_rotary, meta)
 
 
 def lm_head(spec: ModelSpec, group: ParallelGroup) -> Linear | None:
