@@ -85,9 +85,10 @@ class Gemma3DecoderLayer(nn.Module):
         return x + self.post_feedforward_layernorm(self.mlp(normed))
 
     def decode_parts(self) -> LayerParts | None:
-        """This layer for rein.kernels.cpu_decode_layers (one rank only)."""
+        """This layer for rein.kernels.cpu_decode_layers; None on several ranks, or for a subclass's
+        other attention or MLP (the vision model's attention over image blocks)."""
         att = self.self_attn
-        if att.group.world_size != 1:
+        if att.group.world_size != 1 or type(att) is not Attention or type(self.mlp) is not GeluMLP:
             return None
         return LayerParts(att.qkv_proj, att.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj, self.input_layernorm,
                           self.pre_feedforward_layernorm, att.num_heads, att.num_kv_heads, att.head_dim,
