@@ -335,58 +335,97 @@ static inline __attribute__((always_inline)) void fused_tile(const float *x, int
         for (int v = 0; v < NV; v++) V_STORE(tile + i * PANEL + v * VL, acc[i][v]);
 }
 
-/* fused_tile for one row (decode at batch 1) whose group is a multiple of 4: the same products,
- * summed in four accumulators (one per column of each run of four), added at the end. With one
- * accumulator every column waited for the previous column's FMA (4 cycles of latency on a few
- * uops of work), which bounded a batch-1 step; the sums differ from one accumulator's by the
- * order of float32 additions only. */
-static inline __attribute__((always_inline)) void fused_row(const float *x, const uint8_t *q, const scales_t *sc,
-                                                            int64_t cols, int64_t group, int bits, float *tile) {
-    vf acc[4][NV];
+/* The one-row kernel asks for a panel's integers this many columns ahead of their use. */
+#define PREFETCH_COLUMNS 64
+
+/* Column k of a panel's integers as NV vectors of floats, unscaled (bits 4: 0..15; bits 8: int8). */
+static inline __attribute__((always_inline)) void column_ints(const uint8_t *q, int bits, int64_t k, vf *w) {
+#if VL == 16
+    if (bits == 4) {
+        const __m128i packed = _mm_loadl_epi64((const __m128i *)(q + k * 8));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_unpacklo_epi64(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask))));
+    } else {
+        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k * 16))));
+    }
+#elif VL == 8
+    if (bits == 4) {
+        const __m128i packed = _mm_loadl_epi64((const __m128i *)(q + k * 8));
+        const __m128i mask = _mm_set1_epi8(0x0F);
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(packed, mask)));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
+    } else {
+        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k * 16))));
+        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k * 16 + 8))));
+    }
+#else
+    for (int j = 0; j < PANEL; j++)
+        w[j] = (float)(bits == 4 ? (q[k * 8 + j % 8] >> (j < 8 ? 0 : 4)) & 0x0F : ((const int8_t *)q)[k * 16 + j]);
+#endif
+}
+
+/* fused_tile for one row (decode at batch 1) whose group is a multiple of 4, with the group's
+ * scale and offset taken out of the sum: per group, out += scale * sum_k(q_k x_k) + offset *
+ * sum_k(x_k) (xsum[g], made once per call), so a column costs its integers' conversion and one
+ * multiply-add where it cost two (the weight made first, then multiplied). The sums of q x
+ * run in four accumulators (one per column of each run of four): with one, every column waited
+ * for the previous column's multiply-add. The floats differ from fused_tile's by rounding only. */
+static inline __attribute__((always_inline)) void fused_row(const float *x, const float *xsum, const uint8_t *q,
+                                                            const scales_t *sc, int64_t cols, int64_t group,
+                                                            int bits, float *tile) {
+    vf acc[NV];
     float sbuf[PANEL] __attribute__((aligned(64))), obuf[PANEL] __attribute__((aligned(64)));
-    for (int j = 0; j < 4; j++)
-        for (int v = 0; v < NV; v++) acc[j][v] = V_ZERO();
+    for (int v = 0; v < NV; v++) acc[v] = V_ZERO();
     const int packed = bits == 5 || bits == 6;
+    int8_t ints[EXPAND * PANEL] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < cols / group; g++) {
+        const float *s, *o;
+        group_scales(sc, packed, g, sbuf, obuf, &s, &o);
+        vf part[4][NV];
+        for (int j = 0; j < 4; j++)
+            for (int v = 0; v < NV; v++) part[j][v] = V_ZERO();
 #if VL == 16 && defined(__AVX512BW__)
-    if (packed) {   /* 4 columns at a time, expanded and used in registers */
-        for (int64_t g = 0; g < cols / group; g++) {
-            const float *s, *o;
-            group_scales(sc, packed, g, sbuf, obuf, &s, &o);
-            const vf sv = V_LOAD(s), ov = o ? V_LOAD(o) : V_ZERO();
+        if (packed) {   /* 4 columns at a time, expanded and used in registers */
             for (int64_t k = g * group; k < (g + 1) * group; k += 4) {
                 const __m512i four = expand_four(q, cols, bits, k);
-                const vf w[4] = {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 0))),
-                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 1))),
-                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 2))),
-                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 3)))};
-                for (int j = 0; j < 4; j++) acc[j][0] = V_FMA(V_FMA(w[j], sv, ov), V_SET1(x[k + j]), acc[j][0]);
+                part[0][0] = V_FMA(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 0))),
+                                   V_SET1(x[k]), part[0][0]);
+                part[1][0] = V_FMA(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 1))),
+                                   V_SET1(x[k + 1]), part[1][0]);
+                part[2][0] = V_FMA(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 2))),
+                                   V_SET1(x[k + 2]), part[2][0]);
+                part[3][0] = V_FMA(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm512_extracti32x4_epi32(four, 3))),
+                                   V_SET1(x[k + 3]), part[3][0]);
             }
-        }
-    } else
+        } else
 #endif
-    {
-        const int64_t step = packed ? EXPAND : group;   /* columns expanded at a time (packed: to int8 in L1) */
-        int8_t ints[EXPAND * PANEL] __attribute__((aligned(64)));
-        for (int64_t g = 0; g < cols / group; g++) {
-            const float *s, *o;
-            group_scales(sc, packed, g, sbuf, obuf, &s, &o);
+        {
+            const int64_t step = packed ? EXPAND : group;   /* columns expanded at a time (packed: to int8 in L1) */
             for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += step) {
                 if (packed) expand_packed(q, cols, bits, k0, ints);
                 for (int64_t k = k0; k < k0 + step; k += 4) {
+#if VL >= 8
+                    if (!packed) _mm_prefetch((const char *)q + (k + PREFETCH_COLUMNS) * 2 * bits, _MM_HINT_T0);
+#endif
                     #pragma GCC unroll 4
                     for (int j = 0; j < 4; j++) {
                         vf w[NV];
-                        if (packed) column((const uint8_t *)ints, 8, k + j - k0, s, o, w);
-                        else column(q, bits, k + j, s, o, w);
+                        if (packed) column_ints((const uint8_t *)ints, 8, k + j - k0, w);
+                        else column_ints(q, bits, k + j, w);
                         const vf xb = V_SET1(x[k + j]);
-                        for (int v = 0; v < NV; v++) acc[j][v] = V_FMA(w[v], xb, acc[j][v]);
+                        for (int v = 0; v < NV; v++) part[j][v] = V_FMA(w[v], xb, part[j][v]);
                     }
                 }
             }
         }
+        for (int v = 0; v < NV; v++) {
+            const vf sum = V_ADD(V_ADD(part[0][v], part[1][v]), V_ADD(part[2][v], part[3][v]));
+            acc[v] = V_FMA(sum, V_LOAD(s + v * VL), acc[v]);
+            if (o) acc[v] = V_FMA(V_LOAD(o + v * VL), V_SET1(xsum[g]), acc[v]);
+        }
     }
-    for (int v = 0; v < NV; v++)
-        V_STORE(tile + v * VL, V_ADD(V_ADD(acc[0][v], acc[1][v]), V_ADD(acc[2][v], acc[3][v])));
+    for (int v = 0; v < NV; v++) V_STORE(tile + v * VL, acc[v]);
 }
 
 /* The same tile from a panel already expanded into wt [cols][16] floats. */
@@ -418,14 +457,14 @@ static inline __attribute__((always_inline)) void dense_tile(const float *x, int
         case 9: CALL(9); break; case 10: CALL(10); break; case 11: CALL(11); break; default: CALL(MP); break; \
     }
 
-static void fused_rows(const float *x, int64_t x_stride, const uint8_t *q, const scales_t *sc, int64_t cols,
-                       int64_t group, int bits, int mr, float *tile) {
-    if (mr == 1 && group % 4 == 0) {
+static void fused_rows(const float *x, const float *xsum, int64_t x_stride, const uint8_t *q, const scales_t *sc,
+                       int64_t cols, int64_t group, int bits, int mr, float *tile) {
+    if (mr == 1 && xsum) {
         switch (bits) {
-            case 4: fused_row(x, q, sc, cols, group, 4, tile); return;
-            case 5: fused_row(x, q, sc, cols, group, 5, tile); return;
-            case 6: fused_row(x, q, sc, cols, group, 6, tile); return;
-            default: fused_row(x, q, sc, cols, group, 8, tile); return;
+            case 4: fused_row(x, xsum, q, sc, cols, group, 4, tile); return;
+            case 5: fused_row(x, xsum, q, sc, cols, group, 5, tile); return;
+            case 6: fused_row(x, xsum, q, sc, cols, group, 6, tile); return;
+            default: fused_row(x, xsum, q, sc, cols, group, 8, tile); return;
         }
     }
 #define FUSED(R) (bits == 4   ? fused_tile(x, x_stride, q, sc, cols, group, 4, R, tile) \
@@ -472,6 +511,15 @@ static int matmul(const float *x, int64_t x_stride, const uint8_t *q, const scal
     const int64_t panels = (n_out + PANEL - 1) / PANEL, groups = cols / group;
     const int64_t panel_bytes = cols * PANEL * bits / 8;
     const int fused = rows <= MP;   /* one tile of rows: expand in registers, no buffer */
+    /* One row (decode at batch 1) whose groups are runs of four columns: fused_row, with the
+     * row's sum over each group made here once. */
+    float *xsum = rows == 1 && group % 4 == 0 ? malloc((size_t)groups * sizeof(float)) : NULL;
+    if (xsum)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int64_t k = g * group; k < (g + 1) * group; k++) sum += x[k];
+            xsum[g] = sum;
+        }
     #pragma omp parallel num_threads(num_threads) if (num_threads > 1 && n_out * cols >= PARALLEL_MIN_WEIGHTS)
     {
         float *wt = fused ? NULL : aligned_alloc(64, (size_t)(cols * PANEL) * sizeof(float));
@@ -492,7 +540,7 @@ static int matmul(const float *x, int64_t x_stride, const uint8_t *q, const scal
             if (!fused) expand_panel(qp, &sc, cols, group, bits, wt);
             for (int64_t m0 = 0; m0 < rows; m0 += MP) {
                 const int mr = rows - m0 < MP ? (int)(rows - m0) : MP;
-                if (fused) fused_rows(x + m0 * x_stride, x_stride, qp, &sc, cols, group, bits, mr, tile);
+                if (fused) fused_rows(x + m0 * x_stride, xsum, x_stride, qp, &sc, cols, group, bits, mr, tile);
                 else dense_rows(x + m0 * x_stride, x_stride, wt, cols, mr, tile);
                 for (int i = 0; i < mr; i++) {
                     float *o = out + (m0 + i) * out_stride + n0;
@@ -502,6 +550,7 @@ static int matmul(const float *x, int64_t x_stride, const uint8_t *q, const scal
         }
         free(wt);
     }
+    free(xsum);
     return 0;
 }
 
