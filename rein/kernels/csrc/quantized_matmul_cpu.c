@@ -168,21 +168,20 @@ static inline __attribute__((always_inline)) void group_scales(const scales_t *s
     *o = sc->offset_hi || sc->zero != 0.0f ? obuf : NULL;
 }
 
-/* Column k of a panel as NV vectors of floats: scale * q + offset (s, o: the group's 16 each). */
-static inline __attribute__((always_inline)) void column(const uint8_t *q, int bits, int64_t k, const float *s,
-                                                         const float *o, vf *w) {
+/* The one-row kernel asks for a panel's integers this many columns ahead of their use. */
+#define PREFETCH_COLUMNS 64
+
+/* Column k of a panel's integers as NV vectors of floats, unscaled (bits 4: 0..15; bits 8: int8). */
+static inline __attribute__((always_inline)) void column_ints(const uint8_t *q, int bits, int64_t k, vf *w) {
 #if VL == 16
-    __m128i ints;
     if (bits == 4) {
         const __m128i packed = _mm_loadl_epi64((const __m128i *)(q + k * 8));
         const __m128i mask = _mm_set1_epi8(0x0F);
-        ints = _mm_unpacklo_epi64(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask));
-        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(ints));
+        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+            _mm_unpacklo_epi64(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask))));
     } else {
-        ints = _mm_loadu_si128((const __m128i *)(q + k * 16));
-        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(ints));
+        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k * 16))));
     }
-    w[0] = o ? V_FMA(w[0], V_LOAD(s), V_LOAD(o)) : _mm512_mul_ps(w[0], V_LOAD(s));
 #elif VL == 8
     if (bits == 4) {
         const __m128i packed = _mm_loadl_epi64((const __m128i *)(q + k * 8));
@@ -193,13 +192,21 @@ static inline __attribute__((always_inline)) void column(const uint8_t *q, int b
         w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k * 16))));
         w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k * 16 + 8))));
     }
-    for (int v = 0; v < 2; v++)
-        w[v] = o ? V_FMA(w[v], V_LOAD(s + 8 * v), V_LOAD(o + 8 * v)) : _mm256_mul_ps(w[v], V_LOAD(s + 8 * v));
 #else
-    for (int j = 0; j < PANEL; j++) {
-        const int value = bits == 4 ? (q[k * 8 + j % 8] >> (j < 8 ? 0 : 4)) & 0x0F : ((const int8_t *)q)[k * 16 + j];
-        w[j] = (float)value * s[j] + (o ? o[j] : 0.0f);
-    }
+    for (int j = 0; j < PANEL; j++)
+        w[j] = (float)(bits == 4 ? (q[k * 8 + j % 8] >> (j < 8 ? 0 : 4)) & 0x0F : ((const int8_t *)q)[k * 16 + j]);
+#endif
+}
+
+/* Column k of a panel as NV vectors of floats: scale * q + offset (s, o: the group's 16 each). */
+static inline __attribute__((always_inline)) void column(const uint8_t *q, int bits, int64_t k, const float *s,
+                                                         const float *o, vf *w) {
+    column_ints(q, bits, k, w);
+#if VL >= 8
+    for (int v = 0; v < NV; v++)
+        w[v] = o ? V_FMA(w[v], V_LOAD(s + v * VL), V_LOAD(o + v * VL)) : V_MUL(w[v], V_LOAD(s + v * VL));
+#else
+    for (int j = 0; j < PANEL; j++) w[j] = w[j] * s[j] + (o ? o[j] : 0.0f);
 #endif
 }
 
@@ -333,36 +340,6 @@ static inline __attribute__((always_inline)) void fused_tile(const float *x, int
     }
     for (int i = 0; i < mr; i++)
         for (int v = 0; v < NV; v++) V_STORE(tile + i * PANEL + v * VL, acc[i][v]);
-}
-
-/* The one-row kernel asks for a panel's integers this many columns ahead of their use. */
-#define PREFETCH_COLUMNS 64
-
-/* Column k of a panel's integers as NV vectors of floats, unscaled (bits 4: 0..15; bits 8: int8). */
-static inline __attribute__((always_inline)) void column_ints(const uint8_t *q, int bits, int64_t k, vf *w) {
-#if VL == 16
-    if (bits == 4) {
-        const __m128i packed = _mm_loadl_epi64((const __m128i *)(q + k * 8));
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-            _mm_unpacklo_epi64(_mm_and_si128(packed, mask), _mm_and_si128(_mm_srli_epi16(packed, 4), mask))));
-    } else {
-        w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + k * 16))));
-    }
-#elif VL == 8
-    if (bits == 4) {
-        const __m128i packed = _mm_loadl_epi64((const __m128i *)(q + k * 8));
-        const __m128i mask = _mm_set1_epi8(0x0F);
-        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(packed, mask)));
-        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
-    } else {
-        w[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k * 16))));
-        w[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + k * 16 + 8))));
-    }
-#else
-    for (int j = 0; j < PANEL; j++)
-        w[j] = (float)(bits == 4 ? (q[k * 8 + j % 8] >> (j < 8 ? 0 : 4)) & 0x0F : ((const int8_t *)q)[k * 16 + j]);
-#endif
 }
 
 /* fused_tile for one row (decode at batch 1) whose group is a multiple of 4, with the group's
