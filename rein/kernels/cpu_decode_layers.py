@@ -20,7 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -28,8 +28,10 @@ from rein.core.settings import setting_or_default
 from rein.kernels import cpu_native
 from rein.kernels.quantized import CpuPanels, Int8Panels
 
-if TYPE_CHECKING:
-    from rein.model.attention import AttentionMetadata, LayerCache
+# The model's caches and step metadata (rein.model.attention's LayerCache and AttentionMetadata)
+# are read by their fields only: the kernels do not import the model package above them.
+LayerCache = Any
+AttentionMetadata = Any
 
 i64, p, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
