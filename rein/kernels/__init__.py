@@ -92,9 +92,10 @@ def paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
     if k_scale is None and query.device.type == "cpu":
         from rein.kernels import cpu_native
 
-        out = cpu_native.paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
-                                                 context_lens, scale, window=window)
-        if out is not None:
-            return out
+        if cpu_native.prefill_attention_pays():
+            out = cpu_native.paged_prefill_attention(query, k_cache, v_cache, block_tables, cu_seqlens_q,
+                                                     context_lens, scale, window=window)
+            if out is not None:
+                return out
     return reference.paged_prefill_attention(query, k_cache, v_cache, block_tables,
                                              cu_seqlens_q, context_lens, scale, k_scale, v_scale, window)

@@ -48,6 +48,7 @@ HEAD_LAYOUTS = [
     (4, 4, 32, 4),      # no grouping, tiny blocks
     (14, 2, 64, 16),    # Qwen2.5-0.5B's group of 7
     (8, 1, 128, 8),     # one kv head, wide heads
+    (4, 2, 16, 12),     # the tiny test model's heads; a block size no power of two
 ]
 
 
