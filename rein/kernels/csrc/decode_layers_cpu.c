@@ -20,6 +20,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fast_exp.h"
+
 /* The kernels this file strings together (their sources say what each computes). */
 int quantized_matmul_f32(const float *x, int64_t x_stride, const uint8_t *q, const float *scale,
                          const float *offset, const float *bias, float *out, int64_t out_stride, int64_t rows,
@@ -102,15 +104,19 @@ static int project(const decode_weight_t *w, const float *x, float *out, int64_t
 }
 
 /* gate_up [rows, 2 * inter] -> out [rows, inter] = gelu_tanh(gate) * up, as torch's
- * gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))). */
+ * gelu(approximate="tanh"): 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), with
+ * 1 + tanh(a) = 2 - 2 / (1 + e^(2a)) through fast_exp.h, which vectorizes (libm's tanhf
+ * did not: about 1.4% of a Gemma 3 decode step at batch 1 on an AVX2 machine). */
 static void gelu_tanh_and_mul(const float *gate_up, float *out, int64_t rows, int64_t inter) {
     const float k0 = 0.7978845608028654f, k1 = 0.044715f;
     for (int64_t r = 0; r < rows; r++) {
         const float *g = gate_up + r * 2 * inter, *u = g + inter;
         float *o = out + r * inter;
+        #pragma omp simd
         for (int64_t i = 0; i < inter; i++) {
             const float x = g[i];
-            o[i] = 0.5f * x * (1.0f + tanhf(k0 * (x + k1 * x * x * x))) * u[i];
+            const float one_plus_tanh = 2.0f - 2.0f / (1.0f + fast_expf(2.0f * k0 * (x + k1 * x * x * x)));
+            o[i] = 0.5f * x * one_plus_tanh * u[i];
         }
     }
 }
