@@ -8,7 +8,8 @@ requests with OpenMP (the libgomp that torch has already loaded). `csrc/elementw
 does a layer's element-wise work (RMSNorm with the residual add, SiLU-and-multiply, rotary in
 place) in one pass each, where torch makes several (vLLM's CPU build has the same fused ops).
 `csrc/prefill_attention_cpu.c` is flash attention for prefill chunks with its block products
-in registers, where torch's CPU flash kernel goes through the BLAS sgemm. `csrc/lora_cpu.c`
+in registers, where torch's CPU flash kernel goes through the BLAS sgemm (the engine takes it
+on a CPU with AVX-512 only: `prefill_attention_pays`). `csrc/lora_cpu.c`
 adds a step's LoRA adapter products to a projection's output in one call, each adapter's
 weights read once for its tokens, where torch runs four small ops per adapter.
 
@@ -55,6 +56,9 @@ HEADERS = (CSRC / "fast_exp.h", CSRC / "kv_types.h")
 # The target CPU: this one. The sources pick AVX-512, AVX2+FMA or plain loops by what it has
 # (instruction_set.c); the tests also build for the x86-64 baseline to run the plain loops.
 MARCH = "native"
+# -fno-trapping-math: nothing here reads floating-point exception flags, and without it gcc 12
+# keeps every fast_expf loop scalar (its input clamps stay branches): on an AVX2 machine a
+# layer's element-wise work took 1.8x, and decode attention 1.25x, the time (docs/benchmarks.md).
 FLAGS = ("-O3", "-fno-trapping-math", "-fopenmp", "-fPIC", "-shared")
 INSTRUCTION_SETS = {2: "avx512f+avx2+fma", 1: "avx2+fma", 0: "portable C"}
 

@@ -184,7 +184,7 @@ def test_prefill_dispatch_and_what_it_declines(monkeypatch):
     monkeypatch.setattr(cpu_native, "paged_prefill_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     torch.testing.assert_close(kernels.paged_prefill_attention(*args, 0.1),
                                reference.paged_prefill_attention(*args, 0.1), atol=2e-5, rtol=1e-5)
-    assert calls
+    assert bool(calls) == cpu_native.prefill_attention_pays()   # torch's kernel without AVX-512
     query, k, v, tables, cu, lens = make_prefill_case([10], [10], 4, 2, 24, 16)   # head_dim off the panel width
     assert real(query, k, v, tables, cu, lens, 0.1) is None
     assert real(query.bfloat16(), k.bfloat16(), v.bfloat16(), tables, cu, lens, 0.1) is None
