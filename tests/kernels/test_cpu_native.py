@@ -158,7 +158,11 @@ def test_prefill_matches_reference(num_heads, num_kv_heads, head_dim, block_size
     contexts = [1, 5, 60, 13, 300, 33]
     args = make_prefill_case(chunks, contexts, num_heads, num_kv_heads, head_dim, block_size)
     got = cpu_native.paged_prefill_attention(*args, 0.125)
-    assert got is not None, "the native kernel did not build or load"
+    lib = cpu_native.library()
+    assert lib is not None, "the native kernel did not build or load"
+    if head_dim % lib.prefill_attention_f32_nr():   # 16-float heads under AVX-512's 32-key panels
+        assert got is None, "the kernel declines a head_dim off its panel width (torch's kernel runs)"
+        return
     want = reference.paged_prefill_attention(*args, 0.125)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
 

@@ -82,40 +82,58 @@ static inline __m256 sum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3,
 
 /* Scores of 8 tokens at a time: each query head's dot products with 8 K rows accumulate in 8
  * vectors, reduced together (9 instructions for 8 dots, where one dot's own reduction costs
- * about 5). Returns how many tokens it did (a multiple of 8); the caller does the rest. */
-SPECIALIZED int64_t scores_avx2(const float *q, const char *k_cache, const int32_t *table, int64_t block_size,
-                                int64_t row, int64_t len, int64_t num_heads, int64_t group, int64_t head_dim,
-                                float scale, float *s, int type) {
+ * about 5). The last group of a context that is no multiple of 8 repeats its last row in the
+ * missing ones and keeps only its own scores: a scalar loop over those few tokens cost about as
+ * much as the rest of a short context (perf, the tiny test model at batch 256). */
+SPECIALIZED void scores8_avx2(const float *q, const char *const kr[8], int64_t num_heads, int64_t group,
+                              int64_t head_dim, __m256 vscale, float *s, int64_t stride, int64_t n, int type) {
+    for (int64_t hq = 0; hq < num_heads; hq++) {
+        const float *qh = q + hq * head_dim;
+        const int64_t off = (hq / group) * head_dim;
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+        for (int64_t d = 0; d < head_dim; d += 8) {
+            const __m256 qv = _mm256_loadu_ps(qh + d);
+            a0 = _mm256_fmadd_ps(qv, kv_load8(kr[0], off + d, type), a0);
+            a1 = _mm256_fmadd_ps(qv, kv_load8(kr[1], off + d, type), a1);
+            a2 = _mm256_fmadd_ps(qv, kv_load8(kr[2], off + d, type), a2);
+            a3 = _mm256_fmadd_ps(qv, kv_load8(kr[3], off + d, type), a3);
+            a4 = _mm256_fmadd_ps(qv, kv_load8(kr[4], off + d, type), a4);
+            a5 = _mm256_fmadd_ps(qv, kv_load8(kr[5], off + d, type), a5);
+            a6 = _mm256_fmadd_ps(qv, kv_load8(kr[6], off + d, type), a6);
+            a7 = _mm256_fmadd_ps(qv, kv_load8(kr[7], off + d, type), a7);
+        }
+        const __m256 dots = _mm256_mul_ps(sum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale);
+        if (n == 8) {
+            _mm256_storeu_ps(s + hq * stride, dots);
+        } else {   /* the head's row of scores ends after n: the next head's follows */
+            float tail[8];
+            _mm256_storeu_ps(tail, dots);
+            memcpy(s + hq * stride, tail, n * sizeof(float));
+        }
+    }
+}
+
+SPECIALIZED void scores_avx2(const float *q, const char *k_cache, const int32_t *table, int64_t block_size,
+                             int64_t row, int64_t len, int64_t num_heads, int64_t group, int64_t head_dim,
+                             float scale, float *s, int type) {
     const int64_t row_bytes = row * kv_size(type);
     const __m256 vscale = _mm256_set1_ps(scale);
     slot_cursor at = cursor_at(table, block_size, 0), ahead = cursor_at(table, block_size, PREFETCH_TOKENS);
+    const char *kr[8];
     int64_t t = 0;
     for (; t + 8 <= len; t += 8) {
-        const char *kr[8];
         for (int j = 0; j < 8; j++) kr[j] = k_cache + cursor_next(&at) * row_bytes;
         if (t + PREFETCH_TOKENS + 8 <= len)
             for (int j = 0; j < 8; j++) prefetch_row(k_cache + cursor_next(&ahead) * row_bytes, row_bytes);
         else
             cursor_skip(&ahead, 8);
-        for (int64_t hq = 0; hq < num_heads; hq++) {
-            const float *qh = q + hq * head_dim;
-            const int64_t off = (hq / group) * head_dim;
-            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-            for (int64_t d = 0; d < head_dim; d += 8) {
-                const __m256 qv = _mm256_loadu_ps(qh + d);
-                a0 = _mm256_fmadd_ps(qv, kv_load8(kr[0], off + d, type), a0);
-                a1 = _mm256_fmadd_ps(qv, kv_load8(kr[1], off + d, type), a1);
-                a2 = _mm256_fmadd_ps(qv, kv_load8(kr[2], off + d, type), a2);
-                a3 = _mm256_fmadd_ps(qv, kv_load8(kr[3], off + d, type), a3);
-                a4 = _mm256_fmadd_ps(qv, kv_load8(kr[4], off + d, type), a4);
-                a5 = _mm256_fmadd_ps(qv, kv_load8(kr[5], off + d, type), a5);
-                a6 = _mm256_fmadd_ps(qv, kv_load8(kr[6], off + d, type), a6);
-                a7 = _mm256_fmadd_ps(qv, kv_load8(kr[7], off + d, type), a7);
-            }
-            _mm256_storeu_ps(s + hq * len + t, _mm256_mul_ps(sum8(a0, a1, a2, a3, a4, a5, a6, a7), vscale));
-        }
+        scores8_avx2(q, kr, num_heads, group, head_dim, vscale, s + t, len, 8, type);
     }
-    return t;
+    if (t < len) {
+        const int64_t n = len - t;
+        for (int j = 0; j < 8; j++) kr[j] = j < n ? k_cache + cursor_next(&at) * row_bytes : kr[n - 1];
+        scores8_avx2(q, kr, num_heads, group, head_dim, vscale, s + t, len, n, type);
+    }
 }
 
 /* out_hq = sum_t p_hq[t] v_t / sum_hq for head_dim a multiple of 64: one query head and 64
@@ -174,19 +192,25 @@ SPECIALIZED void values_avx2_narrow(const char *v_cache, const int32_t *table, i
         const int64_t n = total - c0 < 64 ? (total - c0) / 8 : 8;
         const float *p[8];
         int64_t col[8];
-        for (int64_t i = 0; i < 8; i++) {   /* vectors past n repeat the last one, unused */
+        /* vectors past n repeat the last one: summed like the others (no branch per vector and
+         * token), never stored */
+        for (int64_t i = 0; i < 8; i++) {
             const int64_t c = c0 + 8 * (i < n ? i : n - 1), hq = c / head_dim;
             p[i] = s + hq * len;
             col[i] = (hq / group) * head_dim + c % head_dim;
         }
         __m256 a[8];
         for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-        slot_cursor at = cursor_at(table, block_size, 0);
+        slot_cursor at = cursor_at(table, block_size, 0), ahead = cursor_at(table, block_size, PREFETCH_V_TOKENS);
         for (int64_t t = 0; t < len; t++) {
             const char *v = v_cache + cursor_next(&at) * row * esize;
+            /* the first pass over the row brings V rows in ahead of use (without it, perf put
+             * half the kernel's samples on the first load of each V row's cache lines) */
+            if (c0 == 0 && t + PREFETCH_V_TOKENS < len)
+                prefetch_row(v_cache + cursor_next(&ahead) * row * esize, row * esize);
             #pragma GCC unroll 8
             for (int i = 0; i < 8; i++)
-                if (i < n) a[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i][t]), kv_load8(v, col[i], type), a[i]);
+                a[i] = _mm256_fmadd_ps(_mm256_set1_ps(p[i][t]), kv_load8(v, col[i], type), a[i]);
         }
         for (int64_t i = 0; i < n; i++) {
             const int64_t c = c0 + 8 * i;
@@ -206,8 +230,10 @@ SPECIALIZED void decode_request(const float *q, const char *k_cache, const char 
     /* scores s[hq * len + t] = scale * q_hq . k_t[kv head of hq] */
     int64_t t = 0;
 #if DECODE_AVX2
-    if (head_dim % 8 == 0)
-        t = scores_avx2(q, k_cache, table, block_size, row, len, num_heads, group, head_dim, scale, s, type);
+    if (head_dim % 8 == 0) {
+        scores_avx2(q, k_cache, table, block_size, row, len, num_heads, group, head_dim, scale, s, type);
+        t = len;
+    }
 #endif
     for (slot_cursor at = cursor_at(table, block_size, t); t < len; t++) {
         const char *k = k_cache + cursor_next(&at) * row_bytes;
@@ -264,6 +290,24 @@ SPECIALIZED void decode_request(const float *q, const char *k_cache, const char 
         for (int64_t d = 0; d < head_dim; d++) o[hq * head_dim + d] *= inv_sum[hq];
 }
 
+/* A request's part of the cache: its block table from the block holding the first token it
+ * sees, `len` tokens counted from that block, the first `skip` of them before a sliding window
+ * (window > 0; they are scored, whole-block loops staying as they are, but get probability 0). */
+typedef struct {
+    const int32_t *table;
+    int64_t len, skip;
+} request_span;
+
+static inline request_span request_at(const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
+                                      int64_t block_size, int64_t window, int64_t b) {
+    const int64_t full_len = context_lens[b];
+    const int64_t window_start = window > 0 && full_len > window ? full_len - window : 0;
+    const int64_t first_block = window_start / block_size;
+    request_span span = {block_tables + b * bt_stride + first_block, full_len - first_block * block_size,
+                         window_start - first_block * block_size};
+    return span;
+}
+
 /* query [B, Hq, D] float32; k_cache, v_cache [num_blocks, block_size, Hkv, D] of kv_type (enum
  * kv_type); block_tables [B, bt_stride] (int32); context_lens [B] (int32, >= 1); out [B, Hq, D]
  * float32. scratch holds num_threads * Hq * max_len floats. window > 0: the query (position
@@ -289,15 +333,9 @@ int paged_decode_attention_f32(
 
     #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
     for (int64_t b = 0; b < batch; b++) {
-        /* A window starts the request at the block holding its first visible token: `len` and
-         * `table` then count from that block, and the `skip` tokens of it before the window
-         * are scored (whole-block loops stay as they are) but get probability 0. */
-        const int64_t full_len = context_lens[b];
-        const int64_t window_start = window > 0 && full_len > window ? full_len - window : 0;
-        const int64_t first_block = window_start / block_size;
-        const int64_t len = full_len - first_block * block_size;
-        const int64_t skip = window_start - first_block * block_size;
-        const int32_t *table = block_tables + b * bt_stride + first_block;
+        const request_span span = request_at(block_tables, bt_stride, context_lens, block_size, window, b);
+        const int64_t len = span.len, skip = span.skip;
+        const int32_t *table = span.table;
         const float *q = query + b * num_heads * head_dim;
         float *o = out + b * num_heads * head_dim;
         float *s = scratch + (int64_t)omp_get_thread_num() * num_heads * max_len;
