@@ -51,6 +51,18 @@ static inline __m256 kv_load8(const void *base, int64_t i, int type) {
 }
 #endif
 
+#if defined(__AVX512F__)
+/* Elements i .. i+15 as float32. */
+static inline __m512 kv_load16(const void *base, int64_t i, int type) {
+    if (type == KV_F32)
+        return _mm512_loadu_ps((const float *)base + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    if (type == KV_F16)
+        return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
 /* dst[0..n) = elements 0..n) of src as float32. */
 static inline void kv_to_f32(const void *src, int type, float *dst, int64_t n) {
     int64_t i = 0;
@@ -59,12 +71,7 @@ static inline void kv_to_f32(const void *src, int type, float *dst, int64_t n) {
         return;
     }
 #if defined(__AVX512F__)
-    for (; i + 16 <= n; i += 16) {
-        const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)src + i));
-        const __m512 f = type == KV_F16 ? _mm512_cvtph_ps(h)
-                                        : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-        _mm512_storeu_ps(dst + i, f);
-    }
+    for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, kv_load16(src, i, type));
 #elif defined(__AVX2__) && defined(__F16C__)
     for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, kv_load8(src, i, type));
 #endif

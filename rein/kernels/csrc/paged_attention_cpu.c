@@ -220,6 +220,56 @@ SPECIALIZED void values_avx2_narrow(const char *v_cache, const int32_t *table, i
 }
 #endif
 
+#if defined(__AVX512F__)
+#define DECODE_AVX512 1
+
+/* One pass of values_avx512_narrow: a[i] = sum_t p[i][t] * V_t[col[i] .. col[i] + 16), for
+ * i < nv (4 or 8, a constant once inlined: no loop or branch per vector and token). */
+SPECIALIZED void values_pass_avx512(const char *v_cache, const int32_t *table, int64_t block_size,
+                                    int64_t row_bytes, int64_t len, const float *const p[8], const int64_t col[8],
+                                    __m512 a[8], int nv, int prefetch, int type) {
+    for (int i = 0; i < nv; i++) a[i] = _mm512_setzero_ps();
+    slot_cursor at = cursor_at(table, block_size, 0), ahead = cursor_at(table, block_size, PREFETCH_V_TOKENS);
+    for (int64_t t = 0; t < len; t++) {
+        const char *v = v_cache + cursor_next(&at) * row_bytes;
+        if (prefetch && t + PREFETCH_V_TOKENS < len)
+            prefetch_row(v_cache + cursor_next(&ahead) * row_bytes, row_bytes);
+        #pragma GCC unroll 8
+        for (int i = 0; i < nv; i++)
+            a[i] = _mm512_fmadd_ps(_mm512_set1_ps(p[i][t]), kv_load16(v, col[i], type), a[i]);
+    }
+}
+
+/* values_avx2_narrow with 16-float vectors, for head_dim a multiple of 16 but not of 64 (16,
+ * 32, 48, 80, 96, ...): half the broadcasts, loads and FMA instructions a token. 128 output
+ * floats a pass, or 64 where no more are left (the tiny test model's 4 heads of 16: one pass
+ * of 4 vectors). */
+SPECIALIZED void values_avx512_narrow(const char *v_cache, const int32_t *table, int64_t block_size, int64_t row,
+                                      int64_t len, int64_t num_heads, int64_t group, int64_t head_dim,
+                                      const float *s, const float *inv_sum, float *o, int type) {
+    const int64_t row_bytes = row * kv_size(type), total = num_heads * head_dim;
+    for (int64_t c0 = 0; c0 < total; c0 += 128) {
+        const int64_t n = total - c0 < 128 ? (total - c0) / 16 : 8;
+        const float *p[8];
+        int64_t col[8];
+        for (int64_t i = 0; i < 8; i++) {   /* past n: the last one again (summed, not stored) */
+            const int64_t c = c0 + 16 * (i < n ? i : n - 1), hq = c / head_dim;
+            p[i] = s + hq * len;
+            col[i] = (hq / group) * head_dim + c % head_dim;
+        }
+        __m512 a[8];
+        if (n <= 4)
+            values_pass_avx512(v_cache, table, block_size, row_bytes, len, p, col, a, 4, c0 == 0, type);
+        else
+            values_pass_avx512(v_cache, table, block_size, row_bytes, len, p, col, a, 8, c0 == 0, type);
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t c = c0 + 16 * i;
+            _mm512_storeu_ps(o + c, _mm512_mul_ps(a[i], _mm512_set1_ps(inv_sum[c / head_dim])));
+        }
+    }
+}
+#endif
+
 /* One request's attention: its query q [Hq, D] against its `len` cached tokens (table, from the
  * window's first block; the first `skip` of them before the window) into o [Hq, D], with scores
  * in s (Hq * len floats). */
@@ -269,6 +319,12 @@ SPECIALIZED void decode_request(const float *q, const char *k_cache, const char 
         values_avx2(v_cache, table, block_size, row, len, num_heads, group, head_dim, s, inv_sum, o, type);
         return;
     }
+#if DECODE_AVX512
+    if (head_dim % 16 == 0) {
+        values_avx512_narrow(v_cache, table, block_size, row, len, num_heads, group, head_dim, s, inv_sum, o, type);
+        return;
+    }
+#endif
     if (head_dim % 8 == 0) {
         values_avx2_narrow(v_cache, table, block_size, row, len, num_heads, group, head_dim, s, inv_sum, o, type);
         return;
