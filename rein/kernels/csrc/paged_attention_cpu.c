@@ -9,7 +9,8 @@
  *
  * With AVX2, FMA and F16C (x86-64 since 2013) the two passes use intrinsics: scores 8 tokens at a
  * time with one combined reduction, and the value sums held in registers per query head
- * (head_dim a multiple of 8, resp. 64); otherwise the plain loops, vectorized by the compiler.
+ * (head_dim a multiple of 8, resp. 64), in 16-float vectors under AVX-512 for narrow heads
+ * (head_dim a multiple of 16, not of 64); otherwise the plain loops, vectorized by the compiler.
  * A sliding window starts a request's loops at the block holding its window's first token.
  * Measured by bench/cpu_kernels.py: a 16-bit cache took 0.57-0.65x the float32 cache's time
  * (K and V streamed from memory, half the bytes).
@@ -113,6 +114,7 @@ SPECIALIZED void scores8_avx2(const float *q, const char *const kr[8], int64_t n
     }
 }
 
+/* All `len` scores of a request, 8 tokens at a time, K rows prefetched PREFETCH_TOKENS ahead. */
 SPECIALIZED void scores_avx2(const float *q, const char *k_cache, const int32_t *table, int64_t block_size,
                              int64_t row, int64_t len, int64_t num_heads, int64_t group, int64_t head_dim,
                              float scale, float *s, int type) {
