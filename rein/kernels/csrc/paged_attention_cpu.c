@@ -207,7 +207,7 @@ SPECIALIZED void values_avx2_narrow(const char *v_cache, const int32_t *table, i
         for (int64_t t = 0; t < len; t++) {
             const char *v = v_cache + cursor_next(&at) * row * esize;
             /* the first pass over the row brings V rows in ahead of use (without it, perf put
-             * half the kernel's samples on the first load of each V row's cache lines) */
+             * about a third of the kernel's samples on the first loads of V rows' cache lines) */
             if (c0 == 0 && t + PREFETCH_V_TOKENS < len)
                 prefetch_row(v_cache + cursor_next(&ahead) * row * esize, row * esize);
             #pragma GCC unroll 8
