@@ -348,24 +348,6 @@ SPECIALIZED void decode_request(const float *q, const char *k_cache, const char 
         for (int64_t d = 0; d < head_dim; d++) o[hq * head_dim + d] *= inv_sum[hq];
 }
 
-/* A request's part of the cache: its block table from the block holding the first token it
- * sees, `len` tokens counted from that block, the first `skip` of them before a sliding window
- * (window > 0; they are scored, whole-block loops staying as they are, but get probability 0). */
-typedef struct {
-    const int32_t *table;
-    int64_t len, skip;
-} request_span;
-
-static inline request_span request_at(const int32_t *block_tables, int64_t bt_stride, const int32_t *context_lens,
-                                      int64_t block_size, int64_t window, int64_t b) {
-    const int64_t full_len = context_lens[b];
-    const int64_t window_start = window > 0 && full_len > window ? full_len - window : 0;
-    const int64_t first_block = window_start / block_size;
-    request_span span = {block_tables + b * bt_stride + first_block, full_len - first_block * block_size,
-                         window_start - first_block * block_size};
-    return span;
-}
-
 /* query [B, Hq, D] float32; k_cache, v_cache [num_blocks, block_size, Hkv, D] of kv_type (enum
  * kv_type); block_tables [B, bt_stride] (int32); context_lens [B] (int32, >= 1); out [B, Hq, D]
  * float32. scratch holds num_threads * Hq * max_len floats. window > 0: the query (position
@@ -391,9 +373,15 @@ int paged_decode_attention_f32(
 
     #pragma omp parallel for num_threads(num_threads) schedule(dynamic, 1) if (num_threads > 1)
     for (int64_t b = 0; b < batch; b++) {
-        const request_span span = request_at(block_tables, bt_stride, context_lens, block_size, window, b);
-        const int64_t len = span.len, skip = span.skip;
-        const int32_t *table = span.table;
+        /* A window starts the request at the block holding its first visible token: `len` and
+         * `table` then count from that block, and the `skip` tokens of it before the window
+         * are scored (whole-block loops stay as they are) but get probability 0. */
+        const int64_t full_len = context_lens[b];
+        const int64_t window_start = window > 0 && full_len > window ? full_len - window : 0;
+        const int64_t first_block = window_start / block_size;
+        const int64_t len = full_len - first_block * block_size;
+        const int64_t skip = window_start - first_block * block_size;
+        const int32_t *table = block_tables + b * bt_stride + first_block;
         const float *q = query + b * num_heads * head_dim;
         float *o = out + b * num_heads * head_dim;
         float *s = scratch + (int64_t)omp_get_thread_num() * num_heads * max_len;
